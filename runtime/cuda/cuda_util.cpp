@@ -1,0 +1,26 @@
+#include <string>
+
+#include "../backends.hpp"
+#include "cuda_check.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+namespace runtime::detail {
+
+void throw_cuda_error(cudaError_t err, const char *expr, const char *file, int line) {
+  throw DeviceError(std::string(expr) + " failed with " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
+                    ") at " + file + ":" + std::to_string(line));
+}
+
+int cuda_num_devices() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError(); // clear the sticky "no device" error
+    return 0;
+  }
+  return n;
+}
+
+} // namespace runtime::detail
+} // namespace v0
+} // namespace foremoe

@@ -1,0 +1,192 @@
+// `foremoe`: entry point, command dispatch and the option parser.
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <exception>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include "command.hpp"
+#include "foremoe/core/error.hpp"
+#include "foremoe/version.hpp"
+
+namespace foremoe::cli {
+
+std::vector<Command> &command_table() {
+  static std::vector<Command> table;
+  return table;
+}
+
+bool register_command(Command c) {
+  command_table().push_back(std::move(c));
+  return true;
+}
+
+Args::Args(std::vector<OptionSpec> specs, std::vector<std::string> argv, int max_positional)
+    : specs_(std::move(specs)) {
+  bool options_done = false;
+  for (std::size_t i = 0; i < argv.size(); ++i) {
+    const std::string &a = argv[i];
+    if (!options_done && a == "--") {
+      options_done = true;
+      continue;
+    }
+    if (!options_done && a.size() > 2 && a.starts_with("--")) {
+      std::string name = a.substr(2), value;
+      bool has_inline = false;
+      if (auto eq = name.find('='); eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name.resize(eq);
+        has_inline = true;
+      }
+      const OptionSpec &s = spec(name);
+      if (s.value.empty()) {
+        if (has_inline) throw UsageError{"option --" + name + " takes no value"};
+        value = "1";
+      } else if (!has_inline) {
+        if (i + 1 >= argv.size()) throw UsageError{"option --" + name + " needs a value " + s.value};
+        value = argv[++i];
+      }
+      if (values_.count(name) != 0) throw UsageError{"option --" + name + " given twice"};
+      values_[name] = value;
+      continue;
+    }
+    if (!options_done && a.size() > 1 && a[0] == '-' && !(a[1] >= '0' && a[1] <= '9'))
+      throw UsageError{"unknown option '" + a + "'"};
+    positional_.push_back(a);
+  }
+  if (static_cast<int>(positional_.size()) > max_positional)
+    throw UsageError{"unexpected argument '" + positional_[max_positional] + "'"};
+}
+
+const OptionSpec &Args::spec(std::string_view name) const {
+  for (const auto &s : specs_)
+    if (s.name == name) return s;
+  throw UsageError{"unknown option '--" + std::string(name) + "'"};
+}
+
+bool Args::flag(std::string_view name) const {
+  (void)spec(name);
+  return values_.count(std::string(name)) != 0;
+}
+bool Args::has(std::string_view name) const { return flag(name); }
+
+std::string Args::str(std::string_view name) const {
+  const OptionSpec &s = spec(name);
+  if (auto it = values_.find(name); it != values_.end()) return it->second;
+  return s.fallback;
+}
+
+std::int64_t Args::integer(std::string_view name, std::int64_t lo, std::int64_t hi) const {
+  const std::string v = str(name);
+  std::int64_t x = 0;
+  const auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  if (v.empty() || ec != std::errc() || p != v.data() + v.size())
+    throw UsageError{"--" + std::string(name) + " expects an integer, got '" + v + "'"};
+  if (x < lo || x > hi)
+    throw UsageError{"--" + std::string(name) + " must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                     "], got " + v};
+  return x;
+}
+
+double Args::real(std::string_view name, double lo, double hi) const {
+  const std::string v = str(name);
+  double x = 0;
+  const auto [p, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+  if (v.empty() || ec != std::errc() || p != v.data() + v.size() || !std::isfinite(x))
+    throw UsageError{"--" + std::string(name) + " expects a number, got '" + v + "'"};
+  if (x < lo || x > hi) {
+    std::ostringstream os;
+    os << "--" << name << " must be in [" << lo << ", " << hi << "], got " << v;
+    throw UsageError{os.str()};
+  }
+  return x;
+}
+
+void print_command_help(std::ostream &os, const Command &c) {
+  std::string words;
+  for (const auto &w : c.words) words += " " + w;
+  os << "usage: foremoe" << words << (c.options.empty() ? "" : " [options]") << (c.usage.empty() ? "" : " ")
+     << c.usage << "\n\n"
+     << c.summary << "\n";
+  if (!c.description.empty()) os << "\n" << c.description << "\n";
+  if (!c.options.empty()) {
+    os << "\noptions:\n";
+    for (const auto &o : c.options) {
+      std::string left = "  --" + o.name + (o.value.empty() ? "" : " " + o.value);
+      os << std::left << std::setw(30) << left << " " << o.help;
+      if (!o.fallback.empty()) os << " (default: " << o.fallback << ")";
+      os << "\n";
+    }
+  }
+  os << "  --help                         show this help\n";
+}
+
+namespace {
+
+void print_overview(std::ostream &os) {
+  os << "foremoe " << version_string << ": per-micro-step MoE expert load balancing for RL post-training\n\n"
+     << "usage: foremoe <command> [options]\n\ncommands:\n";
+  auto table = command_table();
+  std::sort(table.begin(), table.end(), [](const Command &a, const Command &b) { return a.words < b.words; });
+  for (const auto &c : table) {
+    std::string words;
+    for (const auto &w : c.words) words += (words.empty() ? "" : " ") + w;
+    os << "  " << std::left << std::setw(16) << words << " " << c.summary << "\n";
+  }
+  os << "\nRun 'foremoe <command> --help' for a command's options.\n";
+}
+
+} // namespace
+} // namespace foremoe::cli
+
+int main(int argc, char **argv) {
+  using namespace foremoe::cli;
+  std::vector<std::string> args(argv + 1, argv + argc);
+  if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+    print_overview(std::cout);
+    return args.empty() ? 2 : 0;
+  }
+  if (args[0] == "--version") {
+    std::cout << "foremoe " << foremoe::version_string << "\n";
+    return 0;
+  }
+  // The longest run of leading words that names a command wins.
+  const Command *best = nullptr;
+  std::size_t best_len = 0;
+  for (const auto &c : command_table()) {
+    if (c.words.size() > args.size() || c.words.size() <= best_len) continue;
+    if (std::equal(c.words.begin(), c.words.end(), args.begin())) {
+      best = &c;
+      best_len = c.words.size();
+    }
+  }
+  if (best == nullptr) {
+    std::cerr << "foremoe: unknown command '" << args[0] << (args.size() > 1 ? " " + args[1] : "") << "'\n\n";
+    print_overview(std::cerr);
+    return 2;
+  }
+  std::vector<std::string> rest(args.begin() + static_cast<std::ptrdiff_t>(best_len), args.end());
+  if (std::find(rest.begin(), rest.end(), "--help") != rest.end() ||
+      std::find(rest.begin(), rest.end(), "-h") != rest.end()) {
+    print_command_help(std::cout, *best);
+    return 0;
+  }
+  std::string words;
+  for (const auto &w : best->words) words += " " + w;
+  try {
+    const Args parsed(best->options, rest, best->max_positional);
+    return best->run(parsed, std::cout, std::cerr);
+  } catch (const UsageError &e) {
+    std::cerr << "foremoe" << words << ": " << e.message << "\n(run 'foremoe" << words << " --help' for usage)\n";
+    return 2;
+  } catch (const foremoe::Error &e) {
+    std::cerr << "foremoe" << words << ": error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::exception &e) {
+    std::cerr << "foremoe" << words << ": unexpected error: " << e.what() << "\n";
+    return 1;
+  }
+}
