@@ -126,19 +126,22 @@ struct NpySize {
 
 /// Sizes `shape` of `dtype`, throwing on negative dims or when the bytes of the nonzero dims overflow int64.
 /// Zero dims are skipped for the overflow test (NumPy's rule), which also keeps every stride representable.
-[[nodiscard]] inline NpySize npy_size(std::span<const std::int64_t> shape, const NpyDtype &dtype) {
-  require(dtype.valid(), "NPY: unsupported dtype kind ", static_cast<int>(dtype.kind), " with item_bytes ",
+/// `prefix` starts every message (e.g. "NpyArray: ").
+[[nodiscard]] inline NpySize npy_size(std::span<const std::int64_t> shape, const NpyDtype &dtype,
+                                      std::string_view prefix = {}) {
+  require(dtype.valid(), prefix, "unsupported dtype kind ", static_cast<int>(dtype.kind), " with item_bytes ",
           dtype.item_bytes);
   std::int64_t nonzero_bytes = dtype.item_bytes;
   bool has_zero = false;
   for (const std::int64_t dim : shape) {
-    require(dim >= 0, "NPY: negative dimension ", dim, " in shape ", npy_shape_str(shape));
+    require(dim >= 0, prefix, "negative dimension ", dim, " in shape ", npy_shape_str(shape));
     if (dim == 0) {
       has_zero = true;
       continue;
     }
     if (__builtin_mul_overflow(nonzero_bytes, dim, &nonzero_bytes))
-      fail("NPY: shape ", npy_shape_str(shape), " of ", dtype.descr(), " overflows: its size in bytes exceeds int64");
+      fail(prefix, "shape ", npy_shape_str(shape), " of ", dtype.descr(),
+           " overflows: its size in bytes exceeds int64");
   }
   if (has_zero) return {};
   return {nonzero_bytes / dtype.item_bytes, nonzero_bytes};
@@ -170,7 +173,7 @@ template <class F> decltype(auto) npy_visit(const NpyDtype &dtype, F &&f) {
     if (dtype.item_bytes == 8) return f(double{});
     break;
   }
-  fail("NPY: unsupported dtype kind ", static_cast<int>(dtype.kind), " with item_bytes ", dtype.item_bytes);
+  fail("unsupported dtype kind ", static_cast<int>(dtype.kind), " with item_bytes ", dtype.item_bytes);
 }
 
 /// Reverses the bytes of each `item_bytes`-wide item in place.
@@ -191,10 +194,9 @@ inline void npy_byteswap(std::byte *data, std::size_t num_bytes, int item_bytes)
 }
 
 inline void npy_check_limits(const NpyReadLimits &limits) {
-  require(limits.max_bytes >= 0, "NPY: NpyReadLimits::max_bytes must be >= 0, got ", limits.max_bytes);
-  require(limits.max_dims >= 0, "NPY: NpyReadLimits::max_dims must be >= 0, got ", limits.max_dims);
-  require(limits.max_header_bytes >= 0, "NPY: NpyReadLimits::max_header_bytes must be >= 0, got ",
-          limits.max_header_bytes);
+  require(limits.max_bytes >= 0, "NpyReadLimits::max_bytes must be >= 0, got ", limits.max_bytes);
+  require(limits.max_dims >= 0, "NpyReadLimits::max_dims must be >= 0, got ", limits.max_dims);
+  require(limits.max_header_bytes >= 0, "NpyReadLimits::max_header_bytes must be >= 0, got ", limits.max_header_bytes);
 }
 
 /// What the fixed-size start of a file says.
@@ -210,27 +212,27 @@ struct NpyPreamble {
   const auto byte_at = [&](std::size_t i) { return static_cast<unsigned>(head[i]); };
   const std::string_view head_text{reinterpret_cast<const char *>(head.data()), head.size()};
   for (std::size_t i = 0; i < std::min<std::size_t>(head.size(), 6); ++i)
-    require(byte_at(i) == npy_magic[i], "NPY: bad magic: expected \\x93NUMPY, got '",
-            npy_escape(head_text.substr(0, 6)), "'");
-  require(file_bytes >= 10, "NPY: truncated: ", file_bytes, " bytes is shorter than the 10-byte NPY preamble");
+    require(byte_at(i) == npy_magic[i], "bad magic: expected \\x93NUMPY, got '", npy_escape(head_text.substr(0, 6)),
+            "'");
+  require(file_bytes >= 10, "truncated: ", file_bytes, " bytes is shorter than the 10-byte NPY preamble");
   NpyPreamble pre;
   pre.major = static_cast<int>(byte_at(6));
   const unsigned minor = byte_at(7);
-  require((pre.major == 1 || pre.major == 2 || pre.major == 3) && minor == 0, "NPY: unsupported format version ",
-          pre.major, ".", minor, " (supported: 1.0, 2.0, 3.0)");
+  require((pre.major == 1 || pre.major == 2 || pre.major == 3) && minor == 0, "unsupported format version ", pre.major,
+          ".", minor, " (supported: 1.0, 2.0, 3.0)");
   if (pre.major == 1) {
     pre.header_offset = 10;
     pre.header_bytes = static_cast<std::int64_t>(byte_at(8) | byte_at(9) << 8);
   } else {
-    require(file_bytes >= 12, "NPY: truncated: ", file_bytes, " bytes is shorter than the 12-byte NPY ", pre.major,
+    require(file_bytes >= 12, "truncated: ", file_bytes, " bytes is shorter than the 12-byte NPY ", pre.major,
             ".0 preamble");
     pre.header_offset = 12;
     pre.header_bytes = static_cast<std::int64_t>(std::uint32_t{byte_at(8)} | std::uint32_t{byte_at(9)} << 8 |
                                                  std::uint32_t{byte_at(10)} << 16 | std::uint32_t{byte_at(11)} << 24);
   }
-  require(pre.header_bytes <= limits.max_header_bytes, "NPY: header length ", pre.header_bytes,
+  require(pre.header_bytes <= limits.max_header_bytes, "header length ", pre.header_bytes,
           " exceeds the limit max_header_bytes=", limits.max_header_bytes);
-  require(pre.header_bytes <= file_bytes - pre.header_offset, "NPY: header length ", pre.header_bytes,
+  require(pre.header_bytes <= file_bytes - pre.header_offset, "header length ", pre.header_bytes,
           " runs past the end of the file (", file_bytes, " bytes, header starts at ", pre.header_offset, ")");
   return pre;
 }
@@ -249,22 +251,26 @@ struct NpyHeader {
 inline void npy_parse_descr(std::string_view descr, NpyHeader &out) {
   const std::string shown = npy_escape(descr);
   const char order = descr.empty() ? '\0' : descr.front();
-  require(order == '<' || order == '>' || order == '|' || order == '=', "NPY: descr '", shown,
+  require(order == '<' || order == '>' || order == '|' || order == '=', "descr '", shown,
           "' lacks a byte-order character ('<', '>', '|' or '=')");
   const std::string_view type = descr.substr(1);
-  require(type.empty() || (type.front() != 'b' && type.front() != '?'), "NPY: bool descr '", shown,
+  require(type.empty() || (type.front() != 'b' && type.front() != '?'), "bool descr '", shown,
           "' is not supported; store it as '|u1'");
   NpyDtype dtype{NpyKind::uint_, 0};
   if (type.size() == 2 && type[1] >= '1' && type[1] <= '8') {
     dtype.item_bytes = type[1] - '0';
-    if (type[0] == 'i') dtype.kind = NpyKind::int_;
-    else if (type[0] == 'u') dtype.kind = NpyKind::uint_;
-    else if (type[0] == 'f') dtype.kind = NpyKind::float_;
-    else dtype.item_bytes = 0;
+    if (type[0] == 'i')
+      dtype.kind = NpyKind::int_;
+    else if (type[0] == 'u')
+      dtype.kind = NpyKind::uint_;
+    else if (type[0] == 'f')
+      dtype.kind = NpyKind::float_;
+    else
+      dtype.item_bytes = 0;
   }
-  require(dtype.valid(), "NPY: unsupported dtype descr '", shown,
+  require(dtype.valid(), "unsupported dtype descr '", shown,
           "' (supported: i1 u1 i2 u2 i4 u4 i8 u8 f4 f8 with byte order '<', '>', '|' or '=')");
-  require(order != '|' || dtype.item_bytes == 1, "NPY: descr '", shown,
+  require(order != '|' || dtype.item_bytes == 1, "descr '", shown,
           "' is invalid: byte order '|' only applies to 1-byte items");
   const bool file_big = order == '>' || (order == '=' && std::endian::native == std::endian::big);
   out.dtype = dtype;
@@ -287,16 +293,19 @@ public:
     while (!consume('}')) {
       const std::string_view key = parse_string("a quoted dict key");
       const auto it = std::find(std::begin(keys), std::end(keys), key);
-      if (it == std::end(keys)) fail("NPY: unknown key '", npy_escape(key), "' in the header dict");
+      if (it == std::end(keys)) fail("unknown key '", npy_escape(key), "' in the header dict");
       const auto key_idx = static_cast<std::size_t>(it - std::begin(keys));
-      if (seen[key_idx]) fail("NPY: duplicate key '", key, "' in the header dict");
+      if (seen[key_idx]) fail("duplicate key '", key, "' in the header dict");
       seen[key_idx] = true;
       skip_space();
       expect(':', "':' after a dict key");
       skip_space();
-      if (key_idx == 0) parse_descr_value(out);
-      else if (key_idx == 1) out.fortran_order = parse_bool();
-      else parse_shape(out.shape);
+      if (key_idx == 0)
+        parse_descr_value(out);
+      else if (key_idx == 1)
+        out.fortran_order = parse_bool();
+      else
+        parse_shape(out.shape);
       skip_space();
       if (consume(',')) {
         skip_space();
@@ -307,12 +316,12 @@ public:
     }
     skip_space();
     if (pos_ != text_.size())
-      fail("NPY: unexpected '", npy_escape(text_.substr(pos_)), "' after the header dict at offset ", pos_);
+      fail("unexpected '", npy_escape(text_.substr(pos_)), "' after the header dict at offset ", pos_);
     for (std::size_t i = 0; i < 3; ++i)
-      require(seen[i], "NPY: header dict lacks the key '", keys[i], "'");
+      require(seen[i], "header dict lacks the key '", keys[i], "'");
     out.size = npy_size(out.shape, out.dtype);
-    require(out.size.num_bytes <= limits_.max_bytes, "NPY: shape ", npy_shape_str(out.shape), " of ", out.descr,
-            " needs ", out.size.num_bytes, " bytes, above the limit max_bytes=", limits_.max_bytes);
+    require(out.size.num_bytes <= limits_.max_bytes, "shape ", npy_shape_str(out.shape), " of ", out.descr, " needs ",
+            out.size.num_bytes, " bytes, above the limit max_bytes=", limits_.max_bytes);
     return out;
   }
 
@@ -336,9 +345,8 @@ private:
   }
 
   [[noreturn]] void fail_expected(const char *what) const {
-    if (at_end()) fail("NPY: header ends at offset ", pos_, " where ", what, " was expected");
-    fail("NPY: expected ", what, " at offset ", pos_, " of the header, got '",
-         npy_escape(text_.substr(pos_, 16)), "'");
+    if (at_end()) fail("header ends at offset ", pos_, " where ", what, " was expected");
+    fail("expected ", what, " at offset ", pos_, " of the header, got '", npy_escape(text_.substr(pos_, 16)), "'");
   }
 
   void expect(char c, const char *what) {
@@ -352,10 +360,10 @@ private:
     const std::size_t begin = ++pos_;
     while (!at_end() && text_[pos_] != quote) {
       if (text_[pos_] == '\\' || text_[pos_] == '\n')
-        fail("NPY: escape or newline inside a string at offset ", pos_, " of the header");
+        fail("escape or newline inside a string at offset ", pos_, " of the header");
       ++pos_;
     }
-    if (at_end()) fail("NPY: unterminated string starting at offset ", begin - 1, " of the header");
+    if (at_end()) fail("unterminated string starting at offset ", begin - 1, " of the header");
     return text_.substr(begin, pos_++ - begin);
   }
 
@@ -373,7 +381,7 @@ private:
   }
 
   void parse_descr_value(NpyHeader &out) {
-    if (peek() == '[') fail("NPY: structured dtypes (a list as 'descr') are not supported");
+    if (peek() == '[') fail("structured dtypes (a list as 'descr') are not supported");
     npy_parse_descr(parse_string("a quoted string as 'descr'"), out);
   }
 
@@ -384,7 +392,7 @@ private:
     if (word == "False") return false;
     pos_ = begin;
     if (word.empty()) fail_expected("True or False as 'fortran_order'");
-    fail("NPY: 'fortran_order' must be True or False, got '", npy_escape(word), "'");
+    fail("'fortran_order' must be True or False, got '", npy_escape(word), "'");
   }
 
   [[nodiscard]] std::int64_t parse_dim() {
@@ -395,24 +403,24 @@ private:
     const std::string_view digits = negative ? word.substr(1) : word;
     const bool all_digits =
         !digits.empty() && std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; });
-    require(all_digits, "NPY: dimension '", shown, "' is not a non-negative integer");
-    require(!negative, "NPY: negative dimension ", shown, " in 'shape'");
-    require(digits.size() == 1 || digits.front() != '0', "NPY: dimension '", shown, "' has a leading zero");
+    require(all_digits, "dimension '", shown, "' is not a non-negative integer");
+    require(!negative, "negative dimension ", shown, " in 'shape'");
+    require(digits.size() == 1 || digits.front() != '0', "dimension '", shown, "' has a leading zero");
     std::int64_t value = 0;
     for (const char c : digits)
       if (__builtin_mul_overflow(value, 10, &value) || __builtin_add_overflow(value, c - '0', &value))
-        fail("NPY: dimension ", shown, " does not fit int64");
+        fail("dimension ", shown, " does not fit int64");
     return value;
   }
 
   void parse_shape(std::vector<std::int64_t> &shape) {
-    if (peek() == '[') fail("NPY: 'shape' must be a tuple, got a list at offset ", pos_);
+    if (peek() == '[') fail("'shape' must be a tuple, got a list at offset ", pos_);
     expect('(', "a tuple as 'shape'");
     skip_space();
     bool trailing_comma = false;
     while (!consume(')')) {
       if (static_cast<std::int64_t>(shape.size()) >= limits_.max_dims)
-        fail("NPY: 'shape' has more than max_dims=", limits_.max_dims, " dimensions");
+        fail("'shape' has more than max_dims=", limits_.max_dims, " dimensions");
       shape.push_back(parse_dim());
       skip_space();
       trailing_comma = consume(',');
@@ -424,27 +432,27 @@ private:
     }
     // `(3)` is the integer 3 in Python, not a tuple, and NumPy rejects it.
     if (shape.size() == 1 && !trailing_comma)
-      fail("NPY: 'shape' (", shape[0], ") is not a tuple; a 1-d shape is written (", shape[0], ",)");
+      fail("'shape' (", shape[0], ") is not a tuple; a 1-d shape is written (", shape[0], ",)");
   }
 };
 
 /// Checks that the data section after the header holds exactly what the shape needs.
 inline void npy_check_data_bytes(std::int64_t data_bytes, const NpyHeader &header) {
   if (data_bytes < header.size.num_bytes)
-    fail("NPY: truncated data: file has ", data_bytes, " data bytes, shape ", npy_shape_str(header.shape), " of ",
+    fail("truncated data: file has ", data_bytes, " data bytes, shape ", npy_shape_str(header.shape), " of ",
          header.descr, " needs ", header.size.num_bytes);
   if (data_bytes > header.size.num_bytes)
-    fail("NPY: file has ", data_bytes, " data bytes, shape ", npy_shape_str(header.shape), " of ", header.descr,
-         " needs only ", header.size.num_bytes, " (", data_bytes - header.size.num_bytes, " trailing bytes)");
+    fail("file has ", data_bytes, " data bytes, shape ", npy_shape_str(header.shape), " of ", header.descr,
+         " needs only ", header.size.num_bytes, " (", data_bytes - header.size.num_bytes, " trailing byte(s))");
 }
 
 /// The preamble and header dict text of an array, padded as NumPy pads them.
 [[nodiscard]] inline std::string npy_encode_header(const NpyDtype &dtype, std::span<const std::int64_t> shape,
-                                                   bool fortran_order, int version) {
-  require(version >= 1 && version <= 3, "encode_npy: version must be 1, 2 or 3, got ", version);
-  (void)npy_size(shape, dtype);
-  std::string dict = "{'descr': '" + dtype.descr() + "', 'fortran_order': " + (fortran_order ? "True" : "False") +
-                     ", 'shape': (";
+                                                   bool fortran_order, int version, std::string_view prefix) {
+  require(version >= 1 && version <= 3, prefix, "version must be 1, 2 or 3, got ", version);
+  (void)npy_size(shape, dtype, prefix);
+  std::string dict =
+      "{'descr': '" + dtype.descr() + "', 'fortran_order': " + (fortran_order ? "True" : "False") + ", 'shape': (";
   for (std::size_t i = 0; i < shape.size(); ++i) {
     if (i > 0) dict += ", ";
     dict += std::to_string(shape[i]);
@@ -462,7 +470,7 @@ inline void npy_check_data_bytes(std::int64_t data_bytes, const NpyHeader &heade
     version = 2;
     header_bytes = wrap(version);
   }
-  require(header_bytes <= 0xffffffffu, "encode_npy: header of shape ", npy_shape_str(shape), " needs ", header_bytes,
+  require(header_bytes <= 0xffffffffu, prefix, "header of shape ", npy_shape_str(shape), " needs ", header_bytes,
           " bytes, above the format's 4 GiB");
   std::string out(reinterpret_cast<const char *>(npy_magic), sizeof(npy_magic));
   out += static_cast<char>(version);
@@ -485,17 +493,17 @@ using NpyFile = std::unique_ptr<std::FILE, NpyFileCloser>;
 
 /// An n-d array read from or written to an NPY file.
 struct NpyArray {
-  NpyDtype dtype;                   ///< after reading, `data` is in the machine's byte order
-  std::vector<std::int64_t> shape;  ///< empty for a 0-d array (one element)
-  bool fortran_order = false;       ///< `data` is kept in the file's element order
-  std::vector<std::byte> data;      ///< num_elements() * dtype.item_bytes
+  NpyDtype dtype;                  ///< after reading, `data` is in the machine's byte order
+  std::vector<std::int64_t> shape; ///< empty for a 0-d array (one element)
+  bool fortran_order = false;      ///< `data` is kept in the file's element order
+  std::vector<std::byte> data;     ///< num_elements() * dtype.item_bytes
 
   /// Product of `shape` (1 for 0-d); throws on negative or overflowing dims.
-  [[nodiscard]] std::int64_t num_elements() const { return detail::npy_size(shape, dtype).num_elements; }
+  [[nodiscard]] std::int64_t num_elements() const { return detail::npy_size(shape, dtype, "NpyArray: ").num_elements; }
 
   /// Element strides of `shape` in the array's own order (C: last dim contiguous; Fortran: first dim contiguous).
   [[nodiscard]] std::vector<std::int64_t> strides_elements() const {
-    (void)detail::npy_size(shape, dtype);
+    (void)detail::npy_size(shape, dtype, "NpyArray: ");
     std::vector<std::int64_t> strides(shape.size());
     std::int64_t stride = 1;
     const std::size_t nd = shape.size();
@@ -566,7 +574,7 @@ struct NpyArray {
 
 private:
   [[nodiscard]] detail::NpySize checked_size() const {
-    const auto size = detail::npy_size(shape, dtype);
+    const auto size = detail::npy_size(shape, dtype, "NpyArray: ");
     detail::require(static_cast<std::int64_t>(data.size()) == size.num_bytes, "NpyArray: data has ", data.size(),
                     " bytes, shape ", detail::npy_shape_str(shape), " of ", dtype.descr(), " needs ", size.num_bytes);
     return size;
@@ -690,7 +698,7 @@ inline void npy_write_le(std::FILE *f, const std::byte *data, std::size_t num_by
 /// The NPY image of native-order `data` (written little-endian), version `version` unless the header needs 2.0.
 [[nodiscard]] inline std::vector<std::byte> encode_npy(const NpyDtype &dtype, std::span<const std::int64_t> shape,
                                                        const void *data, bool fortran_order = false, int version = 1) {
-  const std::string header = detail::npy_encode_header(dtype, shape, fortran_order, version);
+  const std::string header = detail::npy_encode_header(dtype, shape, fortran_order, version, "encode_npy: ");
   const auto num_bytes = static_cast<std::size_t>(detail::npy_size(shape, dtype).num_bytes);
   detail::require(data != nullptr || num_bytes == 0, "encode_npy: data is null for shape ",
                   detail::npy_shape_str(shape), " of ", dtype.descr(), " (", num_bytes, " bytes)");
@@ -708,10 +716,6 @@ inline void npy_write_le(std::FILE *f, const std::byte *data, std::size_t num_by
 /// that readers never see a partial file.
 inline void write_npy(const std::filesystem::path &path, const NpyDtype &dtype, std::span<const std::int64_t> shape,
                       const void *data, bool fortran_order = false) {
-  const std::string header = detail::npy_encode_header(dtype, shape, fortran_order, 1);
-  const auto num_bytes = static_cast<std::size_t>(detail::npy_size(shape, dtype).num_bytes);
-  detail::require(data != nullptr || num_bytes == 0, "write_npy ", path, ": data is null for shape ",
-                  detail::npy_shape_str(shape), " of ", dtype.descr());
   static std::atomic<std::uint64_t> counter{0};
   const auto unique = std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
                       static_cast<std::size_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
@@ -719,6 +723,10 @@ inline void write_npy(const std::filesystem::path &path, const NpyDtype &dtype, 
   std::filesystem::path tmp = path;
   tmp += ".tmp-" + std::to_string(unique);
   try {
+    const std::string header = detail::npy_encode_header(dtype, shape, fortran_order, 1, "");
+    const auto num_bytes = static_cast<std::size_t>(detail::npy_size(shape, dtype).num_bytes);
+    detail::require(data != nullptr || num_bytes == 0, "data is null for shape ", detail::npy_shape_str(shape), " of ",
+                    dtype.descr());
     errno = 0;
     detail::NpyFile file{std::fopen(tmp.c_str(), "wb")};
     if (!file) detail::fail("cannot open the temporary file ", tmp, ": ", std::strerror(errno));
@@ -740,9 +748,9 @@ inline void write_npy(const std::filesystem::path &path, const NpyDtype &dtype, 
 template <class T>
 void write_npy(const std::filesystem::path &path, std::span<const T> data, std::span<const std::int64_t> shape) {
   constexpr NpyDtype dtype = NpyDtype::of<T>();
-  const auto size = detail::npy_size(shape, dtype);
-  detail::require(static_cast<std::int64_t>(data.size()) == size.num_elements, "write_npy ", path, ": ",
-                  data.size(), " elements given, shape ", detail::npy_shape_str(shape), " needs ", size.num_elements);
+  const auto size = detail::npy_size(shape, dtype, detail::concat("write_npy ", path, ": "));
+  detail::require(static_cast<std::int64_t>(data.size()) == size.num_elements, "write_npy ", path, ": ", data.size(),
+                  " elements given, shape ", detail::npy_shape_str(shape), " needs ", size.num_elements);
   write_npy(path, dtype, shape, data.data(), false);
 }
 

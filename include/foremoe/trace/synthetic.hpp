@@ -1,0 +1,736 @@
+#pragma once
+/// @file
+/// Deterministic synthetic routing traces of GRPO-style RL post-training: routed ids or per-micro-step loads.
+///
+/// Model, from the seed alone (own PRNG and samplers, so the output is the same with every standard library):
+/// - every MoE layer has a global expert popularity, a power law `rank^-skew` over a random permutation of the
+///   experts (the exponent jittered per layer), which sets the step-level skew;
+/// - `num_topics` topics each have, per layer, a preference over experts drawn from a Dirichlet centred on that
+///   popularity; a prompt mixes a few topics, and each of its responses re-weights that mixture a little;
+/// - a sequence is its prompt (routed identically in every response of that prompt, as a real router would)
+///   followed by its response. Per layer, consecutive tokens keep each of their top-k experts with probability
+///   `persistence` and re-draw the others, distinct within the token, from the sequence's expert distribution;
+/// - every step shuffles its sequences, deals them to the `num_gpus` data-parallel ranks (each to the rank with
+///   the fewest tokens so far), and each rank packs its sequences in order into micro-batches of at most
+///   `microbatch_tokens_per_gpu` tokens. Micro-step `m` of a step is the `m`-th micro-batch of every rank.
+///
+/// Step totals average over thousands of sequences and barely move from step to step; a micro-step holds only a
+/// fraction of them, and the sequences' topic-coherent routing makes its loads swing.
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "foremoe/core/error.hpp"
+#include "foremoe/core/load_tensor.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+
+/// A lognormal length distribution, rounded to whole tokens and clipped to `[min_tokens, max_tokens]`.
+struct LengthDistribution {
+  double mean = 1.0;      ///< arithmetic mean of the unclipped lognormal, in tokens
+  double sigma = 0.0;     ///< standard deviation of the underlying normal (log scale); 0 = every length is `mean`
+  int min_tokens = 1;     ///< clip below
+  int max_tokens = 1;     ///< clip above
+};
+
+/// Shape and statistics of a synthetic GRPO trace. The defaults model Qwen3-30B-A3B (48 MoE layers, 128 experts,
+/// top-8) on 64 GPUs with about 8 micro-steps per RL step.
+struct SyntheticConfig {
+  std::uint64_t seed = 1; ///< everything below is a deterministic function of this
+
+  int num_layers = 48;  ///< MoE layers
+  int num_experts = 128; ///< routed experts per layer (at most 32767: ids are int16)
+  int topk = 8;          ///< distinct experts per token and layer
+
+  int num_steps = 2;              ///< RL steps
+  int prompts_per_step = 512;     ///< GRPO prompts per step
+  int responses_per_prompt = 8;   ///< GRPO group size; a step has prompts_per_step x responses_per_prompt sequences
+  LengthDistribution prompt_length{512.0, 0.6, 32, 8192};    ///< drawn once per prompt
+  LengthDistribution response_length{1500.0, 0.8, 16, 8192}; ///< drawn per response
+
+  int num_topics = 32;       ///< topics with their own expert preferences, drawn once from the seed
+  int topics_per_prompt = 3; ///< distinct topics mixed by one prompt
+  /// Dirichlet concentration of a topic's per-layer expert preference, per expert (the total is this times
+  /// `num_experts`), centred on the layer's popularity; smaller means more specialised topics.
+  double topic_concentration = 0.5;
+  /// Symmetric Dirichlet concentration of a prompt's weights over its topics.
+  double topic_mix_concentration = 1.0;
+  /// In [0, 1]: a response's topic weights are `(1 - jitter) * prompt weights + jitter * fresh Dirichlet draw`,
+  /// because responses to one prompt share its subject but not their reasoning path; 0 = identical mixtures.
+  double response_topic_jitter = 0.3;
+
+  /// Power-law exponent of the global per-layer expert popularity (expert of popularity rank r gets weight
+  /// (r+1)^-skew); 0 is uniform. The default puts the median step-level per-layer max/mean load near 4.5.
+  double skew = 0.55;
+  /// Per-layer lognormal jitter (log-scale sigma) of the exponent, so layers differ in skew as real ones do.
+  double skew_layer_sigma = 0.25;
+
+  /// In [0, 1]: probability that a token keeps each of the previous token's experts in a layer.
+  double persistence = 0.6;
+
+  int num_gpus = 64;                             ///< data-parallel ranks (8 nodes x 8 GPUs)
+  std::int64_t microbatch_tokens_per_gpu = 16384; ///< per-rank micro-batch token budget (dynamic batch size)
+
+  /// DeepSeek-V3's MoE shape (58 MoE layers, 256 routed experts, top-8) with the skew set for 256 experts.
+  [[nodiscard]] static SyntheticConfig deepseek_v3() {
+    SyntheticConfig c;
+    c.num_layers = 58;
+    c.num_experts = 256;
+    c.topk = 8;
+    c.skew = 0.6;
+    return c;
+  }
+
+  /// Throws `Error` naming the first bad value.
+  void validate() const {
+    using detail::require;
+    require(num_layers > 0, "SyntheticConfig: num_layers must be positive, got ", num_layers);
+    require(num_experts > 0, "SyntheticConfig: num_experts must be positive, got ", num_experts);
+    require(num_experts <= 32767, "SyntheticConfig: num_experts ", num_experts,
+            " exceeds 32767, the largest that int16 routed ids can name");
+    require(topk > 0, "SyntheticConfig: topk must be positive, got ", topk);
+    require(topk <= num_experts, "SyntheticConfig: topk ", topk, " exceeds num_experts ", num_experts,
+            " (experts of a token are distinct)");
+    require(num_steps > 0, "SyntheticConfig: num_steps must be positive, got ", num_steps);
+    require(prompts_per_step > 0, "SyntheticConfig: prompts_per_step must be positive, got ", prompts_per_step);
+    require(responses_per_prompt > 0, "SyntheticConfig: responses_per_prompt must be positive, got ",
+            responses_per_prompt);
+    require(static_cast<std::int64_t>(prompts_per_step) * responses_per_prompt <= (std::int64_t{1} << 28),
+            "SyntheticConfig: ", prompts_per_step, " prompts x ", responses_per_prompt,
+            " responses per step exceed 2^28 sequences");
+    check_length(prompt_length, "prompt_length");
+    check_length(response_length, "response_length");
+    require(num_topics > 0, "SyntheticConfig: num_topics must be positive, got ", num_topics);
+    require(topics_per_prompt > 0 && topics_per_prompt <= num_topics, "SyntheticConfig: topics_per_prompt ",
+            topics_per_prompt, " must be in [1, num_topics = ", num_topics, "]");
+    require(std::isfinite(topic_concentration) && topic_concentration > 0,
+            "SyntheticConfig: topic_concentration must be positive and finite, got ", topic_concentration);
+    require(std::isfinite(topic_mix_concentration) && topic_mix_concentration > 0,
+            "SyntheticConfig: topic_mix_concentration must be positive and finite, got ", topic_mix_concentration);
+    require(response_topic_jitter >= 0 && response_topic_jitter <= 1,
+            "SyntheticConfig: response_topic_jitter must be in [0, 1], got ", response_topic_jitter);
+    require(std::isfinite(skew) && skew >= 0, "SyntheticConfig: skew must be finite and >= 0, got ", skew);
+    require(std::isfinite(skew_layer_sigma) && skew_layer_sigma >= 0,
+            "SyntheticConfig: skew_layer_sigma must be finite and >= 0, got ", skew_layer_sigma);
+    require(persistence >= 0 && persistence <= 1, "SyntheticConfig: persistence must be in [0, 1], got ",
+            persistence);
+    require(num_gpus > 0, "SyntheticConfig: num_gpus must be positive, got ", num_gpus);
+    require(num_gpus <= (1 << 20), "SyntheticConfig: num_gpus ", num_gpus, " exceeds 2^20");
+    require(microbatch_tokens_per_gpu > 0, "SyntheticConfig: microbatch_tokens_per_gpu must be positive, got ",
+            microbatch_tokens_per_gpu);
+  }
+
+private:
+  static void check_length(const LengthDistribution &d, const char *name) {
+    using detail::require;
+    require(std::isfinite(d.mean) && d.mean > 0, "SyntheticConfig: ", name, ".mean must be positive and finite, got ",
+            d.mean);
+    require(std::isfinite(d.sigma) && d.sigma >= 0 && d.sigma <= 10, "SyntheticConfig: ", name,
+            ".sigma must be in [0, 10], got ", d.sigma);
+    require(d.min_tokens > 0, "SyntheticConfig: ", name, ".min_tokens must be positive, got ", d.min_tokens);
+    require(d.max_tokens >= d.min_tokens, "SyntheticConfig: ", name, ".max_tokens ", d.max_tokens,
+            " is below min_tokens ", d.min_tokens);
+    require(d.max_tokens <= (1 << 28), "SyntheticConfig: ", name, ".max_tokens ", d.max_tokens, " exceeds 2^28");
+  }
+};
+
+/// Routed ids of a synthetic trace with its micro-batch, source-rank, step and sequence boundaries.
+struct SyntheticTrace {
+  std::vector<std::int16_t> routed_ids; ///< `[num_tokens][num_layers][topk]`, C order, execution order
+  std::int64_t num_tokens = 0;
+  int num_layers = 0, topk = 0, num_experts = 0;
+  /// `[M + 1]` token offsets: micro-step `m` is tokens `[microbatch_offsets[m], microbatch_offsets[m+1])`.
+  std::vector<std::int64_t> microbatch_offsets;
+  /// `[M * num_gpus + 1]`: tokens of micro-step `m` from rank `r` are `[source_offsets[m*G+r], source_offsets[m*G+r+1])`.
+  std::vector<std::int64_t> source_offsets;
+  /// `[num_steps + 1]` offsets in micro-steps: step `s` is micro-steps `[step_offsets[s], step_offsets[s+1])`.
+  std::vector<std::int64_t> step_offsets;
+  /// `[num_sequences + 1]` token offsets of the sequences (prompt + response) in execution order.
+  std::vector<std::int64_t> sequence_offsets;
+};
+
+namespace detail {
+
+/// splitmix64 finaliser: a bijective mix used to derive independent stream seeds.
+[[nodiscard]] constexpr std::uint64_t mix64(std::uint64_t x) noexcept {
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+/// Seed of the stream named by `parts`; order matters, so (a, b) and (b, a) differ.
+[[nodiscard]] constexpr std::uint64_t stream_seed(std::uint64_t seed, std::uint64_t a, std::uint64_t b = 0,
+                                                  std::uint64_t c = 0, std::uint64_t d = 0) noexcept {
+  std::uint64_t h = mix64(seed ^ 0x666f72656d6f6521ULL);
+  h = mix64(h ^ a);
+  h = mix64(h ^ (b + 0x1000193ULL));
+  h = mix64(h ^ (c + 0x2000329ULL));
+  return mix64(h ^ (d + 0x30004bfULL));
+}
+
+/// xoshiro256**: small, fast, and specified bit for bit (unlike std distributions).
+class Xoshiro256 {
+public:
+  explicit Xoshiro256(std::uint64_t seed) noexcept {
+    for (auto &w : s_) {
+      seed += 0x9e3779b97f4a7c15ULL;
+      std::uint64_t z = seed;
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+      w = z ^ (z >> 31);
+    }
+  }
+  std::uint64_t next() noexcept {
+    const std::uint64_t result = rotl(s_[1] * 5, 7) * 9;
+    const std::uint64_t t = s_[1] << 17;
+    s_[2] ^= s_[0];
+    s_[3] ^= s_[1];
+    s_[1] ^= s_[2];
+    s_[0] ^= s_[3];
+    s_[2] ^= t;
+    s_[3] = rotl(s_[3], 45);
+    return result;
+  }
+  /// Uniform in [0, 1).
+  double uniform() noexcept { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+  /// Uniform in (0, 1), safe for log().
+  double uniform_open() noexcept { return (static_cast<double>(next() >> 12) + 0.5) * 0x1.0p-52; }
+  /// Uniform integer in [0, n) for 0 < n <= 2^32, unbiased (Lemire's multiply-shift with rejection).
+  std::uint64_t below(std::uint64_t n) noexcept {
+    std::uint64_t m = (next() >> 32) * n;
+    if (static_cast<std::uint32_t>(m) < n) {
+      const std::uint64_t threshold = (std::uint64_t{1} << 32) % n;
+      while ((m & 0xFFFFFFFFu) < threshold) m = (next() >> 32) * n;
+    }
+    return m >> 32;
+  }
+
+private:
+  static constexpr std::uint64_t rotl(std::uint64_t x, int k) noexcept { return (x << k) | (x >> (64 - k)); }
+  std::uint64_t s_[4]{};
+};
+
+/// Standard normal (Marsaglia polar method).
+inline double sample_normal(Xoshiro256 &rng) noexcept {
+  for (;;) {
+    const double u = 2.0 * rng.uniform() - 1.0, v = 2.0 * rng.uniform() - 1.0;
+    const double s = u * u + v * v;
+    if (s > 0 && s < 1) return u * std::sqrt(-2.0 * std::log(s) / s);
+  }
+}
+
+/// Gamma(shape, 1) (Marsaglia-Tsang; shapes below 1 boosted by U^(1/shape)).
+inline double sample_gamma(Xoshiro256 &rng, double shape) noexcept {
+  if (shape < 1.0) return sample_gamma(rng, shape + 1.0) * std::pow(rng.uniform_open(), 1.0 / shape);
+  const double d = shape - 1.0 / 3.0, c = 1.0 / std::sqrt(9.0 * d);
+  for (;;) {
+    const double x = sample_normal(rng);
+    double v = 1.0 + c * x;
+    if (v <= 0) continue;
+    v = v * v * v;
+    const double u = rng.uniform_open();
+    if (u < 1.0 - 0.0331 * (x * x) * (x * x)) return d * v;
+    if (std::log(u) < 0.5 * x * x + d * (1.0 - v + std::log(v))) return d * v;
+  }
+}
+
+/// exp(N(mu, sigma^2)) with mu chosen so that the mean is `mean`.
+inline double sample_lognormal(Xoshiro256 &rng, double mean, double sigma) noexcept {
+  if (sigma == 0) return mean;
+  return std::exp(std::log(mean) - 0.5 * sigma * sigma + sigma * sample_normal(rng));
+}
+
+/// Dirichlet(alpha) into `out` (same size); an all-underflow draw falls back to the normalised alpha.
+inline void sample_dirichlet(Xoshiro256 &rng, const double *alpha, double *out, std::size_t n) noexcept {
+  double sum = 0;
+  for (std::size_t i = 0; i < n; ++i) sum += out[i] = sample_gamma(rng, alpha[i]);
+  if (!(sum > 0)) {
+    sum = 0;
+    for (std::size_t i = 0; i < n; ++i) sum += out[i] = alpha[i];
+  }
+  for (std::size_t i = 0; i < n; ++i) out[i] /= sum;
+}
+
+inline int sample_length(Xoshiro256 &rng, const LengthDistribution &d) noexcept {
+  const double x = std::round(sample_lognormal(rng, d.mean, d.sigma));
+  return static_cast<int>(std::clamp(x, static_cast<double>(d.min_tokens), static_cast<double>(d.max_tokens)));
+}
+
+/// Walker/Vose alias table: one 64-bit random per draw (high half picks the bucket, low half decides).
+class AliasTable {
+public:
+  /// Builds from non-negative weights with a positive sum.
+  void build(const double *weights, int n) {
+    n_ = static_cast<std::uint64_t>(n);
+    cells_.resize(static_cast<std::size_t>(n));
+    scaled_.resize(static_cast<std::size_t>(n));
+    small_.resize(static_cast<std::size_t>(n));
+    large_.resize(static_cast<std::size_t>(n));
+    double sum = 0;
+    for (int i = 0; i < n; ++i) sum += weights[i];
+    std::size_t num_small = 0, num_large = 0;
+    for (int i = 0; i < n; ++i) {
+      const double s = weights[i] * n / sum;
+      scaled_[static_cast<std::size_t>(i)] = s;
+      (s < 1.0 ? small_[num_small++] : large_[num_large++]) = i;
+    }
+    while (num_small > 0 && num_large > 0) {
+      const int s = small_[--num_small], g = large_[--num_large];
+      cells_[static_cast<std::size_t>(s)] = {to_threshold(scaled_[static_cast<std::size_t>(s)]), g};
+      double &sg = scaled_[static_cast<std::size_t>(g)];
+      sg = (sg + scaled_[static_cast<std::size_t>(s)]) - 1.0;
+      (sg < 1.0 ? small_[num_small++] : large_[num_large++]) = g;
+    }
+    // Leftovers are 1 up to rounding; pointing them at themselves makes the threshold irrelevant.
+    while (num_large > 0) {
+      const int g = large_[--num_large];
+      cells_[static_cast<std::size_t>(g)] = {0xFFFFFFFFu, g};
+    }
+    while (num_small > 0) {
+      const int s = small_[--num_small];
+      cells_[static_cast<std::size_t>(s)] = {0xFFFFFFFFu, s};
+    }
+  }
+  [[nodiscard]] int sample(Xoshiro256 &rng) const noexcept {
+    const std::uint64_t r = rng.next();
+    const auto idx = static_cast<std::size_t>(((r >> 32) * n_) >> 32);
+    const Cell c = cells_[idx];
+    return static_cast<std::uint32_t>(r) < c.threshold ? static_cast<int>(idx) : c.alias;
+  }
+
+private:
+  struct Cell {
+    std::uint32_t threshold;
+    int alias;
+  };
+  static std::uint32_t to_threshold(double p) noexcept {
+    return p >= 1.0 ? 0xFFFFFFFFu : static_cast<std::uint32_t>(std::max(0.0, p) * 4294967296.0);
+  }
+  std::uint64_t n_ = 0;
+  std::vector<Cell> cells_;
+  std::vector<double> scaled_;
+  std::vector<int> small_, large_;
+};
+
+/// Expert preferences drawn once from the seed: `topic_prefs[(t * L + l) * E + e]`.
+struct SyntheticWorld {
+  std::vector<double> topic_prefs;
+};
+
+// Stream tags, so that adding a stream never shifts another one.
+inline constexpr std::uint64_t tag_popularity = 1, tag_topic = 2, tag_step = 3, tag_prompt = 4, tag_response = 5,
+                               tag_route = 6;
+
+inline SyntheticWorld make_world(const SyntheticConfig &cfg) {
+  const int num_layers = cfg.num_layers, num_experts = cfg.num_experts;
+  const auto ne = static_cast<std::size_t>(num_experts);
+  std::vector<double> popularity(static_cast<std::size_t>(num_layers) * ne);
+  for (int l = 0; l < num_layers; ++l) {
+    Xoshiro256 rng(stream_seed(cfg.seed, tag_popularity, static_cast<std::uint64_t>(l)));
+    const double jitter = cfg.skew_layer_sigma;
+    const double s = cfg.skew * std::exp(jitter * sample_normal(rng) - 0.5 * jitter * jitter);
+    std::vector<int> perm(ne);
+    for (int e = 0; e < num_experts; ++e) perm[static_cast<std::size_t>(e)] = e;
+    for (std::size_t i = ne; i > 1; --i) std::swap(perm[i - 1], perm[rng.below(i)]);
+    double *p = popularity.data() + static_cast<std::size_t>(l) * ne;
+    double sum = 0;
+    for (std::size_t r = 0; r < ne; ++r) sum += p[perm[r]] = std::pow(static_cast<double>(r + 1), -s);
+    for (std::size_t e = 0; e < ne; ++e) p[e] /= sum;
+  }
+  SyntheticWorld w;
+  w.topic_prefs.resize(static_cast<std::size_t>(cfg.num_topics) * popularity.size());
+  std::vector<double> alpha(ne);
+  // Every expert stays reachable, so k distinct experts can always be drawn.
+  const double floor_mass = 1e-4;
+  for (int t = 0; t < cfg.num_topics; ++t)
+    for (int l = 0; l < num_layers; ++l) {
+      Xoshiro256 rng(stream_seed(cfg.seed, tag_topic, static_cast<std::uint64_t>(t), static_cast<std::uint64_t>(l)));
+      const double *p = popularity.data() + static_cast<std::size_t>(l) * ne;
+      for (std::size_t e = 0; e < ne; ++e) alpha[e] = cfg.topic_concentration * num_experts * p[e];
+      double *q = w.topic_prefs.data() + (static_cast<std::size_t>(t) * num_layers + l) * ne;
+      sample_dirichlet(rng, alpha.data(), q, ne);
+      for (std::size_t e = 0; e < ne; ++e) q[e] = (1.0 - floor_mass) * q[e] + floor_mass / num_experts;
+    }
+  return w;
+}
+
+/// One sequence of a step: a response to a prompt.
+struct SyntheticSequence {
+  int prompt_idx = 0;
+  int prompt_tokens = 0, response_tokens = 0;
+  std::uint64_t prompt_seed = 0, response_seed = 0; ///< routing streams of the two parts
+};
+
+/// A step's sequences, topic mixtures and execution layout (no routing yet).
+struct SyntheticStepPlan {
+  std::vector<SyntheticSequence> sequences; ///< prompt-major: response j of prompt p is `p * R + j`
+  std::vector<int> prompt_topics;           ///< `[P][topics_per_prompt]`
+  std::vector<double> prompt_weights;       ///< `[P][topics_per_prompt]`
+  std::vector<double> response_weights;     ///< `[P * R][topics_per_prompt]`
+  std::vector<int> order;                   ///< sequence indices in execution order
+  std::vector<std::int64_t> block_offsets;  ///< `[M * G + 1]` into `order`: micro-step m, rank r
+  int num_micro_steps = 0;
+};
+
+inline SyntheticStepPlan plan_step(const SyntheticConfig &cfg, int step_idx) {
+  const int num_prompts = cfg.prompts_per_step, num_responses = cfg.responses_per_prompt;
+  const int tp = cfg.topics_per_prompt, num_gpus = cfg.num_gpus;
+  const auto ntp = static_cast<std::size_t>(tp);
+  const auto num_seqs = static_cast<std::size_t>(num_prompts) * static_cast<std::size_t>(num_responses);
+  const auto step = static_cast<std::uint64_t>(step_idx);
+  SyntheticStepPlan plan;
+  plan.sequences.resize(num_seqs);
+  plan.prompt_topics.resize(static_cast<std::size_t>(num_prompts) * ntp);
+  plan.prompt_weights.resize(plan.prompt_topics.size());
+  plan.response_weights.resize(num_seqs * ntp);
+  const std::vector<double> mix_alpha(ntp, cfg.topic_mix_concentration);
+  std::vector<double> fresh(ntp);
+  std::vector<int> topics(static_cast<std::size_t>(cfg.num_topics));
+  for (int p = 0; p < num_prompts; ++p) {
+    const auto pu = static_cast<std::size_t>(p);
+    Xoshiro256 rng(stream_seed(cfg.seed, tag_prompt, step, pu));
+    const int prompt_tokens = sample_length(rng, cfg.prompt_length);
+    const std::uint64_t prompt_seed = stream_seed(cfg.seed, tag_route, step, pu, 0);
+    for (std::size_t t = 0; t < topics.size(); ++t) topics[t] = static_cast<int>(t);
+    for (std::size_t i = 0; i < ntp; ++i) { // partial Fisher-Yates: tp distinct topics
+      std::swap(topics[i], topics[i + rng.below(topics.size() - i)]);
+      plan.prompt_topics[pu * ntp + i] = topics[i];
+    }
+    double *pw = plan.prompt_weights.data() + pu * ntp;
+    sample_dirichlet(rng, mix_alpha.data(), pw, ntp);
+    for (int j = 0; j < num_responses; ++j) {
+      const std::size_t s = pu * static_cast<std::size_t>(num_responses) + static_cast<std::size_t>(j);
+      Xoshiro256 rrng(stream_seed(cfg.seed, tag_response, step, pu, static_cast<std::uint64_t>(j)));
+      SyntheticSequence &seq = plan.sequences[s];
+      seq.prompt_idx = p;
+      seq.prompt_tokens = prompt_tokens;
+      seq.response_tokens = sample_length(rrng, cfg.response_length);
+      seq.prompt_seed = prompt_seed;
+      seq.response_seed = stream_seed(cfg.seed, tag_route, step, pu, static_cast<std::uint64_t>(j) + 1);
+      double *rw = plan.response_weights.data() + s * ntp;
+      sample_dirichlet(rrng, mix_alpha.data(), fresh.data(), ntp);
+      for (std::size_t i = 0; i < ntp; ++i)
+        rw[i] = (1.0 - cfg.response_topic_jitter) * pw[i] + cfg.response_topic_jitter * fresh[i];
+    }
+  }
+
+  // Shuffle, deal to the least-loaded rank, then pack each rank greedily in order.
+  Xoshiro256 rng(stream_seed(cfg.seed, tag_step, step));
+  std::vector<int> shuffled(num_seqs);
+  for (std::size_t i = 0; i < num_seqs; ++i) shuffled[i] = static_cast<int>(i);
+  for (std::size_t i = num_seqs; i > 1; --i) std::swap(shuffled[i - 1], shuffled[rng.below(i)]);
+  const auto ng = static_cast<std::size_t>(num_gpus);
+  std::vector<std::int64_t> rank_tokens(ng, 0);
+  std::vector<std::vector<int>> rank_seqs(ng);
+  for (int s : shuffled) {
+    const auto r = static_cast<std::size_t>(std::min_element(rank_tokens.begin(), rank_tokens.end()) -
+                                            rank_tokens.begin());
+    const SyntheticSequence &seq = plan.sequences[static_cast<std::size_t>(s)];
+    rank_tokens[r] += seq.prompt_tokens + seq.response_tokens;
+    rank_seqs[r].push_back(s);
+  }
+  // rank_mb[r][b] = first index into rank_seqs[r] of micro-batch b, plus an end marker.
+  std::vector<std::vector<std::size_t>> rank_mb(ng);
+  std::size_t num_micro = 0;
+  for (std::size_t r = 0; r < ng; ++r) {
+    std::int64_t fill = 0;
+    for (std::size_t i = 0; i < rank_seqs[r].size(); ++i) {
+      const SyntheticSequence &seq = plan.sequences[static_cast<std::size_t>(rank_seqs[r][i])];
+      const std::int64_t n = seq.prompt_tokens + seq.response_tokens;
+      if (i == 0 || fill + n > cfg.microbatch_tokens_per_gpu) {
+        rank_mb[r].push_back(i);
+        fill = 0;
+      }
+      fill += n;
+    }
+    num_micro = std::max(num_micro, rank_mb[r].size());
+    rank_mb[r].push_back(rank_seqs[r].size());
+  }
+  plan.num_micro_steps = static_cast<int>(num_micro);
+  plan.order.reserve(num_seqs);
+  plan.block_offsets.reserve(num_micro * ng + 1);
+  for (std::size_t m = 0; m < num_micro; ++m)
+    for (std::size_t r = 0; r < ng; ++r) {
+      plan.block_offsets.push_back(static_cast<std::int64_t>(plan.order.size()));
+      if (m + 1 < rank_mb[r].size())
+        for (std::size_t i = rank_mb[r][m]; i < rank_mb[r][m + 1]; ++i) plan.order.push_back(rank_seqs[r][i]);
+    }
+  plan.block_offsets.push_back(static_cast<std::int64_t>(plan.order.size()));
+  return plan;
+}
+
+/// Routes one sequence, layer by layer (a layer's alias table stays in L1 for the whole sequence), calling
+/// `sink.route(token_idx, layer_idx, ids)` with the token's `topk` distinct expert ids.
+class SequenceRouter {
+public:
+  explicit SequenceRouter(const SyntheticConfig &cfg)
+      : num_layers_(cfg.num_layers), num_experts_(cfg.num_experts),
+        tp_(static_cast<std::size_t>(cfg.topics_per_prompt)),
+        keep_threshold_(static_cast<std::uint32_t>(std::llround(cfg.persistence * 65536.0))),
+        distinct_weights_(cfg.response_topic_jitter > 0),
+        prompt_mix_(static_cast<std::size_t>(cfg.num_experts)), response_mix_(prompt_mix_.size()),
+        cur_(static_cast<std::size_t>(cfg.topk), std::int16_t{-1}),
+        taken_((static_cast<std::size_t>(cfg.num_experts) + 63) / 64, 0),
+        drop_((static_cast<std::size_t>(cfg.topk) + 63) / 64, 0) {}
+
+  template <class Sink>
+  void route(const SyntheticWorld &world, const SyntheticStepPlan &plan, int seq_idx, std::int64_t first_token,
+             Sink &sink) {
+    const auto s = static_cast<std::size_t>(seq_idx);
+    const SyntheticSequence &seq = plan.sequences[s];
+    const int *topics = plan.prompt_topics.data() + static_cast<std::size_t>(seq.prompt_idx) * tp_;
+    const double *pw = plan.prompt_weights.data() + static_cast<std::size_t>(seq.prompt_idx) * tp_;
+    const double *rw = plan.response_weights.data() + s * tp_;
+    for (int l = 0; l < num_layers_; ++l) {
+      mix(world, topics, pw, l, prompt_mix_.data());
+      prompt_table_.build(prompt_mix_.data(), num_experts_);
+      if (distinct_weights_) {
+        mix(world, topics, rw, l, response_mix_.data());
+        response_table_.build(response_mix_.data(), num_experts_);
+      }
+      const auto lu = static_cast<std::uint64_t>(l);
+      // The prompt's stream depends only on the prompt, so every response repeats its prompt's routes.
+      Xoshiro256 prompt_rng(mix64(seq.prompt_seed ^ lu));
+      run_chain(prompt_rng, prompt_table_, prompt_mix_.data(), true, seq.prompt_tokens, first_token, l, sink);
+      Xoshiro256 response_rng(mix64(seq.response_seed ^ lu));
+      run_chain(response_rng, distinct_weights_ ? response_table_ : prompt_table_,
+                distinct_weights_ ? response_mix_.data() : prompt_mix_.data(), false, seq.response_tokens,
+                first_token + seq.prompt_tokens, l, sink);
+    }
+  }
+
+private:
+  void mix(const SyntheticWorld &world, const int *topics, const double *weights, int l, double *out) const {
+    const auto ne = static_cast<std::size_t>(num_experts_);
+    std::fill(out, out + ne, 0.0);
+    for (std::size_t i = 0; i < tp_; ++i) {
+      const double *q = world.topic_prefs.data() +
+                        (static_cast<std::size_t>(topics[i]) * static_cast<std::size_t>(num_layers_) +
+                         static_cast<std::size_t>(l)) * ne;
+      const double w = weights[i];
+      for (std::size_t e = 0; e < ne; ++e) out[e] += w * q[e];
+    }
+  }
+
+  [[nodiscard]] bool taken(int e) const noexcept {
+    return (taken_[static_cast<std::size_t>(e) >> 6] >> (static_cast<unsigned>(e) & 63u)) & 1u;
+  }
+  void flip(int e) noexcept { taken_[static_cast<std::size_t>(e) >> 6] ^= std::uint64_t{1} << (static_cast<unsigned>(e) & 63u); }
+
+  /// An expert not in the current top-k: rejection from the alias table, exact over the remaining mass if that
+  /// stalls (a few experts holding almost all the mass).
+  int draw_distinct(Xoshiro256 &rng, const AliasTable &table, const double *probs) {
+    for (int tries = 0; tries < 64; ++tries) {
+      const int e = table.sample(rng);
+      if (!taken(e)) return e;
+    }
+    double rest = 0;
+    for (int e = 0; e < num_experts_; ++e)
+      if (!taken(e)) rest += probs[e];
+    double u = rng.uniform() * rest;
+    int last = -1;
+    for (int e = 0; e < num_experts_; ++e) {
+      if (taken(e)) continue;
+      last = e;
+      if ((u -= probs[e]) < 0) return e;
+    }
+    return last; // rounding left u >= 0 at the end
+  }
+
+  template <class Sink>
+  void run_chain(Xoshiro256 &rng, const AliasTable &table, const double *probs, bool fresh, int num_tokens,
+                 std::int64_t first_token, int l, Sink &sink) {
+    const std::int16_t *ids = cur_.data();
+    const std::size_t k = cur_.size(), num_words = drop_.size();
+    for (int t = 0; t < num_tokens; ++t) {
+      if (fresh && t == 0) {
+        for (std::int16_t &c : cur_) {
+          if (c >= 0) flip(c);
+          c = -1;
+        }
+        for (std::int16_t &c : cur_) {
+          c = static_cast<std::int16_t>(draw_distinct(rng, table, probs));
+          flip(c);
+        }
+      } else if (keep_threshold_ < 65536u) {
+        // 16 random bits per slot decide whether it keeps its expert; branch-free, since keeping is a coin flip.
+        // All drops happen before any re-draw, so a re-draw never duplicates a kept expert and may bring back a
+        // dropped one.
+        std::uint64_t bits = 0;
+        for (std::size_t j = 0; j < k; ++j) {
+          if ((j & 3) == 0) bits = rng.next();
+          drop_[j >> 6] |= static_cast<std::uint64_t>((bits & 0xFFFF) >= keep_threshold_) << (j & 63);
+          bits >>= 16;
+        }
+        for (std::size_t w = 0; w < num_words; ++w)
+          for (std::uint64_t d = drop_[w]; d != 0; d &= d - 1)
+            flip(cur_[w * 64 + static_cast<std::size_t>(std::countr_zero(d))]);
+        for (std::size_t w = 0; w < num_words; ++w) {
+          for (std::uint64_t d = drop_[w]; d != 0; d &= d - 1) {
+            std::int16_t &c = cur_[w * 64 + static_cast<std::size_t>(std::countr_zero(d))];
+            c = static_cast<std::int16_t>(draw_distinct(rng, table, probs));
+            flip(c);
+          }
+          drop_[w] = 0;
+        }
+      }
+      sink.route(first_token + t, l, ids);
+    }
+  }
+
+  int num_layers_, num_experts_;
+  std::size_t tp_;
+  std::uint32_t keep_threshold_; ///< persistence in 1/65536 units; 65536 = always keep
+  bool distinct_weights_;
+  std::vector<double> prompt_mix_, response_mix_;
+  AliasTable prompt_table_, response_table_;
+  std::vector<std::int16_t> cur_;     ///< current top-k of the chain; -1 before the first draw
+  std::vector<std::uint64_t> taken_; ///< bit set of the experts in `cur_`
+  std::vector<std::uint64_t> drop_;  ///< bit set of the slots to re-draw
+};
+
+/// Routes every sequence in execution order through `sink`, which sees
+/// `begin_block(micro_idx, rank_idx)`, `route(token_idx, layer_idx, ids)` and `end_block(micro_idx, rank_idx)`.
+template <class Sink>
+void run_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStepPlan> &plans, Sink &sink) {
+  const SyntheticWorld world = make_world(cfg);
+  SequenceRouter router(cfg);
+  std::int64_t token = 0;
+  int micro_base = 0;
+  for (const SyntheticStepPlan &plan : plans) {
+    for (int m = 0; m < plan.num_micro_steps; ++m)
+      for (int r = 0; r < cfg.num_gpus; ++r) {
+        const std::size_t b = static_cast<std::size_t>(m) * static_cast<std::size_t>(cfg.num_gpus) +
+                              static_cast<std::size_t>(r);
+        sink.begin_block(micro_base + m, r);
+        for (std::int64_t i = plan.block_offsets[b]; i < plan.block_offsets[b + 1]; ++i) {
+          const int s = plan.order[static_cast<std::size_t>(i)];
+          router.route(world, plan, s, token, sink);
+          const SyntheticSequence &seq = plan.sequences[static_cast<std::size_t>(s)];
+          token += seq.prompt_tokens + seq.response_tokens;
+        }
+        sink.end_block(micro_base + m, r);
+      }
+    micro_base += plan.num_micro_steps;
+  }
+}
+
+inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std::vector<std::int64_t> &step_offsets,
+                                                 std::int64_t &num_tokens) {
+  std::vector<SyntheticStepPlan> plans;
+  plans.reserve(static_cast<std::size_t>(cfg.num_steps));
+  step_offsets.assign(1, 0);
+  num_tokens = 0;
+  for (int s = 0; s < cfg.num_steps; ++s) {
+    plans.push_back(plan_step(cfg, s));
+    step_offsets.push_back(step_offsets.back() + plans.back().num_micro_steps);
+    for (const SyntheticSequence &seq : plans.back().sequences) num_tokens += seq.prompt_tokens + seq.response_tokens;
+  }
+  require(step_offsets.back() <= std::numeric_limits<int>::max(), "synthetic trace: ", step_offsets.back(),
+          " micro-steps exceed the int range");
+  return plans;
+}
+
+} // namespace detail
+
+/// Materialises the routed ids (`num_tokens * num_layers * topk` int16 values: meant for small configs; use
+/// `generate_loads` for large ones). Throws `Error` for an invalid config or one above 2^31 ids.
+[[nodiscard]] inline SyntheticTrace generate_trace(const SyntheticConfig &cfg) {
+  cfg.validate();
+  SyntheticTrace out;
+  const auto plans = detail::plan_steps(cfg, out.step_offsets, out.num_tokens);
+  const double num_ids = static_cast<double>(out.num_tokens) * cfg.num_layers * cfg.topk;
+  detail::require(num_ids <= static_cast<double>(std::int64_t{1} << 31), "generate_trace: ", out.num_tokens,
+                  " tokens x ", cfg.num_layers, " layers x top-", cfg.topk,
+                  " exceed 2^31 routed ids; use generate_loads, which does not store them");
+  out.num_layers = cfg.num_layers;
+  out.topk = cfg.topk;
+  out.num_experts = cfg.num_experts;
+  out.routed_ids.resize(static_cast<std::size_t>(num_ids));
+
+  // Boundaries come from the plans alone, so they cannot drift from the routing order.
+  std::int64_t token = 0;
+  out.sequence_offsets.push_back(0);
+  for (const auto &plan : plans) {
+    for (int m = 0; m < plan.num_micro_steps; ++m) {
+      out.microbatch_offsets.push_back(token);
+      for (int r = 0; r < cfg.num_gpus; ++r) {
+        const std::size_t b = static_cast<std::size_t>(m) * static_cast<std::size_t>(cfg.num_gpus) +
+                              static_cast<std::size_t>(r);
+        out.source_offsets.push_back(token);
+        for (std::int64_t i = plan.block_offsets[b]; i < plan.block_offsets[b + 1]; ++i) {
+          const auto &seq = plan.sequences[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(i)])];
+          token += seq.prompt_tokens + seq.response_tokens;
+          out.sequence_offsets.push_back(token);
+        }
+      }
+    }
+  }
+  out.microbatch_offsets.push_back(token);
+  out.source_offsets.push_back(token);
+  struct Routes {
+    SyntheticTrace &trace;
+    void begin_block(int, int) {}
+    void end_block(int, int) {}
+    void route(std::int64_t token_idx, int layer_idx, const std::int16_t *ids) {
+      const std::size_t k = static_cast<std::size_t>(trace.topk);
+      std::copy(ids, ids + k,
+                trace.routed_ids.data() +
+                    (static_cast<std::size_t>(token_idx) * static_cast<std::size_t>(trace.num_layers) +
+                     static_cast<std::size_t>(layer_idx)) * k);
+    }
+  } routes{out};
+  detail::run_synthetic(cfg, plans, routes);
+  return out;
+}
+
+/// Streams the same tokens as `generate_trace(cfg)` and counts them into `[micro_steps][num_layers][num_experts]`
+/// loads without storing ids; with `by_source` also `[...][num_gpus]` by source rank. `step_offsets`, if given,
+/// receives the `[num_steps + 1]` micro-step offsets of the steps. Throws `Error` for an invalid config.
+[[nodiscard]] inline LoadTensor generate_loads(const SyntheticConfig &cfg,
+                                               std::vector<std::int64_t> *step_offsets = nullptr,
+                                               bool by_source = false) {
+  cfg.validate();
+  std::vector<std::int64_t> steps;
+  std::int64_t num_tokens = 0;
+  const auto plans = detail::plan_steps(cfg, steps, num_tokens);
+  LoadTensor out(static_cast<int>(steps.back()), cfg.num_layers, cfg.num_experts, by_source ? cfg.num_gpus : 0);
+  struct Counter {
+    LoadTensor &out;
+    int num_layers, num_experts, topk;
+    std::vector<std::int64_t> block; ///< `[L][E]` counts of the current (micro-step, rank)
+    void begin_block(int, int) { std::fill(block.begin(), block.end(), 0); }
+    void route(std::int64_t, int layer_idx, const std::int16_t *ids) {
+      std::int64_t *row = block.data() + static_cast<std::size_t>(layer_idx) * static_cast<std::size_t>(num_experts);
+      for (int j = 0; j < topk; ++j) ++row[ids[j]];
+    }
+    void end_block(int micro_idx, int rank_idx) {
+      const auto ne = static_cast<std::size_t>(num_experts);
+      for (int l = 0; l < num_layers; ++l) {
+        const std::int64_t *row = block.data() + static_cast<std::size_t>(l) * ne;
+        auto tot = out.layer(micro_idx, l);
+        for (std::size_t e = 0; e < ne; ++e) tot[e] += row[e];
+        if (out.has_sources()) {
+          auto src = out.layer_by_source(micro_idx, l);
+          const auto ns = static_cast<std::size_t>(out.num_sources());
+          for (std::size_t e = 0; e < ne; ++e) src[e * ns + static_cast<std::size_t>(rank_idx)] = row[e];
+        }
+      }
+    }
+  } counter{out, cfg.num_layers, cfg.num_experts, cfg.topk,
+            std::vector<std::int64_t>(static_cast<std::size_t>(cfg.num_layers) * cfg.num_experts)};
+  detail::run_synthetic(cfg, plans, counter);
+  if (step_offsets != nullptr) *step_offsets = std::move(steps);
+  return out;
+}
+
+} // namespace v0
+} // namespace foremoe

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs the Debian packages ForeMoE builds with, only those missing.
+# Idempotent and silent when everything is present. `--ci` adds what CI's
+# fuzzer and sanitizer runs need (clang with its runtime).
+set -euo pipefail
+
+pkgs=(cmake ninja-build g++ libeigen3-dev doctest-dev libbenchmark-dev)
+if [[ "${1:-}" == "--ci" ]]; then
+  pkgs+=(clang libclang-rt-14-dev)
+fi
+
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[[ ${#missing[@]} -eq 0 ]] && exit 0
+
+echo "foremoe: installing ${missing[*]}" >&2
+sudo_cmd=()
+[[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -qq
+"${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

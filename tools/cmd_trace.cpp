@@ -1,0 +1,215 @@
+// `foremoe trace gen` and `foremoe trace stats`.
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <iomanip>
+#include <ostream>
+
+#include "command.hpp"
+#include "foremoe/trace/count.hpp"
+#include "foremoe/trace/io.hpp"
+#include "foremoe/trace/stats.hpp"
+#include "foremoe/trace/synthetic.hpp"
+#include "synthetic_options.hpp"
+
+namespace foremoe::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+/// `dir/stem.npy` -> `dir/stem.<what>.npy`: where the sidecar vectors go.
+fs::path sidecar(const fs::path &p, const char *what) {
+  fs::path s = p;
+  s.replace_extension();
+  return s.string() + "." + what + ".npy";
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+/// The trace `trace stats` makes when given no file: one node's worth of
+/// data-parallel ranks so that a few dozen micro-steps come out in seconds.
+SyntheticConfig stats_default_config() {
+  SyntheticConfig c;
+  c.num_steps = 4;
+  c.prompts_per_step = 64;
+  c.num_gpus = 8;
+  return c;
+}
+
+// ------------------------------------------------------------------ trace gen
+Command make_trace_gen() {
+  Command c;
+  c.words = {"trace", "gen"};
+  c.summary = "generate a synthetic GRPO routing trace: loads [M,L,E] and/or routed ids [T,L,K] as NPY";
+  c.description =
+      "Writes --loads OUT.npy (int64 [micro_steps, layers, experts], or [..., gpus] with --by-source) with\n"
+      "OUT.steps.npy (micro-step offsets of the RL steps), and/or --ids OUT.npy (int16 [tokens, layers, topk])\n"
+      "with OUT.microbatches.npy (token offsets of the micro-steps), OUT.sources.npy (token offsets per source\n"
+      "rank within micro-steps) and OUT.steps.npy.";
+  c.options = synthetic_options(SyntheticConfig{});
+  c.options.push_back({"loads", "FILE.npy", "write the per-micro-step loads here", ""});
+  c.options.push_back({"ids", "FILE.npy", "write the routed ids here (memory: tokens x layers x topk x 2 bytes)", ""});
+  c.options.push_back({"by-source", "", "split the loads by source rank ([M, L, E, gpus])", ""});
+  c.run = [](const Args &a, std::ostream &out, std::ostream &) {
+    const SyntheticConfig cfg = synthetic_config(a, SyntheticConfig{});
+    if (!a.has("loads") && !a.has("ids")) throw UsageError{"give --loads FILE.npy and/or --ids FILE.npy"};
+    const auto t0 = std::chrono::steady_clock::now();
+    if (a.has("ids")) {
+      const fs::path p = a.str("ids");
+      const SyntheticTrace tr = generate_trace(cfg);
+      const std::int64_t shape[3] = {tr.num_tokens, tr.num_layers, tr.topk};
+      write_npy(p, NpyDtype::of<std::int16_t>(), shape, tr.routed_ids.data());
+      write_offsets_npy(sidecar(p, "microbatches"), tr.microbatch_offsets);
+      write_offsets_npy(sidecar(p, "sources"), tr.source_offsets);
+      write_offsets_npy(sidecar(p, "steps"), tr.step_offsets);
+      out << "wrote " << p.string() << ": routed ids [" << tr.num_tokens << ", " << tr.num_layers << ", " << tr.topk
+          << "] int16, " << tr.microbatch_offsets.size() - 1 << " micro-steps, " << tr.step_offsets.size() - 1
+          << " steps\n";
+    }
+    if (a.has("loads")) {
+      const fs::path p = a.str("loads");
+      std::vector<std::int64_t> steps;
+      const bool by_source = a.flag("by-source");
+      const LoadTensor loads = generate_loads(cfg, &steps, by_source);
+      write_loads_npy(p, loads, by_source);
+      write_offsets_npy(sidecar(p, "steps"), steps);
+      out << "wrote " << p.string() << ": loads [" << loads.num_micro_steps() << ", " << loads.num_layers() << ", "
+          << loads.num_experts() << (by_source ? ", " + std::to_string(loads.num_sources()) : std::string()) << "] int64, "
+          << steps.size() - 1 << " steps (" << sidecar(p, "steps").string() << ")\n";
+    }
+    out << "generated in " << std::fixed << std::setprecision(2) << seconds_since(t0) << " s\n";
+    return 0;
+  };
+  return c;
+}
+
+// ---------------------------------------------------------------- trace stats
+void print_real_comparison(std::ostream &out, const TraceStats &st, const fs::path &dir) {
+  const fs::path real_dir = dir / "deepseek-v3-sglang";
+  if (!fs::exists(real_dir)) return;
+  out << "\nexpert-load skew, synthetic vs real DeepSeek-V3 (SGLang EPLB statistics, " << real_dir.string() << ")\n";
+  out << "  " << std::left << std::setw(44) << "source" << std::right << std::setw(12) << "median" << std::setw(10)
+      << "min" << std::setw(10) << "max" << "   (per-layer max/mean expert load)\n";
+  auto row = [&](const std::string &name, const SummaryStats &s) {
+    out << "  " << std::left << std::setw(44) << name << std::right << std::fixed << std::setprecision(2)
+        << std::setw(12) << s.median << std::setw(10) << s.min << std::setw(10) << s.max << "\n";
+  };
+  row("synthetic, step level", st.step_max_over_mean);
+  row("synthetic, micro-step level", st.micro_max_over_mean);
+  for (const char *name : {"prefill_in1024", "decode_in2000out100"}) {
+    const fs::path f = real_dir / (std::string(name) + ".npy");
+    if (!fs::exists(f)) continue;
+    const NpyArray a = read_npy(f);
+    if (a.shape.size() != 2) continue;
+    const LayerSkew sk = layer_skew(a.to_doubles(), static_cast<int>(a.shape[0]), static_cast<int>(a.shape[1]));
+    row(std::string("real ") + name + " (" + std::to_string(a.shape[1]) + " experts)", sk.max_over_mean);
+  }
+}
+
+Command make_trace_stats() {
+  Command c;
+  c.words = {"trace", "stats"};
+  c.usage = "[FILE.npy]";
+  c.max_positional = 1;
+  c.summary = "load statistics of a trace: step vs micro-step stability and skew";
+  c.description =
+      "FILE is loads [M, L, E] (any int or float dtype; [M, L, E, S] and [L, E] too), or routed ids\n"
+      "[T, L, K] when --microbatch-tokens or --microbatches is given. Without FILE a synthetic GRPO trace\n"
+      "is generated (the synthetic options below shape it) and compared with the real DeepSeek-V3\n"
+      "statistics in --data-dir or $FOREMOE_DATA_DIR when present.";
+  c.options = synthetic_options(stats_default_config());
+  c.options.push_back({"steps-file", "FILE.npy", "micro-step offsets of the RL steps (default: FILE.steps.npy if present)", ""});
+  c.options.push_back({"microsteps-per-step", "N", "cut the micro-steps into steps of N", ""});
+  c.options.push_back({"microbatch-tokens", "N", "FILE is routed ids; cut them into micro-steps of N tokens", ""});
+  c.options.push_back({"microbatches", "FILE.npy", "FILE is routed ids; token offsets of the micro-steps", ""});
+  c.options.push_back({"num-experts", "N", "experts per layer for routed ids (default: largest id + 1)", ""});
+  c.options.push_back({"dense-layers", "N", "routed ids hold N leading dense layers to skip (vLLM/SGLang layout)", "0"});
+  c.options.push_back({"data-dir", "DIR", "reference data folder (shared/data) to compare against", ""});
+  c.run = [](const Args &a, std::ostream &out, std::ostream &err) {
+    LoadTensor loads;
+    std::vector<std::int64_t> steps;
+    int num_gpus = 0, topk = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    if (a.positional().empty()) {
+      const SyntheticConfig cfg = synthetic_config(a, stats_default_config());
+      err << "generating a synthetic GRPO trace: " << cfg.num_steps << " steps x " << cfg.prompts_per_step
+          << " prompts x " << cfg.responses_per_prompt << " responses, " << cfg.num_layers << " layers x "
+          << cfg.num_experts << " experts, top-" << cfg.topk << ", " << cfg.num_gpus << " GPUs, seed " << cfg.seed
+          << " ...\n";
+      loads = generate_loads(cfg, &steps);
+      if (cfg.num_experts % cfg.num_gpus == 0) num_gpus = cfg.num_gpus;
+      topk = cfg.topk;
+      out << "synthetic trace generated in " << std::fixed << std::setprecision(2) << seconds_since(t0) << " s\n\n";
+    } else {
+      const fs::path p = a.positional()[0];
+      if (a.has("microbatch-tokens") || a.has("microbatches")) {
+        const RoutedIdsFile ids = read_routed_ids_npy(p);
+        const RoutedView view = ids.view();
+        CountOptions o;
+        LayerMap lmap = LayerMap::identity(view.num_layers());
+        const int dense = static_cast<int>(a.integer("dense-layers", 0, 1 << 20));
+        if (dense > 0) lmap = LayerMap::dense_prefix(view.num_layers(), dense);
+        o.layer_map = lmap;
+        if (a.has("num-experts")) {
+          o.num_experts = static_cast<int>(a.integer("num-experts", 1, 1 << 24));
+        } else {
+          std::int64_t mx = -1;
+          for (std::int64_t t = 0; t < view.num_tokens(); ++t)
+            for (int l = 0; l < view.num_layers(); ++l)
+              for (int k = 0; k < view.topk(); ++k) mx = std::max(mx, view.at(t, l, k, 1 << 30));
+          if (mx < 0) throw UsageError{"the trace routes no token; give --num-experts"};
+          o.num_experts = static_cast<int>(mx + 1);
+          err << "num-experts not given: using largest id + 1 = " << o.num_experts << "\n";
+        }
+        std::vector<std::int64_t> mb;
+        if (a.has("microbatches")) {
+          if (a.has("microbatch-tokens")) throw UsageError{"give --microbatch-tokens or --microbatches, not both"};
+          mb = read_offsets_npy(a.str("microbatches"));
+        } else {
+          const std::int64_t n = a.integer("microbatch-tokens", 1, std::int64_t{1} << 40);
+          for (std::int64_t t = 0; t < view.num_tokens(); t += n) mb.push_back(t);
+          mb.push_back(view.num_tokens());
+          if (mb.size() == 1) mb.insert(mb.begin(), 0);
+        }
+        o.microbatch_offsets = mb;
+        loads = count_loads(view, o);
+        topk = view.topk();
+      } else {
+        loads = read_loads_npy(p);
+      }
+      if (a.has("steps-file")) {
+        steps = read_offsets_npy(a.str("steps-file"));
+      } else if (a.has("microsteps-per-step")) {
+        const std::int64_t n = a.integer("microsteps-per-step", 1, 1 << 30);
+        for (std::int64_t m = 0; m < loads.num_micro_steps(); m += n) steps.push_back(m);
+        steps.push_back(loads.num_micro_steps());
+      } else if (fs::exists(sidecar(p, "steps"))) {
+        steps = read_offsets_npy(sidecar(p, "steps"));
+        err << "steps from " << sidecar(p, "steps").string() << "\n";
+      }
+      if (a.has("gpus")) {
+        num_gpus = static_cast<int>(a.integer("gpus", 1, 1 << 20));
+        if (loads.num_experts() % num_gpus != 0)
+          throw UsageError{"--gpus " + std::to_string(num_gpus) + " does not divide the " +
+                           std::to_string(loads.num_experts()) + " experts"};
+      }
+    }
+    const TraceStats st = compute_trace_stats(loads, steps, num_gpus, topk);
+    print_trace_stats(out, st);
+    fs::path data_dir;
+    if (a.has("data-dir")) data_dir = a.str("data-dir");
+    else if (const char *env = std::getenv("FOREMOE_DATA_DIR")) data_dir = env;
+    if (!data_dir.empty()) print_real_comparison(out, st, data_dir);
+    return 0;
+  };
+  return c;
+}
+
+FOREMOE_REGISTER_COMMAND(make_trace_gen);
+FOREMOE_REGISTER_COMMAND(make_trace_stats);
+
+} // namespace
+} // namespace foremoe::cli

@@ -1,0 +1,16 @@
+#pragma once
+// Command-line options shared by every command that generates a synthetic trace.
+
+#include <vector>
+
+#include "command.hpp"
+#include "foremoe/trace/synthetic.hpp"
+
+namespace foremoe::cli {
+
+/// The options that shape a synthetic GRPO trace.
+std::vector<OptionSpec> synthetic_options(const SyntheticConfig &defaults);
+/// Builds the config from `--preset` and the overrides given.
+SyntheticConfig synthetic_config(const Args &args, SyntheticConfig defaults);
+
+} // namespace foremoe::cli
