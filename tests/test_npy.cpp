@@ -192,6 +192,14 @@ TEST_CASE("encode_npy writes NumPy's header layout") {
   const Bytes scalar = foremoe::encode_npy(NpyDtype::of<double>(), Shape{}, values.data(), true);
   CHECK(as_text(scalar).find("{'descr': '<f8', 'fortran_order': True, 'shape': (), }") == 10);
 
+  // A header too long for the 16-bit length of 1.0 switches to 2.0, as NumPy does.
+  const Shape many_dims(25000, 1);
+  const Bytes long_header = foremoe::encode_npy(NpyDtype::of<std::uint8_t>(), many_dims, values.data());
+  CHECK(std::to_integer<int>(long_header[6]) == 2);
+  CHECK((long_header.size() - 1) % 64 == 0);
+  CHECK(parse(long_header, NpyReadLimits{1 << 20, 25000, 1 << 20}).shape == many_dims);
+  CHECK_NPY_ERROR(parse(long_header), "max_dims=8");
+
   for (int version : {2, 3}) {
     const Bytes v = foremoe::encode_npy(NpyDtype::of<std::uint8_t>(), Shape{5}, values.data(), false, version);
     CHECK(std::to_integer<int>(v[6]) == version);

@@ -186,7 +186,7 @@ Command make_trace_stats() {
         const std::int64_t n = a.integer("microsteps-per-step", 1, 1 << 30);
         for (std::int64_t m = 0; m < loads.num_micro_steps(); m += n) steps.push_back(m);
         steps.push_back(loads.num_micro_steps());
-      } else if (fs::exists(sidecar(p, "steps"))) {
+      } else if (!a.has("microbatch-tokens") && fs::exists(sidecar(p, "steps"))) {
         steps = read_offsets_npy(sidecar(p, "steps"));
         err << "steps from " << sidecar(p, "steps").string() << "\n";
       }

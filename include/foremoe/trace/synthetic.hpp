@@ -62,9 +62,10 @@ struct SyntheticConfig {
   double topic_concentration = 0.5;
   /// Symmetric Dirichlet concentration of a prompt's weights over its topics.
   double topic_mix_concentration = 1.0;
-  /// In [0, 1]: a response's topic weights are `(1 - jitter) * prompt weights + jitter * fresh Dirichlet draw`,
-  /// because responses to one prompt share its subject but not their reasoning path; 0 = identical mixtures.
-  double response_topic_jitter = 0.3;
+  /// In [0, 1]: weight of one topic that each response draws for itself (uniformly), because responses to one
+  /// prompt share its subject but not their reasoning path; the rest follows the prompt's mixture. 0 = every
+  /// response routes like its prompt.
+  double response_topic_weight = 0.3;
 
   /// Power-law exponent of the global per-layer expert popularity (expert of popularity rank r gets weight
   /// (r+1)^-skew); 0 is uniform. The default puts the median step-level per-layer max/mean load near 4.5.
@@ -114,8 +115,8 @@ struct SyntheticConfig {
             "SyntheticConfig: topic_concentration must be positive and finite, got ", topic_concentration);
     require(std::isfinite(topic_mix_concentration) && topic_mix_concentration > 0,
             "SyntheticConfig: topic_mix_concentration must be positive and finite, got ", topic_mix_concentration);
-    require(response_topic_jitter >= 0 && response_topic_jitter <= 1,
-            "SyntheticConfig: response_topic_jitter must be in [0, 1], got ", response_topic_jitter);
+    require(response_topic_weight >= 0 && response_topic_weight <= 1,
+            "SyntheticConfig: response_topic_weight must be in [0, 1], got ", response_topic_weight);
     require(std::isfinite(skew) && skew >= 0, "SyntheticConfig: skew must be finite and >= 0, got ", skew);
     require(std::isfinite(skew_layer_sigma) && skew_layer_sigma >= 0,
             "SyntheticConfig: skew_layer_sigma must be finite and >= 0, got ", skew_layer_sigma);
@@ -374,7 +375,8 @@ struct SyntheticStepPlan {
   std::vector<SyntheticSequence> sequences; ///< prompt-major: response j of prompt p is `p * R + j`
   std::vector<int> prompt_topics;           ///< `[P][topics_per_prompt]`
   std::vector<double> prompt_weights;       ///< `[P][topics_per_prompt]`
-  std::vector<double> response_weights;     ///< `[P * R][topics_per_prompt]`
+  std::vector<int> response_topics;         ///< `[P * R][topics_per_prompt + 1]`: the prompt's, then its own
+  std::vector<double> response_weights;     ///< `[P * R][topics_per_prompt + 1]`
   std::vector<int> order;                   ///< sequence indices in execution order
   std::vector<std::int64_t> block_offsets;  ///< `[M * G + 1]` into `order`: micro-step m, rank r
   int num_micro_steps = 0;
@@ -390,9 +392,9 @@ inline SyntheticStepPlan plan_step(const SyntheticConfig &cfg, int step_idx) {
   plan.sequences.resize(num_seqs);
   plan.prompt_topics.resize(static_cast<std::size_t>(num_prompts) * ntp);
   plan.prompt_weights.resize(plan.prompt_topics.size());
-  plan.response_weights.resize(num_seqs * ntp);
+  plan.response_topics.resize(num_seqs * (ntp + 1));
+  plan.response_weights.resize(num_seqs * (ntp + 1));
   const std::vector<double> mix_alpha(ntp, cfg.topic_mix_concentration);
-  std::vector<double> fresh(ntp);
   std::vector<int> topics(static_cast<std::size_t>(cfg.num_topics));
   for (int p = 0; p < num_prompts; ++p) {
     const auto pu = static_cast<std::size_t>(p);
@@ -415,10 +417,14 @@ inline SyntheticStepPlan plan_step(const SyntheticConfig &cfg, int step_idx) {
       seq.response_tokens = sample_length(rrng, cfg.response_length);
       seq.prompt_seed = prompt_seed;
       seq.response_seed = stream_seed(cfg.seed, tag_route, step, pu, static_cast<std::uint64_t>(j) + 1);
-      double *rw = plan.response_weights.data() + s * ntp;
-      sample_dirichlet(rrng, mix_alpha.data(), fresh.data(), ntp);
-      for (std::size_t i = 0; i < ntp; ++i)
-        rw[i] = (1.0 - cfg.response_topic_jitter) * pw[i] + cfg.response_topic_jitter * fresh[i];
+      int *rt = plan.response_topics.data() + s * (ntp + 1);
+      double *rw = plan.response_weights.data() + s * (ntp + 1);
+      for (std::size_t i = 0; i < ntp; ++i) {
+        rt[i] = plan.prompt_topics[pu * ntp + i];
+        rw[i] = (1.0 - cfg.response_topic_weight) * pw[i];
+      }
+      rt[ntp] = static_cast<int>(rrng.below(static_cast<std::uint64_t>(cfg.num_topics)));
+      rw[ntp] = cfg.response_topic_weight;
     }
   }
 
@@ -475,7 +481,7 @@ public:
       : num_layers_(cfg.num_layers), num_experts_(cfg.num_experts),
         tp_(static_cast<std::size_t>(cfg.topics_per_prompt)),
         keep_threshold_(static_cast<std::uint32_t>(std::llround(cfg.persistence * 65536.0))),
-        distinct_weights_(cfg.response_topic_jitter > 0),
+        distinct_weights_(cfg.response_topic_weight > 0),
         prompt_mix_(static_cast<std::size_t>(cfg.num_experts)), response_mix_(prompt_mix_.size()),
         cur_(static_cast<std::size_t>(cfg.topk), std::int16_t{-1}),
         taken_((static_cast<std::size_t>(cfg.num_experts) + 63) / 64, 0),
@@ -488,12 +494,13 @@ public:
     const SyntheticSequence &seq = plan.sequences[s];
     const int *topics = plan.prompt_topics.data() + static_cast<std::size_t>(seq.prompt_idx) * tp_;
     const double *pw = plan.prompt_weights.data() + static_cast<std::size_t>(seq.prompt_idx) * tp_;
-    const double *rw = plan.response_weights.data() + s * tp_;
+    const int *rt = plan.response_topics.data() + s * (tp_ + 1);
+    const double *rw = plan.response_weights.data() + s * (tp_ + 1);
     for (int l = 0; l < num_layers_; ++l) {
-      mix(world, topics, pw, l, prompt_mix_.data());
+      mix(world, topics, pw, tp_, l, prompt_mix_.data());
       prompt_table_.build(prompt_mix_.data(), num_experts_);
       if (distinct_weights_) {
-        mix(world, topics, rw, l, response_mix_.data());
+        mix(world, rt, rw, tp_ + 1, l, response_mix_.data());
         response_table_.build(response_mix_.data(), num_experts_);
       }
       const auto lu = static_cast<std::uint64_t>(l);
@@ -508,10 +515,11 @@ public:
   }
 
 private:
-  void mix(const SyntheticWorld &world, const int *topics, const double *weights, int l, double *out) const {
+  void mix(const SyntheticWorld &world, const int *topics, const double *weights, std::size_t num_topics, int l,
+           double *out) const {
     const auto ne = static_cast<std::size_t>(num_experts_);
     std::fill(out, out + ne, 0.0);
-    for (std::size_t i = 0; i < tp_; ++i) {
+    for (std::size_t i = 0; i < num_topics; ++i) {
       const double *q = world.topic_prefs.data() +
                         (static_cast<std::size_t>(topics[i]) * static_cast<std::size_t>(num_layers_) +
                          static_cast<std::size_t>(l)) * ne;

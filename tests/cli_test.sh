@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# End-to-end checks of the `foremoe` program as a user runs it: exit codes,
+# messages naming the bad value, and generate -> stats round trips.
+# usage: cli_test.sh FOREMOE_BINARY
+set -uo pipefail
+bin=$1
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+passed=0
+failed=0
+
+# expect CODE PATTERN -- CMD...: runs CMD, checks exit code and that output matches PATTERN.
+expect() {
+  local code=$1 pattern=$2
+  shift 3
+  local out rc
+  out=$("$@" 2>&1)
+  rc=$?
+  if [[ $rc -ne $code ]] || ! grep -Eq -- "$pattern" <<<"$out"; then
+    echo "FAIL: $* -> exit $rc (want $code), output:"
+    echo "$out" | head -20
+    echo "  (wanted /$pattern/)"
+    failed=$((failed + 1))
+  else
+    passed=$((passed + 1))
+  fi
+}
+
+small=(--layers 4 --experts 16 --topk 2 --steps 3 --prompts 8 --responses 4 --prompt-mean 64 --response-mean 128
+       --max-length 512 --gpus 4 --microbatch-tokens 1024)
+
+expect 0 "trace gen" -- "$bin" --help
+expect 2 "unknown command 'nope'" -- "$bin" nope
+expect 0 "usage: foremoe trace stats" -- "$bin" trace stats --help
+expect 0 "usage: foremoe trace gen" -- "$bin" trace gen --help
+expect 2 "unknown option '--bogus'" -- "$bin" trace stats --bogus
+expect 2 "--layers expects an integer, got 'x'" -- "$bin" trace gen --layers x --loads "$work/a.npy"
+expect 2 "--persistence must be in \[0, 1\], got 2" -- "$bin" trace gen --persistence 2 --loads "$work/a.npy"
+expect 2 "option --topk given twice" -- "$bin" trace gen "${small[@]}" --topk 17 --loads "$work/a.npy"
+expect 1 "topk 17 exceeds num_experts 16" -- "$bin" trace gen --experts 16 --topk 17 --loads "$work/a.npy"
+expect 2 "give --loads" -- "$bin" trace gen "${small[@]}"
+expect 1 "missing.npy" -- "$bin" trace stats "$work/missing.npy"
+
+# generate loads and ids, then read both back
+expect 0 "wrote .*loads.npy: loads \[[0-9]+, 4, 16\] int64" -- "$bin" trace gen "${small[@]}" --loads "$work/loads.npy"
+expect 0 "wrote .*ids.npy: routed ids \[[0-9]+, 4, 2\] int16" -- "$bin" trace gen "${small[@]}" --ids "$work/ids.npy"
+expect 0 "in 3 steps, 4 layers x 16 experts" -- "$bin" trace stats "$work/loads.npy"
+expect 0 "in 3 steps, 4 layers x 16 experts" -- "$bin" trace stats "$work/ids.npy" --microbatches "$work/ids.microbatches.npy" \
+  --steps-file "$work/ids.steps.npy" --num-experts 16
+expect 0 "expert share CV across micro-steps" -- "$bin" trace stats "$work/ids.npy" --microbatch-tokens 500
+expect 0 "GPU max/mean" -- "$bin" trace stats "$work/loads.npy" --gpus 4
+expect 2 "--gpus 3 does not divide the 16 experts" -- "$bin" trace stats "$work/loads.npy" --gpus 3
+expect 0 "\[[0-9]+, 4, 16, 4\] int64, 3 steps" -- "$bin" trace gen "${small[@]}" --by-source --loads "$work/src.npy"
+expect 0 "in 3 steps" -- "$bin" trace stats "$work/src.npy"
+# ids that do not fit the expert count
+expect 1 "expert id 1[0-5] at token [0-9]+, layer [0-9], k [01] is outside \[0, 10\)" -- \
+  "$bin" trace stats "$work/ids.npy" --microbatch-tokens 500 --num-experts 10
+
+# malformed files
+printf 'not an npy file at all' >"$work/bad.npy"
+expect 1 "bad.npy" -- "$bin" trace stats "$work/bad.npy"
+head -c 100 "$work/loads.npy" >"$work/trunc.npy"
+expect 1 "trunc.npy" -- "$bin" trace stats "$work/trunc.npy"
+expect 1 "offsets|microbatch" -- "$bin" trace stats "$work/ids.npy" --microbatches "$work/loads.npy"
+
+echo "$passed passed, $failed failed"
+[[ $failed -eq 0 ]]
