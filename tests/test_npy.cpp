@@ -5,7 +5,6 @@
 #include <bit>
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +14,7 @@
 #include <vector>
 
 #include "foremoe/trace/npy.hpp"
+#include "test_support.hpp"
 
 using foremoe::Error;
 using foremoe::NpyArray;
@@ -124,12 +124,6 @@ Bytes c_to_fortran(const Bytes &c_data, const Shape &shape, int item_bytes) {
     std::memcpy(out.data() + f * item_bytes, c_data.data() + c * item_bytes, static_cast<std::size_t>(item_bytes));
   }
   return out;
-}
-
-int seed_multiplier() {
-  const char *env = std::getenv("FOREMOE_TEST_SEEDS");
-  if (env == nullptr) return 1;
-  return std::max(1, std::atoi(env));
 }
 
 struct TempDir {
@@ -385,7 +379,7 @@ TEST_CASE("to_doubles and to_int64 convert every dtype") {
 }
 
 TEST_CASE("property: random round trips, byte orders and transposes") {
-  const int num_iters = 300 * seed_multiplier();
+  const int num_iters = 300 * foremoe_test::seed_multiplier();
   std::mt19937_64 rng(20240611);
   for (int iter = 0; iter < num_iters; ++iter) {
     const NpyDtype dtype = all_dtypes[rng() % std::size(all_dtypes)];

@@ -134,7 +134,8 @@ struct NpySize {
   std::int64_t nonzero_bytes = dtype.item_bytes;
   bool has_zero = false;
   for (const std::int64_t dim : shape) {
-    require(dim >= 0, prefix, "negative dimension ", dim, " in shape ", npy_shape_str(shape));
+    // Not require(): its arguments are evaluated even on success, and the shape text would make this quadratic.
+    if (dim < 0) fail(prefix, "negative dimension ", dim, " in shape ", npy_shape_str(shape));
     if (dim == 0) {
       has_zero = true;
       continue;
@@ -212,8 +213,8 @@ struct NpyPreamble {
   const auto byte_at = [&](std::size_t i) { return static_cast<unsigned>(head[i]); };
   const std::string_view head_text{reinterpret_cast<const char *>(head.data()), head.size()};
   for (std::size_t i = 0; i < std::min<std::size_t>(head.size(), 6); ++i)
-    require(byte_at(i) == npy_magic[i], "bad magic: expected \\x93NUMPY, got '", npy_escape(head_text.substr(0, 6)),
-            "'");
+    if (byte_at(i) != npy_magic[i])
+      fail("bad magic: expected \\x93NUMPY, got '", npy_escape(head_text.substr(0, 6)), "'");
   require(file_bytes >= 10, "truncated: ", file_bytes, " bytes is shorter than the 10-byte NPY preamble");
   NpyPreamble pre;
   pre.major = static_cast<int>(byte_at(6));
@@ -320,8 +321,9 @@ public:
     for (std::size_t i = 0; i < 3; ++i)
       require(seen[i], "header dict lacks the key '", keys[i], "'");
     out.size = npy_size(out.shape, out.dtype);
-    require(out.size.num_bytes <= limits_.max_bytes, "shape ", npy_shape_str(out.shape), " of ", out.descr, " needs ",
-            out.size.num_bytes, " bytes, above the limit max_bytes=", limits_.max_bytes);
+    if (out.size.num_bytes > limits_.max_bytes)
+      fail("shape ", npy_shape_str(out.shape), " of ", out.descr, " needs ", out.size.num_bytes,
+           " bytes, above the limit max_bytes=", limits_.max_bytes);
     return out;
   }
 
@@ -470,8 +472,8 @@ inline void npy_check_data_bytes(std::int64_t data_bytes, const NpyHeader &heade
     version = 2;
     header_bytes = wrap(version);
   }
-  require(header_bytes <= 0xffffffffu, prefix, "header of shape ", npy_shape_str(shape), " needs ", header_bytes,
-          " bytes, above the format's 4 GiB");
+  if (header_bytes > 0xffffffffu)
+    fail(prefix, "header of shape ", npy_shape_str(shape), " needs ", header_bytes, " bytes, above the format's 4 GiB");
   std::string out(reinterpret_cast<const char *>(npy_magic), sizeof(npy_magic));
   out += static_cast<char>(version);
   out += '\0';
@@ -517,8 +519,9 @@ struct NpyArray {
 
   /// The elements as `T`, in the array's own order; throws unless `T` matches `dtype` and `data` matches `shape`.
   template <class T> [[nodiscard]] std::span<const T> as() const {
-    detail::require(NpyDtype::of<T>() == dtype, "NpyArray::as: requested ", NpyDtype::of<T>().descr(),
-                    " but the array holds ", dtype.valid() ? dtype.descr() : std::string{"an invalid dtype"});
+    if (NpyDtype::of<T>() != dtype)
+      detail::fail("NpyArray::as: requested ", NpyDtype::of<T>().descr(), " but the array holds ",
+                   dtype.valid() ? dtype.descr() : std::string{"an invalid dtype"});
     const auto n = checked_size().num_elements;
     // vector storage comes from operator new, aligned for every supported T.
     return {reinterpret_cast<const T *>(data.data()), static_cast<std::size_t>(n)};
@@ -560,8 +563,8 @@ struct NpyArray {
 
   /// Every element as int64, in C order; throws for float dtypes and for uint64 values above INT64_MAX.
   [[nodiscard]] std::vector<std::int64_t> to_int64() const {
-    detail::require(dtype.kind != NpyKind::float_, "NpyArray::to_int64: dtype ", dtype.descr(),
-                    " is not an integer dtype");
+    if (dtype.kind == NpyKind::float_)
+      detail::fail("NpyArray::to_int64: dtype ", dtype.descr(), " is not an integer dtype");
     std::size_t idx = 0;
     return converted<std::int64_t>([&idx](auto v) {
       if constexpr (std::is_same_v<decltype(v), std::uint64_t>)
@@ -575,8 +578,9 @@ struct NpyArray {
 private:
   [[nodiscard]] detail::NpySize checked_size() const {
     const auto size = detail::npy_size(shape, dtype, "NpyArray: ");
-    detail::require(static_cast<std::int64_t>(data.size()) == size.num_bytes, "NpyArray: data has ", data.size(),
-                    " bytes, shape ", detail::npy_shape_str(shape), " of ", dtype.descr(), " needs ", size.num_bytes);
+    if (static_cast<std::int64_t>(data.size()) != size.num_bytes)
+      detail::fail("NpyArray: data has ", data.size(), " bytes, shape ", detail::npy_shape_str(shape), " of ",
+                   dtype.descr(), " needs ", size.num_bytes);
     return size;
   }
 
@@ -700,8 +704,9 @@ inline void npy_write_le(std::FILE *f, const std::byte *data, std::size_t num_by
                                                        const void *data, bool fortran_order = false, int version = 1) {
   const std::string header = detail::npy_encode_header(dtype, shape, fortran_order, version, "encode_npy: ");
   const auto num_bytes = static_cast<std::size_t>(detail::npy_size(shape, dtype).num_bytes);
-  detail::require(data != nullptr || num_bytes == 0, "encode_npy: data is null for shape ",
-                  detail::npy_shape_str(shape), " of ", dtype.descr(), " (", num_bytes, " bytes)");
+  if (data == nullptr && num_bytes > 0)
+    detail::fail("encode_npy: data is null for shape ", detail::npy_shape_str(shape), " of ", dtype.descr(), " (",
+                 num_bytes, " bytes)");
   std::vector<std::byte> out(header.size() + num_bytes);
   std::memcpy(out.data(), header.data(), header.size());
   if (num_bytes > 0) {
@@ -725,8 +730,8 @@ inline void write_npy(const std::filesystem::path &path, const NpyDtype &dtype, 
   try {
     const std::string header = detail::npy_encode_header(dtype, shape, fortran_order, 1, "");
     const auto num_bytes = static_cast<std::size_t>(detail::npy_size(shape, dtype).num_bytes);
-    detail::require(data != nullptr || num_bytes == 0, "data is null for shape ", detail::npy_shape_str(shape), " of ",
-                    dtype.descr());
+    if (data == nullptr && num_bytes > 0)
+      detail::fail("data is null for shape ", detail::npy_shape_str(shape), " of ", dtype.descr());
     errno = 0;
     detail::NpyFile file{std::fopen(tmp.c_str(), "wb")};
     if (!file) detail::fail("cannot open the temporary file ", tmp, ": ", std::strerror(errno));
@@ -748,9 +753,10 @@ inline void write_npy(const std::filesystem::path &path, const NpyDtype &dtype, 
 template <class T>
 void write_npy(const std::filesystem::path &path, std::span<const T> data, std::span<const std::int64_t> shape) {
   constexpr NpyDtype dtype = NpyDtype::of<T>();
-  const auto size = detail::npy_size(shape, dtype, detail::concat("write_npy ", path, ": "));
-  detail::require(static_cast<std::int64_t>(data.size()) == size.num_elements, "write_npy ", path, ": ", data.size(),
-                  " elements given, shape ", detail::npy_shape_str(shape), " needs ", size.num_elements);
+  const auto size = detail::npy_size(shape, dtype, "write_npy: ");
+  if (static_cast<std::int64_t>(data.size()) != size.num_elements)
+    detail::fail("write_npy ", path, ": ", data.size(), " elements given, shape ", detail::npy_shape_str(shape),
+                 " needs ", size.num_elements);
   write_npy(path, dtype, shape, data.data(), false);
 }
 

@@ -3,8 +3,8 @@
 /// Deterministic synthetic routing traces of GRPO-style RL post-training: routed ids or per-micro-step loads.
 ///
 /// Model, from the seed alone (own PRNG and samplers, so the output is the same with every standard library):
-/// - every MoE layer has a global expert popularity, a power law `rank^-skew` over a random permutation of the
-///   experts (the exponent jittered per layer), which sets the step-level skew;
+/// - every MoE layer has a global expert popularity (lognormal weights by default, or a power law over a random
+///   permutation of the experts), whose `skew` (jittered per layer) sets the step-level skew;
 /// - `num_topics` topics each have, per layer, a preference over experts drawn from a Dirichlet centred on that
 ///   popularity; a prompt mixes a few topics, and each of its responses re-weights that mixture a little;
 /// - a sequence is its prompt (routed identically in every response of that prompt, as a real router would)
@@ -32,6 +32,16 @@
 namespace foremoe {
 inline namespace v0 {
 
+/// Shape of a layer's global expert popularity.
+enum class PopularityModel {
+  /// Independent lognormal weights, `exp(skew * N(0, 1))`. Matches the DeepSeek-V3 histograms: with skew 0.7 and
+  /// 256 experts the median layer has max/mean 5.6, min/mean 0.12 and CV 0.78, the real prefill data 5.89, 0.12
+  /// and 0.83 (a power law of the same max/mean has min/mean 0.6 and CV 0.6).
+  lognormal,
+  /// Power law: the expert of popularity rank r (a random permutation per layer) gets weight (r+1)^-skew.
+  zipf,
+};
+
 /// A lognormal length distribution, rounded to whole tokens and clipped to `[min_tokens, max_tokens]`.
 struct LengthDistribution {
   double mean = 1.0;      ///< arithmetic mean of the unclipped lognormal, in tokens
@@ -41,7 +51,7 @@ struct LengthDistribution {
 };
 
 /// Shape and statistics of a synthetic GRPO trace. The defaults model Qwen3-30B-A3B (48 MoE layers, 128 experts,
-/// top-8) on 64 GPUs with about 8 micro-steps per RL step.
+/// top-8) on 64 GPUs: about 8M tokens and 10 micro-steps per RL step.
 struct SyntheticConfig {
   std::uint64_t seed = 1; ///< everything below is a deterministic function of this
 
@@ -65,13 +75,16 @@ struct SyntheticConfig {
   /// In [0, 1]: weight of one topic that each response draws for itself (uniformly), because responses to one
   /// prompt share its subject but not their reasoning path; the rest follows the prompt's mixture. 0 = every
   /// response routes like its prompt.
-  double response_topic_weight = 0.3;
+  double response_topic_weight = 0.5;
 
-  /// Power-law exponent of the global per-layer expert popularity (expert of popularity rank r gets weight
-  /// (r+1)^-skew); 0 is uniform. The default puts the median step-level per-layer max/mean load near 4.5.
-  double skew = 0.55;
-  /// Per-layer lognormal jitter (log-scale sigma) of the exponent, so layers differ in skew as real ones do.
-  double skew_layer_sigma = 0.25;
+  /// Shape of the global per-layer expert popularity that `skew` parameterises.
+  PopularityModel popularity = PopularityModel::lognormal;
+  /// Skew of the global per-layer expert popularity, >= 0 (0 is uniform): the log-scale sigma of the lognormal
+  /// weights, or the power-law exponent. The default puts the median step-level per-layer max/mean load near 4.5
+  /// for 128 experts.
+  double skew = 0.8;
+  /// Per-layer lognormal jitter (log-scale sigma) of `skew`, so layers differ in skew as real ones do.
+  double skew_layer_sigma = 0.2;
 
   /// In [0, 1]: probability that a token keeps each of the previous token's experts in a layer.
   double persistence = 0.6;
@@ -85,7 +98,7 @@ struct SyntheticConfig {
     c.num_layers = 58;
     c.num_experts = 256;
     c.topk = 8;
-    c.skew = 0.6;
+    c.skew = 0.85;
     return c;
   }
 
@@ -117,7 +130,9 @@ struct SyntheticConfig {
             "SyntheticConfig: topic_mix_concentration must be positive and finite, got ", topic_mix_concentration);
     require(response_topic_weight >= 0 && response_topic_weight <= 1,
             "SyntheticConfig: response_topic_weight must be in [0, 1], got ", response_topic_weight);
-    require(std::isfinite(skew) && skew >= 0, "SyntheticConfig: skew must be finite and >= 0, got ", skew);
+    require(popularity == PopularityModel::lognormal || popularity == PopularityModel::zipf,
+            "SyntheticConfig: unknown popularity model ", static_cast<int>(popularity));
+    require(std::isfinite(skew) && skew >= 0 && skew <= 20, "SyntheticConfig: skew must be in [0, 20], got ", skew);
     require(std::isfinite(skew_layer_sigma) && skew_layer_sigma >= 0,
             "SyntheticConfig: skew_layer_sigma must be finite and >= 0, got ", skew_layer_sigma);
     require(persistence >= 0 && persistence <= 1, "SyntheticConfig: persistence must be in [0, 1], got ",
@@ -338,12 +353,17 @@ inline SyntheticWorld make_world(const SyntheticConfig &cfg) {
     Xoshiro256 rng(stream_seed(cfg.seed, tag_popularity, static_cast<std::uint64_t>(l)));
     const double jitter = cfg.skew_layer_sigma;
     const double s = cfg.skew * std::exp(jitter * sample_normal(rng) - 0.5 * jitter * jitter);
-    std::vector<int> perm(ne);
-    for (int e = 0; e < num_experts; ++e) perm[static_cast<std::size_t>(e)] = e;
-    for (std::size_t i = ne; i > 1; --i) std::swap(perm[i - 1], perm[rng.below(i)]);
     double *p = popularity.data() + static_cast<std::size_t>(l) * ne;
+    if (cfg.popularity == PopularityModel::zipf) {
+      std::vector<int> perm(ne);
+      for (int e = 0; e < num_experts; ++e) perm[static_cast<std::size_t>(e)] = e;
+      for (std::size_t i = ne; i > 1; --i) std::swap(perm[i - 1], perm[rng.below(i)]);
+      for (std::size_t r = 0; r < ne; ++r) p[perm[r]] = std::pow(static_cast<double>(r + 1), -s);
+    } else {
+      for (std::size_t e = 0; e < ne; ++e) p[e] = std::exp(s * sample_normal(rng));
+    }
     double sum = 0;
-    for (std::size_t r = 0; r < ne; ++r) sum += p[perm[r]] = std::pow(static_cast<double>(r + 1), -s);
+    for (std::size_t e = 0; e < ne; ++e) sum += p[e];
     for (std::size_t e = 0; e < ne; ++e) p[e] /= sum;
   }
   SyntheticWorld w;
@@ -480,12 +500,12 @@ public:
   explicit SequenceRouter(const SyntheticConfig &cfg)
       : num_layers_(cfg.num_layers), num_experts_(cfg.num_experts),
         tp_(static_cast<std::size_t>(cfg.topics_per_prompt)),
-        keep_threshold_(static_cast<std::uint32_t>(std::llround(cfg.persistence * 65536.0))),
+        keep_threshold_(static_cast<std::uint64_t>(std::llround(cfg.persistence * 32768.0))),
         distinct_weights_(cfg.response_topic_weight > 0),
         prompt_mix_(static_cast<std::size_t>(cfg.num_experts)), response_mix_(prompt_mix_.size()),
         cur_(static_cast<std::size_t>(cfg.topk), std::int16_t{-1}),
         taken_((static_cast<std::size_t>(cfg.num_experts) + 63) / 64, 0),
-        drop_((static_cast<std::size_t>(cfg.topk) + 63) / 64, 0) {}
+        drop_((static_cast<std::size_t>(cfg.topk) + 63) / 64, 0), enter_(static_cast<std::size_t>(cfg.topk), 0) {}
 
   template <class Sink>
   void route(const SyntheticWorld &world, const SyntheticStepPlan &plan, int seq_idx, std::int64_t first_token,
@@ -528,81 +548,117 @@ private:
     }
   }
 
-  [[nodiscard]] bool taken(int e) const noexcept {
-    return (taken_[static_cast<std::size_t>(e) >> 6] >> (static_cast<unsigned>(e) & 63u)) & 1u;
+  [[nodiscard]] static bool taken(const std::uint64_t *bits, int e) noexcept {
+    return (bits[static_cast<unsigned>(e) >> 6] >> (static_cast<unsigned>(e) & 63u)) & 1u;
   }
-  void flip(int e) noexcept { taken_[static_cast<std::size_t>(e) >> 6] ^= std::uint64_t{1} << (static_cast<unsigned>(e) & 63u); }
+  static void flip(std::uint64_t *bits, int e) noexcept {
+    bits[static_cast<unsigned>(e) >> 6] ^= std::uint64_t{1} << (static_cast<unsigned>(e) & 63u);
+  }
 
   /// An expert not in the current top-k: rejection from the alias table, exact over the remaining mass if that
   /// stalls (a few experts holding almost all the mass).
-  int draw_distinct(Xoshiro256 &rng, const AliasTable &table, const double *probs) {
+  int draw_distinct(Xoshiro256 &rng, const AliasTable &table, const double *probs, const std::uint64_t *bits) const {
     for (int tries = 0; tries < 64; ++tries) {
       const int e = table.sample(rng);
-      if (!taken(e)) return e;
+      if (!taken(bits, e)) [[likely]]
+        return e;
     }
+    return draw_exact(rng, probs, bits);
+  }
+
+  int draw_exact(Xoshiro256 &rng, const double *probs, const std::uint64_t *bits) const {
     double rest = 0;
     for (int e = 0; e < num_experts_; ++e)
-      if (!taken(e)) rest += probs[e];
+      if (!taken(bits, e)) rest += probs[e];
     double u = rng.uniform() * rest;
     int last = -1;
     for (int e = 0; e < num_experts_; ++e) {
-      if (taken(e)) continue;
+      if (taken(bits, e)) continue;
       last = e;
       if ((u -= probs[e]) < 0) return e;
     }
     return last; // rounding left u >= 0 at the end
   }
 
+  /// Runs one layer's chain over `num_tokens` tokens. A sink with `count_row(layer_idx)` gets run-length counts
+  /// (an expert's load grows by the tokens it stayed for, added when it leaves), so the per-token work is only
+  /// the coin flips; any other sink sees every token through `route`.
   template <class Sink>
-  void run_chain(Xoshiro256 &rng, const AliasTable &table, const double *probs, bool fresh, int num_tokens,
+  void run_chain(Xoshiro256 &rng_ref, const AliasTable &table, const double *probs, bool fresh, int num_tokens,
                  std::int64_t first_token, int l, Sink &sink) {
-    const std::int16_t *ids = cur_.data();
+    constexpr bool run_length = requires { sink.count_row(l); };
+    // Locals, so that the sink's stores cannot alias the generator state or the bit sets.
+    Xoshiro256 rng = rng_ref;
+    std::int16_t *const cur = cur_.data();
+    std::uint64_t *const bits = taken_.data();
+    std::uint64_t *const drop = drop_.data();
+    std::int64_t *const enter = enter_.data();
+    std::int64_t *row = nullptr;
+    if constexpr (run_length) row = sink.count_row(l);
     const std::size_t k = cur_.size(), num_words = drop_.size();
-    for (int t = 0; t < num_tokens; ++t) {
-      if (fresh && t == 0) {
-        for (std::int16_t &c : cur_) {
-          if (c >= 0) flip(c);
-          c = -1;
+    const std::uint64_t keep = keep_threshold_;
+    int t = 0;
+    if (fresh && num_tokens > 0) {
+      for (std::size_t j = 0; j < k; ++j)
+        if (cur[j] >= 0) flip(bits, cur[j]);
+      std::fill(cur, cur + k, std::int16_t{-1});
+      for (std::size_t j = 0; j < k; ++j) {
+        cur[j] = static_cast<std::int16_t>(draw_distinct(rng, table, probs, bits));
+        flip(bits, cur[j]);
+      }
+      if constexpr (!run_length) sink.route(first_token, l, cur);
+      t = 1;
+    }
+    if constexpr (run_length) std::fill(enter, enter + k, first_token);
+    for (; t < num_tokens; ++t) {
+      if (keep < 32768u) {
+        // Each slot keeps its expert unless its 15 random bits reach `keep`: four slots per random word, compared
+        // lane-wise without branches since keeping is a coin flip.
+        for (std::size_t g = 0; g < k; g += 4) {
+          const std::uint64_t x = (rng.next() & 0x7FFF7FFF7FFF7FFFULL) | 0x8000800080008000ULL;
+          const std::uint64_t lanes = ((x - keep * 0x0001000100010001ULL) & 0x8000800080008000ULL) >> 15;
+          // Gathers the lane bits 0, 16, 32, 48 into bits 60..63 (the cross terms land on distinct lower bits).
+          const std::uint64_t nibble = (lanes * 0x1000200040008000ULL) >> 60;
+          drop[g >> 6] |= nibble << (g & 63);
         }
-        for (std::int16_t &c : cur_) {
-          c = static_cast<std::int16_t>(draw_distinct(rng, table, probs));
-          flip(c);
-        }
-      } else if (keep_threshold_ < 65536u) {
-        // 16 random bits per slot decide whether it keeps its expert; branch-free, since keeping is a coin flip.
-        // All drops happen before any re-draw, so a re-draw never duplicates a kept expert and may bring back a
-        // dropped one.
-        std::uint64_t bits = 0;
-        for (std::size_t j = 0; j < k; ++j) {
-          if ((j & 3) == 0) bits = rng.next();
-          drop_[j >> 6] |= static_cast<std::uint64_t>((bits & 0xFFFF) >= keep_threshold_) << (j & 63);
-          bits >>= 16;
-        }
-        for (std::size_t w = 0; w < num_words; ++w)
-          for (std::uint64_t d = drop_[w]; d != 0; d &= d - 1)
-            flip(cur_[w * 64 + static_cast<std::size_t>(std::countr_zero(d))]);
+        if (k % 4 != 0) drop[(k - 1) >> 6] &= ~std::uint64_t{0} >> (63 - ((k - 1) & 63));
+        // Dropped slots are re-drawn in slot order, each excluding every other slot's current expert (so the
+        // top-k stays distinct) but not its own.
         for (std::size_t w = 0; w < num_words; ++w) {
-          for (std::uint64_t d = drop_[w]; d != 0; d &= d - 1) {
-            std::int16_t &c = cur_[w * 64 + static_cast<std::size_t>(std::countr_zero(d))];
-            c = static_cast<std::int16_t>(draw_distinct(rng, table, probs));
-            flip(c);
+          for (std::uint64_t d = drop[w]; d != 0; d &= d - 1) {
+            const std::size_t j = w * 64 + static_cast<std::size_t>(std::countr_zero(d));
+            flip(bits, cur[j]);
+            const int e = draw_distinct(rng, table, probs, bits);
+            flip(bits, e);
+            if constexpr (run_length) {
+              const std::int64_t now = first_token + t;
+              row[cur[j]] += now - enter[j];
+              enter[j] = now;
+            }
+            cur[j] = static_cast<std::int16_t>(e);
           }
-          drop_[w] = 0;
+          drop[w] = 0;
         }
       }
-      sink.route(first_token + t, l, ids);
+      if constexpr (!run_length) sink.route(first_token + t, l, cur);
     }
+    if constexpr (run_length) {
+      const std::int64_t end = first_token + num_tokens;
+      for (std::size_t j = 0; j < k; ++j) row[cur[j]] += end - enter[j];
+    }
+    rng_ref = rng;
   }
 
   int num_layers_, num_experts_;
   std::size_t tp_;
-  std::uint32_t keep_threshold_; ///< persistence in 1/65536 units; 65536 = always keep
+  std::uint64_t keep_threshold_; ///< persistence in 1/32768 units; 32768 = always keep
   bool distinct_weights_;
   std::vector<double> prompt_mix_, response_mix_;
   AliasTable prompt_table_, response_table_;
   std::vector<std::int16_t> cur_;     ///< current top-k of the chain; -1 before the first draw
   std::vector<std::uint64_t> taken_; ///< bit set of the experts in `cur_`
   std::vector<std::uint64_t> drop_;  ///< bit set of the slots to re-draw
+  std::vector<std::int64_t> enter_;  ///< run-length counting: token at which each slot got its expert
 };
 
 /// Routes every sequence in execution order through `sink`, which sees
@@ -713,12 +769,11 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
   LoadTensor out(static_cast<int>(steps.back()), cfg.num_layers, cfg.num_experts, by_source ? cfg.num_gpus : 0);
   struct Counter {
     LoadTensor &out;
-    int num_layers, num_experts, topk;
+    int num_layers, num_experts;
     std::vector<std::int64_t> block; ///< `[L][E]` counts of the current (micro-step, rank)
     void begin_block(int, int) { std::fill(block.begin(), block.end(), 0); }
-    void route(std::int64_t, int layer_idx, const std::int16_t *ids) {
-      std::int64_t *row = block.data() + static_cast<std::size_t>(layer_idx) * static_cast<std::size_t>(num_experts);
-      for (int j = 0; j < topk; ++j) ++row[ids[j]];
+    std::int64_t *count_row(int layer_idx) {
+      return block.data() + static_cast<std::size_t>(layer_idx) * static_cast<std::size_t>(num_experts);
     }
     void end_block(int micro_idx, int rank_idx) {
       const auto ne = static_cast<std::size_t>(num_experts);
@@ -733,7 +788,7 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
         }
       }
     }
-  } counter{out, cfg.num_layers, cfg.num_experts, cfg.topk,
+  } counter{out, cfg.num_layers, cfg.num_experts,
             std::vector<std::int64_t>(static_cast<std::size_t>(cfg.num_layers) * cfg.num_experts)};
   detail::run_synthetic(cfg, plans, counter);
   if (step_offsets != nullptr) *step_offsets = std::move(steps);

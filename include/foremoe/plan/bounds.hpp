@@ -1,0 +1,92 @@
+#pragma once
+/// @file
+/// Lower bounds on a layer's maximum GPU load, for any plan of the given mode.
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "foremoe/core/error.hpp"
+#include "foremoe/core/placement.hpp"
+#include "foremoe/core/topology.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+
+/// `ceil(total / num_gpus)`: no plan beats a perfect split.
+[[nodiscard]] inline std::int64_t lower_bound_total(std::span<const std::int64_t> loads, int num_gpus) {
+  detail::require(num_gpus > 0, "lower_bound_total: num_gpus must be positive, got ", num_gpus);
+  std::int64_t total = 0;
+  for (std::int64_t v : loads) total += v;
+  return (total + num_gpus - 1) / num_gpus;
+}
+
+/// Free mode: the total bound and, per expert, its load over the most copies it can have (one per GPU, and no
+/// more than the slots left once every other expert has one).
+[[nodiscard]] inline std::int64_t lower_bound_free(std::span<const std::int64_t> loads, const Topology &topo) {
+  const auto num_experts = static_cast<std::int64_t>(loads.size());
+  const std::int64_t max_copies = std::max<std::int64_t>(
+      1, std::min<std::int64_t>(topo.num_gpus(), topo.num_slots() - num_experts + 1));
+  std::int64_t lb = lower_bound_total(loads, topo.num_gpus());
+  for (std::int64_t v : loads) lb = std::max(lb, (v + max_copies - 1) / max_copies);
+  return lb;
+}
+
+/// Two-level mode with fixed owners: the total bound; per expert, its load over 1 + the GPUs that may take a
+/// replica of it (a spare slot and budget, or the replica already resident); per GPU, the experts it owns that
+/// cannot all get a replica elsewhere (at most one per usable spare slot of the other GPUs) stay whole on it.
+[[nodiscard]] inline std::int64_t lower_bound_two_level(std::span<const std::int64_t> loads,
+                                                        std::span<const std::int32_t> owner_gpu, const Topology &topo,
+                                                        int move_budget = -1, const LayerPlacement *resident = nullptr) {
+  const int num_gpus = topo.num_gpus(), num_experts = static_cast<int>(loads.size());
+  detail::require(static_cast<int>(owner_gpu.size()) == num_experts, "lower_bound_two_level: ", owner_gpu.size(),
+                  " owners for ", num_experts, " experts");
+  std::vector<int> owned(static_cast<std::size_t>(num_gpus), 0);
+  for (std::int32_t o : owner_gpu) {
+    detail::require(o >= 0 && o < num_gpus, "lower_bound_two_level: owner GPU ", o, " outside [0, ", num_gpus, ")");
+    ++owned[o];
+  }
+  // Usable spare slots per GPU: any spare with budget left; with a zero budget only resident replicas count.
+  std::vector<int> usable(static_cast<std::size_t>(num_gpus), 0);
+  std::int64_t total_usable = 0;
+  for (int g = 0; g < num_gpus; ++g) {
+    const int spare = std::max(0, topo.slots_per_gpu - owned[g]);
+    usable[g] = move_budget < 0 ? spare : std::min(spare, move_budget);
+    if (resident != nullptr && usable[g] < spare) {
+      int kept = 0;
+      for (std::int32_t e : resident->gpu_slots(g))
+        if (e >= 0 && e < num_experts && owner_gpu[e] != g) ++kept;
+      usable[g] = std::min(spare, usable[g] + kept);
+    }
+    total_usable += usable[g];
+  }
+  std::int64_t lb = lower_bound_total(loads, num_gpus);
+  for (int e = 0; e < num_experts; ++e) {
+    std::int64_t hosts = 1;
+    for (int g = 0; g < num_gpus; ++g) {
+      if (g == owner_gpu[e]) continue;
+      const int spare = std::max(0, topo.slots_per_gpu - owned[g]);
+      const bool budget_ok = move_budget < 0 || move_budget > 0 || (resident != nullptr && resident->holds(g, e));
+      if (spare > 0 && budget_ok) ++hosts;
+    }
+    hosts = std::min<std::int64_t>(hosts, 1 + total_usable - usable[owner_gpu[e]]);
+    lb = std::max(lb, (loads[e] + hosts - 1) / hosts);
+  }
+  std::vector<std::int64_t> mine;
+  for (int g = 0; g < num_gpus; ++g) {
+    mine.clear();
+    for (int e = 0; e < num_experts; ++e)
+      if (owner_gpu[e] == g) mine.push_back(loads[e]);
+    const std::int64_t outlets = total_usable - usable[g];
+    if (static_cast<std::int64_t>(mine.size()) <= outlets) continue;
+    std::sort(mine.begin(), mine.end());
+    std::int64_t stay = 0;
+    for (std::size_t i = 0; i + static_cast<std::size_t>(outlets) < mine.size(); ++i) stay += mine[i];
+    lb = std::max(lb, stay);
+  }
+  return lb;
+}
+
+} // namespace v0
+} // namespace foremoe

@@ -1,0 +1,611 @@
+#pragma once
+/// @file
+/// Replica selection jointly with the exact token split: the per-micro-step heart of the planner.
+///
+/// Two-level mode (owners fixed for the step, replicas in the spare slots): a binary search on the makespan `T`
+/// whose feasibility test is a greedy "shedding" construction. Every GPU above `T` must shed `load - T`; it does
+/// so through replicas of its own experts on GPUs with a free spare slot and headroom below `T`, taking its
+/// heaviest remaining expert each time and the receiver whose headroom fits the need most tightly (a resident copy
+/// first, since it costs no move). The transfers it records are a valid split, so the exact split of the result
+/// is at most `T`. A local search driven by the exact split then moves single replicas while the maximum drops.
+///
+/// Free mode (any slot holds anything): replica counts by greedy max load per copy (a heap), LPT placement of the
+/// copies with no two copies of an expert on one GPU and exactly `slots` per GPU, then the exact split and the
+/// same kind of local search.
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <numeric>
+#include <queue>
+#include <span>
+#include <vector>
+
+#include "foremoe/core/error.hpp"
+#include "foremoe/core/placement.hpp"
+#include "foremoe/core/topology.hpp"
+#include "foremoe/plan/bounds.hpp"
+#include "foremoe/plan/plan.hpp"
+#include "foremoe/plan/split.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+
+/// Seconds to bring a new replica of `expert` from `src_gpu` (or `host_mirror`) to `dst_gpu`, gradient return
+/// included where the stage has one.
+using ReplicaCostFn = std::function<double(int expert, int src_gpu, int dst_gpu)>;
+/// Seconds a GPU needs for a token count (the layer's expert compute).
+using TokenTimeFn = std::function<double(std::int64_t tokens)>;
+
+/// Options of replica selection for one layer.
+struct ReplicaOptions {
+  int move_budget = -1;          ///< new replicas per GPU per micro-step; < 0: the GPU's spare slots
+  int local_search_rounds = 24;  ///< improving replica moves tried after the construction (0: none)
+  /// Optional cost gate: a new replica stays only if the compute time it saves exceeds `replica_cost`. Both
+  /// callbacks must be set for the gate to act.
+  ReplicaCostFn replica_cost;
+  TokenTimeFn token_time;
+};
+
+namespace detail {
+
+/// Sign of `a / b - c / d` for non-negative numerators and positive denominators, without overflow.
+[[nodiscard]] constexpr int compare_fractions(std::int64_t a, std::int64_t b, std::int64_t c, std::int64_t d) noexcept {
+  const std::int64_t q1 = a / b, q2 = c / d;
+  if (q1 != q2) return q1 < q2 ? -1 : 1;
+  // Remainders are below their denominators (GPU counts), so the cross products stay small.
+  const std::int64_t r1 = (a % b) * d, r2 = (c % d) * b;
+  return r1 < r2 ? -1 : r1 > r2 ? 1 : 0;
+}
+
+} // namespace detail
+
+/// Plans replicas and token splits for single layers; keeps its scratch between calls (one per thread).
+class ReplicaPlanner {
+public:
+  ReplicaPlanner(const Topology &topo, int num_experts) : topo_(topo), num_experts_(num_experts) {
+    topo.validate(num_experts);
+    num_gpus_ = topo.num_gpus();
+    slots_ = topo.slots_per_gpu;
+  }
+
+  [[nodiscard]] const Topology &topology() const noexcept { return topo_; }
+  [[nodiscard]] int num_experts() const noexcept { return num_experts_; }
+
+  /// Two-level plan: `owner_gpu[e]` keeps a copy of `e`; replicas fill spare slots. `resident` (may be null) is the
+  /// previous micro-step's placement of this layer: its replicas are kept where useful at no move cost.
+  [[nodiscard]] LayerPlan plan_two_level(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
+                                         const LayerPlacement *resident, const ReplicaOptions &opts = {}) {
+    check_loads(loads, "plan_two_level");
+    check_resident(resident, "plan_two_level");
+    setup_owners(loads, owner_gpu);
+    setup_resident(resident, owner_gpu);
+    for (int g = 0; g < num_gpus_; ++g)
+      budget_[g] = opts.move_budget < 0 ? spare_[g] : std::min(spare_[g], opts.move_budget);
+
+    // Binary search on T over the greedy construction.
+    std::int64_t hi = 0;
+    for (int g = 0; g < num_gpus_; ++g) hi = std::max(hi, owner_load_[g]);
+    std::int64_t lo = std::min(hi, lower_bound_two_level(loads, owner_gpu, topo_, opts.move_budget, resident));
+    clear_solution(best_);
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (shed_greedy(mid, loads)) {
+        hi = mid;
+        best_ = trial_;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    cur_ = best_;
+    std::int64_t makespan = evaluate(cur_, loads);
+    if (opts.local_search_rounds > 0) makespan = local_search_two_level(loads, makespan, opts);
+    if (opts.replica_cost && opts.token_time) makespan = apply_gate(loads, owner_gpu, makespan, opts);
+    keep_unused_residents(cur_);
+    makespan = evaluate(cur_, loads);
+    (void)makespan;
+    LayerPlan plan = realize(cur_, loads, owner_gpu, resident);
+    // Same loads, same owners: the resident placement, when at least as good, wins and moves nothing.
+    if (resident != nullptr && resident_compatible(*resident, owner_gpu)) {
+      LayerPlan keep = plan_from_placement(*resident, loads, owner_gpu, resident);
+      if (keep.max_gpu_load <= plan.max_gpu_load) return keep;
+    }
+    return plan;
+  }
+
+  /// Free plan: any slot may hold any expert (every expert at least once), no move budget, owners not pinned
+  /// (the owner of an expert is reported as the GPU of its first copy).
+  [[nodiscard]] LayerPlan plan_free(std::span<const std::int64_t> loads, const LayerPlacement *resident,
+                                    const ReplicaOptions &opts = {}) {
+    check_loads(loads, "plan_free");
+    check_resident(resident, "plan_free");
+    const int num_slots = num_gpus_ * slots_;
+    // Replica counts: one copy each, then greedily to the expert with the largest load per copy.
+    counts_.assign(static_cast<std::size_t>(num_experts_), 1);
+    auto less = [&](std::int32_t a, std::int32_t b) {
+      const int c = detail::compare_fractions(loads[a], counts_[a], loads[b], counts_[b]);
+      return c < 0 || (c == 0 && a > b);
+    };
+    heap_.resize(static_cast<std::size_t>(num_experts_));
+    std::iota(heap_.begin(), heap_.end(), 0);
+    std::make_heap(heap_.begin(), heap_.end(), less);
+    for (int extra = num_slots - num_experts_; extra > 0 && !heap_.empty(); --extra) {
+      std::pop_heap(heap_.begin(), heap_.end(), less);
+      const std::int32_t e = heap_.back();
+      if (loads[e] == 0) break;
+      ++counts_[e];
+      if (counts_[e] >= num_gpus_ || counts_[e] >= loads[e]) heap_.pop_back();
+      else std::push_heap(heap_.begin(), heap_.end(), less);
+    }
+    // LPT of the copies (weight load / count) under exactly `slots` per GPU and no duplicate per GPU.
+    items_.clear();
+    for (int e = 0; e < num_experts_; ++e)
+      for (int c = 0; c < counts_[e]; ++c) items_.push_back(e);
+    std::stable_sort(items_.begin(), items_.end(), [&](std::int32_t a, std::int32_t b) {
+      return detail::compare_fractions(loads[a], counts_[a], loads[b], counts_[b]) > 0;
+    });
+    free_gpu_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    free_cnt_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    LayerPlacement p(num_gpus_, slots_, num_experts_);
+    std::vector<int> left(counts_.begin(), counts_.end());
+    for (std::size_t k = 0; k < items_.size(); ++k) {
+      const std::int32_t e = items_[k];
+      const std::int64_t w = loads[e] / counts_[e];
+      int best = -1;
+      for (int g = 0; g < num_gpus_; ++g) {
+        if (free_cnt_[g] >= slots_ || p.holds(g, e)) continue;
+        const bool prefer_res = resident != nullptr && resident->holds(g, e);
+        if (best < 0 || free_gpu_load_[g] < free_gpu_load_[best] ||
+            (free_gpu_load_[g] == free_gpu_load_[best] && prefer_res && !resident->holds(best, e)))
+          best = g;
+      }
+      // Only an extra copy can find no GPU (every one with room holds e already): items never outnumber slots.
+      if (best < 0) continue;
+      p.slot(best, free_cnt_[best]++) = e;
+      free_gpu_load_[best] += w;
+      --left[e];
+    }
+    // Defensive: every expert keeps a copy even if the LPT above ever dropped one.
+    auto counts_now = p.replica_counts();
+    for (int e = 0; e < num_experts_; ++e) {
+      if (counts_now[e] > 0) continue;
+      bool done = false;
+      for (int q = 0; q < num_slots && !done; ++q) {
+        const std::int32_t x = p.phys_to_log()[q];
+        const int g = q / slots_;
+        if (x != empty_slot && counts_now[x] > 1 && !p.holds(g, e)) {
+          --counts_now[x];
+          p.phys_to_log()[q] = e;
+          ++counts_now[e];
+          done = true;
+        }
+      }
+      detail::require(done, "plan_free: cannot give expert ", e, " a copy");
+    }
+    if (opts.local_search_rounds > 0) local_search_free(p, loads, opts.local_search_rounds);
+    // Keep copies in their resident slots where the same GPU keeps them.
+    std::vector<std::vector<std::int32_t>> per_gpu(static_cast<std::size_t>(num_gpus_));
+    for (int g = 0; g < num_gpus_; ++g)
+      for (std::int32_t e : p.gpu_slots(g))
+        if (e != empty_slot) per_gpu[g].push_back(e);
+    LayerPlacement laid = layout_slots(num_gpus_, slots_, num_experts_, per_gpu, resident);
+    std::vector<std::int32_t> owner(static_cast<std::size_t>(num_experts_), -1);
+    for (int q = 0; q < num_slots; ++q)
+      if (const std::int32_t e = laid.phys_to_log()[q]; e != empty_slot && owner[e] < 0) owner[e] = q / slots_;
+    LayerPlan plan = plan_from_placement(laid, loads, owner, resident);
+    if (resident != nullptr && resident_hosts_all(*resident)) {
+      std::vector<std::int32_t> res_owner(static_cast<std::size_t>(num_experts_), -1);
+      for (int q = 0; q < num_slots; ++q)
+        if (const std::int32_t e = resident->phys_to_log()[q]; e != empty_slot && res_owner[e] < 0)
+          res_owner[e] = q / slots_;
+      LayerPlan keep = plan_from_placement(*resident, loads, res_owner, resident);
+      if (keep.max_gpu_load <= plan.max_gpu_load) return keep;
+    }
+    return plan;
+  }
+
+  /// A plan for a given placement: exact split and moves from `resident`.
+  [[nodiscard]] LayerPlan plan_from_placement(const LayerPlacement &placement, std::span<const std::int64_t> loads,
+                                              std::span<const std::int32_t> owner_gpu, const LayerPlacement *resident) {
+    LayerPlan plan;
+    plan.placement = placement;
+    plan.owner_gpu.assign(owner_gpu.begin(), owner_gpu.end());
+    plan.slot_tokens.assign(static_cast<std::size_t>(placement.num_slots()), 0);
+    plan.max_gpu_load = split_.solve(placement, loads, plan.slot_tokens);
+    plan.moves = compute_moves(placement, owner_gpu, resident, topo_.gpus_per_node);
+    return plan;
+  }
+
+private:
+  /// Replicas per GPU: `rep[g * slots + j]` for `j < cnt[g]`.
+  struct Solution {
+    std::vector<std::int32_t> rep;
+    std::vector<std::int32_t> cnt;
+  };
+
+  void check_loads(std::span<const std::int64_t> loads, const char *who) const {
+    detail::require(static_cast<int>(loads.size()) == num_experts_, who, ": ", loads.size(), " loads for ",
+                    num_experts_, " experts");
+    for (int e = 0; e < num_experts_; ++e)
+      detail::require(loads[e] >= 0, who, ": expert ", e, " has a negative load ", loads[e]);
+  }
+  void check_resident(const LayerPlacement *resident, const char *who) const {
+    if (resident == nullptr) return;
+    detail::require(resident->num_gpus() == num_gpus_ && resident->slots_per_gpu() == slots_ &&
+                        resident->num_experts() == num_experts_,
+                    who, ": resident placement is ", resident->num_gpus(), " GPUs x ", resident->slots_per_gpu(),
+                    " slots x ", resident->num_experts(), " experts, the topology is ", num_gpus_, " x ", slots_,
+                    " x ", num_experts_);
+  }
+  [[nodiscard]] bool resident_compatible(const LayerPlacement &r, std::span<const std::int32_t> owner_gpu) const {
+    for (int e = 0; e < num_experts_; ++e)
+      if (!r.holds(owner_gpu[e], e)) return false;
+    return resident_hosts_all(r);
+  }
+  [[nodiscard]] bool resident_hosts_all(const LayerPlacement &r) const {
+    try {
+      r.validate();
+    } catch (const Error &) {
+      return false;
+    }
+    return true;
+  }
+
+  void setup_owners(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu) {
+    detail::require(static_cast<int>(owner_gpu.size()) == num_experts_, "plan_two_level: ", owner_gpu.size(),
+                    " owners for ", num_experts_, " experts");
+    owner_ = owner_gpu;
+    own_off_.assign(static_cast<std::size_t>(num_gpus_) + 1, 0);
+    for (int e = 0; e < num_experts_; ++e) {
+      const std::int32_t o = owner_gpu[e];
+      detail::require(o >= 0 && o < num_gpus_, "plan_two_level: expert ", e, " has owner GPU ", o, ", outside [0, ",
+                      num_gpus_, ")");
+      ++own_off_[o + 1];
+    }
+    for (int g = 0; g < num_gpus_; ++g) {
+      detail::require(own_off_[g + 1] <= slots_, "plan_two_level: GPU ", g, " owns ", own_off_[g + 1],
+                      " experts but has ", slots_, " slots");
+      own_off_[g + 1] += own_off_[g];
+    }
+    own_list_.resize(static_cast<std::size_t>(num_experts_));
+    fill_.assign(own_off_.begin(), own_off_.end() - 1);
+    for (int e = 0; e < num_experts_; ++e) own_list_[fill_[owner_gpu[e]]++] = e;
+    owner_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    spare_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    budget_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    for (int g = 0; g < num_gpus_; ++g) {
+      std::stable_sort(own_list_.begin() + own_off_[g], own_list_.begin() + own_off_[g + 1],
+                       [&](std::int32_t a, std::int32_t b) { return loads[a] > loads[b]; });
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) owner_load_[g] += loads[own_list_[j]];
+      spare_[g] = slots_ - (own_off_[g + 1] - own_off_[g]);
+    }
+    hot_order_.resize(static_cast<std::size_t>(num_gpus_));
+    std::iota(hot_order_.begin(), hot_order_.end(), 0);
+    std::stable_sort(hot_order_.begin(), hot_order_.end(),
+                     [&](std::int32_t a, std::int32_t b) { return owner_load_[a] > owner_load_[b]; });
+  }
+
+  void setup_resident(const LayerPlacement *resident, std::span<const std::int32_t> owner_gpu) {
+    res_.assign(static_cast<std::size_t>(num_gpus_) * slots_, empty_slot);
+    res_cnt_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    if (resident == nullptr) return;
+    for (int g = 0; g < num_gpus_; ++g)
+      for (std::int32_t e : resident->gpu_slots(g)) {
+        if (e < 0 || e >= num_experts_ || owner_gpu[e] == g || res_cnt_[g] >= spare_[g]) continue;
+        bool dup = false;
+        for (int j = 0; j < res_cnt_[g]; ++j) dup = dup || res_[g * slots_ + j] == e;
+        if (!dup) res_[g * slots_ + res_cnt_[g]++] = e;
+      }
+  }
+  [[nodiscard]] bool is_resident(int g, std::int32_t e) const noexcept {
+    for (int j = 0; j < res_cnt_[g]; ++j)
+      if (res_[g * slots_ + j] == e) return true;
+    return false;
+  }
+  [[nodiscard]] bool holds(const Solution &s, int g, std::int32_t e) const noexcept {
+    if (owner_[e] == g) return true;
+    for (int j = 0; j < s.cnt[g]; ++j)
+      if (s.rep[g * slots_ + j] == e) return true;
+    return false;
+  }
+  [[nodiscard]] int num_new(const Solution &s, int g) const noexcept {
+    int n = 0;
+    for (int j = 0; j < s.cnt[g]; ++j) n += !is_resident(g, s.rep[g * slots_ + j]);
+    return n;
+  }
+  void clear_solution(Solution &s) const {
+    s.rep.assign(static_cast<std::size_t>(num_gpus_) * slots_, empty_slot);
+    s.cnt.assign(static_cast<std::size_t>(num_gpus_), 0);
+  }
+
+  /// The greedy shedding construction at makespan `t`; fills `trial_` and says whether every GPU got under `t`.
+  bool shed_greedy(std::int64_t t, std::span<const std::int64_t> loads) {
+    clear_solution(trial_);
+    room_.resize(static_cast<std::size_t>(num_gpus_));
+    new_left_.resize(static_cast<std::size_t>(num_gpus_));
+    for (int g = 0; g < num_gpus_; ++g) {
+      room_[g] = t - owner_load_[g];
+      new_left_[g] = budget_[g];
+    }
+    remaining_.assign(loads.begin(), loads.end());
+    for (std::int32_t g : hot_order_) {
+      std::int64_t excess = owner_load_[g] - t;
+      if (excess <= 0) break;
+      while (excess > 0) {
+        // Heaviest remaining expert of g that some receiver can take.
+        std::int32_t pick_e = -1, pick_h = -1;
+        std::int64_t pick_t = 0;
+        for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) {
+          const std::int32_t e = own_list_[j];
+          const std::int64_t a = remaining_[e];
+          if (a <= pick_t) continue; // cannot beat the transfer already found
+          const std::int64_t need = std::min(excess, a);
+          const std::int32_t h = pick_receiver(e, need);
+          if (h < 0) continue;
+          const std::int64_t tr = std::min(need, room_[h]);
+          if (tr > pick_t) {
+            pick_t = tr;
+            pick_e = e;
+            pick_h = h;
+            if (tr == excess) break;
+          }
+        }
+        if (pick_e < 0) return false;
+        trial_.rep[pick_h * slots_ + trial_.cnt[pick_h]++] = pick_e;
+        if (!is_resident(pick_h, pick_e)) --new_left_[pick_h];
+        room_[pick_h] -= pick_t;
+        remaining_[pick_e] -= pick_t;
+        excess -= pick_t;
+      }
+    }
+    return true;
+  }
+
+  /// Receiver for a new copy of `e` needing `need` tokens of room: a resident holder with enough room, else the
+  /// tightest room >= need, else the largest room; -1 when no GPU can take it.
+  std::int32_t pick_receiver(std::int32_t e, std::int64_t need) const {
+    std::int32_t fit = -1, big = -1;
+    for (int h = 0; h < num_gpus_; ++h) {
+      if (room_[h] <= 0 || trial_.cnt[h] >= spare_[h] || owner_[e] == h) continue;
+      const bool res = is_resident(h, e);
+      if (!res && new_left_[h] <= 0) continue;
+      bool dup = false;
+      for (int j = 0; j < trial_.cnt[h]; ++j) dup = dup || trial_.rep[h * slots_ + j] == e;
+      if (dup) continue;
+      if (res && room_[h] >= need) return h;
+      if (room_[h] >= need) {
+        if (fit < 0 || room_[h] < room_[fit]) fit = h;
+      } else if (big < 0 || room_[h] > room_[big]) {
+        big = h;
+      }
+    }
+    return fit >= 0 ? fit : big;
+  }
+
+  /// Exact split of a solution; leaves per-GPU loads in `gpu_loads_` and per-copy tokens in `copy_tokens_`.
+  std::int64_t evaluate(const Solution &s, std::span<const std::int64_t> loads) {
+    copies_.assign(static_cast<std::size_t>(num_experts_), 0);
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < s.cnt[g]; ++j) ++copies_[s.rep[g * slots_ + j]];
+    shared_idx_.assign(static_cast<std::size_t>(num_experts_), -1);
+    shared_loads_.clear();
+    shared_exp_.clear();
+    for (int e = 0; e < num_experts_; ++e)
+      if (copies_[e] > 0) {
+        shared_idx_[e] = static_cast<std::int32_t>(shared_loads_.size());
+        shared_loads_.push_back(loads[e]);
+        shared_exp_.push_back(e);
+      }
+    const int num_shared = static_cast<int>(shared_loads_.size());
+    offsets_.assign(static_cast<std::size_t>(num_shared) + 1, 0);
+    for (int i = 0; i < num_shared; ++i) offsets_[i + 1] = offsets_[i] + 1 + copies_[shared_exp_[i]];
+    copy_gpu_.resize(offsets_.back());
+    fill_.assign(offsets_.begin(), offsets_.end() - 1);
+    for (int i = 0; i < num_shared; ++i) copy_gpu_[fill_[i]++] = owner_[shared_exp_[i]];
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < s.cnt[g]; ++j) {
+        const std::int32_t i = shared_idx_[s.rep[g * slots_ + j]];
+        copy_gpu_[fill_[i]++] = g;
+      }
+    base_.assign(owner_load_.begin(), owner_load_.end());
+    for (int i = 0; i < num_shared; ++i) base_[owner_[shared_exp_[i]]] -= shared_loads_[i];
+    copy_tokens_.resize(copy_gpu_.size());
+    gpu_loads_.resize(static_cast<std::size_t>(num_gpus_));
+    return split_.solve_core(base_, shared_loads_, offsets_, copy_gpu_, copy_tokens_, gpu_loads_);
+  }
+
+  /// Tokens that copy of `e` on `g` receives in the last evaluation (0 if none).
+  [[nodiscard]] std::int64_t tokens_on(std::int32_t e, int g, std::span<const std::int64_t> loads) const {
+    const std::int32_t i = shared_idx_[e];
+    if (i < 0) return owner_[e] == g ? loads[e] : 0;
+    for (int c = offsets_[i]; c < offsets_[i + 1]; ++c)
+      if (copy_gpu_[c] == g) return copy_tokens_[c];
+    return 0;
+  }
+
+  /// Improving single-replica moves: a replica (or a free spare) on a cool GPU is re-pointed at a heavy expert of
+  /// the hottest GPU whenever that lowers the exact-split maximum (ties: fewer GPUs at the maximum).
+  std::int64_t local_search_two_level(std::span<const std::int64_t> loads, std::int64_t makespan,
+                                      const ReplicaOptions &opts) {
+    for (int round = 0; round < opts.local_search_rounds; ++round) {
+      // Hottest GPU and its heaviest experts by tokens it actually runs.
+      int hot = 0;
+      for (int g = 1; g < num_gpus_; ++g)
+        if (gpu_loads_[g] > gpu_loads_[hot]) hot = g;
+      cand_e_.clear();
+      for (int j = own_off_[hot]; j < own_off_[hot + 1]; ++j) cand_e_.push_back(own_list_[j]);
+      for (int j = 0; j < cur_.cnt[hot]; ++j) cand_e_.push_back(cur_.rep[hot * slots_ + j]);
+      cand_tok_.resize(cand_e_.size());
+      for (std::size_t k = 0; k < cand_e_.size(); ++k) cand_tok_[k] = tokens_on(cand_e_[k], hot, loads);
+      // Top 3 experts by tokens on the hot GPU.
+      order_.resize(cand_e_.size());
+      std::iota(order_.begin(), order_.end(), 0);
+      const std::size_t top = std::min<std::size_t>(3, order_.size());
+      std::partial_sort(order_.begin(), order_.begin() + static_cast<std::ptrdiff_t>(top), order_.end(),
+                        [&](std::int32_t a, std::int32_t b) { return cand_tok_[a] > cand_tok_[b]; });
+      // Receivers: the coolest GPUs with a spare slot and budget.
+      recv_.clear();
+      for (int g = 0; g < num_gpus_; ++g)
+        if (g != hot && spare_[g] > 0) recv_.push_back(g);
+      const std::size_t num_recv = std::min<std::size_t>(4, recv_.size());
+      std::partial_sort(recv_.begin(), recv_.begin() + static_cast<std::ptrdiff_t>(num_recv), recv_.end(),
+                        [&](std::int32_t a, std::int32_t b) { return gpu_loads_[a] < gpu_loads_[b]; });
+      std::int64_t best = makespan;
+      Solution best_sol;
+      bool found = false;
+      saved_loads_ = gpu_loads_;
+      for (std::size_t k = 0; k < top; ++k) {
+        const std::int32_t e = cand_e_[order_[k]];
+        if (cand_tok_[order_[k]] <= 0) break;
+        for (std::size_t r = 0; r < num_recv; ++r) {
+          const std::int32_t h = recv_[r];
+          if (holds(cur_, h, e)) continue;
+          // Where h has a free spare, add; otherwise replace each of its replicas in turn.
+          const int options = cur_.cnt[h] < spare_[h] ? 1 : cur_.cnt[h];
+          for (int slot = 0; slot < options; ++slot) {
+            trial_ = cur_;
+            if (cur_.cnt[h] < spare_[h]) trial_.rep[h * slots_ + trial_.cnt[h]++] = e;
+            else trial_.rep[h * slots_ + slot] = e;
+            if (!is_resident(h, e) && num_new(trial_, h) > budget_[h]) continue;
+            const std::int64_t m = evaluate(trial_, loads);
+            if (m < best) {
+              best = m;
+              best_sol = trial_;
+              found = true;
+            }
+          }
+        }
+      }
+      if (!found) {
+        gpu_loads_ = saved_loads_;
+        break;
+      }
+      cur_ = best_sol;
+      makespan = evaluate(cur_, loads);
+    }
+    return makespan;
+  }
+
+  /// Drops new replicas whose saving in compute time does not pay for their move.
+  std::int64_t apply_gate(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
+                          std::int64_t makespan, const ReplicaOptions &opts) {
+    for (int g = num_gpus_ - 1; g >= 0; --g)
+      for (int j = cur_.cnt[g] - 1; j >= 0; --j) {
+        const std::int32_t e = cur_.rep[g * slots_ + j];
+        if (is_resident(g, e)) continue;
+        trial_ = cur_;
+        for (int k = j; k + 1 < trial_.cnt[g]; ++k) trial_.rep[g * slots_ + k] = trial_.rep[g * slots_ + k + 1];
+        trial_.rep[g * slots_ + --trial_.cnt[g]] = empty_slot;
+        const std::int64_t without = evaluate(trial_, loads);
+        const int src = owner_gpu[e] / topo_.gpus_per_node == g / topo_.gpus_per_node ? owner_gpu[e] : host_mirror;
+        const double saving = opts.token_time(without) - opts.token_time(makespan);
+        if (saving <= opts.replica_cost(e, src, g)) {
+          cur_ = trial_;
+          makespan = without;
+        }
+      }
+    return evaluate(cur_, loads);
+  }
+
+  /// Spare slots left unused keep their resident replica: it costs nothing and can only help the split.
+  void keep_unused_residents(Solution &s) const {
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < res_cnt_[g] && s.cnt[g] < spare_[g]; ++j) {
+        const std::int32_t e = res_[g * slots_ + j];
+        if (!holds(s, g, e)) s.rep[g * slots_ + s.cnt[g]++] = e;
+      }
+  }
+
+  LayerPlan realize(const Solution &s, std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
+                    const LayerPlacement *resident) {
+    std::vector<std::vector<std::int32_t>> per_gpu(static_cast<std::size_t>(num_gpus_));
+    for (int g = 0; g < num_gpus_; ++g) {
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) per_gpu[g].push_back(own_list_[j]);
+      std::sort(per_gpu[g].begin(), per_gpu[g].end());
+      for (int j = 0; j < s.cnt[g]; ++j) per_gpu[g].push_back(s.rep[g * slots_ + j]);
+    }
+    const LayerPlacement laid = layout_slots(num_gpus_, slots_, num_experts_, per_gpu, resident);
+    return plan_from_placement(laid, loads, owner_gpu, resident);
+  }
+
+  /// Free-mode local search: swap two copies between the hottest GPU and another while the exact maximum drops.
+  void local_search_free(LayerPlacement &p, std::span<const std::int64_t> loads, int rounds) {
+    std::vector<std::int64_t> tok(static_cast<std::size_t>(p.num_slots()));
+    std::int64_t makespan = split_.solve(p, loads, tok);
+    for (int round = 0; round < rounds; ++round) {
+      gpu_loads_.assign(static_cast<std::size_t>(num_gpus_), 0);
+      for (int q = 0; q < p.num_slots(); ++q) gpu_loads_[q / slots_] += tok[q];
+      int hot = 0;
+      for (int g = 1; g < num_gpus_; ++g)
+        if (gpu_loads_[g] > gpu_loads_[hot]) hot = g;
+      recv_.resize(static_cast<std::size_t>(num_gpus_));
+      std::iota(recv_.begin(), recv_.end(), 0);
+      const std::size_t num_recv = std::min<std::size_t>(4, recv_.size());
+      std::partial_sort(recv_.begin(), recv_.begin() + static_cast<std::ptrdiff_t>(num_recv), recv_.end(),
+                        [&](std::int32_t a, std::int32_t b) { return gpu_loads_[a] < gpu_loads_[b]; });
+      std::int64_t best = makespan;
+      int best_a = -1, best_b = -1;
+      for (int sa = 0; sa < slots_; ++sa) {
+        const std::int32_t ea = p.slot(hot, sa);
+        if (ea == empty_slot || tok[hot * slots_ + sa] == 0) continue;
+        for (std::size_t r = 0; r < num_recv; ++r) {
+          const int h = recv_[r];
+          if (h == hot || p.holds(h, ea)) continue;
+          for (int sb = 0; sb < slots_; ++sb) {
+            const std::int32_t eb = p.slot(h, sb);
+            if (eb != empty_slot && p.holds(hot, eb)) continue;
+            p.slot(hot, sa) = eb;
+            p.slot(h, sb) = ea;
+            const std::int64_t m = split_.solve(p, loads, tok);
+            if (m < best) {
+              best = m;
+              best_a = sa;
+              best_b = h * slots_ + sb;
+            }
+            p.slot(h, sb) = eb;
+            p.slot(hot, sa) = ea;
+          }
+        }
+      }
+      if (best_a < 0) break;
+      const std::int32_t ea = p.slot(hot, best_a);
+      const std::int32_t eb = p.phys_to_log()[best_b];
+      p.slot(hot, best_a) = eb;
+      p.phys_to_log()[best_b] = ea;
+      makespan = split_.solve(p, loads, tok);
+    }
+  }
+
+  Topology topo_;
+  int num_experts_ = 0, num_gpus_ = 0, slots_ = 0;
+  SplitSolver split_;
+  std::span<const std::int32_t> owner_;
+  std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
+  std::vector<std::int64_t> owner_load_, room_, remaining_;
+  Solution best_, trial_, cur_;
+  std::vector<int> copies_;
+  std::vector<std::int32_t> shared_idx_, shared_exp_, offsets_, copy_gpu_, cand_e_, order_, recv_;
+  std::vector<std::int64_t> shared_loads_, base_, copy_tokens_, gpu_loads_, saved_loads_, cand_tok_;
+  std::vector<int> counts_, free_cnt_;
+  std::vector<std::int32_t> heap_, items_;
+  std::vector<std::int64_t> free_gpu_load_;
+};
+
+/// Two-level plan of one layer (allocates a workspace; reuse a `ReplicaPlanner` in loops).
+[[nodiscard]] inline LayerPlan plan_two_level(std::span<const std::int64_t> loads,
+                                              std::span<const std::int32_t> owner_gpu, const Topology &topo,
+                                              const LayerPlacement *resident = nullptr,
+                                              const ReplicaOptions &opts = {}) {
+  ReplicaPlanner planner(topo, static_cast<int>(loads.size()));
+  return planner.plan_two_level(loads, owner_gpu, resident, opts);
+}
+
+/// Free-mode plan of one layer (allocates a workspace; reuse a `ReplicaPlanner` in loops).
+[[nodiscard]] inline LayerPlan plan_free(std::span<const std::int64_t> loads, const Topology &topo,
+                                         const LayerPlacement *resident = nullptr, const ReplicaOptions &opts = {}) {
+  ReplicaPlanner planner(topo, static_cast<int>(loads.size()));
+  return planner.plan_free(loads, resident, opts);
+}
+
+} // namespace v0
+} // namespace foremoe
