@@ -83,34 +83,31 @@ public:
     for (int g = 0; g < num_gpus_; ++g)
       budget_[g] = opts.move_budget < 0 ? spare_[g] : std::min(spare_[g], opts.move_budget);
 
-    // Binary search on T over the greedy construction.
-    std::int64_t hi = 0;
-    for (int g = 0; g < num_gpus_; ++g) hi = std::max(hi, owner_load_[g]);
-    std::int64_t lo = std::min(hi, lower_bound_two_level(loads, owner_gpu, topo_, opts.move_budget, resident));
-    clear_solution(best_);
-    while (lo < hi) {
-      const std::int64_t mid = lo + (hi - lo) / 2;
-      if (shed_greedy(mid, loads)) {
-        hi = mid;
-        best_ = trial_;
-      } else {
-        lo = mid + 1;
-      }
-    }
-    cur_ = best_;
-    std::int64_t makespan = evaluate(cur_, loads);
-    if (opts.local_search_rounds > 0) makespan = local_search_two_level(loads, makespan, opts);
-    if (opts.replica_cost && opts.token_time) makespan = apply_gate(loads, owner_gpu, makespan, opts);
-    keep_unused_residents(cur_);
-    makespan = evaluate(cur_, loads);
-    (void)makespan;
-    LayerPlan plan = realize(cur_, loads, owner_gpu, resident);
-    // Same loads, same owners: the resident placement, when at least as good, wins and moves nothing.
-    if (resident != nullptr && resident_compatible(*resident, owner_gpu)) {
+    // The plan from scratch ignores the resident placement, so its makespan depends on the loads and owners
+    // alone. Every returned plan is at least that good, and the resident placement is kept whenever it is too:
+    // planning the same loads again with the result as resident therefore moves nothing. The scratch plan is
+    // within any budget (a GPU's new replicas are at most its replicas, which the scratch search caps).
+    setup_resident(nullptr, owner_gpu);
+    std::int64_t scratch_makespan = search_two_level(loads, owner_gpu, opts);
+    if (resident == nullptr) return realize(cur_, loads, owner_gpu, nullptr);
+    if (resident_compatible(*resident, owner_gpu)) {
       LayerPlan keep = plan_from_placement(*resident, loads, owner_gpu, resident);
-      if (keep.max_gpu_load <= plan.max_gpu_load) return keep;
+      if (keep.max_gpu_load <= scratch_makespan) return keep;
     }
-    return plan;
+    scratch_ = cur_;
+    // Resident-aware construction at the scratch makespan: reuses resident replicas where they fit, so it
+    // usually moves less for the same maximum.
+    setup_resident(resident, owner_gpu);
+    if (shed_greedy(scratch_makespan, loads)) {
+      cur_ = trial_;
+      std::int64_t m = evaluate(cur_, loads);
+      if (opts.replica_cost && opts.token_time) m = apply_gate(loads, owner_gpu, m, opts);
+      keep_unused_residents(cur_);
+      if (evaluate(cur_, loads) <= scratch_makespan) return realize(cur_, loads, owner_gpu, resident);
+    }
+    cur_ = scratch_;
+    keep_unused_residents(cur_);
+    return realize(cur_, loads, owner_gpu, resident);
   }
 
   /// Free plan: any slot may hold any expert (every expert at least once), no move budget, owners not pinned
@@ -154,10 +151,7 @@ public:
       int best = -1;
       for (int g = 0; g < num_gpus_; ++g) {
         if (free_cnt_[g] >= slots_ || p.holds(g, e)) continue;
-        const bool prefer_res = resident != nullptr && resident->holds(g, e);
-        if (best < 0 || free_gpu_load_[g] < free_gpu_load_[best] ||
-            (free_gpu_load_[g] == free_gpu_load_[best] && prefer_res && !resident->holds(best, e)))
-          best = g;
+        if (best < 0 || free_gpu_load_[g] < free_gpu_load_[best]) best = g;
       }
       // Only an extra copy can find no GPU (every one with room holds e already): items never outnumber slots.
       if (best < 0) continue;
@@ -316,6 +310,30 @@ private:
   void clear_solution(Solution &s) const {
     s.rep.assign(static_cast<std::size_t>(num_gpus_) * slots_, empty_slot);
     s.cnt.assign(static_cast<std::size_t>(num_gpus_), 0);
+  }
+
+  /// Binary search on T over the greedy construction, then local search and the optional gate; leaves the
+  /// solution in `cur_` and returns its exact makespan.
+  std::int64_t search_two_level(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
+                                const ReplicaOptions &opts) {
+    std::int64_t hi = 0;
+    for (int g = 0; g < num_gpus_; ++g) hi = std::max(hi, owner_load_[g]);
+    std::int64_t lo = std::min(hi, lower_bound_two_level(loads, owner_gpu, topo_, opts.move_budget));
+    clear_solution(best_);
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (shed_greedy(mid, loads)) {
+        hi = mid;
+        best_ = trial_;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    cur_ = best_;
+    std::int64_t makespan = evaluate(cur_, loads);
+    if (opts.local_search_rounds > 0) makespan = local_search_two_level(loads, makespan, opts);
+    if (opts.replica_cost && opts.token_time) makespan = apply_gate(loads, owner_gpu, makespan, opts);
+    return makespan;
   }
 
   /// The greedy shedding construction at makespan `t`; fills `trial_` and says whether every GPU got under `t`.
@@ -582,7 +600,7 @@ private:
   std::span<const std::int32_t> owner_;
   std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
   std::vector<std::int64_t> owner_load_, room_, remaining_;
-  Solution best_, trial_, cur_;
+  Solution best_, trial_, cur_, scratch_;
   std::vector<int> copies_;
   std::vector<std::int32_t> shared_idx_, shared_exp_, offsets_, copy_gpu_, cand_e_, order_, recv_;
   std::vector<std::int64_t> shared_loads_, base_, copy_tokens_, gpu_loads_, saved_loads_, cand_tok_;

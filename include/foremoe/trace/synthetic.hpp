@@ -6,7 +6,7 @@
 /// - every MoE layer has a global expert popularity (lognormal weights by default, or a power law over a random
 ///   permutation of the experts), whose `skew` (jittered per layer) sets the step-level skew;
 /// - `num_topics` topics each have, per layer, a preference over experts drawn from a Dirichlet centred on that
-///   popularity; a prompt mixes a few topics, and each of its responses re-weights that mixture a little;
+///   popularity; a prompt mixes a few topics, and each of its responses adds a topic of its own;
 /// - a sequence is its prompt (routed identically in every response of that prompt, as a real router would)
 ///   followed by its response. Per layer, consecutive tokens keep each of their top-k experts with probability
 ///   `persistence` and re-draw the others, distinct within the token, from the sequence's expert distribution;
@@ -22,7 +22,9 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <limits>
+#include <queue>
 #include <utility>
 #include <vector>
 
@@ -34,9 +36,10 @@ inline namespace v0 {
 
 /// Shape of a layer's global expert popularity.
 enum class PopularityModel {
-  /// Independent lognormal weights, `exp(skew * N(0, 1))`. Matches the DeepSeek-V3 histograms: with skew 0.7 and
-  /// 256 experts the median layer has max/mean 5.6, min/mean 0.12 and CV 0.78, the real prefill data 5.89, 0.12
-  /// and 0.83 (a power law of the same max/mean has min/mean 0.6 and CV 0.6).
+  /// Independent lognormal weights, `exp(skew * N(0, 1))`. Its shape matches the DeepSeek-V3 histograms: 256 such
+  /// weights with skew 0.7 have (median layer) max/mean 5.6, min/mean 0.12 and CV 0.78, the real prefill data
+  /// 5.89, 0.12 and 0.83, while a power law of the same max/mean has min/mean 0.6 and CV 0.6. Routed loads come
+  /// out flatter than the popularity (a token takes an expert at most once), so the presets use a larger skew.
   lognormal,
   /// Power law: the expert of popularity rank r (a random permutation per layer) gets weight (r+1)^-skew.
   zipf,
@@ -79,9 +82,9 @@ struct SyntheticConfig {
 
   /// Shape of the global per-layer expert popularity that `skew` parameterises.
   PopularityModel popularity = PopularityModel::lognormal;
-  /// Skew of the global per-layer expert popularity, >= 0 (0 is uniform): the log-scale sigma of the lognormal
-  /// weights, or the power-law exponent. The default puts the median step-level per-layer max/mean load near 4.5
-  /// for 128 experts.
+  /// Skew of the global per-layer expert popularity, in [0, 20] (0 is uniform): the log-scale sigma of the
+  /// lognormal weights, or the power-law exponent. The default puts the median step-level per-layer max/mean load
+  /// near 4.7 for 128 experts.
   double skew = 0.8;
   /// Per-layer lognormal jitter (log-scale sigma) of `skew`, so layers differ in skew as real ones do.
   double skew_layer_sigma = 0.2;
@@ -92,7 +95,8 @@ struct SyntheticConfig {
   int num_gpus = 64;                             ///< data-parallel ranks (8 nodes x 8 GPUs)
   std::int64_t microbatch_tokens_per_gpu = 16384; ///< per-rank micro-batch token budget (dynamic batch size)
 
-  /// DeepSeek-V3's MoE shape (58 MoE layers, 256 routed experts, top-8) with the skew set for 256 experts.
+  /// DeepSeek-V3's MoE shape (58 MoE layers, 256 routed experts, top-8), with the skew calibrated so that the
+  /// median step-level per-layer max/mean matches the real SGLang histograms (5.9).
   [[nodiscard]] static SyntheticConfig deepseek_v3() {
     SyntheticConfig c;
     c.num_layers = 58;
@@ -454,13 +458,17 @@ inline SyntheticStepPlan plan_step(const SyntheticConfig &cfg, int step_idx) {
   for (std::size_t i = 0; i < num_seqs; ++i) shuffled[i] = static_cast<int>(i);
   for (std::size_t i = num_seqs; i > 1; --i) std::swap(shuffled[i - 1], shuffled[rng.below(i)]);
   const auto ng = static_cast<std::size_t>(num_gpus);
-  std::vector<std::int64_t> rank_tokens(ng, 0);
   std::vector<std::vector<int>> rank_seqs(ng);
+  // (tokens so far, rank), least first; ties go to the lower rank.
+  std::priority_queue<std::pair<std::int64_t, std::size_t>, std::vector<std::pair<std::int64_t, std::size_t>>,
+                      std::greater<>>
+      least_loaded;
+  for (std::size_t r = 0; r < ng; ++r) least_loaded.emplace(0, r);
   for (int s : shuffled) {
-    const auto r = static_cast<std::size_t>(std::min_element(rank_tokens.begin(), rank_tokens.end()) -
-                                            rank_tokens.begin());
+    const auto [tokens, r] = least_loaded.top();
+    least_loaded.pop();
     const SyntheticSequence &seq = plan.sequences[static_cast<std::size_t>(s)];
-    rank_tokens[r] += seq.prompt_tokens + seq.response_tokens;
+    least_loaded.emplace(tokens + seq.prompt_tokens + seq.response_tokens, r);
     rank_seqs[r].push_back(s);
   }
   // rank_mb[r][b] = first index into rank_seqs[r] of micro-batch b, plus an end marker.
