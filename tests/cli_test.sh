@@ -26,8 +26,9 @@ expect() {
   fi
 }
 
-small=(--layers 4 --experts 16 --topk 2 --steps 3 --prompts 8 --responses 4 --prompt-mean 64 --response-mean 128
-       --max-length 512 --gpus 4 --microbatch-tokens 1024)
+shape=(--layers 4 --experts 16 --topk 2 --prompts 8 --responses 4 --prompt-mean 64 --response-mean 128 --max-length 512
+       --gpus 4)
+small=("${shape[@]}" --steps 3 --microbatch-tokens 1024)
 
 expect 0 "trace gen" -- "$bin" --help
 expect 2 "unknown command 'nope'" -- "$bin" nope
@@ -62,6 +63,32 @@ expect 1 "bad.npy" -- "$bin" trace stats "$work/bad.npy"
 head -c 100 "$work/loads.npy" >"$work/trunc.npy"
 expect 1 "trunc.npy" -- "$bin" trace stats "$work/trunc.npy"
 expect 1 "offsets|microbatch" -- "$bin" trace stats "$work/ids.npy" --microbatches "$work/loads.npy"
+
+# foremoe plan: one micro-step [L, E] from the first micro-step of the loads
+expect 0 "wrote" -- "$bin" trace gen "${shape[@]}" --steps 1 --microbatch-tokens 1024 --loads "$work/step.npy"
+for strategy in foremoe foremoe-free eplb eplb-oracle static; do
+  expect 0 "with $strategy( \\(two-level\\))? in" -- "$bin" plan --loads "$work/step.npy" --nodes 2 \
+    --gpus-per-node 2 --slots 5 --strategy "$strategy" --out "$work/plan_$strategy.json"
+  expect 0 '"micro_steps"' -- cat "$work/plan_$strategy.json"
+done
+expect 0 "moves: " -- "$bin" plan --loads "$work/loads.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+  --previous-loads "$work/step.npy" --strategy eplb
+# round trip: the final placement fed back as --resident with the same single micro-step moves nothing
+expect 0 "loads \[1, 4, 16\]" -- "$bin" trace gen "${shape[@]}" --steps 1 --microbatch-tokens 1000000 --loads "$work/one.npy"
+for mode in two-level free; do
+  expect 0 "wrote .*pl.json" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 --mode $mode \
+    --out-placement "$work/pl.json"
+  expect 0 "moves: 0 " -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 --mode $mode \
+    --resident "$work/pl.json"
+done
+expect 1 "cannot hold all 16 experts" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 5
+expect 2 "--slots S is required" -- "$bin" plan --loads "$work/step.npy"
+expect 1 "unknown strategy 'best'" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
+expect 1 "placement is for 2 x 2 GPUs x 5 slots, the topology is 1 x 4 x 5" -- "$bin" plan --loads "$work/step.npy" \
+  --slots 5 --gpus-per-node 4 --resident "$work/pl.json"
+printf '{"nodes": 2' >"$work/broken.json"
+expect 1 "broken.json: not valid JSON" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+  --resident "$work/broken.json"
 
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

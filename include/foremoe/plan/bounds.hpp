@@ -62,27 +62,37 @@ inline namespace v0 {
     total_usable += usable[g];
   }
   std::int64_t lb = lower_bound_total(loads, num_gpus);
+  int open = 0;
+  for (int g = 0; g < num_gpus; ++g) open += topo.slots_per_gpu > owned[g];
+  // With a zero budget only resident replicas can host a second copy.
+  std::vector<int> resident_hosts;
+  if (move_budget == 0) {
+    resident_hosts.assign(static_cast<std::size_t>(num_experts), 0);
+    if (resident != nullptr)
+      for (int g = 0; g < num_gpus; ++g)
+        for (std::int32_t e : resident->gpu_slots(g))
+          if (e >= 0 && e < num_experts && owner_gpu[e] != g && topo.slots_per_gpu > owned[g]) ++resident_hosts[e];
+  }
   for (int e = 0; e < num_experts; ++e) {
-    std::int64_t hosts = 1;
-    for (int g = 0; g < num_gpus; ++g) {
-      if (g == owner_gpu[e]) continue;
-      const int spare = std::max(0, topo.slots_per_gpu - owned[g]);
-      const bool budget_ok = move_budget < 0 || move_budget > 0 || (resident != nullptr && resident->holds(g, e));
-      if (spare > 0 && budget_ok) ++hosts;
-    }
-    hosts = std::min<std::int64_t>(hosts, 1 + total_usable - usable[owner_gpu[e]]);
+    const int o = owner_gpu[e];
+    std::int64_t hosts = 1 + (move_budget == 0 ? resident_hosts[e] : open - (topo.slots_per_gpu > owned[o] ? 1 : 0));
+    hosts = std::min<std::int64_t>(hosts, 1 + total_usable - usable[o]);
     lb = std::max(lb, (loads[e] + hosts - 1) / hosts);
   }
-  std::vector<std::int64_t> mine;
+  // Per GPU, grouped by owner in one pass.
+  std::vector<int> off(static_cast<std::size_t>(num_gpus) + 1, 0);
+  for (std::int32_t o : owner_gpu) ++off[o + 1];
+  for (int g = 0; g < num_gpus; ++g) off[g + 1] += off[g];
+  std::vector<std::int64_t> grouped(static_cast<std::size_t>(num_experts));
+  std::vector<int> fill(off.begin(), off.end() - 1);
+  for (int e = 0; e < num_experts; ++e) grouped[fill[owner_gpu[e]]++] = loads[e];
   for (int g = 0; g < num_gpus; ++g) {
-    mine.clear();
-    for (int e = 0; e < num_experts; ++e)
-      if (owner_gpu[e] == g) mine.push_back(loads[e]);
     const std::int64_t outlets = total_usable - usable[g];
-    if (static_cast<std::int64_t>(mine.size()) <= outlets) continue;
-    std::sort(mine.begin(), mine.end());
+    const int n = off[g + 1] - off[g];
+    if (n <= outlets) continue;
+    std::sort(grouped.begin() + off[g], grouped.begin() + off[g + 1]);
     std::int64_t stay = 0;
-    for (std::size_t i = 0; i + static_cast<std::size_t>(outlets) < mine.size(); ++i) stay += mine[i];
+    for (int i = 0; i < n - outlets; ++i) stay += grouped[off[g] + i];
     lb = std::max(lb, stay);
   }
   return lb;

@@ -84,7 +84,7 @@ struct PlannerOptions {
   int move_budget = -1;                ///< new replicas per GPU per micro-step; < 0: the spare slots
   bool hierarchical_owners = true;     ///< owners: nodes first, then GPUs in each node
   int num_threads = 1;                 ///< parallel over layers; plans are identical for every count
-  int local_search_rounds = 24;        ///< replica local search per layer (0: construction only)
+  int local_search_rounds = 8;         ///< replica local search per layer (0: construction only)
   int eplb_num_groups = 1;             ///< expert groups for EPLB (hierarchical when they divide over nodes)
   /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.
   StageReplicaCostFn replica_cost;

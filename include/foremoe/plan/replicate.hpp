@@ -40,7 +40,7 @@ using TokenTimeFn = std::function<double(std::int64_t tokens)>;
 /// Options of replica selection for one layer.
 struct ReplicaOptions {
   int move_budget = -1;          ///< new replicas per GPU per micro-step; < 0: the GPU's spare slots
-  int local_search_rounds = 24;  ///< improving replica moves tried after the construction (0: none)
+  int local_search_rounds = 8;   ///< improving replica moves tried after the construction (0: none)
   /// Optional cost gate: a new replica stays only if the compute time it saves exceeds `replica_cost`. Both
   /// callbacks must be set for the gate to act.
   ReplicaCostFn replica_cost;
@@ -320,7 +320,21 @@ private:
     for (int g = 0; g < num_gpus_; ++g) hi = std::max(hi, owner_load_[g]);
     std::int64_t lo = std::min(hi, lower_bound_two_level(loads, owner_gpu, topo_, opts.move_budget));
     clear_solution(best_);
+    // Good plans sit just above the bound, so gallop up from it, then bisect down to a 0.05% bracket (the exact
+    // split of the result usually lands below the bracket's top anyway).
+    const std::int64_t tolerance = std::max<std::int64_t>(1, lo / 2000);
+    std::int64_t step = tolerance;
     while (lo < hi) {
+      const std::int64_t t = std::min(hi, lo + step - 1);
+      if (shed_greedy(t, loads)) {
+        hi = t;
+        best_ = trial_;
+        break;
+      }
+      lo = t + 1;
+      step *= 2;
+    }
+    while (hi - lo >= tolerance) {
       const std::int64_t mid = lo + (hi - lo) / 2;
       if (shed_greedy(mid, loads)) {
         hi = mid;
@@ -350,23 +364,35 @@ private:
       std::int64_t excess = owner_load_[g] - t;
       if (excess <= 0) break;
       while (excess > 0) {
-        // Heaviest remaining expert of g that some receiver can take.
+        // Heaviest remaining expert of g first; the others only when it cannot move all it could.
         std::int32_t pick_e = -1, pick_h = -1;
         std::int64_t pick_t = 0;
-        for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) {
-          const std::int32_t e = own_list_[j];
-          const std::int64_t a = remaining_[e];
-          if (a <= pick_t) continue; // cannot beat the transfer already found
-          const std::int64_t need = std::min(excess, a);
-          const std::int32_t h = pick_receiver(e, need);
-          if (h < 0) continue;
-          const std::int64_t tr = std::min(need, room_[h]);
-          if (tr > pick_t) {
-            pick_t = tr;
-            pick_e = e;
+        std::int32_t top = -1;
+        for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+          if (top < 0 || remaining_[own_list_[j]] > remaining_[top]) top = own_list_[j];
+        if (top >= 0 && remaining_[top] > 0) {
+          const std::int64_t need = std::min(excess, remaining_[top]);
+          if (const std::int32_t h = pick_receiver(top, need); h >= 0) {
+            pick_t = std::min(need, room_[h]);
+            pick_e = top;
             pick_h = h;
-            if (tr == excess) break;
           }
+          if (pick_t < need)
+            for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) {
+              const std::int32_t e = own_list_[j];
+              const std::int64_t a = remaining_[e];
+              if (e == top || a <= pick_t) continue; // cannot beat the transfer already found
+              const std::int64_t need_e = std::min(excess, a);
+              const std::int32_t h = pick_receiver(e, need_e);
+              if (h < 0) continue;
+              const std::int64_t tr = std::min(need_e, room_[h]);
+              if (tr > pick_t) {
+                pick_t = tr;
+                pick_e = e;
+                pick_h = h;
+                if (tr == excess) break;
+              }
+            }
         }
         if (pick_e < 0) return false;
         trial_.rep[pick_h * slots_ + trial_.cnt[pick_h]++] = pick_e;
@@ -445,7 +471,8 @@ private:
   /// the hottest GPU whenever that lowers the exact-split maximum (ties: fewer GPUs at the maximum).
   std::int64_t local_search_two_level(std::span<const std::int64_t> loads, std::int64_t makespan,
                                       const ReplicaOptions &opts) {
-    for (int round = 0; round < opts.local_search_rounds; ++round) {
+    const std::int64_t floor = lower_bound_total(loads, num_gpus_);
+    for (int round = 0; round < opts.local_search_rounds && makespan > floor; ++round) {
       // Hottest GPU and its heaviest experts by tokens it actually runs.
       int hot = 0;
       for (int g = 1; g < num_gpus_; ++g)
@@ -458,24 +485,24 @@ private:
       // Top 3 experts by tokens on the hot GPU.
       order_.resize(cand_e_.size());
       std::iota(order_.begin(), order_.end(), 0);
-      const std::size_t top = std::min<std::size_t>(3, order_.size());
+      const std::size_t top = std::min<std::size_t>(2, order_.size());
       std::partial_sort(order_.begin(), order_.begin() + static_cast<std::ptrdiff_t>(top), order_.end(),
                         [&](std::int32_t a, std::int32_t b) { return cand_tok_[a] > cand_tok_[b]; });
       // Receivers: the coolest GPUs with a spare slot and budget.
       recv_.clear();
       for (int g = 0; g < num_gpus_; ++g)
         if (g != hot && spare_[g] > 0) recv_.push_back(g);
-      const std::size_t num_recv = std::min<std::size_t>(4, recv_.size());
+      const std::size_t num_recv = std::min<std::size_t>(3, recv_.size());
       std::partial_sort(recv_.begin(), recv_.begin() + static_cast<std::ptrdiff_t>(num_recv), recv_.end(),
                         [&](std::int32_t a, std::int32_t b) { return gpu_loads_[a] < gpu_loads_[b]; });
       std::int64_t best = makespan;
       Solution best_sol;
       bool found = false;
       saved_loads_ = gpu_loads_;
-      for (std::size_t k = 0; k < top; ++k) {
+      for (std::size_t k = 0; k < top && !found; ++k) {
         const std::int32_t e = cand_e_[order_[k]];
         if (cand_tok_[order_[k]] <= 0) break;
-        for (std::size_t r = 0; r < num_recv; ++r) {
+        for (std::size_t r = 0; r < num_recv && !found; ++r) {
           const std::int32_t h = recv_[r];
           if (holds(cur_, h, e)) continue;
           // Where h has a free spare, add; otherwise replace each of its replicas in turn.
@@ -558,7 +585,7 @@ private:
         if (gpu_loads_[g] > gpu_loads_[hot]) hot = g;
       recv_.resize(static_cast<std::size_t>(num_gpus_));
       std::iota(recv_.begin(), recv_.end(), 0);
-      const std::size_t num_recv = std::min<std::size_t>(4, recv_.size());
+      const std::size_t num_recv = std::min<std::size_t>(3, recv_.size());
       std::partial_sort(recv_.begin(), recv_.begin() + static_cast<std::ptrdiff_t>(num_recv), recv_.end(),
                         [&](std::int32_t a, std::int32_t b) { return gpu_loads_[a] < gpu_loads_[b]; });
       std::int64_t best = makespan;

@@ -1,0 +1,199 @@
+// Planner benchmarks: planning time per micro-step and per step, and balance of every strategy on semi-synthetic
+// micro-steps drawn from the published DeepSeek-V3 expert counts (FOREMOE_DATA_DIR, else ../shared/data next to
+// the source tree; a synthetic power law stands in when neither has the file).
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "foremoe/plan/eplb.hpp"
+#include "foremoe/plan/evaluate.hpp"
+#include "foremoe/plan/owners.hpp"
+#include "foremoe/plan/planner.hpp"
+#include "foremoe/trace/npy.hpp"
+
+using namespace foremoe;
+
+namespace {
+
+std::vector<double> power_law_weights(int num_layers, int num_experts, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<double> w;
+  for (int l = 0; l < num_layers; ++l) {
+    std::vector<int> perm(static_cast<std::size_t>(num_experts));
+    for (int e = 0; e < num_experts; ++e) perm[e] = e;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<double> row(static_cast<std::size_t>(num_experts));
+    for (int e = 0; e < num_experts; ++e) row[perm[e]] = std::pow(e + 1.0, -0.9) + 0.002;
+    w.insert(w.end(), row.begin(), row.end());
+  }
+  return w;
+}
+
+/// DeepSeek-V3 prefill counts `[58][256]`, or a power law when the file is not found.
+const std::vector<double> &deepseek_weights(bool *real = nullptr) {
+  static bool found = false;
+  static const std::vector<double> w = [] {
+    std::vector<std::filesystem::path> dirs;
+    if (const char *d = std::getenv("FOREMOE_DATA_DIR")) dirs.emplace_back(d);
+    dirs.push_back(std::filesystem::path(__FILE__).parent_path() / ".." / ".." / "shared" / "data");
+    for (const auto &dir : dirs) {
+      const auto file = dir / "deepseek-v3-sglang" / "prefill_in1024.npy";
+      if (!std::filesystem::exists(file)) continue;
+      const NpyArray a = read_npy(file);
+      if (a.shape.size() == 2 && a.shape[0] == 58 && a.shape[1] == 256) {
+        found = true;
+        return a.to_doubles();
+      }
+    }
+    return power_law_weights(58, 256, 7);
+  }();
+  if (real != nullptr) *real = found;
+  return w;
+}
+
+struct Shape {
+  int num_layers, num_experts;
+  Topology topo;
+};
+const Shape dsv3{58, 256, Topology{4, 8, 9}};
+const Shape qwen3{48, 128, Topology{8, 8, 3}};
+const Shape big{58, 256, Topology{128, 8, 2}};
+
+LoadTensor micro_steps_for(const Shape &s, int num_micro_steps, double burst, std::uint64_t seed) {
+  const std::vector<double> w =
+      s.num_experts == 256 && s.num_layers == 58 ? deepseek_weights() : power_law_weights(s.num_layers, s.num_experts, 3);
+  MicroStepSampling cfg;
+  cfg.num_micro_steps = num_micro_steps;
+  cfg.burst_shape = burst;
+  cfg.seed = seed;
+  return sample_micro_steps(w, s.num_layers, s.num_experts, cfg);
+}
+
+/// FOREMOE_BENCH_LOCAL_SEARCH overrides the local-search rounds (for ablations).
+void apply_env(PlannerOptions &opts) {
+  if (const char *v = std::getenv("FOREMOE_BENCH_LOCAL_SEARCH")) opts.local_search_rounds = std::atoi(v);
+}
+
+/// One micro-step, all layers, one thread, with the previous micro-step's placement as resident.
+void plan_micro_step(benchmark::State &state, const Shape &s, Strategy strategy, PlanMode mode) {
+  const LoadTensor steps = micro_steps_for(s, 4, 2.0, 11);
+  PlannerOptions opts;
+  opts.strategy = strategy;
+  opts.mode = mode;
+  opts.move_budget = mode == PlanMode::two_level ? 1 : -1;
+  apply_env(opts);
+  Planner planner(s.num_layers, s.num_experts, s.topo, opts);
+  planner.begin_step(planner.sum_steps(steps));
+  const Placement resident = to_placement(planner.plan(steps, 0));
+  double imb = 0;
+  std::int64_t n = 0;
+  for (auto _ : state) {
+    auto plans = planner.plan(steps, 1, Stage::update, &resident);
+    benchmark::DoNotOptimize(plans.data());
+    for (const auto &lp : plans) imb += lp.imbalance();
+    n += static_cast<std::int64_t>(plans.size());
+  }
+  state.counters["mean_max_over_mean"] = n > 0 ? imb / static_cast<double>(n) : 0.0;
+}
+
+void BM_PlanDeepSeekV3TwoLevel(benchmark::State &st) {
+  plan_micro_step(st, dsv3, Strategy::foremoe, PlanMode::two_level);
+}
+void BM_PlanDeepSeekV3Free(benchmark::State &st) { plan_micro_step(st, dsv3, Strategy::foremoe, PlanMode::free); }
+void BM_PlanQwen3TwoLevel(benchmark::State &st) {
+  plan_micro_step(st, qwen3, Strategy::foremoe, PlanMode::two_level);
+}
+void BM_Plan1024GpusTwoLevel(benchmark::State &st) { plan_micro_step(st, big, Strategy::foremoe, PlanMode::two_level); }
+void BM_Plan1024GpusFree(benchmark::State &st) { plan_micro_step(st, big, Strategy::foremoe, PlanMode::free); }
+BENCHMARK(BM_PlanDeepSeekV3TwoLevel)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PlanDeepSeekV3Free)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PlanQwen3TwoLevel)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_Plan1024GpusTwoLevel)->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK(BM_Plan1024GpusFree)->Unit(benchmark::kMillisecond)->Iterations(3);
+
+void BM_OwnersDeepSeekV3(benchmark::State &st) {
+  const LoadTensor steps = micro_steps_for(dsv3, 8, 2.0, 12);
+  Planner planner(dsv3.num_layers, dsv3.num_experts, dsv3.topo);
+  const auto totals = planner.sum_steps(steps);
+  for (auto _ : st) benchmark::DoNotOptimize(planner.plan_owners(totals));
+}
+BENCHMARK(BM_OwnersDeepSeekV3)->Unit(benchmark::kMicrosecond);
+
+void BM_EplbDeepSeekV3(benchmark::State &st) {
+  const bool hierarchical = st.range(0) != 0;
+  const std::vector<double> &w = deepseek_weights();
+  for (auto _ : st) benchmark::DoNotOptimize(eplb_rebalance(w, 58, 256, hierarchical ? 8 : 1, dsv3.topo));
+  st.SetLabel(hierarchical ? "hierarchical" : "global");
+}
+BENCHMARK(BM_EplbDeepSeekV3)->Arg(1)->Arg(0)->Unit(benchmark::kMicrosecond);
+
+/// Balance of one strategy over several RL steps of micro-steps: median and p99 of per-layer max/mean, and moves.
+void BM_Balance(benchmark::State &st) {
+  const auto strategy = static_cast<Strategy>(st.range(0));
+  const PlanMode mode = st.range(1) != 0 ? PlanMode::free : PlanMode::two_level;
+  const double burst = static_cast<double>(st.range(2)) / 10.0;
+  const int eplb_groups = static_cast<int>(st.range(3));
+  bool real = false;
+  (void)deepseek_weights(&real);
+  std::vector<double> values;
+  double moves = 0;
+  std::int64_t micro = 0;
+  double seconds = 0;
+  for (auto _ : st) {
+    values.clear();
+    PlannerOptions opts;
+    opts.strategy = strategy;
+    opts.mode = mode;
+    opts.move_budget = mode == PlanMode::two_level ? 1 : -1;
+    opts.eplb_num_groups = eplb_groups;
+    apply_env(opts);
+    Planner planner(dsv3.num_layers, dsv3.num_experts, dsv3.topo, opts);
+    std::vector<std::int64_t> previous;
+    Placement resident;
+    const int num_steps = 3;
+    for (int step = 0; step < num_steps; ++step) {
+      const LoadTensor steps = micro_steps_for(dsv3, 8, burst, 100 + static_cast<std::uint64_t>(step));
+      const StepPlan sp = planner.plan_step(steps, step == 0 ? nullptr : &resident, previous);
+      seconds += sp.planner_seconds;
+      previous = planner.sum_steps(steps);
+      resident = sp.final_placement();
+      if (step == 0) continue; // eplb has no history in the first step
+      for (const auto &ms : sp.micro_steps) {
+        for (const LayerPlan &lp : ms) {
+          values.push_back(lp.imbalance());
+          moves += static_cast<double>(lp.moves.size());
+        }
+        ++micro;
+      }
+    }
+  }
+  const BalanceStats s = balance_stats(values);
+  st.counters["median"] = s.median;
+  st.counters["p99"] = s.p99;
+  st.counters["max"] = s.max;
+  st.counters["moves_per_micro_step"] = micro > 0 ? moves / static_cast<double>(micro) : 0.0;
+  st.counters["plan_ms_per_micro_step"] = micro > 0 ? 1e3 * seconds / static_cast<double>(micro) * 1.5 : 0.0;
+  std::string label(to_string(strategy));
+  if (strategy == Strategy::foremoe) label += mode == PlanMode::free ? "/free" : "/two-level";
+  if (strategy == Strategy::eplb || strategy == Strategy::eplb_oracle)
+    label += eplb_groups > 1 ? "/hierarchical" : "/global";
+  label += real ? " deepseek-v3 semi-synthetic" : " power-law synthetic";
+  label += " burst=" + std::to_string(burst).substr(0, 3);
+  st.SetLabel(label);
+}
+// Args: strategy, free mode, burst shape x10 (0 = plain multinomial), EPLB groups.
+BENCHMARK(BM_Balance)
+    ->ArgsProduct({{static_cast<int>(Strategy::static_placement)}, {0}, {0, 20}, {1}})
+    ->ArgsProduct({{static_cast<int>(Strategy::eplb), static_cast<int>(Strategy::eplb_oracle)}, {0}, {0, 20}, {1, 8}})
+    ->ArgsProduct({{static_cast<int>(Strategy::foremoe)}, {0, 1}, {0, 20}, {1}})
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+
+} // namespace
+
+BENCHMARK_MAIN();

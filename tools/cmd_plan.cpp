@@ -1,0 +1,129 @@
+// `foremoe plan`: plans the micro-steps of one RL step from a load file.
+
+#include <chrono>
+#include <iomanip>
+#include <ostream>
+
+#include "command.hpp"
+#include "foremoe/plan/planner.hpp"
+#include "foremoe/trace/io.hpp"
+#include "plan_json.hpp"
+
+namespace foremoe::cli {
+namespace {
+
+Command make_plan() {
+  Command c;
+  c.words = {"plan"};
+  c.summary = "plan replicas, placement, token split and moves for the micro-steps of one RL step";
+  c.description =
+      "LOADS.npy is [L, E] (one micro-step) or [M, L, E] (the micro-steps of one RL step in execution order;\n"
+      "owners are planned from their sum), integer or float. Writes PLAN.json with, per micro-step and layer,\n"
+      "owner_gpu, gpu_slots, slot_tokens and moves ([expert, src_gpu or -1 for host, dst_gpu, dst_slot]).";
+  c.options = {
+      {"loads", "LOADS.npy", "per-micro-step loads (required)", ""},
+      {"nodes", "N", "nodes in the EP group", "1"},
+      {"gpus-per-node", "G", "GPUs per node", "8"},
+      {"slots", "S", "expert slots per GPU per layer", ""},
+      {"strategy", "NAME", "foremoe, foremoe-free, eplb, eplb-oracle or static", "foremoe"},
+      {"mode", "MODE", "two-level (owners + spare slots) or free", "two-level"},
+      {"move-budget", "K", "new replicas per GPU per micro-step (default: the spare slots)", ""},
+      {"owners", "KIND", "owner placement: hierarchical (nodes, then GPUs) or flat", "hierarchical"},
+      {"stage", "STAGE", "recompute or update (replicas also return gradients)", "update"},
+      {"previous-loads", "FILE.npy", "previous step's loads: the history EPLB plans from", ""},
+      {"resident", "PLACEMENT.json", "placement left by the previous micro-step (from --out-placement)", ""},
+      {"threads", "T", "threads over layers (plans do not depend on it)", "1"},
+      {"out", "PLAN.json", "write the plan here", ""},
+      {"out-placement", "PLACEMENT.json", "write the final placement here (readable by --resident)", ""},
+  };
+  c.run = [](const Args &a, std::ostream &out, std::ostream &) {
+    if (!a.has("loads")) throw UsageError{"--loads LOADS.npy is required"};
+    if (!a.has("slots")) throw UsageError{"--slots S is required"};
+    Topology topo;
+    topo.num_nodes = static_cast<int>(a.integer("nodes", 1, 1 << 16));
+    topo.gpus_per_node = static_cast<int>(a.integer("gpus-per-node", 1, 1 << 10));
+    topo.slots_per_gpu = static_cast<int>(a.integer("slots", 1, 1 << 16));
+    const LoadTensor loads = read_loads_npy(a.str("loads"));
+    topo.validate(loads.num_experts());
+
+    PlannerOptions opts;
+    opts.strategy = parse_strategy(a.str("strategy"));
+    opts.mode = parse_plan_mode(a.str("mode"));
+    if (a.has("move-budget")) opts.move_budget = static_cast<int>(a.integer("move-budget", 0, 1 << 16));
+    const std::string owners = a.str("owners");
+    if (owners != "hierarchical" && owners != "flat")
+      throw UsageError{"--owners must be hierarchical or flat, got '" + owners + "'"};
+    opts.hierarchical_owners = owners == "hierarchical";
+    opts.num_threads = static_cast<int>(a.integer("threads", 1, 1024));
+    const std::string stage_name = a.str("stage");
+    if (stage_name != "recompute" && stage_name != "update")
+      throw UsageError{"--stage must be recompute or update, got '" + stage_name + "'"};
+    const Stage stage = stage_name == "update" ? Stage::update : Stage::recompute;
+
+    std::vector<std::int64_t> previous;
+    if (a.has("previous-loads")) {
+      const LoadTensor prev = read_loads_npy(a.str("previous-loads"));
+      if (prev.num_layers() != loads.num_layers() || prev.num_experts() != loads.num_experts())
+        throw Error("--previous-loads has " + std::to_string(prev.num_layers()) + " layers x " +
+                    std::to_string(prev.num_experts()) + " experts, --loads has " +
+                    std::to_string(loads.num_layers()) + " x " + std::to_string(loads.num_experts()));
+      previous.assign(static_cast<std::size_t>(prev.num_layers()) * prev.num_experts(), 0);
+      for (int m = 0; m < prev.num_micro_steps(); ++m)
+        for (std::size_t i = 0; i < previous.size(); ++i)
+          previous[i] += prev.totals()[static_cast<std::size_t>(m) * previous.size() + i];
+    }
+    Placement resident;
+    if (a.has("resident"))
+      resident = read_placement_json(a.str("resident"), topo, loads.num_layers(), loads.num_experts());
+
+    Planner planner(loads.num_layers(), loads.num_experts(), topo, opts);
+    const StepPlan sp = planner.plan_step(loads, a.has("resident") ? &resident : nullptr, previous, stage);
+
+    nlohmann::json j;
+    j["strategy"] = std::string(to_string(opts.strategy));
+    j["mode"] = std::string(to_string(opts.mode));
+    j["nodes"] = topo.num_nodes;
+    j["gpus_per_node"] = topo.gpus_per_node;
+    j["slots"] = topo.slots_per_gpu;
+    j["num_layers"] = loads.num_layers();
+    j["num_experts"] = loads.num_experts();
+    j["planner_seconds"] = sp.planner_seconds;
+    nlohmann::json steps = nlohmann::json::array();
+    std::vector<double> imb;
+    std::size_t num_moves = 0;
+    for (const auto &layers : sp.micro_steps) {
+      nlohmann::json ls = nlohmann::json::array();
+      for (const LayerPlan &lp : layers) {
+        ls.push_back(layer_plan_json(lp));
+        imb.push_back(lp.imbalance());
+        num_moves += lp.moves.size();
+      }
+      steps.push_back({{"layers", std::move(ls)}});
+    }
+    j["micro_steps"] = std::move(steps);
+    if (a.has("out")) write_json(a.str("out"), j);
+    if (a.has("out-placement")) write_json(a.str("out-placement"), placement_json(topo, sp.final_placement()));
+
+    std::sort(imb.begin(), imb.end());
+    auto q = [&](double p) { return imb.empty() ? 1.0 : imb[static_cast<std::size_t>(p * double(imb.size() - 1))]; };
+    out << "planned " << sp.micro_steps.size() << " micro-steps x " << loads.num_layers() << " layers x "
+        << loads.num_experts() << " experts on " << topo.num_nodes << " x " << topo.gpus_per_node << " GPUs x "
+        << topo.slots_per_gpu << " slots with " << to_string(opts.strategy)
+        << (opts.strategy == Strategy::foremoe ? " (" + std::string(to_string(opts.mode)) + ")" : std::string())
+        << " in " << std::fixed << std::setprecision(2) << sp.planner_seconds * 1e3
+        << " ms\n"
+        << "  layer max/mean GPU load: median " << std::setprecision(4) << q(0.5) << ", p99 " << q(0.99) << ", max "
+        << (imb.empty() ? 1.0 : imb.back()) << "\n"
+        << "  moves: " << num_moves << " (" << std::setprecision(2)
+        << (sp.micro_steps.empty() ? 0.0 : double(num_moves) / double(sp.micro_steps.size())) << " per micro-step)\n";
+    if (a.has("out")) out << "  wrote " << a.str("out") << "\n";
+    if (a.has("out-placement")) out << "  wrote " << a.str("out-placement") << "\n";
+    return 0;
+  };
+  return c;
+}
+
+FOREMOE_REGISTER_COMMAND(make_plan);
+
+} // namespace
+} // namespace foremoe::cli
