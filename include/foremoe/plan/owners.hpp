@@ -53,14 +53,15 @@ inline void pack_cardinality(std::span<const std::int32_t> items, std::span<cons
     bin_of[it] = best;
   }
   // Local search: the heaviest bin trades an item with another bin (or gives one away where counts allow) while
-  // that lowers the pair's maximum.
+  // that lowers the pair's maximum. Members are listed in weight order, so the best partner for an item is found
+  // by bisection.
   std::vector<std::int32_t> members_off(static_cast<std::size_t>(num_bins) + 1), members(items.size()), fill;
   for (int round = 0; round < max_swap_rounds; ++round) {
     std::fill(members_off.begin(), members_off.end(), 0);
-    for (std::int32_t it : items) ++members_off[bin_of[it] + 1];
+    for (std::int32_t it : scratch_order) ++members_off[bin_of[it] + 1];
     for (int b = 0; b < num_bins; ++b) members_off[b + 1] += members_off[b];
     fill.assign(members_off.begin(), members_off.end() - 1);
-    for (std::int32_t it : items) members[fill[bin_of[it]]++] = it;
+    for (std::int32_t it : scratch_order) members[fill[bin_of[it]]++] = it; // descending weight within a bin
     int hot = 0;
     for (int b = 1; b < num_bins; ++b)
       if (bin_load[b] > bin_load[hot]) hot = b;
@@ -72,6 +73,7 @@ inline void pack_cardinality(std::span<const std::int32_t> items, std::span<cons
       const std::int64_t gap = bin_load[hot] - bin_load[b];
       if (gap <= 1) continue;
       const bool can_give = bin_count[hot] > bin_count[b];
+      const auto first = members.begin() + members_off[b], last = members.begin() + members_off[b + 1];
       for (int ia = members_off[hot]; ia < members_off[hot + 1]; ++ia) {
         const std::int32_t a = members[ia];
         if (can_give) {
@@ -84,8 +86,12 @@ inline void pack_cardinality(std::span<const std::int32_t> items, std::span<cons
             best_bin = b;
           }
         }
-        for (int ic = members_off[b]; ic < members_off[b + 1]; ++ic) {
-          const std::int32_t c = members[ic];
+        // Ideal partner weight: w_a - gap / 2; look at the two members around it.
+        const std::int64_t target = weights[a] - gap / 2;
+        const auto it = std::lower_bound(first, last, target,
+                                         [&](std::int32_t c, std::int64_t t) { return weights[c] > t; });
+        for (auto cand = it - (it != first ? 1 : 0); cand != last && cand <= it; ++cand) {
+          const std::int32_t c = *cand;
           const std::int64_t d = weights[a] - weights[c];
           if (d <= 0 || d >= gap) continue;
           const std::int64_t m = std::max(bin_load[hot] - d, bin_load[b] + d);

@@ -39,8 +39,8 @@ using TokenTimeFn = std::function<double(std::int64_t tokens)>;
 
 /// Options of replica selection for one layer.
 struct ReplicaOptions {
-  int move_budget = -1;          ///< new replicas per GPU per micro-step; < 0: the GPU's spare slots
-  int local_search_rounds = 8;   ///< improving replica moves tried after the construction (0: none)
+  int move_budget = -1;        ///< new replicas per GPU per micro-step; < 0: the GPU's spare slots
+  int local_search_rounds = 8; ///< improving replica moves tried after the construction (0: none)
   /// Optional cost gate: a new replica stays only if the compute time it saves exceeds `replica_cost`. Both
   /// callbacks must be set for the gate to act.
   ReplicaCostFn replica_cost;
@@ -131,13 +131,16 @@ public:
       const std::int32_t e = heap_.back();
       if (loads[e] == 0) break;
       ++counts_[e];
-      if (counts_[e] >= num_gpus_ || counts_[e] >= loads[e]) heap_.pop_back();
-      else std::push_heap(heap_.begin(), heap_.end(), less);
+      if (counts_[e] >= num_gpus_ || counts_[e] >= loads[e])
+        heap_.pop_back();
+      else
+        std::push_heap(heap_.begin(), heap_.end(), less);
     }
     // LPT of the copies (weight load / count) under exactly `slots` per GPU and no duplicate per GPU.
     items_.clear();
     for (int e = 0; e < num_experts_; ++e)
-      for (int c = 0; c < counts_[e]; ++c) items_.push_back(e);
+      for (int c = 0; c < counts_[e]; ++c)
+        items_.push_back(e);
     std::stable_sort(items_.begin(), items_.end(), [&](std::int32_t a, std::int32_t b) {
       return detail::compare_fractions(loads[a], counts_[a], loads[b], counts_[b]) > 0;
     });
@@ -228,8 +231,8 @@ private:
     detail::require(resident->num_gpus() == num_gpus_ && resident->slots_per_gpu() == slots_ &&
                         resident->num_experts() == num_experts_,
                     who, ": resident placement is ", resident->num_gpus(), " GPUs x ", resident->slots_per_gpu(),
-                    " slots x ", resident->num_experts(), " experts, the topology is ", num_gpus_, " x ", slots_,
-                    " x ", num_experts_);
+                    " slots x ", resident->num_experts(), " experts, the topology is ", num_gpus_, " x ", slots_, " x ",
+                    num_experts_);
   }
   [[nodiscard]] bool resident_compatible(const LayerPlacement &r, std::span<const std::int32_t> owner_gpu) const {
     for (int e = 0; e < num_experts_; ++e)
@@ -263,14 +266,22 @@ private:
     }
     own_list_.resize(static_cast<std::size_t>(num_experts_));
     fill_.assign(own_off_.begin(), own_off_.end() - 1);
-    for (int e = 0; e < num_experts_; ++e) own_list_[fill_[owner_gpu[e]]++] = e;
+    for (int e = 0; e < num_experts_; ++e)
+      own_list_[fill_[owner_gpu[e]]++] = e;
     owner_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
     spare_.assign(static_cast<std::size_t>(num_gpus_), 0);
     budget_.assign(static_cast<std::size_t>(num_gpus_), 0);
     for (int g = 0; g < num_gpus_; ++g) {
-      std::stable_sort(own_list_.begin() + own_off_[g], own_list_.begin() + own_off_[g + 1],
-                       [&](std::int32_t a, std::int32_t b) { return loads[a] > loads[b]; });
-      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) owner_load_[g] += loads[own_list_[j]];
+      // Insertion sort: a GPU owns a handful of experts, and it is stable.
+      for (int j = own_off_[g] + 1; j < own_off_[g + 1]; ++j) {
+        const std::int32_t x = own_list_[j];
+        int k = j;
+        for (; k > own_off_[g] && loads[own_list_[k - 1]] < loads[x]; --k)
+          own_list_[k] = own_list_[k - 1];
+        own_list_[k] = x;
+      }
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+        owner_load_[g] += loads[own_list_[j]];
       spare_[g] = slots_ - (own_off_[g + 1] - own_off_[g]);
     }
     hot_order_.resize(static_cast<std::size_t>(num_gpus_));
@@ -287,7 +298,8 @@ private:
       for (std::int32_t e : resident->gpu_slots(g)) {
         if (e < 0 || e >= num_experts_ || owner_gpu[e] == g || res_cnt_[g] >= spare_[g]) continue;
         bool dup = false;
-        for (int j = 0; j < res_cnt_[g]; ++j) dup = dup || res_[g * slots_ + j] == e;
+        for (int j = 0; j < res_cnt_[g]; ++j)
+          dup = dup || res_[g * slots_ + j] == e;
         if (!dup) res_[g * slots_ + res_cnt_[g]++] = e;
       }
   }
@@ -304,7 +316,8 @@ private:
   }
   [[nodiscard]] int num_new(const Solution &s, int g) const noexcept {
     int n = 0;
-    for (int j = 0; j < s.cnt[g]; ++j) n += !is_resident(g, s.rep[g * slots_ + j]);
+    for (int j = 0; j < s.cnt[g]; ++j)
+      n += !is_resident(g, s.rep[g * slots_ + j]);
     return n;
   }
   void clear_solution(Solution &s) const {
@@ -317,7 +330,8 @@ private:
   std::int64_t search_two_level(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
                                 const ReplicaOptions &opts) {
     std::int64_t hi = 0;
-    for (int g = 0; g < num_gpus_; ++g) hi = std::max(hi, owner_load_[g]);
+    for (int g = 0; g < num_gpus_; ++g)
+      hi = std::max(hi, owner_load_[g]);
     std::int64_t lo = std::min(hi, lower_bound_two_level(loads, owner_gpu, topo_, opts.move_budget));
     clear_solution(best_);
     // Good plans sit just above the bound, so gallop up from it, then bisect down to a 0.05% bracket (the exact
@@ -355,9 +369,11 @@ private:
     clear_solution(trial_);
     room_.resize(static_cast<std::size_t>(num_gpus_));
     new_left_.resize(static_cast<std::size_t>(num_gpus_));
+    open_.clear();
     for (int g = 0; g < num_gpus_; ++g) {
       room_[g] = t - owner_load_[g];
       new_left_[g] = budget_[g];
+      if (room_[g] > 0 && spare_[g] > 0 && (budget_[g] > 0 || res_cnt_[g] > 0)) open_.push_back(g);
     }
     remaining_.assign(loads.begin(), loads.end());
     for (std::int32_t g : hot_order_) {
@@ -377,7 +393,9 @@ private:
             pick_e = top;
             pick_h = h;
           }
-          if (pick_t < need)
+          // Another expert can only do better when no GPU could take this one: the transfer is capped by the
+          // receiver's room or by the heaviest remaining load, and neither grows with a lighter expert.
+          if (pick_e < 0)
             for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) {
               const std::int32_t e = own_list_[j];
               const std::int64_t a = remaining_[e];
@@ -398,6 +416,9 @@ private:
         trial_.rep[pick_h * slots_ + trial_.cnt[pick_h]++] = pick_e;
         if (!is_resident(pick_h, pick_e)) --new_left_[pick_h];
         room_[pick_h] -= pick_t;
+        if (room_[pick_h] <= 0 || trial_.cnt[pick_h] >= spare_[pick_h] ||
+            (new_left_[pick_h] <= 0 && res_cnt_[pick_h] == 0))
+          open_.erase(std::find(open_.begin(), open_.end(), pick_h));
         remaining_[pick_e] -= pick_t;
         excess -= pick_t;
       }
@@ -409,12 +430,13 @@ private:
   /// tightest room >= need, else the largest room; -1 when no GPU can take it.
   std::int32_t pick_receiver(std::int32_t e, std::int64_t need) const {
     std::int32_t fit = -1, big = -1;
-    for (int h = 0; h < num_gpus_; ++h) {
+    for (const std::int32_t h : open_) {
       if (room_[h] <= 0 || trial_.cnt[h] >= spare_[h] || owner_[e] == h) continue;
       const bool res = is_resident(h, e);
       if (!res && new_left_[h] <= 0) continue;
       bool dup = false;
-      for (int j = 0; j < trial_.cnt[h]; ++j) dup = dup || trial_.rep[h * slots_ + j] == e;
+      for (int j = 0; j < trial_.cnt[h]; ++j)
+        dup = dup || trial_.rep[h * slots_ + j] == e;
       if (dup) continue;
       if (res && room_[h] >= need) return h;
       if (room_[h] >= need) {
@@ -430,7 +452,8 @@ private:
   std::int64_t evaluate(const Solution &s, std::span<const std::int64_t> loads) {
     copies_.assign(static_cast<std::size_t>(num_experts_), 0);
     for (int g = 0; g < num_gpus_; ++g)
-      for (int j = 0; j < s.cnt[g]; ++j) ++copies_[s.rep[g * slots_ + j]];
+      for (int j = 0; j < s.cnt[g]; ++j)
+        ++copies_[s.rep[g * slots_ + j]];
     shared_idx_.assign(static_cast<std::size_t>(num_experts_), -1);
     shared_loads_.clear();
     shared_exp_.clear();
@@ -442,17 +465,20 @@ private:
       }
     const int num_shared = static_cast<int>(shared_loads_.size());
     offsets_.assign(static_cast<std::size_t>(num_shared) + 1, 0);
-    for (int i = 0; i < num_shared; ++i) offsets_[i + 1] = offsets_[i] + 1 + copies_[shared_exp_[i]];
+    for (int i = 0; i < num_shared; ++i)
+      offsets_[i + 1] = offsets_[i] + 1 + copies_[shared_exp_[i]];
     copy_gpu_.resize(offsets_.back());
     fill_.assign(offsets_.begin(), offsets_.end() - 1);
-    for (int i = 0; i < num_shared; ++i) copy_gpu_[fill_[i]++] = owner_[shared_exp_[i]];
+    for (int i = 0; i < num_shared; ++i)
+      copy_gpu_[fill_[i]++] = owner_[shared_exp_[i]];
     for (int g = 0; g < num_gpus_; ++g)
       for (int j = 0; j < s.cnt[g]; ++j) {
         const std::int32_t i = shared_idx_[s.rep[g * slots_ + j]];
         copy_gpu_[fill_[i]++] = g;
       }
     base_.assign(owner_load_.begin(), owner_load_.end());
-    for (int i = 0; i < num_shared; ++i) base_[owner_[shared_exp_[i]]] -= shared_loads_[i];
+    for (int i = 0; i < num_shared; ++i)
+      base_[owner_[shared_exp_[i]]] -= shared_loads_[i];
     copy_tokens_.resize(copy_gpu_.size());
     gpu_loads_.resize(static_cast<std::size_t>(num_gpus_));
     return split_.solve_core(base_, shared_loads_, offsets_, copy_gpu_, copy_tokens_, gpu_loads_);
@@ -478,10 +504,13 @@ private:
       for (int g = 1; g < num_gpus_; ++g)
         if (gpu_loads_[g] > gpu_loads_[hot]) hot = g;
       cand_e_.clear();
-      for (int j = own_off_[hot]; j < own_off_[hot + 1]; ++j) cand_e_.push_back(own_list_[j]);
-      for (int j = 0; j < cur_.cnt[hot]; ++j) cand_e_.push_back(cur_.rep[hot * slots_ + j]);
+      for (int j = own_off_[hot]; j < own_off_[hot + 1]; ++j)
+        cand_e_.push_back(own_list_[j]);
+      for (int j = 0; j < cur_.cnt[hot]; ++j)
+        cand_e_.push_back(cur_.rep[hot * slots_ + j]);
       cand_tok_.resize(cand_e_.size());
-      for (std::size_t k = 0; k < cand_e_.size(); ++k) cand_tok_[k] = tokens_on(cand_e_[k], hot, loads);
+      for (std::size_t k = 0; k < cand_e_.size(); ++k)
+        cand_tok_[k] = tokens_on(cand_e_[k], hot, loads);
       // Top 3 experts by tokens on the hot GPU.
       order_.resize(cand_e_.size());
       std::iota(order_.begin(), order_.end(), 0);
@@ -509,8 +538,10 @@ private:
           const int options = cur_.cnt[h] < spare_[h] ? 1 : cur_.cnt[h];
           for (int slot = 0; slot < options; ++slot) {
             trial_ = cur_;
-            if (cur_.cnt[h] < spare_[h]) trial_.rep[h * slots_ + trial_.cnt[h]++] = e;
-            else trial_.rep[h * slots_ + slot] = e;
+            if (cur_.cnt[h] < spare_[h])
+              trial_.rep[h * slots_ + trial_.cnt[h]++] = e;
+            else
+              trial_.rep[h * slots_ + slot] = e;
             if (!is_resident(h, e) && num_new(trial_, h) > budget_[h]) continue;
             const std::int64_t m = evaluate(trial_, loads);
             if (m < best) {
@@ -539,7 +570,8 @@ private:
         const std::int32_t e = cur_.rep[g * slots_ + j];
         if (is_resident(g, e)) continue;
         trial_ = cur_;
-        for (int k = j; k + 1 < trial_.cnt[g]; ++k) trial_.rep[g * slots_ + k] = trial_.rep[g * slots_ + k + 1];
+        for (int k = j; k + 1 < trial_.cnt[g]; ++k)
+          trial_.rep[g * slots_ + k] = trial_.rep[g * slots_ + k + 1];
         trial_.rep[g * slots_ + --trial_.cnt[g]] = empty_slot;
         const std::int64_t without = evaluate(trial_, loads);
         const int src = owner_gpu[e] / topo_.gpus_per_node == g / topo_.gpus_per_node ? owner_gpu[e] : host_mirror;
@@ -565,9 +597,11 @@ private:
                     const LayerPlacement *resident) {
     std::vector<std::vector<std::int32_t>> per_gpu(static_cast<std::size_t>(num_gpus_));
     for (int g = 0; g < num_gpus_; ++g) {
-      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) per_gpu[g].push_back(own_list_[j]);
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+        per_gpu[g].push_back(own_list_[j]);
       std::sort(per_gpu[g].begin(), per_gpu[g].end());
-      for (int j = 0; j < s.cnt[g]; ++j) per_gpu[g].push_back(s.rep[g * slots_ + j]);
+      for (int j = 0; j < s.cnt[g]; ++j)
+        per_gpu[g].push_back(s.rep[g * slots_ + j]);
     }
     const LayerPlacement laid = layout_slots(num_gpus_, slots_, num_experts_, per_gpu, resident);
     return plan_from_placement(laid, loads, owner_gpu, resident);
@@ -579,7 +613,8 @@ private:
     std::int64_t makespan = split_.solve(p, loads, tok);
     for (int round = 0; round < rounds; ++round) {
       gpu_loads_.assign(static_cast<std::size_t>(num_gpus_), 0);
-      for (int q = 0; q < p.num_slots(); ++q) gpu_loads_[q / slots_] += tok[q];
+      for (int q = 0; q < p.num_slots(); ++q)
+        gpu_loads_[q / slots_] += tok[q];
       int hot = 0;
       for (int g = 1; g < num_gpus_; ++g)
         if (gpu_loads_[g] > gpu_loads_[hot]) hot = g;
@@ -627,6 +662,7 @@ private:
   std::span<const std::int32_t> owner_;
   std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
   std::vector<std::int64_t> owner_load_, room_, remaining_;
+  std::vector<std::int32_t> open_; ///< GPUs that may still receive in the current construction
   Solution best_, trial_, cur_, scratch_;
   std::vector<int> copies_;
   std::vector<std::int32_t> shared_idx_, shared_exp_, offsets_, copy_gpu_, cand_e_, order_, recv_;

@@ -181,7 +181,14 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
         detail::report_bad_id(ids, t0, t1, moe_of, num_experts);
   };
 
-  // Adds `[t0, t1)` to micro-step m (and source r when r >= 0).
+  // Per-source counts of the current micro-step, `[src][layer][expert]`, so
+  // that every range adds into contiguous memory; transposed into the
+  // tensor's `[layer][expert][src]` once per micro-step, a layer at a time
+  // (scattering each range straight into the split missed cache on every id).
+  std::vector<std::int64_t> staged(num_sources > 0 ? static_cast<std::size_t>(num_sources) * num_moe * num_experts : 0);
+  const std::size_t layer_cells = static_cast<std::size_t>(num_moe) * num_experts;
+
+  // Adds `[t0, t1)` to micro-step m (and to source r's staging when r >= 0).
   auto add_range = [&](int m, int r, std::int64_t t0, std::int64_t t1) {
     const std::int64_t chunk = detail::count_chunk_tokens(ids.topk());
     for (std::int64_t c0 = t0; c0 < t1; c0 += chunk) {
@@ -192,8 +199,8 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
         auto tot = out.layer(m, l);
         for (int e = 0; e < num_experts; ++e) tot[e] += b[e];
         if (r >= 0) {
-          auto src = out.layer_by_source(m, l);
-          for (int e = 0; e < num_experts; ++e) src[static_cast<std::size_t>(e) * num_sources + r] += b[e];
+          std::int64_t *st = staged.data() + static_cast<std::size_t>(r) * layer_cells + static_cast<std::size_t>(l) * num_experts;
+          for (int e = 0; e < num_experts; ++e) st[e] += b[e];
         }
       }
     }
@@ -202,10 +209,18 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
   for (int m = 0; m < num_micro_steps; ++m) {
     if (num_sources == 0) {
       add_range(m, -1, mb[m], mb[m + 1]);
-    } else {
+      continue;
+    }
+    std::fill(staged.begin(), staged.end(), 0);
+    for (int r = 0; r < num_sources; ++r) {
+      const std::size_t i = static_cast<std::size_t>(m) * num_sources + r;
+      if (so[i] < so[i + 1]) add_range(m, r, so[i], so[i + 1]);
+    }
+    for (int l = 0; l < num_moe; ++l) {
+      auto src = out.layer_by_source(m, l);
       for (int r = 0; r < num_sources; ++r) {
-        const std::size_t i = static_cast<std::size_t>(m) * num_sources + r;
-        add_range(m, r, so[i], so[i + 1]);
+        const std::int64_t *st = staged.data() + static_cast<std::size_t>(r) * layer_cells + static_cast<std::size_t>(l) * num_experts;
+        for (int e = 0; e < num_experts; ++e) src[static_cast<std::size_t>(e) * num_sources + r] = st[e];
       }
     }
   }

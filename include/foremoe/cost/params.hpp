@@ -1,0 +1,163 @@
+#pragma once
+/// @file
+/// Every cost-model parameter in one struct, with defaults for an H200 SXM cluster of 8-GPU nodes and one
+/// 400 Gb/s NIC per GPU. Units: seconds inside the models; the struct stores human units (us, GB/s,
+/// TFLOP/s, TB/s; 1 GB = 1e9 bytes) to match `LinkBandwidths`.
+
+#include <cmath>
+
+#include "foremoe/core/error.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+
+/// Grouped expert GEMM on one GPU (see `expert_compute.hpp` for the formula):
+/// `t = launch + per_expert * active + scan * scanned_rows * hidden
+///      + max(active * expert_bytes / (hbm * hbm_eff), tokens * flops_per_token / (peak(dtype) * compute_eff * eff(n)))`,
+/// `eff(n) = n / (n + n_half)`, `n` = tokens per active expert (`+` instead of `max` when `overlap` is false). The defaults are the fit on the measured SGLang fused-MoE latencies
+/// (shared/data/h200-moe-latency.csv, Qwen3-30B-A3B shape, bf16, balanced rows; see tests/test_cost.cpp).
+struct ExpertGemmParams {
+  double peak_tflops_bf16 = 989.0;  ///< H200 SXM dense bf16/fp16 tensor peak (NVIDIA datasheet)
+  double peak_tflops_fp8 = 1979.0;  ///< H200 SXM dense fp8 tensor peak (datasheet); fp32 uses bf16 / 2 (TF32)
+  double hbm_tb_per_s = 4.8;        ///< H200 HBM3e bandwidth (datasheet)
+  double compute_efficiency = 0.55; ///< achieved fraction of the tensor peak at large token counts (fit)
+  double hbm_efficiency = 0.45;     ///< achieved fraction of HBM bandwidth streaming expert weights (fit)
+  double launch_us = 20.0;          ///< fixed time of one grouped-GEMM call (kernel launches, routing) (fit)
+  double per_expert_us = 0.5;       ///< fixed time per active expert (tile scheduling) (fit)
+  /// Time per hidden element of every token-expert row the kernel scans, in picoseconds: SGLang's Triton
+  /// EP path visits (and zero-fills) the rows routed to non-local experts too. 0 for a GPU that only sees
+  /// its own dispatched tokens. (fit)
+  double scan_ps_per_element = 0.0;
+  /// true: weight streaming and math overlap (`max`), false: they add (`+`). (chosen by the fit)
+  bool overlap = true;
+  /// Tokens per expert at which the GEMM reaches half its large-batch efficiency. Its penalty,
+  /// n_half * flops_per_token per active expert, has the same form as weight streaming, so a fit on one
+  /// dtype cannot tell them apart; kept 0 by default (folded into `hbm_efficiency`).
+  double n_half = 0.0;
+
+  void validate() const {
+    auto pos = [](double v, const char *name) {
+      detail::require(std::isfinite(v) && v > 0, "CostParams.gemm: ", name, " must be positive and finite, got ", v);
+    };
+    auto nonneg = [](double v, const char *name) {
+      detail::require(std::isfinite(v) && v >= 0, "CostParams.gemm: ", name, " must be >= 0 and finite, got ", v);
+    };
+    pos(peak_tflops_bf16, "peak_tflops_bf16");
+    pos(peak_tflops_fp8, "peak_tflops_fp8");
+    pos(hbm_tb_per_s, "hbm_tb_per_s");
+    pos(compute_efficiency, "compute_efficiency");
+    pos(hbm_efficiency, "hbm_efficiency");
+    nonneg(launch_us, "launch_us");
+    nonneg(per_expert_us, "per_expert_us");
+    nonneg(n_half, "n_half");
+    nonneg(scan_ps_per_element, "scan_ps_per_element");
+  }
+};
+
+/// Attention and the dense (non-routed) parts of a layer: per-token time, balanced across GPUs.
+struct DenseParams {
+  /// Forward seconds-per-token in us of attention + dense parts of one layer on one GPU. Default: a
+  /// Qwen3-30B-A3B layer (~0.4 GFLOP/token for QKV/O projections, router and attention at 4k context) at
+  /// ~40% of the bf16 peak ~ 1 us per token.
+  double per_token_us = 1.0;
+  double launch_us = 30.0; ///< fixed time of the dense part of one layer (kernel launches)
+
+  void validate() const {
+    detail::require(std::isfinite(per_token_us) && per_token_us >= 0,
+                    "CostParams.dense: per_token_us must be >= 0 and finite, got ", per_token_us);
+    detail::require(std::isfinite(launch_us) && launch_us >= 0,
+                    "CostParams.dense: launch_us must be >= 0 and finite, got ", launch_us);
+  }
+};
+
+/// All-to-all dispatch and combine. Intra-node traffic rides NVLink, inter-node traffic the GPU's NIC;
+/// both run concurrently. Defaults: NVLink fit on shared/data/h200-nccl.csv (alltoall, 8 GPUs, bus
+/// bandwidth); inter-node = 400 Gb/s = 50 GB/s line rate at ~80% achieved.
+struct AllToAllParams {
+  double intra_gb_per_s = 340.0;  ///< per-GPU NVLink bandwidth achieved by NCCL alltoall (fit, busbw)
+  double inter_gb_per_s = 40.0;   ///< per-GPU NIC bandwidth achieved across nodes
+  double intra_latency_us = 12.0; ///< fixed cost of an intra-node exchange (fit alpha, 8 GPUs)
+  double inter_latency_us = 20.0; ///< fixed cost of an inter-node exchange (IB RDMA + proxy)
+  double per_message_us = 0.0;    ///< extra cost per non-empty peer message (beyond the fixed cost)
+
+  void validate() const {
+    detail::require(std::isfinite(intra_gb_per_s) && intra_gb_per_s > 0,
+                    "CostParams.a2a: intra_gb_per_s must be positive and finite, got ", intra_gb_per_s);
+    detail::require(std::isfinite(inter_gb_per_s) && inter_gb_per_s > 0,
+                    "CostParams.a2a: inter_gb_per_s must be positive and finite, got ", inter_gb_per_s);
+    detail::require(std::isfinite(intra_latency_us) && intra_latency_us >= 0,
+                    "CostParams.a2a: intra_latency_us must be >= 0, got ", intra_latency_us);
+    detail::require(std::isfinite(inter_latency_us) && inter_latency_us >= 0,
+                    "CostParams.a2a: inter_latency_us must be >= 0, got ", inter_latency_us);
+    detail::require(std::isfinite(per_message_us) && per_message_us >= 0,
+                    "CostParams.a2a: per_message_us must be >= 0, got ", per_message_us);
+  }
+};
+
+/// One path an expert's weights can take: bandwidth (GB/s) and fixed latency (us).
+struct PathParams {
+  double gb_per_s = 1.0;
+  double latency_us = 0.0;
+};
+
+/// Expert moves. Defaults: NVLink peer copy by copy engines (~75% of the 450 GB/s port), NCCL send/recv over
+/// one 400 Gb/s NIC (~80% of 50 GB/s), pinned host memory over PCIe Gen5 x16 (~55 GB/s of 64).
+struct MoveParams {
+  PathParams gpu_intra{340.0, 10.0}; ///< GPU-direct inside a node (NVLink copy engine)
+  PathParams gpu_inter{40.0, 25.0};  ///< GPU-direct across nodes (NCCL over the NIC)
+  PathParams host{50.0, 10.0};       ///< CPU-assisted host -> device (pinned PCIe)
+
+  void validate() const {
+    auto check = [](const PathParams &p, const char *name) {
+      detail::require(std::isfinite(p.gb_per_s) && p.gb_per_s > 0, "CostParams.move.", name,
+                      ".gb_per_s must be positive and finite, got ", p.gb_per_s);
+      detail::require(std::isfinite(p.latency_us) && p.latency_us >= 0, "CostParams.move.", name,
+                      ".latency_us must be >= 0, got ", p.latency_us);
+    };
+    check(gpu_intra, "gpu_intra");
+    check(gpu_inter, "gpu_inter");
+    check(host, "host");
+  }
+};
+
+/// Reduction of a replica's gradient into its owner in the update stage: the gradient (in `grad_bytes_factor`
+/// x the weight bytes, e.g. 2 for bf16 grads of fp8 weights, 1 by default) travels on the GPU-direct path
+/// and is added into the owner's gradient at HBM speed.
+struct GradReduceParams {
+  double grad_bytes_factor = 1.0; ///< gradient bytes per weight byte
+  double add_gb_per_s = 1500.0;   ///< elementwise accumulate (reads 2, writes 1) at ~1/3 of HBM bandwidth
+  double latency_us = 5.0;        ///< fixed overhead of one reduction (launch + event)
+
+  void validate() const {
+    detail::require(std::isfinite(grad_bytes_factor) && grad_bytes_factor > 0,
+                    "CostParams.grad: grad_bytes_factor must be positive, got ", grad_bytes_factor);
+    detail::require(std::isfinite(add_gb_per_s) && add_gb_per_s > 0,
+                    "CostParams.grad: add_gb_per_s must be positive, got ", add_gb_per_s);
+    detail::require(std::isfinite(latency_us) && latency_us >= 0,
+                    "CostParams.grad: latency_us must be >= 0, got ", latency_us);
+  }
+};
+
+/// All cost-model parameters. Defaults: H200 SXM, 8 GPUs per node (NVLink 4), one 400 Gb/s NIC per GPU.
+struct CostParams {
+  ExpertGemmParams gemm{};
+  double backward_factor = 2.0; ///< backward time = factor x forward (dgrad + wgrad GEMMs)
+  DenseParams dense{};
+  AllToAllParams a2a{};
+  MoveParams move{};
+  GradReduceParams grad{};
+
+  /// Throws `Error` naming the first invalid field.
+  void validate() const {
+    gemm.validate();
+    detail::require(std::isfinite(backward_factor) && backward_factor > 0,
+                    "CostParams: backward_factor must be positive and finite, got ", backward_factor);
+    dense.validate();
+    a2a.validate();
+    move.validate();
+    grad.validate();
+  }
+};
+
+} // namespace v0
+} // namespace foremoe
