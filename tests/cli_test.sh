@@ -73,6 +73,10 @@ for strategy in foremoe foremoe-free eplb eplb-oracle static; do
 done
 expect 0 "moves: " -- "$bin" plan --loads "$work/loads.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --previous-loads "$work/step.npy" --strategy eplb
+expect 0 "^  foremoe-free +[0-9.]+" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+  --strategy all
+expect 2 "need one strategy" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+  --strategy all --out "$work/x.json"
 # round trip: the final placement fed back as --resident with the same single micro-step moves nothing
 expect 0 "loads \[1, 4, 16\]" -- "$bin" trace gen "${shape[@]}" --steps 1 --microbatch-tokens 1000000 --loads "$work/one.npy"
 for mode in two-level free; do

@@ -25,7 +25,7 @@ Command make_plan() {
       {"nodes", "N", "nodes in the EP group", "1"},
       {"gpus-per-node", "G", "GPUs per node", "8"},
       {"slots", "S", "expert slots per GPU per layer", ""},
-      {"strategy", "NAME", "foremoe, foremoe-free, eplb, eplb-oracle or static", "foremoe"},
+      {"strategy", "NAME", "foremoe, foremoe-free, eplb, eplb-oracle, static, or all (side by side, no --out)", "foremoe"},
       {"mode", "MODE", "two-level (owners + spare slots) or free", "two-level"},
       {"move-budget", "K", "new replicas per GPU per micro-step (default: the spare slots)", ""},
       {"owners", "KIND", "owner placement: hierarchical (nodes, then GPUs) or flat", "hierarchical"},
@@ -47,7 +47,10 @@ Command make_plan() {
     topo.validate(loads.num_experts());
 
     PlannerOptions opts;
-    opts.strategy = parse_strategy(a.str("strategy"));
+    const bool all = a.str("strategy") == "all";
+    if (all && (a.has("out") || a.has("out-placement")))
+      throw UsageError{"--strategy all prints a comparison; --out and --out-placement need one strategy"};
+    opts.strategy = all ? Strategy::foremoe : parse_strategy(a.str("strategy"));
     opts.mode = parse_plan_mode(a.str("mode"));
     if (a.has("move-budget")) opts.move_budget = static_cast<int>(a.integer("move-budget", 0, 1 << 16));
     const std::string owners = a.str("owners");
@@ -76,8 +79,39 @@ Command make_plan() {
     if (a.has("resident"))
       resident = read_placement_json(a.str("resident"), topo, loads.num_layers(), loads.num_experts());
 
+    const Placement *res = a.has("resident") ? &resident : nullptr;
+    if (all) {
+      out << "planning " << loads.num_micro_steps() << " micro-steps x " << loads.num_layers() << " layers x "
+          << loads.num_experts() << " experts on " << topo.num_nodes << " x " << topo.gpus_per_node << " GPUs x "
+          << topo.slots_per_gpu << " slots" << (previous.empty() ? " (eplb without history = static)" : "") << "\n";
+      out << "  " << std::left << std::setw(14) << "strategy" << std::right << std::setw(12) << "median" << std::setw(10)
+          << "p99" << std::setw(10) << "max" << std::setw(16) << "moves/micro" << std::setw(14) << "planner ms"
+          << "   (layer max/mean GPU load)\n";
+      for (Strategy st : {Strategy::static_placement, Strategy::eplb, Strategy::eplb_oracle, Strategy::foremoe,
+                          Strategy::foremoe_free}) {
+        PlannerOptions o = opts;
+        o.strategy = st;
+        Planner p(loads.num_layers(), loads.num_experts(), topo, o);
+        const StepPlan sp = p.plan_step(loads, res, previous, stage);
+        std::vector<double> imb;
+        std::size_t moves = 0;
+        for (const auto &layers : sp.micro_steps)
+          for (const LayerPlan &lp : layers) {
+            imb.push_back(lp.imbalance());
+            moves += lp.moves.size();
+          }
+        std::sort(imb.begin(), imb.end());
+        auto q = [&](double f) { return imb[static_cast<std::size_t>(f * double(imb.size() - 1))]; };
+        out << "  " << std::left << std::setw(14) << to_string(st) << std::right << std::fixed << std::setprecision(4)
+            << std::setw(12) << q(0.5) << std::setw(10) << q(0.99) << std::setw(10) << imb.back() << std::setprecision(1)
+            << std::setw(16) << double(moves) / double(sp.micro_steps.size()) << std::setprecision(2) << std::setw(14)
+            << sp.planner_seconds * 1e3 << "\n";
+      }
+      return 0;
+    }
+
     Planner planner(loads.num_layers(), loads.num_experts(), topo, opts);
-    const StepPlan sp = planner.plan_step(loads, a.has("resident") ? &resident : nullptr, previous, stage);
+    const StepPlan sp = planner.plan_step(loads, res, previous, stage);
 
     nlohmann::json j;
     j["strategy"] = std::string(to_string(opts.strategy));

@@ -11,6 +11,7 @@
 #include <istream>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
@@ -34,7 +35,8 @@ inline namespace v0 {
   const auto n = static_cast<std::size_t>(num_gpus);
   detail::require(tokens.size() == n * n, "all_to_all_seconds: matrix has ", tokens.size(), " entries, expected ",
                   num_gpus, " x ", num_gpus);
-  detail::require(hidden > 0 && bytes_per_element > 0, "all_to_all_seconds: hidden and bytes_per_element must be positive");
+  detail::require(hidden > 0 && bytes_per_element > 0,
+                  "all_to_all_seconds: hidden and bytes_per_element must be positive");
   const double row_bytes = hidden * bytes_per_element;
   // [g][0] intra, [g][1] inter
   std::vector<double> send(2 * n, 0.0), recv(2 * n, 0.0), msgs_out(2 * n, 0.0), msgs_in(2 * n, 0.0);

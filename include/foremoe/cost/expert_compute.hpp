@@ -70,7 +70,8 @@ struct ExpertShape {
   const double fpt = s.flops_per_token();
   const double compute = (tokens + p.n_half * act) * fpt / (peak_flops(p, s.dtype) * p.compute_efficiency);
   const double memory = act * s.weight_bytes() / (p.hbm_tb_per_s * 1e12 * p.hbm_efficiency);
-  const double fixed = (p.launch_us + p.per_expert_us * act) * 1e-6 + p.scan_ps_per_element * 1e-12 * scanned * s.hidden;
+  const double fixed =
+      (p.launch_us + p.per_expert_us * act) * 1e-6 + p.scan_ps_per_element * 1e-12 * scanned * s.hidden;
   return fixed + (p.overlap ? std::max(memory, compute) : memory + compute);
 }
 
@@ -203,13 +204,14 @@ struct ExpertComputeFit {
       mem[i] = act * s.shape.weight_bytes();
       comp[i] = (s.tokens + n_half * act) * s.shape.flops_per_token() / peak_flops(base, s.shape.dtype);
     }
-    // Sum form: one linear fit.
+    // Sum form: one linear fit. There n_half's penalty has the form of weight streaming (not identifiable
+    // within one dtype), so only n_half = 0 is offered to it.
     for (std::size_t i = 0; i < m; ++i) {
       a[i * n + 3] = mem[i];
       a[i * n + 4] = comp[i];
     }
     const auto xs = detail::nonneg_least_squares(a, b, w, n);
-    consider(to_params(xs, n_half, false));
+    if (n_half == 0) consider(to_params(xs, n_half, false));
     // Max form: alternate bound assignment and linear fit, starting from the sum fit.
     auto x = xs;
     for (int iter = 0; iter < 30; ++iter) {

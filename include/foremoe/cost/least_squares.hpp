@@ -15,7 +15,8 @@ namespace detail {
 
 /// Solves min_x sum_i w_i^2 (A_i x - b_i)^2 for `A` row-major `m x n` (m >= n, n small) by Householder QR
 /// on column-scaled data. Columns that are all zero get coefficient 0. Throws `Error` when m < n.
-[[nodiscard]] inline std::vector<double> weighted_least_squares(const std::vector<double> &a, const std::vector<double> &b,
+[[nodiscard]] inline std::vector<double> weighted_least_squares(const std::vector<double> &a,
+                                                                const std::vector<double> &b,
                                                                 const std::vector<double> &w, std::size_t n) {
   const std::size_t m = b.size();
   require(n > 0 && a.size() == m * n && w.size() == m, "least squares: inconsistent sizes");
@@ -65,7 +66,8 @@ namespace detail {
 
 /// Like `weighted_least_squares` but with every coefficient >= 0: columns whose coefficient comes out
 /// negative are dropped (coefficient 0) one at a time, most negative first, and the rest refitted.
-[[nodiscard]] inline std::vector<double> nonneg_least_squares(const std::vector<double> &a, const std::vector<double> &b,
+[[nodiscard]] inline std::vector<double> nonneg_least_squares(const std::vector<double> &a,
+                                                              const std::vector<double> &b,
                                                               const std::vector<double> &w, std::size_t n) {
   const std::size_t m = b.size();
   std::vector<bool> active(n, true);

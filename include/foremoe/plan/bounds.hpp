@@ -18,7 +18,8 @@ inline namespace v0 {
 [[nodiscard]] inline std::int64_t lower_bound_total(std::span<const std::int64_t> loads, int num_gpus) {
   detail::require(num_gpus > 0, "lower_bound_total: num_gpus must be positive, got ", num_gpus);
   std::int64_t total = 0;
-  for (std::int64_t v : loads) total += v;
+  for (std::int64_t v : loads)
+    total += v;
   return (total + num_gpus - 1) / num_gpus;
 }
 
@@ -26,10 +27,11 @@ inline namespace v0 {
 /// more than the slots left once every other expert has one).
 [[nodiscard]] inline std::int64_t lower_bound_free(std::span<const std::int64_t> loads, const Topology &topo) {
   const auto num_experts = static_cast<std::int64_t>(loads.size());
-  const std::int64_t max_copies = std::max<std::int64_t>(
-      1, std::min<std::int64_t>(topo.num_gpus(), topo.num_slots() - num_experts + 1));
+  const std::int64_t max_copies =
+      std::max<std::int64_t>(1, std::min<std::int64_t>(topo.num_gpus(), topo.num_slots() - num_experts + 1));
   std::int64_t lb = lower_bound_total(loads, topo.num_gpus());
-  for (std::int64_t v : loads) lb = std::max(lb, (v + max_copies - 1) / max_copies);
+  for (std::int64_t v : loads)
+    lb = std::max(lb, (v + max_copies - 1) / max_copies);
   return lb;
 }
 
@@ -38,7 +40,8 @@ inline namespace v0 {
 /// cannot all get a replica elsewhere (at most one per usable spare slot of the other GPUs) stay whole on it.
 [[nodiscard]] inline std::int64_t lower_bound_two_level(std::span<const std::int64_t> loads,
                                                         std::span<const std::int32_t> owner_gpu, const Topology &topo,
-                                                        int move_budget = -1, const LayerPlacement *resident = nullptr) {
+                                                        int move_budget = -1,
+                                                        const LayerPlacement *resident = nullptr) {
   const int num_gpus = topo.num_gpus(), num_experts = static_cast<int>(loads.size());
   detail::require(static_cast<int>(owner_gpu.size()) == num_experts, "lower_bound_two_level: ", owner_gpu.size(),
                   " owners for ", num_experts, " experts");
@@ -63,7 +66,8 @@ inline namespace v0 {
   }
   std::int64_t lb = lower_bound_total(loads, num_gpus);
   int open = 0;
-  for (int g = 0; g < num_gpus; ++g) open += topo.slots_per_gpu > owned[g];
+  for (int g = 0; g < num_gpus; ++g)
+    open += topo.slots_per_gpu > owned[g];
   // With a zero budget only resident replicas can host a second copy.
   std::vector<int> resident_hosts;
   if (move_budget == 0) {
@@ -81,18 +85,22 @@ inline namespace v0 {
   }
   // Per GPU, grouped by owner in one pass.
   std::vector<int> off(static_cast<std::size_t>(num_gpus) + 1, 0);
-  for (std::int32_t o : owner_gpu) ++off[o + 1];
-  for (int g = 0; g < num_gpus; ++g) off[g + 1] += off[g];
+  for (std::int32_t o : owner_gpu)
+    ++off[o + 1];
+  for (int g = 0; g < num_gpus; ++g)
+    off[g + 1] += off[g];
   std::vector<std::int64_t> grouped(static_cast<std::size_t>(num_experts));
   std::vector<int> fill(off.begin(), off.end() - 1);
-  for (int e = 0; e < num_experts; ++e) grouped[fill[owner_gpu[e]]++] = loads[e];
+  for (int e = 0; e < num_experts; ++e)
+    grouped[fill[owner_gpu[e]]++] = loads[e];
   for (int g = 0; g < num_gpus; ++g) {
     const std::int64_t outlets = total_usable - usable[g];
     const int n = off[g + 1] - off[g];
     if (n <= outlets) continue;
     std::sort(grouped.begin() + off[g], grouped.begin() + off[g + 1]);
     std::int64_t stay = 0;
-    for (int i = 0; i < n - outlets; ++i) stay += grouped[off[g] + i];
+    for (int i = 0; i < n - outlets; ++i)
+      stay += grouped[off[g] + i];
     lb = std::max(lb, stay);
   }
   return lb;

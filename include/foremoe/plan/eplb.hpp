@@ -69,8 +69,9 @@ inline void eplb_balanced_packing(std::span<const double> weights, int num_packs
 
 /// `replicate_experts`: `num_physical` copies of `weights.size()` experts; writes the expert and copy rank of
 /// every physical copy and each expert's copy count.
-inline void eplb_replicate_experts(std::span<const double> weights, int num_physical, std::vector<std::int32_t> &phys_to_log,
-                                   std::vector<std::int32_t> &rank, std::vector<std::int32_t> &count) {
+inline void eplb_replicate_experts(std::span<const double> weights, int num_physical,
+                                   std::vector<std::int32_t> &phys_to_log, std::vector<std::int32_t> &rank,
+                                   std::vector<std::int32_t> &count) {
   const int n = static_cast<int>(weights.size());
   detail::require(num_physical >= n, "eplb replicate_experts: ", num_physical, " physical slots for ", n, " experts");
   phys_to_log.resize(static_cast<std::size_t>(num_physical));
@@ -98,17 +99,17 @@ inline void eplb_replicate_experts(std::span<const double> weights, int num_phys
   detail::require(num_experts % num_groups == 0, "eplb: ", num_experts, " experts do not divide into ", num_groups,
                   " groups");
   detail::require(num_gpus % num_nodes == 0, "eplb: ", num_gpus, " GPUs do not divide into ", num_nodes, " nodes");
-  detail::require(num_physical % num_gpus == 0, "eplb: ", num_physical, " physical slots do not divide over ",
-                  num_gpus, " GPUs");
-  detail::require(num_physical >= num_experts, "eplb: ", num_physical, " physical slots for ", num_experts,
-                  " experts");
+  detail::require(num_physical % num_gpus == 0, "eplb: ", num_physical, " physical slots do not divide over ", num_gpus,
+                  " GPUs");
+  detail::require(num_physical >= num_experts, "eplb: ", num_physical, " physical slots for ", num_experts, " experts");
   const int group_size = num_experts / num_groups, groups_per_node = num_groups / num_nodes;
   const int phys_per_gpu = num_physical / num_gpus, phys_per_node = num_physical / num_nodes;
   const int experts_per_node = num_experts / num_nodes, gpus_per_node = num_gpus / num_nodes;
 
   // Step 1: groups to nodes.
   std::vector<double> group_tokens(static_cast<std::size_t>(num_groups), 0.0);
-  for (int e = 0; e < num_experts; ++e) group_tokens[e / group_size] += weights[e];
+  for (int e = 0; e < num_experts; ++e)
+    group_tokens[e / group_size] += weights[e];
   std::vector<std::int32_t> group_pack, group_rank;
   eplb_balanced_packing(group_tokens, num_nodes, group_pack, group_rank);
   std::vector<std::int32_t> log2mlog(static_cast<std::size_t>(num_experts)), mlog2log(log2mlog.size());
@@ -126,11 +127,13 @@ inline void eplb_replicate_experts(std::span<const double> weights, int num_phys
   std::vector<std::int32_t> phy2mlog, phy_rank, mlog_count, pack_index, rank_in_pack;
   for (int node = 0; node < num_nodes; ++node) {
     // Step 2: replicas inside the node.
-    for (int j = 0; j < experts_per_node; ++j) node_tokens[j] = weights[mlog2log[node * experts_per_node + j]];
+    for (int j = 0; j < experts_per_node; ++j)
+      node_tokens[j] = weights[mlog2log[node * experts_per_node + j]];
     eplb_replicate_experts(node_tokens, phys_per_node, phy2mlog, phy_rank, mlog_count);
     // Step 3: the node's physical experts to its GPUs.
     phys_tokens.resize(static_cast<std::size_t>(phys_per_node));
-    for (int p = 0; p < phys_per_node; ++p) phys_tokens[p] = node_tokens[phy2mlog[p]] / mlog_count[phy2mlog[p]];
+    for (int p = 0; p < phys_per_node; ++p)
+      phys_tokens[p] = node_tokens[phy2mlog[p]] / mlog_count[phy2mlog[p]];
     eplb_balanced_packing(phys_tokens, gpus_per_node, pack_index, rank_in_pack);
     for (int p = 0; p < phys_per_node; ++p) {
       const int pphy = node * phys_per_node + pack_index[p] * phys_per_gpu + rank_in_pack[p];
@@ -138,7 +141,8 @@ inline void eplb_replicate_experts(std::span<const double> weights, int num_phys
       out.phys_to_log[pphy] = log;
       out.replica_rank[pphy] = phy_rank[p];
     }
-    for (int j = 0; j < experts_per_node; ++j) out.replica_count[mlog2log[node * experts_per_node + j]] = mlog_count[j];
+    for (int j = 0; j < experts_per_node; ++j)
+      out.replica_count[mlog2log[node * experts_per_node + j]] = mlog_count[j];
   }
   return out;
 }
@@ -169,13 +173,13 @@ inline void eplb_replicate_experts(std::span<const double> weights, int num_phys
 }
 
 /// Per-GPU load of EPLB's layer for `expert_loads` (the sum over the GPU's physical experts).
-[[nodiscard]] inline std::vector<std::int64_t> eplb_gpu_loads(const EplbLayer &layer,
-                                                              std::span<const std::int64_t> expert_loads,
-                                                              int num_gpus) {
+[[nodiscard]] inline std::vector<std::int64_t>
+eplb_gpu_loads(const EplbLayer &layer, std::span<const std::int64_t> expert_loads, int num_gpus) {
   const auto tokens = eplb_slot_tokens(layer, expert_loads);
   const std::size_t per_gpu = tokens.size() / static_cast<std::size_t>(num_gpus);
   std::vector<std::int64_t> out(static_cast<std::size_t>(num_gpus), 0);
-  for (std::size_t p = 0; p < tokens.size(); ++p) out[p / per_gpu] += tokens[p];
+  for (std::size_t p = 0; p < tokens.size(); ++p)
+    out[p / per_gpu] += tokens[p];
   return out;
 }
 
@@ -186,8 +190,9 @@ inline void eplb_replicate_experts(std::span<const double> weights, int num_phys
   const int num_experts = static_cast<int>(layer.replica_count.size());
   detail::require(static_cast<int>(expert_loads.size()) == num_experts, "eplb_to_layer_plan: ", expert_loads.size(),
                   " loads for ", num_experts, " experts");
-  detail::require(static_cast<std::int64_t>(layer.phys_to_log.size()) == topo.num_slots(), "eplb_to_layer_plan: ",
-                  layer.phys_to_log.size(), " physical slots for a topology of ", topo.num_slots());
+  detail::require(static_cast<std::int64_t>(layer.phys_to_log.size()) == topo.num_slots(),
+                  "eplb_to_layer_plan: ", layer.phys_to_log.size(), " physical slots for a topology of ",
+                  topo.num_slots());
   const auto tokens = eplb_slot_tokens(layer, expert_loads);
   std::vector<std::vector<std::int32_t>> per_gpu(static_cast<std::size_t>(num_gpus));
   std::vector<std::int64_t> merged(static_cast<std::size_t>(num_gpus) * num_experts, 0);

@@ -37,7 +37,8 @@ struct BalanceStats {
   s.p99 = at(0.99);
   s.max = values.back();
   double sum = 0;
-  for (double v : values) sum += v;
+  for (double v : values)
+    sum += v;
   s.mean = sum / static_cast<double>(values.size());
   s.count = static_cast<std::int64_t>(values.size());
   return s;
@@ -47,7 +48,8 @@ struct BalanceStats {
 [[nodiscard]] inline std::vector<double> imbalances(const std::vector<std::vector<LayerPlan>> &plans) {
   std::vector<double> out;
   for (const auto &step : plans)
-    for (const LayerPlan &lp : step) out.push_back(lp.imbalance());
+    for (const LayerPlan &lp : step)
+      out.push_back(lp.imbalance());
   return out;
 }
 
@@ -69,8 +71,8 @@ struct MicroStepSampling {
 /// counts negligibly at these sizes). Deterministic for a seed with one standard library.
 [[nodiscard]] inline LoadTensor sample_micro_steps(std::span<const double> weights, int num_layers, int num_experts,
                                                    const MicroStepSampling &cfg) {
-  detail::require(weights.size() == static_cast<std::size_t>(num_layers) * num_experts, "sample_micro_steps: ",
-                  weights.size(), " weights for ", num_layers, " x ", num_experts);
+  detail::require(weights.size() == static_cast<std::size_t>(num_layers) * num_experts,
+                  "sample_micro_steps: ", weights.size(), " weights for ", num_layers, " x ", num_experts);
   detail::require(cfg.num_micro_steps > 0 && cfg.min_tokens > 0 && cfg.max_tokens >= cfg.min_tokens &&
                       cfg.sequences_per_micro_step > 0 && cfg.topk > 0,
                   "sample_micro_steps: bad sampling configuration");

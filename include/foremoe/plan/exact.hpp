@@ -38,12 +38,13 @@ inline constexpr int exact_max_gpus = 6;
                                                        int move_budget = -1, const LayerPlacement *resident = nullptr,
                                                        bool maximal_only = true) {
   const int num_gpus = topo.num_gpus(), slots = topo.slots_per_gpu, num_experts = static_cast<int>(loads.size());
-  detail::require(num_experts <= exact_max_experts && num_gpus <= exact_max_gpus, "solve_exact_two_level: ",
-                  num_experts, " experts on ", num_gpus, " GPUs is beyond the exact solver's ", exact_max_experts,
-                  " x ", exact_max_gpus);
+  detail::require(num_experts <= exact_max_experts && num_gpus <= exact_max_gpus,
+                  "solve_exact_two_level: ", num_experts, " experts on ", num_gpus,
+                  " GPUs is beyond the exact solver's ", exact_max_experts, " x ", exact_max_gpus);
   detail::require(static_cast<int>(owner_gpu.size()) == num_experts, "solve_exact_two_level: owner count mismatch");
   std::vector<std::uint32_t> owned(static_cast<std::size_t>(num_gpus), 0);
-  for (int e = 0; e < num_experts; ++e) owned[owner_gpu[e]] |= 1u << e;
+  for (int e = 0; e < num_experts; ++e)
+    owned[owner_gpu[e]] |= 1u << e;
   const std::uint32_t all = (1u << num_experts) - 1;
   // Replica sets per GPU.
   std::vector<std::vector<std::uint32_t>> options(static_cast<std::size_t>(num_gpus));
@@ -83,7 +84,8 @@ inline constexpr int exact_max_gpus = 6;
       int s = 0;
       for (int e = 0; e < num_experts; ++e)
         if (m >> e & 1u) p.slot(g, s++) = e;
-      for (; s < slots; ++s) p.slot(g, s) = empty_slot;
+      for (; s < slots; ++s)
+        p.slot(g, s) = empty_slot;
     }
     const std::int64_t ms = solver.solve(p, loads, tokens);
     ++best.num_evaluated;
@@ -92,7 +94,8 @@ inline constexpr int exact_max_gpus = 6;
       best.placement = p;
     }
     int g = 0;
-    while (g < num_gpus && ++idx[g] == options[g].size()) idx[g++] = 0;
+    while (g < num_gpus && ++idx[g] == options[g].size())
+      idx[g++] = 0;
     if (g == num_gpus) break;
   }
   return best;
@@ -118,13 +121,15 @@ inline constexpr int exact_max_gpus = 6;
   std::vector<std::size_t> idx(static_cast<std::size_t>(num_gpus), 0);
   for (;;) {
     std::uint32_t cover = 0;
-    for (int g = 0; g < num_gpus; ++g) cover |= subsets[idx[g]];
+    for (int g = 0; g < num_gpus; ++g)
+      cover |= subsets[idx[g]];
     if (cover == all) {
       for (int g = 0; g < num_gpus; ++g) {
         int s = 0;
         for (int e = 0; e < num_experts; ++e)
           if (subsets[idx[g]] >> e & 1u) p.slot(g, s++) = e;
-        for (; s < slots; ++s) p.slot(g, s) = empty_slot;
+        for (; s < slots; ++s)
+          p.slot(g, s) = empty_slot;
       }
       const std::int64_t ms = solver.solve(p, loads, tokens);
       ++best.num_evaluated;
@@ -135,10 +140,12 @@ inline constexpr int exact_max_gpus = 6;
     }
     // Next non-decreasing index tuple.
     int g = num_gpus - 1;
-    while (g >= 0 && idx[g] + 1 == subsets.size()) --g;
+    while (g >= 0 && idx[g] + 1 == subsets.size())
+      --g;
     if (g < 0) break;
     ++idx[g];
-    for (int h = g + 1; h < num_gpus; ++h) idx[h] = idx[g];
+    for (int h = g + 1; h < num_gpus; ++h)
+      idx[h] = idx[g];
   }
   return best;
 }

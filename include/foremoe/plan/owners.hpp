@@ -20,8 +20,8 @@ inline namespace v0 {
 
 /// How owners are planned.
 struct OwnerOptions {
-  bool hierarchical = true;  ///< balance nodes first, then GPUs inside each node; else all GPUs at once
-  int max_swap_rounds = 64;  ///< bound on improving swaps per bin level of one layer
+  bool hierarchical = true; ///< balance nodes first, then GPUs inside each node; else all GPUs at once
+  int max_swap_rounds = 64; ///< bound on improving swaps per bin level of one layer
 };
 
 namespace detail {
@@ -58,10 +58,13 @@ inline void pack_cardinality(std::span<const std::int32_t> items, std::span<cons
   std::vector<std::int32_t> members_off(static_cast<std::size_t>(num_bins) + 1), members(items.size()), fill;
   for (int round = 0; round < max_swap_rounds; ++round) {
     std::fill(members_off.begin(), members_off.end(), 0);
-    for (std::int32_t it : scratch_order) ++members_off[bin_of[it] + 1];
-    for (int b = 0; b < num_bins; ++b) members_off[b + 1] += members_off[b];
+    for (std::int32_t it : scratch_order)
+      ++members_off[bin_of[it] + 1];
+    for (int b = 0; b < num_bins; ++b)
+      members_off[b + 1] += members_off[b];
     fill.assign(members_off.begin(), members_off.end() - 1);
-    for (std::int32_t it : scratch_order) members[fill[bin_of[it]]++] = it; // descending weight within a bin
+    for (std::int32_t it : scratch_order)
+      members[fill[bin_of[it]]++] = it; // descending weight within a bin
     int hot = 0;
     for (int b = 1; b < num_bins; ++b)
       if (bin_load[b] > bin_load[hot]) hot = b;
@@ -88,8 +91,8 @@ inline void pack_cardinality(std::span<const std::int32_t> items, std::span<cons
         }
         // Ideal partner weight: w_a - gap / 2; look at the two members around it.
         const std::int64_t target = weights[a] - gap / 2;
-        const auto it = std::lower_bound(first, last, target,
-                                         [&](std::int32_t c, std::int64_t t) { return weights[c] > t; });
+        const auto it =
+            std::lower_bound(first, last, target, [&](std::int32_t c, std::int64_t t) { return weights[c] > t; });
         for (auto cand = it - (it != first ? 1 : 0); cand != last && cand <= it; ++cand) {
           const std::int32_t c = *cand;
           const std::int64_t d = weights[a] - weights[c];
@@ -155,7 +158,8 @@ public:
         if (node_of_[e] == n) node_items_.push_back(e);
       detail::pack_cardinality(node_items_, step_loads, topo_.gpus_per_node, opts_.max_swap_rounds, bin_of_, order_,
                                load_, count_);
-      for (std::int32_t e : node_items_) owner[e] = n * topo_.gpus_per_node + bin_of_[e];
+      for (std::int32_t e : node_items_)
+        owner[e] = n * topo_.gpus_per_node + bin_of_[e];
     }
     return owner;
   }
@@ -173,8 +177,9 @@ private:
                                                                         int num_layers, int num_experts,
                                                                         const Topology &topo, OwnerOptions opts = {}) {
   detail::require(num_layers > 0, "plan_owners: num_layers must be positive, got ", num_layers);
-  detail::require(step_totals.size() == static_cast<std::size_t>(num_layers) * num_experts, "plan_owners: ",
-                  step_totals.size(), " step totals for ", num_layers, " layers x ", num_experts, " experts");
+  detail::require(step_totals.size() == static_cast<std::size_t>(num_layers) * num_experts,
+                  "plan_owners: ", step_totals.size(), " step totals for ", num_layers, " layers x ", num_experts,
+                  " experts");
   OwnerPlanner planner(topo, num_experts, opts);
   std::vector<std::vector<std::int32_t>> out(static_cast<std::size_t>(num_layers));
   for (int l = 0; l < num_layers; ++l)

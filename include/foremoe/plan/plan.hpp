@@ -38,19 +38,22 @@ struct LayerPlan {
   [[nodiscard]] std::vector<std::int64_t> gpu_loads() const {
     const int num_gpus = placement.num_gpus(), slots = placement.slots_per_gpu();
     std::vector<std::int64_t> out(static_cast<std::size_t>(num_gpus), 0);
-    for (std::size_t p = 0; p < slot_tokens.size() && slots > 0; ++p) out[p / static_cast<std::size_t>(slots)] += slot_tokens[p];
+    for (std::size_t p = 0; p < slot_tokens.size() && slots > 0; ++p)
+      out[p / static_cast<std::size_t>(slots)] += slot_tokens[p];
     return out;
   }
   /// Copies beyond the owner copy, over all experts.
   [[nodiscard]] int num_replicas() const noexcept {
     int n = 0;
-    for (std::int32_t e : placement.phys_to_log()) n += e != empty_slot;
+    for (std::int32_t e : placement.phys_to_log())
+      n += e != empty_slot;
     return n - static_cast<int>(owner_gpu.size());
   }
   /// `max / mean` GPU load (1.0 is perfect; 1.0 for an empty layer).
   [[nodiscard]] double imbalance() const {
     std::int64_t total = 0;
-    for (std::int64_t t : slot_tokens) total += t;
+    for (std::int64_t t : slot_tokens)
+      total += t;
     if (total == 0) return 1.0;
     return static_cast<double>(max_gpu_load) * placement.num_gpus() / static_cast<double>(total);
   }
@@ -73,7 +76,8 @@ struct StepPlan {
   const LayerPlacement &first = layers.front().placement;
   Topology topo{1, first.num_gpus(), first.slots_per_gpu()};
   p = Placement(topo, static_cast<int>(layers.size()), first.num_experts());
-  for (std::size_t l = 0; l < layers.size(); ++l) p.layer(static_cast<int>(l)) = layers[l].placement;
+  for (std::size_t l = 0; l < layers.size(); ++l)
+    p.layer(static_cast<int>(l)) = layers[l].placement;
   return p;
 }
 
@@ -99,6 +103,35 @@ namespace detail {
 
 } // namespace detail
 
+/// Lays out the distinct experts `want` (at most `slots_per_gpu`) on GPU `gpu_idx` of `p`, keeping every expert
+/// that `resident` already holds on that GPU in its resident slot, so kept copies never move. The GPU's slots must
+/// be empty; `resident` must have `p`'s shape or be null.
+inline void layout_gpu_slots(LayerPlacement &p, int gpu_idx, std::span<const std::int32_t> want,
+                             const LayerPlacement *resident) {
+  const int slots = p.slots_per_gpu();
+  detail::require(static_cast<int>(want.size()) <= slots, "layout_slots: GPU ", gpu_idx, " gets ", want.size(),
+                  " experts but has ", slots, " slots");
+  std::uint64_t placed = 0; // bit i: want[i] sits in its resident slot (only tracked for the first 64)
+  if (resident != nullptr)
+    for (int s = 0; s < slots; ++s) {
+      const std::int32_t e = resident->slot(gpu_idx, s);
+      if (e == empty_slot) continue;
+      for (std::size_t i = 0; i < want.size() && i < 64; ++i)
+        if (!(placed >> i & 1u) && want[i] == e) {
+          p.slot(gpu_idx, s) = e;
+          placed |= std::uint64_t{1} << i;
+          break;
+        }
+    }
+  int s = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    if (i < 64 && (placed >> i & 1u)) continue;
+    while (p.slot(gpu_idx, s) != empty_slot)
+      ++s;
+    p.slot(gpu_idx, s) = want[i];
+  }
+}
+
 /// Lays out `experts_of_gpu` (per GPU, at most `slots_per_gpu` distinct experts each) into slots, keeping every
 /// expert that `resident` already holds on that GPU in its resident slot, so kept copies never move.
 [[nodiscard]] inline LayerPlacement layout_slots(int num_gpus, int slots_per_gpu, int num_experts,
@@ -109,36 +142,15 @@ namespace detail {
   LayerPlacement p(num_gpus, slots_per_gpu, num_experts);
   const bool use_resident = resident != nullptr && resident->num_gpus() == num_gpus &&
                             resident->slots_per_gpu() == slots_per_gpu && resident->num_experts() == num_experts;
-  std::vector<char> placed;
-  for (int g = 0; g < num_gpus; ++g) {
-    const auto &want = experts_of_gpu[g];
-    detail::require(static_cast<int>(want.size()) <= slots_per_gpu, "layout_slots: GPU ", g, " gets ", want.size(),
-                    " experts but has ", slots_per_gpu, " slots");
-    placed.assign(want.size(), 0);
-    if (use_resident)
-      for (int s = 0; s < slots_per_gpu; ++s) {
-        const std::int32_t e = resident->slot(g, s);
-        if (e == empty_slot) continue;
-        for (std::size_t i = 0; i < want.size(); ++i)
-          if (!placed[i] && want[i] == e) {
-            p.slot(g, s) = e;
-            placed[i] = 1;
-            break;
-          }
-      }
-    int s = 0;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      if (placed[i]) continue;
-      while (p.slot(g, s) != empty_slot) ++s;
-      p.slot(g, s) = want[i];
-    }
-  }
+  for (int g = 0; g < num_gpus; ++g)
+    layout_gpu_slots(p, g, experts_of_gpu[g], use_resident ? resident : nullptr);
   return p;
 }
 
 /// The moves that turn `resident` (or, without one, the owner copies alone) into `target`: one per slot whose
 /// expert is new there. Emptied slots need no move (eviction is free).
-[[nodiscard]] inline std::vector<Move> compute_moves(const LayerPlacement &target, std::span<const std::int32_t> owner_gpu,
+[[nodiscard]] inline std::vector<Move> compute_moves(const LayerPlacement &target,
+                                                     std::span<const std::int32_t> owner_gpu,
                                                      const LayerPlacement *resident, int gpus_per_node) {
   std::vector<Move> moves;
   const int num_gpus = target.num_gpus(), slots = target.slots_per_gpu();
@@ -235,13 +247,13 @@ inline void validate(const LayerPlan &plan, std::span<const std::int64_t> expert
     const Move &m = plan.moves[i];
     detail::require(m.expert >= 0 && m.expert < num_experts, "LayerPlan: move ", i, " copies expert ", m.expert,
                     ", outside [0, ", num_experts, ")");
-    detail::require(m.dst_gpu >= 0 && m.dst_gpu < num_gpus && m.dst_slot >= 0 && m.dst_slot < slots,
-                    "LayerPlan: move ", i, " targets GPU ", m.dst_gpu, " slot ", m.dst_slot, ", outside ", num_gpus,
-                    " GPUs x ", slots, " slots");
+    detail::require(m.dst_gpu >= 0 && m.dst_gpu < num_gpus && m.dst_slot >= 0 && m.dst_slot < slots, "LayerPlan: move ",
+                    i, " targets GPU ", m.dst_gpu, " slot ", m.dst_slot, ", outside ", num_gpus, " GPUs x ", slots,
+                    " slots");
     detail::require(m.src_gpu == host_mirror || (m.src_gpu >= 0 && m.src_gpu < num_gpus), "LayerPlan: move ", i,
                     " reads from GPU ", m.src_gpu, ", neither a GPU nor the host mirror (-1)");
-    detail::require(m.src_gpu != m.dst_gpu, "LayerPlan: move ", i, " copies expert ", m.expert, " from GPU ",
-                    m.src_gpu, " onto itself");
+    detail::require(m.src_gpu != m.dst_gpu, "LayerPlan: move ", i, " copies expert ", m.expert, " from GPU ", m.src_gpu,
+                    " onto itself");
     detail::require(m.src_gpu == host_mirror || before.holds(m.src_gpu, m.expert), "LayerPlan: move ", i,
                     " reads expert ", m.expert, " from GPU ", m.src_gpu, ", which does not hold it");
     const std::size_t phys = static_cast<std::size_t>(m.dst_gpu) * slots + m.dst_slot;

@@ -84,7 +84,7 @@ struct PlannerOptions {
   int move_budget = -1;                ///< new replicas per GPU per micro-step; < 0: the spare slots
   bool hierarchical_owners = true;     ///< owners: nodes first, then GPUs in each node
   int num_threads = 1;                 ///< parallel over layers; plans are identical for every count
-  int local_search_rounds = 8;         ///< replica local search per layer (0: construction only)
+  int local_search_rounds = 4;         ///< replica local search per layer (0: construction only)
   int eplb_num_groups = 1;             ///< expert groups for EPLB (hierarchical when they divide over nodes)
   /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.
   StageReplicaCostFn replica_cost;
@@ -102,8 +102,8 @@ public:
     detail::require(num_layers > 0, "Planner: num_layers must be positive, got ", num_layers);
     topo.validate(num_experts);
     detail::require(opts_.num_threads >= 1, "Planner: num_threads must be >= 1, got ", opts_.num_threads);
-    detail::require(opts_.eplb_num_groups >= 1 && num_experts % opts_.eplb_num_groups == 0, "Planner: ",
-                    num_experts, " experts do not divide into eplb_num_groups = ", opts_.eplb_num_groups);
+    detail::require(opts_.eplb_num_groups >= 1 && num_experts % opts_.eplb_num_groups == 0, "Planner: ", num_experts,
+                    " experts do not divide into eplb_num_groups = ", opts_.eplb_num_groups);
     detail::require(opts_.local_search_rounds >= 0, "Planner: local_search_rounds must be >= 0, got ",
                     opts_.local_search_rounds);
   }
@@ -121,7 +121,9 @@ public:
     return foremoe::plan_owners(step_totals, num_layers_, num_experts_, topo_, {opts_.hierarchical_owners});
   }
   /// Owners from the sum of all micro-steps of `micro_steps`.
-  [[nodiscard]] OwnerMap plan_owners(const LoadTensor &micro_steps) const { return plan_owners(sum_steps(micro_steps)); }
+  [[nodiscard]] OwnerMap plan_owners(const LoadTensor &micro_steps) const {
+    return plan_owners(sum_steps(micro_steps));
+  }
 
   /// Fixes the step-level state: owners from `step_totals` (two-level), the EPLB tables (from
   /// `previous_step_totals` for `eplb`, static placement when that is empty; from `step_totals` for `eplb-oracle`).
@@ -171,8 +173,8 @@ public:
                                             const Placement *resident = nullptr) {
     check_layer_loads(loads, "plan");
     if (resident != nullptr)
-      detail::require(resident->num_layers() == num_layers_, "plan: resident placement has ",
-                      resident->num_layers(), " layers, expected ", num_layers_);
+      detail::require(resident->num_layers() == num_layers_, "plan: resident placement has ", resident->num_layers(),
+                      " layers, expected ", num_layers_);
     const Strategy s = opts_.strategy;
     const bool two_level = s == Strategy::foremoe && opts_.mode == PlanMode::two_level;
     if (two_level && owners_.empty()) owners_ = plan_owners(loads);
@@ -180,7 +182,8 @@ public:
     if (s == Strategy::eplb_oracle && eplb_.empty()) eplb_ = run_eplb(loads);
     std::vector<LayerPlan> out(static_cast<std::size_t>(num_layers_));
     const int num_threads = std::min(opts_.num_threads, num_layers_);
-    while (static_cast<int>(workers_.size()) < num_threads) workers_.emplace_back(topo_, num_experts_);
+    while (static_cast<int>(workers_.size()) < num_threads)
+      workers_.emplace_back(topo_, num_experts_);
     ReplicaOptions ropts;
     ropts.move_budget = opts_.move_budget;
     ropts.local_search_rounds = opts_.local_search_rounds;
@@ -198,18 +201,23 @@ public:
         break;
       case Strategy::eplb:
       case Strategy::eplb_oracle:
-        if (eplb_.empty()) out[l] = rp.plan_from_placement(static_placement(l), layer_loads, static_owner_row(), res);
-        else out[l] = eplb_to_layer_plan(eplb_[l], layer_loads, topo_, res);
+        if (eplb_.empty())
+          out[l] = rp.plan_from_placement(static_placement(l), layer_loads, static_owner_row(), res);
+        else
+          out[l] = eplb_to_layer_plan(eplb_[l], layer_loads, topo_, res);
         break;
       case Strategy::foremoe:
       case Strategy::foremoe_free:
-        if (two_level) out[l] = rp.plan_two_level(layer_loads, owners_[l], res, ropts);
-        else out[l] = rp.plan_free(layer_loads, res, ropts);
+        if (two_level)
+          out[l] = rp.plan_two_level(layer_loads, owners_[l], res, ropts);
+        else
+          out[l] = rp.plan_free(layer_loads, res, ropts);
         break;
       }
     };
     if (num_threads == 1) {
-      for (int l = 0; l < num_layers_; ++l) run(0, l);
+      for (int l = 0; l < num_layers_; ++l)
+        run(0, l);
       return out;
     }
     // Layers are independent and each is planned by one worker alone, so the result does not depend on the count.
@@ -219,12 +227,14 @@ public:
     for (int t = 0; t < num_threads; ++t)
       threads.emplace_back([&, t] {
         try {
-          for (int l = t; l < num_layers_; l += num_threads) run(t, l);
+          for (int l = t; l < num_layers_; l += num_threads)
+            run(t, l);
         } catch (...) {
           errors[t] = std::current_exception();
         }
       });
-    for (auto &th : threads) th.join();
+    for (auto &th : threads)
+      th.join();
     for (auto &err : errors)
       if (err) std::rethrow_exception(err);
     return out;
@@ -257,10 +267,12 @@ public:
       prev = to_placement(sp.micro_steps.back());
     }
     if (opts_.strategy == Strategy::foremoe_free || opts_.strategy == Strategy::eplb ||
-        opts_.strategy == Strategy::eplb_oracle || (opts_.strategy == Strategy::foremoe && opts_.mode == PlanMode::free))
+        opts_.strategy == Strategy::eplb_oracle ||
+        (opts_.strategy == Strategy::foremoe && opts_.mode == PlanMode::free))
       if (!sp.micro_steps.empty()) {
         sp.owner_gpu.clear();
-        for (const LayerPlan &lp : sp.micro_steps.front()) sp.owner_gpu.push_back(lp.owner_gpu);
+        for (const LayerPlan &lp : sp.micro_steps.front())
+          sp.owner_gpu.push_back(lp.owner_gpu);
       }
     sp.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return sp;
@@ -271,7 +283,8 @@ public:
     check_tensor(t, "sum_steps");
     std::vector<std::int64_t> out(static_cast<std::size_t>(num_layers_) * num_experts_, 0);
     const auto v = t.totals();
-    for (std::size_t i = 0; i < v.size(); ++i) out[i % out.size()] += v[i];
+    for (std::size_t i = 0; i < v.size(); ++i)
+      out[i % out.size()] += v[i];
     return out;
   }
 
@@ -295,14 +308,18 @@ private:
   [[nodiscard]] std::vector<std::int32_t> static_owner_row() const {
     const int per_gpu = topo_.owners_per_gpu(num_experts_);
     std::vector<std::int32_t> row(static_cast<std::size_t>(num_experts_));
-    for (int e = 0; e < num_experts_; ++e) row[e] = e / per_gpu;
+    for (int e = 0; e < num_experts_; ++e)
+      row[e] = e / per_gpu;
     return row;
   }
-  [[nodiscard]] OwnerMap static_owners() const { return OwnerMap(static_cast<std::size_t>(num_layers_), static_owner_row()); }
+  [[nodiscard]] OwnerMap static_owners() const {
+    return OwnerMap(static_cast<std::size_t>(num_layers_), static_owner_row());
+  }
   [[nodiscard]] LayerPlacement static_placement(int) const {
     const int per_gpu = topo_.owners_per_gpu(num_experts_);
     LayerPlacement p(topo_.num_gpus(), topo_.slots_per_gpu, num_experts_);
-    for (int e = 0; e < num_experts_; ++e) p.slot(e / per_gpu, e % per_gpu) = e;
+    for (int e = 0; e < num_experts_; ++e)
+      p.slot(e / per_gpu, e % per_gpu) = e;
     return p;
   }
   [[nodiscard]] std::vector<EplbLayer> run_eplb(std::span<const std::int64_t> totals) const {

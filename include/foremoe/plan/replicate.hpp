@@ -91,8 +91,9 @@ public:
     std::int64_t scratch_makespan = search_two_level(loads, owner_gpu, opts);
     if (resident == nullptr) return realize(cur_, loads, owner_gpu, nullptr);
     if (resident_compatible(*resident, owner_gpu)) {
-      LayerPlan keep = plan_from_placement(*resident, loads, owner_gpu, resident);
-      if (keep.max_gpu_load <= scratch_makespan) return keep;
+      res_tokens_.resize(static_cast<std::size_t>(resident->num_slots()));
+      if (split_.solve(*resident, loads, res_tokens_) <= scratch_makespan)
+        return plan_from_placement(*resident, loads, owner_gpu, resident);
     }
     scratch_ = cur_;
     // Resident-aware construction at the scratch makespan: reuses resident replicas where they fit, so it
@@ -100,8 +101,7 @@ public:
     setup_resident(resident, owner_gpu);
     if (shed_greedy(scratch_makespan, loads)) {
       cur_ = trial_;
-      std::int64_t m = evaluate(cur_, loads);
-      if (opts.replica_cost && opts.token_time) m = apply_gate(loads, owner_gpu, m, opts);
+      if (opts.replica_cost && opts.token_time) (void)apply_gate(loads, owner_gpu, evaluate(cur_, loads), opts);
       keep_unused_residents(cur_);
       if (evaluate(cur_, loads) <= scratch_makespan) return realize(cur_, loads, owner_gpu, resident);
     }
@@ -497,7 +497,9 @@ private:
   /// the hottest GPU whenever that lowers the exact-split maximum (ties: fewer GPUs at the maximum).
   std::int64_t local_search_two_level(std::span<const std::int64_t> loads, std::int64_t makespan,
                                       const ReplicaOptions &opts) {
-    const std::int64_t floor = lower_bound_total(loads, num_gpus_);
+    // Within the search's bracket of the bound there is nothing worth the evaluations.
+    const std::int64_t bound = lower_bound_total(loads, num_gpus_);
+    const std::int64_t floor = bound + bound / 2000;
     for (int round = 0; round < opts.local_search_rounds && makespan > floor; ++round) {
       // Hottest GPU and its heaviest experts by tokens it actually runs.
       int hot = 0;
@@ -593,18 +595,27 @@ private:
       }
   }
 
+  /// The plan of solution `s`: slots laid out around the resident ones, tokens from one exact split of `s`.
   LayerPlan realize(const Solution &s, std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
                     const LayerPlacement *resident) {
-    std::vector<std::vector<std::int32_t>> per_gpu(static_cast<std::size_t>(num_gpus_));
+    LayerPlan plan;
+    plan.max_gpu_load = evaluate(s, loads);
+    plan.placement = LayerPlacement(num_gpus_, slots_, num_experts_);
     for (int g = 0; g < num_gpus_; ++g) {
-      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
-        per_gpu[g].push_back(own_list_[j]);
-      std::sort(per_gpu[g].begin(), per_gpu[g].end());
+      want_.assign(own_list_.begin() + own_off_[g], own_list_.begin() + own_off_[g + 1]);
+      std::sort(want_.begin(), want_.end());
       for (int j = 0; j < s.cnt[g]; ++j)
-        per_gpu[g].push_back(s.rep[g * slots_ + j]);
+        want_.push_back(s.rep[g * slots_ + j]);
+      layout_gpu_slots(plan.placement, g, want_, resident);
     }
-    const LayerPlacement laid = layout_slots(num_gpus_, slots_, num_experts_, per_gpu, resident);
-    return plan_from_placement(laid, loads, owner_gpu, resident);
+    plan.owner_gpu.assign(owner_gpu.begin(), owner_gpu.end());
+    plan.slot_tokens.assign(static_cast<std::size_t>(num_gpus_) * slots_, 0);
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < slots_; ++j)
+        if (const std::int32_t e = plan.placement.slot(g, j); e != empty_slot)
+          plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + j] = tokens_on(e, g, loads);
+    plan.moves = compute_moves(plan.placement, owner_gpu, resident, topo_.gpus_per_node);
+    return plan;
   }
 
   /// Free-mode local search: swap two copies between the hottest GPU and another while the exact maximum drops.
@@ -662,6 +673,8 @@ private:
   std::span<const std::int32_t> owner_;
   std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
   std::vector<std::int64_t> owner_load_, room_, remaining_;
+  std::vector<std::int32_t> want_;
+  std::vector<std::int64_t> res_tokens_;
   std::vector<std::int32_t> open_; ///< GPUs that may still receive in the current construction
   Solution best_, trial_, cur_, scratch_;
   std::vector<int> copies_;

@@ -42,8 +42,8 @@ public:
     shared_loads_.clear();
     for (int e = 0; e < num_experts; ++e) {
       detail::require(expert_loads[e] >= 0, "exact split: expert ", e, " has a negative load ", expert_loads[e]);
-      detail::require(copies_[e] > 0 || expert_loads[e] == 0, "exact split: expert ", e, " has load ",
-                      expert_loads[e], " but no copy");
+      detail::require(copies_[e] > 0 || expert_loads[e] == 0, "exact split: expert ", e, " has load ", expert_loads[e],
+                      " but no copy");
       if (copies_[e] > 1) {
         shared_idx_[e] = static_cast<std::int32_t>(shared_loads_.size());
         shared_loads_.push_back(expert_loads[e]);
@@ -53,7 +53,8 @@ public:
     offsets_.assign(static_cast<std::size_t>(num_shared) + 1, 0);
     for (std::int32_t e : phys)
       if (e != empty_slot && shared_idx_[e] >= 0) ++offsets_[shared_idx_[e] + 1];
-    for (int i = 0; i < num_shared; ++i) offsets_[i + 1] += offsets_[i];
+    for (int i = 0; i < num_shared; ++i)
+      offsets_[i + 1] += offsets_[i];
     copy_gpu_.resize(offsets_.back());
     copy_slot_.resize(offsets_.back());
     fill_.assign(offsets_.begin(), offsets_.end() - 1);
@@ -75,7 +76,8 @@ public:
       const std::int32_t e = phys[p];
       slot_tokens[p] = e == empty_slot || shared_idx_[e] >= 0 ? 0 : expert_loads[e];
     }
-    for (std::size_t c = 0; c < copy_slot_.size(); ++c) slot_tokens[copy_slot_[c]] = copy_tokens_[c];
+    for (std::size_t c = 0; c < copy_slot_.size(); ++c)
+      slot_tokens[copy_slot_[c]] = copy_tokens_[c];
     return makespan;
   }
 
@@ -90,13 +92,16 @@ public:
     const int num_gpus = static_cast<int>(base.size());
     const int num_shared = static_cast<int>(shared_loads.size());
     const int num_copies = static_cast<int>(copy_gpu.size());
-    for (int c = 0; c < num_copies; ++c) copy_tokens[c] = 0;
-    for (int g = 0; g < num_gpus; ++g) gpu_loads[g] = base[g];
+    for (int c = 0; c < num_copies; ++c)
+      copy_tokens[c] = 0;
+    for (int g = 0; g < num_gpus; ++g)
+      gpu_loads[g] = base[g];
     if (num_shared == 0) return max_of(gpu_loads);
 
     // Components over GPUs.
     parent_.resize(static_cast<std::size_t>(num_gpus));
-    for (int g = 0; g < num_gpus; ++g) parent_[g] = g;
+    for (int g = 0; g < num_gpus; ++g)
+      parent_[g] = g;
     copy_expert_.resize(static_cast<std::size_t>(num_copies));
     for (int i = 0; i < num_shared; ++i)
       for (int c = copy_offsets[i]; c < copy_offsets[i + 1]; ++c) {
@@ -105,11 +110,14 @@ public:
       }
     // GPU -> copies (for residual back edges), GPU lists and expert lists per component.
     gpu_off_.assign(static_cast<std::size_t>(num_gpus) + 1, 0);
-    for (int c = 0; c < num_copies; ++c) ++gpu_off_[copy_gpu[c] + 1];
-    for (int g = 0; g < num_gpus; ++g) gpu_off_[g + 1] += gpu_off_[g];
+    for (int c = 0; c < num_copies; ++c)
+      ++gpu_off_[copy_gpu[c] + 1];
+    for (int g = 0; g < num_gpus; ++g)
+      gpu_off_[g + 1] += gpu_off_[g];
     gpu_copies_.resize(static_cast<std::size_t>(num_copies));
     fill_.assign(gpu_off_.begin(), gpu_off_.end() - 1);
-    for (int c = 0; c < num_copies; ++c) gpu_copies_[fill_[copy_gpu[c]]++] = c;
+    for (int c = 0; c < num_copies; ++c)
+      gpu_copies_[fill_[copy_gpu[c]]++] = c;
 
     comp_of_root_.assign(static_cast<std::size_t>(num_gpus), -1);
     int num_comps = 0;
@@ -121,7 +129,8 @@ public:
     comp_exp_off_.assign(static_cast<std::size_t>(num_comps) + 1, 0);
     for (int g = 0; g < num_gpus; ++g)
       if (gpu_off_[g + 1] > gpu_off_[g]) ++comp_gpu_off_[comp_of_root_[find(g)] + 1];
-    for (int i = 0; i < num_shared; ++i) ++comp_exp_off_[comp_of_root_[find(copy_gpu[copy_offsets[i]])] + 1];
+    for (int i = 0; i < num_shared; ++i)
+      ++comp_exp_off_[comp_of_root_[find(copy_gpu[copy_offsets[i]])] + 1];
     for (int k = 0; k < num_comps; ++k) {
       comp_gpu_off_[k + 1] += comp_gpu_off_[k];
       comp_exp_off_[k + 1] += comp_exp_off_[k];
@@ -132,7 +141,8 @@ public:
     for (int g = 0; g < num_gpus; ++g)
       if (gpu_off_[g + 1] > gpu_off_[g]) comp_gpus_[fill_[comp_of_root_[find(g)]]++] = g;
     fill_.assign(comp_exp_off_.begin(), comp_exp_off_.end() - 1);
-    for (int i = 0; i < num_shared; ++i) comp_exps_[fill_[comp_of_root_[find(copy_gpu[copy_offsets[i]])]]++] = i;
+    for (int i = 0; i < num_shared; ++i)
+      comp_exps_[fill_[comp_of_root_[find(copy_gpu[copy_offsets[i]])]]++] = i;
 
     exp_res_.resize(static_cast<std::size_t>(num_shared));
     gpu_res_.resize(static_cast<std::size_t>(num_gpus));
@@ -150,7 +160,8 @@ public:
 private:
   static std::int64_t max_of(std::span<const std::int64_t> v) {
     std::int64_t m = 0;
-    for (std::int64_t x : v) m = std::max(m, x);
+    for (std::int64_t x : v)
+      m = std::max(m, x);
     return m;
   }
   int find(int g) {
@@ -185,7 +196,8 @@ private:
     }
     const auto n = static_cast<std::int64_t>(gpus.size());
     std::int64_t t = std::max(max_base, (total + n - 1) / n);
-    for (std::int32_t g : gpus) gpu_res_[g] = t - base[g];
+    for (std::int32_t g : gpus)
+      gpu_res_[g] = t - base[g];
     // Greedy start: most experts fit where they first look, which leaves few augmenting paths to find.
     for (std::int32_t i : exps)
       for (int c = copy_offsets[i]; c < copy_offsets[i + 1] && exp_res_[i] > 0; ++c) {
@@ -216,9 +228,11 @@ private:
       // `next > t` holds by the max-flow min-cut argument; the guard keeps a bug from looping forever.
       const std::int64_t raise = std::max<std::int64_t>(next - t, 1);
       t += raise;
-      for (std::int32_t g : gpus) gpu_res_[g] += raise;
+      for (std::int32_t g : gpus)
+        gpu_res_[g] += raise;
     }
-    for (std::int32_t g : gpus) gpu_loads[g] = t - gpu_res_[g];
+    for (std::int32_t g : gpus)
+      gpu_loads[g] = t - gpu_res_[g];
   }
 
   /// One BFS from every expert with unsent tokens; pushes along the first path found. Returns the amount pushed,
@@ -306,7 +320,8 @@ struct SplitResult {
 };
 
 /// The exact split of one layer (allocates a workspace; reuse a `SplitSolver` in loops).
-[[nodiscard]] inline SplitResult exact_split(const LayerPlacement &placement, std::span<const std::int64_t> expert_loads) {
+[[nodiscard]] inline SplitResult exact_split(const LayerPlacement &placement,
+                                             std::span<const std::int64_t> expert_loads) {
   SplitSolver solver;
   SplitResult r;
   r.slot_tokens.resize(static_cast<std::size_t>(placement.num_slots()));
@@ -316,7 +331,8 @@ struct SplitResult {
 
 /// Even split, as EPLB assumes: each expert's tokens divided over its copies, the remainder one token each to the
 /// first copies in physical order.
-[[nodiscard]] inline SplitResult even_split(const LayerPlacement &placement, std::span<const std::int64_t> expert_loads) {
+[[nodiscard]] inline SplitResult even_split(const LayerPlacement &placement,
+                                            std::span<const std::int64_t> expert_loads) {
   const auto counts = placement.replica_counts();
   std::vector<int> seen(counts.size(), 0);
   SplitResult r;
@@ -350,10 +366,11 @@ struct SplitResult {
   detail::require(num_sources == placement.num_gpus(), "split_by_source: ", num_sources,
                   " source ranks, expected one per GPU (", placement.num_gpus(), ")");
   detail::require(gpus_per_node > 0, "split_by_source: gpus_per_node must be positive, got ", gpus_per_node);
-  detail::require(source_loads.size() == static_cast<std::size_t>(num_experts) * num_sources, "split_by_source: ",
-                  source_loads.size(), " per-source loads, expected ", num_experts, " x ", num_sources);
-  detail::require(static_cast<int>(slot_tokens.size()) == placement.num_slots(), "split_by_source: ",
-                  slot_tokens.size(), " slot token counts for ", placement.num_slots(), " slots");
+  detail::require(source_loads.size() == static_cast<std::size_t>(num_experts) * num_sources,
+                  "split_by_source: ", source_loads.size(), " per-source loads, expected ", num_experts, " x ",
+                  num_sources);
+  detail::require(static_cast<int>(slot_tokens.size()) == placement.num_slots(),
+                  "split_by_source: ", slot_tokens.size(), " slot token counts for ", placement.num_slots(), " slots");
   const auto l2p = placement.log_to_phys();
   std::vector<std::int64_t> out(static_cast<std::size_t>(placement.num_slots()) * num_sources, 0);
   std::vector<std::int64_t> cap, rem(static_cast<std::size_t>(num_sources));
@@ -361,7 +378,8 @@ struct SplitResult {
     const int first = l2p.offsets[e], last = l2p.offsets[e + 1];
     cap.assign(static_cast<std::size_t>(last - first), 0);
     std::int64_t cap_sum = 0, src_sum = 0;
-    for (int j = first; j < last; ++j) cap_sum += cap[j - first] = slot_tokens[l2p.phys[j]];
+    for (int j = first; j < last; ++j)
+      cap_sum += cap[j - first] = slot_tokens[l2p.phys[j]];
     for (int s = 0; s < num_sources; ++s) {
       rem[s] = source_loads[static_cast<std::size_t>(e) * num_sources + s];
       detail::require(rem[s] >= 0, "split_by_source: expert ", e, " source ", s, " has a negative load ", rem[s]);
