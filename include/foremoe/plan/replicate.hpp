@@ -40,7 +40,7 @@ using TokenTimeFn = std::function<double(std::int64_t tokens)>;
 /// Options of replica selection for one layer.
 struct ReplicaOptions {
   int move_budget = -1;        ///< new replicas per GPU per micro-step; < 0: the GPU's spare slots
-  int local_search_rounds = 8; ///< improving replica moves tried after the construction (0: none)
+  int local_search_rounds = 4; ///< improving replica moves tried after the construction (0: none)
   /// Optional cost gate: a new replica stays only if the compute time it saves exceeds `replica_cost`. Both
   /// callbacks must be set for the gate to act.
   ReplicaCostFn replica_cost;
