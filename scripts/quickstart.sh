@@ -12,4 +12,4 @@ cmake --build --preset release --target foremoe_cli
 if [[ -z "${FOREMOE_DATA_DIR:-}" && -d "$root/../shared/data" ]]; then
   export FOREMOE_DATA_DIR="$root/../shared/data"
 fi
-exec ./build/release/tools/foremoe trace stats "$@"
+exec ./build/release/tools/foremoe simulate "$@"

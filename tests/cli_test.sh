@@ -94,5 +94,21 @@ printf '{"nodes": 2' >"$work/broken.json"
 expect 1 "broken.json: not valid JSON" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --resident "$work/broken.json"
 
+# foremoe simulate on a small model and topology
+cat >"$work/sim.json" <<JSON
+{"model": {"layers": 4, "experts": 16, "topk": 2, "hidden": 256, "expert_ffn": 128},
+ "topology": {"nodes": 2, "gpus_per_node": 2, "slots": 5},
+ "batch": {"steps": 2, "prompts": 8, "responses": 4, "prompt_mean": 64, "response_mean": 128, "microbatch_tokens": 512}}
+JSON
+expect 0 "^foremoe +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json" --json "$work/sim_out.json"
+expect 0 '"speedup_over_eplb"' -- cat "$work/sim_out.json"
+expect 0 "^ideal," -- "$bin" simulate --config "$work/sim.json" --csv
+expect 0 "^static " -- "$bin" simulate --config "$work/sim.json" --loads "$work/loads.npy" --strategies static,foremoe
+expect 1 "unknown strategy 'best'" -- "$bin" simulate --config "$work/sim.json" --strategies static,best
+printf '{"model": {"layerz": 4}}' >"$work/typo.json"
+expect 1 "typo.json.model: unknown key 'layerz'" -- "$bin" simulate --config "$work/typo.json"
+expect 1 "cannot hold all 16 experts" -- "$bin" simulate --config "$work/sim.json" --slots 3
+expect 1 "loads are 4 layers x 16 experts, the model has 48 x 128" -- "$bin" simulate --loads "$work/loads.npy"
+
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

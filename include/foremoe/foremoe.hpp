@@ -12,3 +12,15 @@
 
 #include "foremoe/trace/count.hpp"
 #include "foremoe/trace/routed_view.hpp"
+#include "foremoe/trace/io.hpp"
+#include "foremoe/trace/npy.hpp"
+#include "foremoe/trace/stats.hpp"
+#include "foremoe/trace/synthetic.hpp"
+
+#include "foremoe/cost/comm.hpp"
+#include "foremoe/cost/expert_compute.hpp"
+#include "foremoe/cost/params.hpp"
+
+#include "foremoe/plan/planner.hpp"
+
+#include "foremoe/sim/simulator.hpp"

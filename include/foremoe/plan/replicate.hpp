@@ -103,7 +103,8 @@ public:
       cur_ = trial_;
       if (opts.replica_cost && opts.token_time) (void)apply_gate(loads, owner_gpu, evaluate(cur_, loads), opts);
       keep_unused_residents(cur_);
-      if (evaluate(cur_, loads) <= scratch_makespan) return realize(cur_, loads, owner_gpu, resident);
+      if (const std::int64_t m = evaluate(cur_, loads); m <= scratch_makespan)
+        return realize(cur_, loads, owner_gpu, resident, m);
     }
     cur_ = scratch_;
     keep_unused_residents(cur_);
@@ -234,10 +235,20 @@ private:
                     " slots x ", resident->num_experts(), " experts, the topology is ", num_gpus_, " x ", slots_, " x ",
                     num_experts_);
   }
-  [[nodiscard]] bool resident_compatible(const LayerPlacement &r, std::span<const std::int32_t> owner_gpu) const {
-    for (int e = 0; e < num_experts_; ++e)
-      if (!r.holds(owner_gpu[e], e)) return false;
-    return resident_hosts_all(r);
+  /// Whether `r` is a valid two-level placement for these owners: ids in range, no duplicate on a GPU, every
+  /// owner holding its expert (which also hosts every expert).
+  [[nodiscard]] bool resident_compatible(const LayerPlacement &r, std::span<const std::int32_t> owner_gpu) {
+    mark_.assign(static_cast<std::size_t>(num_experts_), -1);
+    int owners_found = 0;
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < slots_; ++j) {
+        const std::int32_t e = r.slot(g, j);
+        if (e == empty_slot) continue;
+        if (e < 0 || e >= num_experts_ || mark_[e] == g) return false;
+        mark_[e] = g;
+        owners_found += owner_gpu[e] == g;
+      }
+    return owners_found == num_experts_;
   }
   [[nodiscard]] bool resident_hosts_all(const LayerPlacement &r) const {
     try {
@@ -337,7 +348,7 @@ private:
     // Good plans sit just above the bound, so gallop up from it, then bisect down to a 0.05% bracket (the exact
     // split of the result usually lands below the bracket's top anyway).
     const std::int64_t tolerance = std::max<std::int64_t>(1, lo / 2000);
-    std::int64_t step = tolerance;
+    std::int64_t step = 4 * tolerance;
     while (lo < hi) {
       const std::int64_t t = std::min(hi, lo + step - 1);
       if (shed_greedy(t, loads)) {
@@ -366,7 +377,9 @@ private:
 
   /// The greedy shedding construction at makespan `t`; fills `trial_` and says whether every GPU got under `t`.
   bool shed_greedy(std::int64_t t, std::span<const std::int64_t> loads) {
-    clear_solution(trial_);
+    // Only the counts need clearing: entries past a GPU's count are never read.
+    if (trial_.rep.size() != static_cast<std::size_t>(num_gpus_) * slots_) clear_solution(trial_);
+    std::fill(trial_.cnt.begin(), trial_.cnt.end(), 0);
     room_.resize(static_cast<std::size_t>(num_gpus_));
     new_left_.resize(static_cast<std::size_t>(num_gpus_));
     open_.clear();
@@ -450,35 +463,37 @@ private:
 
   /// Exact split of a solution; leaves per-GPU loads in `gpu_loads_` and per-copy tokens in `copy_tokens_`.
   std::int64_t evaluate(const Solution &s, std::span<const std::int64_t> loads) {
-    copies_.assign(static_cast<std::size_t>(num_experts_), 0);
-    for (int g = 0; g < num_gpus_; ++g)
-      for (int j = 0; j < s.cnt[g]; ++j)
-        ++copies_[s.rep[g * slots_ + j]];
-    shared_idx_.assign(static_cast<std::size_t>(num_experts_), -1);
+    // O(replicas + GPUs): `shared_idx_` stays -1 except for the experts of the last evaluation, reset here.
+    if (shared_idx_.size() != static_cast<std::size_t>(num_experts_))
+      shared_idx_.assign(static_cast<std::size_t>(num_experts_), -1);
+    for (std::int32_t e : shared_exp_) shared_idx_[e] = -1;
     shared_loads_.clear();
     shared_exp_.clear();
-    for (int e = 0; e < num_experts_; ++e)
-      if (copies_[e] > 0) {
-        shared_idx_[e] = static_cast<std::int32_t>(shared_loads_.size());
-        shared_loads_.push_back(loads[e]);
-        shared_exp_.push_back(e);
+    copies_.clear();
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < s.cnt[g]; ++j) {
+        const std::int32_t e = s.rep[g * slots_ + j];
+        if (shared_idx_[e] < 0) {
+          shared_idx_[e] = static_cast<std::int32_t>(shared_exp_.size());
+          shared_exp_.push_back(e);
+          shared_loads_.push_back(loads[e]);
+          copies_.push_back(1); // the owner copy
+        }
+        ++copies_[shared_idx_[e]];
       }
     const int num_shared = static_cast<int>(shared_loads_.size());
     offsets_.assign(static_cast<std::size_t>(num_shared) + 1, 0);
-    for (int i = 0; i < num_shared; ++i)
-      offsets_[i + 1] = offsets_[i] + 1 + copies_[shared_exp_[i]];
+    for (int i = 0; i < num_shared; ++i) offsets_[i + 1] = offsets_[i] + copies_[i];
     copy_gpu_.resize(offsets_.back());
     fill_.assign(offsets_.begin(), offsets_.end() - 1);
-    for (int i = 0; i < num_shared; ++i)
-      copy_gpu_[fill_[i]++] = owner_[shared_exp_[i]];
+    for (int i = 0; i < num_shared; ++i) copy_gpu_[fill_[i]++] = owner_[shared_exp_[i]];
     for (int g = 0; g < num_gpus_; ++g)
       for (int j = 0; j < s.cnt[g]; ++j) {
         const std::int32_t i = shared_idx_[s.rep[g * slots_ + j]];
         copy_gpu_[fill_[i]++] = g;
       }
     base_.assign(owner_load_.begin(), owner_load_.end());
-    for (int i = 0; i < num_shared; ++i)
-      base_[owner_[shared_exp_[i]]] -= shared_loads_[i];
+    for (int i = 0; i < num_shared; ++i) base_[owner_[shared_exp_[i]]] -= shared_loads_[i];
     copy_tokens_.resize(copy_gpu_.size());
     gpu_loads_.resize(static_cast<std::size_t>(num_gpus_));
     return split_.solve_core(base_, shared_loads_, offsets_, copy_gpu_, copy_tokens_, gpu_loads_);
@@ -497,9 +512,9 @@ private:
   /// the hottest GPU whenever that lowers the exact-split maximum (ties: fewer GPUs at the maximum).
   std::int64_t local_search_two_level(std::span<const std::int64_t> loads, std::int64_t makespan,
                                       const ReplicaOptions &opts) {
-    // Within the search's bracket of the bound there is nothing worth the evaluations.
+    // Within 0.2% of the bound there is little to gain for the evaluations it costs.
     const std::int64_t bound = lower_bound_total(loads, num_gpus_);
-    const std::int64_t floor = bound + bound / 2000;
+    const std::int64_t floor = bound + bound / 500;
     for (int round = 0; round < opts.local_search_rounds && makespan > floor; ++round) {
       // Hottest GPU and its heaviest experts by tokens it actually runs.
       int hot = 0;
@@ -597,9 +612,9 @@ private:
 
   /// The plan of solution `s`: slots laid out around the resident ones, tokens from one exact split of `s`.
   LayerPlan realize(const Solution &s, std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
-                    const LayerPlacement *resident) {
+                    const LayerPlacement *resident, std::int64_t evaluated_makespan = -1) {
     LayerPlan plan;
-    plan.max_gpu_load = evaluate(s, loads);
+    plan.max_gpu_load = evaluated_makespan >= 0 ? evaluated_makespan : evaluate(s, loads);
     plan.placement = LayerPlacement(num_gpus_, slots_, num_experts_);
     for (int g = 0; g < num_gpus_; ++g) {
       want_.assign(own_list_.begin() + own_off_[g], own_list_.begin() + own_off_[g + 1]);
@@ -673,7 +688,7 @@ private:
   std::span<const std::int32_t> owner_;
   std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
   std::vector<std::int64_t> owner_load_, room_, remaining_;
-  std::vector<std::int32_t> want_;
+  std::vector<std::int32_t> want_, mark_;
   std::vector<std::int64_t> res_tokens_;
   std::vector<std::int32_t> open_; ///< GPUs that may still receive in the current construction
   Solution best_, trial_, cur_, scratch_;

@@ -34,48 +34,56 @@ public:
     detail::require(static_cast<int>(slot_tokens.size()) == placement.num_slots(), "exact split: slot_tokens has ",
                     slot_tokens.size(), " entries for ", placement.num_slots(), " slots");
     copies_.assign(static_cast<std::size_t>(num_experts), 0);
-    const auto phys = placement.phys_to_log();
-    for (std::int32_t e : phys)
-      if (e != empty_slot) ++copies_[e];
+    const std::int32_t *phys = placement.phys_to_log().data();
+    const int num_slots = num_gpus * slots;
+    for (int p = 0; p < num_slots; ++p)
+      if (phys[p] != empty_slot) ++copies_[phys[p]];
     base_.assign(static_cast<std::size_t>(num_gpus), 0);
     shared_idx_.assign(static_cast<std::size_t>(num_experts), -1);
     shared_loads_.clear();
     for (int e = 0; e < num_experts; ++e) {
-      detail::require(expert_loads[e] >= 0, "exact split: expert ", e, " has a negative load ", expert_loads[e]);
-      detail::require(copies_[e] > 0 || expert_loads[e] == 0, "exact split: expert ", e, " has load ", expert_loads[e],
-                      " but no copy");
+      const std::int64_t v = expert_loads[e];
+      if (v < 0 || (copies_[e] == 0 && v > 0)) [[unlikely]] {
+        if (v < 0) detail::fail("exact split: expert ", e, " has a negative load ", v);
+        detail::fail("exact split: expert ", e, " has load ", v, " but no copy");
+      }
       if (copies_[e] > 1) {
         shared_idx_[e] = static_cast<std::int32_t>(shared_loads_.size());
-        shared_loads_.push_back(expert_loads[e]);
+        shared_loads_.push_back(v);
       }
     }
     const int num_shared = static_cast<int>(shared_loads_.size());
     offsets_.assign(static_cast<std::size_t>(num_shared) + 1, 0);
-    for (std::int32_t e : phys)
-      if (e != empty_slot && shared_idx_[e] >= 0) ++offsets_[shared_idx_[e] + 1];
+    for (int p = 0; p < num_slots; ++p)
+      if (const std::int32_t e = phys[p]; e != empty_slot && shared_idx_[e] >= 0) ++offsets_[shared_idx_[e] + 1];
     for (int i = 0; i < num_shared; ++i)
       offsets_[i + 1] += offsets_[i];
     copy_gpu_.resize(offsets_.back());
     copy_slot_.resize(offsets_.back());
     fill_.assign(offsets_.begin(), offsets_.end() - 1);
-    for (int p = 0; p < placement.num_slots(); ++p) {
-      const std::int32_t e = phys[p];
-      if (e == empty_slot) continue;
-      if (shared_idx_[e] < 0) {
-        base_[p / slots] += expert_loads[e];
-        continue;
+    for (int g = 0; g < num_gpus; ++g) {
+      std::int64_t fixed = 0;
+      for (int p = g * slots; p < (g + 1) * slots; ++p) {
+        const std::int32_t e = phys[p];
+        if (e == empty_slot) {
+          slot_tokens[p] = 0;
+          continue;
+        }
+        const std::int32_t i = shared_idx_[e];
+        if (i < 0) {
+          fixed += expert_loads[e];
+          slot_tokens[p] = expert_loads[e];
+          continue;
+        }
+        const std::int32_t c = fill_[i]++;
+        copy_gpu_[c] = g;
+        copy_slot_[c] = p;
       }
-      const std::int32_t c = fill_[shared_idx_[e]]++;
-      copy_gpu_[c] = p / slots;
-      copy_slot_[c] = p;
+      base_[g] = fixed;
     }
     copy_tokens_.resize(copy_gpu_.size());
     gpu_loads_.resize(static_cast<std::size_t>(num_gpus));
     const std::int64_t makespan = solve_core(base_, shared_loads_, offsets_, copy_gpu_, copy_tokens_, gpu_loads_);
-    for (int p = 0; p < placement.num_slots(); ++p) {
-      const std::int32_t e = phys[p];
-      slot_tokens[p] = e == empty_slot || shared_idx_[e] >= 0 ? 0 : expert_loads[e];
-    }
     for (std::size_t c = 0; c < copy_slot_.size(); ++c)
       slot_tokens[copy_slot_[c]] = copy_tokens_[c];
     return makespan;

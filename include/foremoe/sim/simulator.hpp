@@ -1,0 +1,374 @@
+#pragma once
+/// @file
+/// Replays RL steps on a modelled cluster: recompute (forward-only) and policy
+/// update (forward + backward) micro-steps, layer by layer, with the expert
+/// placement and token split of a planning strategy, weight moves in the
+/// windows where their slots are free, and replica gradient reductions.
+///
+/// Per layer and micro-step: attention and dense parts (balanced), dispatch,
+/// expert compute (a barrier: the slowest GPU ends the layer), combine; the
+/// backward pass runs the layers in reverse with `backward_factor` x compute
+/// and the two all-to-alls again. A new replica of layer `l` for micro-step
+/// `m` may be written once its slot's last use in micro-step `m - 1` is over
+/// (end of that layer's backward, or forward in recompute) and must land before
+/// layer `l`'s forward in `m`; with double buffering it may start one micro-step
+/// earlier. What does not fit its window is stall time. In the update stage
+/// each replica's gradient returns to its owner on the GPU-direct path in the
+/// same window, before the slot is reused.
+///
+/// Strategies come from `Planner` (`static`, `eplb`, `eplb-oracle`, `foremoe`,
+/// `foremoe-free`) plus `ideal`: every layer perfectly balanced, moves free.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "foremoe/core/error.hpp"
+#include "foremoe/core/load_tensor.hpp"
+#include "foremoe/core/model_spec.hpp"
+#include "foremoe/core/topology.hpp"
+#include "foremoe/cost/comm.hpp"
+#include "foremoe/cost/expert_compute.hpp"
+#include "foremoe/cost/params.hpp"
+#include "foremoe/plan/planner.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+
+/// What is simulated besides the loads.
+struct SimConfig {
+  ModelSpec model{};
+  Topology topo{8, 8, 3};
+  CostParams cost{};
+  int recompute_passes = 1;       ///< forward-only passes over the batch (old policy, reference model, ...)
+  int minibatches_per_step = 1;   ///< optimizer steps per RL step (the update micro-steps split evenly)
+  double optimizer_seconds = 0.0; ///< time of one optimizer step (same for every strategy)
+  double rollout_seconds = 0.0;   ///< rollout time, only for the end-to-end figure
+  bool double_buffer = false;     ///< a second buffer per replica slot: moves may start a micro-step early
+  int activation_bytes = 2;       ///< bytes per hidden element in dispatch and combine (bf16)
+  /// Colocated trainers reload optimizer state after rollout, so a new owner map is free; otherwise every
+  /// expert whose owner changes moves its weights plus `optimizer_state_factor` x their size.
+  bool reowning_free = true;
+  double optimizer_state_factor = 6.0; ///< fp32 master + Adam moments over bf16 weights
+  int planner_threads = 1;
+  int move_budget = -1; ///< new replicas per GPU per micro-step for `foremoe`; < 0: the spare slots
+
+  void validate() const {
+    model.validate();
+    topo.validate(model.num_experts);
+    cost.validate();
+    detail::require(recompute_passes >= 0, "SimConfig: recompute_passes must be >= 0, got ", recompute_passes);
+    detail::require(minibatches_per_step >= 1, "SimConfig: minibatches_per_step must be >= 1, got ",
+                    minibatches_per_step);
+    detail::require(std::isfinite(optimizer_seconds) && optimizer_seconds >= 0,
+                    "SimConfig: optimizer_seconds must be >= 0, got ", optimizer_seconds);
+    detail::require(std::isfinite(rollout_seconds) && rollout_seconds >= 0,
+                    "SimConfig: rollout_seconds must be >= 0, got ", rollout_seconds);
+    detail::require(activation_bytes > 0, "SimConfig: activation_bytes must be positive, got ", activation_bytes);
+    detail::require(planner_threads >= 1, "SimConfig: planner_threads must be >= 1, got ", planner_threads);
+  }
+};
+
+/// A simulated strategy: a planner strategy or the physical limit.
+struct SimStrategy {
+  std::string name;
+  bool ideal = false;
+  Strategy strategy = Strategy::foremoe;
+  PlanMode mode = PlanMode::two_level;
+};
+
+/// Parses "static", "eplb", "eplb-oracle", "foremoe", "foremoe-free" or "ideal".
+[[nodiscard]] inline SimStrategy parse_sim_strategy(std::string_view s) {
+  if (s == "ideal") return {"ideal", true, Strategy::foremoe, PlanMode::free};
+  SimStrategy out{std::string(s), false, parse_strategy(s), PlanMode::two_level};
+  out.name = std::string(to_string(out.strategy));
+  return out;
+}
+
+/// Results of one strategy over all simulated steps.
+struct SimResult {
+  std::string strategy;
+  double step_seconds = 0;      ///< mean per RL step: recompute + update (+ optimizer, re-owning)
+  double recompute_seconds = 0; ///< mean per step
+  double update_seconds = 0;    ///< mean per step, optimizer steps included
+  double end_to_end_seconds = 0; ///< step + rollout
+  double imbalance_median = 1, imbalance_p99 = 1; ///< per (micro-step, layer) max/mean GPU load, both stages
+  double moved_gb = 0;          ///< weights moved per step (replicas in, re-owning), GB
+  double grad_gb = 0;           ///< replica gradients reduced per step, GB
+  double stall_seconds = 0;     ///< per step: time layers waited for weights
+  double planner_seconds = 0;   ///< wall time of planning, all steps
+  std::vector<std::vector<double>> layer_seconds; ///< per simulated micro-step (recompute then update, per step): layer forward(+backward) times
+};
+
+namespace detail {
+
+/// Per-layer timing of one micro-step under one plan.
+struct LayerTiming {
+  double forward = 0, backward = 0;
+  std::vector<double> move_demand; ///< per GPU: seconds of incoming moves (max over paths)
+  std::vector<double> grad_demand; ///< per GPU: seconds of gradient reductions it sends
+  double moved_bytes = 0, grad_bytes = 0;
+};
+
+/// All-to-all seconds with every GPU's received tokens spread evenly over all source ranks (the tokens of a
+/// micro-step are data-parallel, so each rank holds 1/G of every expert's tokens); O(G) instead of a G x G
+/// matrix, so that 1024-GPU runs stay cheap.
+[[nodiscard]] inline double uniform_a2a_seconds(const AllToAllParams &p, std::span<const double> recv_tokens,
+                                                int gpus_per_node, double row_bytes) {
+  const int G = static_cast<int>(recv_tokens.size());
+  const int num_nodes = G / gpus_per_node;
+  double total = 0;
+  std::vector<double> node_total(static_cast<std::size_t>(num_nodes), 0.0);
+  for (int g = 0; g < G; ++g) {
+    total += recv_tokens[g];
+    node_total[g / gpus_per_node] += recv_tokens[g];
+  }
+  double worst = 0;
+  for (int g = 0; g < G; ++g) {
+    const double r = recv_tokens[g] / G, node = node_total[g / gpus_per_node] / G;
+    // Receive: from the other GPUs of the node and from the other nodes.
+    const double recv_intra = r * (gpus_per_node - 1), recv_inter = r * (G - gpus_per_node);
+    // Send: this rank's share of what the node's other GPUs and the other nodes receive.
+    const double send_intra = node - r, send_inter = total / G - node;
+    double t = 0;
+    const double intra = std::max(recv_intra, send_intra) * row_bytes, inter = std::max(recv_inter, send_inter) * row_bytes;
+    if (intra > 0) t = std::max(t, p.intra_latency_us * 1e-6 + intra / (p.intra_gb_per_s * 1e9));
+    if (inter > 0) t = std::max(t, p.inter_latency_us * 1e-6 + inter / (p.inter_gb_per_s * 1e9));
+    worst = std::max(worst, t);
+  }
+  return worst;
+}
+
+} // namespace detail
+
+/// Simulates `loads` (micro-steps of consecutive RL steps cut by `step_offsets`, `[S + 1]` micro-step offsets;
+/// empty = one step) under each strategy. `progress`, if set, is called with (done, total) planning units.
+[[nodiscard]] inline std::vector<SimResult>
+simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int64_t> step_offsets,
+         std::span<const SimStrategy> strategies, const std::function<void(int, int)> &progress = {}) {
+  cfg.validate();
+  loads.validate();
+  const ModelSpec &spec = cfg.model;
+  const Topology &topo = cfg.topo;
+  detail::require(loads.num_layers() == spec.num_layers && loads.num_experts() == spec.num_experts,
+                  "simulate: loads are ", loads.num_layers(), " layers x ", loads.num_experts(),
+                  " experts, the model has ", spec.num_layers, " x ", spec.num_experts);
+  detail::require(loads.num_micro_steps() > 0, "simulate: no micro-steps to simulate");
+  std::vector<std::int64_t> whole;
+  if (step_offsets.empty()) {
+    whole = {0, loads.num_micro_steps()};
+    step_offsets = whole;
+  }
+  detail::require(step_offsets.size() >= 2 && step_offsets.front() == 0 &&
+                      step_offsets.back() == loads.num_micro_steps(),
+                  "simulate: step offsets must run from 0 to ", loads.num_micro_steps());
+  for (std::size_t s = 1; s < step_offsets.size(); ++s)
+    detail::require(step_offsets[s] > step_offsets[s - 1], "simulate: step ", s - 1, " has no micro-steps");
+  const int num_steps = static_cast<int>(step_offsets.size() - 1);
+  const int G = topo.num_gpus(), L = spec.num_layers, E = spec.num_experts, S = topo.slots_per_gpu;
+  const ExpertComputeModel compute(cfg.cost, ExpertShape::from(spec));
+  const double expert_bytes = static_cast<double>(spec.bytes_per_expert());
+  const double row_bytes = static_cast<double>(spec.hidden) * cfg.activation_bytes;
+  const int total_units = static_cast<int>(strategies.size()) * num_steps;
+  int done_units = 0;
+
+  // Tokens of a micro-step (before routing): its assignments over top-k, from layer 0.
+  auto tokens_of = [&](int m) { return static_cast<double>(loads.layer_total(m, 0)) / spec.topk; };
+
+  // Times one layer under a plan (or perfectly balanced when `lp` is null).
+  auto time_layer = [&](const LayerPlan *lp, std::span<const std::int64_t> expert_loads, double tokens,
+                        const LayerPlacement *prev, bool update) {
+    detail::LayerTiming t;
+    std::vector<double> gpu_tokens(static_cast<std::size_t>(G), 0.0);
+    std::vector<int> gpu_experts(static_cast<std::size_t>(G), 0);
+    if (lp != nullptr) {
+      for (int p = 0; p < G * S; ++p) {
+        gpu_tokens[p / S] += static_cast<double>(lp->slot_tokens[p]);
+        gpu_experts[p / S] += lp->placement.phys_to_log()[p] != empty_slot;
+      }
+    } else {
+      double total = 0;
+      for (std::int64_t v : expert_loads) total += static_cast<double>(v);
+      std::fill(gpu_tokens.begin(), gpu_tokens.end(), total / G);
+      std::fill(gpu_experts.begin(), gpu_experts.end(), (E + G - 1) / G);
+    }
+    double fwd_expert = 0, bwd_expert = 0;
+    for (int g = 0; g < G; ++g) {
+      fwd_expert = std::max(fwd_expert, compute.forward_seconds(gpu_tokens[g], gpu_experts[g]));
+      bwd_expert = std::max(bwd_expert, compute.backward_seconds(gpu_tokens[g], gpu_experts[g]));
+    }
+    const double attn = cfg.cost.dense.launch_us * 1e-6 + cfg.cost.dense.per_token_us * 1e-6 * tokens / G;
+    const double a2a = detail::uniform_a2a_seconds(cfg.cost.a2a, gpu_tokens, topo.gpus_per_node, row_bytes);
+    t.forward = attn + a2a + fwd_expert + a2a;
+    if (update) t.backward = cfg.cost.backward_factor * attn + a2a + bwd_expert + a2a;
+    t.move_demand.assign(static_cast<std::size_t>(G), 0.0);
+    t.grad_demand.assign(static_cast<std::size_t>(G), 0.0);
+    if (lp == nullptr) return t;
+    // Moves land on their destination; paths run concurrently, moves on one path one after another.
+    std::vector<double> path_s(static_cast<std::size_t>(G) * 3, 0.0);
+    for (const Move &mv : lp->moves) {
+      MovePath path = MovePath::host;
+      if (mv.src_gpu >= 0)
+        path = topo.node_of(mv.src_gpu) == topo.node_of(mv.dst_gpu) ? MovePath::gpu_intra : MovePath::gpu_inter;
+      path_s[static_cast<std::size_t>(mv.dst_gpu) * 3 + static_cast<int>(path)] +=
+          move_seconds(cfg.cost.move, path, expert_bytes);
+      t.moved_bytes += expert_bytes;
+    }
+    for (int g = 0; g < G; ++g)
+      t.move_demand[g] = std::max({path_s[g * 3], path_s[g * 3 + 1], path_s[g * 3 + 2]});
+    // Gradients of the replicas the previous update micro-step used return to their owners before the
+    // slots are reused.
+    if (update && prev != nullptr) {
+      for (int g = 0; g < G; ++g)
+        for (int s = 0; s < S; ++s) {
+          const std::int32_t e = prev->slot(g, s);
+          if (e == empty_slot || lp->owner_gpu[e] == g) continue;
+          const int owner = lp->owner_gpu[e];
+          const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::gpu_intra : MovePath::gpu_inter;
+          t.grad_demand[g] += grad_reduce_seconds(cfg.cost, path, expert_bytes);
+          t.grad_bytes += expert_bytes * cfg.cost.grad.grad_bytes_factor;
+        }
+    }
+    return t;
+  };
+
+  std::vector<SimResult> results;
+  for (const SimStrategy &strat : strategies) {
+    SimResult res;
+    res.strategy = strat.name;
+    std::vector<double> imbalance;
+    double total_recompute = 0, total_update = 0, total_stall = 0, total_moved = 0, total_grad = 0,
+           total_planner = 0, total_extra = 0;
+    PlannerOptions popts;
+    popts.strategy = strat.strategy;
+    popts.mode = strat.mode;
+    popts.num_threads = cfg.planner_threads;
+    popts.move_budget = cfg.move_budget;
+    Planner planner(L, E, topo, popts);
+    Placement resident;
+    bool has_resident = false;
+    std::vector<std::int32_t> prev_owner_flat;
+    std::vector<std::int64_t> prev_totals;
+
+    for (int s = 0; s < num_steps; ++s) {
+      const int m0 = static_cast<int>(step_offsets[s]), m1 = static_cast<int>(step_offsets[s + 1]);
+      LoadTensor step(m1 - m0, L, E);
+      for (int m = m0; m < m1; ++m)
+        std::copy(loads.totals().begin() + static_cast<std::ptrdiff_t>(m) * L * E,
+                  loads.totals().begin() + static_cast<std::ptrdiff_t>(m + 1) * L * E,
+                  step.totals().begin() + static_cast<std::ptrdiff_t>(m - m0) * L * E);
+      std::vector<std::int64_t> totals(static_cast<std::size_t>(L) * E, 0);
+      for (int m = 0; m < step.num_micro_steps(); ++m)
+        for (std::size_t i = 0; i < totals.size(); ++i) totals[i] += step.totals()[static_cast<std::size_t>(m) * L * E + i];
+
+      // Stages: `recompute_passes` forward-only passes, then the update pass.
+      for (int pass = 0; pass <= cfg.recompute_passes; ++pass) {
+        const bool update = pass == cfg.recompute_passes;
+        StepPlan sp;
+        if (!strat.ideal) {
+          const auto t0 = std::chrono::steady_clock::now();
+          sp = planner.plan_step(step, has_resident ? &resident : nullptr, prev_totals,
+                                 update ? Stage::update : Stage::recompute);
+          total_planner += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
+          if (pass == 0 && !cfg.reowning_free && !prev_owner_flat.empty()) {
+            std::vector<double> per_gpu(static_cast<std::size_t>(G), 0.0);
+            for (int l = 0; l < L; ++l)
+              for (int e = 0; e < E; ++e) {
+                const std::int32_t o = sp.owner_gpu.empty() ? -1 : sp.owner_gpu[l][e];
+                if (o >= 0 && o != prev_owner_flat[static_cast<std::size_t>(l) * E + e]) {
+                  per_gpu[o] += move_seconds(cfg.cost.move, MovePath::gpu_inter,
+                                             expert_bytes * (1 + cfg.optimizer_state_factor));
+                  total_moved += expert_bytes * (1 + cfg.optimizer_state_factor);
+                }
+              }
+            total_extra += *std::max_element(per_gpu.begin(), per_gpu.end());
+          }
+          if (pass == 0 && !sp.owner_gpu.empty()) {
+            prev_owner_flat.clear();
+            for (const auto &row : sp.owner_gpu) prev_owner_flat.insert(prev_owner_flat.end(), row.begin(), row.end());
+          }
+        }
+        const int M = step.num_micro_steps();
+        std::vector<detail::LayerTiming> prev_t;
+        const std::vector<LayerPlan> *prev_plans = nullptr;
+        double stage_time = 0;
+        for (int m = 0; m < M; ++m) {
+          const double tokens = tokens_of(m0 + m);
+          std::vector<detail::LayerTiming> cur(static_cast<std::size_t>(L));
+          for (int l = 0; l < L; ++l) {
+            const LayerPlan *lp = strat.ideal ? nullptr : &sp.micro_steps[m][l];
+            const LayerPlacement *prev = prev_plans != nullptr ? &(*prev_plans)[l].placement : nullptr;
+            cur[l] = time_layer(lp, step.layer(m, l), tokens, prev, update);
+            if (lp != nullptr) imbalance.push_back(lp->imbalance());
+            total_moved += cur[l].moved_bytes;
+            total_grad += cur[l].grad_bytes;
+          }
+          // Windows: from the slot's last use in m - 1 to layer l's forward in m.
+          double micro = 0, stall = 0;
+          std::vector<double> fwd_prefix(static_cast<std::size_t>(L) + 1, 0.0);
+          for (int l = 0; l < L; ++l) fwd_prefix[l + 1] = fwd_prefix[l] + cur[l].forward;
+          for (int l = 0; l < L; ++l) {
+            double window = fwd_prefix[l];
+            if (!prev_t.empty()) {
+              if (update)
+                for (int k = 0; k < l; ++k) window += prev_t[k].backward; // backward runs L-1 .. 0
+              else
+                for (int k = l + 1; k < L; ++k) window += prev_t[k].forward;
+              if (cfg.double_buffer)
+                for (int k = 0; k < L; ++k) window += prev_t[k].forward + prev_t[k].backward;
+            }
+            double need = 0;
+            for (int g = 0; g < G; ++g) need = std::max(need, cur[l].move_demand[g] + cur[l].grad_demand[g]);
+            stall += std::max(0.0, need - window);
+          }
+          std::vector<double> layer_times(static_cast<std::size_t>(L));
+          for (int l = 0; l < L; ++l) {
+            layer_times[l] = cur[l].forward + cur[l].backward;
+            micro += layer_times[l];
+          }
+          micro += stall;
+          total_stall += stall;
+          stage_time += micro;
+          res.layer_seconds.push_back(std::move(layer_times));
+          prev_t = std::move(cur);
+          prev_plans = strat.ideal ? nullptr : &sp.micro_steps[m];
+        }
+        if (update) {
+          stage_time += cfg.optimizer_seconds * cfg.minibatches_per_step;
+          total_update += stage_time;
+        } else {
+          total_recompute += stage_time;
+        }
+        if (!strat.ideal && !sp.micro_steps.empty()) {
+          resident = sp.final_placement();
+          has_resident = true;
+        }
+      }
+      prev_totals = totals;
+      if (progress) progress(++done_units, total_units);
+    }
+    std::sort(imbalance.begin(), imbalance.end());
+    auto q = [&](double f) { return imbalance.empty() ? 1.0 : imbalance[static_cast<std::size_t>(f * double(imbalance.size() - 1))]; };
+    res.imbalance_median = q(0.5);
+    res.imbalance_p99 = q(0.99);
+    res.recompute_seconds = total_recompute / num_steps;
+    res.update_seconds = total_update / num_steps;
+    res.step_seconds = (total_recompute + total_update + total_extra) / num_steps;
+    res.end_to_end_seconds = res.step_seconds + cfg.rollout_seconds;
+    res.moved_gb = total_moved / num_steps * 1e-9;
+    res.grad_gb = total_grad / num_steps * 1e-9;
+    res.stall_seconds = total_stall / num_steps;
+    res.planner_seconds = total_planner;
+    results.push_back(std::move(res));
+  }
+  return results;
+}
+
+} // namespace v0
+} // namespace foremoe
