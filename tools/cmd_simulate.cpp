@@ -241,11 +241,17 @@ Command make_simulate() {
             << vs_static << "," << vs_eplb << "\n";
         continue;
       }
+      auto ratio = [](double v) {
+        std::ostringstream os;
+        if (v > 0) os << std::fixed << std::setprecision(3) << v << "x";
+        else os << "n/a";
+        return os.str();
+      };
       out << std::left << std::setw(14) << r.strategy << std::right << std::fixed << std::setprecision(3)
           << std::setw(10) << r.step_seconds << std::setw(13) << r.recompute_seconds << std::setw(10)
           << r.update_seconds << std::setw(9) << r.imbalance_median << std::setw(9) << r.imbalance_p99
           << std::setprecision(1) << std::setw(11) << r.moved_gb << std::setw(10) << r.stall_seconds * 1e3
-          << std::setprecision(3) << std::setw(10) << vs_static << "x" << std::setw(8) << vs_eplb << "x\n";
+          << std::setw(11) << ratio(vs_static) << std::setw(9) << ratio(vs_eplb) << "\n";
     }
     if (!csv)
       out << "(step/recompute/update: seconds per RL step; median/p99: per-layer max/mean GPU load; moved GB per step)\n"
