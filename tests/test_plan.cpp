@@ -62,7 +62,8 @@ LayerPlacement random_placement(std::mt19937_64 &rng, int num_gpus, int slots, i
   std::shuffle(order.begin(), order.end(), rng);
   // Every expert once, then random extra copies where they do not duplicate.
   std::size_t k = 0;
-  for (int e = 0; e < num_experts; ++e) p.phys_to_log()[order[k++]] = e;
+  for (int e = 0; e < num_experts; ++e)
+    p.phys_to_log()[order[k++]] = e;
   for (; k < order.size(); ++k) {
     if (rng() % 3 == 0) continue;
     const int q = order[k];
@@ -75,7 +76,8 @@ LayerPlacement random_placement(std::mt19937_64 &rng, int num_gpus, int slots, i
 std::vector<std::int64_t> random_loads(std::mt19937_64 &rng, int n, std::int64_t max_load, double skew) {
   std::vector<std::int64_t> v(static_cast<std::size_t>(n));
   std::uniform_real_distribution<double> u(0.0, 1.0);
-  for (auto &x : v) x = static_cast<std::int64_t>(std::pow(u(rng), skew) * static_cast<double>(max_load));
+  for (auto &x : v)
+    x = static_cast<std::int64_t>(std::pow(u(rng), skew) * static_cast<double>(max_load));
   return v;
 }
 
@@ -200,7 +202,8 @@ TEST_CASE("owners: cardinality, balance and hierarchy") {
   OwnerPlanner flat(Topology{1, 2, 4}, 8, {false});
   const auto owner = flat.plan_layer(loads);
   std::int64_t g0 = 0;
-  for (int e = 0; e < 8; ++e) g0 += owner[e] == 0 ? loads[e] : 0;
+  for (int e = 0; e < 8; ++e)
+    g0 += owner[e] == 0 ? loads[e] : 0;
   CHECK(g0 == 18);
   CHECK_ERROR_CONTAINS((void)flat.plan_layer(std::vector<std::int64_t>{1, 2}), "loads for 8 experts");
 }
@@ -222,7 +225,8 @@ TEST_CASE("owner planning speed shape: 58 x 256 on 32 GPUs is balanced") {
       load[owners[l][e]] += totals[l * 256 + e];
       ++count[owners[l][e]];
     }
-    for (int c : count) CHECK(c == 8);
+    for (int c : count)
+      CHECK(c == 8);
     const std::int64_t total = std::accumulate(load.begin(), load.end(), std::int64_t{0});
     const std::int64_t biggest = *std::max_element(totals.begin() + l * 256, totals.begin() + (l + 1) * 256);
     CHECK(*std::max_element(load.begin(), load.end()) <= std::max(total / 32 * 105 / 100, biggest));
@@ -269,7 +273,8 @@ TEST_CASE("validate catches every broken invariant") {
   resident.slot(0, 0) = 0;
   resident.slot(1, 0) = 1;
   bad = good;
-  for (auto &m : bad.moves) m.src_gpu = m.dst_gpu == 0 ? 1 : 0;
+  for (auto &m : bad.moves)
+    m.src_gpu = m.dst_gpu == 0 ? 1 : 0;
   bad.moves[0].expert = 1 - bad.moves[0].expert;
   CHECK_THROWS_AS(validate(bad, loads, &resident), Error);
 }
@@ -311,7 +316,8 @@ TEST_CASE("EPLB re-implementation: hand-checked cases") {
     const std::vector<double> w{40, 30, 1, 1, 20, 20, 2, 2};
     const EplbLayer layer = eplb_rebalance_layer(w, 12, 4, 2, 4);
     int total = 0;
-    for (int c : layer.replica_count) total += c;
+    for (int c : layer.replica_count)
+      total += c;
     CHECK(total == 12);
     // Each group's experts live on one node only.
     for (int grp = 0; grp < 4; ++grp) {

@@ -25,7 +25,8 @@ namespace {
 std::vector<std::int64_t> skewed_loads(std::mt19937_64 &rng, int n, std::int64_t scale, double skew) {
   std::vector<std::int64_t> v(static_cast<std::size_t>(n));
   std::uniform_real_distribution<double> u(0.0, 1.0);
-  for (auto &x : v) x = static_cast<std::int64_t>(std::pow(u(rng), skew) * static_cast<double>(scale));
+  for (auto &x : v)
+    x = static_cast<std::int64_t>(std::pow(u(rng), skew) * static_cast<double>(scale));
   if (rng() % 4 == 0) v[rng() % static_cast<std::uint64_t>(n)] = scale * 3; // a hot expert now and then
   return v;
 }
@@ -36,7 +37,8 @@ std::vector<std::int32_t> random_owners(std::mt19937_64 &rng, int num_experts, i
   std::vector<int> count(static_cast<std::size_t>(num_gpus), 0);
   for (auto &o : owner) {
     int g;
-    do g = static_cast<int>(rng() % static_cast<std::uint64_t>(num_gpus));
+    do
+      g = static_cast<int>(rng() % static_cast<std::uint64_t>(num_gpus));
     while (count[g] >= slots);
     ++count[g];
     o = g;
@@ -93,11 +95,13 @@ TEST_CASE("two-level plans are valid and respect the bounds over random instance
     CHECK(first.max_gpu_load >= lb);
     // Never worse than owners alone.
     std::vector<std::int64_t> own(static_cast<std::size_t>(in.topo.num_gpus()), 0);
-    for (int e = 0; e < in.num_experts; ++e) own[in.owner[e]] += in.loads[e];
+    for (int e = 0; e < in.num_experts; ++e)
+      own[in.owner[e]] += in.loads[e];
     CHECK(first.max_gpu_load <= *std::max_element(own.begin(), own.end()));
     // Next micro-step with the first as resident: loads shift, budget holds.
     auto next = in.loads;
-    for (auto &x : next) x = std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % 200) - 100);
+    for (auto &x : next)
+      x = std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % 200) - 100);
     const LayerPlan second = rp.plan_two_level(next, in.owner, &first.placement, opts);
     REQUIRE_NOTHROW(validate(second, next, &first.placement, opts.move_budget));
     CHECK(second.max_gpu_load >= lower_bound_two_level(next, in.owner, in.topo, opts.move_budget, &first.placement));
@@ -115,7 +119,7 @@ TEST_CASE("free plans are valid and respect the bounds over random instances") {
     const Instance in = random_instance(rng, 3, 8, 4, 4, 1 + static_cast<std::int64_t>(rng() % 5000));
     ReplicaPlanner rp(in.topo, in.num_experts);
     ReplicaOptions opts;
-    opts.local_search_rounds = static_cast<int>(rng() % 2) * 4;
+    opts.free_search_rounds = static_cast<int>(rng() % 2) * 4;
     const LayerPlan plan = rp.plan_free(in.loads, nullptr, opts);
     REQUIRE_NOTHROW(validate(plan, in.loads, nullptr));
     CHECK(plan.max_gpu_load >= lower_bound_free(in.loads, in.topo));
@@ -132,9 +136,11 @@ TEST_CASE("exact solvers agree with full enumeration, and heuristics stay betwee
   int two_level_optimal = 0, free_optimal = 0;
   for (int it = 0; it < iters; ++it) {
     Instance in;
-    in.topo = Topology{1 + static_cast<int>(rng() % 2), 1 + static_cast<int>(rng() % 2), 1 + static_cast<int>(rng() % 3)};
+    in.topo =
+        Topology{1 + static_cast<int>(rng() % 2), 1 + static_cast<int>(rng() % 2), 1 + static_cast<int>(rng() % 3)};
     const int num_gpus = in.topo.num_gpus();
-    in.num_experts = 1 + static_cast<int>(rng() % static_cast<std::uint64_t>(std::min(6, num_gpus * in.topo.slots_per_gpu)));
+    in.num_experts =
+        1 + static_cast<int>(rng() % static_cast<std::uint64_t>(std::min(6, num_gpus * in.topo.slots_per_gpu)));
     in.loads = skewed_loads(rng, in.num_experts, 1 + static_cast<std::int64_t>(rng() % 60), 2.0);
     in.owner = random_owners(rng, in.num_experts, num_gpus, in.topo.slots_per_gpu);
     const int budget = static_cast<int>(rng() % 3) - 1;
@@ -150,7 +156,8 @@ TEST_CASE("exact solvers agree with full enumeration, and heuristics stay betwee
     REQUIRE_NOTHROW(validate(h, in.loads, nullptr, budget));
     CHECK(h.max_gpu_load >= ex.makespan);
     CHECK(ex.makespan >= lb);
-    gap_two_level.push_back(ex.makespan > 0 ? static_cast<double>(h.max_gpu_load) / static_cast<double>(ex.makespan) - 1.0 : 0.0);
+    gap_two_level.push_back(
+        ex.makespan > 0 ? static_cast<double>(h.max_gpu_load) / static_cast<double>(ex.makespan) - 1.0 : 0.0);
     two_level_optimal += h.max_gpu_load == ex.makespan;
 
     const ExactResult exf = solve_exact_free(in.loads, in.topo);
@@ -159,7 +166,8 @@ TEST_CASE("exact solvers agree with full enumeration, and heuristics stay betwee
     CHECK(hf.max_gpu_load >= exf.makespan);
     CHECK(exf.makespan >= lower_bound_free(in.loads, in.topo));
     CHECK(exf.makespan <= ex.makespan); // free mode relaxes two-level
-    gap_free.push_back(exf.makespan > 0 ? static_cast<double>(hf.max_gpu_load) / static_cast<double>(exf.makespan) - 1.0 : 0.0);
+    gap_free.push_back(exf.makespan > 0 ? static_cast<double>(hf.max_gpu_load) / static_cast<double>(exf.makespan) - 1.0
+                                        : 0.0);
     free_optimal += hf.max_gpu_load == exf.makespan;
   }
   const BalanceStats g2 = balance_stats(gap_two_level), gf = balance_stats(gap_free);
@@ -218,8 +226,8 @@ TEST_CASE("planner: strategies, determinism across threads and resident reuse") 
   cfg.seed = 2;
   const LoadTensor prev_step = sample_micro_steps(weights, num_layers, num_experts, cfg);
 
-  for (Strategy s : {Strategy::static_placement, Strategy::eplb, Strategy::eplb_oracle, Strategy::foremoe,
-                     Strategy::foremoe_free}) {
+  for (Strategy s :
+       {Strategy::static_placement, Strategy::eplb, Strategy::eplb_oracle, Strategy::foremoe, Strategy::foremoe_free}) {
     CAPTURE(to_string(s));
     PlannerOptions opts;
     opts.strategy = s;
@@ -246,7 +254,8 @@ TEST_CASE("planner: strategies, determinism across threads and resident reuse") 
     // The final placement fed back with the last micro-step's loads moves nothing.
     const Placement final_p = a.final_placement();
     const auto again = one.plan(step, 3, Stage::update, &final_p);
-    for (const LayerPlan &lp : again) CHECK(lp.moves.empty());
+    for (const LayerPlan &lp : again)
+      CHECK(lp.moves.empty());
   }
 }
 

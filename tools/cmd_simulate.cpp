@@ -278,6 +278,7 @@ Command make_simulate() {
                         {"moved_gb", r.moved_gb},
                         {"grad_gb", r.grad_gb},
                         {"stall_seconds", r.stall_seconds},
+                        {"mirror_refresh_seconds", r.mirror_seconds},
                         {"planner_seconds", r.planner_seconds},
                         {"speedup_over_static", base_static ? base_static->step_seconds / r.step_seconds : 0.0},
                         {"speedup_over_eplb", base_eplb ? base_eplb->step_seconds / r.step_seconds : 0.0},

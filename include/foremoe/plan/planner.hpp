@@ -84,7 +84,8 @@ struct PlannerOptions {
   int move_budget = -1;                ///< new replicas per GPU per micro-step; < 0: the spare slots
   bool hierarchical_owners = true;     ///< owners: nodes first, then GPUs in each node
   int num_threads = 1;                 ///< parallel over layers; plans are identical for every count
-  int local_search_rounds = 4;         ///< replica local search per layer (0: construction only)
+  int local_search_rounds = 0;         ///< two-level exact-split local search per layer (see ReplicaOptions)
+  int free_search_rounds = 4;          ///< free-mode placement swap rounds per layer
   int eplb_num_groups = 1;             ///< expert groups for EPLB (hierarchical when they divide over nodes)
   /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.
   StageReplicaCostFn replica_cost;
@@ -104,8 +105,9 @@ public:
     detail::require(opts_.num_threads >= 1, "Planner: num_threads must be >= 1, got ", opts_.num_threads);
     detail::require(opts_.eplb_num_groups >= 1 && num_experts % opts_.eplb_num_groups == 0, "Planner: ", num_experts,
                     " experts do not divide into eplb_num_groups = ", opts_.eplb_num_groups);
-    detail::require(opts_.local_search_rounds >= 0, "Planner: local_search_rounds must be >= 0, got ",
-                    opts_.local_search_rounds);
+    detail::require(opts_.local_search_rounds >= 0 && opts_.free_search_rounds >= 0,
+                    "Planner: local_search_rounds and free_search_rounds must be >= 0, got ", opts_.local_search_rounds,
+                    " and ", opts_.free_search_rounds);
   }
   Planner(const ModelSpec &spec, const Topology &topo, PlannerOptions opts = {})
       : Planner((spec.validate(), spec.num_layers), spec.num_experts, topo, std::move(opts)) {}
@@ -187,6 +189,7 @@ public:
     ReplicaOptions ropts;
     ropts.move_budget = opts_.move_budget;
     ropts.local_search_rounds = opts_.local_search_rounds;
+    ropts.free_search_rounds = opts_.free_search_rounds;
     if (opts_.replica_cost && opts_.token_time) {
       ropts.replica_cost = [f = opts_.replica_cost, stage](int e, int src, int dst) { return f(e, src, dst, stage); };
       ropts.token_time = opts_.token_time;

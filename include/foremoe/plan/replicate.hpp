@@ -39,8 +39,11 @@ using TokenTimeFn = std::function<double(std::int64_t tokens)>;
 
 /// Options of replica selection for one layer.
 struct ReplicaOptions {
-  int move_budget = -1;        ///< new replicas per GPU per micro-step; < 0: the GPU's spare slots
-  int local_search_rounds = 4; ///< improving replica moves tried after the construction (0: none)
+  int move_budget = -1; ///< new replicas per GPU per micro-step; < 0: the GPU's spare slots
+  /// Exact-split local search rounds after the two-level construction (0: none). Off by default: on
+  /// DeepSeek-V3-like loads it lowers the median max/mean by about 0.0005 for ~50% more planning time.
+  int local_search_rounds = 0;
+  int free_search_rounds = 4; ///< swap rounds (x8 swaps) of the free-mode placement on copy weights (0: none)
   /// Optional cost gate: a new replica stays only if the compute time it saves exceeds `replica_cost`. Both
   /// callbacks must be set for the gate to act.
   ReplicaCostFn replica_cost;
@@ -180,7 +183,7 @@ public:
       }
       detail::require(done, "plan_free: cannot give expert ", e, " a copy");
     }
-    if (opts.local_search_rounds > 0) local_search_free(p, loads, opts.local_search_rounds);
+    if (opts.free_search_rounds > 0) local_search_free(p, loads, opts.free_search_rounds);
     // Keep copies in their resident slots where the same GPU keeps them.
     std::vector<std::vector<std::int32_t>> per_gpu(static_cast<std::size_t>(num_gpus_));
     for (int g = 0; g < num_gpus_; ++g)
@@ -466,7 +469,8 @@ private:
     // O(replicas + GPUs): `shared_idx_` stays -1 except for the experts of the last evaluation, reset here.
     if (shared_idx_.size() != static_cast<std::size_t>(num_experts_))
       shared_idx_.assign(static_cast<std::size_t>(num_experts_), -1);
-    for (std::int32_t e : shared_exp_) shared_idx_[e] = -1;
+    for (std::int32_t e : shared_exp_)
+      shared_idx_[e] = -1;
     shared_loads_.clear();
     shared_exp_.clear();
     copies_.clear();
@@ -483,17 +487,20 @@ private:
       }
     const int num_shared = static_cast<int>(shared_loads_.size());
     offsets_.assign(static_cast<std::size_t>(num_shared) + 1, 0);
-    for (int i = 0; i < num_shared; ++i) offsets_[i + 1] = offsets_[i] + copies_[i];
+    for (int i = 0; i < num_shared; ++i)
+      offsets_[i + 1] = offsets_[i] + copies_[i];
     copy_gpu_.resize(offsets_.back());
     fill_.assign(offsets_.begin(), offsets_.end() - 1);
-    for (int i = 0; i < num_shared; ++i) copy_gpu_[fill_[i]++] = owner_[shared_exp_[i]];
+    for (int i = 0; i < num_shared; ++i)
+      copy_gpu_[fill_[i]++] = owner_[shared_exp_[i]];
     for (int g = 0; g < num_gpus_; ++g)
       for (int j = 0; j < s.cnt[g]; ++j) {
         const std::int32_t i = shared_idx_[s.rep[g * slots_ + j]];
         copy_gpu_[fill_[i]++] = g;
       }
     base_.assign(owner_load_.begin(), owner_load_.end());
-    for (int i = 0; i < num_shared; ++i) base_[owner_[shared_exp_[i]]] -= shared_loads_[i];
+    for (int i = 0; i < num_shared; ++i)
+      base_[owner_[shared_exp_[i]]] -= shared_loads_[i];
     copy_tokens_.resize(copy_gpu_.size());
     gpu_loads_.resize(static_cast<std::size_t>(num_gpus_));
     return split_.solve_core(base_, shared_loads_, offsets_, copy_gpu_, copy_tokens_, gpu_loads_);
@@ -633,52 +640,57 @@ private:
     return plan;
   }
 
-  /// Free-mode local search: swap two copies between the hottest GPU and another while the exact maximum drops.
+  /// Free-mode local search on the copies' even-split weights (`load / copies`): the heaviest GPU swaps one copy
+  /// with a copy (or an empty slot) of another GPU while that lowers the pair's maximum and creates no duplicate.
+  /// Cheap O(1) moves; the exact split that follows balances what the weights cannot.
   void local_search_free(LayerPlacement &p, std::span<const std::int64_t> loads, int rounds) {
-    std::vector<std::int64_t> tok(static_cast<std::size_t>(p.num_slots()));
-    std::int64_t makespan = split_.solve(p, loads, tok);
-    for (int round = 0; round < rounds; ++round) {
-      gpu_loads_.assign(static_cast<std::size_t>(num_gpus_), 0);
-      for (int q = 0; q < p.num_slots(); ++q)
-        gpu_loads_[q / slots_] += tok[q];
+    const auto counts = p.replica_counts();
+    auto weight = [&](std::int32_t e) { return e == empty_slot ? std::int64_t{0} : loads[e] / counts[e]; };
+    free_gpu_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    for (int q = 0; q < p.num_slots(); ++q)
+      free_gpu_load_[q / slots_] += weight(p.phys_to_log()[q]);
+    for (int round = 0; round < rounds * 8; ++round) {
       int hot = 0;
       for (int g = 1; g < num_gpus_; ++g)
-        if (gpu_loads_[g] > gpu_loads_[hot]) hot = g;
+        if (free_gpu_load_[g] > free_gpu_load_[hot]) hot = g;
+      std::int64_t best_pair = free_gpu_load_[hot];
+      int best_a = -1, best_q = -1;
+      // Partners: the four lightest GPUs (the pair maximum can only drop much against a light one).
       recv_.resize(static_cast<std::size_t>(num_gpus_));
       std::iota(recv_.begin(), recv_.end(), 0);
-      const std::size_t num_recv = std::min<std::size_t>(3, recv_.size());
+      const std::size_t num_recv = std::min<std::size_t>(4, recv_.size());
       std::partial_sort(recv_.begin(), recv_.begin() + static_cast<std::ptrdiff_t>(num_recv), recv_.end(),
-                        [&](std::int32_t a, std::int32_t b) { return gpu_loads_[a] < gpu_loads_[b]; });
-      std::int64_t best = makespan;
-      int best_a = -1, best_b = -1;
-      for (int sa = 0; sa < slots_; ++sa) {
-        const std::int32_t ea = p.slot(hot, sa);
-        if (ea == empty_slot || tok[hot * slots_ + sa] == 0) continue;
-        for (std::size_t r = 0; r < num_recv; ++r) {
-          const int h = recv_[r];
-          if (h == hot || p.holds(h, ea)) continue;
+                        [&](std::int32_t a, std::int32_t b) { return free_gpu_load_[a] < free_gpu_load_[b]; });
+      for (std::size_t r = 0; r < num_recv; ++r) {
+        const int h = recv_[r];
+        const std::int64_t gap = free_gpu_load_[hot] - free_gpu_load_[h];
+        if (h == hot || gap <= 1) continue;
+        for (int sa = 0; sa < slots_; ++sa) {
+          const std::int32_t ea = p.slot(hot, sa);
+          if (ea == empty_slot || p.holds(h, ea)) continue;
+          const std::int64_t wa = weight(ea);
           for (int sb = 0; sb < slots_; ++sb) {
             const std::int32_t eb = p.slot(h, sb);
             if (eb != empty_slot && p.holds(hot, eb)) continue;
-            p.slot(hot, sa) = eb;
-            p.slot(h, sb) = ea;
-            const std::int64_t m = split_.solve(p, loads, tok);
-            if (m < best) {
-              best = m;
+            const std::int64_t d = wa - weight(eb);
+            if (d <= 0 || d >= gap) continue;
+            const std::int64_t m = std::max(free_gpu_load_[hot] - d, free_gpu_load_[h] + d);
+            if (m < best_pair) {
+              best_pair = m;
               best_a = sa;
-              best_b = h * slots_ + sb;
+              best_q = h * slots_ + sb;
             }
-            p.slot(h, sb) = eb;
-            p.slot(hot, sa) = ea;
           }
         }
       }
       if (best_a < 0) break;
-      const std::int32_t ea = p.slot(hot, best_a);
-      const std::int32_t eb = p.phys_to_log()[best_b];
+      const int h = best_q / slots_;
+      const std::int32_t ea = p.slot(hot, best_a), eb = p.phys_to_log()[best_q];
+      const std::int64_t d = weight(ea) - weight(eb);
       p.slot(hot, best_a) = eb;
-      p.phys_to_log()[best_b] = ea;
-      makespan = split_.solve(p, loads, tok);
+      p.phys_to_log()[best_q] = ea;
+      free_gpu_load_[hot] -= d;
+      free_gpu_load_[h] += d;
     }
   }
 

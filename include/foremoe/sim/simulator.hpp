@@ -101,6 +101,7 @@ struct SimResult {
   double moved_gb = 0;          ///< weights moved per step (replicas in, re-owning), GB
   double grad_gb = 0;           ///< replica gradients reduced per step, GB
   double stall_seconds = 0;     ///< per step: time layers waited for weights
+  double mirror_seconds = 0;    ///< per step: host-mirror refreshes after optimizer steps (strategies reading it)
   double planner_seconds = 0;   ///< wall time of planning, all steps
   std::vector<std::vector<double>> layer_seconds; ///< per simulated micro-step (recompute then update, per step): layer forward(+backward) times
 };
@@ -113,6 +114,7 @@ struct LayerTiming {
   std::vector<double> move_demand; ///< per GPU: seconds of incoming moves (max over paths)
   std::vector<double> grad_demand; ///< per GPU: seconds of gradient reductions it sends
   double moved_bytes = 0, grad_bytes = 0;
+  bool host_moves = false; ///< some move read the host mirror
 };
 
 /// All-to-all seconds with every GPU's received tokens spread evenly over all source ranks (the tokens of a
@@ -209,18 +211,28 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
     t.move_demand.assign(static_cast<std::size_t>(G), 0.0);
     t.grad_demand.assign(static_cast<std::size_t>(G), 0.0);
     if (lp == nullptr) return t;
-    // Moves land on their destination; paths run concurrently, moves on one path one after another.
-    std::vector<double> path_s(static_cast<std::size_t>(G) * 3, 0.0);
+    // Paths run concurrently; on one path a GPU receives its moves one after another, and a source GPU
+    // sends its moves one after another (its copy engine and port are shared), so a move ends no earlier
+    // than both queues have drained.
+    std::vector<double> path_in(static_cast<std::size_t>(G) * 3, 0.0), path_out(static_cast<std::size_t>(G) * 3, 0.0);
+    auto path_of = [&](const Move &mv) {
+      if (mv.src_gpu < 0) return MovePath::host;
+      return topo.node_of(mv.src_gpu) == topo.node_of(mv.dst_gpu) ? MovePath::gpu_intra : MovePath::gpu_inter;
+    };
     for (const Move &mv : lp->moves) {
-      MovePath path = MovePath::host;
-      if (mv.src_gpu >= 0)
-        path = topo.node_of(mv.src_gpu) == topo.node_of(mv.dst_gpu) ? MovePath::gpu_intra : MovePath::gpu_inter;
-      path_s[static_cast<std::size_t>(mv.dst_gpu) * 3 + static_cast<int>(path)] +=
-          move_seconds(cfg.cost.move, path, expert_bytes);
+      const MovePath path = path_of(mv);
+      const double sec = move_seconds(cfg.cost.move, path, expert_bytes);
+      path_in[static_cast<std::size_t>(mv.dst_gpu) * 3 + static_cast<int>(path)] += sec;
+      if (mv.src_gpu >= 0) path_out[static_cast<std::size_t>(mv.src_gpu) * 3 + static_cast<int>(path)] += sec;
       t.moved_bytes += expert_bytes;
+      if (path == MovePath::host) t.host_moves = true;
     }
-    for (int g = 0; g < G; ++g)
-      t.move_demand[g] = std::max({path_s[g * 3], path_s[g * 3 + 1], path_s[g * 3 + 2]});
+    for (const Move &mv : lp->moves) {
+      const int p = static_cast<int>(path_of(mv));
+      double finish = path_in[static_cast<std::size_t>(mv.dst_gpu) * 3 + p];
+      if (mv.src_gpu >= 0) finish = std::max(finish, path_out[static_cast<std::size_t>(mv.src_gpu) * 3 + p]);
+      t.move_demand[mv.dst_gpu] = std::max(t.move_demand[mv.dst_gpu], finish);
+    }
     // Gradients of the replicas the previous update micro-step used return to their owners before the
     // slots are reused.
     if (update && prev != nullptr) {
@@ -243,7 +255,7 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
     res.strategy = strat.name;
     std::vector<double> imbalance;
     double total_recompute = 0, total_update = 0, total_stall = 0, total_moved = 0, total_grad = 0,
-           total_planner = 0, total_extra = 0;
+           total_planner = 0, total_extra = 0, total_mirror = 0;
     PlannerOptions popts;
     popts.strategy = strat.strategy;
     popts.mode = strat.mode;
@@ -295,6 +307,7 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
           }
         }
         const int M = step.num_micro_steps();
+        bool used_mirror = false;
         std::vector<detail::LayerTiming> prev_t;
         const std::vector<LayerPlan> *prev_plans = nullptr;
         double stage_time = 0;
@@ -307,6 +320,7 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
             cur[l] = time_layer(lp, step.layer(m, l), tokens, prev, update);
             if (lp != nullptr) imbalance.push_back(lp->imbalance());
             total_moved += cur[l].moved_bytes;
+            used_mirror = used_mirror || cur[l].host_moves;
             total_grad += cur[l].grad_bytes;
           }
           // Windows: from the slot's last use in m - 1 to layer l's forward in m.
@@ -341,6 +355,15 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
         }
         if (update) {
           stage_time += cfg.optimizer_seconds * cfg.minibatches_per_step;
+          // After each optimizer step every GPU copies its owned experts' new weights to the node's pinned
+          // mirror over its PCIe link, before the next mini-batch may read them; only strategies that read
+          // the mirror pay it.
+          if (used_mirror) {
+            const double owned = static_cast<double>(topo.owners_per_gpu(E)) * L * expert_bytes;
+            const double refresh = cfg.minibatches_per_step * move_seconds(cfg.cost.move, MovePath::host, owned);
+            stage_time += refresh;
+            total_mirror += refresh;
+          }
           total_update += stage_time;
         } else {
           total_recompute += stage_time;
@@ -364,6 +387,7 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
     res.moved_gb = total_moved / num_steps * 1e-9;
     res.grad_gb = total_grad / num_steps * 1e-9;
     res.stall_seconds = total_stall / num_steps;
+    res.mirror_seconds = total_mirror / num_steps;
     res.planner_seconds = total_planner;
     results.push_back(std::move(res));
   }

@@ -1,0 +1,763 @@
+// `foremoe._core`: nanobind bindings over the header-only ForeMoE library (one translation unit).
+//
+// Inputs are borrowed without copies where the C++ side can read them in place (routed ids of any supported
+// integer dtype and strides); outputs are NumPy arrays over buffers the C++ side filled (no second copy).
+// `foremoe::Error` becomes `ValueError` with the C++ message. Long calls release the GIL.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "foremoe/foremoe.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace fm = foremoe;
+
+namespace {
+
+using fm::detail::fail;
+using fm::detail::require;
+
+// ---------------------------------------------------------------------------------------------------------------
+// NumPy outputs over C++-owned buffers.
+
+template <class T> nb::ndarray<nb::numpy, T> owned_array(std::vector<T> &&v, std::vector<std::size_t> shape) {
+  auto *h = new std::vector<T>(std::move(v));
+  if (h->empty()) h->reserve(1); // a non-null data pointer for empty arrays
+  nb::capsule owner(h, [](void *p) noexcept { delete static_cast<std::vector<T> *>(p); });
+  return nb::ndarray<nb::numpy, T>(h->data(), shape.size(), shape.data(), owner);
+}
+
+// A read-only view of `v`, kept alive by `owner` (the Python object holding `v`).
+template <class T>
+nb::ndarray<nb::numpy, const T> view_array(const std::vector<T> &v, std::vector<std::size_t> shape, nb::handle owner) {
+  return nb::ndarray<nb::numpy, const T>(v.data(), shape.size(), shape.data(), owner);
+}
+
+std::string dtype_name(const nb::dlpack::dtype &d) {
+  const char *kind = d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int)     ? "int"
+                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt)  ? "uint"
+                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) ? "float"
+                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bool)  ? "bool"
+                                                                                           : "other";
+  return std::string(kind) + std::to_string(d.bits);
+}
+
+std::optional<fm::IdDtype> id_dtype_of(const nb::dlpack::dtype &d) {
+  if (d.lanes != 1) return std::nullopt;
+  if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int)) {
+    switch (d.bits) {
+    case 8: return fm::IdDtype::i8;
+    case 16: return fm::IdDtype::i16;
+    case 32: return fm::IdDtype::i32;
+    case 64: return fm::IdDtype::i64;
+    }
+  } else if (d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt)) {
+    switch (d.bits) {
+    case 8: return fm::IdDtype::u8;
+    case 16: return fm::IdDtype::u16;
+    }
+  }
+  return std::nullopt;
+}
+
+using RoIds = nb::ndarray<nb::ro, nb::device::cpu>;
+using RoI64 = nb::ndarray<nb::ro, const std::int64_t, nb::c_contig, nb::device::cpu>;
+
+fm::RoutedView routed_view(const RoIds &ids, const char *who) {
+  require(ids.ndim() == 3, who, ": routed_experts must be 3-D [tokens, layers, topk], got ", ids.ndim(), " dims");
+  const auto dt = id_dtype_of(ids.dtype());
+  require(dt.has_value(), who, ": routed_experts must be int8, uint8, int16, uint16, int32 or int64, got ",
+          dtype_name(ids.dtype()));
+  require(ids.shape(1) > 0 && ids.shape(1) <= (1u << 20), who, ": bad layer count ", ids.shape(1));
+  require(ids.shape(2) > 0 && ids.shape(2) <= (1u << 20), who, ": bad topk ", ids.shape(2));
+  return fm::RoutedView(ids.data(), *dt, static_cast<std::int64_t>(ids.shape(0)), static_cast<int>(ids.shape(1)),
+                        static_cast<int>(ids.shape(2)), {ids.stride(0), ids.stride(1), ids.stride(2)});
+}
+
+std::span<const std::int64_t> span_of(const std::optional<RoI64> &a) {
+  if (!a) return {};
+  return {a->data(), a->size()};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// count_loads
+
+nb::tuple count_loads(const RoIds &ids, std::optional<RoI64> microbatch_offsets, int num_experts,
+                      std::optional<std::vector<int>> layer_map, int num_sources, std::optional<RoI64> source_offsets) {
+  const fm::RoutedView view = routed_view(ids, "count_loads");
+  fm::CountOptions opts;
+  opts.num_experts = num_experts;
+  if (layer_map) opts.layer_map = fm::LayerMap(*layer_map);
+  opts.microbatch_offsets = span_of(microbatch_offsets);
+  opts.num_sources = num_sources;
+  opts.source_offsets = span_of(source_offsets);
+  auto *out = new fm::LoadTensor();
+  try {
+    nb::gil_scoped_release nogil;
+    *out = fm::count_loads(view, opts);
+  } catch (...) {
+    delete out;
+    throw;
+  }
+  nb::capsule owner(out, [](void *p) noexcept { delete static_cast<fm::LoadTensor *>(p); });
+  const std::size_t M = out->num_micro_steps(), L = out->num_layers(), E = out->num_experts();
+  auto totals = out->totals();
+  const std::size_t shape[3] = {M, L, E};
+  nb::object t = nb::cast(nb::ndarray<nb::numpy, std::int64_t>(totals.data(), 3, shape, owner));
+  nb::object s = nb::none();
+  if (out->has_sources()) {
+    const std::size_t shape4[4] = {M, L, E, static_cast<std::size_t>(out->num_sources())};
+    s = nb::cast(nb::ndarray<nb::numpy, std::int64_t>(out->by_source().data(), 4, shape4, owner));
+  }
+  return nb::make_tuple(t, s);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Placement and Plan
+
+struct PyPlacement {
+  fm::Topology topo;
+  int num_experts = 0;
+  fm::Placement placement;
+
+  std::vector<std::int32_t> flat() const {
+    std::vector<std::int32_t> v;
+    v.reserve(static_cast<std::size_t>(placement.num_layers()) * topo.num_slots());
+    for (int l = 0; l < placement.num_layers(); ++l) {
+      const auto p = placement.layer(l).phys_to_log();
+      v.insert(v.end(), p.begin(), p.end());
+    }
+    return v;
+  }
+};
+
+PyPlacement placement_from_array(const fm::Topology &topo,
+                                 nb::ndarray<nb::ro, const std::int32_t, nb::c_contig, nb::device::cpu> gpu_slots,
+                                 int num_experts) {
+  topo.validate(num_experts);
+  require(gpu_slots.ndim() == 3, "Placement: gpu_slots must be [layers, gpus, slots], got ", gpu_slots.ndim(), " dims");
+  require(static_cast<int>(gpu_slots.shape(1)) == topo.num_gpus() &&
+              static_cast<int>(gpu_slots.shape(2)) == topo.slots_per_gpu,
+          "Placement: gpu_slots is [", gpu_slots.shape(0), ", ", gpu_slots.shape(1), ", ", gpu_slots.shape(2),
+          "] but the topology has ", topo.num_gpus(), " GPUs x ", topo.slots_per_gpu, " slots");
+  PyPlacement out{topo, num_experts, fm::Placement(topo, static_cast<int>(gpu_slots.shape(0)), num_experts)};
+  const std::int32_t *d = gpu_slots.data();
+  for (int l = 0; l < out.placement.num_layers(); ++l) {
+    auto p = out.placement.layer(l).phys_to_log();
+    std::copy(d + static_cast<std::size_t>(l) * p.size(), d + static_cast<std::size_t>(l + 1) * p.size(), p.begin());
+  }
+  out.placement.validate();
+  return out;
+}
+
+/// One micro-step's plans of every layer, flattened into arrays.
+struct PyPlan {
+  fm::Topology topo;
+  int L = 0, G = 0, S = 0, E = 0;
+  std::vector<std::int32_t> gpu_slots;   // [L, G, S]
+  std::vector<std::int64_t> slot_tokens; // [L, G, S]
+  std::vector<std::int64_t> gpu_loads;   // [L, G]
+  std::vector<std::int32_t> l2p_offsets; // [L, E + 1]
+  std::vector<std::int32_t> l2p_phys;    // [L, G * S], -1 past each layer's copies
+  std::vector<std::int32_t> replica_count; // [L, E]
+  std::vector<std::int32_t> owner_gpu;     // [L, E]
+  std::vector<std::int32_t> moves;         // [N, 5]: layer, expert, src_gpu (-1 host), dst_gpu, dst_slot
+  std::vector<double> imbalance;           // [L]
+  std::vector<std::int64_t> max_gpu_load;  // [L]
+  double planner_seconds = 0;
+
+  PyPlan(const fm::Topology &t, int num_experts, const std::vector<fm::LayerPlan> &layers)
+      : topo(t), L(static_cast<int>(layers.size())), G(t.num_gpus()), S(t.slots_per_gpu), E(num_experts) {
+    const std::size_t P = static_cast<std::size_t>(G) * S;
+    gpu_slots.reserve(L * P);
+    slot_tokens.reserve(L * P);
+    gpu_loads.reserve(static_cast<std::size_t>(L) * G);
+    l2p_offsets.reserve(static_cast<std::size_t>(L) * (E + 1));
+    l2p_phys.assign(L * P, -1);
+    replica_count.reserve(static_cast<std::size_t>(L) * E);
+    owner_gpu.reserve(static_cast<std::size_t>(L) * E);
+    imbalance.reserve(L);
+    max_gpu_load.reserve(L);
+    for (int l = 0; l < L; ++l) {
+      const fm::LayerPlan &lp = layers[l];
+      const auto p2l = lp.placement.phys_to_log();
+      gpu_slots.insert(gpu_slots.end(), p2l.begin(), p2l.end());
+      slot_tokens.insert(slot_tokens.end(), lp.slot_tokens.begin(), lp.slot_tokens.end());
+      const auto gl = lp.gpu_loads();
+      gpu_loads.insert(gpu_loads.end(), gl.begin(), gl.end());
+      const auto m = lp.placement.log_to_phys();
+      l2p_offsets.insert(l2p_offsets.end(), m.offsets.begin(), m.offsets.end());
+      std::copy(m.phys.begin(), m.phys.end(), l2p_phys.begin() + l * P);
+      const auto rc = lp.placement.replica_counts();
+      replica_count.insert(replica_count.end(), rc.begin(), rc.end());
+      owner_gpu.insert(owner_gpu.end(), lp.owner_gpu.begin(), lp.owner_gpu.end());
+      for (const fm::Move &mv : lp.moves)
+        moves.insert(moves.end(), {l, mv.expert, mv.src_gpu, mv.dst_gpu, mv.dst_slot});
+      imbalance.push_back(lp.imbalance());
+      max_gpu_load.push_back(lp.max_gpu_load);
+    }
+  }
+
+  PyPlacement placement() const {
+    PyPlacement out{topo, E, fm::Placement(topo, L, E)};
+    const std::size_t P = static_cast<std::size_t>(G) * S;
+    for (int l = 0; l < L; ++l) {
+      auto p = out.placement.layer(l).phys_to_log();
+      std::copy(gpu_slots.begin() + l * P, gpu_slots.begin() + (l + 1) * P, p.begin());
+    }
+    return out;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------------------------
+// Planner
+
+struct PyPlanner {
+  fm::Topology topo;
+  fm::PlannerOptions opts;
+  std::unique_ptr<fm::Planner> planner;
+  double last_planner_seconds = 0;
+
+  fm::Planner &get(int L, int E) {
+    if (!planner || planner->num_layers() != L || planner->num_experts() != E)
+      planner = std::make_unique<fm::Planner>(L, E, topo, opts);
+    return *planner;
+  }
+};
+
+PyPlanner make_planner(const fm::Topology &topo, const std::string &strategy, const std::string &mode,
+                       std::optional<int> move_budget, int threads, bool hierarchical_owners, int local_search_rounds,
+                       int eplb_num_groups) {
+  topo.validate();
+  PyPlanner p{topo, {}, nullptr, 0};
+  p.opts.strategy = fm::parse_strategy(strategy);
+  p.opts.mode = fm::parse_plan_mode(mode);
+  if (move_budget) {
+    require(*move_budget >= 0, "Planner: move_budget must be >= 0 or None, got ", *move_budget);
+    p.opts.move_budget = *move_budget;
+  }
+  require(threads >= 1, "Planner: threads must be >= 1, got ", threads);
+  p.opts.num_threads = threads;
+  p.opts.hierarchical_owners = hierarchical_owners;
+  require(local_search_rounds >= 0, "Planner: local_search_rounds must be >= 0, got ", local_search_rounds);
+  p.opts.local_search_rounds = local_search_rounds;
+  require(eplb_num_groups >= 1, "Planner: eplb_num_groups must be >= 1, got ", eplb_num_groups);
+  p.opts.eplb_num_groups = eplb_num_groups;
+  return p;
+}
+
+fm::Stage parse_stage(const std::string &s) {
+  if (s == "update") return fm::Stage::update;
+  if (s == "recompute") return fm::Stage::recompute;
+  fail("unknown stage '", s, "' (expected update or recompute)");
+}
+
+using RoLoads = nb::ndarray<nb::ro, const std::int64_t, nb::ndim<3>, nb::c_contig, nb::device::cpu>;
+using RoLayerLoads = nb::ndarray<nb::ro, const std::int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+const fm::Placement *check_resident(const PyPlacement *resident, const fm::Topology &topo, int L, int E) {
+  if (resident == nullptr) return nullptr;
+  require(resident->topo.num_gpus() == topo.num_gpus() && resident->topo.slots_per_gpu == topo.slots_per_gpu,
+          "plan: resident placement is ", resident->topo.num_gpus(), " GPUs x ", resident->topo.slots_per_gpu,
+          " slots, the planner's topology ", topo.num_gpus(), " x ", topo.slots_per_gpu);
+  require(resident->num_experts == E, "plan: resident placement has ", resident->num_experts,
+          " experts, the loads have ", E);
+  require(resident->placement.num_layers() == L, "plan: resident placement has ", resident->placement.num_layers(),
+          " layers, the loads have ", L);
+  return &resident->placement;
+}
+
+fm::LoadTensor load_tensor(const RoLoads &loads) {
+  require(loads.shape(0) < (1u << 30) && loads.shape(1) > 0 && loads.shape(2) > 0,
+          "plan: loads must be [micro_steps, layers, experts] with layers, experts > 0, got [", loads.shape(0), ", ",
+          loads.shape(1), ", ", loads.shape(2), "]");
+  return fm::LoadTensor::from_counts({loads.data(), loads.size()}, static_cast<int>(loads.shape(0)),
+                                     static_cast<int>(loads.shape(1)), static_cast<int>(loads.shape(2)));
+}
+
+std::vector<PyPlan> plan_step(PyPlanner &self, const RoLoads &loads, const PyPlacement *resident,
+                              std::optional<RoLayerLoads> previous, const std::string &stage_name) {
+  const fm::Stage stage = parse_stage(stage_name);
+  const int L = static_cast<int>(loads.shape(1)), E = static_cast<int>(loads.shape(2));
+  std::span<const std::int64_t> prev;
+  if (previous) {
+    require(static_cast<int>(previous->shape(0)) == L && static_cast<int>(previous->shape(1)) == E,
+            "plan: previous_loads is [", previous->shape(0), ", ", previous->shape(1), "], expected [", L, ", ", E,
+            "]");
+    prev = {previous->data(), previous->size()};
+  }
+  std::vector<PyPlan> out;
+  nb::gil_scoped_release nogil;
+  const fm::LoadTensor t = load_tensor(loads);
+  fm::Planner &p = self.get(L, E);
+  const fm::Placement *res = check_resident(resident, self.topo, L, E);
+  const fm::StepPlan sp = p.plan_step(t, res, prev, stage);
+  self.last_planner_seconds = sp.planner_seconds;
+  out.reserve(sp.micro_steps.size());
+  for (const auto &layers : sp.micro_steps) {
+    out.emplace_back(self.topo, E, layers);
+    out.back().planner_seconds = sp.planner_seconds;
+  }
+  return out;
+}
+
+/// Seconds per `plan_step` call measured inside C++ (the baseline for the Python-call overhead).
+double bench_cpp_plan(PyPlanner &self, const RoLoads &loads, const PyPlacement *resident, int iters) {
+  require(iters > 0, "iters must be positive");
+  const int L = static_cast<int>(loads.shape(1)), E = static_cast<int>(loads.shape(2));
+  nb::gil_scoped_release nogil;
+  const fm::LoadTensor t = load_tensor(loads);
+  fm::Planner &p = self.get(L, E);
+  const fm::Placement *res = check_resident(resident, self.topo, L, E);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::size_t sink = 0;
+  for (int i = 0; i < iters; ++i) sink += p.plan_step(t, res, {}, fm::Stage::update).micro_steps.size();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  require(sink > 0 || t.num_micro_steps() == 0, "bench: no plans");
+  return s / iters;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dict configs (the keys of `foremoe simulate --config FILE.json` and of `SyntheticConfig`).
+
+void check_keys(const nb::dict &d, std::initializer_list<const char *> keys, const std::string &where) {
+  for (auto [k, v] : d) {
+    const std::string key = nb::cast<std::string>(nb::str(k));
+    bool known = false;
+    for (const char *x : keys) known = known || key == x;
+    if (!known) {
+      std::string list;
+      for (const char *x : keys) list += (list.empty() ? "" : ", ") + std::string(x);
+      fail(where, ": unknown key '", key, "' (known: ", list, ")");
+    }
+  }
+}
+
+template <class T> void get(const nb::dict &d, const char *key, T &out, const std::string &where) {
+  if (!d.contains(key)) return;
+  nb::handle v = d[key];
+  if constexpr (std::is_same_v<T, bool>) {
+    if (!nb::isinstance<nb::bool_>(v)) fail(where, ".", key, ": expected a bool, got ", nb::cast<std::string>(nb::repr(v)));
+    out = nb::cast<bool>(v);
+  } else if constexpr (std::is_integral_v<T>) {
+    if (!nb::isinstance<nb::int_>(v) || nb::isinstance<nb::bool_>(v))
+      fail(where, ".", key, ": expected an integer, got ", nb::cast<std::string>(nb::repr(v)));
+    try {
+      out = nb::cast<T>(v);
+    } catch (const nb::cast_error &) {
+      fail(where, ".", key, ": integer ", nb::cast<std::string>(nb::repr(v)), " is out of range");
+    }
+  } else if constexpr (std::is_floating_point_v<T>) {
+    if (!(nb::isinstance<nb::float_>(v) || nb::isinstance<nb::int_>(v)) || nb::isinstance<nb::bool_>(v))
+      fail(where, ".", key, ": expected a number, got ", nb::cast<std::string>(nb::repr(v)));
+    out = nb::cast<T>(v);
+  } else {
+    if (!nb::isinstance<nb::str>(v)) fail(where, ".", key, ": expected a string, got ", nb::cast<std::string>(nb::repr(v)));
+    out = nb::cast<T>(v);
+  }
+}
+
+nb::dict sub(const nb::dict &d, const char *key, const std::string &where) {
+  nb::handle v = d[key];
+  if (!nb::isinstance<nb::dict>(v)) fail(where, ".", key, " must be a dict, got ", nb::cast<std::string>(nb::repr(v)));
+  return nb::borrow<nb::dict>(v);
+}
+
+void apply_length(const nb::dict &d, fm::LengthDistribution &len, const std::string &where) {
+  check_keys(d, {"mean", "sigma", "min_tokens", "max_tokens"}, where);
+  get(d, "mean", len.mean, where);
+  get(d, "sigma", len.sigma, where);
+  get(d, "min_tokens", len.min_tokens, where);
+  get(d, "max_tokens", len.max_tokens, where);
+}
+
+fm::SyntheticConfig synthetic_config(const nb::dict &d) {
+  const std::string w = "synthetic config";
+  check_keys(d,
+             {"preset", "seed", "num_layers", "num_experts", "topk", "num_steps", "prompts_per_step",
+              "responses_per_prompt", "prompt_length", "response_length", "num_topics", "topics_per_prompt",
+              "topic_concentration", "topic_mix_concentration", "response_topic_weight", "popularity", "skew",
+              "skew_layer_sigma", "persistence", "num_gpus", "microbatch_tokens_per_gpu"},
+             w);
+  fm::SyntheticConfig c;
+  std::string preset;
+  get(d, "preset", preset, w);
+  if (preset == "deepseek-v3") c = fm::SyntheticConfig::deepseek_v3();
+  else require(preset.empty() || preset == "qwen3-30b-a3b", w, ": preset must be qwen3-30b-a3b or deepseek-v3, got '",
+               preset, "'");
+  get(d, "seed", c.seed, w);
+  get(d, "num_layers", c.num_layers, w);
+  get(d, "num_experts", c.num_experts, w);
+  get(d, "topk", c.topk, w);
+  get(d, "num_steps", c.num_steps, w);
+  get(d, "prompts_per_step", c.prompts_per_step, w);
+  get(d, "responses_per_prompt", c.responses_per_prompt, w);
+  if (d.contains("prompt_length")) apply_length(sub(d, "prompt_length", w), c.prompt_length, w + ".prompt_length");
+  if (d.contains("response_length"))
+    apply_length(sub(d, "response_length", w), c.response_length, w + ".response_length");
+  get(d, "num_topics", c.num_topics, w);
+  get(d, "topics_per_prompt", c.topics_per_prompt, w);
+  get(d, "topic_concentration", c.topic_concentration, w);
+  get(d, "topic_mix_concentration", c.topic_mix_concentration, w);
+  get(d, "response_topic_weight", c.response_topic_weight, w);
+  std::string pop;
+  get(d, "popularity", pop, w);
+  if (pop == "zipf") c.popularity = fm::PopularityModel::zipf;
+  else if (pop == "lognormal") c.popularity = fm::PopularityModel::lognormal;
+  else require(pop.empty(), w, ": popularity must be lognormal or zipf, got '", pop, "'");
+  get(d, "skew", c.skew, w);
+  get(d, "skew_layer_sigma", c.skew_layer_sigma, w);
+  get(d, "persistence", c.persistence, w);
+  get(d, "num_gpus", c.num_gpus, w);
+  get(d, "microbatch_tokens_per_gpu", c.microbatch_tokens_per_gpu, w);
+  c.validate();
+  return c;
+}
+
+nb::dict synthetic_trace(const nb::dict &config) {
+  const fm::SyntheticConfig cfg = synthetic_config(config);
+  fm::SyntheticTrace t;
+  {
+    nb::gil_scoped_release nogil;
+    t = fm::generate_trace(cfg);
+  }
+  nb::dict out;
+  out["routed_ids"] = owned_array(std::move(t.routed_ids), {static_cast<std::size_t>(t.num_tokens),
+                                                           static_cast<std::size_t>(t.num_layers),
+                                                           static_cast<std::size_t>(t.topk)});
+  auto vec1 = [](std::vector<std::int64_t> &&v) {
+    const std::size_t n = v.size();
+    return owned_array(std::move(v), {n});
+  };
+  out["microbatch_offsets"] = vec1(std::move(t.microbatch_offsets));
+  out["source_offsets"] = vec1(std::move(t.source_offsets));
+  out["step_offsets"] = vec1(std::move(t.step_offsets));
+  out["sequence_offsets"] = vec1(std::move(t.sequence_offsets));
+  out["num_experts"] = t.num_experts;
+  out["num_sources"] = cfg.num_gpus;
+  return out;
+}
+
+nb::dict synthetic_loads(const nb::dict &config, bool by_source) {
+  const fm::SyntheticConfig cfg = synthetic_config(config);
+  auto *t = new fm::LoadTensor();
+  std::vector<std::int64_t> steps;
+  try {
+    nb::gil_scoped_release nogil;
+    *t = fm::generate_loads(cfg, &steps, by_source);
+  } catch (...) {
+    delete t;
+    throw;
+  }
+  nb::capsule owner(t, [](void *p) noexcept { delete static_cast<fm::LoadTensor *>(p); });
+  const std::size_t M = t->num_micro_steps(), L = t->num_layers(), E = t->num_experts();
+  nb::dict out;
+  const std::size_t shape[3] = {M, L, E};
+  out["loads"] = nb::ndarray<nb::numpy, std::int64_t>(t->totals().data(), 3, shape, owner);
+  out["loads_by_source"] = nb::none();
+  if (t->has_sources()) {
+    const std::size_t shape4[4] = {M, L, E, static_cast<std::size_t>(t->num_sources())};
+    out["loads_by_source"] = nb::ndarray<nb::numpy, std::int64_t>(t->by_source().data(), 4, shape4, owner);
+  }
+  const std::size_t n = steps.size();
+  out["step_offsets"] = owned_array(std::move(steps), {n});
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// simulate: the same configuration, defaults and result keys as `foremoe simulate [--config] --json`.
+
+fm::SyntheticConfig default_batch() {
+  fm::SyntheticConfig b;
+  b.num_steps = 2;
+  b.prompts_per_step = 256;
+  b.microbatch_tokens_per_gpu = 8192;
+  return b;
+}
+
+void apply_sim_config(const nb::dict &j, fm::SimConfig &cfg, fm::SyntheticConfig &batch) {
+  const std::string w = "config";
+  if (j.contains("model")) {
+    const nb::dict m = sub(j, "model", w);
+    const std::string wm = w + ".model";
+    check_keys(m, {"layers", "experts", "topk", "hidden", "expert_ffn", "dtype"}, wm);
+    get(m, "layers", cfg.model.num_layers, wm);
+    get(m, "experts", cfg.model.num_experts, wm);
+    get(m, "topk", cfg.model.topk, wm);
+    get(m, "hidden", cfg.model.hidden, wm);
+    get(m, "expert_ffn", cfg.model.expert_ffn, wm);
+    std::string d;
+    get(m, "dtype", d, wm);
+    if (!d.empty()) cfg.model.dtype = fm::parse_weight_dtype(d);
+  }
+  if (j.contains("topology")) {
+    const nb::dict t = sub(j, "topology", w);
+    const std::string wt = w + ".topology";
+    check_keys(t, {"nodes", "gpus_per_node", "slots"}, wt);
+    get(t, "nodes", cfg.topo.num_nodes, wt);
+    get(t, "gpus_per_node", cfg.topo.gpus_per_node, wt);
+    get(t, "slots", cfg.topo.slots_per_gpu, wt);
+  }
+  if (j.contains("batch")) {
+    const nb::dict b = sub(j, "batch", w);
+    const std::string wb = w + ".batch";
+    check_keys(b, {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "seed", "skew",
+                   "persistence"},
+               wb);
+    get(b, "steps", batch.num_steps, wb);
+    get(b, "prompts", batch.prompts_per_step, wb);
+    get(b, "responses", batch.responses_per_prompt, wb);
+    get(b, "prompt_mean", batch.prompt_length.mean, wb);
+    get(b, "response_mean", batch.response_length.mean, wb);
+    get(b, "microbatch_tokens", batch.microbatch_tokens_per_gpu, wb);
+    get(b, "seed", batch.seed, wb);
+    get(b, "skew", batch.skew, wb);
+    get(b, "persistence", batch.persistence, wb);
+  }
+  if (j.contains("sim")) {
+    const nb::dict s = sub(j, "sim", w);
+    const std::string ws = w + ".sim";
+    check_keys(s, {"recompute_passes", "minibatches_per_step", "optimizer_seconds", "rollout_seconds", "double_buffer",
+                   "reowning_free", "move_budget"},
+               ws);
+    get(s, "recompute_passes", cfg.recompute_passes, ws);
+    get(s, "minibatches_per_step", cfg.minibatches_per_step, ws);
+    get(s, "optimizer_seconds", cfg.optimizer_seconds, ws);
+    get(s, "rollout_seconds", cfg.rollout_seconds, ws);
+    get(s, "double_buffer", cfg.double_buffer, ws);
+    get(s, "reowning_free", cfg.reowning_free, ws);
+    get(s, "move_budget", cfg.move_budget, ws);
+  }
+  if (j.contains("cost")) {
+    const nb::dict c = sub(j, "cost", w);
+    const std::string wc = w + ".cost";
+    check_keys(c, {"backward_factor", "dense_per_token_us", "a2a_intra_gb_per_s", "a2a_inter_gb_per_s",
+                   "move_intra_gb_per_s", "move_inter_gb_per_s", "move_host_gb_per_s"},
+               wc);
+    get(c, "backward_factor", cfg.cost.backward_factor, wc);
+    get(c, "dense_per_token_us", cfg.cost.dense.per_token_us, wc);
+    get(c, "a2a_intra_gb_per_s", cfg.cost.a2a.intra_gb_per_s, wc);
+    get(c, "a2a_inter_gb_per_s", cfg.cost.a2a.inter_gb_per_s, wc);
+    get(c, "move_intra_gb_per_s", cfg.cost.move.gpu_intra.gb_per_s, wc);
+    get(c, "move_inter_gb_per_s", cfg.cost.move.gpu_inter.gb_per_s, wc);
+    get(c, "move_host_gb_per_s", cfg.cost.move.host.gb_per_s, wc);
+  }
+}
+
+nb::dict simulate(std::optional<nb::dict> config, std::optional<RoLoads> loads_arr, std::optional<RoI64> step_offsets,
+                  const std::vector<std::string> &strategy_names) {
+  nb::dict j = config ? *config : nb::dict();
+  check_keys(j,
+             {"preset", "model", "topology", "batch", "sim", "cost", "steps", "nodes", "gpus_per_node", "slots", "seed",
+              "threads", "double_buffer"},
+             "config");
+  fm::SimConfig cfg;
+  fm::SyntheticConfig batch = default_batch();
+  std::string preset = "qwen3-30b-a3b";
+  get(j, "preset", preset, "config");
+  if (preset == "deepseek-v3") {
+    cfg.model = fm::deepseek_v3(fm::WeightDtype::fp8);
+    cfg.topo = fm::Topology{8, 8, 5};
+    const fm::SyntheticConfig ds = fm::SyntheticConfig::deepseek_v3();
+    batch.num_layers = ds.num_layers;
+    batch.num_experts = ds.num_experts;
+    batch.topk = ds.topk;
+    batch.skew = ds.skew;
+    batch.prompts_per_step = 128;
+  } else {
+    require(preset == "qwen3-30b-a3b", "config.preset must be qwen3-30b-a3b or deepseek-v3, got '", preset, "'");
+  }
+  apply_sim_config(j, cfg, batch);
+  get(j, "nodes", cfg.topo.num_nodes, "config");
+  get(j, "gpus_per_node", cfg.topo.gpus_per_node, "config");
+  get(j, "slots", cfg.topo.slots_per_gpu, "config");
+  get(j, "steps", batch.num_steps, "config");
+  get(j, "seed", batch.seed, "config");
+  get(j, "threads", cfg.planner_threads, "config");
+  bool db = false;
+  get(j, "double_buffer", db, "config");
+  cfg.double_buffer = cfg.double_buffer || db;
+  batch.num_layers = cfg.model.num_layers;
+  batch.num_experts = cfg.model.num_experts;
+  batch.topk = cfg.model.topk;
+  batch.num_gpus = cfg.topo.num_gpus();
+  cfg.validate();
+
+  std::vector<fm::SimStrategy> strategies;
+  for (const std::string &s : strategy_names) strategies.push_back(fm::parse_sim_strategy(s));
+  require(!strategies.empty(), "simulate: strategies lists no strategy");
+
+  std::vector<fm::SimResult> res;
+  fm::LoadTensor loads;
+  std::vector<std::int64_t> steps;
+  {
+    nb::gil_scoped_release nogil;
+    if (loads_arr) {
+      loads = load_tensor(*loads_arr);
+      const auto so = span_of(step_offsets);
+      steps.assign(so.begin(), so.end());
+    } else {
+      require(!step_offsets, "simulate: step_offsets need loads (the generator makes its own)");
+      batch.validate();
+      loads = fm::generate_loads(batch, &steps);
+    }
+    res = fm::simulate(cfg, loads, steps, strategies);
+  }
+  auto find = [&](const char *name) -> const fm::SimResult * {
+    for (const auto &r : res)
+      if (r.strategy == name) return &r;
+    return nullptr;
+  };
+  const fm::SimResult *base_static = find("static"), *base_eplb = find("eplb");
+  nb::dict out;
+  out["nodes"] = cfg.topo.num_nodes;
+  out["gpus_per_node"] = cfg.topo.gpus_per_node;
+  out["slots"] = cfg.topo.slots_per_gpu;
+  out["num_layers"] = cfg.model.num_layers;
+  out["num_experts"] = cfg.model.num_experts;
+  out["num_steps"] = steps.empty() ? 1 : static_cast<int>(steps.size() - 1);
+  out["num_micro_steps"] = loads.num_micro_steps();
+  nb::list list;
+  for (const auto &r : res) {
+    nb::dict d;
+    d["strategy"] = r.strategy;
+    d["step_seconds"] = r.step_seconds;
+    d["recompute_seconds"] = r.recompute_seconds;
+    d["update_seconds"] = r.update_seconds;
+    d["end_to_end_seconds"] = r.end_to_end_seconds;
+    d["imbalance_median"] = r.imbalance_median;
+    d["imbalance_p99"] = r.imbalance_p99;
+    d["moved_gb"] = r.moved_gb;
+    d["grad_gb"] = r.grad_gb;
+    d["stall_seconds"] = r.stall_seconds;
+    d["planner_seconds"] = r.planner_seconds;
+    d["speedup_over_static"] = base_static ? base_static->step_seconds / r.step_seconds : 0.0;
+    d["speedup_over_eplb"] = base_eplb ? base_eplb->step_seconds / r.step_seconds : 0.0;
+    d["micro_step_layer_seconds"] = nb::cast(r.layer_seconds);
+    list.append(d);
+  }
+  out["strategies"] = list;
+  return out;
+}
+
+} // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "ForeMoE C++ core (internal; use the `foremoe` package)";
+  m.attr("__version__") = fm::version_string;
+
+  nb::register_exception_translator([](const std::exception_ptr &p, void *) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const fm::Error &e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("_data_address", [](const RoIds &a) { return reinterpret_cast<std::uintptr_t>(a.data()); }, "a"_a,
+        "Address the C++ side reads for `a` (equal to the array's own address when no copy was made).");
+
+  m.def("count_loads", &count_loads, "routed_experts"_a, "microbatch_offsets"_a.none(), "num_experts"_a,
+        "layer_map"_a.none(), "num_sources"_a, "source_offsets"_a.none());
+
+  nb::class_<fm::Topology>(m, "Topology")
+      .def("__init__",
+           [](fm::Topology *t, int nodes, int gpus_per_node, int slots, double nvlink_gb_per_s, double network_gb_per_s,
+              double pcie_gb_per_s, double nvlink_latency_us, double network_latency_us, double pcie_latency_us) {
+             fm::Topology topo{nodes, gpus_per_node, slots,
+                               {nvlink_gb_per_s, network_gb_per_s, pcie_gb_per_s, nvlink_latency_us,
+                                network_latency_us, pcie_latency_us}};
+             topo.validate();
+             new (t) fm::Topology(topo);
+           },
+           "nodes"_a, "gpus_per_node"_a, "slots"_a, "nvlink_gb_per_s"_a, "network_gb_per_s"_a, "pcie_gb_per_s"_a,
+           "nvlink_latency_us"_a, "network_latency_us"_a, "pcie_latency_us"_a)
+      .def_ro("nodes", &fm::Topology::num_nodes)
+      .def_ro("gpus_per_node", &fm::Topology::gpus_per_node)
+      .def_ro("slots", &fm::Topology::slots_per_gpu)
+      .def_prop_ro("num_gpus", &fm::Topology::num_gpus)
+      .def_prop_ro("nvlink_gb_per_s", [](const fm::Topology &t) { return t.links.nvlink_gb_per_s; })
+      .def_prop_ro("network_gb_per_s", [](const fm::Topology &t) { return t.links.network_gb_per_s; })
+      .def_prop_ro("pcie_gb_per_s", [](const fm::Topology &t) { return t.links.pcie_gb_per_s; })
+      .def_prop_ro("nvlink_latency_us", [](const fm::Topology &t) { return t.links.nvlink_latency_us; })
+      .def_prop_ro("network_latency_us", [](const fm::Topology &t) { return t.links.network_latency_us; })
+      .def_prop_ro("pcie_latency_us", [](const fm::Topology &t) { return t.links.pcie_latency_us; })
+      .def("validate", [](const fm::Topology &t, std::optional<int> e) { e ? t.validate(*e) : t.validate(); },
+           "num_experts"_a.none() = nb::none());
+
+  nb::class_<PyPlacement>(m, "Placement")
+      .def_static("from_array", &placement_from_array, "topology"_a, "gpu_slots"_a, "num_experts"_a)
+      .def_prop_ro("topology", [](const PyPlacement &p) { return p.topo; })
+      .def_prop_ro("num_layers", [](const PyPlacement &p) { return p.placement.num_layers(); })
+      .def_prop_ro("num_experts", [](const PyPlacement &p) { return p.num_experts; })
+      .def_prop_ro("gpu_slots",
+                   [](const PyPlacement &p) {
+                     return owned_array(p.flat(), {static_cast<std::size_t>(p.placement.num_layers()),
+                                                   static_cast<std::size_t>(p.topo.num_gpus()),
+                                                   static_cast<std::size_t>(p.topo.slots_per_gpu)});
+                   })
+      .def("validate", [](const PyPlacement &p) { p.placement.validate(); })
+      .def("__eq__", [](const PyPlacement &a, const PyPlacement &b) {
+        return a.num_experts == b.num_experts && a.placement == b.placement;
+      });
+
+  nb::class_<PyPlan>(m, "Plan")
+      .def_ro("num_layers", &PyPlan::L)
+      .def_ro("num_gpus", &PyPlan::G)
+      .def_ro("slots", &PyPlan::S)
+      .def_ro("num_experts", &PyPlan::E)
+      .def_ro("planner_seconds", &PyPlan::planner_seconds)
+      .def_prop_ro("topology", [](const PyPlan &p) { return p.topo; })
+      .def_prop_ro("placement", &PyPlan::placement)
+#define FM_VIEW(name, field, ...)                                                                                      \
+  .def_prop_ro(name, [](nb::handle self) {                                                                             \
+    const PyPlan &p = nb::cast<const PyPlan &>(self);                                                                 \
+    return view_array(p.field, {__VA_ARGS__}, self);                                                                   \
+  })
+      // clang-format off
+      FM_VIEW("gpu_slots", gpu_slots, (size_t)p.L, (size_t)p.G, (size_t)p.S)
+      FM_VIEW("phys_to_log", gpu_slots, (size_t)p.L, (size_t)p.G * p.S)
+      FM_VIEW("slot_tokens", slot_tokens, (size_t)p.L, (size_t)p.G, (size_t)p.S)
+      FM_VIEW("gpu_loads", gpu_loads, (size_t)p.L, (size_t)p.G)
+      FM_VIEW("log_to_phys_offsets", l2p_offsets, (size_t)p.L, (size_t)p.E + 1)
+      FM_VIEW("log_to_phys", l2p_phys, (size_t)p.L, (size_t)p.G * p.S)
+      FM_VIEW("replica_count", replica_count, (size_t)p.L, (size_t)p.E)
+      FM_VIEW("owner_gpu", owner_gpu, (size_t)p.L, (size_t)p.E)
+      FM_VIEW("moves", moves, p.moves.size() / 5, (size_t)5)
+      FM_VIEW("imbalance", imbalance, (size_t)p.L)
+      FM_VIEW("max_gpu_load", max_gpu_load, (size_t)p.L)
+      // clang-format on
+#undef FM_VIEW
+      .def_prop_ro("num_moves", [](const PyPlan &p) { return p.moves.size() / 5; });
+
+  nb::class_<PyPlanner>(m, "Planner")
+      .def(nb::new_(&make_planner), "topology"_a, "strategy"_a, "mode"_a, "move_budget"_a.none(), "threads"_a,
+           "hierarchical_owners"_a, "local_search_rounds"_a, "eplb_num_groups"_a)
+      .def_prop_ro("topology", [](const PyPlanner &p) { return p.topo; })
+      .def_prop_ro("strategy", [](const PyPlanner &p) { return std::string(fm::to_string(p.opts.strategy)); })
+      .def_prop_ro("mode", [](const PyPlanner &p) { return std::string(fm::to_string(p.opts.mode)); })
+      .def_prop_ro("move_budget",
+                   [](const PyPlanner &p) -> std::optional<int> {
+                     if (p.opts.move_budget < 0) return std::nullopt;
+                     return p.opts.move_budget;
+                   })
+      .def_prop_ro("threads", [](const PyPlanner &p) { return p.opts.num_threads; })
+      .def_ro("last_planner_seconds", &PyPlanner::last_planner_seconds)
+      .def("plan_step", &plan_step, "loads"_a, "resident"_a.none(), "previous_loads"_a.none(), "stage"_a)
+      .def("_bench_cpp_plan", &bench_cpp_plan, "loads"_a, "resident"_a.none(), "iters"_a);
+
+  m.def("simulate", &simulate, "config"_a.none(), "loads"_a.none(), "step_offsets"_a.none(), "strategies"_a);
+  m.def("synthetic_trace", &synthetic_trace, "config"_a);
+  m.def("synthetic_loads", &synthetic_loads, "config"_a, "by_source"_a);
+}
