@@ -681,8 +681,16 @@ NB_MODULE(_core, m) {
              topo.validate();
              new (t) fm::Topology(topo);
            },
-           "nodes"_a, "gpus_per_node"_a, "slots"_a, "nvlink_gb_per_s"_a, "network_gb_per_s"_a, "pcie_gb_per_s"_a,
-           "nvlink_latency_us"_a, "network_latency_us"_a, "pcie_latency_us"_a)
+           "nodes"_a, "gpus_per_node"_a, "slots"_a, nb::kw_only(), "nvlink_gb_per_s"_a = 450.0,
+           "network_gb_per_s"_a = 50.0, "pcie_gb_per_s"_a = 55.0, "nvlink_latency_us"_a = 3.0,
+           "network_latency_us"_a = 10.0, "pcie_latency_us"_a = 5.0,
+           "The expert-parallel group: nodes x gpus_per_node GPUs, `slots` expert slots per GPU per layer.\n"
+           "Bandwidths in GB/s (one direction), latencies in microseconds (defaults: H200 SXM node).")
+      .def("__repr__",
+           [](const fm::Topology &t) {
+             return "Topology(" + std::to_string(t.num_nodes) + ", " + std::to_string(t.gpus_per_node) + ", " +
+                    std::to_string(t.slots_per_gpu) + ")";
+           })
       .def_ro("nodes", &fm::Topology::num_nodes)
       .def_ro("gpus_per_node", &fm::Topology::gpus_per_node)
       .def_ro("slots", &fm::Topology::slots_per_gpu)

@@ -1,0 +1,67 @@
+"""Type stub of the public `foremoe` API."""
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, overload
+
+import numpy as np
+import numpy.typing as npt
+
+from ._core import Placement as Placement, Plan as Plan, Topology as Topology
+
+__version__: str
+STRATEGIES: Tuple[str, ...]
+SIM_STRATEGIES: Tuple[str, ...]
+
+def count_loads(
+    routed_experts: Any,
+    microbatch_offsets: Optional[Sequence[int]] = None,
+    *,
+    num_experts: int,
+    layer_map: Optional[Sequence[int]] = None,
+    num_sources: int = 0,
+    source_offsets: Optional[Sequence[int]] = None,
+    return_by_source: bool = False,
+) -> Any:
+    """[T, L, K] routed ids (any int dtype, -1 = no route) -> [M, L, E] int64 loads."""
+
+class Planner:
+    topology: Topology
+    def __init__(
+        self,
+        topology: Topology,
+        strategy: str = "foremoe",
+        mode: str = "two-level",
+        move_budget: Optional[int] = None,
+        threads: int = 1,
+        *,
+        hierarchical_owners: bool = True,
+        local_search_rounds: int = 4,
+        eplb_num_groups: int = 1,
+    ) -> None: ...
+    @property
+    def strategy(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def move_budget(self) -> Optional[int]: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def last_planner_seconds(self) -> float: ...
+    def plan(
+        self,
+        loads: Any,
+        resident: Union[None, Plan, Placement, npt.ArrayLike] = None,
+        *,
+        previous_loads: Any = None,
+        stage: str = "update",
+    ) -> Union[Plan, List[Plan]]:
+        """[L, E] loads -> Plan; [M, L, E] -> list of Plans (one per micro-step)."""
+
+def simulate(
+    config: Optional[Mapping[str, Any]] = None,
+    loads: Any = None,
+    step_offsets: Optional[Sequence[int]] = None,
+    strategies: Union[None, str, Sequence[str]] = None,
+) -> Dict[str, Any]: ...
+def synthetic_trace(**config: Any) -> Dict[str, Any]: ...
+def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]: ...

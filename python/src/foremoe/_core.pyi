@@ -1,0 +1,145 @@
+"""Type stub of the `foremoe._core` extension (nanobind). Use the `foremoe` package API."""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+def _data_address(a: Any) -> int: ...
+def count_loads(
+    routed_experts: Any,
+    microbatch_offsets: Optional[npt.NDArray[np.int64]],
+    num_experts: int,
+    layer_map: Optional[Sequence[int]],
+    num_sources: int,
+    source_offsets: Optional[npt.NDArray[np.int64]],
+) -> Tuple[npt.NDArray[np.int64], Optional[npt.NDArray[np.int64]]]: ...
+
+class Topology:
+    def __init__(
+        self,
+        nodes: int,
+        gpus_per_node: int,
+        slots: int,
+        *,
+        nvlink_gb_per_s: float = 450.0,
+        network_gb_per_s: float = 50.0,
+        pcie_gb_per_s: float = 55.0,
+        nvlink_latency_us: float = 3.0,
+        network_latency_us: float = 10.0,
+        pcie_latency_us: float = 5.0,
+    ) -> None: ...
+    @property
+    def nodes(self) -> int: ...
+    @property
+    def gpus_per_node(self) -> int: ...
+    @property
+    def slots(self) -> int: ...
+    @property
+    def num_gpus(self) -> int: ...
+    @property
+    def nvlink_gb_per_s(self) -> float: ...
+    @property
+    def network_gb_per_s(self) -> float: ...
+    @property
+    def pcie_gb_per_s(self) -> float: ...
+    @property
+    def nvlink_latency_us(self) -> float: ...
+    @property
+    def network_latency_us(self) -> float: ...
+    @property
+    def pcie_latency_us(self) -> float: ...
+    def validate(self, num_experts: Optional[int] = None) -> None: ...
+
+class Placement:
+    @staticmethod
+    def from_array(topology: Topology, gpu_slots: npt.NDArray[np.int32], num_experts: int) -> "Placement": ...
+    @property
+    def topology(self) -> Topology: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def gpu_slots(self) -> npt.NDArray[np.int32]: ...
+    def validate(self) -> None: ...
+    def __eq__(self, other: object) -> bool: ...
+
+class Plan:
+    num_layers: int
+    num_gpus: int
+    slots: int
+    num_experts: int
+    planner_seconds: float
+    @property
+    def topology(self) -> Topology: ...
+    @property
+    def placement(self) -> Placement: ...
+    @property
+    def gpu_slots(self) -> npt.NDArray[np.int32]:
+        """[L, G, S] logical expert per physical slot, -1 empty."""
+    @property
+    def phys_to_log(self) -> npt.NDArray[np.int32]:
+        """[L, G * S] the same as gpu_slots, flat per layer."""
+    @property
+    def slot_tokens(self) -> npt.NDArray[np.int64]:
+        """[L, G, S] tokens sent to each physical slot."""
+    @property
+    def gpu_loads(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def log_to_phys_offsets(self) -> npt.NDArray[np.int32]:
+        """[L, E + 1] CSR offsets: copies of expert e are log_to_phys[l, off[l, e]:off[l, e + 1]]."""
+    @property
+    def log_to_phys(self) -> npt.NDArray[np.int32]:
+        """[L, G * S] physical slots of each expert's copies (CSR, -1 past the end)."""
+    @property
+    def replica_count(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def owner_gpu(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def moves(self) -> npt.NDArray[np.int32]:
+        """[N, 5] (layer, expert, src_gpu or -1 for the host mirror, dst_gpu, dst_slot)."""
+    @property
+    def imbalance(self) -> npt.NDArray[np.float64]: ...
+    @property
+    def max_gpu_load(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def num_moves(self) -> int: ...
+
+class Planner:
+    def __init__(
+        self,
+        topology: Topology,
+        strategy: str,
+        mode: str,
+        move_budget: Optional[int],
+        threads: int,
+        hierarchical_owners: bool,
+        local_search_rounds: int,
+        eplb_num_groups: int,
+    ) -> None: ...
+    topology: Topology
+    strategy: str
+    mode: str
+    move_budget: Optional[int]
+    threads: int
+    last_planner_seconds: float
+    def plan_step(
+        self,
+        loads: npt.NDArray[np.int64],
+        resident: Optional[Placement],
+        previous_loads: Optional[npt.NDArray[np.int64]],
+        stage: str,
+    ) -> List[Plan]: ...
+    def _bench_cpp_plan(self, loads: npt.NDArray[np.int64], resident: Optional[Placement], iters: int) -> float: ...
+
+def simulate(
+    config: Optional[Dict[str, Any]],
+    loads: Optional[npt.NDArray[np.int64]],
+    step_offsets: Optional[npt.NDArray[np.int64]],
+    strategies: List[str],
+) -> Dict[str, Any]: ...
+def synthetic_trace(config: Dict[str, Any]) -> Dict[str, Any]: ...
+def synthetic_loads(config: Dict[str, Any], by_source: bool) -> Dict[str, Any]: ...
