@@ -108,6 +108,11 @@ expect 1 "unknown strategy 'best'" -- "$bin" simulate --config "$work/sim.json" 
 printf '{"model": {"layerz": 4}}' >"$work/typo.json"
 expect 1 "typo.json.model: unknown key 'layerz'" -- "$bin" simulate --config "$work/typo.json"
 expect 1 "cannot hold all 16 experts" -- "$bin" simulate --config "$work/sim.json" --slots 3
+printf '{"cost": {"move_host_gb_per_s": -5}}' >"$work/negbw.json"
+expect 1 "move.host.gb_per_s must be positive and finite, got -5" -- "$bin" simulate --config "$work/negbw.json"
+printf '{"topology": {"nodes": 0}}' >"$work/zero.json"
+expect 1 "num_nodes must be positive, got 0" -- "$bin" simulate --config "$work/zero.json"
+expect 1 "unknown weight dtype 'int4'" -- "$bin" simulate --config "$work/sim.json" --dtype int4
 expect 1 "loads are 4 layers x 16 experts, the model has 48 x 128" -- "$bin" simulate --loads "$work/loads.npy"
 
 echo "$passed passed, $failed failed"

@@ -62,8 +62,8 @@ TEST_CASE("simulate: physical limits and accounting hold on random traces (prope
       CHECK(x.imbalance_p99 >= x.imbalance_median);
       CHECK(x.stall_seconds >= 0);
       CHECK(x.layer_seconds.size() == std::size_t(2 * c.loads.num_micro_steps())); // recompute + update
-      // Nothing beats perfect balance with free moves, beyond the per-expert overhead of fewer experts per GPU.
-      CHECK(x.step_seconds >= ideal.step_seconds * 0.98);
+      // Nothing beats perfect balance with free moves.
+      CHECK(x.step_seconds >= ideal.step_seconds);
     }
     // Per-micro-step planning balances at least as well as the static layout.
     CHECK(res[3].imbalance_median <= stat.imbalance_median + 1e-12);
@@ -122,4 +122,60 @@ TEST_CASE("simulate: bad input is an error naming the value") {
   bad.cost.move.host.gb_per_s = -1;
   CHECK_THROWS_WITH_AS((void)simulate(bad, c.loads, c.steps, st), doctest::Contains("move.host.gb_per_s"), Error);
   CHECK_THROWS_WITH_AS((void)parse_sim_strategy("fastest"), doctest::Contains("unknown strategy 'fastest'"), Error);
+}
+
+TEST_CASE("simulate: a hand-computed tiny case (2 GPUs, 2 experts, one layer, static)") {
+  SimConfig cfg;
+  cfg.model = ModelSpec{1, 2, 1, 1024, 512, WeightDtype::bf16};
+  cfg.topo = Topology{1, 2, 1};
+  cfg.recompute_passes = 1;
+  // Two micro-steps: expert loads (300, 100) then (50, 150); top-1, so tokens = assignments.
+  LoadTensor loads(2, 1, 2);
+  loads.at(0, 0, 0) = 300;
+  loads.at(0, 0, 1) = 100;
+  loads.at(1, 0, 0) = 50;
+  loads.at(1, 0, 1) = 150;
+  const std::vector<SimStrategy> st{parse_sim_strategy("static")};
+  const auto r = simulate(cfg, loads, {}, st);
+  const CostParams &c = cfg.cost;
+  const ExpertComputeModel ec(c, ExpertShape::from(cfg.model));
+  const double row = 1024.0 * 2;
+  // Uniform sources: GPU g receives half of its load from the other GPU and sends half of the other's.
+  auto a2a = [&](double g0, double g1) {
+    const double bytes = std::max(g0, g1) / 2 * row;
+    return c.a2a.intra_latency_us * 1e-6 + bytes / (c.a2a.intra_gb_per_s * 1e9);
+  };
+  auto attn = [&](double tokens) { return c.dense.launch_us * 1e-6 + c.dense.per_token_us * 1e-6 * tokens / 2; };
+  auto fwd = [&](double g0, double g1, double tokens) {
+    return attn(tokens) + 2 * a2a(g0, g1) + std::max(ec.forward_seconds(g0, 1), ec.forward_seconds(g1, 1));
+  };
+  auto bwd = [&](double g0, double g1, double tokens) {
+    return c.backward_factor * attn(tokens) + 2 * a2a(g0, g1) +
+           std::max(ec.backward_seconds(g0, 1), ec.backward_seconds(g1, 1));
+  };
+  const double recompute = fwd(300, 100, 400) + fwd(50, 150, 200);
+  const double update = recompute + bwd(300, 100, 400) + bwd(50, 150, 200);
+  CHECK(r[0].recompute_seconds == doctest::Approx(recompute).epsilon(1e-12));
+  CHECK(r[0].update_seconds == doctest::Approx(update).epsilon(1e-12));
+  CHECK(r[0].imbalance_median == doctest::Approx(1.5)); // (300, 100): 300 / 200 and (50, 150): 150 / 100
+}
+
+TEST_CASE("simulate: more bandwidth is never slower (property)") {
+  const int rounds = 3 * foremoe_test::seed_multiplier();
+  for (int r = 0; r < rounds; ++r) {
+    Case c = small_case(200 + r);
+    c.cfg.model.hidden = 4096;
+    c.cfg.model.expert_ffn = 2048;
+    const auto strategies = all_strategies();
+    const auto slow = simulate(c.cfg, c.loads, c.steps, strategies);
+    SimConfig fast = c.cfg;
+    for (auto *p : {&fast.cost.move.gpu_intra, &fast.cost.move.gpu_inter, &fast.cost.move.host}) p->gb_per_s *= 2;
+    fast.cost.a2a.intra_gb_per_s *= 2;
+    fast.cost.a2a.inter_gb_per_s *= 2;
+    const auto quick = simulate(fast, c.loads, c.steps, strategies);
+    for (std::size_t i = 0; i < slow.size(); ++i) {
+      CHECK(quick[i].step_seconds <= slow[i].step_seconds);
+      CHECK(quick[i].stall_seconds <= slow[i].stall_seconds);
+    }
+  }
 }

@@ -112,9 +112,23 @@ void apply_config(const fs::path &path, SimConfig &cfg, SyntheticConfig &batch) 
   }
   if (j.contains("cost")) {
     const json &c = j["cost"];
-    check_keys(c, {"backward_factor", "dense_per_token_us", "a2a_intra_gb_per_s", "a2a_inter_gb_per_s",
-                   "move_intra_gb_per_s", "move_inter_gb_per_s", "move_host_gb_per_s"},
+    check_keys(c, {"backward_factor", "dense_per_token_us", "dense_launch_us", "gemm_launch_us", "gemm_per_expert_us",
+                   "gemm_compute_efficiency", "gemm_hbm_efficiency", "a2a_intra_gb_per_s", "a2a_inter_gb_per_s",
+                   "a2a_intra_latency_us", "a2a_inter_latency_us", "move_intra_gb_per_s", "move_inter_gb_per_s",
+                   "move_host_gb_per_s", "move_intra_latency_us", "move_inter_latency_us", "move_host_latency_us",
+                   "grad_add_gb_per_s"},
                w + ".cost");
+    get(c, "dense_launch_us", cfg.cost.dense.launch_us, w + ".cost");
+    get(c, "gemm_launch_us", cfg.cost.gemm.launch_us, w + ".cost");
+    get(c, "gemm_per_expert_us", cfg.cost.gemm.per_expert_us, w + ".cost");
+    get(c, "gemm_compute_efficiency", cfg.cost.gemm.compute_efficiency, w + ".cost");
+    get(c, "gemm_hbm_efficiency", cfg.cost.gemm.hbm_efficiency, w + ".cost");
+    get(c, "a2a_intra_latency_us", cfg.cost.a2a.intra_latency_us, w + ".cost");
+    get(c, "a2a_inter_latency_us", cfg.cost.a2a.inter_latency_us, w + ".cost");
+    get(c, "move_intra_latency_us", cfg.cost.move.gpu_intra.latency_us, w + ".cost");
+    get(c, "move_inter_latency_us", cfg.cost.move.gpu_inter.latency_us, w + ".cost");
+    get(c, "move_host_latency_us", cfg.cost.move.host.latency_us, w + ".cost");
+    get(c, "grad_add_gb_per_s", cfg.cost.grad.add_gb_per_s, w + ".cost");
     get(c, "backward_factor", cfg.cost.backward_factor, w + ".cost");
     get(c, "dense_per_token_us", cfg.cost.dense.per_token_us, w + ".cost");
     get(c, "a2a_intra_gb_per_s", cfg.cost.a2a.intra_gb_per_s, w + ".cost");
@@ -145,6 +159,7 @@ Command make_simulate() {
       {"seed", "N", "generator seed", "1"},
       {"threads", "T", "planner threads over layers", "1"},
       {"double-buffer", "", "a second buffer per replica slot", ""},
+      {"dtype", "DTYPE", "expert weight dtype: bf16, fp16, fp32 or fp8 (default: the preset's)", ""},
       {"json", "OUT.json", "write machine-readable results", ""},
       {"csv", "", "print the table as CSV", ""},
   };
@@ -165,6 +180,7 @@ Command make_simulate() {
       throw UsageError{"--preset must be qwen3-30b-a3b or deepseek-v3, got '" + preset + "'"};
     }
     if (a.has("config")) apply_config(a.str("config"), cfg, batch);
+    if (a.has("dtype")) cfg.model.dtype = parse_weight_dtype(a.str("dtype"));
     if (a.has("nodes")) cfg.topo.num_nodes = static_cast<int>(a.integer("nodes", 1, 1 << 14));
     if (a.has("gpus-per-node")) cfg.topo.gpus_per_node = static_cast<int>(a.integer("gpus-per-node", 1, 1024));
     if (a.has("slots")) cfg.topo.slots_per_gpu = static_cast<int>(a.integer("slots", 1, 1 << 14));

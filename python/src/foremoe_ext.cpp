@@ -641,6 +641,7 @@ nb::dict simulate(std::optional<nb::dict> config, std::optional<RoLoads> loads_a
     d["moved_gb"] = r.moved_gb;
     d["grad_gb"] = r.grad_gb;
     d["stall_seconds"] = r.stall_seconds;
+    d["mirror_refresh_seconds"] = r.mirror_seconds;
     d["planner_seconds"] = r.planner_seconds;
     d["speedup_over_static"] = base_static ? base_static->step_seconds / r.step_seconds : 0.0;
     d["speedup_over_eplb"] = base_eplb ? base_eplb->step_seconds / r.step_seconds : 0.0;

@@ -307,7 +307,11 @@ private:
   void setup_resident(const LayerPlacement *resident, std::span<const std::int32_t> owner_gpu) {
     res_.assign(static_cast<std::size_t>(num_gpus_) * slots_, empty_slot);
     res_cnt_.assign(static_cast<std::size_t>(num_gpus_), 0);
-    if (resident == nullptr) return;
+    if (resident == nullptr) {
+      res_off_.assign(static_cast<std::size_t>(num_experts_) + 1, 0);
+      res_gpu_.clear();
+      return;
+    }
     for (int g = 0; g < num_gpus_; ++g)
       for (std::int32_t e : resident->gpu_slots(g)) {
         if (e < 0 || e >= num_experts_ || owner_gpu[e] == g || res_cnt_[g] >= spare_[g]) continue;
@@ -316,6 +320,18 @@ private:
           dup = dup || res_[g * slots_ + j] == e;
         if (!dup) res_[g * slots_ + res_cnt_[g]++] = e;
       }
+    // Expert -> GPUs holding it as a resident replica, ascending.
+    res_off_.assign(static_cast<std::size_t>(num_experts_) + 1, 0);
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < res_cnt_[g]; ++j)
+        ++res_off_[res_[g * slots_ + j] + 1];
+    for (int e = 0; e < num_experts_; ++e)
+      res_off_[e + 1] += res_off_[e];
+    res_gpu_.resize(static_cast<std::size_t>(res_off_.back()));
+    fill_.assign(res_off_.begin(), res_off_.end() - 1);
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < res_cnt_[g]; ++j)
+        res_gpu_[fill_[res_[g * slots_ + j]]++] = g;
   }
   [[nodiscard]] bool is_resident(int g, std::int32_t e) const noexcept {
     for (int j = 0; j < res_cnt_[g]; ++j)
@@ -391,6 +407,10 @@ private:
       new_left_[g] = budget_[g];
       if (room_[g] > 0 && spare_[g] > 0 && (budget_[g] > 0 || res_cnt_[g] > 0)) open_.push_back(g);
     }
+    // Kept sorted by (room, GPU) so that receivers are found by a search instead of a scan.
+    std::sort(open_.begin(), open_.end(), [&](std::int32_t a, std::int32_t b) {
+      return room_[a] < room_[b] || (room_[a] == room_[b] && a < b);
+    });
     remaining_.assign(loads.begin(), loads.end());
     for (std::int32_t g : hot_order_) {
       std::int64_t excess = owner_load_[g] - t;
@@ -435,6 +455,17 @@ private:
         if (room_[pick_h] <= 0 || trial_.cnt[pick_h] >= spare_[pick_h] ||
             (new_left_[pick_h] <= 0 && res_cnt_[pick_h] == 0))
           open_.erase(std::find(open_.begin(), open_.end(), pick_h));
+        else {
+          // Room only shrinks: move pick_h left to its sorted position.
+          auto it = std::find(open_.begin(), open_.end(), pick_h);
+          while (it != open_.begin()) {
+            const std::int32_t prev = *(it - 1);
+            if (room_[prev] < room_[pick_h] || (room_[prev] == room_[pick_h] && prev < pick_h)) break;
+            *it = prev;
+            --it;
+          }
+          *it = pick_h;
+        }
         remaining_[pick_e] -= pick_t;
         excess -= pick_t;
       }
@@ -445,23 +476,29 @@ private:
   /// Receiver for a new copy of `e` needing `need` tokens of room: a resident holder with enough room, else the
   /// tightest room >= need, else the largest room; -1 when no GPU can take it.
   std::int32_t pick_receiver(std::int32_t e, std::int64_t need) const {
-    std::int32_t fit = -1, big = -1;
-    for (const std::int32_t h : open_) {
-      if (room_[h] <= 0 || trial_.cnt[h] >= spare_[h] || owner_[e] == h) continue;
-      const bool res = is_resident(h, e);
-      if (!res && new_left_[h] <= 0) continue;
-      bool dup = false;
-      for (int j = 0; j < trial_.cnt[h]; ++j)
-        dup = dup || trial_.rep[h * slots_ + j] == e;
-      if (dup) continue;
-      if (res && room_[h] >= need) return h;
-      if (room_[h] >= need) {
-        if (fit < 0 || room_[h] < room_[fit]) fit = h;
-      } else if (big < 0 || room_[h] > room_[big]) {
-        big = h;
-      }
+    // Same choice as a scan of the open GPUs in GPU order: the first eligible resident holder with enough room,
+    // else the tightest room >= need (ties: lowest GPU), else the largest room (ties: lowest GPU).
+    for (int k = res_off_[e]; k < res_off_[e + 1]; ++k) {
+      const std::int32_t h = res_gpu_[k];
+      if (room_[h] >= need && eligible(h, e)) return h;
     }
-    return fit >= 0 ? fit : big;
+    const auto pos = std::partition_point(open_.begin(), open_.end(), [&](std::int32_t h) { return room_[h] < need; });
+    for (auto it = pos; it != open_.end(); ++it)
+      if (eligible(*it, e)) return *it;
+    std::int32_t big = -1;
+    for (auto it = pos; it != open_.begin();) {
+      const std::int32_t h = *--it;
+      if (big >= 0 && room_[h] < room_[big]) break;
+      if (eligible(h, e)) big = h;
+    }
+    return big;
+  }
+  [[nodiscard]] bool eligible(std::int32_t h, std::int32_t e) const noexcept {
+    if (room_[h] <= 0 || trial_.cnt[h] >= spare_[h] || owner_[e] == h) return false;
+    if (new_left_[h] <= 0 && !is_resident(h, e)) return false;
+    for (int j = 0; j < trial_.cnt[h]; ++j)
+      if (trial_.rep[h * slots_ + j] == e) return false;
+    return true;
   }
 
   /// Exact split of a solution; leaves per-GPU loads in `gpu_loads_` and per-copy tokens in `copy_tokens_`.
@@ -702,7 +739,8 @@ private:
   std::vector<std::int64_t> owner_load_, room_, remaining_;
   std::vector<std::int32_t> want_, mark_;
   std::vector<std::int64_t> res_tokens_;
-  std::vector<std::int32_t> open_; ///< GPUs that may still receive in the current construction
+  std::vector<std::int32_t> open_; ///< GPUs that may still receive in the current construction, by (room, GPU)
+  std::vector<std::int32_t> res_off_, res_gpu_;
   Solution best_, trial_, cur_, scratch_;
   std::vector<int> copies_;
   std::vector<std::int32_t> shared_idx_, shared_exp_, offsets_, copy_gpu_, cand_e_, order_, recv_;

@@ -1,0 +1,157 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import foremoe
+
+
+def loads_mle(seed=0, M=3, L=4, E=32):
+    rng = np.random.default_rng(seed)
+    w = np.exp(1.2 * rng.standard_normal((1, L, E)))
+    return rng.poisson(w * 200, size=(M, L, E)).astype(np.int64)
+
+
+TOPO = dict(nodes=2, gpus_per_node=4, slots=6)
+
+
+def test_topology():
+    t = foremoe.Topology(2, 4, 6, network_gb_per_s=25.0)
+    assert (t.nodes, t.gpus_per_node, t.slots, t.num_gpus) == (2, 4, 6, 8)
+    assert t.network_gb_per_s == 25.0 and t.nvlink_gb_per_s == 450.0
+    with pytest.raises(ValueError, match="gpus_per_node must be positive, got 0"):
+        foremoe.Topology(1, 0, 2)
+    with pytest.raises(ValueError, match="nvlink_gb_per_s must be a positive finite number"):
+        foremoe.Topology(1, 8, 2, nvlink_gb_per_s=-1.0)
+
+
+def check_plan(p, loads_le, topo):
+    L, E = loads_le.shape
+    G, S = topo.num_gpus, topo.slots
+    assert p.gpu_slots.shape == (L, G, S) and p.gpu_slots.dtype == np.int32
+    assert p.slot_tokens.shape == (L, G, S) and p.slot_tokens.dtype == np.int64
+    assert p.phys_to_log.shape == (L, G * S)
+    assert p.replica_count.shape == (L, E) and p.owner_gpu.shape == (L, E)
+    assert p.moves.shape[1] == 5 and p.imbalance.shape == (L,)
+    for l in range(L):
+        p2l = p.phys_to_log[l]
+        np.testing.assert_array_equal(np.bincount(p2l[p2l >= 0], minlength=E), p.replica_count[l])
+        # Token split covers every expert's load exactly, only on slots holding it.
+        got = np.bincount(np.where(p2l >= 0, p2l, E), weights=p.slot_tokens[l].ravel(), minlength=E + 1)
+        np.testing.assert_array_equal(got[:E].astype(np.int64), loads_le[l])
+        assert got[E] == 0
+        off, phys = p.log_to_phys_offsets[l], p.log_to_phys[l]
+        for e in range(E):
+            copies = phys[off[e]:off[e + 1]]
+            assert np.all(p2l[copies] == e) and len(copies) == p.replica_count[l, e]
+        assert p.gpu_slots[l][p.owner_gpu[l], :].shape[0] == E
+        assert np.all([e in p.gpu_slots[l, p.owner_gpu[l, e]] for e in range(E)])
+    assert np.all(p.imbalance >= 1.0 - 1e-12)
+
+
+@pytest.mark.parametrize("strategy", foremoe.STRATEGIES)
+def test_plan_shapes_and_invariants(strategy):
+    loads = loads_mle()
+    topo = foremoe.Topology(**TOPO)
+    plans = foremoe.Planner(topo, strategy=strategy).plan(loads)
+    assert isinstance(plans, list) and len(plans) == loads.shape[0]
+    for m, p in enumerate(plans):
+        check_plan(p, loads[m], topo)
+
+
+def test_single_micro_step_and_round_trip():
+    loads = loads_mle()[0]
+    topo = foremoe.Topology(**TOPO)
+    planner = foremoe.Planner(topo)
+    p = planner.plan(loads)
+    assert isinstance(p, foremoe.Plan) and p.num_moves > 0
+    assert np.all(p.moves[:, 0] < loads.shape[0])
+    again = planner.plan(loads, resident=p)
+    assert again.num_moves == 0
+    np.testing.assert_array_equal(again.gpu_slots, p.gpu_slots)
+    # Placement objects and plain arrays work as resident too.
+    assert planner.plan(loads, resident=p.placement).num_moves == 0
+    assert planner.plan(loads, resident=p.gpu_slots.copy()).num_moves == 0
+    assert p.placement == foremoe.Placement.from_array(topo, p.gpu_slots.copy(), loads.shape[1])
+
+
+def test_arrays_are_views_kept_alive_by_the_plan():
+    topo = foremoe.Topology(**TOPO)
+    p = foremoe.Planner(topo).plan(loads_mle()[0])
+    a = p.slot_tokens
+    assert not a.flags.writeable
+    assert np.shares_memory(p.gpu_slots, p.phys_to_log)
+    ref = a.copy()
+    del p
+    np.testing.assert_array_equal(a, ref)
+
+
+def test_threads_do_not_change_plans():
+    loads = loads_mle(L=8)
+    topo = foremoe.Topology(**TOPO)
+    a = foremoe.Planner(topo, threads=1).plan(loads)
+    b = foremoe.Planner(topo, threads=4).plan(loads)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x.gpu_slots, y.gpu_slots)
+        np.testing.assert_array_equal(x.slot_tokens, y.slot_tokens)
+
+
+def test_float_and_narrow_int_loads():
+    loads = loads_mle()
+    topo = foremoe.Topology(**TOPO)
+    ref = foremoe.Planner(topo).plan(loads)
+    for x in (loads.astype(np.float64), loads.astype(np.int32)):
+        got = foremoe.Planner(topo).plan(x)
+        np.testing.assert_array_equal(got[-1].slot_tokens, ref[-1].slot_tokens)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda L: np.full((4, 32), -1), "negative load -1 at micro-step 0, layer 0, expert 0"),
+    (lambda L: np.zeros((2, 3, 4, 5)), r"loads must be \[layers, experts\] or \[micro_steps, layers, experts\]"),
+    (lambda L: L.astype(np.float64) + 0.5, "non-integral load"),
+    (lambda L: np.zeros((4, 100)), "cannot hold all 100 experts"),
+])
+def test_bad_loads(make, match):
+    planner = foremoe.Planner(foremoe.Topology(1, 8, 4))
+    with pytest.raises(ValueError, match=match):
+        planner.plan(make(loads_mle()[0]))
+
+
+def test_bad_options_and_resident():
+    topo = foremoe.Topology(**TOPO)
+    with pytest.raises(ValueError, match="unknown strategy 'greedy'"):
+        foremoe.Planner(topo, strategy="greedy")
+    with pytest.raises(ValueError, match="unknown plan mode 'x'"):
+        foremoe.Planner(topo, mode="x")
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        foremoe.Planner(topo, threads=0)
+    with pytest.raises(ValueError, match="unknown stage 'train'"):
+        foremoe.Planner(topo).plan(loads_mle()[0], stage="train")
+    p = foremoe.Planner(topo).plan(loads_mle()[0])
+    other = foremoe.Planner(foremoe.Topology(1, 8, 6))
+    with pytest.raises(ValueError, match="resident placement is 8 GPUs x 6 slots"):
+        foremoe.Planner(foremoe.Topology(1, 4, 12)).plan(loads_mle()[0], resident=p)
+    with pytest.raises(ValueError, match="resident placement has 4 layers, the loads have 2"):
+        other.plan(loads_mle(L=2)[0], resident=p)
+    bad = p.gpu_slots.copy()
+    bad[0, 0, :2] = 3
+    with pytest.raises(ValueError, match="layer 0: LayerPlacement: GPU 0 holds two copies of expert 3"):
+        foremoe.Placement.from_array(topo, bad, 32)
+
+
+def test_plan_matches_cli(cli, tmp_path):
+    loads = loads_mle(M=3, L=4, E=32)
+    np.save(tmp_path / "loads.npy", loads)
+    out = tmp_path / "plan.json"
+    args = ["--loads", str(tmp_path / "loads.npy"), "--nodes", "2", "--gpus-per-node", "4", "--slots", "6"]
+    subprocess.run([cli, "plan", *args, "--out", str(out)], check=True, capture_output=True)
+    ref = json.loads(out.read_text())
+    pyout = tmp_path / "plan_py.json"
+    subprocess.run([sys.executable, "-m", "foremoe", "plan", *args, "--out", str(pyout)], check=True,
+                   capture_output=True)
+    got = json.loads(pyout.read_text())
+    ref.pop("planner_seconds")
+    got.pop("planner_seconds")
+    assert got == ref

@@ -1,0 +1,80 @@
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import foremoe
+
+CFG = {
+    "model": {"layers": 4, "experts": 16, "topk": 2, "hidden": 1024, "expert_ffn": 512},
+    "topology": {"nodes": 1, "gpus_per_node": 4, "slots": 6},
+    "batch": {"steps": 2, "prompts": 8, "responses": 4, "prompt_mean": 64, "response_mean": 128,
+              "microbatch_tokens": 512},
+}
+
+
+def strip(doc):
+    for s in doc["strategies"]:
+        s.pop("planner_seconds")
+    return doc
+
+
+def test_simulate_keys_and_values():
+    r = foremoe.simulate(dict(CFG, seed=3))
+    assert [s["strategy"] for s in r["strategies"]] == list(foremoe.SIM_STRATEGIES)
+    assert r["num_layers"] == 4 and r["num_steps"] == 2
+    ideal = r["strategies"][-1]
+    assert ideal["imbalance_median"] == pytest.approx(1.0)
+    assert all(s["step_seconds"] > 0 for s in r["strategies"])
+
+
+def test_simulate_matches_cli(cli, tmp_path):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(CFG))
+    out = tmp_path / "sim.json"
+    subprocess.run([cli, "simulate", "--config", str(cfg), "--seed", "3", "--json", str(out)], check=True,
+                   capture_output=True)
+    ref = strip(json.loads(out.read_text()))
+    got = strip(foremoe.simulate(dict(CFG, seed=3)))
+    assert set(got) == set(ref)
+    assert [set(s) for s in got["strategies"]] == [set(s) for s in ref["strategies"]]
+    assert got == ref
+    # python -m foremoe simulate writes the same document.
+    pyout = tmp_path / "sim_py.json"
+    subprocess.run([sys.executable, "-m", "foremoe", "simulate", "--config", str(cfg), "--seed", "3", "--json",
+                    str(pyout)], check=True, capture_output=True)
+    assert strip(json.loads(pyout.read_text())) == ref
+
+
+def test_simulate_given_loads_matches_cli(cli, tmp_path):
+    sl = foremoe.synthetic_loads(num_layers=4, num_experts=16, topk=2, num_steps=2, prompts_per_step=8,
+                                 responses_per_prompt=4, num_gpus=4, microbatch_tokens_per_gpu=512, seed=5)
+    np.save(tmp_path / "l.npy", sl["loads"])
+    np.save(tmp_path / "l.steps.npy", sl["step_offsets"])
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(CFG))
+    out = tmp_path / "sim.json"
+    subprocess.run([cli, "simulate", "--config", str(cfg), "--loads", str(tmp_path / "l.npy"), "--strategies",
+                    "static,foremoe", "--json", str(out)], check=True, capture_output=True)
+    got = foremoe.simulate(CFG, sl["loads"], sl["step_offsets"], "static,foremoe")
+    assert strip(got) == strip(json.loads(out.read_text()))
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"modle": {}}, "config: unknown key 'modle'"),
+    ({"model": {"layers": "4"}}, r"config.model.layers: expected an integer, got '4'"),
+    ({"topology": {"slots": 1}}, "slots cannot hold all 128 experts"),
+    ({"preset": "gpt"}, "preset must be qwen3-30b-a3b or deepseek-v3"),
+])
+def test_bad_config(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        foremoe.simulate(cfg, strategies=["static"])
+
+
+def test_bad_strategy_and_loads():
+    with pytest.raises(ValueError, match="unknown strategy 'best'"):
+        foremoe.simulate(CFG, strategies="best")
+    with pytest.raises(ValueError, match="loads are 2 layers x 16 experts, the model has 4 x 16"):
+        foremoe.simulate(CFG, np.ones((3, 2, 16), dtype=np.int64), strategies="static")
