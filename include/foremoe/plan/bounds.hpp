@@ -38,20 +38,29 @@ inline namespace v0 {
 /// Two-level mode with fixed owners: the total bound; per expert, its load over 1 + the GPUs that may take a
 /// replica of it (a spare slot and budget, or the replica already resident); per GPU, the experts it owns that
 /// cannot all get a replica elsewhere (at most one per usable spare slot of the other GPUs) stay whole on it.
+/// Scratch vectors of `lower_bound_two_level`, reusable across calls.
+struct TwoLevelBoundWorkspace {
+  std::vector<int> owned, usable, resident_hosts, off, fill;
+  std::vector<std::int64_t> grouped;
+};
+
+/// As below, with caller-owned scratch (no allocation once warm).
 [[nodiscard]] inline std::int64_t lower_bound_two_level(std::span<const std::int64_t> loads,
                                                         std::span<const std::int32_t> owner_gpu, const Topology &topo,
-                                                        int move_budget = -1,
-                                                        const LayerPlacement *resident = nullptr) {
+                                                        int move_budget, const LayerPlacement *resident,
+                                                        TwoLevelBoundWorkspace &ws) {
   const int num_gpus = topo.num_gpus(), num_experts = static_cast<int>(loads.size());
   detail::require(static_cast<int>(owner_gpu.size()) == num_experts, "lower_bound_two_level: ", owner_gpu.size(),
                   " owners for ", num_experts, " experts");
-  std::vector<int> owned(static_cast<std::size_t>(num_gpus), 0);
+  std::vector<int> &owned = ws.owned;
+  owned.assign(static_cast<std::size_t>(num_gpus), 0);
   for (std::int32_t o : owner_gpu) {
     detail::require(o >= 0 && o < num_gpus, "lower_bound_two_level: owner GPU ", o, " outside [0, ", num_gpus, ")");
     ++owned[o];
   }
   // Usable spare slots per GPU: any spare with budget left; with a zero budget only resident replicas count.
-  std::vector<int> usable(static_cast<std::size_t>(num_gpus), 0);
+  std::vector<int> &usable = ws.usable;
+  usable.assign(static_cast<std::size_t>(num_gpus), 0);
   std::int64_t total_usable = 0;
   for (int g = 0; g < num_gpus; ++g) {
     const int spare = std::max(0, topo.slots_per_gpu - owned[g]);
@@ -69,7 +78,7 @@ inline namespace v0 {
   for (int g = 0; g < num_gpus; ++g)
     open += topo.slots_per_gpu > owned[g];
   // With a zero budget only resident replicas can host a second copy.
-  std::vector<int> resident_hosts;
+  std::vector<int> &resident_hosts = ws.resident_hosts;
   if (move_budget == 0) {
     resident_hosts.assign(static_cast<std::size_t>(num_experts), 0);
     if (resident != nullptr)
@@ -84,13 +93,16 @@ inline namespace v0 {
     lb = std::max(lb, (loads[e] + hosts - 1) / hosts);
   }
   // Per GPU, grouped by owner in one pass.
-  std::vector<int> off(static_cast<std::size_t>(num_gpus) + 1, 0);
+  std::vector<int> &off = ws.off;
+  off.assign(static_cast<std::size_t>(num_gpus) + 1, 0);
   for (std::int32_t o : owner_gpu)
     ++off[o + 1];
   for (int g = 0; g < num_gpus; ++g)
     off[g + 1] += off[g];
-  std::vector<std::int64_t> grouped(static_cast<std::size_t>(num_experts));
-  std::vector<int> fill(off.begin(), off.end() - 1);
+  std::vector<std::int64_t> &grouped = ws.grouped;
+  grouped.resize(static_cast<std::size_t>(num_experts));
+  std::vector<int> &fill = ws.fill;
+  fill.assign(off.begin(), off.end() - 1);
   for (int e = 0; e < num_experts; ++e)
     grouped[fill[owner_gpu[e]]++] = loads[e];
   for (int g = 0; g < num_gpus; ++g) {
@@ -104,6 +116,17 @@ inline namespace v0 {
     lb = std::max(lb, stay);
   }
   return lb;
+}
+
+/// Two-level mode with fixed owners: the total bound; per expert, its load over 1 + the GPUs that may take a
+/// replica of it (a spare slot and budget, or the replica already resident); per GPU, the experts it owns that
+/// cannot all get a replica elsewhere (at most one per usable spare slot of the other GPUs) stay whole on it.
+[[nodiscard]] inline std::int64_t lower_bound_two_level(std::span<const std::int64_t> loads,
+                                                        std::span<const std::int32_t> owner_gpu, const Topology &topo,
+                                                        int move_budget = -1,
+                                                        const LayerPlacement *resident = nullptr) {
+  TwoLevelBoundWorkspace ws;
+  return lower_bound_two_level(loads, owner_gpu, topo, move_budget, resident, ws);
 }
 
 } // namespace v0

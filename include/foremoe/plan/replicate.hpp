@@ -82,7 +82,6 @@ public:
     check_loads(loads, "plan_two_level");
     check_resident(resident, "plan_two_level");
     setup_owners(loads, owner_gpu);
-    setup_resident(resident, owner_gpu);
     for (int g = 0; g < num_gpus_; ++g)
       budget_[g] = opts.move_budget < 0 ? spare_[g] : std::min(spare_[g], opts.move_budget);
 
@@ -92,17 +91,30 @@ public:
     // within any budget (a GPU's new replicas are at most its replicas, which the scratch search caps).
     setup_resident(nullptr, owner_gpu);
     std::int64_t scratch_makespan = search_two_level(loads, owner_gpu, opts);
-    if (resident == nullptr) return realize(cur_, loads, owner_gpu, nullptr);
+    // Whether the split state of the last evaluation is that of `cur_` (a local search that stops on a failed
+    // trial leaves the trial's state behind, so it is re-evaluated then).
+    bool cur_evaluated = opts.local_search_rounds <= 0 || (opts.replica_cost && opts.token_time);
+    if (resident == nullptr) return realize(cur_, loads, owner_gpu, nullptr, cur_evaluated ? scratch_makespan : -1);
     if (resident_compatible(*resident, owner_gpu)) {
-      res_tokens_.resize(static_cast<std::size_t>(resident->num_slots()));
-      if (split_.solve(*resident, loads, res_tokens_) <= scratch_makespan)
-        return plan_from_placement(*resident, loads, owner_gpu, resident);
+      // The resident placement as a solution (its non-owner copies as replicas): same exact-split maximum as the
+      // placement, through the cheaper owner-based evaluation.
+      if (res_sol_.rep.size() != static_cast<std::size_t>(num_gpus_) * slots_) clear_solution(res_sol_);
+      for (int g = 0; g < num_gpus_; ++g) {
+        res_sol_.cnt[g] = 0;
+        for (int j = 0; j < slots_; ++j)
+          if (const std::int32_t e = resident->slot(g, j); e != empty_slot && owner_gpu[e] != g)
+            res_sol_.rep[g * slots_ + res_sol_.cnt[g]++] = e;
+      }
+      const std::int64_t res_makespan = evaluate(res_sol_, loads);
+      cur_evaluated = false;
+      if (res_makespan <= scratch_makespan) return plan_from_placement(*resident, loads, owner_gpu, resident);
     }
     scratch_ = cur_;
     // Resident-aware construction at the scratch makespan: reuses resident replicas where they fit, so it
     // usually moves less for the same maximum.
     setup_resident(resident, owner_gpu);
-    if (shed_greedy(scratch_makespan, loads)) {
+    const bool constructed = shed_greedy(scratch_makespan, loads);
+    if (constructed) {
       cur_ = trial_;
       if (opts.replica_cost && opts.token_time) (void)apply_gate(loads, owner_gpu, evaluate(cur_, loads), opts);
       keep_unused_residents(cur_);
@@ -110,8 +122,11 @@ public:
         return realize(cur_, loads, owner_gpu, resident, m);
     }
     cur_ = scratch_;
-    keep_unused_residents(cur_);
-    return realize(cur_, loads, owner_gpu, resident);
+    // The last evaluation was of the scratch plan (the construction above does not evaluate when it fails), so
+    // it still holds unless kept residents change the solution.
+    const bool evaluated_scratch = !constructed && cur_evaluated;
+    if (keep_unused_residents(cur_) || !evaluated_scratch) return realize(cur_, loads, owner_gpu, resident);
+    return realize(cur_, loads, owner_gpu, resident, scratch_makespan);
   }
 
   /// Free plan: any slot may hold any expert (every expert at least once), no move budget, owners not pinned
@@ -310,6 +325,7 @@ private:
     if (resident == nullptr) {
       res_off_.assign(static_cast<std::size_t>(num_experts_) + 1, 0);
       res_gpu_.clear();
+      setup_receivers();
       return;
     }
     for (int g = 0; g < num_gpus_; ++g)
@@ -332,6 +348,22 @@ private:
     for (int g = 0; g < num_gpus_; ++g)
       for (int j = 0; j < res_cnt_[g]; ++j)
         res_gpu_[fill_[res_[g * slots_ + j]]++] = g;
+    setup_receivers();
+  }
+  /// GPUs that may receive at some T, in `hot_order_` (owner load descending), with suffix sums of their owner
+  /// loads and receiving slots: at a given T the open GPUs are the suffix whose owner load is below T.
+  void setup_receivers() {
+    recv_all_.clear();
+    for (std::int32_t g : hot_order_)
+      if (spare_[g] > 0 && (budget_[g] > 0 || res_cnt_[g] > 0)) recv_all_.push_back(g);
+    const std::size_t n = recv_all_.size();
+    recv_load_suf_.assign(n + 1, 0);
+    recv_slots_suf_.assign(n + 1, 0);
+    for (std::size_t k = n; k-- > 0;) {
+      const std::int32_t g = recv_all_[k];
+      recv_load_suf_[k] = recv_load_suf_[k + 1] + owner_load_[g];
+      recv_slots_suf_[k] = recv_slots_suf_[k + 1] + std::min(spare_[g], budget_[g] + res_cnt_[g]);
+    }
   }
   [[nodiscard]] bool is_resident(int g, std::int32_t e) const noexcept {
     for (int j = 0; j < res_cnt_[g]; ++j)
@@ -362,11 +394,12 @@ private:
     std::int64_t hi = 0;
     for (int g = 0; g < num_gpus_; ++g)
       hi = std::max(hi, owner_load_[g]);
-    std::int64_t lo = std::min(hi, lower_bound_two_level(loads, owner_gpu, topo_, opts.move_budget));
+    std::int64_t lo = std::min(hi, lower_bound_two_level(loads, owner_gpu, topo_, opts.move_budget, nullptr, bound_ws_));
     clear_solution(best_);
-    // Good plans sit just above the bound, so gallop up from it, then bisect down to a 0.05% bracket (the exact
-    // split of the result usually lands below the bracket's top anyway).
-    const std::int64_t tolerance = std::max<std::int64_t>(1, lo / 2000);
+    // Good plans sit just above the bound, so gallop up from it, then bisect down to a 0.2% bracket (the exact
+    // split of the result usually lands below the bracket's top anyway; a 0.05% bracket costs two more
+    // constructions per layer for about 0.0008 lower median max/mean).
+    const std::int64_t tolerance = std::max<std::int64_t>(1, lo / 500);
     std::int64_t step = 4 * tolerance;
     while (lo < hi) {
       const std::int64_t t = std::min(hi, lo + step - 1);
@@ -401,20 +434,40 @@ private:
     std::fill(trial_.cnt.begin(), trial_.cnt.end(), 0);
     room_.resize(static_cast<std::size_t>(num_gpus_));
     new_left_.resize(static_cast<std::size_t>(num_gpus_));
-    open_.clear();
     for (int g = 0; g < num_gpus_; ++g) {
       room_[g] = t - owner_load_[g];
       new_left_[g] = budget_[g];
-      if (room_[g] > 0 && spare_[g] > 0 && (budget_[g] > 0 || res_cnt_[g] > 0)) open_.push_back(g);
     }
-    // Kept sorted by (room, GPU) so that receivers are found by a search instead of a scan.
-    std::sort(open_.begin(), open_.end(), [&](std::int32_t a, std::int32_t b) {
-      return room_[a] < room_[b] || (room_[a] == room_[b] && a < b);
-    });
-    remaining_.assign(loads.begin(), loads.end());
+    // Kept sorted by (room, GPU) so that receivers are found by a search instead of a scan. Rooms start at
+    // `t - owner load`, so `hot_order_` (owner load descending, stable) is already that order, and the open GPUs
+    // (room > 0) are a suffix of the receivers in that order.
+    const auto first_open = static_cast<std::size_t>(
+        std::partition_point(recv_all_.begin(), recv_all_.end(), [&](std::int32_t g) { return owner_load_[g] >= t; }) -
+        recv_all_.begin());
+    open_.assign(recv_all_.begin() + static_cast<std::ptrdiff_t>(first_open), recv_all_.end());
+    {
+      // Necessary conditions: the rooms hold the total excess, and the slots the fewest transfers (each moves at
+      // most the largest room).
+      const auto num_open = static_cast<std::int64_t>(open_.size());
+      const std::int64_t total_room = num_open * t - recv_load_suf_[first_open];
+      const std::int64_t max_room = open_.empty() ? 0 : room_[open_.back()];
+      const std::int64_t slots_free = recv_slots_suf_[first_open];
+      std::int64_t total_excess = 0, transfers = 0;
+      for (std::int32_t g : hot_order_) {
+        const std::int64_t excess = owner_load_[g] - t;
+        if (excess <= 0) break;
+        total_excess += excess;
+        transfers += max_room > 0 ? (excess + max_room - 1) / max_room : 1;
+      }
+      if (total_excess > total_room || transfers > slots_free) return false;
+    }
+    // Only the experts of GPUs above t are read, each by its owner alone: set them when their owner starts.
+    remaining_.resize(loads.size());
     for (std::int32_t g : hot_order_) {
       std::int64_t excess = owner_load_[g] - t;
       if (excess <= 0) break;
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+        remaining_[own_list_[j]] = loads[own_list_[j]];
       while (excess > 0) {
         // Heaviest remaining expert of g first; the others only when it cannot move all it could.
         std::int32_t pick_e = -1, pick_h = -1;
@@ -451,13 +504,17 @@ private:
         if (pick_e < 0) return false;
         trial_.rep[pick_h * slots_ + trial_.cnt[pick_h]++] = pick_e;
         if (!is_resident(pick_h, pick_e)) --new_left_[pick_h];
+        // Its place in the (room, GPU) order, found before the room changes.
+        const auto it0 = std::lower_bound(open_.begin(), open_.end(), pick_h, [&](std::int32_t a, std::int32_t b) {
+          return room_[a] < room_[b] || (room_[a] == room_[b] && a < b);
+        });
         room_[pick_h] -= pick_t;
         if (room_[pick_h] <= 0 || trial_.cnt[pick_h] >= spare_[pick_h] ||
-            (new_left_[pick_h] <= 0 && res_cnt_[pick_h] == 0))
-          open_.erase(std::find(open_.begin(), open_.end(), pick_h));
-        else {
+            (new_left_[pick_h] <= 0 && res_cnt_[pick_h] == 0)) {
+          open_.erase(it0);
+        } else {
           // Room only shrinks: move pick_h left to its sorted position.
-          auto it = std::find(open_.begin(), open_.end(), pick_h);
+          auto it = it0;
           while (it != open_.begin()) {
             const std::int32_t prev = *(it - 1);
             if (room_[prev] < room_[pick_h] || (room_[prev] == room_[pick_h] && prev < pick_h)) break;
@@ -646,12 +703,17 @@ private:
   }
 
   /// Spare slots left unused keep their resident replica: it costs nothing and can only help the split.
-  void keep_unused_residents(Solution &s) const {
+  bool keep_unused_residents(Solution &s) const {
+    bool added = false;
     for (int g = 0; g < num_gpus_; ++g)
       for (int j = 0; j < res_cnt_[g] && s.cnt[g] < spare_[g]; ++j) {
         const std::int32_t e = res_[g * slots_ + j];
-        if (!holds(s, g, e)) s.rep[g * slots_ + s.cnt[g]++] = e;
+        if (!holds(s, g, e)) {
+          s.rep[g * slots_ + s.cnt[g]++] = e;
+          added = true;
+        }
       }
+    return added;
   }
 
   /// The plan of solution `s`: slots laid out around the resident ones, tokens from one exact split of `s`.
@@ -734,14 +796,16 @@ private:
   Topology topo_;
   int num_experts_ = 0, num_gpus_ = 0, slots_ = 0;
   SplitSolver split_;
+  TwoLevelBoundWorkspace bound_ws_;
   std::span<const std::int32_t> owner_;
   std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
   std::vector<std::int64_t> owner_load_, room_, remaining_;
   std::vector<std::int32_t> want_, mark_;
   std::vector<std::int64_t> res_tokens_;
   std::vector<std::int32_t> open_; ///< GPUs that may still receive in the current construction, by (room, GPU)
-  std::vector<std::int32_t> res_off_, res_gpu_;
-  Solution best_, trial_, cur_, scratch_;
+  std::vector<std::int32_t> res_off_, res_gpu_, recv_all_;
+  std::vector<std::int64_t> recv_load_suf_, recv_slots_suf_;
+  Solution best_, trial_, cur_, scratch_, res_sol_;
   std::vector<int> copies_;
   std::vector<std::int32_t> shared_idx_, shared_exp_, offsets_, copy_gpu_, cand_e_, order_, recv_;
   std::vector<std::int64_t> shared_loads_, base_, copy_tokens_, gpu_loads_, saved_loads_, cand_tok_;
