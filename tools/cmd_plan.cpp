@@ -5,6 +5,7 @@
 #include <ostream>
 
 #include "command.hpp"
+#include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/trace/io.hpp"
 #include "plan_json.hpp"
@@ -70,10 +71,7 @@ Command make_plan() {
         throw Error("--previous-loads has " + std::to_string(prev.num_layers()) + " layers x " +
                     std::to_string(prev.num_experts()) + " experts, --loads has " +
                     std::to_string(loads.num_layers()) + " x " + std::to_string(loads.num_experts()));
-      previous.assign(static_cast<std::size_t>(prev.num_layers()) * prev.num_experts(), 0);
-      for (int m = 0; m < prev.num_micro_steps(); ++m)
-        for (std::size_t i = 0; i < previous.size(); ++i)
-          previous[i] += prev.totals()[static_cast<std::size_t>(m) * previous.size() + i];
+      previous = Planner(loads.num_layers(), loads.num_experts(), topo, opts).sum_steps(prev);
     }
     Placement resident;
     if (a.has("resident"))
@@ -93,17 +91,12 @@ Command make_plan() {
         o.strategy = st;
         Planner p(loads.num_layers(), loads.num_experts(), topo, o);
         const StepPlan sp = p.plan_step(loads, res, previous, stage);
-        std::vector<double> imb;
         std::size_t moves = 0;
         for (const auto &layers : sp.micro_steps)
-          for (const LayerPlan &lp : layers) {
-            imb.push_back(lp.imbalance());
-            moves += lp.moves.size();
-          }
-        std::sort(imb.begin(), imb.end());
-        auto q = [&](double f) { return imb[static_cast<std::size_t>(f * double(imb.size() - 1))]; };
+          for (const LayerPlan &lp : layers) moves += lp.moves.size();
+        const BalanceStats b = balance_stats(imbalances(sp.micro_steps));
         out << "  " << std::left << std::setw(14) << to_string(st) << std::right << std::fixed << std::setprecision(4)
-            << std::setw(12) << q(0.5) << std::setw(10) << q(0.99) << std::setw(10) << imb.back() << std::setprecision(1)
+            << std::setw(12) << b.median << std::setw(10) << b.p99 << std::setw(10) << b.max << std::setprecision(1)
             << std::setw(16) << double(moves) / double(sp.micro_steps.size()) << std::setprecision(2) << std::setw(14)
             << sp.planner_seconds * 1e3 << "\n";
       }
@@ -123,13 +116,11 @@ Command make_plan() {
     j["num_experts"] = loads.num_experts();
     j["planner_seconds"] = sp.planner_seconds;
     nlohmann::json steps = nlohmann::json::array();
-    std::vector<double> imb;
     std::size_t num_moves = 0;
     for (const auto &layers : sp.micro_steps) {
       nlohmann::json ls = nlohmann::json::array();
       for (const LayerPlan &lp : layers) {
         ls.push_back(layer_plan_json(lp));
-        imb.push_back(lp.imbalance());
         num_moves += lp.moves.size();
       }
       steps.push_back({{"layers", std::move(ls)}});
@@ -138,16 +129,15 @@ Command make_plan() {
     if (a.has("out")) write_json(a.str("out"), j);
     if (a.has("out-placement")) write_json(a.str("out-placement"), placement_json(topo, sp.final_placement()));
 
-    std::sort(imb.begin(), imb.end());
-    auto q = [&](double p) { return imb.empty() ? 1.0 : imb[static_cast<std::size_t>(p * double(imb.size() - 1))]; };
+    const BalanceStats balance = balance_stats(imbalances(sp.micro_steps));
     out << "planned " << sp.micro_steps.size() << " micro-steps x " << loads.num_layers() << " layers x "
         << loads.num_experts() << " experts on " << topo.num_nodes << " x " << topo.gpus_per_node << " GPUs x "
         << topo.slots_per_gpu << " slots with " << to_string(opts.strategy)
         << (opts.strategy == Strategy::foremoe ? " (" + std::string(to_string(opts.mode)) + ")" : std::string())
         << " in " << std::fixed << std::setprecision(2) << sp.planner_seconds * 1e3
         << " ms\n"
-        << "  layer max/mean GPU load: median " << std::setprecision(4) << q(0.5) << ", p99 " << q(0.99) << ", max "
-        << (imb.empty() ? 1.0 : imb.back()) << "\n"
+        << "  layer max/mean GPU load: median " << std::setprecision(4) << balance.median << ", p99 " << balance.p99
+        << ", max " << balance.max << "\n"
         << "  moves: " << num_moves << " (" << std::setprecision(2)
         << (sp.micro_steps.empty() ? 0.0 : double(num_moves) / double(sp.micro_steps.size())) << " per micro-step)\n";
     if (a.has("out")) out << "  wrote " << a.str("out") << "\n";

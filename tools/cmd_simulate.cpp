@@ -210,9 +210,7 @@ Command make_simulate() {
     if (a.has("loads")) {
       const fs::path p = a.str("loads");
       loads = read_loads_npy(p);
-      fs::path sc = p;
-      sc.replace_extension();
-      if (fs::exists(sc.string() + ".steps.npy")) steps = read_offsets_npy(sc.string() + ".steps.npy");
+      if (fs::exists(sidecar_path(p, "steps"))) steps = read_offsets_npy(sidecar_path(p, "steps"));
     } else {
       batch.validate();
       if (tty) err << "generating the synthetic GRPO batch ..." << std::flush;

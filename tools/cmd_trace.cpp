@@ -18,13 +18,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-/// `dir/stem.npy` -> `dir/stem.<what>.npy`: where the sidecar vectors go.
-fs::path sidecar(const fs::path &p, const char *what) {
-  fs::path s = p;
-  s.replace_extension();
-  return s.string() + "." + what + ".npy";
-}
-
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
@@ -62,9 +55,9 @@ Command make_trace_gen() {
       const SyntheticTrace tr = generate_trace(cfg);
       const std::int64_t shape[3] = {tr.num_tokens, tr.num_layers, tr.topk};
       write_npy(p, NpyDtype::of<std::int16_t>(), shape, tr.routed_ids.data());
-      write_offsets_npy(sidecar(p, "microbatches"), tr.microbatch_offsets);
-      write_offsets_npy(sidecar(p, "sources"), tr.source_offsets);
-      write_offsets_npy(sidecar(p, "steps"), tr.step_offsets);
+      write_offsets_npy(sidecar_path(p, "microbatches"), tr.microbatch_offsets);
+      write_offsets_npy(sidecar_path(p, "sources"), tr.source_offsets);
+      write_offsets_npy(sidecar_path(p, "steps"), tr.step_offsets);
       out << "wrote " << p.string() << ": routed ids [" << tr.num_tokens << ", " << tr.num_layers << ", " << tr.topk
           << "] int16, " << tr.microbatch_offsets.size() - 1 << " micro-steps, " << tr.step_offsets.size() - 1
           << " steps\n";
@@ -75,10 +68,10 @@ Command make_trace_gen() {
       const bool by_source = a.flag("by-source");
       const LoadTensor loads = generate_loads(cfg, &steps, by_source);
       write_loads_npy(p, loads, by_source);
-      write_offsets_npy(sidecar(p, "steps"), steps);
+      write_offsets_npy(sidecar_path(p, "steps"), steps);
       out << "wrote " << p.string() << ": loads [" << loads.num_micro_steps() << ", " << loads.num_layers() << ", "
           << loads.num_experts() << (by_source ? ", " + std::to_string(loads.num_sources()) : std::string()) << "] int64, "
-          << steps.size() - 1 << " steps (" << sidecar(p, "steps").string() << ")\n";
+          << steps.size() - 1 << " steps (" << sidecar_path(p, "steps").string() << ")\n";
     }
     out << "generated in " << std::fixed << std::setprecision(2) << seconds_since(t0) << " s\n";
     return 0;
@@ -186,9 +179,9 @@ Command make_trace_stats() {
         const std::int64_t n = a.integer("microsteps-per-step", 1, 1 << 30);
         for (std::int64_t m = 0; m < loads.num_micro_steps(); m += n) steps.push_back(m);
         steps.push_back(loads.num_micro_steps());
-      } else if (!a.has("microbatch-tokens") && fs::exists(sidecar(p, "steps"))) {
-        steps = read_offsets_npy(sidecar(p, "steps"));
-        err << "steps from " << sidecar(p, "steps").string() << "\n";
+      } else if (!a.has("microbatch-tokens") && fs::exists(sidecar_path(p, "steps"))) {
+        steps = read_offsets_npy(sidecar_path(p, "steps"));
+        err << "steps from " << sidecar_path(p, "steps").string() << "\n";
       }
       if (a.has("gpus")) {
         num_gpus = static_cast<int>(a.integer("gpus", 1, 1 << 20));

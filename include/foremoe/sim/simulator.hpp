@@ -35,6 +35,7 @@
 #include "foremoe/cost/comm.hpp"
 #include "foremoe/cost/expert_compute.hpp"
 #include "foremoe/cost/params.hpp"
+#include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/planner.hpp"
 
 namespace foremoe {
@@ -270,13 +271,9 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
     for (int s = 0; s < num_steps; ++s) {
       const int m0 = static_cast<int>(step_offsets[s]), m1 = static_cast<int>(step_offsets[s + 1]);
       LoadTensor step(m1 - m0, L, E);
-      for (int m = m0; m < m1; ++m)
-        std::copy(loads.totals().begin() + static_cast<std::ptrdiff_t>(m) * L * E,
-                  loads.totals().begin() + static_cast<std::ptrdiff_t>(m + 1) * L * E,
-                  step.totals().begin() + static_cast<std::ptrdiff_t>(m - m0) * L * E);
-      std::vector<std::int64_t> totals(static_cast<std::size_t>(L) * E, 0);
-      for (int m = 0; m < step.num_micro_steps(); ++m)
-        for (std::size_t i = 0; i < totals.size(); ++i) totals[i] += step.totals()[static_cast<std::size_t>(m) * L * E + i];
+      std::copy(loads.totals().begin() + static_cast<std::ptrdiff_t>(m0) * L * E,
+                loads.totals().begin() + static_cast<std::ptrdiff_t>(m1) * L * E, step.totals().begin());
+      const std::vector<std::int64_t> totals = planner.sum_steps(step);
 
       // Stages: `recompute_passes` forward-only passes, then the update pass.
       for (int pass = 0; pass <= cfg.recompute_passes; ++pass) {
@@ -376,10 +373,9 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
       prev_totals = totals;
       if (progress) progress(++done_units, total_units);
     }
-    std::sort(imbalance.begin(), imbalance.end());
-    auto q = [&](double f) { return imbalance.empty() ? 1.0 : imbalance[static_cast<std::size_t>(f * double(imbalance.size() - 1))]; };
-    res.imbalance_median = q(0.5);
-    res.imbalance_p99 = q(0.99);
+    const BalanceStats balance = balance_stats(std::move(imbalance));
+    res.imbalance_median = balance.median;
+    res.imbalance_p99 = balance.p99;
     res.recompute_seconds = total_recompute / num_steps;
     res.update_seconds = total_update / num_steps;
     res.step_seconds = (total_recompute + total_update + total_extra) / num_steps;

@@ -27,6 +27,14 @@ inline void require_int_dim(std::int64_t d, const std::filesystem::path &path, c
 }
 } // namespace detail
 
+/// `dir/stem.npy` -> `dir/stem.<what>.npy`: where the 1-D sidecars of a trace file live
+/// (`steps`, `microbatches`, `sources`).
+[[nodiscard]] inline std::filesystem::path sidecar_path(const std::filesystem::path &p, const char *what) {
+  std::filesystem::path s = p;
+  s.replace_extension();
+  return s.string() + "." + what + ".npy";
+}
+
 /// Reads loads `[M, L, E]`, `[M, L, E, S]` (per source rank) or `[L, E]` (one
 /// micro-step) of any integer or float dtype, validated: NaN, negative or
 /// fractional counts are errors naming their position.
