@@ -1,0 +1,48 @@
+#pragma once
+/// @file
+/// Token -> physical slot mapping in the compiled runtime: each routed `(token, k)` of one layer goes to the copy
+/// of its expert whose prefix range of the plan's split contains its rank (see `foremoe/plan/token_map.hpp`, the
+/// CPU reference every backend matches exactly). CUDA handles cross this API as opaque pointers.
+
+#include <cstdint>
+#include <span>
+
+#include "foremoe/runtime/runtime.hpp"
+#include "foremoe/runtime/status.hpp"
+#include "foremoe/trace/routed_view.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+namespace runtime {
+
+/// Mapping request for one layer of one micro-step: contiguous `[tokens][layers][topk]` ids plus the layer's plan.
+struct MapRequest {
+  const void *ids = nullptr; ///< host memory (host backend) or device memory (CUDA)
+  IdDtype dtype = IdDtype::i32;
+  std::int64_t num_tokens = 0;
+  int num_layers = 0; ///< trace layers in `ids`
+  int topk = 0;
+  int layer_idx = 0;  ///< the trace layer to map
+  int num_experts = 0;
+  /// Host memory, `[gpus * slots]`: logical expert of each physical slot or -1 (`LayerPlacement::phys_to_log()`).
+  std::span<const std::int32_t> slot_expert{};
+  /// Host memory: tokens of each physical slot, `[gpus * slots]` (`LayerPlan::slot_tokens`) for one source, or
+  /// `[gpus * slots][num_sources]` (`split_by_source`).
+  std::span<const std::int64_t> slot_tokens{};
+  int num_sources = 1;
+  /// Host memory, `[num_sources + 1]` token offsets grouping the tokens by source rank; empty = equal ranges.
+  std::span<const std::int64_t> source_offsets{};
+};
+
+/// Writes the physical slot (`gpu * slots + slot`) of every `(token, k)` of `req.layer_idx` into
+/// `out_slots[token * topk + k]` (int32, -1 for no route; host memory for the host backend, device memory for
+/// CUDA). The CUDA backend enqueues on `stream` (a `cudaStream_t`, null = legacy default) and waits for it, at
+/// most `timeout_ms`, to check the ids and counts. An id outside `[0, num_experts)` or an expert whose routed
+/// count differs from the plan's total gives `invalid_argument` naming it; a backend not built or without a
+/// device gives `unavailable`; a late device `timed_out`.
+[[nodiscard]] Status map_tokens(Backend backend, const MapRequest &req, std::int32_t *out_slots,
+                                void *stream = nullptr, int timeout_ms = 60000);
+
+} // namespace runtime
+} // namespace v0
+} // namespace foremoe
