@@ -1,0 +1,212 @@
+#pragma once
+/// @file
+/// The transfer engine: executes one layer's weight moves over GPU-direct and CPU-assisted paths, overlapped with
+/// compute, with deadlines, retries on the other path, optional verification, and replica gradient reduction.
+/// CUDA handles (streams, events) cross this API as opaque pointers so that the header compiles without CUDA.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "foremoe/core/placement.hpp"
+#include "foremoe/core/topology.hpp"
+#include "foremoe/plan/plan.hpp"
+#include "foremoe/runtime/runtime.hpp"
+#include "foremoe/runtime/status.hpp"
+#include "foremoe/transfer/transfer_plan.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+namespace runtime {
+
+/// One GPU's expert slots of one layer: slot `s`, buffer `b` starts at `base + b * buffer_stride_bytes +
+/// s * slot_stride_bytes`. Device memory for CUDA; plain host memory standing for device memory on the host backend.
+struct SlotRegion {
+  void *base = nullptr;
+  std::int64_t slot_stride_bytes = 0;
+  int num_slots = 0;
+  int num_buffers = 1; ///< 2: double-buffered slots (a move writes one buffer while compute reads the other)
+  std::int64_t buffer_stride_bytes = 0;
+};
+
+/// A node's pinned host mirror of one layer: expert `e` starts at `base + e * expert_stride_bytes`.
+struct MirrorRegion {
+  const void *base = nullptr;
+  std::int64_t expert_stride_bytes = 0;
+  int num_experts = 0;
+};
+
+/// One weight tensor of an expert, at `offset_bytes` inside a slot (and inside a mirror entry). An expert's bytes
+/// are its tensors concatenated in this order; chunks of a move are ranges of that concatenation.
+struct TensorSpan {
+  std::int64_t offset_bytes = 0;
+  std::int64_t num_bytes = 0;
+};
+
+/// Events that gate a move batch or a reduction. Host events are flags set by `HostEvent::set`; CUDA events are
+/// `cudaEvent_t` handles (recorded by the caller on its compute stream).
+class HostEvent {
+public:
+  HostEvent();
+  void set() noexcept;
+  [[nodiscard]] bool is_set() const noexcept;
+  struct State;
+  [[nodiscard]] const std::shared_ptr<State> &state() const noexcept { return state_; }
+
+private:
+  std::shared_ptr<State> state_;
+};
+struct Gate {
+  const HostEvent *host = nullptr; ///< host backend
+  void *cuda_event = nullptr;      ///< CUDA backend: a `cudaEvent_t` on the device that writes or reads the memory
+};
+
+/// Faults the fault-injecting decorator adds to a backend (tests and chaos drills). Decisions are a hash of
+/// `seed` and the chunk's identity (layer, move, offset, path, attempt), so a schedule replays exactly.
+struct FaultSchedule {
+  double fail_probability = 0.0;    ///< the copy reports an error
+  double corrupt_probability = 0.0; ///< the copy "succeeds" with one byte flipped
+  double delay_probability = 0.0;   ///< the copy is held back by `delay_us`
+  int delay_us = 0;
+  bool fail_path[transfer::num_paths] = {false, false, false}; ///< every copy over this path fails
+  std::uint64_t seed = 0;
+};
+
+struct EngineOptions {
+  Backend backend = Backend::host;
+  Topology topology;                ///< GPUs `0 .. num_gpus-1` of the EP group
+  int num_layers = 1;
+  int num_experts = 1;
+  std::vector<TensorSpan> tensors;  ///< an expert's tensors inside a slot; their sum is the move size
+  transfer::Options planning{};     ///< `expert_bytes` is filled from `tensors`
+  int max_attempts = 3;             ///< per chunk, alternating paths where another one exists
+  bool verify = false;              ///< checksum every moved expert against its source
+  int host_threads_per_path = 2;    ///< host backend copy workers per path
+  std::vector<int> cuda_device_of_gpu; ///< CUDA: local device ordinal of each GPU (-1: another process); empty = identity
+  std::shared_ptr<const FaultSchedule> faults; ///< non-null: wrap the backend in the fault injector
+};
+
+enum class TicketState : int { pending = 0, done, failed, timed_out, aborted };
+[[nodiscard]] constexpr std::string_view to_string(TicketState s) noexcept {
+  switch (s) {
+  case TicketState::pending: return "pending";
+  case TicketState::done: return "done";
+  case TicketState::failed: return "failed";
+  case TicketState::timed_out: return "timed_out";
+  case TicketState::aborted: return "aborted";
+  }
+  return "?";
+}
+
+/// What one move (or one replica-gradient reduction) did.
+struct MoveTelemetry {
+  int move_idx = 0;
+  transfer::Path path = transfer::Path::pcie; ///< the path that carried most of its bytes
+  std::int64_t num_bytes = 0;
+  double start_seconds = 0.0; ///< since submit
+  double end_seconds = 0.0;
+  double gb_per_s = 0.0;
+  int num_chunks = 0;         ///< chunks the transfer plan cut it into
+  int attempts = 0;           ///< chunk copies issued, retries included (> num_chunks: something was retried)
+  bool ok = false;
+  bool verified = false;
+};
+
+namespace detail {
+struct TicketImpl;
+class EngineImpl;
+} // namespace detail
+
+/// Handle of one submitted batch. Copyable; the engine keeps its own reference until the batch ends.
+class TransferEngine;
+class Ticket {
+public:
+  Ticket() = default;
+  /// `in_progress` while running; `ok` when done; otherwise the failure (`device_error`, `timed_out`, `aborted`)
+  /// naming the moves that failed.
+  [[nodiscard]] Status poll() const;
+  [[nodiscard]] TicketState state() const;
+  /// Blocks until the batch ends or `deadline` passes (then `timed_out`, the batch keeps running).
+  [[nodiscard]] Status wait(std::chrono::steady_clock::time_point deadline) const;
+  [[nodiscard]] Status wait_for(std::chrono::milliseconds timeout) const {
+    return wait(std::chrono::steady_clock::now() + timeout);
+  }
+  /// CUDA backend: makes `stream` (a `cudaStream_t`) wait for the end of the batch without blocking the host; the
+  /// stream is released also when the batch fails, times out or is aborted (check `poll`). Host backend: `unavailable`.
+  [[nodiscard]] Status enqueue_wait(void *stream) const;
+  /// Stops issuing copies, waits for those in flight (bounded by the batch deadline) and ends the batch `aborted`;
+  /// slots whose move did not complete are marked invalid.
+  void abort() const;
+  [[nodiscard]] std::vector<MoveTelemetry> telemetry() const;
+  [[nodiscard]] bool valid() const noexcept { return impl_ != nullptr; }
+
+private:
+  friend class detail::EngineImpl;
+  friend class TransferEngine;
+  std::shared_ptr<detail::TicketImpl> impl_;
+};
+
+/// One layer's move batch.
+struct MoveBatch {
+  int layer = 0;
+  std::span<const Move> moves;     ///< from a plan (`LayerPlan::moves`); sources are re-chosen by transfer planning
+  Gate sources_ready{};            ///< source copies are written (e.g. after the optimizer step refreshed them)
+  Gate slots_free{};               ///< destination slots' last reads are done
+  int dst_buffer = 0;              ///< buffer written in double-buffered slots
+  std::chrono::milliseconds timeout{10000}; ///< the batch ends `timed_out` after this
+};
+
+/// One layer's replica gradients to add into their owners' gradients (update stage).
+struct ReduceBatch {
+  int layer = 0;
+  std::span<const std::int32_t> owner_gpu; ///< `[experts]`
+  Gate grads_ready{};                      ///< backward of the layer wrote the gradients
+  std::chrono::milliseconds timeout{10000};
+};
+
+/// Executes moves and reductions. Thread-safe: several threads may submit; one progress thread drives all batches.
+class TransferEngine {
+public:
+  /// Creates an engine; `unavailable` if the backend is not compiled in or has no device.
+  [[nodiscard]] static Status create(EngineOptions options, std::unique_ptr<TransferEngine> &out);
+  ~TransferEngine();
+  TransferEngine(const TransferEngine &) = delete;
+  TransferEngine &operator=(const TransferEngine &) = delete;
+
+  /// Registers GPU `gpu`'s slots of `layer`; `placement` is what they hold now (copies valid from the start).
+  [[nodiscard]] Status register_slots(int layer, int gpu, const SlotRegion &slots);
+  /// Registers node `node`'s pinned mirror of `layer`.
+  [[nodiscard]] Status register_mirror(int layer, int node, const MirrorRegion &mirror);
+  /// Registers GPU `gpu`'s float32 gradient slots of `layer` (same slot indices as the weights); an expert's
+  /// gradient is `grad_bytes / 4` floats at the start of its slot.
+  [[nodiscard]] Status register_grads(int layer, int gpu, const SlotRegion &grads, std::int64_t grad_bytes);
+  /// Declares which expert each slot of `layer` validly holds now (`empty_slot` = none).
+  [[nodiscard]] Status set_resident(int layer, const LayerPlacement &placement);
+
+  /// Plans and starts `batch`; `out` is valid only when the status is ok.
+  [[nodiscard]] Status submit(const MoveBatch &batch, Ticket &out);
+  /// Adds every replica's gradient of `batch.layer` (per the resident placement) into its owner's gradient, in a
+  /// fixed order (replicas by GPU), so results are the same on every run.
+  [[nodiscard]] Status submit_reduce(const ReduceBatch &batch, Ticket &out);
+
+  /// The expert that GPU `gpu` slot `slot` of `layer` validly holds, or `empty_slot` (never partial bytes).
+  [[nodiscard]] std::int32_t valid_expert(int layer, int gpu, int slot) const;
+  /// The resident placement of `layer` as the engine tracks it (failed moves leave empty slots).
+  [[nodiscard]] LayerPlacement resident(int layer) const;
+  /// The transfer plan of the last move batch of `layer`.
+  [[nodiscard]] transfer::TransferPlan last_plan(int layer) const;
+
+private:
+  explicit TransferEngine(std::unique_ptr<detail::EngineImpl> impl);
+  std::unique_ptr<detail::EngineImpl> impl_;
+};
+
+/// A 64-bit checksum of `bytes` (what verification compares; the CUDA backend computes the same on the device).
+[[nodiscard]] std::uint64_t checksum(std::span<const std::byte> bytes) noexcept;
+
+} // namespace runtime
+} // namespace v0
+} // namespace foremoe

@@ -1,0 +1,498 @@
+// The transfer engine on the host backend: the real state machine with host buffers standing for device memory,
+// random plans under random fault schedules, gates and slot hazards, deadlines, abort, gradient reduction.
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "foremoe/runtime/transfer_engine.hpp"
+#include "test_support.hpp"
+
+using namespace foremoe;
+namespace rt = foremoe::runtime;
+using namespace std::chrono_literals;
+
+namespace {
+
+// The byte `i` of expert `e` of layer `l`: every expert's weights are distinct, so a misplaced byte shows.
+std::byte pattern(int l, int e, std::int64_t i) {
+  return static_cast<std::byte>((l * 131 + e * 31 + i * 7 + (i >> 9)) & 0xff);
+}
+
+// A modelled EP group: host buffers for every GPU's slots (optionally double-buffered), a mirror per node, and
+// the engine driving them.
+struct Cluster {
+  Topology topo;
+  int num_layers = 2, num_experts = 0, num_buffers = 1;
+  std::vector<rt::TensorSpan> tensors;
+  std::int64_t slot_stride = 0, buffer_stride = 0;
+  std::vector<std::vector<std::byte>> gpu_mem;    // [layer * gpus + gpu]
+  std::vector<std::vector<std::byte>> mirror_mem; // [layer * nodes + node]
+  std::unique_ptr<rt::TransferEngine> engine;
+
+  std::byte *slot_ptr(int l, int g, int s, int b) {
+    return gpu_mem[static_cast<std::size_t>(l) * topo.num_gpus() + g].data() + b * buffer_stride + s * slot_stride;
+  }
+  void fill(int l, int g, int s, int b, int e) {
+    std::byte *p = slot_ptr(l, g, s, b);
+    std::int64_t k = 0;
+    for (const auto &t : tensors)
+      for (std::int64_t i = 0; i < t.num_bytes; ++i)
+        p[t.offset_bytes + i] = pattern(l, e, k++);
+  }
+  bool holds_bytes(int l, int g, int s, int b, int e) {
+    const std::byte *p = slot_ptr(l, g, s, b);
+    std::int64_t k = 0;
+    for (const auto &t : tensors)
+      for (std::int64_t i = 0; i < t.num_bytes; ++i)
+        if (p[t.offset_bytes + i] != pattern(l, e, k++)) return false;
+    return true;
+  }
+
+  rt::Status build(std::mt19937_64 &rng, rt::EngineOptions opts, bool mirrors = true) {
+    topo = opts.topology;
+    num_layers = opts.num_layers;
+    num_experts = opts.num_experts;
+    // 1-3 tensors with gaps between them, like gate/up/down projections padded for alignment.
+    const int n = std::uniform_int_distribution<int>(1, 3)(rng);
+    std::int64_t off = std::uniform_int_distribution<int>(0, 64)(rng);
+    for (int i = 0; i < n; ++i) {
+      const std::int64_t bytes = std::uniform_int_distribution<std::int64_t>(1, 24 << 10)(rng);
+      tensors.push_back({off, bytes});
+      off += bytes + std::uniform_int_distribution<int>(0, 100)(rng);
+    }
+    slot_stride = off;
+    buffer_stride = slot_stride * topo.slots_per_gpu;
+    opts.tensors = tensors;
+    if (rt::Status st = rt::TransferEngine::create(opts, engine); !st.ok()) return st;
+    gpu_mem.assign(static_cast<std::size_t>(num_layers) * topo.num_gpus(),
+                   std::vector<std::byte>(static_cast<std::size_t>(buffer_stride * num_buffers), std::byte{0xee}));
+    mirror_mem.assign(static_cast<std::size_t>(num_layers) * topo.num_nodes,
+                      std::vector<std::byte>(static_cast<std::size_t>(slot_stride * num_experts)));
+    for (int l = 0; l < num_layers; ++l) {
+      for (int g = 0; g < topo.num_gpus(); ++g) {
+        rt::SlotRegion r{gpu_mem[static_cast<std::size_t>(l) * topo.num_gpus() + g].data(), slot_stride,
+                         topo.slots_per_gpu, num_buffers, buffer_stride};
+        if (rt::Status st = engine->register_slots(l, g, r); !st.ok()) return st;
+      }
+      for (int nd = 0; nd < topo.num_nodes && mirrors; ++nd) {
+        auto &m = mirror_mem[static_cast<std::size_t>(l) * topo.num_nodes + nd];
+        for (int e = 0; e < num_experts; ++e) {
+          std::int64_t k = 0;
+          for (const auto &t : tensors)
+            for (std::int64_t i = 0; i < t.num_bytes; ++i)
+              m[static_cast<std::size_t>(e * slot_stride + t.offset_bytes + i)] = pattern(l, e, k++);
+        }
+        if (rt::Status st = engine->register_mirror(l, nd, {m.data(), slot_stride, num_experts}); !st.ok()) return st;
+      }
+    }
+    return rt::Status::success();
+  }
+
+  // A random valid placement written into the buffers and declared resident.
+  void random_resident(std::mt19937_64 &rng, int l) {
+    LayerPlacement p(topo.num_gpus(), topo.slots_per_gpu, num_experts);
+    std::uniform_int_distribution<int> pick(0, num_experts - 1);
+    for (int g = 0; g < topo.num_gpus(); ++g)
+      for (int s = 0; s < topo.slots_per_gpu; ++s)
+        if (const int e = pick(rng); !p.holds(g, e) && rng() % 5 != 0) {
+          p.slot(g, s) = e;
+          fill(l, g, s, 0, e);
+        }
+    REQUIRE(engine->set_resident(l, p).ok());
+  }
+
+  // Random moves onto the engine's resident placement of `l`.
+  std::vector<Move> random_moves(std::mt19937_64 &rng, int l, double p_move) {
+    LayerPlacement target = engine->resident(l);
+    std::vector<Move> moves;
+    std::uniform_int_distribution<int> pick(0, num_experts - 1);
+    for (int g = 0; g < topo.num_gpus(); ++g)
+      for (int s = 0; s < topo.slots_per_gpu; ++s)
+        if (std::bernoulli_distribution(p_move)(rng)) {
+          const int e = pick(rng);
+          if (target.holds(g, e)) continue;
+          target.slot(g, s) = e;
+          moves.push_back({e, host_mirror, g, s});
+        }
+    return moves;
+  }
+
+  // Every slot the engine calls valid holds exactly its expert's bytes (in buffer `b`, or any buffer if b < 0).
+  void check_valid_bytes(int l) {
+    const LayerPlacement p = engine->resident(l);
+    for (int g = 0; g < topo.num_gpus(); ++g)
+      for (int s = 0; s < topo.slots_per_gpu; ++s)
+        if (const int e = p.slot(g, s); e != empty_slot) {
+          bool ok = false;
+          for (int b = 0; b < num_buffers; ++b)
+            ok = ok || holds_bytes(l, g, s, b, e);
+          CHECK_MESSAGE(ok, "layer ", l, " GPU ", g, " slot ", s, " is valid for expert ", e, " with wrong bytes");
+        }
+  }
+};
+
+rt::EngineOptions random_options(std::mt19937_64 &rng) {
+  rt::EngineOptions o;
+  o.topology.num_nodes = std::uniform_int_distribution<int>(1, 2)(rng);
+  o.topology.gpus_per_node = std::uniform_int_distribution<int>(1, 4)(rng);
+  o.topology.slots_per_gpu = std::uniform_int_distribution<int>(1, 3)(rng);
+  o.num_layers = 2;
+  o.num_experts = std::uniform_int_distribution<int>(o.topology.slots_per_gpu,
+                                                     o.topology.num_gpus() * o.topology.slots_per_gpu + 2)(rng);
+  o.planning.align_bytes = 256;
+  o.planning.max_chunk_bytes = std::int64_t{256} * std::uniform_int_distribution<int>(1, 40)(rng);
+  o.max_attempts = std::uniform_int_distribution<int>(1, 4)(rng);
+  o.host_threads_per_path = std::uniform_int_distribution<int>(1, 3)(rng);
+  return o;
+}
+
+} // namespace
+
+TEST_CASE("random plans under random faults: valid slots always hold exact bytes, failures are reported") {
+  const int runs = 120 * foremoe_test::seed_multiplier();
+  int done = 0, failed = 0, moves_total = 0, moves_ok = 0, retried = 0;
+  for (int run = 0; run < runs; ++run) {
+    std::mt19937_64 rng(1000 + run);
+    rt::EngineOptions o = random_options(rng);
+    auto faults = std::make_shared<rt::FaultSchedule>();
+    faults->seed = rng();
+    faults->fail_probability = std::uniform_real_distribution<double>(0, 0.4)(rng);
+    faults->delay_probability = std::uniform_real_distribution<double>(0, 0.3)(rng);
+    faults->delay_us = std::uniform_int_distribution<int>(0, 300)(rng);
+    o.verify = rng() % 2 == 0;
+    // Truncated copies report success: only verification can catch them, so only then are they injected.
+    faults->corrupt_probability = o.verify ? std::uniform_real_distribution<double>(0, 0.3)(rng) : 0.0;
+    if (rng() % 8 == 0) faults->fail_path[rng() % 2] = true; // one path down entirely
+    o.faults = faults;
+    Cluster c;
+    c.num_buffers = rng() % 3 == 0 ? 2 : 1;
+    REQUIRE(c.build(rng, o).ok());
+    for (int l = 0; l < c.num_layers; ++l)
+      c.random_resident(rng, l);
+    for (int batch = 0; batch < 3; ++batch) {
+      const int l = batch % c.num_layers;
+      const auto moves = c.random_moves(rng, l, 0.5);
+      rt::MoveBatch mb;
+      mb.layer = l;
+      mb.moves = moves;
+      mb.dst_buffer = c.num_buffers == 2 ? static_cast<int>(rng() % 2) : 0;
+      mb.timeout = 20s;
+      rt::Ticket t;
+      const rt::Status st = c.engine->submit(mb, t);
+      REQUIRE_MESSAGE(st.ok(), st.to_string());
+      const rt::Status end = t.wait_for(30s);
+      REQUIRE(end.code() != rt::StatusCode::timed_out);
+      const auto tel = t.telemetry();
+      REQUIRE(tel.size() == moves.size());
+      const LayerPlacement after = c.engine->resident(l);
+      for (std::size_t i = 0; i < moves.size(); ++i) {
+        const Move &m = moves[i];
+        ++moves_total;
+        retried += tel[i].attempts > tel[i].num_chunks;
+        if (tel[i].ok) {
+          ++moves_ok;
+          CHECK(after.slot(m.dst_gpu, m.dst_slot) == m.expert);
+          CHECK(c.holds_bytes(l, m.dst_gpu, m.dst_slot, mb.dst_buffer, m.expert));
+          CHECK(tel[i].num_bytes == c.engine->last_plan(l).expert_bytes);
+          if (o.verify) CHECK(tel[i].verified);
+        } else {
+          CHECK(after.slot(m.dst_gpu, m.dst_slot) != m.expert);
+        }
+      }
+      const bool all_ok = std::all_of(tel.begin(), tel.end(), [](const auto &x) { return x.ok; });
+      CHECK(end.ok() == all_ok);
+      CHECK((t.state() == rt::TicketState::done) == all_ok);
+      if (!all_ok) CHECK(end.code() == rt::StatusCode::device_error);
+      (all_ok ? done : failed) += 1;
+      c.check_valid_bytes(l);
+    }
+  }
+  MESSAGE(runs, " runs: ", done, " batches done, ", failed, " failed; ", moves_ok, " of ", moves_total,
+          " moves landed, ", retried, " needed a retry");
+  CHECK(done > 0);
+  CHECK(failed > 0);
+  CHECK(retried > 0);
+}
+
+TEST_CASE("without faults every move lands, also split across both paths") {
+  std::mt19937_64 rng(5);
+  for (int run = 0; run < 30; ++run) {
+    rt::EngineOptions o = random_options(rng);
+    o.verify = true;
+    Cluster c;
+    REQUIRE(c.build(rng, o).ok());
+    c.random_resident(rng, 0);
+    const auto moves = c.random_moves(rng, 0, 0.6);
+    rt::MoveBatch mb;
+    mb.moves = moves;
+    rt::Ticket t;
+    REQUIRE(c.engine->submit(mb, t).ok());
+    const rt::Status st = t.wait_for(20s);
+    REQUIRE_MESSAGE(st.ok(), st.to_string());
+    for (const Move &m : moves) {
+      CHECK(c.engine->valid_expert(0, m.dst_gpu, m.dst_slot) == m.expert);
+      CHECK(c.holds_bytes(0, m.dst_gpu, m.dst_slot, 0, m.expert));
+    }
+    c.check_valid_bytes(0);
+    transfer::Options popt = o.planning;
+    popt.expert_bytes = c.engine->last_plan(0).expert_bytes;
+    CHECK(c.engine->last_plan(0).moves.size() == moves.size());
+    CHECK(popt.expert_bytes > 0);
+  }
+}
+
+namespace {
+// A small fixed cluster: 1 node x 2 GPUs x 2 slots, 4 experts; GPU 0 holds 0 and 1, GPU 1 holds 2 and 3.
+Cluster small_cluster(rt::EngineOptions o = {}) {
+  std::mt19937_64 rng(1);
+  o.topology = {1, 2, 2};
+  o.num_layers = 1;
+  o.num_experts = 4;
+  Cluster c;
+  REQUIRE(c.build(rng, o).ok());
+  LayerPlacement p(2, 2, 4);
+  for (int g = 0; g < 2; ++g)
+    for (int s = 0; s < 2; ++s) {
+      p.slot(g, s) = g * 2 + s;
+      c.fill(0, g, s, 0, g * 2 + s);
+    }
+  REQUIRE(c.engine->set_resident(0, p).ok());
+  return c;
+}
+} // namespace
+
+TEST_CASE("gates: nothing is written before slots are free, and deadlines fire") {
+  Cluster c = small_cluster();
+  const std::vector<Move> moves{{0, 0, 1, 1}}; // expert 0 replaces expert 3 on GPU 1
+  rt::HostEvent free_ev;
+  rt::MoveBatch mb;
+  mb.moves = moves;
+  mb.slots_free.host = &free_ev;
+  rt::Ticket t;
+  REQUIRE(c.engine->submit(mb, t).ok());
+  std::this_thread::sleep_for(20ms);
+  CHECK(t.poll().code() == rt::StatusCode::in_progress);
+  CHECK(c.holds_bytes(0, 1, 1, 0, 3)); // the slot's last reader still sees expert 3
+  CHECK(c.engine->valid_expert(0, 1, 1) == 3);
+  CHECK(t.wait_for(5ms).code() == rt::StatusCode::timed_out); // a wait deadline leaves the batch running
+  free_ev.set();
+  REQUIRE(t.wait_for(10s).ok());
+  CHECK(c.holds_bytes(0, 1, 1, 0, 0));
+  CHECK(c.engine->valid_expert(0, 1, 1) == 0);
+
+  // A gate that never opens: the batch's own deadline ends it, and the slot keeps its old valid copy.
+  rt::HostEvent never;
+  mb.moves = std::vector<Move>{{1, 0, 1, 0}};
+  const std::vector<Move> m2{{1, 0, 1, 0}};
+  mb.moves = m2;
+  mb.slots_free.host = &never;
+  mb.timeout = 30ms;
+  rt::Ticket t2;
+  REQUIRE(c.engine->submit(mb, t2).ok());
+  const rt::Status st = t2.wait_for(10s);
+  CHECK(st.code() == rt::StatusCode::timed_out);
+  CHECK(t2.state() == rt::TicketState::timed_out);
+  CHECK(c.engine->valid_expert(0, 1, 0) == 2);
+  CHECK(c.holds_bytes(0, 1, 0, 0, 2));
+}
+
+TEST_CASE("a later batch on the same slot waits for the earlier one") {
+  Cluster c = small_cluster();
+  rt::HostEvent open;
+  const std::vector<Move> first{{0, 0, 1, 1}}, second{{1, 0, 1, 1}};
+  rt::MoveBatch a;
+  a.moves = first;
+  a.sources_ready.host = &open;
+  rt::MoveBatch b;
+  b.moves = second;
+  rt::Ticket ta, tb;
+  REQUIRE(c.engine->submit(a, ta).ok());
+  REQUIRE(c.engine->submit(b, tb).ok());
+  std::this_thread::sleep_for(20ms);
+  CHECK(tb.poll().code() == rt::StatusCode::in_progress);
+  open.set();
+  REQUIRE(ta.wait_for(10s).ok());
+  REQUIRE(tb.wait_for(10s).ok());
+  CHECK(c.engine->valid_expert(0, 1, 1) == 1);
+  CHECK(c.holds_bytes(0, 1, 1, 0, 1));
+}
+
+TEST_CASE("abort ends a batch, unfinished slots are not valid") {
+  rt::EngineOptions o;
+  auto f = std::make_shared<rt::FaultSchedule>();
+  f->delay_probability = 1.0;
+  f->delay_us = 2'000'000;
+  o.faults = f;
+  Cluster c = small_cluster(o);
+  const std::vector<Move> moves{{0, 0, 1, 1}};
+  rt::MoveBatch mb;
+  mb.moves = moves;
+  rt::Ticket t;
+  REQUIRE(c.engine->submit(mb, t).ok());
+  std::this_thread::sleep_for(10ms);
+  t.abort();
+  const rt::Status st = t.wait_for(1s);
+  CHECK(st.code() == rt::StatusCode::aborted);
+  CHECK(t.state() == rt::TicketState::aborted);
+  CHECK(c.engine->valid_expert(0, 1, 1) == empty_slot);
+  CHECK(t.enqueue_wait(nullptr).code() == rt::StatusCode::unavailable);
+}
+
+TEST_CASE("double-buffered slots keep the old copy valid until the new one lands") {
+  std::mt19937_64 rng(2);
+  rt::EngineOptions o;
+  o.topology = {1, 2, 1};
+  o.num_layers = 1;
+  o.num_experts = 2;
+  o.faults = std::make_shared<rt::FaultSchedule>(rt::FaultSchedule{0, 0, 0, 0, {true, true, true}, 1});
+  Cluster c;
+  c.num_buffers = 2;
+  REQUIRE(c.build(rng, o).ok());
+  LayerPlacement p(2, 1, 2);
+  p.slot(0, 0) = 0;
+  p.slot(1, 0) = 1;
+  c.fill(0, 0, 0, 0, 0);
+  c.fill(0, 1, 0, 0, 1);
+  REQUIRE(c.engine->set_resident(0, p).ok());
+  const std::vector<Move> moves{{0, 0, 1, 0}};
+  rt::MoveBatch mb;
+  mb.moves = moves;
+  mb.dst_buffer = 1;
+  rt::Ticket t;
+  REQUIRE(c.engine->submit(mb, t).ok());
+  CHECK(t.wait_for(10s).code() == rt::StatusCode::device_error); // every path fails
+  CHECK(c.engine->valid_expert(0, 1, 0) == 1);                    // the old copy in buffer 0 stays valid
+  CHECK(c.holds_bytes(0, 1, 0, 0, 1));
+}
+
+TEST_CASE("replica gradients reduce into owners, in a fixed order, all or nothing per expert") {
+  for (const double fail : {0.0, 0.5}) {
+    std::mt19937_64 rng(9);
+    rt::EngineOptions o;
+    o.topology = {2, 2, 3};
+    o.num_layers = 1;
+    o.num_experts = 8;
+    auto f = std::make_shared<rt::FaultSchedule>();
+    f->fail_probability = fail;
+    f->seed = 4;
+    o.faults = f;
+    o.max_attempts = 1;
+    Cluster c;
+    REQUIRE(c.build(rng, o).ok());
+    // Owners: expert e on GPU e / 2 slot e % 2; replicas in slot 2.
+    LayerPlacement p(4, 3, 8);
+    std::vector<std::int32_t> owner(8);
+    for (int e = 0; e < 8; ++e) {
+      owner[e] = e / 2;
+      p.slot(e / 2, e % 2) = e;
+    }
+    p.slot(0, 2) = 7; // replica of 7 (owner GPU 3, other node)
+    p.slot(1, 2) = 0; // replica of 0 (owner GPU 0, same node)
+    p.slot(2, 2) = 0; // another replica of 0, other node
+    p.slot(3, 2) = 5;
+    REQUIRE(c.engine->set_resident(0, p).ok());
+    const int n = 1000;
+    std::vector<std::vector<float>> grads(4, std::vector<float>(3 * n));
+    std::normal_distribution<float> nd;
+    for (auto &g : grads)
+      for (auto &x : g)
+        x = nd(rng);
+    for (int g = 0; g < 4; ++g)
+      REQUIRE(c.engine->register_grads(0, g, {grads[g].data(), n * 4, 3, 1, 0}, n * 4).ok());
+    const auto before = grads;
+    rt::ReduceBatch rb;
+    rb.owner_gpu = owner;
+    rt::Ticket t;
+    REQUIRE(c.engine->submit_reduce(rb, t).ok());
+    const rt::Status st = t.wait_for(10s);
+    const auto tel = t.telemetry();
+    REQUIRE(tel.size() == 4);
+    auto expect = [&](int e, std::vector<std::pair<int, int>> reps, bool applied) {
+      const int o_gpu = owner[e], o_slot = e % 2;
+      for (int i = 0; i < n; ++i) {
+        float want = before[o_gpu][o_slot * n + i];
+        if (applied)
+          for (auto [g, s] : reps)
+            want += before[g][s * n + i];
+        REQUIRE(grads[o_gpu][o_slot * n + i] == want);
+      }
+    };
+    // Telemetry order: experts ascending, replicas by GPU: 0@1, 0@2, 5@3, 7@0.
+    const bool ok0 = tel[0].ok && tel[1].ok, ok5 = tel[2].ok, ok7 = tel[3].ok;
+    expect(0, {{1, 2}, {2, 2}}, ok0);
+    expect(5, {{3, 2}}, ok5);
+    expect(7, {{0, 2}}, ok7);
+    CHECK(tel[1].path == transfer::Path::network);
+    CHECK(tel[0].path == transfer::Path::nvlink);
+    if (fail == 0.0) {
+      CHECK(st.ok());
+      CHECK(ok0);
+    } else {
+      CHECK(st.ok() == (ok0 && ok5 && ok7));
+    }
+  }
+}
+
+TEST_CASE("engine bad input: clear statuses, no crash") {
+  rt::EngineOptions o;
+  std::unique_ptr<rt::TransferEngine> e;
+  CHECK(rt::TransferEngine::create(o, e).code() == rt::StatusCode::invalid_argument); // no tensors
+  o.tensors = {{0, 100}, {50, 100}};
+  const rt::Status overlap = rt::TransferEngine::create(o, e);
+  CHECK(overlap.message().find("overlap") != std::string::npos);
+  o.tensors = {{0, 100}};
+  o.topology = {1, 2, 2};
+  o.num_experts = 4;
+  REQUIRE(rt::TransferEngine::create(o, e).ok());
+  std::vector<std::byte> mem(1000);
+  CHECK(e->register_slots(3, 0, {mem.data(), 100, 2, 1, 0}).message().find("layer 3") != std::string::npos);
+  CHECK(e->register_slots(0, 5, {mem.data(), 100, 2, 1, 0}).message().find("GPU 5") != std::string::npos);
+  CHECK(e->register_slots(0, 0, {mem.data(), 50, 2, 1, 0}).message().find("slot stride 50") != std::string::npos);
+  CHECK(e->register_slots(0, 0, {mem.data(), 100, 3, 1, 0}).code() == rt::StatusCode::invalid_argument);
+  CHECK(e->register_mirror(0, 0, {mem.data(), 100, 3}).message().find("3 experts") != std::string::npos);
+  LayerPlacement dup(2, 2, 4);
+  dup.slot(0, 0) = dup.slot(0, 1) = 1;
+  CHECK(e->set_resident(0, dup).message().find("twice") != std::string::npos);
+  // No registered slots, no mirror, no source.
+  const std::vector<Move> m{{1, host_mirror, 0, 0}};
+  rt::MoveBatch mb;
+  mb.moves = m;
+  rt::Ticket t;
+  CHECK(e->submit(mb, t).message().find("no registered slots") != std::string::npos);
+  REQUIRE(e->register_slots(0, 0, {mem.data(), 100, 2, 1, 0}).ok());
+  REQUIRE(e->register_slots(0, 1, {mem.data() + 200, 100, 2, 1, 0}).ok());
+  CHECK(e->submit(mb, t).message().find("has no source") != std::string::npos);
+  CHECK(!t.valid());
+  CHECK(t.poll().code() == rt::StatusCode::invalid_argument);
+  mb.timeout = 0ms;
+  CHECK(e->submit(mb, t).code() == rt::StatusCode::invalid_argument);
+  rt::ReduceBatch rb;
+  CHECK(e->submit_reduce(rb, t).message().find("owner_gpu has 0 entries") != std::string::npos);
+
+  o.backend = rt::Backend::cuda;
+  const rt::Status cuda = rt::TransferEngine::create(o, e);
+  if (rt::build_info().num_devices == 0) CHECK(cuda.code() == rt::StatusCode::unavailable);
+}
+
+TEST_CASE("destroying the engine with a batch in flight neither hangs nor leaks a thread") {
+  for (int i = 0; i < 5; ++i) {
+    rt::HostEvent never;
+    Cluster c = small_cluster();
+    const std::vector<Move> moves{{0, 0, 1, 1}};
+    rt::MoveBatch mb;
+    mb.moves = moves;
+    mb.slots_free.host = &never;
+    mb.timeout = 50ms;
+    rt::Ticket t;
+    REQUIRE(c.engine->submit(mb, t).ok());
+    c.engine.reset(); // aborts the batch
+    CHECK(t.state() == rt::TicketState::aborted);
+    CHECK(t.poll().code() == rt::StatusCode::aborted);
+  }
+}
