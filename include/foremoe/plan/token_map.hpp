@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -132,24 +133,43 @@ namespace detail {
        " from that source");
 }
 
-template <class T>
+/// Mapping state of one (source, expert): the rank of its next occurrence and the copy that rank falls in.
+struct MapCursor {
+  std::int64_t rank = 0;  ///< occurrences seen so far
+  std::int64_t bound = 0; ///< end of the current copy's range (INT64_MAX past the last copy)
+  std::int32_t slot = -1; ///< physical slot of the current copy (-1 past the last copy)
+  std::int32_t copy = 0;  ///< index of the current copy in `TokenRanges::copy_slot`
+};
+
+/// Moves `c` to the first copy of `e` whose range end exceeds its rank (skipping copies given no tokens).
+inline void advance(MapCursor &c, const TokenRanges &r, const std::int64_t *end, int e) noexcept {
+  const std::int32_t last = r.copy_offsets[e + 1];
+  while (c.copy < last && end[c.copy] <= c.rank)
+    ++c.copy;
+  c.bound = c.copy < last ? end[c.copy] : std::numeric_limits<std::int64_t>::max();
+  c.slot = c.copy < last ? r.copy_slot[c.copy] : -1; // past the plan's total: reported after the pass
+}
+
+template <class T, bool Contiguous>
 void map_layer(const TokenRanges &r, const RoutedView &ids, int layer_idx, std::span<const std::int64_t> so,
-               std::int32_t *out, std::vector<std::int64_t> &cursor, std::vector<std::int32_t> &current) {
+               std::int32_t *out, std::vector<MapCursor> &cursors) {
   const T *data = static_cast<const T *>(ids.data());
   const auto [s0, s1, s2] = ids.strides();
   const int topk = ids.topk(), num_experts = r.num_experts;
   const std::size_t num_copies = r.copy_slot.size();
-  const std::int32_t *offsets = r.copy_offsets.data(), *slot_of = r.copy_slot.data();
   for (int s = 0; s < r.num_sources; ++s) {
     const std::int64_t *end = r.copy_end.data() + static_cast<std::size_t>(s) * num_copies;
-    std::int64_t *cur_n = cursor.data() + static_cast<std::size_t>(s) * num_experts;
-    std::int32_t *cur_c = current.data() + static_cast<std::size_t>(s) * num_experts;
+    MapCursor *cur = cursors.data() + static_cast<std::size_t>(s) * num_experts;
+    for (int e = 0; e < num_experts; ++e) {
+      cur[e].copy = r.copy_offsets[e];
+      advance(cur[e], r, end, e);
+    }
     for (std::int64_t t = so[s]; t < so[s + 1]; ++t) {
       const T *p = data + t * s0 + layer_idx * s1;
       std::int32_t *o = out + t * topk;
       for (int k = 0; k < topk; ++k) {
-        const std::int64_t e = RoutedView::widen(p[k * s2], num_experts);
-        if (e < 0 || e >= num_experts) [[unlikely]] {
+        const std::int64_t e = RoutedView::widen(Contiguous ? p[k] : p[k * s2], num_experts);
+        if (static_cast<std::uint64_t>(e) >= static_cast<std::uint64_t>(num_experts)) [[unlikely]] {
           if (e == -1) {
             o[k] = -1;
             continue;
@@ -158,13 +178,11 @@ void map_layer(const TokenRanges &r, const RoutedView &ids, int layer_idx, std::
                num_experts, ") (", to_string(ids.dtype()), " ids, -1 = no route)");
         }
         // Ranks only grow, so each (source, expert) walks its copies once: amortised O(1) per id.
-        const std::int64_t i = cur_n[e]++;
-        std::int32_t c = cur_c[e];
-        const std::int32_t last = offsets[e + 1];
-        while (c < last && end[c] <= i)
-          ++c;
-        cur_c[e] = c;
-        o[k] = c < last ? slot_of[c] : -1; // past the plan's total: reported after the pass
+        MapCursor &c = cur[e];
+        if (c.rank >= c.bound) [[unlikely]]
+          advance(c, r, end, static_cast<int>(e));
+        o[k] = c.slot;
+        ++c.rank;
       }
     }
   }
@@ -190,17 +208,17 @@ inline void map_tokens(const TokenRanges &ranges, const RoutedView &ids, int lay
           out.size(), " entries for ", ids.num_tokens(), " tokens x top-", ids.topk());
   const auto so = detail::source_ranges(source_offsets, ranges.num_sources, ids.num_tokens());
   const std::size_t num_keys = static_cast<std::size_t>(ranges.num_sources) * ranges.num_experts;
-  std::vector<std::int64_t> cursor(num_keys, 0);
-  std::vector<std::int32_t> current(num_keys);
-  for (std::size_t key = 0; key < num_keys; ++key)
-    current[key] = ranges.copy_offsets[key % ranges.num_experts];
+  std::vector<detail::MapCursor> cursors(num_keys);
+  const bool contiguous = ids.strides()[2] == 1;
   visit_id_dtype(ids.dtype(), [&](auto tag) {
-    detail::map_layer<decltype(tag)>(ranges, ids, layer_idx, so, out.data(), cursor, current);
+    using T = decltype(tag);
+    if (contiguous) detail::map_layer<T, true>(ranges, ids, layer_idx, so, out.data(), cursors);
+    else detail::map_layer<T, false>(ranges, ids, layer_idx, so, out.data(), cursors);
   });
   for (std::size_t key = 0; key < num_keys; ++key) {
     const auto e = static_cast<int>(key % ranges.num_experts), s = static_cast<int>(key / ranges.num_experts);
-    if (cursor[key] != ranges.expert_tokens(e, s)) [[unlikely]]
-      detail::fail_count_mismatch(ranges, layer_idx, static_cast<std::int64_t>(key), cursor[key]);
+    if (cursors[key].rank != ranges.expert_tokens(e, s)) [[unlikely]]
+      detail::fail_count_mismatch(ranges, layer_idx, static_cast<std::int64_t>(key), cursors[key].rank);
   }
 }
 
