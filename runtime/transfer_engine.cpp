@@ -216,7 +216,7 @@ public:
     }
     std::lock_guard lock(mu_);
     for (auto &t : active_)
-      if (t->layer == layer) return {StatusCode::invalid_argument, "set_resident: layer " + std::to_string(layer) +
+      if (t->layer == layer && !t->finished()) return {StatusCode::invalid_argument, "set_resident: layer " + std::to_string(layer) +
                                                                        " has batches in flight"};
     layers_[layer].resident = p;
     return Status::success();
