@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "foremoe/foremoe.hpp"
+#include "foremoe/plan/token_map.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -219,6 +220,29 @@ struct PyPlan {
     return out;
   }
 };
+
+/// `Plan.map_tokens`: the physical slot of every routed id, `[T, L_trace, K]` int32 (-1: no route or dense layer).
+nb::ndarray<nb::numpy, std::int32_t> plan_map_tokens(const PyPlan &p, const RoIds &ids,
+                                                     std::optional<std::vector<int>> layer_map) {
+  const fm::RoutedView view = routed_view(ids, "map_tokens");
+  const fm::LayerMap lmap = layer_map ? fm::LayerMap(*layer_map) : fm::LayerMap::identity(view.num_layers());
+  require(lmap.num_moe_layers() == p.L, "map_tokens: the layer map has ", lmap.num_moe_layers(),
+          " MoE layers, the plan ", p.L);
+  std::vector<std::int32_t> out(static_cast<std::size_t>(view.num_tokens()) * view.num_layers() * view.topk());
+  {
+    nb::gil_scoped_release nogil;
+    const std::size_t P = static_cast<std::size_t>(p.G) * p.S;
+    std::vector<fm::TokenRanges> ranges;
+    ranges.reserve(static_cast<std::size_t>(p.L));
+    for (int l = 0; l < p.L; ++l)
+      ranges.push_back(fm::token_ranges(std::span<const std::int32_t>(p.gpu_slots.data() + l * P, P), p.E,
+                                        std::span<const std::int64_t>(p.slot_tokens.data() + l * P, P)));
+    fm::map_tokens(ranges, view, lmap, out);
+  }
+  return owned_array(std::move(out), {static_cast<std::size_t>(view.num_tokens()),
+                                      static_cast<std::size_t>(view.num_layers()),
+                                      static_cast<std::size_t>(view.topk())});
+}
 
 // ---------------------------------------------------------------------------------------------------------------
 // Planner
@@ -748,7 +772,8 @@ NB_MODULE(_core, m) {
       FM_VIEW("max_gpu_load", max_gpu_load, (size_t)p.L)
       // clang-format on
 #undef FM_VIEW
-      .def_prop_ro("num_moves", [](const PyPlan &p) { return p.moves.size() / 5; });
+      .def_prop_ro("num_moves", [](const PyPlan &p) { return p.moves.size() / 5; })
+      .def("map_tokens", &plan_map_tokens, "routed_experts"_a, "layer_map"_a.none() = nb::none());
 
   nb::class_<PyPlanner>(m, "Planner")
       .def(nb::new_(&make_planner), "topology"_a, "strategy"_a, "mode"_a, "move_budget"_a.none(), "threads"_a,

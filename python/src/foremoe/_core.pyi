@@ -107,6 +107,8 @@ class Plan:
     def max_gpu_load(self) -> npt.NDArray[np.int64]: ...
     @property
     def num_moves(self) -> int: ...
+    def map_tokens(self, routed_experts: Any, layer_map: Optional[Sequence[int]] = None) -> npt.NDArray[np.int32]:
+        """[T, L_trace, K] physical slot (gpu * slots + slot) of every routed id; -1 for no route and dense layers."""
 
 class Planner:
     def __init__(
