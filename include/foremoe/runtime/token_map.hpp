@@ -39,7 +39,9 @@ struct MapRequest {
 /// CUDA). The CUDA backend enqueues on `stream` (a `cudaStream_t`, null = legacy default) and waits for it, at
 /// most `timeout_ms`, to check the ids and counts. An id outside `[0, num_experts)` or an expert whose routed
 /// count differs from the plan's total gives `invalid_argument` naming it; a backend not built or without a
-/// device gives `unavailable`; a late device `timed_out`.
+/// device gives `unavailable`; a late device `timed_out`, in which case the enqueued work may still write
+/// `out_slots` later (its scratch memory is left to it rather than freed under it). The plan's ranges are uploaded
+/// from pageable memory, which the driver may stage only after earlier work on `stream`.
 [[nodiscard]] Status map_tokens(Backend backend, const MapRequest &req, std::int32_t *out_slots,
                                 void *stream = nullptr, int timeout_ms = 60000);
 
