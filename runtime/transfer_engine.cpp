@@ -807,14 +807,15 @@ private:
             foremoe::detail::concat("layer ", t.layer, ": ", num_failed, " of ", tel.size(), " failed on every path: ",
                                     failed, num_failed > 8 ? ", ..." : "")};
     }
+    if (t.flag != nullptr) *t.flag = 1; // releases streams waiting in enqueue_wait, also on failure
     {
+      // The state changes under the ticket's lock so that a waiter cannot miss the notification.
       std::lock_guard lock(t.mu);
       t.telemetry = std::move(tel);
       t.final_status = st;
       t.after.clear();
+      t.state.store(static_cast<int>(ts), std::memory_order_release);
     }
-    if (t.flag != nullptr) *t.flag = 1;
-    t.state.store(static_cast<int>(ts), std::memory_order_release);
     t.cv.notify_all();
   }
 
