@@ -157,12 +157,14 @@ Status cuda_count_loads(const CountRequest &req, int num_moe_layers, std::int64_
     });
     FOREMOE_CUDA_CHECK(cudaGetLastError());
   }
-  unsigned long long bad = no_bad;
-  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(&bad, d_bad, sizeof(bad), cudaMemcpyDeviceToHost, stream));
+  // Poll first: a device-to-pageable copy would block the host until the stream drains, past any deadline.
   if (Status st = wait_stream(stream, timeout_ms); !st.ok()) {
     scratch.ptr = nullptr; // still in use by the stream: leak it rather than block in cudaFree
     return st;
   }
+  unsigned long long bad = no_bad;
+  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(&bad, d_bad, sizeof(bad), cudaMemcpyDeviceToHost, stream));
+  FOREMOE_CUDA_CHECK(cudaStreamSynchronize(stream)); // only this one copy is left
   if (bad != no_bad) {
     const std::size_t id_bytes = static_cast<std::size_t>(id_dtype_bytes(req.dtype));
     unsigned char raw[8] = {};
