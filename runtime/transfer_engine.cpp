@@ -71,6 +71,7 @@ struct MoveRun {
   bool finished = false, failed = false, checked = false;
   std::uint64_t src_sum = 0;
   int verify_rounds = 0;
+  std::vector<int> chunk_idx; // its chunks in TicketImpl::chunks
   std::int64_t path_bytes[transfer::num_paths] = {0, 0, 0};
   double start = -1.0, end = 0.0;
   int attempts = 0;
@@ -285,6 +286,7 @@ public:
     }
     t->chunks.reserve(t->plan.chunks.size());
     for (const transfer::Chunk &c : t->plan.chunks) {
+      t->moves[c.move_idx].chunk_idx.push_back(static_cast<int>(t->chunks.size()));
       ChunkRun cr;
       cr.c = c;
       t->chunks.push_back(std::move(cr));
@@ -628,8 +630,8 @@ private:
       MoveRun &mr = t.moves[i];
       if (mr.finished) continue;
       bool all_done = true, busy = false;
-      for (const ChunkRun &cr : t.chunks)
-        if (cr.c.move_idx == static_cast<int>(i)) all_done = all_done && cr.done, busy = busy || cr.in_flight;
+      for (int ci : mr.chunk_idx)
+        all_done = all_done && t.chunks[ci].done, busy = busy || t.chunks[ci].in_flight;
       if (busy) continue;
       if (mr.failed || (t.draining && !all_done)) {
         mr.failed = true;
@@ -650,12 +652,12 @@ private:
             mr.end = now_s;
             continue;
           }
-          for (ChunkRun &cr : t.chunks)
-            if (cr.c.move_idx == static_cast<int>(i)) {
-              cr.done = false;
-              switch_path(t, cr, mr);
-              issue(t, cr, static_cast<int>(i));
-            }
+          for (int ci : mr.chunk_idx) {
+            ChunkRun &cr = t.chunks[ci];
+            cr.done = false;
+            switch_path(t, cr, mr);
+            issue(t, cr, static_cast<int>(i));
+          }
           in_flight = true;
           continue;
         }
@@ -763,9 +765,7 @@ private:
         m.end_seconds = mr.end;
         m.gb_per_s = mr.end > m.start_seconds ? static_cast<double>(m.num_bytes) / (mr.end - m.start_seconds) / 1e9 : 0;
         m.attempts = mr.attempts;
-        m.num_chunks = static_cast<int>(std::count_if(t.chunks.begin(), t.chunks.end(), [&](const ChunkRun &cr) {
-          return cr.c.move_idx == static_cast<int>(i);
-        }));
+        m.num_chunks = static_cast<int>(mr.chunk_idx.size());
         m.ok = mr.finished && !mr.failed;
         m.verified = mr.checked;
         tel.push_back(m);
