@@ -22,5 +22,7 @@
 #include "foremoe/cost/params.hpp"
 
 #include "foremoe/plan/planner.hpp"
+#include "foremoe/plan/token_map.hpp"
 
 #include "foremoe/sim/simulator.hpp"
+#include "foremoe/transfer/transfer_plan.hpp"

@@ -221,6 +221,65 @@ struct PyPlan {
   }
 };
 
+/// `Plan.transfers`: the chunks, sources, paths and rounds realising each layer's moves (transfer planning), from
+/// `resident` (the placement before the micro-step; None: the owner copies alone).
+nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, std::int64_t expert_bytes,
+                        std::int64_t max_chunk_bytes, bool split_paths, bool host_mirror, bool allow_network) {
+  if (resident != nullptr)
+    require(resident->placement.num_layers() == p.L && resident->num_experts == p.E &&
+                resident->topo.num_gpus() == p.G && resident->topo.slots_per_gpu == p.S,
+            "transfers: resident placement is ", resident->placement.num_layers(), " layers x ",
+            resident->topo.num_gpus(), " GPUs x ", resident->topo.slots_per_gpu, " slots x ", resident->num_experts,
+            " experts, the plan ", p.L, " x ", p.G, " x ", p.S, " x ", p.E);
+  fm::transfer::Options opt;
+  opt.expert_bytes = expert_bytes;
+  opt.max_chunk_bytes = max_chunk_bytes;
+  opt.split_paths = split_paths;
+  opt.host_mirror = host_mirror;
+  opt.allow_network = allow_network;
+  std::vector<std::int64_t> chunks, path_bytes;
+  std::vector<double> est, bound;
+  std::vector<std::int32_t> rounds;
+  {
+    nb::gil_scoped_release nogil;
+    const std::size_t P = static_cast<std::size_t>(p.G) * p.S;
+    std::size_t mi = 0;
+    for (int l = 0; l < p.L; ++l) {
+      fm::LayerPlacement before(p.G, p.S, p.E);
+      if (resident != nullptr) {
+        before = resident->placement.layer(l);
+      } else {
+        for (std::size_t q = 0; q < P; ++q)
+          if (const std::int32_t e = p.gpu_slots[l * P + q];
+              e != fm::empty_slot && p.owner_gpu[static_cast<std::size_t>(l) * p.E + e] == static_cast<int>(q / p.S))
+            before.phys_to_log()[q] = e;
+      }
+      std::vector<fm::Move> moves;
+      for (; mi * 5 < p.moves.size() && p.moves[mi * 5] == l; ++mi)
+        moves.push_back({p.moves[mi * 5 + 1], p.moves[mi * 5 + 2], p.moves[mi * 5 + 3], p.moves[mi * 5 + 4]});
+      const fm::transfer::TransferPlan tp = fm::transfer::plan_transfers(moves, before, p.topo, opt);
+      for (const fm::transfer::Chunk &c : tp.chunks)
+        chunks.insert(chunks.end(), {l, c.move_idx, static_cast<std::int64_t>(c.path), c.src_gpu, c.src_slot,
+                                     c.dst_gpu, c.dst_slot, c.expert, c.offset_bytes, c.num_bytes, c.round});
+      est.push_back(tp.est_seconds);
+      bound.push_back(tp.link_bound_seconds);
+      rounds.push_back(tp.num_rounds);
+      path_bytes.insert(path_bytes.end(), tp.path_bytes.begin(), tp.path_bytes.end());
+    }
+  }
+  nb::dict out;
+  const std::size_t n = chunks.size() / 11;
+  out["chunks"] = owned_array(std::move(chunks), {n, 11});
+  out["chunk_columns"] = std::vector<std::string>{"layer", "move", "path", "src_gpu", "src_slot", "dst_gpu",
+                                                  "dst_slot", "expert", "offset_bytes", "num_bytes", "round"};
+  out["paths"] = std::vector<std::string>{"nvlink", "pcie", "network"};
+  out["est_seconds"] = owned_array(std::move(est), {static_cast<std::size_t>(p.L)});
+  out["link_bound_seconds"] = owned_array(std::move(bound), {static_cast<std::size_t>(p.L)});
+  out["num_rounds"] = owned_array(std::move(rounds), {static_cast<std::size_t>(p.L)});
+  out["path_bytes"] = owned_array(std::move(path_bytes), {static_cast<std::size_t>(p.L), std::size_t{3}});
+  return out;
+}
+
 /// `Plan.map_tokens`: the physical slot of every routed id, `[T, L_trace, K]` int32 (-1: no route or dense layer).
 nb::ndarray<nb::numpy, std::int32_t> plan_map_tokens(const PyPlan &p, const RoIds &ids,
                                                      std::optional<std::vector<int>> layer_map) {
@@ -773,7 +832,10 @@ NB_MODULE(_core, m) {
       // clang-format on
 #undef FM_VIEW
       .def_prop_ro("num_moves", [](const PyPlan &p) { return p.moves.size() / 5; })
-      .def("map_tokens", &plan_map_tokens, "routed_experts"_a, "layer_map"_a.none() = nb::none());
+      .def("map_tokens", &plan_map_tokens, "routed_experts"_a, "layer_map"_a.none() = nb::none())
+      .def("transfers", &plan_transfers, "resident"_a.none() = nb::none(), "expert_bytes"_a,
+           "max_chunk_bytes"_a = std::int64_t{64} << 20, "split_paths"_a = true, "host_mirror"_a = true,
+           "allow_network"_a = true);
 
   nb::class_<PyPlanner>(m, "Planner")
       .def(nb::new_(&make_planner), "topology"_a, "strategy"_a, "mode"_a, "move_budget"_a.none(), "threads"_a,

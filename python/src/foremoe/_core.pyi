@@ -109,6 +109,19 @@ class Plan:
     def num_moves(self) -> int: ...
     def map_tokens(self, routed_experts: Any, layer_map: Optional[Sequence[int]] = None) -> npt.NDArray[np.int32]:
         """[T, L_trace, K] physical slot (gpu * slots + slot) of every routed id; -1 for no route and dense layers."""
+    def transfers(
+        self,
+        resident: Optional[Placement] = None,
+        *,
+        expert_bytes: int,
+        max_chunk_bytes: int = 64 << 20,
+        split_paths: bool = True,
+        host_mirror: bool = True,
+        allow_network: bool = True,
+    ) -> Dict[str, Any]:
+        """Transfer plan of every layer's moves from `resident` (None: owner copies only): `chunks` [N, 11] int64
+        (columns in `chunk_columns`; path 0 nvlink, 1 pcie, 2 network), `est_seconds`, `link_bound_seconds`,
+        `num_rounds` per layer and `path_bytes` [L, 3]."""
 
 class Planner:
     def __init__(
