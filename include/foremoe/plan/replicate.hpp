@@ -105,9 +105,13 @@ public:
           if (const std::int32_t e = resident->slot(g, j); e != empty_slot && owner_gpu[e] != g)
             res_sol_.rep[g * slots_ + res_sol_.cnt[g]++] = e;
       }
-      const std::int64_t res_makespan = evaluate(res_sol_, loads);
-      cur_evaluated = false;
-      if (res_makespan <= scratch_makespan) return plan_from_placement(*resident, loads, owner_gpu, resident);
+      // Cheap necessary test first: a GPU whose unreplicated owned experts alone exceed the scratch makespan
+      // rules the resident placement out without an exact split.
+      if (resident_fixed_load_fits(res_sol_, loads, scratch_makespan)) {
+        const std::int64_t res_makespan = evaluate(res_sol_, loads);
+        cur_evaluated = false;
+        if (res_makespan <= scratch_makespan) return plan_from_placement(*resident, loads, owner_gpu, resident);
+      }
     }
     scratch_ = cur_;
     // Resident-aware construction at the scratch makespan: reuses resident replicas where they fit, so it
@@ -268,6 +272,22 @@ private:
       }
     return owners_found == num_experts_;
   }
+  /// Whether every GPU's owned experts without a replica in `s` fit under `limit` (a necessary condition for
+  /// the exact split of `s` to be at most `limit`).
+  [[nodiscard]] bool resident_fixed_load_fits(const Solution &s, std::span<const std::int64_t> loads,
+                                              std::int64_t limit) {
+    flag_.assign(static_cast<std::size_t>(num_experts_), 0);
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < s.cnt[g]; ++j)
+        flag_[s.rep[g * slots_ + j]] = 1;
+    for (int g = 0; g < num_gpus_; ++g) {
+      std::int64_t fixed = 0;
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+        if (!flag_[own_list_[j]]) fixed += loads[own_list_[j]];
+      if (fixed > limit) return false;
+    }
+    return true;
+  }
   [[nodiscard]] bool resident_hosts_all(const LayerPlacement &r) const {
     try {
       r.validate();
@@ -315,8 +335,10 @@ private:
     }
     hot_order_.resize(static_cast<std::size_t>(num_gpus_));
     std::iota(hot_order_.begin(), hot_order_.end(), 0);
-    std::stable_sort(hot_order_.begin(), hot_order_.end(),
-                     [&](std::int32_t a, std::int32_t b) { return owner_load_[a] > owner_load_[b]; });
+    // Owner load descending, ties by GPU: the order of a stable sort, without its buffer allocation.
+    std::sort(hot_order_.begin(), hot_order_.end(), [&](std::int32_t a, std::int32_t b) {
+      return owner_load_[a] > owner_load_[b] || (owner_load_[a] == owner_load_[b] && a < b);
+    });
   }
 
   void setup_resident(const LayerPlacement *resident, std::span<const std::int32_t> owner_gpu) {
@@ -445,6 +467,12 @@ private:
         std::partition_point(recv_all_.begin(), recv_all_.end(), [&](std::int32_t g) { return owner_load_[g] >= t; }) -
         recv_all_.begin());
     open_.assign(recv_all_.begin() + static_cast<std::ptrdiff_t>(first_open), recv_all_.end());
+    open_room_.resize(open_.size());
+    open_pos_.resize(static_cast<std::size_t>(num_gpus_));
+    for (std::size_t k = 0; k < open_.size(); ++k) {
+      open_room_[k] = room_[open_[k]];
+      open_pos_[open_[k]] = static_cast<std::int32_t>(k);
+    }
     {
       // Necessary conditions: the rooms hold the total excess, and the slots the fewest transfers (each moves at
       // most the largest room).
@@ -504,24 +532,30 @@ private:
         if (pick_e < 0) return false;
         trial_.rep[pick_h * slots_ + trial_.cnt[pick_h]++] = pick_e;
         if (!is_resident(pick_h, pick_e)) --new_left_[pick_h];
-        // Its place in the (room, GPU) order, found before the room changes.
-        const auto it0 = std::lower_bound(open_.begin(), open_.end(), pick_h, [&](std::int32_t a, std::int32_t b) {
-          return room_[a] < room_[b] || (room_[a] == room_[b] && a < b);
-        });
+        // A receiver always sits in `open_` (only open GPUs are eligible), at `open_pos_`.
+        std::size_t k = static_cast<std::size_t>(open_pos_[pick_h]);
         room_[pick_h] -= pick_t;
-        if (room_[pick_h] <= 0 || trial_.cnt[pick_h] >= spare_[pick_h] ||
-            (new_left_[pick_h] <= 0 && res_cnt_[pick_h] == 0)) {
-          open_.erase(it0);
-        } else {
-          // Room only shrinks: move pick_h left to its sorted position.
-          auto it = it0;
-          while (it != open_.begin()) {
-            const std::int32_t prev = *(it - 1);
-            if (room_[prev] < room_[pick_h] || (room_[prev] == room_[pick_h] && prev < pick_h)) break;
-            *it = prev;
-            --it;
+        const std::int64_t r = room_[pick_h];
+        if (r <= 0 || trial_.cnt[pick_h] >= spare_[pick_h] || (new_left_[pick_h] <= 0 && res_cnt_[pick_h] == 0)) {
+          for (; k + 1 < open_.size(); ++k) {
+            open_[k] = open_[k + 1];
+            open_room_[k] = open_room_[k + 1];
+            open_pos_[open_[k]] = static_cast<std::int32_t>(k);
           }
-          *it = pick_h;
+          open_.pop_back();
+          open_room_.pop_back();
+        } else {
+          // Room only shrinks: move pick_h left to its sorted (room, GPU) position.
+          for (; k > 0; --k) {
+            const std::int32_t prev = open_[k - 1];
+            if (open_room_[k - 1] < r || (open_room_[k - 1] == r && prev < pick_h)) break;
+            open_[k] = prev;
+            open_room_[k] = open_room_[k - 1];
+            open_pos_[prev] = static_cast<std::int32_t>(k);
+          }
+          open_[k] = pick_h;
+          open_room_[k] = r;
+          open_pos_[pick_h] = static_cast<std::int32_t>(k);
         }
         remaining_[pick_e] -= pick_t;
         excess -= pick_t;
@@ -539,7 +573,16 @@ private:
       const std::int32_t h = res_gpu_[k];
       if (room_[h] >= need && eligible(h, e)) return h;
     }
-    const auto pos = std::partition_point(open_.begin(), open_.end(), [&](std::int32_t h) { return room_[h] < need; });
+    // First position with room >= need: a branchless search over the contiguous rooms.
+    const std::int64_t *base = open_room_.data();
+    std::size_t len = open_room_.size();
+    while (len > 1) {
+      const std::size_t half = len / 2;
+      base = base[half - 1] < need ? base + half : base;
+      len -= half;
+    }
+    const std::size_t first = static_cast<std::size_t>(base - open_room_.data()) + (len == 1 && *base < need);
+    const auto pos = open_.begin() + static_cast<std::ptrdiff_t>(first);
     for (auto it = pos; it != open_.end(); ++it)
       if (eligible(*it, e)) return *it;
     std::int32_t big = -1;
@@ -801,8 +844,11 @@ private:
   std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
   std::vector<std::int64_t> owner_load_, room_, remaining_;
   std::vector<std::int32_t> want_, mark_;
+  std::vector<char> flag_;
   std::vector<std::int64_t> res_tokens_;
   std::vector<std::int32_t> open_; ///< GPUs that may still receive in the current construction, by (room, GPU)
+  std::vector<std::int64_t> open_room_; ///< their rooms, in the same order
+  std::vector<std::int32_t> open_pos_;  ///< GPU -> its index in `open_` (while it is there)
   std::vector<std::int32_t> res_off_, res_gpu_, recv_all_;
   std::vector<std::int64_t> recv_load_suf_, recv_slots_suf_;
   Solution best_, trial_, cur_, scratch_, res_sol_;
