@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <queue>
 #include <span>
@@ -108,7 +109,7 @@ public:
       // Cheap necessary test first: a GPU whose unreplicated owned experts alone exceed the scratch makespan
       // rules the resident placement out without an exact split.
       if (resident_fixed_load_fits(res_sol_, loads, scratch_makespan)) {
-        const std::int64_t res_makespan = evaluate(res_sol_, loads);
+        const std::int64_t res_makespan = evaluate(res_sol_, loads, scratch_makespan);
         cur_evaluated = false;
         if (res_makespan <= scratch_makespan) return plan_from_placement(*resident, loads, owner_gpu, resident);
       }
@@ -473,6 +474,7 @@ private:
       open_room_[k] = room_[open_[k]];
       open_pos_[open_[k]] = static_cast<std::int32_t>(k);
     }
+    std::int64_t room_left = 0, slots_left = 0, excess_left = 0, hot_left = 0;
     {
       // Necessary conditions: the rooms hold the total excess, and the slots the fewest transfers (each moves at
       // most the largest room).
@@ -488,12 +490,23 @@ private:
         transfers += max_room > 0 ? (excess + max_room - 1) / max_room : 1;
       }
       if (total_excess > total_room || transfers > slots_free) return false;
+      room_left = total_room;
+      slots_left = slots_free;
+      excess_left = total_excess;
+      for (std::int32_t g : hot_order_) {
+        if (owner_load_[g] <= t) break;
+        ++hot_left;
+      }
     }
     // Only the experts of GPUs above t are read, each by its owner alone: set them when their owner starts.
     remaining_.resize(loads.size());
     for (std::int32_t g : hot_order_) {
       std::int64_t excess = owner_load_[g] - t;
       if (excess <= 0) break;
+      // The same necessary conditions on what is left: room lost in receivers that closed early (out of slots or
+      // budget) usually makes a construction fail late, and this sees it one GPU at a time.
+      if (excess_left > room_left || hot_left > slots_left) return false;
+      --hot_left;
       for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
         remaining_[own_list_[j]] = loads[own_list_[j]];
       while (excess > 0) {
@@ -535,8 +548,14 @@ private:
         // A receiver always sits in `open_` (only open GPUs are eligible), at `open_pos_`.
         std::size_t k = static_cast<std::size_t>(open_pos_[pick_h]);
         room_[pick_h] -= pick_t;
+        room_left -= pick_t;
+        excess_left -= pick_t;
+        --slots_left;
         const std::int64_t r = room_[pick_h];
         if (r <= 0 || trial_.cnt[pick_h] >= spare_[pick_h] || (new_left_[pick_h] <= 0 && res_cnt_[pick_h] == 0)) {
+          room_left -= std::max<std::int64_t>(r, 0);
+          slots_left -= std::min(spare_[pick_h], budget_[pick_h] + res_cnt_[pick_h]) - trial_.cnt[pick_h];
+          if (excess_left > room_left || hot_left > slots_left) return false;
           for (; k + 1 < open_.size(); ++k) {
             open_[k] = open_[k + 1];
             open_room_[k] = open_room_[k + 1];
@@ -602,7 +621,10 @@ private:
   }
 
   /// Exact split of a solution; leaves per-GPU loads in `gpu_loads_` and per-copy tokens in `copy_tokens_`.
-  std::int64_t evaluate(const Solution &s, std::span<const std::int64_t> loads) {
+  /// With `limit`, may stop early with a value above it once the maximum provably exceeds it (the split state
+  /// is then unusable).
+  std::int64_t evaluate(const Solution &s, std::span<const std::int64_t> loads,
+                        std::int64_t limit = std::numeric_limits<std::int64_t>::max()) {
     // O(replicas + GPUs): `shared_idx_` stays -1 except for the experts of the last evaluation, reset here.
     if (shared_idx_.size() != static_cast<std::size_t>(num_experts_))
       shared_idx_.assign(static_cast<std::size_t>(num_experts_), -1);
@@ -640,7 +662,7 @@ private:
       base_[owner_[shared_exp_[i]]] -= shared_loads_[i];
     copy_tokens_.resize(copy_gpu_.size());
     gpu_loads_.resize(static_cast<std::size_t>(num_gpus_));
-    return split_.solve_core(base_, shared_loads_, offsets_, copy_gpu_, copy_tokens_, gpu_loads_);
+    return split_.solve_core(base_, shared_loads_, offsets_, copy_gpu_, copy_tokens_, gpu_loads_, limit);
   }
 
   /// Tokens that copy of `e` on `g` receives in the last evaluation (0 if none).

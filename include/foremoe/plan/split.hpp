@@ -10,6 +10,7 @@
 /// (capacities only grow), so the whole search costs about one max-flow. Integer capacities give integer flows.
 
 #include <algorithm>
+#include <limits>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -94,9 +95,13 @@ public:
   /// copy into `copy_tokens`, every GPU's load into `gpu_loads`, and returns the maximum GPU load, which is the
   /// least possible. Every connected component is balanced on its own, so no GPU carries more than its component
   /// needs.
+  ///
+  /// With `limit`, it may stop as soon as some component provably needs more than `limit`: it then returns a value
+  /// above `limit` (a lower bound on the maximum) and leaves `copy_tokens` and `gpu_loads` unspecified.
   std::int64_t solve_core(std::span<const std::int64_t> base, std::span<const std::int64_t> shared_loads,
                           std::span<const std::int32_t> copy_offsets, std::span<const std::int32_t> copy_gpu,
-                          std::span<std::int64_t> copy_tokens, std::span<std::int64_t> gpu_loads) {
+                          std::span<std::int64_t> copy_tokens, std::span<std::int64_t> gpu_loads,
+                          std::int64_t limit = std::numeric_limits<std::int64_t>::max()) {
     const int num_gpus = static_cast<int>(base.size());
     const int num_shared = static_cast<int>(shared_loads.size());
     const int num_copies = static_cast<int>(copy_gpu.size());
@@ -161,7 +166,10 @@ public:
     queue_.resize(static_cast<std::size_t>(num_shared) + num_gpus);
     stamp_ = 0;
     for (int k = 0; k < num_comps; ++k)
-      solve_component(k, base, shared_loads, copy_offsets, copy_gpu, copy_tokens, gpu_loads);
+      if (const std::int64_t t = solve_component(k, base, shared_loads, copy_offsets, copy_gpu, copy_tokens, gpu_loads,
+                                                 limit);
+          t > limit)
+        return t;
     return max_of(gpu_loads);
   }
 
@@ -185,9 +193,11 @@ private:
     if (a != b) parent_[std::max(a, b)] = std::min(a, b);
   }
 
-  void solve_component(int k, std::span<const std::int64_t> base, std::span<const std::int64_t> shared_loads,
-                       std::span<const std::int32_t> copy_offsets, std::span<const std::int32_t> copy_gpu,
-                       std::span<std::int64_t> copy_tokens, std::span<std::int64_t> gpu_loads) {
+  /// Balances component `k`; returns its maximum, or early a lower bound on it above `limit`.
+  std::int64_t solve_component(int k, std::span<const std::int64_t> base, std::span<const std::int64_t> shared_loads,
+                               std::span<const std::int32_t> copy_offsets, std::span<const std::int32_t> copy_gpu,
+                               std::span<std::int64_t> copy_tokens, std::span<std::int64_t> gpu_loads,
+                               std::int64_t limit) {
     const std::span<const std::int32_t> gpus(comp_gpus_.data() + comp_gpu_off_[k],
                                              comp_gpu_off_[k + 1] - comp_gpu_off_[k]);
     const std::span<const std::int32_t> exps(comp_exps_.data() + comp_exp_off_[k],
@@ -204,6 +214,7 @@ private:
     }
     const auto n = static_cast<std::int64_t>(gpus.size());
     std::int64_t t = std::max(max_base, (total + n - 1) / n);
+    if (t > limit) return t;
     for (std::int32_t g : gpus)
       gpu_res_[g] = t - base[g];
     // Greedy start: most experts fit where they first look, which leaves few augmenting paths to find.
@@ -236,11 +247,13 @@ private:
       // `next > t` holds by the max-flow min-cut argument; the guard keeps a bug from looping forever.
       const std::int64_t raise = std::max<std::int64_t>(next - t, 1);
       t += raise;
+      if (t > limit) return t;
       for (std::int32_t g : gpus)
         gpu_res_[g] += raise;
     }
     for (std::int32_t g : gpus)
       gpu_loads[g] = t - gpu_res_[g];
+    return t;
   }
 
   /// One BFS from every expert with unsent tokens; pushes along the first path found. Returns the amount pushed,
