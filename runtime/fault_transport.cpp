@@ -14,8 +14,8 @@ namespace {
 
 class FaultTransport final : public Transport {
 public:
-  FaultTransport(std::unique_ptr<Transport> inner, std::shared_ptr<const FaultSchedule> f)
-      : inner_(std::move(inner)), f_(std::move(f)) {}
+  FaultTransport(std::unique_ptr<Transport> inner, std::shared_ptr<const FaultSchedule> f, bool host_memory)
+      : inner_(std::move(inner)), f_(std::move(f)), host_memory_(host_memory) {}
 
   Status start(const CopyOp &op, std::uint64_t &handle) override {
     const std::uint64_t h = mix64(f_->seed ^ mix64(op.fault_key));
@@ -38,8 +38,46 @@ public:
     ops_[handle] = p;
     return Status::success();
   }
+  // Paired operations are always posted (skipping one would shift the pairing of everything after it); faults
+  // act on what the group reports: a failure, one flipped byte in received host bytes, or a late completion.
+  Status start_peer(std::span<PeerOp> ops, std::uint64_t &handle) override {
+    std::uint64_t inner = 0;
+    if (Status st = inner_->start_peer(ops, inner); !st.ok()) return st;
+    std::lock_guard lock(mu_);
+    handle = next_++;
+    PeerPending p;
+    p.inner = inner;
+    p.ops = ops;
+    peer_[handle] = p;
+    return Status::success();
+  }
   Status query(std::uint64_t handle, double &seconds) override {
     std::lock_guard lock(mu_);
+    if (auto pi = peer_.find(handle); pi != peer_.end()) {
+      PeerPending &p = pi->second;
+      if (!p.landed) {
+        Status st = inner_->query(p.inner, seconds);
+        if (st.code() == StatusCode::in_progress) return st;
+        p.landed = true;
+        p.result = st;
+        p.seconds = seconds;
+        auto uniform = [](std::uint64_t x) { return static_cast<double>(x >> 11) * 0x1.0p-53; };
+        for (PeerOp &op : p.ops) {
+          const std::uint64_t h = mix64(f_->seed ^ mix64(op.fault_key));
+          if (uniform(mix64(h + 1)) < f_->fail_probability && p.result.ok())
+            p.result = {StatusCode::device_error, "injected peer transfer failure"};
+          if (!op.send && host_memory_ && op.num_bytes > 0 && uniform(mix64(h + 2)) < f_->corrupt_probability)
+            op.buf[op.num_bytes - 1] ^= std::byte{0x5a};
+          if (uniform(mix64(h + 3)) < f_->delay_probability)
+            p.release = std::chrono::steady_clock::now() + std::chrono::microseconds(f_->delay_us);
+        }
+      }
+      if (std::chrono::steady_clock::now() < p.release) return {StatusCode::in_progress, ""};
+      seconds = p.seconds;
+      Status st = p.result;
+      peer_.erase(pi);
+      return st;
+    }
     auto it = ops_.find(handle);
     if (it == ops_.end()) return {StatusCode::invalid_argument, "fault transport: unknown copy handle"};
     Pending &p = it->second;
@@ -89,8 +127,18 @@ private:
     bool failed = false, started = false;
     std::chrono::steady_clock::time_point release{};
   };
+  struct PeerPending {
+    std::uint64_t inner = 0;
+    std::span<PeerOp> ops;
+    bool landed = false;
+    Status result;
+    double seconds = 0.0;
+    std::chrono::steady_clock::time_point release{};
+  };
   std::unique_ptr<Transport> inner_;
   std::shared_ptr<const FaultSchedule> f_;
+  bool host_memory_ = false;
+  std::unordered_map<std::uint64_t, PeerPending> peer_;
   std::mutex mu_;
   std::uint64_t next_ = 1;
   std::unordered_map<std::uint64_t, Pending> ops_;
@@ -99,8 +147,8 @@ private:
 } // namespace
 
 std::unique_ptr<Transport> make_fault_transport(std::unique_ptr<Transport> inner,
-                                                std::shared_ptr<const FaultSchedule> faults) {
-  return std::make_unique<FaultTransport>(std::move(inner), std::move(faults));
+                                                std::shared_ptr<const FaultSchedule> faults, bool host_memory) {
+  return std::make_unique<FaultTransport>(std::move(inner), std::move(faults), host_memory);
 }
 
 } // namespace runtime::detail

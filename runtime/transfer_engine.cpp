@@ -8,6 +8,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <thread>
 
@@ -51,13 +52,20 @@ struct LayerState {
   std::vector<MirrorRegion> mirrors; // per node
   std::vector<SlotRegion> grads;     // per GPU
   std::int64_t grad_bytes = 0;
-  LayerPlacement resident;           // valid copies
+  LayerPlacement resident;           // valid copies (other processes' GPUs: as planned)
+  LayerPlacement planned;            // multi-process: the placement every submitted move leads to
   std::vector<std::uint8_t> buffer;  // per physical slot: the buffer holding the valid copy
   transfer::TransferPlan last_plan;
 };
 
+// Who carries a chunk in this process: itself (both ends local, or the local mirror), one side of a paired
+// transfer with another process, or nobody.
+enum class Role : std::uint8_t { local, send, recv, none };
+
 struct ChunkRun {
   transfer::Chunk c;
+  Role role = Role::local;
+  bool peer_done = false; // a paired transfer's outcome arrived
   int attempts = 0;
   bool in_flight = false, done = false;
   std::vector<std::uint64_t> handles;
@@ -67,9 +75,12 @@ struct ChunkRun {
 };
 
 struct MoveRun {
-  int gpu_src = -1, gpu_src_slot = -1; // a GPU source for retries (-1: none)
-  bool finished = false, failed = false, checked = false;
+  int gpu_src = -1, gpu_src_slot = -1; // a local GPU source for retries (-1: none)
+  bool finished = false, failed = false, checked = false, remote = false;
+  bool have_sum = false;               // src_sum known (from a local source or a sender's header)
   std::uint64_t src_sum = 0;
+  bool have_send_sum = false;          // this process sends chunks of the move: checksum of its source
+  std::uint64_t send_sum = 0;
   int verify_rounds = 0;
   std::vector<int> chunk_idx; // its chunks in TicketImpl::chunks
   std::int64_t path_bytes[transfer::num_paths] = {0, 0, 0};
@@ -80,6 +91,7 @@ struct MoveRun {
 // One replica gradient on its way to the owner: copied into `staging` on the owner GPU, then accumulated.
 struct ReduceRun {
   int expert = 0, gpu = 0, slot = 0, owner = 0, owner_slot = 0;
+  Role role = Role::local;
   std::byte *staging = nullptr;
   ChunkRun copy;
   double start = -1.0, end = 0.0;
@@ -111,27 +123,52 @@ struct TicketImpl {
   std::vector<MoveTelemetry> telemetry;
   volatile std::uint32_t *flag = nullptr;
   std::shared_ptr<Transport> transport;
+  std::vector<int> reads; // physical slots read as sources (sorted)
+
+  // Paired transfers with other processes: posted once, in submission order, one group per round.
+  struct PeerGroup {
+    std::size_t begin = 0, end = 0;
+    std::uint64_t handle = 0;
+    bool pending = false;
+    Status status;
+  };
+  bool has_peer = false, peer_posted = false;
+  std::atomic<bool> peer_outstanding{false};
+  std::vector<PeerOp> peer_ops;
+  std::vector<int> peer_item; // per op: its chunk (moves) or reduction (reduce)
+  std::vector<std::uint64_t> peer_tag; // per op: what a valid header names
+  std::vector<PeerGroup> peer_groups;
+  std::vector<std::pair<int, std::byte *>> scratch; // per local GPU: what ops of an abandoned batch read and write
 
   ~TicketImpl() {
     if (flag != nullptr && transport) transport->free_flag(flag);
     for (ReduceRun &r : reduces)
       if (r.staging != nullptr && transport) transport->free(r.owner, r.staging);
+    for (auto &[gpu, p] : scratch)
+      if (transport) transport->free(gpu, p);
   }
   [[nodiscard]] bool finished() const noexcept {
     return state.load(std::memory_order_acquire) != static_cast<int>(TicketState::pending);
   }
+  /// Finished, and no paired transfer of it can still write its slots.
+  [[nodiscard]] bool busy() const noexcept { return !finished() || peer_outstanding.load(std::memory_order_acquire); }
 };
 
 class EngineImpl {
 public:
   EngineImpl(EngineOptions o, std::shared_ptr<Transport> t) : opts_(std::move(o)), transport_(std::move(t)) {
     const int num_gpus = opts_.topology.num_gpus();
+    local_.assign(static_cast<std::size_t>(num_gpus), opts_.peers.local_gpus.empty() ? 1 : 0);
+    for (int g : opts_.peers.local_gpus)
+      local_[g] = 1;
+    spmd_ = std::find(local_.begin(), local_.end(), 0) != local_.end();
     layers_.resize(static_cast<std::size_t>(opts_.num_layers));
     for (LayerState &ls : layers_) {
       ls.slots.resize(num_gpus);
       ls.grads.resize(num_gpus);
       ls.mirrors.resize(opts_.topology.num_nodes);
       ls.resident = LayerPlacement(num_gpus, opts_.topology.slots_per_gpu, opts_.num_experts);
+      ls.planned = ls.resident;
       ls.buffer.assign(static_cast<std::size_t>(ls.resident.num_slots()), 0);
     }
     prefix_.push_back(0);
@@ -140,7 +177,8 @@ public:
     progress_ = std::thread([this] { run(); });
   }
   ~EngineImpl() {
-    // Running batches end aborted (bounded by their deadlines) before the thread stops.
+    // Running batches end aborted (bounded by their deadlines) before the thread stops; paired transfers another
+    // process never matched are dropped with the transport.
     {
       std::lock_guard lock(mu_);
       for (auto &t : active_)
@@ -158,6 +196,7 @@ public:
     if (Status st = check_layer(layer, what); !st.ok()) return st;
     if (idx < 0 || idx >= opts_.topology.num_gpus())
       return bad(what, ": GPU ", idx, " outside [0, ", opts_.topology.num_gpus(), ")");
+    if (!local_[idx]) return bad(what, ": GPU ", idx, " is driven by another process (peers.local_gpus)");
     if (r.base == nullptr) return bad(what, ": null base for GPU ", idx);
     if (r.num_slots != opts_.topology.slots_per_gpu)
       return bad(what, ": GPU ", idx, " has ", r.num_slots, " slots, the topology ", opts_.topology.slots_per_gpu);
@@ -187,6 +226,10 @@ public:
     if (node < 0 || node >= opts_.topology.num_nodes)
       return bad("register_mirror: node ", node, " outside [0, ", opts_.topology.num_nodes, ")");
     if (m.base == nullptr) return bad("register_mirror: null base for node ", node);
+    bool has_local = false;
+    for (int g = 0; g < opts_.topology.gpus_per_node; ++g)
+      has_local = has_local || local_[node * opts_.topology.gpus_per_node + g];
+    if (!has_local) return bad("register_mirror: node ", node, " has no GPU this engine drives");
     if (m.num_experts != opts_.num_experts)
       return bad("register_mirror: ", m.num_experts, " experts, the engine has ", opts_.num_experts);
     if (m.expert_stride_bytes < span_end())
@@ -217,9 +260,10 @@ public:
     }
     std::lock_guard lock(mu_);
     for (auto &t : active_)
-      if (t->layer == layer && !t->finished()) return {StatusCode::invalid_argument, "set_resident: layer " + std::to_string(layer) +
+      if (t->layer == layer && t->busy()) return {StatusCode::invalid_argument, "set_resident: layer " + std::to_string(layer) +
                                                                        " has batches in flight"};
     layers_[layer].resident = p;
+    layers_[layer].planned = p;
     return Status::success();
   }
 
@@ -234,63 +278,103 @@ public:
     t->dst_buffer = b.dst_buffer;
     std::lock_guard lock(mu_);
     LayerState &ls = layers_[b.layer];
-    // Every GPU a chunk may touch must be registered; planning sees only copies no other batch is writing.
+    // Every local GPU a chunk may write must be registered.
     for (const Move &m : b.moves) {
       if (m.dst_gpu < 0 || m.dst_gpu >= topo.num_gpus())
         return bad("submit: move of expert ", m.expert, " targets GPU ", m.dst_gpu);
+      if (!local_[m.dst_gpu]) continue;
       if (ls.slots[m.dst_gpu].base == nullptr)
         return bad("submit: layer ", b.layer, " GPU ", m.dst_gpu, " has no registered slots");
       if (b.dst_buffer < 0 || b.dst_buffer >= ls.slots[m.dst_gpu].num_buffers)
         return bad("submit: dst_buffer ", b.dst_buffer, " but GPU ", m.dst_gpu, " has ",
                    ls.slots[m.dst_gpu].num_buffers, " buffers per slot");
     }
-    std::vector<char> written(static_cast<std::size_t>(ls.resident.num_slots()), 0);
-    for (auto &a : active_)
-      if (a->layer == b.layer && a->kind == TicketImpl::Kind::moves)
-        for (int p : a->touched)
-          written[p] = 1;
-    LayerPlacement view = ls.resident;
-    for (int g = 0; g < topo.num_gpus(); ++g)
-      for (int s = 0; s < slots; ++s)
-        if (written[static_cast<std::size_t>(g) * slots + s] || ls.slots[g].base == nullptr) view.slot(g, s) = empty_slot;
     transfer::Options popt = opts_.planning;
-    bool all_mirrors = true;
-    for (const Move &m : b.moves)
-      all_mirrors = all_mirrors && ls.mirrors[topo.node_of(m.dst_gpu)].base != nullptr;
-    popt.host_mirror = popt.host_mirror && all_mirrors;
+    LayerPlacement view;
+    if (spmd_) {
+      // Every process must derive the same chunks: plan on the placement as planned, whatever has landed yet. A
+      // source still being written is waited for (slot hazards below), and one whose move failed sends a header
+      // saying so.
+      view = ls.planned;
+      if (popt.host_mirror)
+        for (const Move &m : b.moves)
+          if (local_[m.dst_gpu] && ls.mirrors[topo.node_of(m.dst_gpu)].base == nullptr)
+            return bad("submit: planning.host_mirror is set but node ", topo.node_of(m.dst_gpu),
+                       " has no registered mirror for layer ", b.layer,
+                       " (multi-process use declares the mirrors of every node)");
+    } else {
+      // Planning sees only copies no other batch is writing.
+      std::vector<char> written(static_cast<std::size_t>(ls.resident.num_slots()), 0);
+      for (auto &a : active_)
+        if (a->layer == b.layer && a->kind == TicketImpl::Kind::moves && a->busy())
+          for (int p : a->touched)
+            written[p] = 1;
+      view = ls.resident;
+      for (int g = 0; g < topo.num_gpus(); ++g)
+        for (int s = 0; s < slots; ++s)
+          if (written[static_cast<std::size_t>(g) * slots + s] || ls.slots[g].base == nullptr)
+            view.slot(g, s) = empty_slot;
+      bool all_mirrors = true;
+      for (const Move &m : b.moves)
+        all_mirrors = all_mirrors && ls.mirrors[topo.node_of(m.dst_gpu)].base != nullptr;
+      popt.host_mirror = popt.host_mirror && all_mirrors;
+    }
     try {
       t->plan = transfer::plan_transfers(b.moves, view, topo, popt);
     } catch (const Error &err) {
       return {StatusCode::invalid_argument, std::string("submit: ") + err.what()};
     }
+    for (const transfer::Chunk &c : t->plan.chunks)
+      if (c.path != transfer::Path::pcie && local_[c.src_gpu] && ls.slots[c.src_gpu].base == nullptr)
+        return bad("submit: layer ", b.layer, " GPU ", c.src_gpu, " holds a source of expert ", c.expert,
+                   " but has no registered slots");
     for (const Move &m : b.moves)
-      t->touched.push_back(m.dst_gpu * slots + m.dst_slot);
-    std::sort(t->touched.begin(), t->touched.end());
-    t->after = overlapping(b.layer, t->touched);
+      if (local_[m.dst_gpu]) t->touched.push_back(m.dst_gpu * slots + m.dst_slot);
     t->moves.resize(b.moves.size());
     for (std::size_t i = 0; i < b.moves.size(); ++i) {
       MoveRun &mr = t->moves[i];
-      // A GPU source for retries: the plan's, else any copy that stays in place, in the node first.
       const Move &m = b.moves[i];
+      mr.remote = !local_[m.dst_gpu];
+      if (mr.remote) continue;
+      // A local GPU source for retries: any copy that stays in place, in the node first.
       int best = -1, best_slot = -1;
       for (int g = 0; g < topo.num_gpus(); ++g)
         for (int s = 0; s < slots; ++s)
-          if (g != m.dst_gpu && view.slot(g, s) == m.expert &&
+          if (g != m.dst_gpu && local_[g] && ls.slots[g].base != nullptr && view.slot(g, s) == m.expert &&
               !std::binary_search(t->touched.begin(), t->touched.end(), g * slots + s)) {
-            const bool local = topo.node_of(g) == topo.node_of(m.dst_gpu);
-            if (!local && !popt.allow_network) continue;
-            if (best < 0 || (local && topo.node_of(best) != topo.node_of(m.dst_gpu))) best = g, best_slot = s;
+            const bool same_node = topo.node_of(g) == topo.node_of(m.dst_gpu);
+            if (!same_node && !popt.allow_network) continue;
+            if (best < 0 || (same_node && topo.node_of(best) != topo.node_of(m.dst_gpu))) best = g, best_slot = s;
           }
       mr.gpu_src = best;
       mr.gpu_src_slot = best_slot;
+      if (best >= 0) t->reads.push_back(best * slots + best_slot);
     }
+    std::sort(t->touched.begin(), t->touched.end());
     t->chunks.reserve(t->plan.chunks.size());
     for (const transfer::Chunk &c : t->plan.chunks) {
       t->moves[c.move_idx].chunk_idx.push_back(static_cast<int>(t->chunks.size()));
       ChunkRun cr;
       cr.c = c;
+      const bool dst_local = local_[c.dst_gpu];
+      if (c.path == transfer::Path::pcie) {
+        cr.role = dst_local ? Role::local : Role::none;
+      } else {
+        const bool src_local = local_[c.src_gpu];
+        cr.role = dst_local && src_local ? Role::local : dst_local ? Role::recv : src_local ? Role::send : Role::none;
+        if (src_local) t->reads.push_back(c.src_gpu * slots + c.src_slot);
+      }
+      t->has_peer = t->has_peer || cr.role == Role::send || cr.role == Role::recv;
       t->chunks.push_back(std::move(cr));
     }
+    std::sort(t->reads.begin(), t->reads.end());
+    t->reads.erase(std::unique(t->reads.begin(), t->reads.end()), t->reads.end());
+    t->after = overlapping(b.layer, t->touched, t->reads);
+    if (spmd_)
+      for (const Move &m : b.moves) {
+        ls.planned.slot(m.dst_gpu, m.dst_slot) = m.expert;
+        if (!local_[m.dst_gpu]) ls.resident.slot(m.dst_gpu, m.dst_slot) = m.expert;
+      }
     t->host_mirror = popt.host_mirror;
     ls.last_plan = t->plan;
     return finish_submit(t, b.timeout, {b.sources_ready, b.slots_free}, out, made);
@@ -308,35 +392,44 @@ public:
     t->layer = b.layer;
     std::lock_guard lock(mu_);
     LayerState &ls = layers_[b.layer];
-    if (ls.grad_bytes == 0) return bad("submit_reduce: layer ", b.layer, " has no registered gradients");
+    bool registered = false;
+    for (int g = 0; g < topo.num_gpus(); ++g)
+      registered = registered || ls.grads[g].base != nullptr;
+    if (!registered) return bad("submit_reduce: layer ", b.layer, " has no registered gradients");
+    // Multi-process: every process enumerates the same replicas (from the planned placement); a sender whose
+    // replica is not valid says so in its header.
+    const LayerPlacement &where = spmd_ ? ls.planned : ls.resident;
     for (int e = 0; e < opts_.num_experts; ++e) {
       const int o = b.owner_gpu[e];
       if (o < 0 || o >= topo.num_gpus()) return bad("submit_reduce: expert ", e, " has owner GPU ", o);
       int owner_slot = -1;
       for (int s = 0; s < slots; ++s)
-        if (ls.resident.slot(o, s) == e) owner_slot = s;
+        if (where.slot(o, s) == e) owner_slot = s;
       bool any = false;
       for (int g = 0; g < topo.num_gpus(); ++g)
         for (int s = 0; s < slots; ++s)
-          if (g != o && ls.resident.slot(g, s) == e) {
+          if (g != o && where.slot(g, s) == e) {
             if (owner_slot < 0)
               return bad("submit_reduce: expert ", e, " has a replica on GPU ", g, " but its owner GPU ", o,
                          " holds no valid copy");
-            if (ls.grads[g].base == nullptr || ls.grads[o].base == nullptr)
-              return bad("submit_reduce: gradients of GPU ", ls.grads[g].base == nullptr ? g : o, " layer ", b.layer,
-                         " are not registered");
             ReduceRun r;
             r.expert = e, r.gpu = g, r.slot = s, r.owner = o, r.owner_slot = owner_slot;
+            r.role = local_[g] && local_[o] ? Role::local : local_[o] ? Role::recv : local_[g] ? Role::send : Role::none;
+            for (int x : {g, o})
+              if (local_[x] && ls.grads[x].base == nullptr)
+                return bad("submit_reduce: gradients of GPU ", x, " layer ", b.layer, " are not registered");
+            t->has_peer = t->has_peer || r.role == Role::send || r.role == Role::recv;
             t->reduces.push_back(r);
-            t->touched.push_back(g * slots + s);
-            any = true;
+            if (local_[g]) t->touched.push_back(g * slots + s);
+            any = any || local_[o];
           }
       if (any) t->touched.push_back(o * slots + owner_slot);
     }
     std::sort(t->touched.begin(), t->touched.end());
     t->touched.erase(std::unique(t->touched.begin(), t->touched.end()), t->touched.end());
-    t->after = overlapping(b.layer, t->touched);
+    t->after = overlapping(b.layer, t->touched, t->reads);
     for (ReduceRun &r : t->reduces) {
+      if (r.role == Role::send || r.role == Role::none) continue;
       if (Status st = transport_->alloc(r.owner, ls.grad_bytes, r.staging); !st.ok()) {
         t->transport = transport_; // frees what was allocated
         return st;
@@ -382,15 +475,21 @@ private:
       end = std::max(end, t.offset_bytes + t.num_bytes);
     return end;
   }
-  // Active batches of `layer` touching any of `slots` (sorted); the caller holds `mu_`.
-  std::vector<std::shared_ptr<TicketImpl>> overlapping(int layer, const std::vector<int> &slots) const {
+  // Busy batches of `layer` that write what a new batch touches or reads, or read what it writes (all sorted);
+  // the caller holds `mu_`.
+  std::vector<std::shared_ptr<TicketImpl>> overlapping(int layer, const std::vector<int> &writes,
+                                                       const std::vector<int> &reads) const {
+    auto meet = [](const std::vector<int> &x, const std::vector<int> &y) {
+      for (std::size_t i = 0, j = 0; i < x.size() && j < y.size();)
+        if (x[i] == y[j]) return true;
+        else if (x[i] < y[j]) ++i;
+        else ++j;
+      return false;
+    };
     std::vector<std::shared_ptr<TicketImpl>> out;
     for (const auto &a : active_) {
-      if (a->layer != layer || a->finished()) continue;
-      std::vector<int> common;
-      std::set_intersection(a->touched.begin(), a->touched.end(), slots.begin(), slots.end(),
-                            std::back_inserter(common));
-      if (!common.empty()) out.push_back(a);
+      if (a->layer != layer || !a->busy()) continue;
+      if (meet(a->touched, writes) || meet(a->touched, reads) || meet(a->reads, writes)) out.push_back(a);
     }
     return out;
   }
@@ -407,6 +506,10 @@ private:
     t->t0 = clock::now();
     t->deadline = t->t0 + timeout;
     active_.push_back(t);
+    if (t->has_peer) {
+      peer_order_.push_back(t.get());
+      t->peer_outstanding.store(true, std::memory_order_release);
+    }
     made = t;
     (void)out;
     cv_.notify_all();
@@ -418,8 +521,9 @@ private:
   void run() {
     std::unique_lock lock(mu_);
     for (;;) {
+      if (stopping_ && std::all_of(active_.begin(), active_.end(), [](const auto &t) { return t->finished(); }))
+        return;
       if (active_.empty()) {
-        if (stopping_) return;
         cv_.wait(lock, [&] { return stopping_ || !active_.empty(); });
         continue;
       }
@@ -428,7 +532,7 @@ private:
       for (auto &t : batch)
         step(*t);
       lock.lock();
-      std::erase_if(active_, [](const auto &t) { return t->finished(); });
+      std::erase_if(active_, [](const auto &t) { return !t->busy(); });
       if (!active_.empty()) cv_.wait_for(lock, std::chrono::microseconds(50));
     }
   }
@@ -449,6 +553,16 @@ private:
     void *src_base;
     {
       std::lock_guard lock(mu_);
+      if (c.path != transfer::Path::pcie && ls.resident.slot(c.src_gpu, c.src_slot) != c.expert) {
+        // Multi-process: planned there, but its move failed here. Fails at once; the retry takes the other path.
+        ++cr.attempts;
+        ++t.moves[move_idx].attempts;
+        cr.handles.clear();
+        cr.segment_failed = true;
+        cr.pending = 0;
+        cr.in_flight = true;
+        return false;
+      }
       src_base = c.path == transfer::Path::pcie
                      ? static_cast<std::byte *>(const_cast<void *>(ls.mirrors[opts_.topology.node_of(c.dst_gpu)].base)) +
                            c.expert * ls.mirrors[opts_.topology.node_of(c.dst_gpu)].expert_stride_bytes
@@ -501,19 +615,27 @@ private:
     return !cr.in_flight;
   }
 
-  // Moves the chunk to the other path where there is one (mirror <-> a GPU copy).
-  void switch_path(const TicketImpl &t, ChunkRun &cr, const MoveRun &mr) const {
+  // Moves the chunk to the other path where there is one (mirror <-> a local GPU copy). A paired transfer is
+  // never posted again (its sender would not know), so a received chunk without a local alternative is lost:
+  // returns false then.
+  bool switch_path(const TicketImpl &t, ChunkRun &cr, const MoveRun &mr) const {
     transfer::Chunk &c = cr.c;
+    const bool was_peer = cr.role != Role::local;
     if (c.path != transfer::Path::pcie && t.host_mirror) {
       c.path = transfer::Path::pcie;
       c.src_gpu = host_mirror;
       c.src_slot = -1;
-    } else if (c.path == transfer::Path::pcie && mr.gpu_src >= 0) {
+    } else if ((c.path == transfer::Path::pcie || was_peer) && mr.gpu_src >= 0) {
       c.src_gpu = mr.gpu_src;
       c.src_slot = mr.gpu_src_slot;
       c.path = opts_.topology.node_of(mr.gpu_src) == opts_.topology.node_of(c.dst_gpu) ? transfer::Path::nvlink
                                                                                        : transfer::Path::network;
+    } else if (was_peer) {
+      return false;
     }
+    cr.role = Role::local;
+    cr.peer_done = false;
+    return true;
   }
 
   // Checksum of an expert's bytes in a slot or mirror entry (tensor by tensor, combined).
@@ -530,16 +652,22 @@ private:
   }
 
   void step(TicketImpl &t) {
-    if (t.finished()) return;
+    if (t.finished()) {
+      // An ended batch still posts its paired transfers in turn (on scratch memory) and collects them.
+      if (t.has_peer && !t.peer_posted) post_peer(t, true);
+      else if (t.peer_outstanding.load(std::memory_order_relaxed)) poll_peer(t);
+      return;
+    }
+    if (t.peer_posted && t.peer_outstanding.load(std::memory_order_relaxed)) poll_peer(t);
     const double now_s = std::chrono::duration<double>(clock::now() - t.t0).count();
     if (!t.draining && (t.abort_requested || clock::now() > t.deadline)) {
       t.draining = true;
       t.drain_reason = t.abort_requested ? StatusCode::aborted : StatusCode::timed_out;
     }
     if (!t.gated) {
-      if (t.draining) return end(t);
+      if (t.draining) return end(t); // its paired transfers are still posted, in turn, on scratch memory
       for (auto &a : t.after)
-        if (!a->finished()) return;
+        if (a->busy()) return;
       for (const Gate &g : t.gates) {
         bool ready = false;
         if (Status st = transport_->gate(g, ready); !st.ok()) {
@@ -552,14 +680,180 @@ private:
       }
       t.gated = true;
       if (t.kind == TicketImpl::Kind::moves) start_moves(t, now_s);
-      else
-        for (ReduceRun &r : t.reduces)
-          issue_reduce(t, r, now_s);
+      else start_reduce(t, now_s);
       return;
     }
     if (t.kind == TicketImpl::Kind::moves) step_moves(t, now_s);
     else step_reduce(t, now_s);
   }
+
+  // --- paired transfers with other processes ---------------------------------------------------------------------
+
+  std::byte *scratch(TicketImpl &t, int gpu, std::int64_t need) {
+    for (auto &[g, p] : t.scratch)
+      if (g == gpu) return p;
+    std::byte *p = nullptr;
+    if (!transport_->alloc(gpu, need, p).ok()) return nullptr;
+    t.scratch.emplace_back(gpu, p);
+    return p;
+  }
+
+  // Posts the batch's paired transfers once it is the oldest batch of this engine with any, one group per round
+  // (moves) or one group (reduce). `discard`: the batch is abandoned; sends read and receives write scratch memory
+  // and every header says "not valid". Returns false while older batches have not posted theirs.
+  bool post_peer(TicketImpl &t, bool discard) {
+    {
+      std::lock_guard lock(mu_);
+      if (peer_order_.empty() || peer_order_.front() != &t) return false;
+    }
+    LayerState &ls = layers_[t.layer];
+    const int slots = opts_.topology.slots_per_gpu;
+    std::vector<int> group_of;
+    // `tag` names what the bytes are (both sides compute it): a receiver accepts only its own tag, so batches
+    // that differ between processes fail instead of landing the wrong expert.
+    auto add = [&](bool send, int local, int peer, std::byte *buf, std::int64_t n, bool valid, std::uint64_t sum,
+                   int item, int group, std::uint64_t tag) {
+      PeerOp op;
+      op.send = send;
+      op.local_gpu = local;
+      op.peer_gpu = peer;
+      op.buf = buf;
+      op.num_bytes = n;
+      op.header[0] = send && valid ? tag : 0;
+      op.header[1] = send && valid ? sum : 0;
+      op.fault_key = mix64(t.serial) ^ tag;
+      t.peer_ops.push_back(op);
+      t.peer_item.push_back(item);
+      t.peer_tag.push_back(tag);
+      group_of.push_back(group);
+    };
+    auto tag_of = [&](std::initializer_list<std::int64_t> v) {
+      std::uint64_t h = mix64(static_cast<std::uint64_t>(t.layer));
+      for (std::int64_t x : v)
+        h = mix64(h ^ static_cast<std::uint64_t>(x));
+      return h | 1; // never 0, which says "not valid"
+    };
+    std::int64_t biggest = 0;
+    if (t.kind == TicketImpl::Kind::moves) {
+      for (std::size_t i = 0; i < t.chunks.size(); ++i) {
+        ChunkRun &cr = t.chunks[i];
+        if (cr.role != Role::send && cr.role != Role::recv) continue;
+        const transfer::Chunk &c = cr.c;
+        MoveRun &mr = t.moves[c.move_idx];
+        const bool send = cr.role == Role::send;
+        bool valid = false;
+        std::byte *base = nullptr;
+        if (send) {
+          std::lock_guard lock(mu_);
+          valid = ls.resident.slot(c.src_gpu, c.src_slot) == c.expert;
+          base = slot_base(ls, c.src_gpu, c.src_slot, ls.buffer[c.src_gpu * slots + c.src_slot]);
+        } else {
+          base = slot_base(ls, c.dst_gpu, c.dst_slot, t.dst_buffer);
+        }
+        if (send && valid && opts_.verify && !mr.have_send_sum && !discard) {
+          valid = expert_sum(c.src_gpu, base, mr.send_sum).ok();
+          mr.have_send_sum = valid;
+        }
+        for (std::size_t ti = 0; ti < opts_.tensors.size(); ++ti) {
+          const std::int64_t lo = std::max(c.offset_bytes, prefix_[ti]),
+                             hi = std::min(c.offset_bytes + c.num_bytes, prefix_[ti + 1]);
+          if (lo >= hi) continue;
+          biggest = std::max(biggest, hi - lo);
+          add(send, send ? c.src_gpu : c.dst_gpu, send ? c.dst_gpu : c.src_gpu,
+              at(base, static_cast<int>(ti), lo - prefix_[ti]), hi - lo, valid && !discard, mr.send_sum,
+              static_cast<int>(i), c.round,
+              tag_of({c.expert, c.src_gpu, c.src_slot, c.dst_gpu, c.dst_slot, lo, hi}));
+        }
+      }
+    } else {
+      for (std::size_t i = 0; i < t.reduces.size(); ++i) {
+        ReduceRun &r = t.reduces[i];
+        if (r.role != Role::send && r.role != Role::recv) continue;
+        const bool send = r.role == Role::send;
+        bool valid = false;
+        std::byte *buf = r.staging;
+        if (send) {
+          std::lock_guard lock(mu_);
+          valid = ls.resident.slot(r.gpu, r.slot) == r.expert;
+          buf = static_cast<std::byte *>(ls.grads[r.gpu].base) + r.slot * ls.grads[r.gpu].slot_stride_bytes;
+        }
+        biggest = std::max(biggest, ls.grad_bytes);
+        add(send, send ? r.gpu : r.owner, send ? r.owner : r.gpu, buf, ls.grad_bytes, valid && !discard, 0,
+            static_cast<int>(i), 0, tag_of({-1, r.expert, r.gpu, r.slot, r.owner, ls.grad_bytes}));
+      }
+    }
+    if (t.kind == TicketImpl::Kind::moves)
+      for (int item : t.peer_item)
+        ++t.chunks[item].pending;
+    if (discard)
+      for (PeerOp &op : t.peer_ops) {
+        std::byte *p = scratch(t, op.local_gpu, biggest);
+        if (p != nullptr && (op.send || t.kind == TicketImpl::Kind::moves)) op.buf = p;
+      }
+    for (std::size_t i = 0; i < t.peer_ops.size();) {
+      std::size_t j = i;
+      while (j < t.peer_ops.size() && group_of[j] == group_of[i])
+        ++j;
+      TicketImpl::PeerGroup g;
+      g.begin = i;
+      g.end = j;
+      g.status = transport_->start_peer(std::span<PeerOp>(t.peer_ops.data() + i, j - i), g.handle);
+      g.pending = g.status.ok();
+      t.peer_groups.push_back(g);
+      i = j;
+    }
+    t.peer_posted = true;
+    t.peer_outstanding.store(true, std::memory_order_release);
+    {
+      std::lock_guard lock(mu_);
+      peer_order_.pop_front();
+    }
+    poll_peer(t);
+    return true;
+  }
+
+  // Collects finished groups and hands their outcome to chunks or reductions (unless the batch already ended).
+  void poll_peer(TicketImpl &t) {
+    bool pending = false;
+    for (TicketImpl::PeerGroup &g : t.peer_groups) {
+      if (g.pending) {
+        double secs = 0;
+        Status st = transport_->query(g.handle, secs);
+        if (st.code() == StatusCode::in_progress) {
+          pending = true;
+          continue;
+        }
+        g.pending = false;
+        g.status = st;
+      } else if (g.end == g.begin) {
+        continue;
+      }
+      // Outcome of every op of the group, once.
+      for (std::size_t k = g.begin; k < g.end; ++k) {
+        const PeerOp &op = t.peer_ops[k];
+        const bool ok = g.status.ok() && (op.send || op.header[0] == t.peer_tag[k]);
+        if (t.finished()) continue;
+        if (t.kind == TicketImpl::Kind::moves) {
+          ChunkRun &cr = t.chunks[t.peer_item[k]];
+          if (!ok) cr.segment_failed = true;
+          if (!op.send && ok && opts_.verify) {
+            MoveRun &mr = t.moves[cr.c.move_idx];
+            if (!mr.have_sum) mr.src_sum = op.header[1], mr.have_sum = true;
+          }
+          if (--cr.pending == 0) cr.peer_done = true;
+        } else {
+          ReduceRun &r = t.reduces[t.peer_item[k]];
+          r.copy.segment_failed = !ok;
+          r.copy.pending = 0;
+          r.copy.peer_done = true;
+        }
+      }
+      g.end = g.begin; // consumed
+    }
+    if (!pending && t.peer_posted) t.peer_outstanding.store(false, std::memory_order_release);
+  }
+
+  // --- moves ---------------------------------------------------------------------------------------------------
 
   void start_moves(TicketImpl &t, double now_s) {
     LayerState &ls = layers_[t.layer];
@@ -568,7 +862,9 @@ private:
       // The destinations now hold partial bytes: not valid until their move ends (a double buffer keeps the old
       // copy valid in the other buffer).
       std::lock_guard lock(mu_);
-      for (const Move &m : t.plan.moves) {
+      for (std::size_t i = 0; i < t.plan.moves.size(); ++i) {
+        const Move &m = t.plan.moves[i];
+        if (t.moves[i].remote) continue;
         const int p = m.dst_gpu * slots + m.dst_slot;
         if (ls.buffer[p] == t.dst_buffer || ls.slots[m.dst_gpu].num_buffers == 1) ls.resident.slot(m.dst_gpu, m.dst_slot) = empty_slot;
       }
@@ -577,51 +873,90 @@ private:
       for (std::size_t i = 0; i < t.moves.size(); ++i) {
         const Move &m = t.plan.moves[i];
         MoveRun &mr = t.moves[i];
+        if (mr.remote) continue;
         void *base;
         int gpu;
         if (t.host_mirror) {
           const MirrorRegion &mir = ls.mirrors[opts_.topology.node_of(m.dst_gpu)];
           base = static_cast<std::byte *>(const_cast<void *>(mir.base)) + m.expert * mir.expert_stride_bytes;
           gpu = -1;
-        } else {
+        } else if (mr.gpu_src >= 0) {
+          std::unique_lock lock(mu_);
+          if (ls.resident.slot(mr.gpu_src, mr.gpu_src_slot) != m.expert) {
+            mr.gpu_src = -1; // planned there but not valid here (multi-process): no sum, no retry source
+            continue;
+          }
+          lock.unlock();
           gpu = mr.gpu_src;
           base = slot_base(ls, mr.gpu_src, mr.gpu_src_slot, ls.buffer[mr.gpu_src * slots + mr.gpu_src_slot]);
+        } else {
+          continue; // only another process holds it: its sender's header carries the checksum
         }
         if (!expert_sum(gpu, base, mr.src_sum).ok()) mr.failed = true;
+        mr.have_sum = true;
       }
-    for (ChunkRun &cr : t.chunks) {
+    for (std::size_t i = 0; i < t.chunks.size(); ++i) {
+      ChunkRun &cr = t.chunks[i];
       MoveRun &mr = t.moves[cr.c.move_idx];
-      if (mr.failed) continue;
+      if (cr.role == Role::none) {
+        cr.done = true;
+        continue;
+      }
       if (mr.start < 0) mr.start = now_s;
+      if (cr.role != Role::local) {
+        // Waits for its paired transfer; `pending` counts its ops until they are posted.
+        cr.in_flight = true;
+        cr.pending = 0;
+        ++cr.attempts;
+        ++mr.attempts;
+        continue;
+      }
+      if (mr.failed) continue;
       issue(t, cr, cr.c.move_idx);
     }
     step_moves(t, now_s);
   }
 
   void step_moves(TicketImpl &t, double now_s) {
+    if (t.has_peer && !t.peer_posted) post_peer(t, t.draining);
     LayerState &ls = layers_[t.layer];
     const int slots = opts_.topology.slots_per_gpu;
     bool in_flight = false;
     for (ChunkRun &cr : t.chunks) {
       MoveRun &mr = t.moves[cr.c.move_idx];
       if (!cr.in_flight) continue;
-      if (t.draining)
-        for (std::uint64_t &h : cr.handles)
-          if (h != 0 && transport_->cancel(h)) h = 0, --cr.pending, cr.segment_failed = true;
-      if (!poll(cr)) {
-        in_flight = true;
-        continue;
+      if (cr.role == Role::local) {
+        if (t.draining)
+          for (std::uint64_t &h : cr.handles)
+            if (h != 0 && transport_->cancel(h)) h = 0, --cr.pending, cr.segment_failed = true;
+        if (!poll(cr)) {
+          in_flight = true;
+          continue;
+        }
+      } else {
+        if (!cr.peer_done && t.draining) {
+          // Paired transfers cannot be cancelled: the chunk is lost, and the batch stays busy (its slots locked)
+          // until the transfer ends.
+          cr.in_flight = false;
+          mr.failed = true;
+          continue;
+        }
+        if (!cr.peer_done) {
+          in_flight = true;
+          continue;
+        }
+        cr.in_flight = false;
       }
       if (!cr.segment_failed) {
         cr.done = true;
         mr.path_bytes[static_cast<int>(cr.c.path)] += cr.c.num_bytes;
         continue;
       }
-      if (t.draining || mr.failed || cr.attempts >= opts_.max_attempts) {
+      if (cr.role == Role::send || t.draining || mr.failed || cr.attempts >= opts_.max_attempts ||
+          !switch_path(t, cr, mr)) {
         mr.failed = true;
         continue;
       }
-      switch_path(t, cr, mr);
       issue(t, cr, cr.c.move_idx);
       in_flight = true;
     }
@@ -640,14 +975,22 @@ private:
         continue;
       }
       if (!all_done) continue;
+      if (mr.remote) {
+        mr.finished = true;
+        mr.end = now_s;
+        continue;
+      }
       const Move &m = t.plan.moves[i];
       if (opts_.verify) {
         std::uint64_t got = 0;
         const bool read = expert_sum(m.dst_gpu, slot_base(ls, m.dst_gpu, m.dst_slot, t.dst_buffer), got).ok();
-        if (!read || got != mr.src_sum) {
+        if (!read || !mr.have_sum || got != mr.src_sum) {
           // Wrong bytes: copy the whole expert again over the other path, while attempts remain.
           ++mr.verify_rounds;
-          if (t.draining || mr.verify_rounds >= opts_.max_attempts) {
+          bool again = !t.draining && mr.verify_rounds < opts_.max_attempts;
+          for (int ci : mr.chunk_idx)
+            again = again && (t.chunks[ci].role == Role::local || switch_path(t, t.chunks[ci], mr));
+          if (!again) {
             mr.failed = mr.finished = true;
             mr.end = now_s;
             continue;
@@ -675,6 +1018,18 @@ private:
     if (all_finished && !in_flight) end(t);
   }
 
+  // --- replica gradients ---------------------------------------------------------------------------------------
+
+  void start_reduce(TicketImpl &t, double now_s) {
+    for (ReduceRun &r : t.reduces) {
+      if (r.start < 0) r.start = now_s;
+      if (r.role == Role::local) issue_reduce(t, r, now_s);
+      else if (r.role == Role::none) r.copy.done = true;
+      else r.copy.in_flight = true, ++r.copy.attempts;
+    }
+    step_reduce(t, now_s);
+  }
+
   void issue_reduce(TicketImpl &t, ReduceRun &r, double now_s) {
     LayerState &ls = layers_[t.layer];
     const SlotRegion &g = ls.grads[r.gpu];
@@ -700,9 +1055,20 @@ private:
   }
 
   void step_reduce(TicketImpl &t, double now_s) {
+    if (t.has_peer && !t.peer_posted) post_peer(t, t.draining);
     bool in_flight = false;
     for (ReduceRun &r : t.reduces) {
       if (!r.copy.in_flight) continue;
+      if (r.role != Role::local) {
+        if (!r.copy.peer_done && !t.draining) {
+          in_flight = true;
+          continue;
+        }
+        r.copy.in_flight = false;
+        r.copy.done = r.copy.peer_done && !r.copy.segment_failed;
+        r.end = now_s;
+        continue;
+      }
       if (t.draining && !r.copy.handles.empty() && r.copy.handles[0] != 0 && transport_->cancel(r.copy.handles[0]))
         r.copy.handles[0] = 0, --r.copy.pending, r.copy.segment_failed = true;
       if (!poll(r.copy)) {
@@ -720,7 +1086,7 @@ private:
       }
     }
     if (in_flight) return;
-    // Every staging copy ended: add each expert's replicas into the owner, in replica order, all or nothing.
+    // Every staging copy ended: add each expert's replicas into a local owner, in replica order, all or nothing.
     LayerState &ls = layers_[t.layer];
     const std::int64_t n = ls.grad_bytes / 4;
     for (std::size_t i = 0; i < t.reduces.size();) {
@@ -728,6 +1094,10 @@ private:
       bool ok = true;
       for (; j < t.reduces.size() && t.reduces[j].expert == t.reduces[i].expert; ++j)
         ok = ok && t.reduces[j].copy.done;
+      if (!local_[t.reduces[i].owner]) {
+        i = j; // another process adds them; sends report their own outcome
+        continue;
+      }
       if (ok)
         for (std::size_t k = i; k < j; ++k) {
           const ReduceRun &r = t.reduces[k];
@@ -768,8 +1138,9 @@ private:
         m.num_chunks = static_cast<int>(mr.chunk_idx.size());
         m.ok = mr.finished && !mr.failed;
         m.verified = mr.checked;
+        m.remote = mr.remote;
         tel.push_back(m);
-        note(static_cast<int>(i), m.ok, "move", t.plan.moves[i].expert, t.plan.moves[i].dst_gpu);
+        if (!mr.remote) note(static_cast<int>(i), m.ok, "move", t.plan.moves[i].expert, t.plan.moves[i].dst_gpu);
       }
     } else {
       for (std::size_t i = 0; i < t.reduces.size(); ++i) {
@@ -784,8 +1155,9 @@ private:
         m.attempts = r.copy.attempts;
         m.num_chunks = 1;
         m.ok = r.copy.done;
+        m.remote = !local_[r.owner];
         tel.push_back(m);
-        note(static_cast<int>(i), m.ok, "reduction", r.expert, r.gpu);
+        if (!m.remote) note(static_cast<int>(i), m.ok, "reduction", r.expert, r.gpu);
       }
     }
     Status st;
@@ -826,6 +1198,9 @@ private:
   std::condition_variable cv_;
   std::vector<LayerState> layers_;
   std::vector<std::shared_ptr<TicketImpl>> active_;
+  std::deque<TicketImpl *> peer_order_; // batches with paired transfers not yet posted, in submission order
+  std::vector<char> local_;             // per GPU: driven by this engine
+  bool spmd_ = false;                   // some GPUs are driven by other processes
   std::uint64_t serial_ = 0;
   bool stopping_ = false;
   std::thread progress_;
@@ -891,6 +1266,17 @@ Status TransferEngine::create(EngineOptions o, std::unique_ptr<TransferEngine> &
     o.planning.expert_bytes = total;
     o.planning.validate();
     foremoe::detail::require(o.max_attempts >= 1, "max_attempts must be >= 1, got ", o.max_attempts);
+    std::vector<char> seen(static_cast<std::size_t>(o.topology.num_gpus()), 0);
+    for (int g : o.peers.local_gpus) {
+      foremoe::detail::require(g >= 0 && g < o.topology.num_gpus(), "peers.local_gpus names GPU ", g, " outside [0, ",
+                               o.topology.num_gpus(), ")");
+      foremoe::detail::require(!seen[g], "peers.local_gpus names GPU ", g, " twice");
+      seen[g] = 1;
+    }
+    const bool spmd = !o.peers.local_gpus.empty() &&
+                      static_cast<int>(o.peers.local_gpus.size()) < o.topology.num_gpus();
+    foremoe::detail::require(!spmd || o.backend != Backend::host || o.peers.host_fabric != nullptr,
+                             "peers.local_gpus leaves GPUs to other engines, but no peers.host_fabric joins them");
     if (o.faults) {
       for (double p : {o.faults->fail_probability, o.faults->corrupt_probability, o.faults->delay_probability})
         foremoe::detail::require(p >= 0 && p <= 1, "fault probabilities must lie in [0, 1], got ", p);
@@ -911,7 +1297,7 @@ Status TransferEngine::create(EngineOptions o, std::unique_ptr<TransferEngine> &
 #endif
   default: return {StatusCode::invalid_argument, "TransferEngine: unknown backend"};
   }
-  if (o.faults) t = detail::make_fault_transport(std::move(t), o.faults);
+  if (o.faults) t = detail::make_fault_transport(std::move(t), o.faults, o.backend == Backend::host);
   out.reset(new TransferEngine(std::make_unique<detail::EngineImpl>(std::move(o), std::move(t))));
   return Status::success();
 }

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "foremoe/runtime/transfer_engine.hpp"
 
@@ -21,6 +22,18 @@ struct CopyOp {
   std::byte *dst = nullptr;
   std::int64_t num_bytes = 0;
   std::uint64_t fault_key = 0; ///< identity of the chunk and attempt, for the fault injector
+};
+
+/// One side of a paired transfer with a GPU another process drives; the other process posts the matching side.
+/// Sends and receives between two GPUs pair up in posting order (NCCL's rule). A header travels with the bytes.
+struct PeerOp {
+  bool send = false;
+  int local_gpu = 0; ///< this process's GPU
+  int peer_gpu = 0;  ///< the other side's GPU
+  std::byte *buf = nullptr; ///< send: read from; receive: written to
+  std::int64_t num_bytes = 0;
+  std::uint64_t header[2] = {0, 0}; ///< send: delivered with the bytes; receive: filled on arrival
+  std::uint64_t fault_key = 0;
 };
 
 class Transport {
@@ -47,11 +60,18 @@ public:
   virtual void free_flag(volatile std::uint32_t *flag) noexcept = 0;
   /// Makes `stream` wait until `*flag != 0`.
   [[nodiscard]] virtual Status enqueue_wait(void *stream, volatile std::uint32_t *flag) = 0;
+  /// Posts `ops` as one group (NCCL: one `ncclGroupStart/End`); they stay alive, and receive headers are written
+  /// into them, until `query(handle)` reports anything but `in_progress`. Posted groups cannot be cancelled.
+  [[nodiscard]] virtual Status start_peer(std::span<PeerOp> ops, std::uint64_t &handle) {
+    (void)ops;
+    (void)handle;
+    return {StatusCode::unavailable, "this transport cannot reach GPUs of other processes"};
+  }
 };
 
 std::unique_ptr<Transport> make_host_transport(const EngineOptions &opts);
 std::unique_ptr<Transport> make_fault_transport(std::unique_ptr<Transport> inner,
-                                                std::shared_ptr<const FaultSchedule> faults);
+                                                std::shared_ptr<const FaultSchedule> faults, bool host_memory);
 #if defined(FOREMOE_HAVE_CUDA)
 Status make_cuda_transport(const EngineOptions &opts, std::unique_ptr<Transport> &out);
 #endif

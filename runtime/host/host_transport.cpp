@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../transport.hpp"
+#include "host_fabric.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -20,7 +21,7 @@ namespace {
 
 class HostTransport final : public Transport {
 public:
-  explicit HostTransport(int threads_per_path) {
+  HostTransport(int threads_per_path, std::shared_ptr<HostFabric::Impl> fabric) : fabric_(std::move(fabric)) {
     for (int p = 0; p < transfer::num_paths; ++p)
       for (int t = 0; t < threads_per_path; ++t)
         workers_.emplace_back([this, p] { work(p); });
@@ -33,6 +34,7 @@ public:
     cv_.notify_all();
     for (auto &w : workers_)
       w.join();
+    if (fabric_) fabric_->drop(this);
   }
 
   Status start(const CopyOp &op, std::uint64_t &handle) override {
@@ -45,8 +47,32 @@ public:
     cv_.notify_all();
     return Status::success();
   }
+  Status start_peer(std::span<PeerOp> ops, std::uint64_t &handle) override {
+    if (!fabric_) return {StatusCode::unavailable, "host transport: no HostFabric joins this engine to others"};
+    auto g = std::make_shared<HostFabric::Impl::Group>(static_cast<int>(ops.size()));
+    {
+      std::lock_guard lock(mu_);
+      handle = next_++;
+      groups_[handle] = g;
+    }
+    for (PeerOp &op : ops)
+      fabric_->post(&op, g, this);
+    return Status::success();
+  }
   Status query(std::uint64_t handle, double &seconds) override {
     std::lock_guard lock(mu_);
+    if (auto gi = groups_.find(handle); gi != groups_.end()) {
+      HostFabric::Impl::Group &g = *gi->second;
+      if (g.remaining.load(std::memory_order_acquire) > 0) return {StatusCode::in_progress, ""};
+      seconds = std::chrono::duration<double>(g.t1 - g.t0).count();
+      Status st = Status::success();
+      {
+        std::lock_guard glock(g.mu);
+        if (!g.error.empty()) st = {StatusCode::device_error, g.error};
+      }
+      groups_.erase(gi);
+      return st;
+    }
     auto it = ops_.find(handle);
     if (it == ops_.end()) return {StatusCode::invalid_argument, "host transport: unknown copy handle"};
     if (it->second.code == StatusCode::in_progress) return {StatusCode::in_progress, ""};
@@ -130,6 +156,8 @@ private:
   bool stop_ = false;
   std::uint64_t next_ = 1;
   std::unordered_map<std::uint64_t, Op> ops_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<HostFabric::Impl::Group>> groups_;
+  std::shared_ptr<HostFabric::Impl> fabric_;
   std::deque<std::uint64_t> queue_[transfer::num_paths];
   std::vector<std::thread> workers_;
 };
@@ -137,7 +165,8 @@ private:
 } // namespace
 
 std::unique_ptr<Transport> make_host_transport(const EngineOptions &opts) {
-  return std::make_unique<HostTransport>(opts.host_threads_per_path < 1 ? 1 : opts.host_threads_per_path);
+  return std::make_unique<HostTransport>(opts.host_threads_per_path < 1 ? 1 : opts.host_threads_per_path,
+                                         opts.peers.host_fabric ? opts.peers.host_fabric->impl() : nullptr);
 }
 
 } // namespace runtime::detail

@@ -75,6 +75,32 @@ struct FaultSchedule {
   std::uint64_t seed = 0;
 };
 
+/// Joins engines of one process that stand for engines in separate processes: the host backend's stand-in for
+/// NCCL, with NCCL's matching rule (sends and receives between two GPUs pair up in the order they are posted).
+/// Tests and examples use it to run the multi-process (SPMD) protocol on one CPU.
+class HostFabric {
+public:
+  HostFabric();
+  struct Impl;
+  [[nodiscard]] const std::shared_ptr<Impl> &impl() const noexcept { return impl_; }
+
+private:
+  std::shared_ptr<Impl> impl_;
+};
+
+/// Multi-process (SPMD) use: one engine per process, each driving `local_gpus`, every process submitting the same
+/// batches (same moves, same order) for the whole EP group. Transfer planning then runs on the placement as planned
+/// (so every process derives the same chunks); bytes between GPUs of different processes travel as paired
+/// send/receive operations, grouped per round, each carrying a header with the source's validity (and checksum when
+/// verifying), so a receiver never publishes bytes its sender did not hold. Paired operations cannot be cancelled:
+/// a batch that ends (abort, deadline) before its exchanges ran still posts them, reading and writing scratch memory.
+struct PeerOptions {
+  std::vector<int> local_gpus;             ///< GPUs this engine drives; empty: all of them (one process)
+  std::shared_ptr<HostFabric> host_fabric; ///< host backend: the fabric joining the engines
+  std::vector<void *> nccl_comm_of_gpu;    ///< CUDA: `ncclComm_t` per GPU id (null for GPUs of other processes)
+  std::vector<int> nccl_rank_of_gpu;       ///< CUDA: NCCL rank of each GPU in those communicators; empty = identity
+};
+
 struct EngineOptions {
   Backend backend = Backend::host;
   Topology topology;                ///< GPUs `0 .. num_gpus-1` of the EP group
@@ -87,6 +113,7 @@ struct EngineOptions {
   int host_threads_per_path = 2;    ///< host backend copy workers per path
   std::vector<int> cuda_device_of_gpu; ///< CUDA: local device ordinal of each GPU (-1: another process); empty = identity
   std::shared_ptr<const FaultSchedule> faults; ///< non-null: wrap the backend in the fault injector
+  PeerOptions peers;                ///< multi-process use (default: this engine drives every GPU)
 };
 
 enum class TicketState : int { pending = 0, done, failed, timed_out, aborted };
@@ -113,6 +140,7 @@ struct MoveTelemetry {
   int attempts = 0;           ///< chunk copies issued, retries included (> num_chunks: something was retried)
   bool ok = false;
   bool verified = false;
+  bool remote = false;        ///< multi-process: the destination is another process's GPU (this one sent bytes)
 };
 
 namespace detail {
@@ -192,7 +220,8 @@ public:
   /// fixed order (replicas by GPU), so results are the same on every run.
   [[nodiscard]] Status submit_reduce(const ReduceBatch &batch, Ticket &out);
 
-  /// The expert that GPU `gpu` slot `slot` of `layer` validly holds, or `empty_slot` (never partial bytes).
+  /// The expert that GPU `gpu` slot `slot` of `layer` validly holds, or `empty_slot` (never partial bytes). For
+  /// GPUs of other processes (multi-process use): what the submitted moves planned there.
   [[nodiscard]] std::int32_t valid_expert(int layer, int gpu, int slot) const;
   /// The resident placement of `layer` as the engine tracks it (failed moves leave empty slots).
   [[nodiscard]] LayerPlacement resident(int layer) const;

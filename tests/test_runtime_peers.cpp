@@ -1,0 +1,536 @@
+// Multi-process (SPMD) use of the transfer engine on the host backend: several engines, each driving some GPUs of
+// one modelled EP group, joined by a HostFabric that pairs sends and receives in posting order as NCCL does. Every
+// engine gets the same batches, from its own thread, as every process of a trainer would.
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <memory>
+#include <random>
+#include <thread>
+
+#include "foremoe/runtime/transfer_engine.hpp"
+#include "test_support.hpp"
+
+using namespace foremoe;
+namespace rt = foremoe::runtime;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::byte pattern(int l, int e, std::int64_t i) {
+  return static_cast<std::byte>((l * 131 + e * 31 + i * 7 + (i >> 9)) & 0xff);
+}
+
+// The memory of a whole EP group and one engine per "process"; process p drives the GPUs with proc_of_gpu == p.
+struct Group {
+  Topology topo;
+  int num_layers = 1, num_experts = 0;
+  std::vector<rt::TensorSpan> tensors;
+  std::int64_t slot_stride = 0;
+  std::int64_t grad_bytes = 0;
+  bool mirrors = true;
+  std::vector<int> proc_of_gpu;
+  int num_procs = 0;
+  std::vector<std::shared_ptr<const rt::FaultSchedule>> faults_of_proc; // optional, per process
+  std::vector<std::vector<std::byte>> gpu_mem, mirror_mem; // [layer * gpus + gpu], [layer * nodes + node]
+  std::vector<std::vector<float>> grad_mem;                // [gpu]: slots * grad_bytes / 4 floats (layer 0)
+  std::shared_ptr<rt::HostFabric> fabric = std::make_shared<rt::HostFabric>();
+  std::vector<std::unique_ptr<rt::TransferEngine>> engines;
+
+  std::byte *slot_ptr(int l, int g, int s) {
+    return gpu_mem[static_cast<std::size_t>(l) * topo.num_gpus() + g].data() + s * slot_stride;
+  }
+  void fill(int l, int g, int s, int e) {
+    std::int64_t k = 0;
+    for (const auto &t : tensors)
+      for (std::int64_t i = 0; i < t.num_bytes; ++i)
+        slot_ptr(l, g, s)[t.offset_bytes + i] = pattern(l, e, k++);
+  }
+  bool holds_bytes(int l, int g, int s, int e) {
+    std::int64_t k = 0;
+    for (const auto &t : tensors)
+      for (std::int64_t i = 0; i < t.num_bytes; ++i)
+        if (slot_ptr(l, g, s)[t.offset_bytes + i] != pattern(l, e, k++)) return false;
+    return true;
+  }
+  rt::TransferEngine &engine_of(int g) { return *engines[proc_of_gpu[g]]; }
+
+  void build(std::mt19937_64 &rng, rt::EngineOptions opts) {
+    topo = opts.topology;
+    num_layers = opts.num_layers;
+    num_experts = opts.num_experts;
+    const int n = std::uniform_int_distribution<int>(1, 3)(rng);
+    std::int64_t off = std::uniform_int_distribution<int>(0, 64)(rng);
+    for (int i = 0; i < n; ++i) {
+      const std::int64_t bytes = std::uniform_int_distribution<std::int64_t>(1, 12 << 10)(rng);
+      tensors.push_back({off, bytes});
+      off += bytes + std::uniform_int_distribution<int>(0, 100)(rng);
+    }
+    slot_stride = off;
+    opts.tensors = tensors;
+    opts.peers.host_fabric = fabric;
+    gpu_mem.assign(static_cast<std::size_t>(num_layers) * topo.num_gpus(),
+                   std::vector<std::byte>(static_cast<std::size_t>(slot_stride * topo.slots_per_gpu), std::byte{0xee}));
+    mirror_mem.assign(static_cast<std::size_t>(num_layers) * topo.num_nodes,
+                      std::vector<std::byte>(static_cast<std::size_t>(slot_stride * num_experts)));
+    grad_bytes = 4 * std::uniform_int_distribution<std::int64_t>(1, 300)(rng);
+    grad_mem.assign(static_cast<std::size_t>(topo.num_gpus()),
+                    std::vector<float>(static_cast<std::size_t>(topo.slots_per_gpu * grad_bytes / 4), 0.f));
+    for (int p = 0; p < num_procs; ++p) {
+      rt::EngineOptions o = opts;
+      if (p < static_cast<int>(faults_of_proc.size())) o.faults = faults_of_proc[p];
+      for (int g = 0; g < topo.num_gpus(); ++g)
+        if (proc_of_gpu[g] == p) o.peers.local_gpus.push_back(g);
+      std::unique_ptr<rt::TransferEngine> e;
+      const rt::Status st = rt::TransferEngine::create(o, e);
+      REQUIRE_MESSAGE(st.ok(), st.to_string());
+      engines.push_back(std::move(e));
+    }
+    for (int l = 0; l < num_layers; ++l)
+      for (int g = 0; g < topo.num_gpus(); ++g) {
+        rt::SlotRegion r{slot_ptr(l, g, 0), slot_stride, topo.slots_per_gpu, 1, 0};
+        REQUIRE(engine_of(g).register_slots(l, g, r).ok());
+        if (l == 0) {
+          rt::SlotRegion gr{grad_mem[g].data(), grad_bytes, topo.slots_per_gpu, 1, 0};
+          REQUIRE(engine_of(g).register_grads(0, g, gr, grad_bytes).ok());
+        }
+      }
+    for (int l = 0; l < num_layers && mirrors; ++l)
+      for (int nd = 0; nd < topo.num_nodes; ++nd) {
+        auto &m = mirror_mem[static_cast<std::size_t>(l) * topo.num_nodes + nd];
+        for (int e = 0; e < num_experts; ++e) {
+          std::int64_t k = 0;
+          for (const auto &t : tensors)
+            for (std::int64_t i = 0; i < t.num_bytes; ++i)
+              m[static_cast<std::size_t>(e * slot_stride + t.offset_bytes + i)] = pattern(l, e, k++);
+        }
+        // Every process on the node registers the node's mirror (each has its own mapping of it).
+        for (int p = 0; p < num_procs; ++p) {
+          bool on_node = false;
+          for (int g = nd * topo.gpus_per_node; g < (nd + 1) * topo.gpus_per_node; ++g)
+            on_node = on_node || proc_of_gpu[g] == p;
+          if (on_node) REQUIRE(engines[p]->register_mirror(l, nd, {m.data(), slot_stride, num_experts}).ok());
+        }
+      }
+  }
+
+  LayerPlacement random_resident(std::mt19937_64 &rng, int l) {
+    LayerPlacement p(topo.num_gpus(), topo.slots_per_gpu, num_experts);
+    std::uniform_int_distribution<int> pick(0, num_experts - 1);
+    for (int g = 0; g < topo.num_gpus(); ++g)
+      for (int s = 0; s < topo.slots_per_gpu; ++s)
+        if (const int e = pick(rng); !p.holds(g, e) && rng() % 5 != 0) {
+          p.slot(g, s) = e;
+          fill(l, g, s, e);
+        }
+    for (auto &e : engines)
+      REQUIRE(e->set_resident(l, p).ok());
+    return p;
+  }
+
+  // Random moves onto `target` (updated), which every process agrees on. `need_source`: only moves with a GPU copy
+  // that stays in place during the batch (no mirror to fall back on).
+  std::vector<Move> random_moves(std::mt19937_64 &rng, LayerPlacement &target, double p_move, bool need_source) {
+    const LayerPlacement before = target;
+    const int slots = topo.slots_per_gpu;
+    std::vector<char> kept(static_cast<std::size_t>(target.num_slots()), 0), written(kept.size(), 0);
+    std::vector<Move> moves;
+    std::uniform_int_distribution<int> pick(0, num_experts - 1);
+    for (int g = 0; g < topo.num_gpus(); ++g)
+      for (int s = 0; s < slots; ++s)
+        if (std::bernoulli_distribution(p_move)(rng) && !kept[g * slots + s]) {
+          const int e = pick(rng);
+          if (target.holds(g, e)) continue;
+          if (need_source) {
+            int src = -1;
+            for (int p = 0; p < target.num_slots() && src < 0; ++p)
+              if (p / slots != g && before.slot(p / slots, p % slots) == e && !written[p]) src = p;
+            if (src < 0) continue;
+            kept[src] = 1; // its source stays in place
+          }
+          target.slot(g, s) = e;
+          written[g * slots + s] = 1;
+          moves.push_back({e, host_mirror, g, s});
+        }
+    return moves;
+  }
+
+  // Every slot an engine calls valid on its own GPUs holds exactly its expert's bytes.
+  int check_valid_bytes(int l) {
+    int valid = 0;
+    for (int g = 0; g < topo.num_gpus(); ++g) {
+      const LayerPlacement p = engine_of(g).resident(l);
+      for (int s = 0; s < topo.slots_per_gpu; ++s)
+        if (const int e = p.slot(g, s); e != empty_slot) {
+          ++valid;
+          CHECK_MESSAGE(holds_bytes(l, g, s, e), "layer ", l, " GPU ", g, " slot ", s, " is valid for expert ", e,
+                        " with wrong bytes");
+        }
+    }
+    return valid;
+  }
+};
+
+// Random partitions: one process per GPU, one per node, or random contiguous groups.
+std::vector<int> random_partition(std::mt19937_64 &rng, const Topology &topo, int &num_procs) {
+  std::vector<int> proc(static_cast<std::size_t>(topo.num_gpus()));
+  const int kind = static_cast<int>(rng() % 3);
+  int p = 0;
+  for (int g = 0; g < topo.num_gpus(); ++g) {
+    if (kind == 0) proc[g] = g;
+    else if (kind == 1) proc[g] = topo.node_of(g);
+    else {
+      if (g > 0 && rng() % 2 == 0) ++p;
+      proc[g] = p;
+    }
+  }
+  num_procs = *std::max_element(proc.begin(), proc.end()) + 1;
+  if (num_procs == 1 && topo.num_gpus() > 1) { // at least two processes
+    proc.back() = 1;
+    num_procs = 2;
+  }
+  return proc;
+}
+
+rt::EngineOptions random_options(std::mt19937_64 &rng) {
+  rt::EngineOptions o;
+  o.topology.num_nodes = std::uniform_int_distribution<int>(1, 2)(rng);
+  o.topology.gpus_per_node = std::uniform_int_distribution<int>(1, 4)(rng);
+  if (o.topology.num_gpus() == 1) o.topology.gpus_per_node = 2;
+  o.topology.slots_per_gpu = std::uniform_int_distribution<int>(1, 3)(rng);
+  o.num_layers = 2;
+  o.num_experts = std::uniform_int_distribution<int>(o.topology.slots_per_gpu,
+                                                     o.topology.num_gpus() * o.topology.slots_per_gpu + 2)(rng);
+  o.planning.align_bytes = 256;
+  o.planning.max_chunk_bytes = std::int64_t{256} * std::uniform_int_distribution<int>(1, 20)(rng);
+  o.max_attempts = std::uniform_int_distribution<int>(1, 3)(rng);
+  o.host_threads_per_path = 1;
+  return o;
+}
+
+// Submits `batches` (layer, moves) on every engine, each engine from its own thread in the same order, and waits.
+std::vector<std::vector<rt::Status>> run_everywhere(Group &grp, const std::vector<std::pair<int, std::vector<Move>>> &batches,
+                                                    std::chrono::milliseconds timeout) {
+  std::vector<std::vector<rt::Status>> out(static_cast<std::size_t>(grp.num_procs));
+  std::vector<std::thread> procs;
+  for (int p = 0; p < grp.num_procs; ++p)
+    procs.emplace_back([&, p] {
+      std::vector<rt::Ticket> tickets;
+      for (const auto &[layer, moves] : batches) {
+        rt::MoveBatch b;
+        b.layer = layer;
+        b.moves = moves;
+        b.timeout = timeout;
+        rt::Ticket t;
+        const rt::Status st = grp.engines[p]->submit(b, t);
+        if (!st.ok()) {
+          out[p].push_back(st);
+          continue;
+        }
+        tickets.push_back(t);
+      }
+      for (auto &t : tickets)
+        out[p].push_back(t.wait_for(timeout + 5s));
+    });
+  for (auto &t : procs)
+    t.join();
+  return out;
+}
+
+// One layer, one process per GPU, no mirror; GPU g's first slots hold `held[g]`, written and declared resident
+// everywhere.
+void build_small(Group &grp, int nodes, int gpn, int slots, int experts, const std::vector<std::vector<int>> &held) {
+  std::mt19937_64 rng(static_cast<std::uint64_t>(nodes * 1000 + gpn * 100 + slots * 10 + experts));
+  rt::EngineOptions o;
+  o.topology.num_nodes = nodes;
+  o.topology.gpus_per_node = gpn;
+  o.topology.slots_per_gpu = slots;
+  o.num_layers = 1;
+  o.num_experts = experts;
+  o.planning.host_mirror = false;
+  grp.mirrors = false;
+  grp.num_procs = nodes * gpn;
+  for (int g = 0; g < grp.num_procs; ++g)
+    grp.proc_of_gpu.push_back(g);
+  grp.build(rng, o);
+  LayerPlacement p(nodes * gpn, slots, experts);
+  for (int g = 0; g < nodes * gpn; ++g)
+    for (std::size_t s = 0; s < held[g].size(); ++s) {
+      p.slot(g, static_cast<int>(s)) = held[g][s];
+      grp.fill(0, g, static_cast<int>(s), held[g][s]);
+    }
+  for (auto &e : grp.engines)
+    REQUIRE(e->set_resident(0, p).ok());
+}
+
+} // namespace
+
+TEST_CASE("multi-process moves without faults land everywhere, over paired transfers where processes differ") {
+  int runs = 0, paired_moves = 0;
+  for (std::uint64_t seed = 1; seed <= 60 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    std::mt19937_64 rng(seed);
+    Group grp;
+    rt::EngineOptions o = random_options(rng);
+    grp.mirrors = rng() % 2 == 0;
+    o.planning.host_mirror = grp.mirrors;
+    o.verify = rng() % 2 == 0;
+    grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
+    grp.build(rng, o);
+    std::vector<std::pair<int, std::vector<Move>>> batches;
+    std::vector<LayerPlacement> target;
+    for (int l = 0; l < grp.num_layers; ++l)
+      target.push_back(grp.random_resident(rng, l));
+    // Several batches per layer: later ones read what earlier ones wrote, in other processes too.
+    for (int k = 0; k < 3; ++k)
+      for (int l = 0; l < grp.num_layers; ++l) {
+        // Without mirrors a move needs a GPU source that stays in place.
+        auto moves = grp.random_moves(rng, target[l], 0.4, !grp.mirrors);
+        batches.emplace_back(l, moves);
+      }
+    const auto st = run_everywhere(grp, batches, 10s);
+    for (int p = 0; p < grp.num_procs; ++p)
+      for (const rt::Status &s : st[p])
+        CHECK_MESSAGE(s.ok(), "seed ", seed, " process ", p, ": ", s.to_string());
+    for (int l = 0; l < grp.num_layers; ++l) {
+      grp.check_valid_bytes(l);
+      for (int g = 0; g < grp.topo.num_gpus(); ++g)
+        for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+          CHECK_MESSAGE(grp.engine_of(g).valid_expert(l, g, s) == target[l].slot(g, s), "seed ", seed, " layer ", l,
+                        " GPU ", g, " slot ", s);
+      // Every process tracks the same planned placement.
+      for (auto &e : grp.engines)
+        for (int g = 0; g < grp.topo.num_gpus(); ++g)
+          for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+            CHECK(e->resident(l).slot(g, s) == target[l].slot(g, s));
+      const transfer::TransferPlan plan = grp.engines[0]->last_plan(l);
+      for (const transfer::Chunk &c : plan.chunks)
+        paired_moves += c.path != transfer::Path::pcie && grp.proc_of_gpu[c.src_gpu] != grp.proc_of_gpu[c.dst_gpu];
+    }
+    ++runs;
+  }
+  MESSAGE(runs, " runs; ", paired_moves, " chunks of the last batches crossed processes");
+  CHECK(paired_moves > 0);
+}
+
+TEST_CASE("multi-process moves under random faults: valid slots hold exact bytes, every batch ends") {
+  int done = 0, failed = 0;
+  for (std::uint64_t seed = 1; seed <= 60 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    std::mt19937_64 rng(seed ^ 0x5eed);
+    INFO("seed ", seed);
+    Group grp;
+    rt::EngineOptions o = random_options(rng);
+    grp.mirrors = rng() % 3 != 0;
+    o.planning.host_mirror = grp.mirrors;
+    o.verify = true; // corruption is only caught by verification
+    auto f = std::make_shared<rt::FaultSchedule>();
+    f->fail_probability = std::uniform_real_distribution<double>(0, 0.3)(rng);
+    f->corrupt_probability = std::uniform_real_distribution<double>(0, 0.2)(rng);
+    f->delay_probability = 0.1;
+    f->delay_us = 200;
+    f->seed = seed;
+    o.faults = f;
+    grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
+    grp.build(rng, o);
+    std::vector<std::pair<int, std::vector<Move>>> batches;
+    std::vector<LayerPlacement> target;
+    for (int l = 0; l < grp.num_layers; ++l)
+      target.push_back(grp.random_resident(rng, l));
+    for (int k = 0; k < 3; ++k)
+      for (int l = 0; l < grp.num_layers; ++l)
+        batches.emplace_back(l, grp.random_moves(rng, target[l], 0.4, !grp.mirrors));
+    const auto st = run_everywhere(grp, batches, 10s);
+    for (int p = 0; p < grp.num_procs; ++p)
+      for (const rt::Status &s : st[p]) {
+        CHECK_MESSAGE((s.ok() || s.code() == rt::StatusCode::device_error), "seed ", seed, ": ", s.to_string());
+        (s.ok() ? done : failed) += 1;
+      }
+    for (int l = 0; l < grp.num_layers; ++l)
+      grp.check_valid_bytes(l);
+  }
+  MESSAGE(done, " batch ends done, ", failed, " failed");
+  CHECK(done > 0);
+  CHECK(failed > 0);
+}
+
+TEST_CASE("multi-process: a sender whose copy is not valid says so, and the receiver does not publish it") {
+  // 3 GPUs in 3 processes on one node, no mirror. Batch 1 moves expert 0 from GPU 2 onto GPU 0, and fails on GPU 0
+  // only (its engine fails every transfer): the other processes still plan with expert 0 on GPU 0. Batch 2 moves
+  // expert 0 onto GPU 1 while overwriting GPU 2's copy, so GPU 0's (invalid) copy is the only source.
+  Group grp;
+  auto f = std::make_shared<rt::FaultSchedule>();
+  f->fail_probability = 1.0;
+  grp.faults_of_proc = {f, nullptr, nullptr};
+  build_small(grp, 1, 3, 2, 4, {{1}, {3}, {0}});
+  const std::vector<Move> first{{0, host_mirror, 0, 1}};
+  const std::vector<Move> second{{0, host_mirror, 1, 1}, {3, host_mirror, 2, 0}};
+  const auto st = run_everywhere(grp, {{0, first}, {0, second}}, 2s);
+  CHECK(st[0][0].code() == rt::StatusCode::device_error); // batch 1 failed on GPU 0
+  CHECK(st[1][1].code() == rt::StatusCode::device_error); // GPU 1 got a header saying "not valid"
+  CHECK(st[1][1].message().find("expert 0 on GPU 1") != std::string::npos);
+  CHECK(st[2][1].ok());                                   // GPU 2 got expert 3 from GPU 1
+  CHECK(grp.engines[0]->valid_expert(0, 0, 1) == empty_slot);
+  CHECK(grp.engines[1]->valid_expert(0, 1, 1) == empty_slot);
+  CHECK(grp.engines[2]->valid_expert(0, 2, 0) == 3);
+  CHECK(grp.holds_bytes(0, 2, 0, 3));
+  grp.check_valid_bytes(0);
+}
+
+TEST_CASE("multi-process: a missing peer makes the batch time out; a late peer completes the pairing") {
+  Group grp;
+  build_small(grp, 2, 1, 2, 2, {{0}, {1}});
+  const LayerPlacement p = grp.engines[0]->resident(0);
+  std::vector<Move> first{{0, host_mirror, 1, 1}};
+  rt::MoveBatch b;
+  b.moves = first;
+  b.timeout = 200ms;
+  rt::Ticket recv;
+  REQUIRE(grp.engines[1]->submit(b, recv).ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK(recv.wait_for(3s).code() == rt::StatusCode::timed_out);
+  CHECK(std::chrono::steady_clock::now() - t0 < 2s);
+  CHECK(grp.engines[1]->valid_expert(0, 1, 1) == empty_slot);
+  // The slot stays locked while the posted receive can still land: set_resident refuses.
+  CHECK_FALSE(grp.engines[1]->set_resident(0, p).ok());
+  // The late sender posts; the pairing completes (the bytes land in the slot, which stays invalid: the batch ended).
+  rt::Ticket send;
+  b.timeout = 2s;
+  REQUIRE(grp.engines[0]->submit(b, send).ok());
+  CHECK(send.wait_for(3s).ok());
+  // Then a second batch works on both sides: the pairing of later transfers is intact.
+  std::vector<Move> second{{1, host_mirror, 0, 1}};
+  b.moves = second;
+  const auto st = run_everywhere(grp, {{0, second}}, 2s);
+  CHECK(st[0][0].ok());
+  CHECK(st[1][0].ok());
+  CHECK(grp.engines[0]->valid_expert(0, 0, 1) == 1);
+  CHECK(grp.holds_bytes(0, 0, 1, 1));
+}
+
+TEST_CASE("multi-process: batches that differ between processes fail instead of landing the wrong expert") {
+  Group grp;
+  // Equal sizes: only the header tells the experts apart.
+  build_small(grp, 1, 2, 3, 4, {{0, 1}, {2}});
+  std::vector<Move> a{{0, host_mirror, 1, 1}}, b2{{1, host_mirror, 1, 1}};
+  rt::MoveBatch ba, bb;
+  ba.moves = a;
+  bb.moves = b2;
+  ba.timeout = bb.timeout = 2s;
+  rt::Ticket ta, tb;
+  REQUIRE(grp.engines[0]->submit(bb, ta).ok()); // sender sends expert 1
+  REQUIRE(grp.engines[1]->submit(ba, tb).ok()); // receiver expects expert 0
+  CHECK(ta.wait_for(3s).ok());
+  const rt::Status s = tb.wait_for(3s);
+  CHECK(s.code() == rt::StatusCode::device_error);
+  CHECK(grp.engines[1]->valid_expert(0, 1, 1) == empty_slot);
+}
+
+TEST_CASE("multi-process replica gradients: owners receive every replica's gradient once, all or nothing") {
+  for (std::uint64_t seed = 1; seed <= 40 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    std::mt19937_64 rng(seed * 3 + 1);
+    Group grp;
+    rt::EngineOptions o = random_options(rng);
+    o.num_layers = 1;
+    const bool faults = seed % 2 == 1;
+    if (faults) {
+      auto f = std::make_shared<rt::FaultSchedule>();
+      f->fail_probability = 0.3;
+      f->seed = seed;
+      o.faults = f;
+    }
+    grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
+    grp.build(rng, o);
+    const LayerPlacement p = grp.random_resident(rng, 0);
+    // Owners: the first GPU holding each expert.
+    std::vector<std::int32_t> owner(static_cast<std::size_t>(grp.num_experts), 0);
+    for (int e = 0; e < grp.num_experts; ++e) {
+      owner[e] = -1;
+      for (int g = 0; g < grp.topo.num_gpus() && owner[e] < 0; ++g)
+        if (p.holds(g, e)) owner[e] = g;
+      if (owner[e] < 0) owner[e] = 0; // no copy anywhere: no replicas either
+    }
+    const std::int64_t n = grp.grad_bytes / 4;
+    for (int g = 0; g < grp.topo.num_gpus(); ++g)
+      for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+        for (std::int64_t i = 0; i < n; ++i)
+          grp.grad_mem[g][static_cast<std::size_t>(s * n + i)] = static_cast<float>(g + 1) + 0.25f * static_cast<float>(i % 5);
+    const auto before = grp.grad_mem;
+    std::vector<rt::Status> st(static_cast<std::size_t>(grp.num_procs));
+    std::vector<std::vector<rt::MoveTelemetry>> tel(static_cast<std::size_t>(grp.num_procs));
+    std::vector<std::thread> procs;
+    for (int q = 0; q < grp.num_procs; ++q)
+      procs.emplace_back([&, q] {
+        rt::ReduceBatch b;
+        b.owner_gpu = owner;
+        b.timeout = 5s;
+        rt::Ticket t;
+        st[q] = grp.engines[q]->submit_reduce(b, t);
+        if (st[q].ok()) st[q] = t.wait_for(8s);
+        tel[q] = t.telemetry();
+      });
+    for (auto &t : procs)
+      t.join();
+    for (int q = 0; q < grp.num_procs; ++q)
+      CHECK_MESSAGE((st[q].ok() || (faults && st[q].code() == rt::StatusCode::device_error)), "seed ", seed, ": ",
+                    st[q].to_string());
+    // Each owner slot holds its own gradient plus either all replicas' gradients or none of them.
+    for (int e = 0; e < grp.num_experts; ++e) {
+      const int o_gpu = owner[e];
+      int o_slot = -1;
+      for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+        if (p.slot(o_gpu, s) == e) o_slot = s;
+      if (o_slot < 0) continue;
+      std::vector<int> replicas;
+      for (int g = 0; g < grp.topo.num_gpus(); ++g)
+        if (g != o_gpu && p.holds(g, e)) replicas.push_back(g);
+      for (std::int64_t i = 0; i < n; ++i) {
+        const float own = before[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
+        float all = own;
+        for (int g : replicas)
+          all += static_cast<float>(g + 1) + 0.25f * static_cast<float>(i % 5);
+        const float got = grp.grad_mem[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
+        CHECK_MESSAGE((got == all || (faults && got == own)), "seed ", seed, " expert ", e, " element ", i);
+        if (!faults) CHECK(got == all);
+        if (got != all && got != own) break;
+      }
+    }
+  }
+}
+
+TEST_CASE("multi-process options and registration are checked") {
+  rt::EngineOptions o;
+  o.topology.num_nodes = 2;
+  o.topology.gpus_per_node = 2;
+  o.topology.slots_per_gpu = 2;
+  o.num_experts = 4;
+  o.tensors = {{0, 1024}};
+  std::unique_ptr<rt::TransferEngine> e;
+  o.peers.local_gpus = {0, 1};
+  rt::Status st = rt::TransferEngine::create(o, e);
+  CHECK(st.code() == rt::StatusCode::invalid_argument);
+  CHECK(st.message().find("host_fabric") != std::string::npos);
+  o.peers.host_fabric = std::make_shared<rt::HostFabric>();
+  o.peers.local_gpus = {0, 4};
+  st = rt::TransferEngine::create(o, e);
+  CHECK(st.message().find("GPU 4") != std::string::npos);
+  o.peers.local_gpus = {1, 1};
+  st = rt::TransferEngine::create(o, e);
+  CHECK(st.message().find("twice") != std::string::npos);
+  o.peers.local_gpus = {0, 1};
+  REQUIRE(rt::TransferEngine::create(o, e).ok());
+  std::vector<std::byte> mem(4096);
+  st = e->register_slots(0, 2, {mem.data(), 1024, 2, 1, 0});
+  CHECK(st.code() == rt::StatusCode::invalid_argument);
+  CHECK(st.message().find("another process") != std::string::npos);
+  st = e->register_mirror(0, 1, {mem.data(), 1024, 4});
+  CHECK(st.message().find("node 1") != std::string::npos);
+  REQUIRE(e->register_slots(0, 0, {mem.data(), 1024, 2, 1, 0}).ok());
+  // host_mirror is declared (the default) but node 0's mirror is not registered.
+  std::vector<Move> moves{{1, host_mirror, 0, 1}};
+  rt::MoveBatch b;
+  b.moves = moves;
+  rt::Ticket t;
+  st = e->submit(b, t);
+  CHECK(st.code() == rt::StatusCode::invalid_argument);
+  CHECK(st.message().find("mirror") != std::string::npos);
+}
