@@ -1,14 +1,20 @@
 // CUDA backend of the transfer engine: copy-engine paths only. Every local GPU has one non-blocking stream per path;
 // host-mirror chunks are `cudaMemcpyAsync` from pinned memory, GPU-direct chunks are peer copies, each bracketed by
 // timing events. Gates become `cudaStreamWaitEvent` on the copy streams (the host never blocks on compute), and
-// `enqueue_wait` makes a compute stream wait on a host-written flag with a stream memory operation.
+// `enqueue_wait` makes a compute stream wait on a host-written flag with a stream memory operation. With NCCL,
+// paired transfers with GPUs of other processes are `ncclSend`/`ncclRecv` groups on the network stream, their
+// headers staged through a small device buffer.
 
 #include <cuda.h>
 #include <cuda_runtime.h>
+#if defined(FOREMOE_HAVE_NCCL)
+#include <nccl.h>
+#endif
 
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -84,10 +90,23 @@ public:
       return {StatusCode::unavailable, "TransferEngine: no CUDA device"};
     }
     const int num_gpus = o.topology.num_gpus();
+    const std::vector<int> &local = o.peers.local_gpus;
+    const bool spmd = !local.empty() && static_cast<int>(local.size()) < num_gpus;
     dev_ = o.cuda_device_of_gpu;
-    if (dev_.empty())
+    if (dev_.empty() && !spmd)
       for (int g = 0; g < num_gpus; ++g)
         dev_.push_back(g < n ? g : -1);
+    if (dev_.empty()) {
+      // Multi-process default: one local GPU runs on the current device (set by the trainer), several on 0, 1, ...
+      int cur = 0;
+      if (cudaGetDevice(&cur) != cudaSuccess) cur = 0;
+      dev_.assign(static_cast<std::size_t>(num_gpus), -1);
+      for (std::size_t i = 0; i < local.size(); ++i)
+        dev_[local[i]] = local.size() == 1 ? cur : static_cast<int>(i);
+    }
+    if (spmd)
+      for (int g = 0; g < num_gpus && g < static_cast<int>(dev_.size()); ++g)
+        if (std::find(local.begin(), local.end(), g) == local.end()) dev_[g] = -1;
     if (static_cast<int>(dev_.size()) != num_gpus)
       return {StatusCode::invalid_argument, "TransferEngine: cuda_device_of_gpu has " + std::to_string(dev_.size()) +
                                                 " entries for " + std::to_string(num_gpus) + " GPUs"};
@@ -95,6 +114,28 @@ public:
       if (dev_[g] >= n)
         return {StatusCode::invalid_argument, "TransferEngine: GPU " + std::to_string(g) + " maps to device " +
                                                   std::to_string(dev_[g]) + " of " + std::to_string(n)};
+    if (spmd) {
+#if defined(FOREMOE_HAVE_NCCL)
+      comms_.assign(static_cast<std::size_t>(num_gpus), nullptr);
+      for (std::size_t g = 0; g < o.peers.nccl_comm_of_gpu.size() && g < comms_.size(); ++g)
+        comms_[g] = static_cast<ncclComm_t>(o.peers.nccl_comm_of_gpu[g]);
+      for (int g : local)
+        if (comms_[g] == nullptr)
+          return {StatusCode::invalid_argument,
+                  "TransferEngine: local GPU " + std::to_string(g) + " has no NCCL communicator (peers.nccl_comm_of_gpu)"};
+      rank_ = o.peers.nccl_rank_of_gpu;
+      if (rank_.empty())
+        for (int g = 0; g < num_gpus; ++g)
+          rank_.push_back(g);
+      if (static_cast<int>(rank_.size()) != num_gpus)
+        return {StatusCode::invalid_argument, "TransferEngine: peers.nccl_rank_of_gpu has " +
+                                                  std::to_string(rank_.size()) + " entries for " +
+                                                  std::to_string(num_gpus) + " GPUs"};
+#else
+      return {StatusCode::unavailable,
+              "TransferEngine: GPUs of other processes need NCCL, and this runtime was built without it"};
+#endif
+    }
     try {
       streams_.resize(static_cast<std::size_t>(n));
       for (int d = 0; d < n; ++d) {
@@ -127,7 +168,9 @@ public:
       for (cudaStream_t s : streams_[d])
         if (s != nullptr) {
           FOREMOE_CUDA_ASSERT(cudaSetDevice(static_cast<int>(d)));
-          FOREMOE_CUDA_ASSERT(cudaStreamSynchronize(s));
+          // Bounded: a paired transfer whose peer never posted would block forever (its stream is then left to
+          // the driver, and the communicator must be aborted by its owner).
+          (void)wait_stream(s, "~CudaTransport");
           FOREMOE_CUDA_ASSERT(cudaStreamDestroy(s));
         }
     if (host_sum_ != nullptr) FOREMOE_CUDA_ASSERT(cudaFreeHost(host_sum_));
@@ -159,7 +202,126 @@ public:
     }
     return Status::success();
   }
+#if defined(FOREMOE_HAVE_NCCL)
+  static std::string nccl_error(const char *what, ncclResult_t r, ncclComm_t comm) {
+    std::string m = std::string(what) + ": " + ncclGetErrorString(r);
+    if (const char *last = comm != nullptr ? ncclGetLastError(comm) : nullptr; last != nullptr && *last != 0)
+      m += std::string(" (") + last + ")";
+    return m;
+  }
+
+  Status start_peer(std::span<PeerOp> ops, std::uint64_t &handle) override {
+    PeerRec rec;
+    rec.ops = ops;
+    const std::size_t n = ops.size();
+    for (const PeerOp &op : ops) {
+      const int d = dev_[op.local_gpu];
+      if (d < 0 || comms_[op.local_gpu] == nullptr)
+        return {StatusCode::unavailable, "CUDA transport: GPU " + std::to_string(op.local_gpu) + " is not local"};
+      if (std::find(rec.devs.begin(), rec.devs.end(), d) == rec.devs.end()) rec.devs.push_back(d);
+    }
+    try {
+      // Headers: host staging (pinned) and device staging, one block of n headers per device.
+      const std::size_t block = n * 2 * sizeof(std::uint64_t);
+      FOREMOE_CUDA_CHECK(cudaMallocHost(&rec.host_hdr, block * rec.devs.size()));
+      rec.dev_hdr.assign(rec.devs.size(), nullptr);
+      rec.begin.assign(rec.devs.size(), nullptr);
+      rec.end.assign(rec.devs.size(), nullptr);
+      for (std::size_t i = 0; i < n; ++i) {
+        const std::size_t di = dev_index(rec, dev_[ops[i].local_gpu]);
+        std::memcpy(rec.host_hdr + di * n * 2 + i * 2, ops[i].header, sizeof ops[i].header);
+      }
+      for (std::size_t di = 0; di < rec.devs.size(); ++di) {
+        const int d = rec.devs[di];
+        cudaStream_t s = streams_[d][static_cast<int>(transfer::Path::network)];
+        FOREMOE_CUDA_CHECK(cudaSetDevice(d));
+        FOREMOE_CUDA_CHECK(cudaEventCreate(&rec.begin[di]));
+        FOREMOE_CUDA_CHECK(cudaEventCreate(&rec.end[di]));
+        FOREMOE_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void **>(&rec.dev_hdr[di]), block, s));
+        FOREMOE_CUDA_CHECK(cudaMemcpyAsync(rec.dev_hdr[di], rec.host_hdr + di * n * 2, block, cudaMemcpyHostToDevice, s));
+        FOREMOE_CUDA_CHECK(cudaEventRecord(rec.begin[di], s));
+      }
+      ncclComm_t last = nullptr;
+      ncclResult_t r = ncclGroupStart();
+      for (std::size_t i = 0; i < n && (r == ncclSuccess); ++i) {
+        const PeerOp &op = ops[i];
+        const int d = dev_[op.local_gpu];
+        const std::size_t di = dev_index(rec, d);
+        cudaStream_t s = streams_[d][static_cast<int>(transfer::Path::network)];
+        ncclComm_t comm = comms_[op.local_gpu];
+        last = comm;
+        const int peer = rank_[op.peer_gpu];
+        std::uint64_t *hdr = rec.dev_hdr[di] + i * 2;
+        if (op.send) {
+          r = ncclSend(op.buf, static_cast<std::size_t>(op.num_bytes), ncclUint8, peer, comm, s);
+          if (r == ncclSuccess) r = ncclSend(hdr, 2 * sizeof(std::uint64_t), ncclUint8, peer, comm, s);
+        } else {
+          r = ncclRecv(op.buf, static_cast<std::size_t>(op.num_bytes), ncclUint8, peer, comm, s);
+          if (r == ncclSuccess) r = ncclRecv(hdr, 2 * sizeof(std::uint64_t), ncclUint8, peer, comm, s);
+        }
+      }
+      const ncclResult_t end = ncclGroupEnd();
+      if (r == ncclSuccess) r = end;
+      if (r != ncclSuccess && r != ncclInProgress) {
+        free_peer(rec);
+        return {StatusCode::device_error, nccl_error("ncclSend/ncclRecv group", r, last)};
+      }
+      for (std::size_t di = 0; di < rec.devs.size(); ++di) {
+        const int d = rec.devs[di];
+        cudaStream_t s = streams_[d][static_cast<int>(transfer::Path::network)];
+        FOREMOE_CUDA_CHECK(cudaSetDevice(d));
+        FOREMOE_CUDA_CHECK(cudaMemcpyAsync(rec.host_hdr + di * n * 2, rec.dev_hdr[di], block, cudaMemcpyDeviceToHost, s));
+        FOREMOE_CUDA_CHECK(cudaFreeAsync(rec.dev_hdr[di], s));
+        rec.dev_hdr[di] = nullptr;
+        FOREMOE_CUDA_CHECK(cudaEventRecord(rec.end[di], s));
+      }
+    } catch (const DeviceError &e) {
+      free_peer(rec);
+      return {StatusCode::device_error, e.what()};
+    }
+    std::lock_guard lock(mu_);
+    handle = next_++;
+    peers_[handle] = std::move(rec);
+    return Status::success();
+  }
+#endif
+
   Status query(std::uint64_t handle, double &seconds) override {
+#if defined(FOREMOE_HAVE_NCCL)
+    {
+      std::unique_lock lock(mu_);
+      if (auto pi = peers_.find(handle); pi != peers_.end()) {
+        PeerRec &rec = pi->second;
+        std::string failed;
+        for (std::size_t di = 0; di < rec.devs.size(); ++di) {
+          const cudaError_t e = cudaEventQuery(rec.end[di]);
+          if (e == cudaErrorNotReady) {
+            // Still running: report a communicator error rather than waiting on a transfer that cannot end.
+            for (const PeerOp &op : rec.ops) {
+              ncclResult_t a = ncclSuccess;
+              if (ncclCommGetAsyncError(comms_[op.local_gpu], &a) == ncclSuccess && a != ncclSuccess &&
+                  a != ncclInProgress)
+                return {StatusCode::device_error, nccl_error("NCCL communicator", a, comms_[op.local_gpu])};
+            }
+            return {StatusCode::in_progress, ""};
+          }
+          if (e != cudaSuccess) failed = std::string("NCCL transfer: ") + cudaGetErrorString(e);
+        }
+        Status st = failed.empty() ? Status::success() : Status(StatusCode::device_error, failed);
+        const std::size_t n = rec.ops.size();
+        for (std::size_t i = 0; i < n; ++i)
+          if (!rec.ops[i].send) {
+            const std::size_t di = dev_index(rec, dev_[rec.ops[i].local_gpu]);
+            std::memcpy(rec.ops[i].header, rec.host_hdr + di * n * 2 + i * 2, sizeof rec.ops[i].header);
+          }
+        float ms = 0;
+        if (st.ok() && cudaEventElapsedTime(&ms, rec.begin[0], rec.end[0]) == cudaSuccess) seconds = ms * 1e-3;
+        free_peer(rec);
+        peers_.erase(pi);
+        return st;
+      }
+    }
+#endif
     Op o;
     {
       std::lock_guard lock(mu_);
@@ -291,6 +453,31 @@ private:
   struct Op {
     cudaEvent_t begin = nullptr, end = nullptr;
   };
+#if defined(FOREMOE_HAVE_NCCL)
+  struct PeerRec {
+    std::span<PeerOp> ops;
+    std::vector<int> devs;
+    std::uint64_t *host_hdr = nullptr;
+    std::vector<std::uint64_t *> dev_hdr;
+    std::vector<cudaEvent_t> begin, end;
+  };
+  static std::size_t dev_index(const PeerRec &rec, int d) {
+    return static_cast<std::size_t>(std::find(rec.devs.begin(), rec.devs.end(), d) - rec.devs.begin());
+  }
+  void free_peer(PeerRec &rec) noexcept {
+    for (std::size_t di = 0; di < rec.devs.size(); ++di) {
+      (void)cudaSetDevice(rec.devs[di]);
+      if (di < rec.dev_hdr.size() && rec.dev_hdr[di] != nullptr) (void)cudaFree(rec.dev_hdr[di]);
+      if (di < rec.begin.size() && rec.begin[di] != nullptr) (void)cudaEventDestroy(rec.begin[di]);
+      if (di < rec.end.size() && rec.end[di] != nullptr) (void)cudaEventDestroy(rec.end[di]);
+    }
+    if (rec.host_hdr != nullptr) (void)cudaFreeHost(rec.host_hdr);
+    rec = PeerRec{};
+  }
+  std::vector<ncclComm_t> comms_;
+  std::vector<int> rank_;
+  std::unordered_map<std::uint64_t, PeerRec> peers_;
+#endif
   std::vector<int> dev_;
   std::vector<std::array<cudaStream_t, transfer::num_paths + 1>> streams_;
   std::mutex mu_, sum_mu_;
