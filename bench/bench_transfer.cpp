@@ -125,6 +125,66 @@ void BM_engine_host_deepseek(benchmark::State &state) {
   state.counters["moves"] = static_cast<double>(layer.moves.size());
 }
 BENCHMARK(BM_engine_host_deepseek)->Args({256, 0})->Args({256, 1})->Args({1024, 0})->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// The same layer in multi-process use: one engine per node (`range(1)` = 0) or per GPU (1), joined by a HostFabric,
+// each submitting the whole batch; in-node moves between processes become paired transfers. 256 KiB experts.
+void BM_engine_host_deepseek_processes(benchmark::State &state) {
+  const Layer layer = deepseek_layer(1);
+  const std::int64_t bytes = state.range(0) << 10;
+  const bool per_gpu = state.range(1) != 0;
+  namespace rt = foremoe::runtime;
+  const int num_gpus = deepseek_topo.num_gpus(), slots = deepseek_topo.slots_per_gpu;
+  const int procs = per_gpu ? num_gpus : deepseek_topo.num_nodes;
+  auto fabric = std::make_shared<rt::HostFabric>();
+  std::vector<std::vector<std::byte>> gpus(num_gpus, std::vector<std::byte>(static_cast<std::size_t>(bytes * slots)));
+  std::vector<std::vector<std::byte>> mirrors(deepseek_topo.num_nodes,
+                                              std::vector<std::byte>(static_cast<std::size_t>(bytes * num_experts)));
+  std::vector<std::unique_ptr<rt::TransferEngine>> engines(static_cast<std::size_t>(procs));
+  for (int p = 0; p < procs; ++p) {
+    rt::EngineOptions o;
+    o.topology = deepseek_topo;
+    o.num_experts = num_experts;
+    o.tensors = {{0, bytes / 3}, {bytes / 3, bytes / 3}, {2 * (bytes / 3), bytes - 2 * (bytes / 3)}};
+    o.planning.max_chunk_bytes = std::max<std::int64_t>(4096, bytes / 4);
+    o.host_threads_per_path = 1;
+    o.peers.host_fabric = fabric;
+    for (int g = 0; g < num_gpus; ++g)
+      if ((per_gpu ? g : deepseek_topo.node_of(g)) == p) o.peers.local_gpus.push_back(g);
+    rt::Status st = rt::TransferEngine::create(o, engines[p]);
+    for (int g : o.peers.local_gpus)
+      if (st.ok()) st = engines[p]->register_slots(0, g, {gpus[g].data(), bytes, slots, 1, 0});
+    const int node = deepseek_topo.node_of(o.peers.local_gpus.front());
+    if (st.ok()) st = engines[p]->register_mirror(0, node, {mirrors[node].data(), bytes, num_experts});
+    if (!st.ok()) {
+      state.SkipWithError(st.to_string().c_str());
+      return;
+    }
+  }
+  std::int64_t moved = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    bool ok = true;
+    for (auto &e : engines)
+      ok = ok && e->set_resident(0, layer.before).ok();
+    state.ResumeTiming();
+    std::vector<rt::Ticket> tickets(engines.size());
+    rt::MoveBatch mb;
+    mb.moves = layer.moves;
+    for (std::size_t p = 0; p < engines.size() && ok; ++p)
+      ok = engines[p]->submit(mb, tickets[p]).ok();
+    for (std::size_t p = 0; p < engines.size() && ok; ++p)
+      ok = tickets[p].wait_for(std::chrono::seconds(60)).ok();
+    if (!ok) {
+      state.SkipWithError("batch failed");
+      break;
+    }
+    moved += bytes * static_cast<std::int64_t>(layer.moves.size());
+  }
+  state.SetBytesProcessed(moved);
+  state.counters["moves"] = static_cast<double>(layer.moves.size());
+  state.counters["processes"] = procs;
+}
+BENCHMARK(BM_engine_host_deepseek_processes)->Args({256, 0})->Args({256, 1})->UseRealTime()->Unit(benchmark::kMillisecond);
 #endif
 
 } // namespace
