@@ -173,6 +173,39 @@ TEST_CASE("CUDA engine: moves wait for the producer event; a compute stream wait
   cudaStreamDestroy(consumer);
 }
 
+TEST_CASE("CUDA engine: moves do not overwrite a slot before its last use (slots_free event)") {
+  DeviceCluster c(2, 2, 4, 8 << 20);
+  cudaStream_t compute;
+  REQUIRE(cudaStreamCreateWithFlags(&compute, cudaStreamNonBlocking) == cudaSuccess);
+  // The "last use" of GPU 1 slot 1: a long copy (a few ms), then a write of a marker into the slot, then the
+  // event. A move that ignored the event would land first and be overwritten by the marker.
+  const std::size_t big = std::size_t{2} << 30;
+  void *a = nullptr, *b = nullptr;
+  REQUIRE(cudaSetDevice(1 % std::max(1, rt::build_info().num_devices)) == cudaSuccess);
+  REQUIRE(cudaMalloc(&a, big) == cudaSuccess);
+  REQUIRE(cudaMalloc(&b, big) == cudaSuccess);
+  std::byte *slot = static_cast<std::byte *>(c.mem[1]) + (c.bytes + 256);
+  REQUIRE(cudaMemcpyAsync(b, a, big, cudaMemcpyDeviceToDevice, compute) == cudaSuccess);
+  REQUIRE(cudaMemcpyAsync(b, a, big, cudaMemcpyDeviceToDevice, compute) == cudaSuccess);
+  REQUIRE(cudaMemsetAsync(slot, 0xab, static_cast<std::size_t>(c.bytes + 256), compute) == cudaSuccess);
+  cudaEvent_t last_use;
+  REQUIRE(cudaEventCreateWithFlags(&last_use, cudaEventDisableTiming) == cudaSuccess);
+  REQUIRE(cudaEventRecord(last_use, compute) == cudaSuccess);
+  const std::vector<Move> moves{{2, host_mirror, 1, 1}};
+  rt::MoveBatch mb;
+  mb.moves = moves;
+  mb.slots_free.cuda_event = last_use;
+  rt::Ticket t;
+  REQUIRE(c.engine->submit(mb, t).ok());
+  REQUIRE(t.wait_for(30s).ok());
+  REQUIRE(cudaStreamSynchronize(compute) == cudaSuccess);
+  CHECK(c.holds(1, 1, 2));
+  cudaEventDestroy(last_use);
+  cudaStreamDestroy(compute);
+  cudaFree(a);
+  cudaFree(b);
+}
+
 TEST_CASE("CUDA engine: replica gradients reduce on the device") {
   DeviceCluster c(2, 2, 2, 1 << 12);
   LayerPlacement p(2, 2, 2);
