@@ -790,9 +790,12 @@ private:
         std::byte *p = scratch(t, op.local_gpu, biggest);
         if (p != nullptr && (op.send || t.kind == TicketImpl::Kind::moves)) op.buf = p;
       }
+    // One group per round, at most `max_group` operations each (NCCL limits the calls in one group; splitting a
+    // group does not change the pairing, which follows posting order).
+    constexpr std::size_t max_group = 512;
     for (std::size_t i = 0; i < t.peer_ops.size();) {
       std::size_t j = i;
-      while (j < t.peer_ops.size() && group_of[j] == group_of[i])
+      while (j < t.peer_ops.size() && group_of[j] == group_of[i] && j - i < max_group)
         ++j;
       TicketImpl::PeerGroup g;
       g.begin = i;

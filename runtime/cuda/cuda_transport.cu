@@ -174,6 +174,10 @@ public:
           FOREMOE_CUDA_ASSERT(cudaStreamDestroy(s));
         }
     if (host_sum_ != nullptr) FOREMOE_CUDA_ASSERT(cudaFreeHost(host_sum_));
+#if defined(FOREMOE_HAVE_NCCL)
+    for (auto &[bytes, p] : pinned_pool_)
+      FOREMOE_CUDA_ASSERT(cudaFreeHost(p));
+#endif
   }
 
   Status start(const CopyOp &op, std::uint64_t &handle) override {
@@ -223,7 +227,9 @@ public:
     try {
       // Headers: host staging (pinned) and device staging, one block of n headers per device.
       const std::size_t block = n * 2 * sizeof(std::uint64_t);
-      FOREMOE_CUDA_CHECK(cudaMallocHost(&rec.host_hdr, block * rec.devs.size()));
+      rec.host_bytes = std::max<std::size_t>(block * rec.devs.size(), 4096);
+      rec.host_hdr = take_pinned(rec.host_bytes);
+      if (rec.host_hdr == nullptr) throw DeviceError("cudaMallocHost of " + std::to_string(rec.host_bytes) + " bytes failed");
       rec.dev_hdr.assign(rec.devs.size(), nullptr);
       rec.begin.assign(rec.devs.size(), nullptr);
       rec.end.assign(rec.devs.size(), nullptr);
@@ -262,7 +268,27 @@ public:
       }
       const ncclResult_t end = ncclGroupEnd();
       if (r == ncclSuccess) r = end;
-      if (r != ncclSuccess && r != ncclInProgress) {
+      if (r == ncclInProgress) {
+        // Non-blocking communicators: the operations are enqueued on the streams only once every communicator
+        // of the group leaves "in progress" (connection setup may wait for the peer); bounded here.
+        const auto deadline = std::chrono::steady_clock::now() + sync_timeout;
+        for (const PeerOp &op : ops) {
+          ncclResult_t a = ncclInProgress;
+          while (a == ncclInProgress) {
+            if (ncclCommGetAsyncError(comms_[op.local_gpu], &a) != ncclSuccess) a = ncclInternalError;
+            if (a == ncclInProgress && std::chrono::steady_clock::now() > deadline) {
+              free_peer(rec);
+              return {StatusCode::timed_out, "ncclSend/ncclRecv group: GPU " + std::to_string(op.peer_gpu) +
+                                                 " did not join within 30 s"};
+            }
+            if (a == ncclInProgress) std::this_thread::sleep_for(std::chrono::microseconds(10));
+          }
+          last = comms_[op.local_gpu];
+          r = a;
+          if (r != ncclSuccess) break;
+        }
+      }
+      if (r != ncclSuccess) {
         free_peer(rec);
         return {StatusCode::device_error, nccl_error("ncclSend/ncclRecv group", r, last)};
       }
@@ -458,6 +484,7 @@ private:
     std::span<PeerOp> ops;
     std::vector<int> devs;
     std::uint64_t *host_hdr = nullptr;
+    std::size_t host_bytes = 0;
     std::vector<std::uint64_t *> dev_hdr;
     std::vector<cudaEvent_t> begin, end;
   };
@@ -471,9 +498,29 @@ private:
       if (di < rec.begin.size() && rec.begin[di] != nullptr) (void)cudaEventDestroy(rec.begin[di]);
       if (di < rec.end.size() && rec.end[di] != nullptr) (void)cudaEventDestroy(rec.end[di]);
     }
-    if (rec.host_hdr != nullptr) (void)cudaFreeHost(rec.host_hdr);
+    if (rec.host_hdr != nullptr) {
+      std::lock_guard lock(pool_mu_);
+      pinned_pool_.emplace_back(rec.host_bytes, rec.host_hdr);
+    }
     rec = PeerRec{};
   }
+  // Pinned header blocks are reused: allocating and freeing pinned memory per group would stall the device.
+  std::uint64_t *take_pinned(std::size_t bytes) {
+    {
+      std::lock_guard lock(pool_mu_);
+      for (std::size_t i = 0; i < pinned_pool_.size(); ++i)
+        if (pinned_pool_[i].first >= bytes) {
+          std::uint64_t *p = pinned_pool_[i].second;
+          pinned_pool_.erase(pinned_pool_.begin() + static_cast<std::ptrdiff_t>(i));
+          return p;
+        }
+    }
+    void *p = nullptr;
+    if (cudaMallocHost(&p, bytes) != cudaSuccess) return nullptr;
+    return static_cast<std::uint64_t *>(p);
+  }
+  std::mutex pool_mu_;
+  std::vector<std::pair<std::size_t, std::uint64_t *>> pinned_pool_;
   std::vector<ncclComm_t> comms_;
   std::vector<int> rank_;
   std::unordered_map<std::uint64_t, PeerRec> peers_;

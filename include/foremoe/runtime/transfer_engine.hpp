@@ -94,10 +94,15 @@ private:
 /// send/receive operations, grouped per round, each carrying a header with the source's validity (and checksum when
 /// verifying), so a receiver never publishes bytes its sender did not hold. Paired operations cannot be cancelled:
 /// a batch that ends (abort, deadline) before its exchanges ran still posts them, reading and writing scratch memory.
+/// Submit from one thread per process, so that the order is the same everywhere.
 struct PeerOptions {
   std::vector<int> local_gpus;             ///< GPUs this engine drives; empty: all of them (one process)
   std::shared_ptr<HostFabric> host_fabric; ///< host backend: the fabric joining the engines
-  std::vector<void *> nccl_comm_of_gpu;    ///< CUDA: `ncclComm_t` per GPU id (null for GPUs of other processes)
+  /// CUDA: `ncclComm_t` per GPU id (null for GPUs of other processes). Give the engine communicators of its own
+  /// (e.g. `ncclCommSplit`): its progress thread calls them, and NCCL communicators must not be used from two
+  /// threads at once. Non-blocking ones (`config.blocking = 0`) keep a late peer from stalling that thread; the
+  /// engine waits for them at most 30 s per group.
+  std::vector<void *> nccl_comm_of_gpu;
   std::vector<int> nccl_rank_of_gpu;       ///< CUDA: NCCL rank of each GPU in those communicators; empty = identity
 };
 
