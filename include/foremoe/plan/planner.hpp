@@ -179,7 +179,9 @@ public:
                       " layers, expected ", num_layers_);
     const Strategy s = opts_.strategy;
     const bool two_level = s == Strategy::foremoe && opts_.mode == PlanMode::two_level;
-    if (two_level && owners_.empty()) owners_ = plan_owners(loads);
+    const bool free = (s == Strategy::foremoe && opts_.mode == PlanMode::free) || s == Strategy::foremoe_free;
+    // Free mode takes the two-level plan with these owners as one of its candidates, so it is never worse.
+    if ((two_level || free) && owners_.empty()) owners_ = plan_owners(loads);
     if (s == Strategy::static_placement && owners_.empty()) owners_ = static_owners();
     if (s == Strategy::eplb_oracle && eplb_.empty()) eplb_ = run_eplb(loads);
     std::vector<LayerPlan> out(static_cast<std::size_t>(num_layers_));
@@ -214,7 +216,7 @@ public:
         if (two_level)
           out[l] = rp.plan_two_level(layer_loads, owners_[l], res, ropts);
         else
-          out[l] = rp.plan_free(layer_loads, res, ropts);
+          out[l] = rp.plan_free(layer_loads, res, ropts, owners_[l]);
         break;
       }
     };

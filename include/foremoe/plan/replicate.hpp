@@ -92,6 +92,7 @@ public:
     // within any budget (a GPU's new replicas are at most its replicas, which the scratch search caps).
     setup_resident(nullptr, owner_gpu);
     std::int64_t scratch_makespan = search_two_level(loads, owner_gpu, opts);
+    last_scratch_makespan_ = scratch_makespan;
     // Whether the split state of the last evaluation is that of `cur_` (a local search that stops on a failed
     // trial leaves the trial's state behind, so it is re-evaluated then).
     bool cur_evaluated = opts.local_search_rounds <= 0 || (opts.replica_cost && opts.token_time);
@@ -134,95 +135,77 @@ public:
     return realize(cur_, loads, owner_gpu, resident, scratch_makespan);
   }
 
-  /// Free plan: any slot may hold any expert (every expert at least once), no move budget, owners not pinned
-  /// (the owner of an expert is reported as the GPU of its first copy).
+  /// Free plan: any slot may hold any expert (every expert at least once), no move budget, owners not pinned.
+  ///
+  /// Candidates, the best kept: the resident placement unchanged; the two-level plan with `owner_hint` (when
+  /// given; a two-level plan is a valid free plan, so free mode is never worse than two-level with those owners);
+  /// the sequential fill below under a makespan search, when those are not within the tolerance of the bound; the
+  /// earlier LPT construction when still nothing is. Among candidates within the search tolerance of the
+  /// best (and never above the two-level one) the one with the fewest moves wins, so resident copies stay put
+  /// when they are as good. Owners are `owner_hint` for the two-level candidate, else the GPU of each expert's
+  /// first copy.
   [[nodiscard]] LayerPlan plan_free(std::span<const std::int64_t> loads, const LayerPlacement *resident,
-                                    const ReplicaOptions &opts = {}) {
+                                    const ReplicaOptions &opts = {}, std::span<const std::int32_t> owner_hint = {}) {
     check_loads(loads, "plan_free");
     check_resident(resident, "plan_free");
-    const int num_slots = num_gpus_ * slots_;
-    // Replica counts: one copy each, then greedily to the expert with the largest load per copy.
-    counts_.assign(static_cast<std::size_t>(num_experts_), 1);
-    auto less = [&](std::int32_t a, std::int32_t b) {
-      const int c = detail::compare_fractions(loads[a], counts_[a], loads[b], counts_[b]);
-      return c < 0 || (c == 0 && a > b);
-    };
-    heap_.resize(static_cast<std::size_t>(num_experts_));
-    std::iota(heap_.begin(), heap_.end(), 0);
-    std::make_heap(heap_.begin(), heap_.end(), less);
-    for (int extra = num_slots - num_experts_; extra > 0 && !heap_.empty(); --extra) {
-      std::pop_heap(heap_.begin(), heap_.end(), less);
-      const std::int32_t e = heap_.back();
-      if (loads[e] == 0) break;
-      ++counts_[e];
-      if (counts_[e] >= num_gpus_ || counts_[e] >= loads[e])
-        heap_.pop_back();
-      else
-        std::push_heap(heap_.begin(), heap_.end(), less);
+    detail::require(owner_hint.empty() || static_cast<int>(owner_hint.size()) == num_experts_, "plan_free: ",
+                    owner_hint.size(), " owners for ", num_experts_, " experts");
+    const std::int64_t lb = lower_bound_free(loads, topo_);
+    // Candidates within 0.1% of the best count as equal (the one moving least wins); the fill's search resolves
+    // the makespan more finely, since its pieces are used as they are.
+    const std::int64_t tolerance = std::max<std::int64_t>(1, lb / 1000);
+    const std::int64_t resolution = std::max<std::int64_t>(1, lb / 16384);
+    constexpr std::int64_t none = std::numeric_limits<std::int64_t>::max();
+    cands_.clear();
+    // `indep`: the best makespan of the candidates that do not depend on the resident placement (the fill, the
+    // LPT plan, the two-level plan from scratch).
+    std::int64_t two_level_makespan = none, scratch_makespan = none, indep = none, best = none;
+    const bool keep_candidate = resident != nullptr && resident_hosts_all(*resident);
+    if (keep_candidate) {
+      first_copy_owners(*resident);
+      cands_.push_back(plan_from_placement(*resident, loads, first_owner_, resident));
+      best = cands_.back().max_gpu_load;
     }
-    // LPT of the copies (weight load / count) under exactly `slots` per GPU and no duplicate per GPU.
-    items_.clear();
-    for (int e = 0; e < num_experts_; ++e)
-      for (int c = 0; c < counts_[e]; ++c)
-        items_.push_back(e);
-    std::stable_sort(items_.begin(), items_.end(), [&](std::int32_t a, std::int32_t b) {
-      return detail::compare_fractions(loads[a], counts_[a], loads[b], counts_[b]) > 0;
-    });
-    free_gpu_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
-    free_cnt_.assign(static_cast<std::size_t>(num_gpus_), 0);
-    LayerPlacement p(num_gpus_, slots_, num_experts_);
-    std::vector<int> left(counts_.begin(), counts_.end());
-    for (std::size_t k = 0; k < items_.size(); ++k) {
-      const std::int32_t e = items_[k];
-      const std::int64_t w = loads[e] / counts_[e];
-      int best = -1;
-      for (int g = 0; g < num_gpus_; ++g) {
-        if (free_cnt_[g] >= slots_ || p.holds(g, e)) continue;
-        if (best < 0 || free_gpu_load_[g] < free_gpu_load_[best]) best = g;
-      }
-      // Only an extra copy can find no GPU (every one with room holds e already): items never outnumber slots.
-      if (best < 0) continue;
-      p.slot(best, free_cnt_[best]++) = e;
-      free_gpu_load_[best] += w;
-      --left[e];
+    if (!owner_hint.empty()) {
+      ReplicaOptions two = opts;
+      two.move_budget = -1;
+      two.replica_cost = nullptr;
+      two.token_time = nullptr;
+      cands_.push_back(plan_two_level(loads, owner_hint, resident, two));
+      two_level_makespan = cands_.back().max_gpu_load;
+      scratch_makespan = indep = last_scratch_makespan_;
+      best = std::min(best, two_level_makespan);
     }
-    // Defensive: every expert keeps a copy even if the LPT above ever dropped one.
-    auto counts_now = p.replica_counts();
-    for (int e = 0; e < num_experts_; ++e) {
-      if (counts_now[e] > 0) continue;
-      bool done = false;
-      for (int q = 0; q < num_slots && !done; ++q) {
-        const std::int32_t x = p.phys_to_log()[q];
-        const int g = q / slots_;
-        if (x != empty_slot && counts_now[x] > 1 && !p.holds(g, e)) {
-          --counts_now[x];
-          p.phys_to_log()[q] = e;
-          ++counts_now[e];
-          done = true;
-        }
-      }
-      detail::require(done, "plan_free: cannot give expert ", e, " a copy");
+    // The fill only pays when it can beat what we have by more than the tolerance.
+    if (best > lb + tolerance &&
+        search_fill(loads, lb, std::min(best == none ? none : best - tolerance, fill_upper_bound(loads)), resolution)) {
+      cands_.push_back(fill_plan(resident));
+      best = std::min(best, cands_.back().max_gpu_load);
+      indep = std::min(indep, cands_.back().max_gpu_load);
     }
-    if (opts.free_search_rounds > 0) local_search_free(p, loads, opts.free_search_rounds);
-    // Keep copies in their resident slots where the same GPU keeps them.
-    std::vector<std::vector<std::int32_t>> per_gpu(static_cast<std::size_t>(num_gpus_));
-    for (int g = 0; g < num_gpus_; ++g)
-      for (std::int32_t e : p.gpu_slots(g))
-        if (e != empty_slot) per_gpu[g].push_back(e);
-    LayerPlacement laid = layout_slots(num_gpus_, slots_, num_experts_, per_gpu, resident);
-    std::vector<std::int32_t> owner(static_cast<std::size_t>(num_experts_), -1);
-    for (int q = 0; q < num_slots; ++q)
-      if (const std::int32_t e = laid.phys_to_log()[q]; e != empty_slot && owner[e] < 0) owner[e] = q / slots_;
-    LayerPlan plan = plan_from_placement(laid, loads, owner, resident);
-    if (resident != nullptr && resident_hosts_all(*resident)) {
-      std::vector<std::int32_t> res_owner(static_cast<std::size_t>(num_experts_), -1);
-      for (int q = 0; q < num_slots; ++q)
-        if (const std::int32_t e = resident->phys_to_log()[q]; e != empty_slot && res_owner[e] < 0)
-          res_owner[e] = q / slots_;
-      LayerPlan keep = plan_from_placement(*resident, loads, res_owner, resident);
-      if (keep.max_gpu_load <= plan.max_gpu_load) return keep;
+    // The earlier construction as well when nothing is within the tolerance of the bound yet (small or
+    // slot-starved layers, where the fill's sequential pieces fit worst).
+    if (best > lb + tolerance) {
+      cands_.push_back(plan_free_lpt(loads, resident, opts));
+      best = std::min(best, cands_.back().max_gpu_load);
+      indep = std::min(indep, cands_.back().max_gpu_load);
     }
-    return plan;
+    // The others must be within the tolerance of the best and no worse than the two-level plan. The resident
+    // placement is kept when within the tolerance of the resident-independent best and no worse than the
+    // two-level plan from scratch: the plan of some loads, fed back as resident with the same loads, met both
+    // limits when it was picked, so it is kept and nothing moves.
+    const std::int64_t limit = std::min(best + tolerance, two_level_makespan);
+    const std::int64_t keep_limit = std::min(indep == none ? none : indep + tolerance, scratch_makespan);
+    std::size_t pick = cands_.size();
+    for (std::size_t i = 0; i < cands_.size(); ++i) {
+      const LayerPlan &c = cands_[i];
+      if (c.max_gpu_load > (keep_candidate && i == 0 ? keep_limit : limit)) continue;
+      if (pick == cands_.size() || c.moves.size() < cands_[pick].moves.size() ||
+          (c.moves.size() == cands_[pick].moves.size() && c.max_gpu_load < cands_[pick].max_gpu_load))
+        pick = i;
+    }
+    if (pick == cands_.size()) pick = 0; // unreachable: the best candidate meets its limit unless it is the kept one
+    return std::move(cands_[pick]);
   }
 
   /// A plan for a given placement: exact split and moves from `resident`.
@@ -858,6 +841,330 @@ private:
     }
   }
 
+  /// `first_owner_[e]`: the GPU of the first copy of `e` in `p`, or -1.
+  void first_copy_owners(const LayerPlacement &p) {
+    first_owner_.assign(static_cast<std::size_t>(num_experts_), -1);
+    for (int q = 0; q < p.num_slots(); ++q)
+      if (const std::int32_t e = p.phys_to_log()[q]; e != empty_slot && first_owner_[e] < 0) first_owner_[e] = q / slots_;
+  }
+
+  /// A makespan at which the fill succeeds when slots allow (every expert whole in its own slot): the total.
+  [[nodiscard]] static std::int64_t fill_upper_bound(std::span<const std::int64_t> loads) {
+    std::int64_t total = 0;
+    for (std::int64_t v : loads)
+      total += v;
+    return total;
+  }
+
+  /// Smallest makespan in `[lo, hi]` (to `tolerance`) at which `fill_free` succeeds: a gallop up from `lo`, then
+  /// bisection. Leaves the best fill in `fill_best_` and says whether any succeeded.
+  bool search_fill(std::span<const std::int64_t> loads, std::int64_t lo, std::int64_t hi, std::int64_t tolerance) {
+    if (lo > hi) return false;
+    fill_order(loads);
+    bool found = false;
+    std::int64_t step = tolerance;
+    while (lo <= hi) {
+      const std::int64_t t = std::min(hi, lo + step - 1);
+      if (fill_free(t)) {
+        hi = t;
+        std::swap(fill_best_, fill_try_);
+        std::swap(fill_amt_best_, fill_amt_try_);
+        found = true;
+        break;
+      }
+      lo = t + 1;
+      step *= 2;
+    }
+    if (!found) return false;
+    while (hi - lo >= tolerance) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (fill_free(mid)) {
+        hi = mid;
+        std::swap(fill_best_, fill_try_);
+        std::swap(fill_amt_best_, fill_amt_try_);
+      } else {
+        lo = mid + 1;
+      }
+    }
+    return true;
+  }
+
+  /// Experts by load descending (ties by id), for the fill.
+  void fill_order(std::span<const std::int64_t> loads) {
+    fill_ord_.resize(static_cast<std::size_t>(num_experts_));
+    std::iota(fill_ord_.begin(), fill_ord_.end(), 0);
+    std::sort(fill_ord_.begin(), fill_ord_.end(), [&](std::int32_t a, std::int32_t b) {
+      return loads[a] > loads[b] || (loads[a] == loads[b] && a < b);
+    });
+    fill_sorted_.resize(fill_ord_.size());
+    for (std::size_t i = 0; i < fill_ord_.size(); ++i)
+      fill_sorted_[i] = loads[fill_ord_[i]];
+  }
+
+  /// Root of `i` in the skip links `link` (a link to itself is a root), compressing the path.
+  static std::int32_t find_root(std::vector<std::int32_t> &link, std::int32_t i) {
+    std::int32_t r = i;
+    while (link[r] != r)
+      r = link[r];
+    while (link[i] != r) {
+      const std::int32_t up = link[i];
+      link[i] = r;
+      i = up;
+    }
+    return r;
+  }
+
+  /// Sequential fill at makespan `t`: GPUs in turn are filled to `t` with whole experts ("finishers") and at most
+  /// one partial piece of an open "filler" expert, which carries its rest to the next GPU; an expert above `t`
+  /// stays the filler over several GPUs. Finishers come at the rate that empties the pool with the GPUs
+  /// (ceil(experts left / GPUs left), at most slots - 1), alternately the largest that fits next to the smallest
+  /// ones still needed and the smallest; the filler is the heaviest expert left, finished as soon as it fits. Every
+  /// GPU gets at most one piece per expert and at most `slots` pieces, and the pieces are a split with maximum
+  /// `t`. Fills `fill_try_` and the pieces' tokens `fill_amt_try_`.
+  bool fill_free(std::int64_t t) {
+    const int n = num_experts_;
+    fill_try_.rep.assign(static_cast<std::size_t>(num_gpus_) * slots_, empty_slot);
+    fill_amt_try_.assign(static_cast<std::size_t>(num_gpus_) * slots_, 0);
+    fill_try_.cnt.assign(static_cast<std::size_t>(num_gpus_), 0);
+    // Untaken positions in `fill_ord_`: `next_[i]` / `prev_[i]` skip forward / backward over taken ones.
+    fill_next_.resize(static_cast<std::size_t>(n) + 1);
+    fill_prev_.resize(static_cast<std::size_t>(n) + 1);
+    std::iota(fill_next_.begin(), fill_next_.end(), 0);
+    std::iota(fill_prev_.begin(), fill_prev_.end(), 0); // prev_[i + 1] is position i; prev_[0] means none
+    auto find_next = [&](std::int32_t i) { return find_root(fill_next_, i); }; // n when none
+    // i: position + 1; returns position + 1, 0 when none
+    auto find_prev = [&](std::int32_t i) { return find_root(fill_prev_, i); };
+    auto take = [&](std::int32_t pos) {
+      fill_next_[pos] = pos + 1;
+      fill_prev_[pos + 1] = pos;
+    };
+    // Largest untaken with load <= cap, as a position (n when none).
+    auto largest_fit = [&](std::int64_t cap) {
+      const auto first = std::lower_bound(fill_sorted_.begin(), fill_sorted_.end(), cap, std::greater<>());
+      return find_next(static_cast<std::int32_t>(first - fill_sorted_.begin()));
+    };
+    // Sum of the `k` smallest untaken loads.
+    auto smallest_sum = [&](int k) {
+      std::int64_t s = 0;
+      for (std::int32_t i = find_prev(n); k > 0 && i > 0; --k, i = find_prev(i - 1))
+        s += fill_sorted_[i - 1];
+      return s;
+    };
+    int left = n;             // experts not yet opened or finished
+    std::int32_t filler = -1; // open expert, as a position
+    std::int64_t filler_rest = 0;
+    auto open_filler = [&]() {
+      filler = find_next(0);
+      if (filler >= n) {
+        filler = -1;
+        return;
+      }
+      take(filler);
+      --left;
+      filler_rest = fill_sorted_[filler];
+    };
+    for (int g = 0; g < num_gpus_ && (left > 0 || filler >= 0); ++g) {
+      std::int64_t room = t;
+      int used = 0;
+      auto put = [&](std::int32_t pos, std::int64_t amount) {
+        fill_amt_try_[g * slots_ + used] = amount;
+        fill_try_.rep[g * slots_ + used++] = fill_ord_[pos];
+        room -= amount;
+      };
+      if (filler < 0) open_filler();
+      const int gpus_left = num_gpus_ - g;
+      int finishers = std::min(slots_ - 1, (left + 1 + gpus_left - 1) / gpus_left);
+      // The filler is finished here when it fits beside the smallest other finishers.
+      if (filler >= 0 && finishers > 0 && filler_rest + smallest_sum(finishers - 1) < room) {
+        put(filler, filler_rest);
+        filler = -1;
+        filler_rest = 0;
+        --finishers;
+      }
+      for (int i = 0; i < finishers && room > 0 && left > 0; ++i) {
+        const std::int32_t small = find_prev(n) - 1;
+        std::int32_t pos = small;
+        if (i % 2 == 0) {
+          const std::int64_t cap = room - smallest_sum(finishers - i - 1) - 1;
+          if (const std::int32_t f = largest_fit(cap); f < n) pos = f;
+        }
+        if (fill_sorted_[pos] > room || (fill_sorted_[pos] == room && filler >= 0)) break;
+        take(pos);
+        --left;
+        put(pos, fill_sorted_[pos]);
+      }
+      if (used < slots_ && room > 0) {
+        if (filler < 0) open_filler();
+        if (filler >= 0) {
+          const std::int64_t a = std::min(filler_rest, room);
+          put(filler, a);
+          filler_rest -= a;
+          if (filler_rest == 0) filler = -1;
+        }
+      }
+      fill_try_.cnt[g] = used;
+    }
+    return left == 0 && filler < 0;
+  }
+
+  /// The plan of `fill_best_` with its pieces as the split: each GPU list goes to the free physical GPU holding
+  /// most of its experts in `resident` (lists in order, ties to the lowest GPU), laid out around the resident
+  /// slots; owners at the first copy.
+  LayerPlan fill_plan(const LayerPlacement *resident) {
+    const Solution &s = fill_best_;
+    fill_map_.assign(static_cast<std::size_t>(num_gpus_), -1);
+    gpu_taken_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    if (resident != nullptr) {
+      holders_off_.assign(static_cast<std::size_t>(num_experts_) + 1, 0);
+      for (int q = 0; q < resident->num_slots(); ++q)
+        if (const std::int32_t e = resident->phys_to_log()[q]; e >= 0 && e < num_experts_) ++holders_off_[e + 1];
+      for (int e = 0; e < num_experts_; ++e)
+        holders_off_[e + 1] += holders_off_[e];
+      holders_.resize(static_cast<std::size_t>(holders_off_.back()));
+      holders_fill_.assign(holders_off_.begin(), holders_off_.end() - 1);
+      for (int q = 0; q < resident->num_slots(); ++q)
+        if (const std::int32_t e = resident->phys_to_log()[q]; e >= 0 && e < num_experts_)
+          holders_[holders_fill_[e]++] = q / slots_;
+      shared_count_.assign(static_cast<std::size_t>(num_gpus_), 0);
+      for (int b = 0; b < num_gpus_; ++b) {
+        int pick = -1;
+        for (int j = 0; j < s.cnt[b]; ++j) {
+          const std::int32_t e = s.rep[b * slots_ + j];
+          for (int k = holders_off_[e]; k < holders_off_[e + 1]; ++k)
+            if (const int h = holders_[k]; !gpu_taken_[h]) ++shared_count_[h];
+        }
+        for (int j = 0; j < s.cnt[b]; ++j) {
+          const std::int32_t e = s.rep[b * slots_ + j];
+          for (int k = holders_off_[e]; k < holders_off_[e + 1]; ++k) {
+            const int h = holders_[k];
+            if (gpu_taken_[h] || shared_count_[h] == 0) continue;
+            if (pick < 0 || shared_count_[h] > shared_count_[pick] ||
+                (shared_count_[h] == shared_count_[pick] && h < pick))
+              pick = h;
+          }
+        }
+        for (int j = 0; j < s.cnt[b]; ++j) {
+          const std::int32_t e = s.rep[b * slots_ + j];
+          for (int k = holders_off_[e]; k < holders_off_[e + 1]; ++k)
+            shared_count_[holders_[k]] = 0;
+        }
+        if (pick >= 0) {
+          fill_map_[b] = pick;
+          gpu_taken_[pick] = 1;
+        }
+      }
+    }
+    int next_gpu = 0;
+    for (int b = 0; b < num_gpus_; ++b) {
+      if (fill_map_[b] >= 0) continue;
+      while (gpu_taken_[next_gpu])
+        ++next_gpu;
+      fill_map_[b] = next_gpu;
+      gpu_taken_[next_gpu] = 1;
+    }
+    LayerPlan plan;
+    plan.placement = LayerPlacement(num_gpus_, slots_, num_experts_);
+    plan.slot_tokens.assign(static_cast<std::size_t>(num_gpus_) * slots_, 0);
+    for (int b = 0; b < num_gpus_; ++b) {
+      const int g = fill_map_[b];
+      want_.assign(s.rep.begin() + b * slots_, s.rep.begin() + b * slots_ + s.cnt[b]);
+      layout_gpu_slots(plan.placement, g, want_, resident);
+      std::int64_t gpu_load = 0;
+      for (int j = 0; j < slots_; ++j) {
+        const std::int32_t e = plan.placement.slot(g, j);
+        if (e == empty_slot) continue;
+        for (int k = 0; k < s.cnt[b]; ++k)
+          if (s.rep[b * slots_ + k] == e) plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + j] = fill_amt_best_[b * slots_ + k];
+        gpu_load += plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + j];
+      }
+      plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
+    }
+    first_copy_owners(plan.placement);
+    plan.owner_gpu = first_owner_;
+    plan.moves = compute_moves(plan.placement, plan.owner_gpu, resident, topo_.gpus_per_node);
+    return plan;
+  }
+
+  /// The earlier free construction, a candidate where the fill does not reach the bound's tolerance: counts by
+  /// greedy max load per copy, LPT of the copies, a swap search, the exact split.
+  LayerPlan plan_free_lpt(std::span<const std::int64_t> loads, const LayerPlacement *resident,
+                          const ReplicaOptions &opts) {
+    const int num_slots = num_gpus_ * slots_;
+    // Replica counts: one copy each, then greedily to the expert with the largest load per copy.
+    counts_.assign(static_cast<std::size_t>(num_experts_), 1);
+    auto less = [&](std::int32_t a, std::int32_t b) {
+      const int c = detail::compare_fractions(loads[a], counts_[a], loads[b], counts_[b]);
+      return c < 0 || (c == 0 && a > b);
+    };
+    heap_.resize(static_cast<std::size_t>(num_experts_));
+    std::iota(heap_.begin(), heap_.end(), 0);
+    std::make_heap(heap_.begin(), heap_.end(), less);
+    for (int extra = num_slots - num_experts_; extra > 0 && !heap_.empty(); --extra) {
+      std::pop_heap(heap_.begin(), heap_.end(), less);
+      const std::int32_t e = heap_.back();
+      if (loads[e] == 0) break;
+      ++counts_[e];
+      if (counts_[e] >= num_gpus_ || counts_[e] >= loads[e])
+        heap_.pop_back();
+      else
+        std::push_heap(heap_.begin(), heap_.end(), less);
+    }
+    // LPT of the copies (weight load / count) under exactly `slots` per GPU and no duplicate per GPU.
+    items_.clear();
+    for (int e = 0; e < num_experts_; ++e)
+      for (int c = 0; c < counts_[e]; ++c)
+        items_.push_back(e);
+    std::stable_sort(items_.begin(), items_.end(), [&](std::int32_t a, std::int32_t b) {
+      return detail::compare_fractions(loads[a], counts_[a], loads[b], counts_[b]) > 0;
+    });
+    free_gpu_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    free_cnt_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    LayerPlacement p(num_gpus_, slots_, num_experts_);
+    std::vector<int> left(counts_.begin(), counts_.end());
+    for (std::size_t k = 0; k < items_.size(); ++k) {
+      const std::int32_t e = items_[k];
+      const std::int64_t w = loads[e] / counts_[e];
+      int best = -1;
+      for (int g = 0; g < num_gpus_; ++g) {
+        if (free_cnt_[g] >= slots_ || p.holds(g, e)) continue;
+        if (best < 0 || free_gpu_load_[g] < free_gpu_load_[best]) best = g;
+      }
+      // Only an extra copy can find no GPU (every one with room holds e already): items never outnumber slots.
+      if (best < 0) continue;
+      p.slot(best, free_cnt_[best]++) = e;
+      free_gpu_load_[best] += w;
+      --left[e];
+    }
+    // Defensive: every expert keeps a copy even if the LPT above ever dropped one.
+    auto counts_now = p.replica_counts();
+    for (int e = 0; e < num_experts_; ++e) {
+      if (counts_now[e] > 0) continue;
+      bool done = false;
+      for (int q = 0; q < num_slots && !done; ++q) {
+        const std::int32_t x = p.phys_to_log()[q];
+        const int g = q / slots_;
+        if (x != empty_slot && counts_now[x] > 1 && !p.holds(g, e)) {
+          --counts_now[x];
+          p.phys_to_log()[q] = e;
+          ++counts_now[e];
+          done = true;
+        }
+      }
+      detail::require(done, "plan_free: cannot give expert ", e, " a copy");
+    }
+    if (opts.free_search_rounds > 0) local_search_free(p, loads, opts.free_search_rounds);
+    // Keep copies in their resident slots where the same GPU keeps them.
+    std::vector<std::vector<std::int32_t>> per_gpu(static_cast<std::size_t>(num_gpus_));
+    for (int g = 0; g < num_gpus_; ++g)
+      for (std::int32_t e : p.gpu_slots(g))
+        if (e != empty_slot) per_gpu[g].push_back(e);
+    LayerPlacement laid = layout_slots(num_gpus_, slots_, num_experts_, per_gpu, resident);
+    std::vector<std::int32_t> owner(static_cast<std::size_t>(num_experts_), -1);
+    for (int q = 0; q < num_slots; ++q)
+      if (const std::int32_t e = laid.phys_to_log()[q]; e != empty_slot && owner[e] < 0) owner[e] = q / slots_;
+    return plan_from_placement(laid, loads, owner, resident);
+  }
+
   Topology topo_;
   int num_experts_ = 0, num_gpus_ = 0, slots_ = 0;
   SplitSolver split_;
@@ -880,6 +1187,14 @@ private:
   std::vector<int> counts_, free_cnt_;
   std::vector<std::int32_t> heap_, items_;
   std::vector<std::int64_t> free_gpu_load_;
+  std::vector<LayerPlan> cands_;
+  std::int64_t last_scratch_makespan_ = 0; ///< the last two-level call's makespan from scratch
+  Solution fill_try_, fill_best_;
+  std::vector<std::int32_t> fill_ord_, fill_next_, fill_prev_, fill_map_, first_owner_, holders_off_, holders_,
+      holders_fill_;
+  std::vector<std::int64_t> fill_sorted_, fill_amt_try_, fill_amt_best_;
+  std::vector<int> shared_count_;
+  std::vector<char> gpu_taken_;
 };
 
 /// Two-level plan of one layer (allocates a workspace; reuse a `ReplicaPlanner` in loops).
