@@ -233,6 +233,80 @@ TEST_CASE("owner planning speed shape: 58 x 256 on 32 GPUs is balanced") {
   }
 }
 
+TEST_CASE("owners: previous owners are kept when re-owning costs something") {
+  std::mt19937_64 rng(23);
+  const Topology topo{2, 4, 5};
+  const int num_experts = 32, num_gpus = 8;
+  int kept_changes = 0, fresh_changes = 0;
+  for (int it = 0; it < 200 * foremoe_test::seed_multiplier(); ++it) {
+    const auto step1 = random_loads(rng, num_experts, 50000, 2.0);
+    OwnerPlanner op(topo, num_experts);
+    const auto prev = op.plan_layer(step1);
+    // The same totals keep every owner.
+    CHECK(op.plan_layer(step1, prev) == prev);
+    // Next step's totals drift; sometimes they change completely.
+    auto step2 = step1;
+    const bool reshuffle = it % 5 == 0;
+    for (auto &x : step2)
+      x = reshuffle ? static_cast<std::int64_t>(rng() % 100000)
+                    : std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % 8000) - 4000);
+    const auto fresh = op.plan_layer(step2);
+    const auto kept = op.plan_layer(step2, prev);
+    auto max_load = [&](const std::vector<std::int32_t> &owner) {
+      std::vector<std::int64_t> load(num_gpus, 0);
+      std::vector<int> count(num_gpus, 0);
+      for (int e = 0; e < num_experts; ++e) {
+        load[owner[e]] += step2[e];
+        CHECK(++count[owner[e]] <= topo.slots_per_gpu);
+      }
+      return *std::max_element(load.begin(), load.end());
+    };
+    const std::int64_t fresh_max = max_load(fresh);
+    CHECK(max_load(kept) <= fresh_max + static_cast<std::int64_t>(static_cast<double>(fresh_max) * 0.05));
+    for (int e = 0; e < num_experts; ++e) {
+      kept_changes += kept[e] != prev[e];
+      fresh_changes += fresh[e] != prev[e];
+    }
+  }
+  MESSAGE("owners changed from the previous step: ", kept_changes, " kept-owner planning, ", fresh_changes, " fresh");
+  CHECK(kept_changes < fresh_changes);
+  OwnerPlanner op(topo, num_experts);
+  const std::vector<std::int64_t> loads(num_experts, 1);
+  CHECK_ERROR_CONTAINS((void)op.plan_layer(loads, std::vector<std::int32_t>(num_experts, 9)), "outside [0, 8)");
+  CHECK_ERROR_CONTAINS((void)op.plan_layer(loads, std::vector<std::int32_t>(num_experts, 0)), "which has 5 slots");
+}
+
+TEST_CASE("planner keeps owners across steps unless re-owning is free") {
+  std::mt19937_64 rng(24);
+  const Topology topo{2, 4, 5};
+  std::vector<std::int64_t> a, b;
+  for (int l = 0; l < 3; ++l) {
+    const auto row = random_loads(rng, 32, 50000, 2.0);
+    a.insert(a.end(), row.begin(), row.end());
+    for (std::int64_t x : row)
+      b.push_back(std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % 6000) - 3000));
+  }
+  PlannerOptions paid;
+  paid.reowning_free = false;
+  Planner keep(3, 32, topo, paid), fresh(3, 32, topo);
+  keep.begin_step(a);
+  fresh.begin_step(a);
+  CHECK(keep.owners() == fresh.owners());
+  const auto first = keep.owners();
+  keep.begin_step(b);
+  fresh.begin_step(b);
+  int kept_changes = 0, fresh_changes = 0;
+  for (int l = 0; l < 3; ++l)
+    for (int e = 0; e < 32; ++e) {
+      kept_changes += keep.owners()[l][e] != first[l][e];
+      fresh_changes += fresh.owners()[l][e] != first[l][e];
+    }
+  CHECK(kept_changes <= fresh_changes);
+  PlannerOptions bad;
+  bad.owner_keep_tolerance = -1;
+  CHECK_ERROR_CONTAINS(Planner(3, 32, topo, bad), "owner_keep_tolerance");
+}
+
 TEST_CASE("validate catches every broken invariant") {
   const Topology topo{1, 2, 2};
   const std::vector<std::int64_t> loads{4, 10};

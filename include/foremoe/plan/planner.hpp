@@ -83,6 +83,11 @@ struct PlannerOptions {
   PlanMode mode = PlanMode::two_level; ///< for `Strategy::foremoe`
   int move_budget = -1;                ///< new replicas per GPU per micro-step; < 0: the spare slots
   bool hierarchical_owners = true;     ///< owners: nodes first, then GPUs in each node
+  /// Whether a new owner map costs nothing (colocated trainers reload optimizer state after rollout). When not,
+  /// `begin_step` keeps the previous step's owners unless their most loaded GPU is more than
+  /// `owner_keep_tolerance` above a fresh plan's, and then changes as few as it can (see `OwnerOptions`).
+  bool reowning_free = true;
+  double owner_keep_tolerance = 0.05;
   int num_threads = 1;                 ///< parallel over layers; plans are identical for every count
   int local_search_rounds = 0;         ///< two-level exact-split local search per layer (see ReplicaOptions)
   int free_search_rounds = 4;          ///< free-mode placement swap rounds per layer
@@ -105,6 +110,8 @@ public:
     detail::require(opts_.num_threads >= 1, "Planner: num_threads must be >= 1, got ", opts_.num_threads);
     detail::require(opts_.eplb_num_groups >= 1 && num_experts % opts_.eplb_num_groups == 0, "Planner: ", num_experts,
                     " experts do not divide into eplb_num_groups = ", opts_.eplb_num_groups);
+    detail::require(opts_.owner_keep_tolerance >= 0, "Planner: owner_keep_tolerance must be >= 0, got ",
+                    opts_.owner_keep_tolerance);
     detail::require(opts_.local_search_rounds >= 0 && opts_.free_search_rounds >= 0,
                     "Planner: local_search_rounds and free_search_rounds must be >= 0, got ", opts_.local_search_rounds,
                     " and ", opts_.free_search_rounds);
@@ -117,10 +124,14 @@ public:
   [[nodiscard]] const Topology &topology() const noexcept { return topo_; }
   [[nodiscard]] const PlannerOptions &options() const noexcept { return opts_; }
 
-  /// Owners of every layer from step totals `[layers][experts]` (C order).
-  [[nodiscard]] OwnerMap plan_owners(std::span<const std::int64_t> step_totals) const {
+  /// Owners of every layer from step totals `[layers][experts]` (C order); `previous` (may be empty): owners to
+  /// keep where the tolerance allows.
+  [[nodiscard]] OwnerMap plan_owners(std::span<const std::int64_t> step_totals, const OwnerMap &previous = {}) const {
     check_layer_loads(step_totals, "plan_owners");
-    return foremoe::plan_owners(step_totals, num_layers_, num_experts_, topo_, {opts_.hierarchical_owners});
+    OwnerOptions o;
+    o.hierarchical = opts_.hierarchical_owners;
+    o.keep_tolerance = opts_.owner_keep_tolerance;
+    return foremoe::plan_owners(step_totals, num_layers_, num_experts_, topo_, o, previous);
   }
   /// Owners from the sum of all micro-steps of `micro_steps`.
   [[nodiscard]] OwnerMap plan_owners(const LoadTensor &micro_steps) const {
@@ -134,7 +145,7 @@ public:
     switch (opts_.strategy) {
     case Strategy::static_placement: owners_ = static_owners(); break;
     case Strategy::foremoe:
-    case Strategy::foremoe_free: owners_ = plan_owners(step_totals); break;
+    case Strategy::foremoe_free: owners_ = plan_owners(step_totals, opts_.reowning_free ? OwnerMap{} : owners_); break;
     case Strategy::eplb:
       if (previous_step_totals.empty()) {
         eplb_.clear();

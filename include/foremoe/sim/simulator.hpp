@@ -262,6 +262,7 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
     popts.mode = strat.mode;
     popts.num_threads = cfg.planner_threads;
     popts.move_budget = cfg.move_budget;
+    popts.reowning_free = cfg.reowning_free; // paid re-owning: the planner keeps owners where it can
     Planner planner(L, E, topo, popts);
     Placement resident;
     bool has_resident = false;
