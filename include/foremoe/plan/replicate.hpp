@@ -6,12 +6,16 @@
 /// whose feasibility test is a greedy "shedding" construction. Every GPU above `T` must shed `load - T`; it does
 /// so through replicas of its own experts on GPUs with a free spare slot and headroom below `T`, taking its
 /// heaviest remaining expert each time and the receiver whose headroom fits the need most tightly (a resident copy
-/// first, since it costs no move). The transfers it records are a valid split, so the exact split of the result
-/// is at most `T`. A local search driven by the exact split then moves single replicas while the maximum drops.
+/// first, since it costs no move). A last piece that would close its receiver with headroom left is chained to
+/// the next GPU above `T` instead (into its otherwise unused spare slot), which then sheds that much more. The
+/// transfers it records are a valid split with maximum `T`: plans from a resident placement use them as they are;
+/// plans from scratch take the exact split. An optional local search driven by the exact split moves single
+/// replicas while the maximum drops.
 ///
-/// Free mode (any slot holds anything): replica counts by greedy max load per copy (a heap), LPT placement of the
-/// copies with no two copies of an expert on one GPU and exactly `slots` per GPU, then the exact split and the
-/// same kind of local search.
+/// Free mode (any slot holds anything): the best of the resident placement kept, the two-level plan with the
+/// step's owners (so never worse than two-level), and a sequential fill under a makespan search (GPUs filled to
+/// `T` with whole experts plus one piece of an open "filler" expert that carries on to the next GPU), with the
+/// earlier LPT construction (greedy replica counts, LPT of the copies, swaps, exact split) as a fallback.
 
 #include <algorithm>
 #include <cstdint>
@@ -90,12 +94,16 @@ public:
     // alone. Every returned plan is at least that good, and the resident placement is kept whenever it is too:
     // planning the same loads again with the result as resident therefore moves nothing. The scratch plan is
     // within any budget (a GPU's new replicas are at most its replicas, which the scratch search caps).
+    // With a resident placement the scratch plan is usually replaced, so its makespan is taken as the search's
+    // (an upper bound on its exact split) instead of evaluating it.
     setup_resident(nullptr, owner_gpu);
-    std::int64_t scratch_makespan = search_two_level(loads, owner_gpu, opts);
+    const bool gate = opts.replica_cost && opts.token_time;
+    const bool exact_scratch = resident == nullptr || opts.local_search_rounds > 0 || gate;
+    std::int64_t scratch_makespan = search_two_level(loads, owner_gpu, opts, exact_scratch);
     last_scratch_makespan_ = scratch_makespan;
     // Whether the split state of the last evaluation is that of `cur_` (a local search that stops on a failed
     // trial leaves the trial's state behind, so it is re-evaluated then).
-    bool cur_evaluated = opts.local_search_rounds <= 0 || (opts.replica_cost && opts.token_time);
+    bool cur_evaluated = exact_scratch && (opts.local_search_rounds <= 0 || gate);
     if (resident == nullptr) return realize(cur_, loads, owner_gpu, nullptr, cur_evaluated ? scratch_makespan : -1);
     if (resident_compatible(*resident, owner_gpu)) {
       // The resident placement as a solution (its non-owner copies as replicas): same exact-split maximum as the
@@ -122,7 +130,12 @@ public:
     const bool constructed = shed_greedy(scratch_makespan, loads);
     if (constructed) {
       cur_ = trial_;
-      if (opts.replica_cost && opts.token_time) (void)apply_gate(loads, owner_gpu, evaluate(cur_, loads), opts);
+      // Without the gate the construction's own transfers are the split (each GPU at most the scratch makespan).
+      if (!gate) {
+        keep_unused_residents(cur_);
+        return realize(cur_, loads, owner_gpu, resident, -1, true);
+      }
+      (void)apply_gate(loads, owner_gpu, evaluate(cur_, loads), opts);
       keep_unused_residents(cur_);
       if (const std::int64_t m = evaluate(cur_, loads); m <= scratch_makespan)
         return realize(cur_, loads, owner_gpu, resident, m);
@@ -225,6 +238,7 @@ private:
   struct Solution {
     std::vector<std::int32_t> rep;
     std::vector<std::int32_t> cnt;
+    std::vector<std::int64_t> amt; ///< tokens of each replica in the construction that made it (if any)
   };
 
   void check_loads(std::span<const std::int64_t> loads, const char *who) const {
@@ -391,21 +405,24 @@ private:
   void clear_solution(Solution &s) const {
     s.rep.assign(static_cast<std::size_t>(num_gpus_) * slots_, empty_slot);
     s.cnt.assign(static_cast<std::size_t>(num_gpus_), 0);
+    s.amt.assign(static_cast<std::size_t>(num_gpus_) * slots_, 0);
   }
 
   /// Binary search on T over the greedy construction, then local search and the optional gate; leaves the
-  /// solution in `cur_` and returns its exact makespan.
+  /// solution in `cur_` and returns its exact makespan (without `exact`, and without local search and gate: the
+  /// smallest T the construction met, at least the exact makespan).
   std::int64_t search_two_level(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
-                                const ReplicaOptions &opts) {
+                                const ReplicaOptions &opts, bool exact = true) {
     std::int64_t hi = 0;
     for (int g = 0; g < num_gpus_; ++g)
       hi = std::max(hi, owner_load_[g]);
     std::int64_t lo = std::min(hi, lower_bound_two_level(loads, owner_gpu, topo_, opts.move_budget, nullptr, bound_ws_));
     clear_solution(best_);
-    // Good plans sit just above the bound, so gallop up from it, then bisect down to a 0.2% bracket (the exact
-    // split of the result usually lands below the bracket's top anyway; a 0.05% bracket costs two more
-    // constructions per layer for about 0.0008 lower median max/mean).
-    const std::int64_t tolerance = std::max<std::int64_t>(1, lo / 500);
+    // Good plans sit just above the bound, so gallop up from it, then bisect down to a 0.05% bracket. With a
+    // resident placement the final plan keeps the construction's own split, which sits at the bracket's top, so
+    // the bracket is the plan's distance from the best T the construction meets (0.2% costs the same time here
+    // for about 0.0015 higher mean max/mean; below 0.05% it gains nothing measurable).
+    const std::int64_t tolerance = std::max<std::int64_t>(1, lo / 2000);
     std::int64_t step = 4 * tolerance;
     while (lo < hi) {
       const std::int64_t t = std::min(hi, lo + step - 1);
@@ -427,6 +444,7 @@ private:
       }
     }
     cur_ = best_;
+    if (!exact && opts.local_search_rounds <= 0 && !(opts.replica_cost && opts.token_time)) return hi;
     std::int64_t makespan = evaluate(cur_, loads);
     if (opts.local_search_rounds > 0) makespan = local_search_two_level(loads, makespan, opts);
     if (opts.replica_cost && opts.token_time) makespan = apply_gate(loads, owner_gpu, makespan, opts);
@@ -457,7 +475,7 @@ private:
       open_room_[k] = room_[open_[k]];
       open_pos_[open_[k]] = static_cast<std::int32_t>(k);
     }
-    std::int64_t room_left = 0, slots_left = 0, excess_left = 0, hot_left = 0;
+    std::int64_t room_left = 0, slots_left = 0, excess_left = 0;
     {
       // Necessary conditions: the rooms hold the total excess, and the slots the fewest transfers (each moves at
       // most the largest room).
@@ -465,31 +483,29 @@ private:
       const std::int64_t total_room = num_open * t - recv_load_suf_[first_open];
       const std::int64_t max_room = open_.empty() ? 0 : room_[open_.back()];
       const std::int64_t slots_free = recv_slots_suf_[first_open];
-      std::int64_t total_excess = 0, transfers = 0;
+      std::int64_t total_excess = 0;
       for (std::int32_t g : hot_order_) {
         const std::int64_t excess = owner_load_[g] - t;
         if (excess <= 0) break;
         total_excess += excess;
-        transfers += max_room > 0 ? (excess + max_room - 1) / max_room : 1;
       }
+      // Chaining lets hot GPUs share receivers' pieces, so only the total number of transfers is bounded.
+      const std::int64_t transfers = max_room > 0 ? (total_excess + max_room - 1) / max_room : 1;
       if (total_excess > total_room || transfers > slots_free) return false;
       room_left = total_room;
       slots_left = slots_free;
       excess_left = total_excess;
-      for (std::int32_t g : hot_order_) {
-        if (owner_load_[g] <= t) break;
-        ++hot_left;
-      }
     }
     // Only the experts of GPUs above t are read, each by its owner alone: set them when their owner starts.
     remaining_.resize(loads.size());
-    for (std::int32_t g : hot_order_) {
-      std::int64_t excess = owner_load_[g] - t;
-      if (excess <= 0) break;
+    chained_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    for (std::size_t hi_idx = 0; hi_idx < hot_order_.size(); ++hi_idx) {
+      const std::int32_t g = hot_order_[hi_idx];
+      std::int64_t excess = owner_load_[g] + chained_[g] - t;
+      if (owner_load_[g] <= t) break;
       // The same necessary conditions on what is left: room lost in receivers that closed early (out of slots or
       // budget) usually makes a construction fail late, and this sees it one GPU at a time.
-      if (excess_left > room_left || hot_left > slots_left) return false;
-      --hot_left;
+      if (excess_left > room_left || (excess_left > 0 && slots_left <= 0)) return false;
       for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
         remaining_[own_list_[j]] = loads[own_list_[j]];
       while (excess > 0) {
@@ -526,6 +542,26 @@ private:
             }
         }
         if (pick_e < 0) return false;
+        // Chaining: a last piece that would close its receiver (no slot or budget left) with room to spare goes to
+        // the next hot GPU's spare slot instead, which sheds that much more in its turn. A hot GPU's spare slot is
+        // of no other use, and the receiver's room stays open for a later piece; otherwise every hot GPU wastes
+        // the room its last piece leaves (about 12% of the mean at 1024 GPUs x 2 slots with budget 1).
+        if (pick_t == excess && room_[pick_h] > pick_t && hi_idx + 1 < hot_order_.size()) {
+          const std::int32_t g2 = hot_order_[hi_idx + 1];
+          const bool closes = trial_.cnt[pick_h] + 1 >= spare_[pick_h] ||
+                              (!is_resident(pick_h, pick_e) && new_left_[pick_h] <= 1);
+          if (closes && owner_load_[g2] > t && trial_.cnt[g2] < spare_[g2] && !holds(trial_, g2, pick_e) &&
+              (new_left_[g2] > 0 || is_resident(g2, pick_e))) {
+            trial_.amt[g2 * slots_ + trial_.cnt[g2]] = excess;
+            trial_.rep[g2 * slots_ + trial_.cnt[g2]++] = pick_e;
+            if (!is_resident(g2, pick_e)) --new_left_[g2];
+            chained_[g2] += excess;
+            remaining_[pick_e] -= excess;
+            excess = 0;
+            continue;
+          }
+        }
+        trial_.amt[pick_h * slots_ + trial_.cnt[pick_h]] = pick_t;
         trial_.rep[pick_h * slots_ + trial_.cnt[pick_h]++] = pick_e;
         if (!is_resident(pick_h, pick_e)) --new_left_[pick_h];
         // A receiver always sits in `open_` (only open GPUs are eligible), at `open_pos_`.
@@ -538,7 +574,7 @@ private:
         if (r <= 0 || trial_.cnt[pick_h] >= spare_[pick_h] || (new_left_[pick_h] <= 0 && res_cnt_[pick_h] == 0)) {
           room_left -= std::max<std::int64_t>(r, 0);
           slots_left -= std::min(spare_[pick_h], budget_[pick_h] + res_cnt_[pick_h]) - trial_.cnt[pick_h];
-          if (excess_left > room_left || hot_left > slots_left) return false;
+          if (excess_left > room_left || (excess_left > 0 && slots_left <= 0)) return false;
           for (; k + 1 < open_.size(); ++k) {
             open_[k] = open_[k + 1];
             open_room_[k] = open_room_[k + 1];
@@ -757,6 +793,7 @@ private:
       for (int j = 0; j < res_cnt_[g] && s.cnt[g] < spare_[g]; ++j) {
         const std::int32_t e = res_[g * slots_ + j];
         if (!holds(s, g, e)) {
+          if (!s.amt.empty()) s.amt[g * slots_ + s.cnt[g]] = 0;
           s.rep[g * slots_ + s.cnt[g]++] = e;
           added = true;
         }
@@ -764,11 +801,20 @@ private:
     return added;
   }
 
-  /// The plan of solution `s`: slots laid out around the resident ones, tokens from one exact split of `s`.
+  /// The plan of solution `s`: slots laid out around the resident ones, tokens from one exact split of `s`, or
+  /// with `construction_split` from the construction's transfers `s.amt` (owners keep the rest).
   LayerPlan realize(const Solution &s, std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
-                    const LayerPlacement *resident, std::int64_t evaluated_makespan = -1) {
+                    const LayerPlacement *resident, std::int64_t evaluated_makespan = -1,
+                    bool construction_split = false) {
     LayerPlan plan;
-    plan.max_gpu_load = evaluated_makespan >= 0 ? evaluated_makespan : evaluate(s, loads);
+    if (construction_split) {
+      owner_tokens_.assign(loads.begin(), loads.end());
+      for (int g = 0; g < num_gpus_; ++g)
+        for (int j = 0; j < s.cnt[g]; ++j)
+          owner_tokens_[s.rep[g * slots_ + j]] -= s.amt[g * slots_ + j];
+    } else {
+      plan.max_gpu_load = evaluated_makespan >= 0 ? evaluated_makespan : evaluate(s, loads);
+    }
     plan.placement = LayerPlacement(num_gpus_, slots_, num_experts_);
     for (int g = 0; g < num_gpus_; ++g) {
       want_.assign(own_list_.begin() + own_off_[g], own_list_.begin() + own_off_[g + 1]);
@@ -779,10 +825,27 @@ private:
     }
     plan.owner_gpu.assign(owner_gpu.begin(), owner_gpu.end());
     plan.slot_tokens.assign(static_cast<std::size_t>(num_gpus_) * slots_, 0);
-    for (int g = 0; g < num_gpus_; ++g)
-      for (int j = 0; j < slots_; ++j)
-        if (const std::int32_t e = plan.placement.slot(g, j); e != empty_slot)
-          plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + j] = tokens_on(e, g, loads);
+    if (construction_split) {
+      for (int g = 0; g < num_gpus_; ++g) {
+        std::int64_t gpu_load = 0;
+        for (int j = 0; j < slots_; ++j) {
+          const std::int32_t e = plan.placement.slot(g, j);
+          if (e == empty_slot) continue;
+          std::int64_t t = owner_tokens_[e];
+          if (owner_gpu[e] != g)
+            for (int k = 0; k < s.cnt[g]; ++k)
+              if (s.rep[g * slots_ + k] == e) t = s.amt[g * slots_ + k];
+          plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + j] = t;
+          gpu_load += t;
+        }
+        plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
+      }
+    } else {
+      for (int g = 0; g < num_gpus_; ++g)
+        for (int j = 0; j < slots_; ++j)
+          if (const std::int32_t e = plan.placement.slot(g, j); e != empty_slot)
+            plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + j] = tokens_on(e, g, loads);
+    }
     plan.moves = compute_moves(plan.placement, owner_gpu, resident, topo_.gpus_per_node);
     return plan;
   }
@@ -1171,7 +1234,8 @@ private:
   TwoLevelBoundWorkspace bound_ws_;
   std::span<const std::int32_t> owner_;
   std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
-  std::vector<std::int64_t> owner_load_, room_, remaining_;
+  std::vector<std::int64_t> owner_load_, room_, remaining_, chained_;
+  std::vector<std::int64_t> owner_tokens_;
   std::vector<std::int32_t> want_, mark_;
   std::vector<char> flag_;
   std::vector<std::int64_t> res_tokens_;
