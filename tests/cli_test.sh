@@ -77,6 +77,35 @@ expect 0 "^  foremoe-free +[0-9.]+" -- "$bin" plan --loads "$work/step.npy" --no
   --strategy all
 expect 2 "need one strategy" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --strategy all --out "$work/x.json"
+# transfer plans per layer: every move's chunks add up to one expert, reading a GPU that held it or the mirror
+expect 0 "transfers: [0-9.]+ ms modelled per micro-step .*% NVLink" -- "$bin" plan --loads "$work/step.npy" --nodes 2 \
+  --gpus-per-node 2 --slots 5 --expert-bytes 1000000 --max-chunk-bytes 300000 --out "$work/plan_tr.json"
+if command -v python3 >/dev/null; then
+  expect 0 "^ok [1-9][0-9]* chunks" -- python3 - "$work/plan_tr.json" <<'PY'
+import json, sys
+j = json.load(open(sys.argv[1]))
+n, prev = 0, None
+for m, step in enumerate(j["micro_steps"]):
+    for l, lay in enumerate(step["layers"]):
+        t, per_move = lay["transfers"], {}
+        for c in t["chunks"]:
+            move, path, src, src_slot, dst, dst_slot, e, off, nb, rnd = c
+            assert nb <= 300000 and lay["moves"][move][0] == e and lay["moves"][move][2] == dst, c
+            if path != "pcie":
+                assert prev is not None and prev[l]["gpu_slots"][src][src_slot] == e, c
+            per_move[move] = per_move.get(move, 0) + nb
+            n += 1
+        assert all(per_move.get(i, 0) == 1000000 for i in range(len(lay["moves"]))), per_move
+        assert (t["est_seconds"] > 0) == bool(lay["moves"])
+    prev = step["layers"]
+print("ok", n, "chunks")
+PY
+fi
+expect 2 "give --expert-bytes too" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 --no-mirror
+expect 2 "--expert-bytes must be in \[1, " -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+  --expert-bytes 0
+expect 1 "micro-step 0 layer 0: plan_transfers: move 0 .* has no source" -- "$bin" plan --loads "$work/step.npy" --nodes 2 \
+  --gpus-per-node 2 --slots 5 --expert-bytes 1000 --no-mirror
 # round trip: the final placement fed back as --resident with the same single micro-step moves nothing
 expect 0 "loads \[1, 4, 16\]" -- "$bin" trace gen "${shape[@]}" --steps 1 --microbatch-tokens 1000000 --loads "$work/one.npy"
 for mode in two-level free; do

@@ -7,6 +7,7 @@
 #include "command.hpp"
 #include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/planner.hpp"
+#include "foremoe/transfer/transfer_plan.hpp"
 #include "foremoe/trace/io.hpp"
 #include "plan_json.hpp"
 
@@ -36,6 +37,10 @@ Command make_plan() {
       {"threads", "T", "threads over layers (plans do not depend on it)", "1"},
       {"out", "PLAN.json", "write the plan here", ""},
       {"out-placement", "PLACEMENT.json", "write the final placement here (readable by --resident)", ""},
+      {"expert-bytes", "B", "bytes of one expert's weights: adds each layer's transfer plan (chunks, paths, rounds, "
+                            "modelled time)", ""},
+      {"max-chunk-bytes", "B", "transfer chunks are cut to at most this", "67108864"},
+      {"no-mirror", "", "the nodes have no pinned host mirror (GPU-direct sources only)", ""},
   };
   c.run = [](const Args &a, std::ostream &out, std::ostream &) {
     if (!a.has("loads")) throw UsageError{"--loads LOADS.npy is required"};
@@ -103,6 +108,17 @@ Command make_plan() {
       return 0;
     }
 
+    transfer::Options topt;
+    const bool transfers = a.has("expert-bytes");
+    if (transfers) {
+      topt.expert_bytes = a.integer("expert-bytes", 1, std::int64_t{1} << 40);
+      topt.max_chunk_bytes = a.integer("max-chunk-bytes", 1, std::int64_t{1} << 40);
+      topt.align_bytes = std::min<std::int64_t>(topt.align_bytes, topt.max_chunk_bytes);
+      topt.host_mirror = !a.flag("no-mirror");
+    } else if (a.has("max-chunk-bytes") || a.flag("no-mirror")) {
+      throw UsageError{"--max-chunk-bytes and --no-mirror shape the transfer plan: give --expert-bytes too"};
+    }
+
     Planner planner(loads.num_layers(), loads.num_experts(), topo, opts);
     const StepPlan sp = planner.plan_step(loads, res, previous, stage);
 
@@ -117,11 +133,33 @@ Command make_plan() {
     j["planner_seconds"] = sp.planner_seconds;
     nlohmann::json steps = nlohmann::json::array();
     std::size_t num_moves = 0;
-    for (const auto &layers : sp.micro_steps) {
+    double est_seconds = 0.0, bound_seconds = 0.0;
+    std::int64_t path_bytes[transfer::num_paths] = {0, 0, 0};
+    const LayerPlacement empty(topo.num_gpus(), topo.slots_per_gpu, loads.num_experts());
+    for (std::size_t m = 0; m < sp.micro_steps.size(); ++m) {
+      const auto &layers = sp.micro_steps[m];
       nlohmann::json ls = nlohmann::json::array();
-      for (const LayerPlan &lp : layers) {
-        ls.push_back(layer_plan_json(lp));
+      for (std::size_t l = 0; l < layers.size(); ++l) {
+        const LayerPlan &lp = layers[l];
+        nlohmann::json lj = layer_plan_json(lp);
         num_moves += lp.moves.size();
+        if (transfers) {
+          // Sources are what the slots held before this micro-step: the previous one's placement, or --resident.
+          const LayerPlacement &before = m > 0 ? sp.micro_steps[m - 1][l].placement
+                                         : res != nullptr ? res->layer(static_cast<int>(l))
+                                                          : empty;
+          transfer::TransferPlan tp;
+          try {
+            tp = transfer::plan_transfers(lp.moves, before, topo, topt);
+          } catch (const Error &e) {
+            throw Error("micro-step " + std::to_string(m) + " layer " + std::to_string(l) + ": " + e.what());
+          }
+          lj["transfers"] = transfer_plan_json(tp);
+          est_seconds += tp.est_seconds;
+          bound_seconds += tp.link_bound_seconds;
+          for (int p = 0; p < transfer::num_paths; ++p) path_bytes[p] += tp.path_bytes[p];
+        }
+        ls.push_back(std::move(lj));
       }
       steps.push_back({{"layers", std::move(ls)}});
     }
@@ -140,6 +178,15 @@ Command make_plan() {
         << ", max " << balance.max << "\n"
         << "  moves: " << num_moves << " (" << std::setprecision(2)
         << (sp.micro_steps.empty() ? 0.0 : double(num_moves) / double(sp.micro_steps.size())) << " per micro-step)\n";
+    if (transfers) {
+      const double micro = sp.micro_steps.empty() ? 1.0 : double(sp.micro_steps.size());
+      const double total = double(path_bytes[0] + path_bytes[1] + path_bytes[2]);
+      out << "  transfers: " << std::setprecision(3) << est_seconds * 1e3 / micro
+          << " ms modelled per micro-step (all layers, link bound " << bound_seconds * 1e3 / micro << " ms), "
+          << std::setprecision(1) << (total > 0 ? 100.0 * double(path_bytes[0]) / total : 0.0) << "% NVLink, "
+          << (total > 0 ? 100.0 * double(path_bytes[1]) / total : 0.0) << "% host mirror, "
+          << (total > 0 ? 100.0 * double(path_bytes[2]) / total : 0.0) << "% network\n";
+    }
     if (a.has("out")) out << "  wrote " << a.str("out") << "\n";
     if (a.has("out-placement")) out << "  wrote " << a.str("out-placement") << "\n";
     return 0;

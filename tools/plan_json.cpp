@@ -39,6 +39,25 @@ json layer_plan_json(const LayerPlan &lp) {
   return j;
 }
 
+json transfer_plan_json(const transfer::TransferPlan &tp) {
+  json j;
+  j["num_rounds"] = tp.num_rounds;
+  j["est_seconds"] = tp.est_seconds;
+  j["link_bound_seconds"] = tp.link_bound_seconds;
+  json pb;
+  for (int p = 0; p < transfer::num_paths; ++p)
+    pb[std::string(transfer::to_string(static_cast<transfer::Path>(p)))] = tp.path_bytes[p];
+  j["path_bytes"] = std::move(pb);
+  j["chunk_columns"] = {"move", "path", "src_gpu", "src_slot", "dst_gpu", "dst_slot", "expert", "offset_bytes",
+                        "num_bytes", "round"};
+  json chunks = json::array();
+  for (const transfer::Chunk &c : tp.chunks)
+    chunks.push_back({c.move_idx, std::string(transfer::to_string(c.path)), c.src_gpu, c.src_slot, c.dst_gpu,
+                      c.dst_slot, c.expert, c.offset_bytes, c.num_bytes, c.round});
+  j["chunks"] = std::move(chunks);
+  return j;
+}
+
 json placement_json(const Topology &topo, const Placement &p) {
   json j;
   j["nodes"] = topo.num_nodes;
