@@ -152,11 +152,10 @@ public:
   ///
   /// Candidates, the best kept: the resident placement unchanged; the two-level plan with `owner_hint` (when
   /// given; a two-level plan is a valid free plan, so free mode is never worse than two-level with those owners);
-  /// the sequential fill below under a makespan search, when those are not within the tolerance of the bound; the
-  /// earlier LPT construction when still nothing is. Among candidates within the search tolerance of the
-  /// best (and never above the two-level one) the one with the fewest moves wins, so resident copies stay put
-  /// when they are as good. Owners are `owner_hint` for the two-level candidate, else the GPU of each expert's
-  /// first copy.
+  /// the sequential fill below under a makespan search, when the two-level plan is not within 0.1% of the bound;
+  /// the earlier LPT construction when still nothing is. Among candidates within 0.1% of the best (and never
+  /// above the two-level one) the one with the fewest moves wins, so resident copies stay put when they are as
+  /// good. Owners are `owner_hint` for the two-level candidate, else the GPU of each expert's first copy.
   [[nodiscard]] LayerPlan plan_free(std::span<const std::int64_t> loads, const LayerPlacement *resident,
                                     const ReplicaOptions &opts = {}, std::span<const std::int32_t> owner_hint = {}) {
     check_loads(loads, "plan_free");
@@ -166,7 +165,7 @@ public:
     const std::int64_t lb = lower_bound_free(loads, topo_);
     // Candidates within 0.1% of the best count as equal (the one moving least wins); the fill's search resolves
     // the makespan more finely, since its pieces are used as they are.
-    const std::int64_t tolerance = std::max<std::int64_t>(1, lb / 1000);
+    const std::int64_t tolerance = lb / 1000; // 0 below 1000 tokens: tiny layers keep the best plan exactly
     const std::int64_t resolution = std::max<std::int64_t>(1, lb / 16384);
     constexpr std::int64_t none = std::numeric_limits<std::int64_t>::max();
     cands_.clear();
@@ -189,16 +188,18 @@ public:
       scratch_makespan = indep = last_scratch_makespan_;
       best = std::min(best, two_level_makespan);
     }
-    // The fill only pays when it can beat what we have by more than the tolerance.
-    if (best > lb + tolerance &&
-        search_fill(loads, lb, std::min(best == none ? none : best - tolerance, fill_upper_bound(loads)), resolution)) {
+    // The fill only pays when it can beat the two-level plan by more than the tolerance. Whether it runs, and
+    // its search range, depend on resident-independent values only, so the same loads give the same `indep`.
+    if (indep > lb + tolerance &&
+        search_fill(loads, lb, std::min(indep == none ? none : indep - tolerance, fill_upper_bound(loads)),
+                    resolution)) {
       cands_.push_back(fill_plan(resident));
       best = std::min(best, cands_.back().max_gpu_load);
       indep = std::min(indep, cands_.back().max_gpu_load);
     }
     // The earlier construction as well when nothing is within the tolerance of the bound yet (small or
     // slot-starved layers, where the fill's sequential pieces fit worst).
-    if (best > lb + tolerance) {
+    if (indep > lb + tolerance) {
       cands_.push_back(plan_free_lpt(loads, resident, opts));
       best = std::min(best, cands_.back().max_gpu_load);
       indep = std::min(indep, cands_.back().max_gpu_load);
