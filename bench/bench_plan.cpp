@@ -111,11 +111,13 @@ void BM_PlanDeepSeekV3TwoLevel(benchmark::State &st) {
 }
 void BM_PlanDeepSeekV3Free(benchmark::State &st) { plan_micro_step(st, dsv3, Strategy::foremoe, PlanMode::free); }
 void BM_PlanQwen3TwoLevel(benchmark::State &st) { plan_micro_step(st, qwen3, Strategy::foremoe, PlanMode::two_level); }
+void BM_PlanQwen3Free(benchmark::State &st) { plan_micro_step(st, qwen3, Strategy::foremoe, PlanMode::free); }
 void BM_Plan1024GpusTwoLevel(benchmark::State &st) { plan_micro_step(st, big, Strategy::foremoe, PlanMode::two_level); }
 void BM_Plan1024GpusFree(benchmark::State &st) { plan_micro_step(st, big, Strategy::foremoe, PlanMode::free); }
 BENCHMARK(BM_PlanDeepSeekV3TwoLevel)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_PlanDeepSeekV3Free)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_PlanQwen3TwoLevel)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_PlanQwen3Free)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Plan1024GpusTwoLevel)->Unit(benchmark::kMillisecond)->Iterations(3);
 BENCHMARK(BM_Plan1024GpusFree)->Unit(benchmark::kMillisecond)->Iterations(3);
 
