@@ -101,6 +101,7 @@ for m, step in enumerate(j["micro_steps"]):
 print("ok", n, "chunks")
 PY
 fi
+expect 0 "moves: " -- "$bin" plan --loads "$work/loads.npy" --nodes 2 --gpus-per-node 2 --slots 5 --exact-split
 expect 2 "give --expert-bytes too" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 --no-mirror
 expect 2 "--expert-bytes must be in \[1, " -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --expert-bytes 0

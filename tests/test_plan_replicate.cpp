@@ -112,6 +112,33 @@ TEST_CASE("two-level plans are valid and respect the bounds over random instance
   }
 }
 
+TEST_CASE("two-level token splits: the construction's split is valid and never below the exact one; exact_split "
+          "gives the exact one") {
+  std::mt19937_64 rng(37);
+  const int iters = 500 * foremoe_test::seed_multiplier();
+  int differ = 0;
+  for (int it = 0; it < iters; ++it) {
+    const Instance in = random_instance(rng, 3, 8, 4, 3, 1 + static_cast<std::int64_t>(rng() % 5000));
+    ReplicaPlanner rp(in.topo, in.num_experts);
+    ReplicaOptions fast = budget_options(static_cast<int>(rng() % 3) - 1), exact = fast;
+    exact.exact_split = true;
+    const LayerPlan first = rp.plan_two_level(in.loads, in.owner, nullptr, fast);
+    auto next = in.loads;
+    for (auto &x : next)
+      x = std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % 400) - 200);
+    const LayerPlan a = rp.plan_two_level(next, in.owner, &first.placement, fast);
+    const LayerPlan b = rp.plan_two_level(next, in.owner, &first.placement, exact);
+    REQUIRE_NOTHROW(validate(a, next, &first.placement, fast.move_budget));
+    REQUIRE_NOTHROW(validate(b, next, &first.placement, exact.move_budget));
+    CHECK(a.placement == b.placement); // the option changes the split only
+    const SplitResult ea = exact_split(a.placement, next);
+    CHECK(a.max_gpu_load >= ea.max_gpu_load);
+    CHECK(b.max_gpu_load == exact_split(b.placement, next).max_gpu_load);
+    differ += a.max_gpu_load != ea.max_gpu_load;
+  }
+  MESSAGE(differ, " of ", iters, " resident plans kept a split above the exact one");
+}
+
 TEST_CASE("free plans are valid and respect the bounds over random instances") {
   std::mt19937_64 rng(32);
   const int iters = 800 * foremoe_test::seed_multiplier();

@@ -35,6 +35,7 @@ Command make_plan() {
       {"previous-loads", "FILE.npy", "previous step's loads: the history EPLB plans from", ""},
       {"resident", "PLACEMENT.json", "placement left by the previous micro-step (from --out-placement)", ""},
       {"threads", "T", "threads over layers (plans do not depend on it)", "1"},
+      {"exact-split", "", "re-split every plan exactly (plans from a resident otherwise keep the search's split)", ""},
       {"out", "PLAN.json", "write the plan here", ""},
       {"out-placement", "PLACEMENT.json", "write the final placement here (readable by --resident)", ""},
       {"expert-bytes", "B", "bytes of one expert's weights: adds each layer's transfer plan (chunks, paths, rounds, "
@@ -64,6 +65,7 @@ Command make_plan() {
       throw UsageError{"--owners must be hierarchical or flat, got '" + owners + "'"};
     opts.hierarchical_owners = owners == "hierarchical";
     opts.num_threads = static_cast<int>(a.integer("threads", 1, 1024));
+    opts.exact_split = a.flag("exact-split");
     const std::string stage_name = a.str("stage");
     if (stage_name != "recompute" && stage_name != "update")
       throw UsageError{"--stage must be recompute or update, got '" + stage_name + "'"};

@@ -91,6 +91,7 @@ struct PlannerOptions {
   int num_threads = 1;                 ///< parallel over layers; plans are identical for every count
   int local_search_rounds = 0;         ///< two-level exact-split local search per layer (see ReplicaOptions)
   int free_search_rounds = 4;          ///< free-mode placement swap rounds per layer
+  bool exact_split = false;            ///< re-split every two-level plan exactly (see ReplicaOptions)
   int eplb_num_groups = 1;             ///< expert groups for EPLB (hierarchical when they divide over nodes)
   /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.
   StageReplicaCostFn replica_cost;
@@ -203,6 +204,7 @@ public:
     ropts.move_budget = opts_.move_budget;
     ropts.local_search_rounds = opts_.local_search_rounds;
     ropts.free_search_rounds = opts_.free_search_rounds;
+    ropts.exact_split = opts_.exact_split;
     if (opts_.replica_cost && opts_.token_time) {
       ropts.replica_cost = [f = opts_.replica_cost, stage](int e, int src, int dst) { return f(e, src, dst, stage); };
       ropts.token_time = opts_.token_time;
