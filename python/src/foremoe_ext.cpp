@@ -321,7 +321,7 @@ struct PyPlanner {
 
 PyPlanner make_planner(const fm::Topology &topo, const std::string &strategy, const std::string &mode,
                        std::optional<int> move_budget, int threads, bool hierarchical_owners, int local_search_rounds,
-                       int eplb_num_groups) {
+                       int eplb_num_groups, bool exact_split, bool reowning_free) {
   topo.validate();
   PyPlanner p{topo, {}, nullptr, 0};
   p.opts.strategy = fm::parse_strategy(strategy);
@@ -337,6 +337,8 @@ PyPlanner make_planner(const fm::Topology &topo, const std::string &strategy, co
   p.opts.local_search_rounds = local_search_rounds;
   require(eplb_num_groups >= 1, "Planner: eplb_num_groups must be >= 1, got ", eplb_num_groups);
   p.opts.eplb_num_groups = eplb_num_groups;
+  p.opts.exact_split = exact_split;
+  p.opts.reowning_free = reowning_free;
   return p;
 }
 
@@ -839,7 +841,8 @@ NB_MODULE(_core, m) {
 
   nb::class_<PyPlanner>(m, "Planner")
       .def(nb::new_(&make_planner), "topology"_a, "strategy"_a, "mode"_a, "move_budget"_a.none(), "threads"_a,
-           "hierarchical_owners"_a, "local_search_rounds"_a, "eplb_num_groups"_a)
+           "hierarchical_owners"_a, "local_search_rounds"_a, "eplb_num_groups"_a, "exact_split"_a = false,
+           "reowning_free"_a = true)
       .def_prop_ro("topology", [](const PyPlanner &p) { return p.topo; })
       .def_prop_ro("strategy", [](const PyPlanner &p) { return std::string(fm::to_string(p.opts.strategy)); })
       .def_prop_ro("mode", [](const PyPlanner &p) { return std::string(fm::to_string(p.opts.mode)); })

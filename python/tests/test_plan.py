@@ -155,3 +155,21 @@ def test_plan_matches_cli(cli, tmp_path):
     ref.pop("planner_seconds")
     got.pop("planner_seconds")
     assert got == ref
+
+
+def test_exact_split_changes_only_the_split():
+    loads = loads_mle(seed=3, M=4, L=6)
+    topo = foremoe.Topology(**TOPO)
+    fast = foremoe.Planner(topo).plan(loads)
+    exact = foremoe.Planner(topo, exact_split=True).plan(loads)
+    for m, (a, b) in enumerate(zip(fast, exact)):
+        check_plan(b, loads[m], topo)
+        np.testing.assert_array_equal(a.gpu_slots, b.gpu_slots)
+        assert np.all(b.imbalance <= a.imbalance + 1e-12)
+
+
+def test_paid_reowning_plans_are_valid():
+    loads = loads_mle(seed=4)
+    topo = foremoe.Topology(**TOPO)
+    for m, p in enumerate(foremoe.Planner(topo, reowning_free=False).plan(loads)):
+        check_plan(p, loads[m], topo)

@@ -145,6 +145,10 @@ class Planner:
         hierarchical_owners: owners placed nodes first, then GPUs in each node.
         local_search_rounds: replica local-search rounds per layer.
         eplb_num_groups: expert groups for EPLB.
+        exact_split: re-split every two-level plan exactly (plans from a resident placement otherwise keep the
+            search's own split, at most 0.05% above the best makespan it met).
+        reowning_free: a new owner map costs nothing (colocated trainers); ``False`` keeps the previous step's
+            owners unless they are more than 5% worse than a fresh plan.
 
     One planner object is not safe for concurrent calls; use one per thread.
     """
@@ -160,12 +164,15 @@ class Planner:
         hierarchical_owners: bool = True,
         local_search_rounds: int = 4,
         eplb_num_groups: int = 1,
+        exact_split: bool = False,
+        reowning_free: bool = True,
     ) -> None:
         if not isinstance(topology, Topology):
             raise ValueError(f"Planner: topology must be a foremoe.Topology, got {type(topology).__name__}")
         self._core = _core.Planner(
             topology, str(strategy), str(mode), None if move_budget is None else int(move_budget), int(threads),
-            bool(hierarchical_owners), int(local_search_rounds), int(eplb_num_groups),
+            bool(hierarchical_owners), int(local_search_rounds), int(eplb_num_groups), bool(exact_split),
+            bool(reowning_free),
         )
         self.topology = topology
 

@@ -36,6 +36,8 @@ class Planner:
         hierarchical_owners: bool = True,
         local_search_rounds: int = 4,
         eplb_num_groups: int = 1,
+        exact_split: bool = False,
+        reowning_free: bool = True,
     ) -> None: ...
     @property
     def strategy(self) -> str: ...

@@ -134,6 +134,8 @@ class Planner:
         hierarchical_owners: bool,
         local_search_rounds: int,
         eplb_num_groups: int,
+        exact_split: bool = False,
+        reowning_free: bool = True,
     ) -> None: ...
     topology: Topology
     strategy: str
