@@ -18,17 +18,15 @@ public:
       : inner_(std::move(inner)), f_(std::move(f)), host_memory_(host_memory) {}
 
   Status start(const CopyOp &op, std::uint64_t &handle) override {
-    const std::uint64_t h = mix64(f_->seed ^ mix64(op.fault_key));
-    auto uniform = [](std::uint64_t x) { return static_cast<double>(x >> 11) * 0x1.0p-53; };
     std::lock_guard lock(mu_);
     handle = next_++;
     Pending p;
     p.op = op;
-    if (f_->fail_path[static_cast<int>(op.path)] || uniform(mix64(h + 1)) < f_->fail_probability) {
+    if (f_->fail_path[static_cast<int>(op.path)] || draw(op.fault_key, fail) < f_->fail_probability) {
       p.failed = true;
     } else {
-      if (uniform(mix64(h + 2)) < f_->corrupt_probability && p.op.num_bytes > 0) --p.op.num_bytes;
-      if (uniform(mix64(h + 3)) < f_->delay_probability)
+      if (draw(op.fault_key, corrupt) < f_->corrupt_probability && p.op.num_bytes > 0) --p.op.num_bytes;
+      if (draw(op.fault_key, delay) < f_->delay_probability)
         p.release = std::chrono::steady_clock::now() + std::chrono::microseconds(f_->delay_us);
       else if (Status st = inner_->start(p.op, p.inner); !st.ok())
         return st;
@@ -61,14 +59,12 @@ public:
         p.landed = true;
         p.result = st;
         p.seconds = seconds;
-        auto uniform = [](std::uint64_t x) { return static_cast<double>(x >> 11) * 0x1.0p-53; };
         for (PeerOp &op : p.ops) {
-          const std::uint64_t h = mix64(f_->seed ^ mix64(op.fault_key));
-          if (uniform(mix64(h + 1)) < f_->fail_probability && p.result.ok())
+          if (draw(op.fault_key, fail) < f_->fail_probability && p.result.ok())
             p.result = {StatusCode::device_error, "injected peer transfer failure"};
-          if (!op.send && host_memory_ && op.num_bytes > 0 && uniform(mix64(h + 2)) < f_->corrupt_probability)
+          if (!op.send && host_memory_ && op.num_bytes > 0 && draw(op.fault_key, corrupt) < f_->corrupt_probability)
             op.buf[op.num_bytes - 1] ^= std::byte{0x5a};
-          if (uniform(mix64(h + 3)) < f_->delay_probability)
+          if (draw(op.fault_key, delay) < f_->delay_probability)
             p.release = std::chrono::steady_clock::now() + std::chrono::microseconds(f_->delay_us);
         }
       }
@@ -121,6 +117,11 @@ public:
   }
 
 private:
+  enum Decision : std::uint64_t { fail = 1, corrupt = 2, delay = 3 };
+  // A uniform draw in [0, 1) for one decision about the copy with `key`, replayable from the schedule's seed.
+  [[nodiscard]] double draw(std::uint64_t key, Decision d) const noexcept {
+    return static_cast<double>(mix64(mix64(f_->seed ^ mix64(key)) + d) >> 11) * 0x1.0p-53;
+  }
   struct Pending {
     CopyOp op;
     std::uint64_t inner = 0;

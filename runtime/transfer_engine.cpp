@@ -161,7 +161,7 @@ public:
     local_.assign(static_cast<std::size_t>(num_gpus), opts_.peers.local_gpus.empty() ? 1 : 0);
     for (int g : opts_.peers.local_gpus)
       local_[g] = 1;
-    spmd_ = std::find(local_.begin(), local_.end(), 0) != local_.end();
+    spmd_ = multi_process(opts_);
     layers_.resize(static_cast<std::size_t>(opts_.num_layers));
     for (LayerState &ls : layers_) {
       ls.slots.resize(num_gpus);
@@ -392,10 +392,7 @@ public:
     t->layer = b.layer;
     std::lock_guard lock(mu_);
     LayerState &ls = layers_[b.layer];
-    bool registered = false;
-    for (int g = 0; g < topo.num_gpus(); ++g)
-      registered = registered || ls.grads[g].base != nullptr;
-    if (!registered) return bad("submit_reduce: layer ", b.layer, " has no registered gradients");
+    if (ls.grad_bytes == 0) return bad("submit_reduce: layer ", b.layer, " has no registered gradients");
     // Multi-process: every process enumerates the same replicas (from the planned placement); a sender whose
     // replica is not valid says so in its header.
     const LayerPlacement &where = spmd_ ? ls.planned : ls.resident;
@@ -545,6 +542,20 @@ private:
     const SlotRegion &r = ls.slots[gpu];
     return static_cast<std::byte *>(r.base) + buffer * r.buffer_stride_bytes + slot * r.slot_stride_bytes;
   }
+  // Expert `expert`'s entry in the mirror of GPU `gpu`'s node.
+  std::byte *mirror_base(const LayerState &ls, int gpu, int expert) const {
+    const MirrorRegion &m = ls.mirrors[opts_.topology.node_of(gpu)];
+    return static_cast<std::byte *>(const_cast<void *>(m.base)) + expert * m.expert_stride_bytes;
+  }
+  // Calls `f(tensor, lo, hi)` for each piece `[lo, hi)` of chunk `c` that lies in one tensor (offsets into the
+  // expert's packed bytes; the piece starts at `at(base, tensor, lo - prefix_[tensor])` of a slot or mirror entry).
+  template <class F> void for_each_piece(const transfer::Chunk &c, F &&f) const {
+    for (std::size_t ti = 0; ti < opts_.tensors.size(); ++ti) {
+      const std::int64_t lo = std::max(c.offset_bytes, prefix_[ti]),
+                         hi = std::min(c.offset_bytes + c.num_bytes, prefix_[ti + 1]);
+      if (lo < hi) f(static_cast<int>(ti), lo, hi);
+    }
+  }
 
   // Issues `cr` (its current path and source) as one copy per tensor it overlaps.
   bool issue(TicketImpl &t, ChunkRun &cr, int move_idx) {
@@ -564,8 +575,7 @@ private:
         return false;
       }
       src_base = c.path == transfer::Path::pcie
-                     ? static_cast<std::byte *>(const_cast<void *>(ls.mirrors[opts_.topology.node_of(c.dst_gpu)].base)) +
-                           c.expert * ls.mirrors[opts_.topology.node_of(c.dst_gpu)].expert_stride_bytes
+                     ? mirror_base(ls, c.dst_gpu, c.expert)
                      : slot_base(ls, c.src_gpu, c.src_slot, ls.buffer[c.src_gpu * opts_.topology.slots_per_gpu + c.src_slot]);
     }
     std::byte *dst_base = slot_base(ls, c.dst_gpu, c.dst_slot, t.dst_buffer);
@@ -574,26 +584,23 @@ private:
     cr.seconds = 0.0;
     ++cr.attempts;
     ++t.moves[move_idx].attempts;
-    for (std::size_t ti = 0; ti < opts_.tensors.size(); ++ti) {
-      const std::int64_t lo = std::max(c.offset_bytes, prefix_[ti]),
-                         hi = std::min(c.offset_bytes + c.num_bytes, prefix_[ti + 1]);
-      if (lo >= hi) continue;
+    for_each_piece(c, [&](int ti, std::int64_t lo, std::int64_t hi) {
       CopyOp op;
       op.path = c.path;
       op.src_gpu = c.path == transfer::Path::pcie ? -1 : c.src_gpu;
       op.dst_gpu = c.dst_gpu;
-      op.src = at(src_base, static_cast<int>(ti), lo - prefix_[ti]);
-      op.dst = at(dst_base, static_cast<int>(ti), lo - prefix_[ti]);
+      op.src = at(src_base, ti, lo - prefix_[ti]);
+      op.dst = at(dst_base, ti, lo - prefix_[ti]);
       op.num_bytes = hi - lo;
       op.fault_key = mix64(t.serial) ^ mix64((static_cast<std::uint64_t>(move_idx) << 20) ^ static_cast<std::uint64_t>(lo)) ^
                      mix64(static_cast<std::uint64_t>(cr.attempts) * 131 + static_cast<std::uint64_t>(c.path));
       std::uint64_t h = 0;
       if (!transport_->start(op, h).ok()) {
         cr.segment_failed = true;
-        continue;
+        return;
       }
       cr.handles.push_back(h);
-    }
+    });
     cr.pending = cr.handles.size();
     cr.in_flight = true;
     return true;
@@ -754,16 +761,12 @@ private:
           valid = expert_sum(c.src_gpu, base, mr.send_sum).ok();
           mr.have_send_sum = valid;
         }
-        for (std::size_t ti = 0; ti < opts_.tensors.size(); ++ti) {
-          const std::int64_t lo = std::max(c.offset_bytes, prefix_[ti]),
-                             hi = std::min(c.offset_bytes + c.num_bytes, prefix_[ti + 1]);
-          if (lo >= hi) continue;
+        for_each_piece(c, [&](int ti, std::int64_t lo, std::int64_t hi) {
           biggest = std::max(biggest, hi - lo);
-          add(send, send ? c.src_gpu : c.dst_gpu, send ? c.dst_gpu : c.src_gpu,
-              at(base, static_cast<int>(ti), lo - prefix_[ti]), hi - lo, valid && !discard, mr.send_sum,
-              static_cast<int>(i), c.round,
+          add(send, send ? c.src_gpu : c.dst_gpu, send ? c.dst_gpu : c.src_gpu, at(base, ti, lo - prefix_[ti]), hi - lo,
+              valid && !discard, mr.send_sum, static_cast<int>(i), c.round,
               tag_of({c.expert, c.src_gpu, c.src_slot, c.dst_gpu, c.dst_slot, lo, hi}));
-        }
+        });
       }
     } else {
       for (std::size_t i = 0; i < t.reduces.size(); ++i) {
@@ -831,11 +834,10 @@ private:
       } else if (g.end == g.begin) {
         continue;
       }
-      // Outcome of every op of the group, once.
-      for (std::size_t k = g.begin; k < g.end; ++k) {
+      // Outcome of every op of the group, once (dropped when the batch already ended).
+      for (std::size_t k = g.begin; k < g.end && !t.finished(); ++k) {
         const PeerOp &op = t.peer_ops[k];
         const bool ok = g.status.ok() && (op.send || op.header[0] == t.peer_tag[k]);
-        if (t.finished()) continue;
         if (t.kind == TicketImpl::Kind::moves) {
           ChunkRun &cr = t.chunks[t.peer_item[k]];
           if (!ok) cr.segment_failed = true;
@@ -880,8 +882,7 @@ private:
         void *base;
         int gpu;
         if (t.host_mirror) {
-          const MirrorRegion &mir = ls.mirrors[opts_.topology.node_of(m.dst_gpu)];
-          base = static_cast<std::byte *>(const_cast<void *>(mir.base)) + m.expert * mir.expert_stride_bytes;
+          base = mirror_base(ls, m.dst_gpu, m.expert);
           gpu = -1;
         } else if (mr.gpu_src >= 0) {
           std::unique_lock lock(mu_);
@@ -898,8 +899,7 @@ private:
         if (!expert_sum(gpu, base, mr.src_sum).ok()) mr.failed = true;
         mr.have_sum = true;
       }
-    for (std::size_t i = 0; i < t.chunks.size(); ++i) {
-      ChunkRun &cr = t.chunks[i];
+    for (ChunkRun &cr : t.chunks) {
       MoveRun &mr = t.moves[cr.c.move_idx];
       if (cr.role == Role::none) {
         cr.done = true;
@@ -1276,9 +1276,7 @@ Status TransferEngine::create(EngineOptions o, std::unique_ptr<TransferEngine> &
       foremoe::detail::require(!seen[g], "peers.local_gpus names GPU ", g, " twice");
       seen[g] = 1;
     }
-    const bool spmd = !o.peers.local_gpus.empty() &&
-                      static_cast<int>(o.peers.local_gpus.size()) < o.topology.num_gpus();
-    foremoe::detail::require(!spmd || o.backend != Backend::host || o.peers.host_fabric != nullptr,
+    foremoe::detail::require(!detail::multi_process(o) || o.backend != Backend::host || o.peers.host_fabric != nullptr,
                              "peers.local_gpus leaves GPUs to other engines, but no peers.host_fabric joins them");
     if (o.faults) {
       for (double p : {o.faults->fail_probability, o.faults->corrupt_probability, o.faults->delay_probability})

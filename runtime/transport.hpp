@@ -76,6 +76,11 @@ std::unique_ptr<Transport> make_fault_transport(std::unique_ptr<Transport> inner
 Status make_cuda_transport(const EngineOptions &opts, std::unique_ptr<Transport> &out);
 #endif
 
+/// Whether other processes drive some GPUs of the group (`local_gpus` distinct and in range, as `create` checks).
+[[nodiscard]] inline bool multi_process(const EngineOptions &o) noexcept {
+  return !o.peers.local_gpus.empty() && static_cast<int>(o.peers.local_gpus.size()) < o.topology.num_gpus();
+}
+
 /// 64-bit mix used by checksums and fault decisions.
 [[nodiscard]] constexpr std::uint64_t mix64(std::uint64_t x) noexcept {
   x += 0x9e3779b97f4a7c15ull;

@@ -91,7 +91,7 @@ public:
     }
     const int num_gpus = o.topology.num_gpus();
     const std::vector<int> &local = o.peers.local_gpus;
-    const bool spmd = !local.empty() && static_cast<int>(local.size()) < num_gpus;
+    const bool spmd = multi_process(o);
     dev_ = o.cuda_device_of_gpu;
     if (dev_.empty() && !spmd)
       for (int g = 0; g < num_gpus; ++g)
