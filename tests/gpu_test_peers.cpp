@@ -5,6 +5,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <array>
 #include <cstdio>
 #include <thread>
 #include <vector>
@@ -26,6 +27,26 @@ using namespace std::chrono_literals;
 namespace {
 
 std::byte pattern(int e, std::int64_t i) { return static_cast<std::byte>((e * 53 + i * 13 + (i >> 11)) & 0xff); }
+
+// Runs `submit(rank, ticket)` for both ranks at once, each from its own thread on its own device (as two processes
+// would), and waits for the tickets; doctest assertions stay on the main thread.
+template <class Submit> std::array<rt::Status, 2> on_both_ranks(Submit &&submit) {
+  std::array<rt::Status, 2> st;
+  std::vector<std::thread> ranks;
+  for (int g = 0; g < 2; ++g)
+    ranks.emplace_back([&, g] {
+      if (cudaSetDevice(g) != cudaSuccess) {
+        st[g] = {rt::StatusCode::device_error, "cudaSetDevice failed"};
+        return;
+      }
+      rt::Ticket t;
+      st[g] = submit(g, t);
+      if (st[g].ok()) st[g] = t.wait_for(30s);
+    });
+  for (auto &t : ranks)
+    t.join();
+  return st;
+}
 
 TEST_CASE("two engines, two devices, NCCL: moves and replica gradients cross between them") {
   ncclComm_t comms[2];
@@ -67,21 +88,12 @@ TEST_CASE("two engines, two devices, NCCL: moves and replica gradients cross bet
   for (auto &e : engines)
     REQUIRE(e->set_resident(0, p).ok());
   const std::vector<Move> moves{{0, host_mirror, 1, 1}, {1, host_mirror, 0, 1}};
-  rt::Status st[2];
-  std::vector<std::thread> procs;
-  for (int g = 0; g < 2; ++g)
-    procs.emplace_back([&, g] {
-      REQUIRE(cudaSetDevice(g) == cudaSuccess);
-      rt::MoveBatch b;
-      b.moves = moves;
-      b.timeout = 20s;
-      rt::Ticket t;
-      st[g] = engines[g]->submit(b, t);
-      if (st[g].ok()) st[g] = t.wait_for(30s);
-    });
-  for (auto &t : procs)
-    t.join();
-  procs.clear();
+  auto st = on_both_ranks([&](int g, rt::Ticket &t) {
+    rt::MoveBatch b;
+    b.moves = moves;
+    b.timeout = 20s;
+    return engines[g]->submit(b, t);
+  });
   for (int g = 0; g < 2; ++g) {
     CHECK_MESSAGE(st[g].ok(), st[g].to_string());
     CHECK(engines[g]->valid_expert(0, g, 1) == 1 - g);
@@ -95,18 +107,12 @@ TEST_CASE("two engines, two devices, NCCL: moves and replica gradients cross bet
   }
   // Replica gradients: expert 0 is owned by GPU 0 and replicated on GPU 1 (and expert 1 the other way round).
   const std::vector<std::int32_t> owner{0, 1};
-  for (int g = 0; g < 2; ++g)
-    procs.emplace_back([&, g] {
-      REQUIRE(cudaSetDevice(g) == cudaSuccess);
-      rt::ReduceBatch b;
-      b.owner_gpu = owner;
-      b.timeout = 20s;
-      rt::Ticket t;
-      st[g] = engines[g]->submit_reduce(b, t);
-      if (st[g].ok()) st[g] = t.wait_for(30s);
-    });
-  for (auto &t : procs)
-    t.join();
+  st = on_both_ranks([&](int g, rt::Ticket &t) {
+    rt::ReduceBatch b;
+    b.owner_gpu = owner;
+    b.timeout = 20s;
+    return engines[g]->submit_reduce(b, t);
+  });
   for (int g = 0; g < 2; ++g) {
     CHECK_MESSAGE(st[g].ok(), st[g].to_string());
     float v = 0;

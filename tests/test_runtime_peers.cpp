@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "foremoe/runtime/transfer_engine.hpp"
+#include "expert_bytes.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -17,10 +18,6 @@ namespace rt = foremoe::runtime;
 using namespace std::chrono_literals;
 
 namespace {
-
-std::byte pattern(int l, int e, std::int64_t i) {
-  return static_cast<std::byte>((l * 131 + e * 31 + i * 7 + (i >> 9)) & 0xff);
-}
 
 // The memory of a whole EP group and one engine per "process"; process p drives the GPUs with proc_of_gpu == p.
 struct Group {
@@ -41,19 +38,8 @@ struct Group {
   std::byte *slot_ptr(int l, int g, int s) {
     return gpu_mem[static_cast<std::size_t>(l) * topo.num_gpus() + g].data() + s * slot_stride;
   }
-  void fill(int l, int g, int s, int e) {
-    std::int64_t k = 0;
-    for (const auto &t : tensors)
-      for (std::int64_t i = 0; i < t.num_bytes; ++i)
-        slot_ptr(l, g, s)[t.offset_bytes + i] = pattern(l, e, k++);
-  }
-  bool holds_bytes(int l, int g, int s, int e) {
-    std::int64_t k = 0;
-    for (const auto &t : tensors)
-      for (std::int64_t i = 0; i < t.num_bytes; ++i)
-        if (slot_ptr(l, g, s)[t.offset_bytes + i] != pattern(l, e, k++)) return false;
-    return true;
-  }
+  void fill(int l, int g, int s, int e) { foremoe_test::fill_expert(slot_ptr(l, g, s), tensors, l, e); }
+  bool holds_bytes(int l, int g, int s, int e) { return foremoe_test::holds_expert(slot_ptr(l, g, s), tensors, l, e); }
   rt::TransferEngine &engine_of(int g) { return *engines[proc_of_gpu[g]]; }
 
   void build(std::mt19937_64 &rng, rt::EngineOptions opts) {
@@ -99,12 +85,8 @@ struct Group {
     for (int l = 0; l < num_layers && mirrors; ++l)
       for (int nd = 0; nd < topo.num_nodes; ++nd) {
         auto &m = mirror_mem[static_cast<std::size_t>(l) * topo.num_nodes + nd];
-        for (int e = 0; e < num_experts; ++e) {
-          std::int64_t k = 0;
-          for (const auto &t : tensors)
-            for (std::int64_t i = 0; i < t.num_bytes; ++i)
-              m[static_cast<std::size_t>(e * slot_stride + t.offset_bytes + i)] = pattern(l, e, k++);
-        }
+        for (int e = 0; e < num_experts; ++e)
+          foremoe_test::fill_expert(m.data() + e * slot_stride, tensors, l, e);
         // Every process on the node registers the node's mirror (each has its own mapping of it).
         for (int p = 0; p < num_procs; ++p) {
           bool on_node = false;
@@ -154,6 +136,20 @@ struct Group {
           moves.push_back({e, host_mirror, g, s});
         }
     return moves;
+  }
+
+  // A random resident placement per layer, then three rounds of one batch per layer: later batches read what
+  // earlier ones wrote, in other processes too. Without mirrors every move has a GPU source that stays in place.
+  // `target` receives each layer's placement after all of them.
+  std::vector<std::pair<int, std::vector<Move>>> random_batches(std::mt19937_64 &rng, std::vector<LayerPlacement> &target) {
+    std::vector<std::pair<int, std::vector<Move>>> batches;
+    target.clear();
+    for (int l = 0; l < num_layers; ++l)
+      target.push_back(random_resident(rng, l));
+    for (int k = 0; k < 3; ++k)
+      for (int l = 0; l < num_layers; ++l)
+        batches.emplace_back(l, random_moves(rng, target[l], 0.4, !mirrors));
+    return batches;
   }
 
   // Every slot an engine calls valid on its own GPUs holds exactly its expert's bytes.
@@ -277,18 +273,8 @@ TEST_CASE("multi-process moves without faults land everywhere, over paired trans
     o.verify = rng() % 2 == 0;
     grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
     grp.build(rng, o);
-    std::vector<std::pair<int, std::vector<Move>>> batches;
     std::vector<LayerPlacement> target;
-    for (int l = 0; l < grp.num_layers; ++l)
-      target.push_back(grp.random_resident(rng, l));
-    // Several batches per layer: later ones read what earlier ones wrote, in other processes too.
-    for (int k = 0; k < 3; ++k)
-      for (int l = 0; l < grp.num_layers; ++l) {
-        // Without mirrors a move needs a GPU source that stays in place.
-        auto moves = grp.random_moves(rng, target[l], 0.4, !grp.mirrors);
-        batches.emplace_back(l, moves);
-      }
-    const auto st = run_everywhere(grp, batches, 10s);
+    const auto st = run_everywhere(grp, grp.random_batches(rng, target), 10s);
     for (int p = 0; p < grp.num_procs; ++p)
       for (const rt::Status &s : st[p])
         CHECK_MESSAGE(s.ok(), "seed ", seed, " process ", p, ": ", s.to_string());
@@ -332,14 +318,8 @@ TEST_CASE("multi-process moves under random faults: valid slots hold exact bytes
     o.faults = f;
     grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
     grp.build(rng, o);
-    std::vector<std::pair<int, std::vector<Move>>> batches;
     std::vector<LayerPlacement> target;
-    for (int l = 0; l < grp.num_layers; ++l)
-      target.push_back(grp.random_resident(rng, l));
-    for (int k = 0; k < 3; ++k)
-      for (int l = 0; l < grp.num_layers; ++l)
-        batches.emplace_back(l, grp.random_moves(rng, target[l], 0.4, !grp.mirrors));
-    const auto st = run_everywhere(grp, batches, 10s);
+    const auto st = run_everywhere(grp, grp.random_batches(rng, target), 10s);
     for (int p = 0; p < grp.num_procs; ++p)
       for (const rt::Status &s : st[p]) {
         CHECK_MESSAGE((s.ok() || s.code() == rt::StatusCode::device_error), "seed ", seed, ": ", s.to_string());

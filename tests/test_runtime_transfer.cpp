@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "foremoe/runtime/transfer_engine.hpp"
+#include "expert_bytes.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -18,11 +19,6 @@ namespace rt = foremoe::runtime;
 using namespace std::chrono_literals;
 
 namespace {
-
-// The byte `i` of expert `e` of layer `l`: every expert's weights are distinct, so a misplaced byte shows.
-std::byte pattern(int l, int e, std::int64_t i) {
-  return static_cast<std::byte>((l * 131 + e * 31 + i * 7 + (i >> 9)) & 0xff);
-}
 
 // A modelled EP group: host buffers for every GPU's slots (optionally double-buffered), a mirror per node, and
 // the engine driving them.
@@ -38,20 +34,9 @@ struct Cluster {
   std::byte *slot_ptr(int l, int g, int s, int b) {
     return gpu_mem[static_cast<std::size_t>(l) * topo.num_gpus() + g].data() + b * buffer_stride + s * slot_stride;
   }
-  void fill(int l, int g, int s, int b, int e) {
-    std::byte *p = slot_ptr(l, g, s, b);
-    std::int64_t k = 0;
-    for (const auto &t : tensors)
-      for (std::int64_t i = 0; i < t.num_bytes; ++i)
-        p[t.offset_bytes + i] = pattern(l, e, k++);
-  }
+  void fill(int l, int g, int s, int b, int e) { foremoe_test::fill_expert(slot_ptr(l, g, s, b), tensors, l, e); }
   bool holds_bytes(int l, int g, int s, int b, int e) {
-    const std::byte *p = slot_ptr(l, g, s, b);
-    std::int64_t k = 0;
-    for (const auto &t : tensors)
-      for (std::int64_t i = 0; i < t.num_bytes; ++i)
-        if (p[t.offset_bytes + i] != pattern(l, e, k++)) return false;
-    return true;
+    return foremoe_test::holds_expert(slot_ptr(l, g, s, b), tensors, l, e);
   }
 
   rt::Status build(std::mt19937_64 &rng, rt::EngineOptions opts, bool mirrors = true) {
@@ -82,12 +67,8 @@ struct Cluster {
       }
       for (int nd = 0; nd < topo.num_nodes && mirrors; ++nd) {
         auto &m = mirror_mem[static_cast<std::size_t>(l) * topo.num_nodes + nd];
-        for (int e = 0; e < num_experts; ++e) {
-          std::int64_t k = 0;
-          for (const auto &t : tensors)
-            for (std::int64_t i = 0; i < t.num_bytes; ++i)
-              m[static_cast<std::size_t>(e * slot_stride + t.offset_bytes + i)] = pattern(l, e, k++);
-        }
+        for (int e = 0; e < num_experts; ++e)
+          foremoe_test::fill_expert(m.data() + e * slot_stride, tensors, l, e);
         if (rt::Status st = engine->register_mirror(l, nd, {m.data(), slot_stride, num_experts}); !st.ok()) return st;
       }
     }
