@@ -72,6 +72,14 @@ Instance random_instance(std::mt19937_64 &rng, int max_nodes, int max_gpn, int m
   return in;
 }
 
+/// `loads` with each value moved by a uniform integer in [-half_width, half_width), floored at 0.
+std::vector<std::int64_t> shifted_loads(std::mt19937_64 &rng, std::vector<std::int64_t> loads, int half_width) {
+  for (auto &x : loads)
+    x = std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % static_cast<std::uint64_t>(2 * half_width)) -
+                                      half_width);
+  return loads;
+}
+
 ReplicaOptions budget_options(int budget) {
   ReplicaOptions o;
   o.move_budget = budget;
@@ -99,9 +107,7 @@ TEST_CASE("two-level plans are valid and respect the bounds over random instance
       own[in.owner[e]] += in.loads[e];
     CHECK(first.max_gpu_load <= *std::max_element(own.begin(), own.end()));
     // Next micro-step with the first as resident: loads shift, budget holds.
-    auto next = in.loads;
-    for (auto &x : next)
-      x = std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % 200) - 100);
+    const auto next = shifted_loads(rng, in.loads, 100);
     const LayerPlan second = rp.plan_two_level(next, in.owner, &first.placement, opts);
     REQUIRE_NOTHROW(validate(second, next, &first.placement, opts.move_budget));
     CHECK(second.max_gpu_load >= lower_bound_two_level(next, in.owner, in.topo, opts.move_budget, &first.placement));
@@ -123,9 +129,7 @@ TEST_CASE("two-level token splits: the construction's split is valid and never b
     ReplicaOptions fast = budget_options(static_cast<int>(rng() % 3) - 1), exact = fast;
     exact.exact_split = true;
     const LayerPlan first = rp.plan_two_level(in.loads, in.owner, nullptr, fast);
-    auto next = in.loads;
-    for (auto &x : next)
-      x = std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % 400) - 200);
+    const auto next = shifted_loads(rng, in.loads, 200);
     const LayerPlan a = rp.plan_two_level(next, in.owner, &first.placement, fast);
     const LayerPlan b = rp.plan_two_level(next, in.owner, &first.placement, exact);
     REQUIRE_NOTHROW(validate(a, next, &first.placement, fast.move_budget));
@@ -157,9 +161,7 @@ TEST_CASE("free plans are valid and respect the bounds over random instances") {
     CHECK(again.moves.empty());
     CHECK(again.max_gpu_load <= plan.max_gpu_load);
     // Shifted loads from that resident: still valid, and unchanged loads after it move nothing again.
-    auto next = in.loads;
-    for (auto &x : next)
-      x = std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % 200) - 100);
+    const auto next = shifted_loads(rng, in.loads, 100);
     const LayerPlan second = rp.plan_free(next, &plan.placement, opts, hint);
     REQUIRE_NOTHROW(validate(second, next, &plan.placement));
     CHECK(second.max_gpu_load >= lower_bound_free(next, in.topo));
@@ -185,9 +187,7 @@ TEST_CASE("free plans are never worse than two-level plans with the same owners"
     strictly_better += free.max_gpu_load < two.max_gpu_load;
     // The same from a resident placement (a two-level plan) with shifted loads.
     const LayerPlan res = rp.plan_two_level(in.loads, in.owner, nullptr, budget_options(static_cast<int>(rng() % 3) - 1));
-    auto next = in.loads;
-    for (auto &x : next)
-      x = std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % 400) - 200);
+    const auto next = shifted_loads(rng, in.loads, 200);
     const LayerPlan two_next = rp.plan_two_level(next, in.owner, &res.placement, budget_options(-1));
     const LayerPlan free_next = rp.plan_free(next, &res.placement, {}, in.owner);
     REQUIRE_NOTHROW(validate(free_next, next, &res.placement));
@@ -236,9 +236,7 @@ TEST_CASE("two-level plans with a move budget of 1 stay balanced with one spare 
       ReplicaPlanner rp(topo, num_experts);
       const LayerPlan first = rp.plan_two_level(loads, owners, nullptr, budget_options(1));
       REQUIRE_NOTHROW(validate(first, loads, nullptr, 1));
-      auto next = loads;
-      for (auto &x : next)
-        x = std::max<std::int64_t>(0, x + static_cast<std::int64_t>(rng() % 2000) - 1000);
+      const auto next = shifted_loads(rng, loads, 1000);
       const LayerPlan second = rp.plan_two_level(next, owners, &first.placement, budget_options(1));
       REQUIRE_NOTHROW(validate(second, next, &first.placement, 1));
       values.push_back(first.imbalance());
