@@ -1,8 +1,11 @@
 # Generates one translation unit per public header that includes only that
 # header, so a header that forgets an include fails the build.
 # Headers whose path matches `exclude_regex` are left out; `lib` is linked.
+# Further arguments name generated headers (relative, e.g. foremoe/version.hpp) to check as well.
 function(foremoe_add_header_checks target include_dir exclude_regex lib)
   file(GLOB_RECURSE _headers RELATIVE ${include_dir} CONFIGURE_DEPENDS ${include_dir}/foremoe/*.hpp)
+  list(APPEND _headers ${ARGN})
+  list(REMOVE_DUPLICATES _headers)
   set(_sources "")
   foreach(h IN LISTS _headers)
     if(h MATCHES "${exclude_regex}")

@@ -1,6 +1,9 @@
-// Calls into the header library and the compiled runtime and checks the answers.
+// Calls into the header library and (when built) the compiled runtime and checks the answers.
 #include <foremoe/foremoe.hpp>
+#include <foremoe/version.hpp>
+#if defined(FOREMOE_CONSUMER_RUNTIME)
 #include <foremoe/runtime/runtime.hpp>
+#endif
 
 #include <cstdio>
 #include <vector>
@@ -13,7 +16,7 @@ int main() {
   const std::vector<std::int64_t> want{1, 2, 2, 2};
   for (int e = 0; e < 4; ++e)
     if (loads.at(0, 0, e) != want[e]) return std::printf("header count wrong at expert %d\n", e), 1;
-
+#if defined(FOREMOE_CONSUMER_RUNTIME)
   std::vector<std::int64_t> out(4, -1);
   foremoe::runtime::CountRequest req;
   req.ids = ids.data();
@@ -25,7 +28,14 @@ int main() {
   const auto st = foremoe::runtime::count_loads(foremoe::runtime::Backend::host, req, out.data());
   if (!st.ok()) return std::printf("runtime: %s\n", st.to_string().c_str()), 1;
   if (out != want) return std::printf("runtime count wrong\n"), 1;
-  std::printf("foremoe %s consumer ok (cuda compiled: %d)\n", foremoe::version_string,
-              int(foremoe::runtime::build_info().cuda_compiled));
+  const bool cuda = foremoe::runtime::build_info().cuda_compiled;
+#if defined(FOREMOE_CONSUMER_EXPECT_CUDA)
+  if (cuda != bool(FOREMOE_CONSUMER_EXPECT_CUDA))
+    return std::printf("runtime cuda_compiled is %d, expected %d\n", int(cuda), FOREMOE_CONSUMER_EXPECT_CUDA), 1;
+#endif
+  std::printf("foremoe %s consumer ok (cuda compiled: %d)\n", foremoe::version_string, int(cuda));
+#else
+  std::printf("foremoe %s consumer ok (header-only)\n", foremoe::version_string);
+#endif
   return 0;
 }
