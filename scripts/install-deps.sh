@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Installs the Debian packages ForeMoE builds with, only those missing.
 # Idempotent and silent when everything is present. `--ci` adds what CI's
-# fuzzer and sanitizer runs need (clang with its runtime).
+# fuzzer and sanitizer runs need (clang with its runtime) and the lint tools
+# (clang-tidy-14, clang-format-14; scripts/lint.sh).
 set -euo pipefail
 
-pkgs=(cmake ninja-build g++ libeigen3-dev doctest-dev libbenchmark-dev nlohmann-json3-dev)
+pkgs=(cmake ninja-build g++ doctest-dev libbenchmark-dev nlohmann-json3-dev)
 if [[ "${1:-}" == "--ci" ]]; then
-  pkgs+=(clang libclang-rt-14-dev)
+  pkgs+=(clang libclang-rt-14-dev clang-tidy-14 clang-format-14)
 fi
 
 missing=()

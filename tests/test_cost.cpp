@@ -2,8 +2,11 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <map>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -12,7 +15,9 @@
 
 #include "foremoe/cost/comm.hpp"
 #include "foremoe/cost/expert_compute.hpp"
+#include "foremoe/cost/least_squares.hpp"
 #include "foremoe/cost/params.hpp"
+#include "test_support.hpp"
 
 using namespace foremoe;
 
@@ -27,7 +32,104 @@ std::string error_of(auto &&fn) {
   return "";
 }
 
+/// sum_i w_i^2 (A_i x - b_i)^2 for row-major `a` (m x n).
+double weighted_residual(const std::vector<double> &a, const std::vector<double> &b, const std::vector<double> &w,
+                         const std::vector<double> &x) {
+  const std::size_t n = x.size();
+  double res = 0;
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    double r = -b[i];
+    for (std::size_t j = 0; j < n; ++j) r += a[i * n + j] * x[j];
+    res += (r * w[i]) * (r * w[i]);
+  }
+  return res;
+}
+
 } // namespace
+
+TEST_CASE("nonneg least squares: a known instance where dropping the most negative coefficient fails") {
+  // Unconstrained optimum (-3, -3.5). Dropping column 1 (most negative), then column 0, gives x = 0 with
+  // residual 14; the optimum is x = (0, 0.5) with residual 12.5 (descent there: -4 on column 0, 0 on 1).
+  const std::vector<double> a{2, -2, -2, 1, 2, -1}, b{1, 3, -2}, w{1, 1, 1};
+  const auto ls = detail::weighted_least_squares(a, b, w, 2);
+  CHECK(ls[0] == doctest::Approx(-3.0));
+  CHECK(ls[1] == doctest::Approx(-3.5));
+  const auto x = detail::nonneg_least_squares(a, b, w, 2);
+  CHECK(x[0] == 0.0);
+  CHECK(x[1] == doctest::Approx(0.5));
+  CHECK(weighted_residual(a, b, w, x) == doctest::Approx(12.5));
+  // Weights scale rows: with w = (1, 1, 2) the last row counts four times.
+  const auto xw = detail::nonneg_least_squares(a, b, {1, 1, 2}, 2);
+  // Column 1 alone: (a1 . W^2 b) / |W a1|^2 = (-2 + 3 + 8) / (4 + 1 + 4) = 1; column 0's descent stays < 0.
+  CHECK(xw[0] == 0.0);
+  CHECK(xw[1] == doctest::Approx(1.0));
+  CHECK_THROWS_AS((void)detail::nonneg_least_squares({1, 2}, {1}, {1}, 2), Error);
+}
+
+TEST_CASE("nonneg least squares: KKT conditions and the best support on random problems (property)") {
+  std::mt19937_64 rng(20240611);
+  std::uniform_real_distribution<double> u(-1.0, 1.0), logu(-6.0, 6.0), wu(0.1, 10.0);
+  const int iters = 400 * foremoe_test::seed_multiplier();
+  int active_bounds = 0;
+  for (int it = 0; it < iters; ++it) {
+    const std::size_t n = 1 + static_cast<std::size_t>(it % 5), m = n + static_cast<std::size_t>(it % 17);
+    // Columns of very different magnitudes, as in the cost fits (1, counts, bytes, flops); now and then a
+    // zero column or a duplicated one.
+    std::vector<double> colscale(n);
+    for (auto &c : colscale) c = std::pow(10.0, logu(rng));
+    std::vector<double> a(m * n), b(m), w(m);
+    for (std::size_t i = 0; i < m; ++i) {
+      for (std::size_t j = 0; j < n; ++j) a[i * n + j] = u(rng) * colscale[j];
+      b[i] = u(rng);
+      w[i] = wu(rng);
+    }
+    if (n >= 2 && it % 23 == 0)
+      for (std::size_t i = 0; i < m; ++i) a[i * n + 1] = 0;
+    if (n >= 3 && it % 29 == 0)
+      for (std::size_t i = 0; i < m; ++i) a[i * n + 2] = 3 * a[i * n];
+    CAPTURE(it);
+    CAPTURE(n);
+    CAPTURE(m);
+    const auto x = detail::nonneg_least_squares(a, b, w, n);
+    REQUIRE(x.size() == n);
+    // Descent d = A^T W^2 (b - A x), relative to |W a_j| |W b|: ~0 where x_j > 0, <= ~0 where x_j = 0.
+    double bnorm = 0;
+    for (std::size_t i = 0; i < m; ++i) bnorm += (w[i] * b[i]) * (w[i] * b[i]);
+    bnorm = std::sqrt(bnorm);
+    for (std::size_t j = 0; j < n; ++j) {
+      CHECK(x[j] >= 0.0);
+      double d = 0, cnorm = 0;
+      for (std::size_t i = 0; i < m; ++i) {
+        double r = b[i];
+        for (std::size_t k = 0; k < n; ++k) r -= a[i * n + k] * x[k];
+        d += a[i * n + j] * w[i] * w[i] * r;
+        cnorm += (a[i * n + j] * w[i]) * (a[i * n + j] * w[i]);
+      }
+      if (cnorm == 0) continue;
+      const double rel = d / (std::sqrt(cnorm) * bnorm);
+      CAPTURE(j);
+      if (x[j] > 0)
+        CHECK(std::abs(rel) < 1e-8);
+      else {
+        CHECK(rel < 1e-8);
+        ++active_bounds;
+      }
+    }
+    // No support (columns left free, the rest at 0) with a non-negative least squares solution does better.
+    const double got = weighted_residual(a, b, w, x);
+    for (std::size_t mask = 0; mask < (std::size_t{1} << n); ++mask) {
+      std::vector<double> sub(a);
+      for (std::size_t i = 0; i < m; ++i)
+        for (std::size_t j = 0; j < n; ++j)
+          if (!(mask >> j & 1)) sub[i * n + j] = 0;
+      const auto xs = detail::weighted_least_squares(sub, b, w, n);
+      if (std::any_of(xs.begin(), xs.end(), [](double v) { return v < 0; })) continue;
+      CHECK(got <= weighted_residual(a, b, w, xs) * (1 + 1e-9) + 1e-12 * bnorm * bnorm);
+    }
+  }
+  MESSAGE(iters, " random problems, ", active_bounds, " coefficients held at the bound 0");
+  CHECK(active_bounds > 0); // the property covered the constrained case
+}
 
 TEST_CASE("cost params: defaults validate, bad values are named") {
   CostParams p;
