@@ -1,6 +1,8 @@
 #pragma once
 // Shared helpers for the tests: seeds and the reference-data folder.
 
+#include <doctest/doctest.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
@@ -21,6 +23,29 @@ inline std::filesystem::path data_dir() {
   const char *s = std::getenv("FOREMOE_DATA_DIR");
   if (s == nullptr || !std::filesystem::exists(s)) return {};
   return s;
+}
+
+/// How many reference-data lookups of this executable found nothing; doctest_main.cpp exits 77
+/// (CTest's SKIP_RETURN_CODE) when it is non-zero and nothing failed, so a run without data never reads as
+/// "passed".
+inline int &data_skips() {
+  static int n = 0;
+  return n;
+}
+
+/// `rel` (a file or folder) under the reference-data folder, or empty after recording a skip: callers
+/// `return` from the test case on empty.
+inline std::filesystem::path data_path(const std::filesystem::path &rel) {
+  const auto dir = data_dir();
+  if (dir.empty()) {
+    MESSAGE("FOREMOE_DATA_DIR unset or missing: skipped (needs ", rel.string(), ")");
+  } else if (!std::filesystem::exists(dir / rel)) {
+    MESSAGE("no ", rel.string(), " under ", dir.string(), ": skipped");
+  } else {
+    return dir / rel;
+  }
+  ++data_skips();
+  return {};
 }
 
 } // namespace foremoe_test

@@ -442,16 +442,9 @@ TEST_CASE("layer_skew of a plain count matrix") {
 }
 
 TEST_CASE("layer_skew reproduces the DeepSeek-V3 reference figures") {
-  const auto dir = foremoe_test::data_dir();
-  if (dir.empty()) {
-    MESSAGE("FOREMOE_DATA_DIR not set: reference data check skipped");
-    return;
-  }
-  const auto path = dir / "deepseek-v3-sglang";
-  if (!std::filesystem::exists(path / "prefill_in1024.npy")) {
-    MESSAGE("no deepseek-v3-sglang data under ", dir.string(), ": skipped");
-    return;
-  }
+  const auto first = foremoe_test::data_path("deepseek-v3-sglang/prefill_in1024.npy");
+  if (first.empty()) return;
+  const auto path = first.parent_path();
   const struct {
     const char *file;
     double median;
