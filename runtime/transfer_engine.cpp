@@ -13,7 +13,8 @@
 #include <thread>
 
 #include "foremoe/core/error.hpp"
-#include "transport.hpp"
+#include "foremoe/runtime/testing.hpp"
+#include "transport_util.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -141,7 +142,7 @@ struct TicketImpl {
   std::vector<std::pair<int, std::byte *>> scratch; // per local GPU: what ops of an abandoned batch read and write
 
   ~TicketImpl() {
-    if (flag != nullptr && transport) transport->free_flag(flag);
+    if (flag != nullptr && transport) transport->free_flags(flag);
     for (ReduceRun &r : reduces)
       if (r.staging != nullptr && transport) transport->free(r.owner, r.staging);
     for (auto &[gpu, p] : scratch)
@@ -498,7 +499,7 @@ private:
       if (gates[i].host != nullptr) t->host_events[i] = gates[i].host->state();
     }
     t->transport = transport_;
-    if (Status st = transport_->alloc_flag(t->flag); !st.ok()) return st;
+    if (Status st = transport_->alloc_flags(1, t->flag); !st.ok()) return st;
     t->serial = ++serial_;
     t->t0 = clock::now();
     t->deadline = t->t0 + timeout;
@@ -1233,7 +1234,7 @@ Status Ticket::wait(std::chrono::steady_clock::time_point deadline) const {
 }
 Status Ticket::enqueue_wait(void *stream) const {
   if (!impl_) return {StatusCode::invalid_argument, "enqueue_wait: empty ticket"};
-  return impl_->transport->enqueue_wait(stream, impl_->flag);
+  return impl_->transport->enqueue_wait(stream, impl_->flag, 1);
 }
 void Ticket::abort() const {
   if (impl_) impl_->abort_requested = true;
@@ -1286,19 +1287,18 @@ Status TransferEngine::create(EngineOptions o, std::unique_ptr<TransferEngine> &
   } catch (const Error &e) {
     return {StatusCode::invalid_argument, std::string("TransferEngine: ") + e.what()};
   }
-  std::unique_ptr<detail::Transport> t;
-  switch (o.backend) {
-  case Backend::host: t = detail::make_host_transport(o); break;
-  case Backend::cuda:
-#if defined(FOREMOE_HAVE_CUDA)
-    if (Status st = detail::make_cuda_transport(o, t); !st.ok()) return st;
-    break;
-#else
-    return {StatusCode::unavailable, "TransferEngine: this runtime was built without CUDA"};
-#endif
-  default: return {StatusCode::invalid_argument, "TransferEngine: unknown backend"};
+  if (o.transport.empty()) {
+    switch (o.backend) {
+    case Backend::host: o.transport = "host"; break;
+    case Backend::cuda: o.transport = "cuda"; break;
+    default:
+      return {StatusCode::invalid_argument,
+              "TransferEngine: unknown backend " + std::to_string(static_cast<int>(o.backend))};
+    }
   }
-  if (o.faults) t = detail::make_fault_transport(std::move(t), o.faults, o.backend == Backend::host);
+  std::unique_ptr<Transport> t;
+  if (Status st = make_transport(o.transport, o, t); !st.ok()) return st;
+  if (o.faults) t = make_fault_transport(std::move(t), o.faults, o.backend == Backend::host);
   out.reset(new TransferEngine(std::make_unique<detail::EngineImpl>(std::move(o), std::move(t))));
   return Status::success();
 }

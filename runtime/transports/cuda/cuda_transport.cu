@@ -20,8 +20,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../transport.hpp"
-#include "cuda_check.hpp"
+#include "../../cuda/cuda_check.hpp"
+#include "../../transport_util.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -59,9 +59,9 @@ __global__ void accumulate_kernel(float *__restrict__ dst, const float *__restri
 }
 
 // Fallback of enqueue_wait where stream memory operations are unsupported: one thread spins on the flag, bounded.
-__global__ void wait_flag_kernel(const volatile std::uint32_t *flag, long long max_cycles) {
+__global__ void wait_flag_kernel(const volatile std::uint32_t *flag, std::uint32_t value, long long max_cycles) {
   const long long t0 = clock64();
-  while (*flag == 0 && clock64() - t0 < max_cycles) {
+  while (static_cast<int>(*flag - value) < 0 && clock64() - t0 < max_cycles) {
   }
 }
 
@@ -442,18 +442,19 @@ public:
     return Status::success();
   }
   void free(int, std::byte *p) noexcept override { FOREMOE_CUDA_ASSERT(cudaFree(p)); }
-  Status alloc_flag(volatile std::uint32_t *&flag) override {
+  Status alloc_flags(std::int64_t n, volatile std::uint32_t *&flags) override {
     void *p = nullptr;
-    if (cudaHostAlloc(&p, sizeof(std::uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
-      return {StatusCode::device_error, "alloc_flag: cudaHostAlloc failed"};
-    flag = static_cast<volatile std::uint32_t *>(p);
-    *flag = 0;
+    const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(std::uint32_t);
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
+      return {StatusCode::device_error, "alloc_flags: cudaHostAlloc of " + std::to_string(bytes) + " bytes failed"};
+    std::memset(p, 0, bytes);
+    flags = static_cast<volatile std::uint32_t *>(p);
     return Status::success();
   }
-  void free_flag(volatile std::uint32_t *flag) noexcept override {
-    FOREMOE_CUDA_ASSERT(cudaFreeHost(const_cast<std::uint32_t *>(flag)));
+  void free_flags(volatile std::uint32_t *flags) noexcept override {
+    FOREMOE_CUDA_ASSERT(cudaFreeHost(const_cast<std::uint32_t *>(flags)));
   }
-  Status enqueue_wait(void *stream, volatile std::uint32_t *flag) override {
+  Status enqueue_wait(void *stream, volatile std::uint32_t *flag, std::uint32_t value) override {
     auto s = static_cast<cudaStream_t>(stream);
     void *dptr = nullptr;
     if (cudaHostGetDevicePointer(&dptr, const_cast<std::uint32_t *>(flag), 0) != cudaSuccess)
@@ -465,12 +466,12 @@ public:
     if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &found) ==
             cudaSuccess &&
         found == cudaDriverEntryPointSuccess && fn != nullptr &&
-        reinterpret_cast<wait_value_fn>(fn)(s, reinterpret_cast<CUdeviceptr>(dptr), 1, CU_STREAM_WAIT_VALUE_GEQ) ==
+        reinterpret_cast<wait_value_fn>(fn)(s, reinterpret_cast<CUdeviceptr>(dptr), value, CU_STREAM_WAIT_VALUE_GEQ) ==
             CUDA_SUCCESS)
       return Status::success();
     (void)cudaGetLastError();
     // No stream memory operations here: a one-thread kernel waits, bounded to about a minute at 2 GHz.
-    wait_flag_kernel<<<1, 1, 0, s>>>(static_cast<const volatile std::uint32_t *>(dptr), 120'000'000'000LL);
+    wait_flag_kernel<<<1, 1, 0, s>>>(static_cast<const volatile std::uint32_t *>(dptr), value, 120'000'000'000LL);
     if (cudaGetLastError() != cudaSuccess) return {StatusCode::device_error, "enqueue_wait: launch failed"};
     return Status::success();
   }
@@ -535,11 +536,13 @@ private:
 
 } // namespace
 
-Status make_cuda_transport(const EngineOptions &opts, std::unique_ptr<Transport> &out) {
-  auto t = std::make_unique<CudaTransport>();
-  if (Status st = t->init(opts); !st.ok()) return st;
-  out = std::move(t);
-  return Status::success();
+void register_builtin_transport_cuda() {
+  add_builtin_transport("cuda", [](const EngineOptions &opts, std::unique_ptr<Transport> &out) {
+    auto t = std::make_unique<CudaTransport>();
+    if (Status st = t->init(opts); !st.ok()) return st;
+    out = std::move(t);
+    return Status::success();
+  });
 }
 
 } // namespace runtime::detail
