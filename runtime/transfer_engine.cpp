@@ -66,7 +66,7 @@ Status Ticket::wait(std::chrono::steady_clock::time_point deadline) const {
 }
 Status Ticket::enqueue_wait(void *stream) const {
   if (!impl_) return {StatusCode::invalid_argument, "enqueue_wait: empty ticket"};
-  return impl_->transport->enqueue_wait(stream, impl_->flag, impl_->flag_value);
+  return impl_->pool->transport().enqueue_wait(stream, impl_->flag, impl_->flag_value);
 }
 void Ticket::abort() const {
   if (impl_) impl_->abort_requested = true;
@@ -164,6 +164,7 @@ std::int32_t TransferEngine::valid_expert(int layer, int gpu, int slot) const {
 }
 LayerPlacement TransferEngine::resident(int layer) const { return impl_->resident(layer); }
 transfer::TransferPlan TransferEngine::last_plan(int layer) const { return impl_->last_plan(layer); }
+EngineStats TransferEngine::stats() const { return impl_->stats(); }
 
 } // namespace runtime
 } // namespace v0

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <memory>
 #include <vector>
@@ -174,4 +175,71 @@ TEST_CASE("a factory that fails or makes nothing is reported") {
   CHECK(st.message() == "test_failing: no such fabric here");
   o.transport = "test_null";
   CHECK(p.build(o).message().find("made nothing") != std::string::npos);
+}
+
+TEST_CASE("a steady state of moves and reductions creates no transport resources after warm-up") {
+  // 1 node x 2 GPUs x 2 slots, 3 experts of two tensors: GPU 0 owns 0 and 1, GPU 1 owns 2; each micro-step moves
+  // expert 0 or 1 into GPU 1's second slot (a replica) and reduces the replica's gradient into its owner.
+  // Counted (EngineStats::allocations): completion flags and staging blocks the engine takes from the transport,
+  // and what the transport creates itself; host bookkeeping (tickets, chunk lists) is not.
+  const std::vector<rt::TensorSpan> tensors{{0, 2000}, {2048, 1000}};
+  const std::int64_t stride = 3072, grad_bytes = 4000;
+  rt::EngineOptions o;
+  o.topology = {1, 2, 2};
+  o.num_layers = 1;
+  o.num_experts = 3;
+  o.tensors = tensors;
+  o.planning.align_bytes = 256;
+  o.planning.max_chunk_bytes = 1024;
+  o.verify = true;
+  std::unique_ptr<rt::TransferEngine> engine;
+  REQUIRE(rt::TransferEngine::create(o, engine).ok());
+  std::vector<std::byte> gpu[2], mirror(3 * stride);
+  std::vector<float> grads[2];
+  for (int g = 0; g < 2; ++g) {
+    gpu[g].assign(2 * stride, std::byte{0});
+    grads[g].assign(2 * grad_bytes / 4, 1.0f);
+    REQUIRE(engine->register_slots(0, g, {gpu[g].data(), stride, 2, 1, 0}).ok());
+    REQUIRE(engine->register_grads(0, g, {grads[g].data(), grad_bytes, 2, 1, 0}, grad_bytes).ok());
+  }
+  for (int e = 0; e < 3; ++e)
+    foremoe_test::fill_expert(mirror.data() + e * stride, tensors, 0, e);
+  REQUIRE(engine->register_mirror(0, 0, {mirror.data(), stride, 3}).ok());
+  LayerPlacement p(2, 2, 3);
+  p.slot(0, 0) = 0, p.slot(0, 1) = 1, p.slot(1, 0) = 2;
+  for (auto [g, s, e] : {std::array{0, 0, 0}, {0, 1, 1}, {1, 0, 2}})
+    foremoe_test::fill_expert(gpu[g].data() + s * stride, tensors, 0, e);
+  REQUIRE(engine->set_resident(0, p).ok());
+  const std::vector<std::int32_t> owner{0, 0, 1};
+
+  auto micro_step = [&](int i) {
+    const std::vector<Move> moves{{i % 2, host_mirror, 1, 1}};
+    rt::MoveBatch mb;
+    mb.moves = moves;
+    rt::Ticket t;
+    REQUIRE(engine->submit(mb, t).ok());
+    REQUIRE(t.wait_for(10s).ok());
+    REQUIRE(foremoe_test::holds_expert(gpu[1].data() + stride, tensors, 0, i % 2));
+    rt::ReduceBatch rb;
+    rb.owner_gpu = owner;
+    rt::Ticket r;
+    REQUIRE(engine->submit_reduce(rb, r).ok());
+    REQUIRE(r.wait_for(10s).ok());
+    REQUIRE(r.telemetry().size() == 1);
+  };
+  for (int i = 0; i < 4; ++i)
+    micro_step(i);
+  const rt::EngineStats warm = engine->stats();
+  CHECK(warm.allocations > 0); // the pools did fill
+  CHECK(warm.batches == 8);
+  for (int i = 4; i < 40; ++i)
+    micro_step(i);
+  const rt::EngineStats steady = engine->stats();
+  CHECK(steady.batches == 80);
+  CHECK_MESSAGE(steady.allocations == warm.allocations, "36 steady micro-steps created ",
+                steady.allocations - warm.allocations, " transport resources");
+  // The replica gradients (1.0 each step) were added into the owner's: slot 0 of GPU 0 for expert 0 (20 steps),
+  // slot 1 for expert 1 (20 steps).
+  CHECK(grads[0][0] == 21.0f);
+  CHECK(grads[0][grad_bytes / 4] == 21.0f);
 }

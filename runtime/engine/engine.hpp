@@ -25,6 +25,7 @@
 #include "foremoe/core/error.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
 #include "foremoe/runtime/transport.hpp"
+#include "pool.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -41,6 +42,7 @@ struct LayerState {
   LayerPlacement planned;           // multi-process: the placement every submitted move leads to
   std::vector<std::uint8_t> buffer; // per physical slot: the buffer holding the valid copy
   transfer::TransferPlan last_plan;
+  std::uint64_t generation = 0; // bumped by whatever changes what planning reads (submit, registration)
 };
 
 // Who carries a chunk in this process: itself (both ends local, or the local mirror), one side of a paired
@@ -170,9 +172,9 @@ struct TicketImpl {
   std::vector<ReduceRun> reduces;
   std::vector<MoveTelemetry> telemetry;
   volatile std::uint32_t *flag = nullptr;
-  std::uint32_t flag_value = 1; // what `flag` holds once the batch ended
-  std::shared_ptr<Transport> transport;
-  std::vector<int> reads; // physical slots read as sources (sorted)
+  std::uint32_t flag_value = 1;       // what `flag` holds once the batch ended
+  std::shared_ptr<ResourcePool> pool; // where the flag, staging and scratch go back
+  std::vector<int> reads;             // physical slots read as sources (sorted)
 
   // Paired transfers with other processes: posted once, in submission order, one group per round.
   struct PeerGroup {
@@ -187,14 +189,21 @@ struct TicketImpl {
   std::vector<int> peer_item;          // per op: its chunk (moves) or reduction (reduce)
   std::vector<std::uint64_t> peer_tag; // per op: what a valid header names
   std::vector<PeerGroup> peer_groups;
-  std::vector<std::pair<int, std::byte *>> scratch; // per local GPU: what ops of an abandoned batch read and write
+  struct Scratch {
+    int gpu;
+    std::int64_t bytes;
+    std::byte *p;
+  };
+  std::vector<Scratch> scratch;   // per local GPU: what ops of an abandoned batch read and write
+  std::int64_t staging_bytes = 0; // of each reduction's staging block
 
   ~TicketImpl() {
-    if (flag != nullptr && transport) transport->free_flags(flag);
+    if (!pool) return;
+    if (flag != nullptr) pool->give_flag(flag, flag_value);
     for (ReduceRun &r : reduces)
-      if (r.staging != nullptr && transport) transport->free(r.owner, r.staging);
-    for (auto &[gpu, p] : scratch)
-      if (transport) transport->free(gpu, p);
+      if (r.staging != nullptr) pool->give_block(r.owner, staging_bytes, r.staging);
+    for (const Scratch &s : scratch)
+      pool->give_block(s.gpu, s.bytes, s.p);
   }
   [[nodiscard]] bool finished() const noexcept {
     return state.load(std::memory_order_acquire) != static_cast<int>(TicketState::pending);
@@ -222,6 +231,7 @@ public:
   Status submit(const MoveBatch &b, Ticket &out, std::shared_ptr<TicketImpl> &made);
   Status submit_reduce(const ReduceBatch &b, Ticket &out, std::shared_ptr<TicketImpl> &made);
 
+  [[nodiscard]] EngineStats stats() const;
   void wake() { cv_.notify_all(); }
   Transport &transport() { return *transport_; }
 
@@ -294,6 +304,7 @@ private:
 
   EngineOptions opts_;
   std::shared_ptr<Transport> transport_;
+  std::shared_ptr<ResourcePool> pool_;
   std::vector<std::int64_t> prefix_; // packed byte offset of each tensor
   mutable std::mutex mu_;
   std::condition_variable cv_;

@@ -11,11 +11,11 @@ inline namespace v0 {
 namespace runtime::detail {
 
 std::byte *EngineImpl::scratch(TicketImpl &t, int gpu, std::int64_t need) {
-  for (auto &[g, p] : t.scratch)
-    if (g == gpu) return p;
+  for (const TicketImpl::Scratch &s : t.scratch)
+    if (s.gpu == gpu) return s.p;
   std::byte *p = nullptr;
-  if (!transport_->alloc(gpu, need, p).ok()) return nullptr;
-  t.scratch.emplace_back(gpu, p);
+  if (!pool_->take_block(gpu, need, p).ok()) return nullptr;
+  t.scratch.push_back({gpu, need, p});
   return p;
 }
 

@@ -9,7 +9,8 @@ namespace foremoe {
 inline namespace v0 {
 namespace runtime::detail {
 
-EngineImpl::EngineImpl(EngineOptions o, std::shared_ptr<Transport> t) : opts_(std::move(o)), transport_(std::move(t)) {
+EngineImpl::EngineImpl(EngineOptions o, std::shared_ptr<Transport> t)
+    : opts_(std::move(o)), transport_(std::move(t)), pool_(std::make_shared<ResourcePool>(transport_)) {
   const int num_gpus = opts_.topology.num_gpus();
   local_.assign(static_cast<std::size_t>(num_gpus), opts_.peers.local_gpus.empty() ? 1 : 0);
   for (int g : opts_.peers.local_gpus)
@@ -61,6 +62,7 @@ Status EngineImpl::register_region(int layer, int idx, const SlotRegion &r, bool
     return bad(what, ": buffer stride ", r.buffer_stride_bytes, " overlaps the ", r.num_slots, " slots");
   std::lock_guard lock(mu_);
   LayerState &ls = layers_[layer];
+  ++ls.generation;
   if (grads) {
     if (ls.grad_bytes != 0 && ls.grad_bytes != grad_bytes)
       return bad(what, ": grad_bytes ", grad_bytes, " differs from ", ls.grad_bytes, " registered before");
@@ -87,6 +89,7 @@ Status EngineImpl::register_mirror(int layer, int node, const MirrorRegion &m) {
     return bad("register_mirror: expert stride ", m.expert_stride_bytes, " is smaller than ", span_end());
   std::lock_guard lock(mu_);
   layers_[layer].mirrors[node] = m;
+  ++layers_[layer].generation;
   return Status::success();
 }
 
@@ -112,9 +115,18 @@ Status EngineImpl::set_resident(int layer, const LayerPlacement &p) {
   for (auto &t : active_)
     if (t->layer == layer && t->busy())
       return {StatusCode::invalid_argument, "set_resident: layer " + std::to_string(layer) + " has batches in flight"};
+  ++layers_[layer].generation;
   layers_[layer].resident = p;
   layers_[layer].planned = p;
   return Status::success();
+}
+
+EngineStats EngineImpl::stats() const {
+  EngineStats s;
+  s.allocations = pool_->allocations() + transport_->resources_created();
+  std::lock_guard lock(mu_);
+  s.batches = static_cast<std::int64_t>(serial_);
+  return s;
 }
 
 std::int32_t EngineImpl::valid_expert(int layer, int gpu, int slot) const {

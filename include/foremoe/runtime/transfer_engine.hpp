@@ -132,6 +132,15 @@ struct MoveTelemetry {
   bool remote = false;        ///< multi-process: the destination is another process's GPU (this one sent bytes)
 };
 
+/// What the engine's backend resources cost so far, to check that a steady state creates none.
+struct EngineStats {
+  /// Transport resources created: the engine's pooled completion flags and staging blocks (`Transport::alloc`,
+  /// `alloc_flags` calls) plus what the transport created itself (`Transport::resources_created`: CUDA events,
+  /// pinned header blocks, device scratch). Host bookkeeping (tickets, chunk lists) is not counted.
+  std::int64_t allocations = 0;
+  std::int64_t batches = 0; ///< move and reduce batches submitted
+};
+
 namespace detail {
 struct TicketImpl;
 class EngineImpl;
@@ -216,6 +225,8 @@ public:
   [[nodiscard]] LayerPlacement resident(int layer) const;
   /// The transfer plan of the last move batch of `layer`.
   [[nodiscard]] transfer::TransferPlan last_plan(int layer) const;
+  /// Resources created and batches submitted so far.
+  [[nodiscard]] EngineStats stats() const;
 
 private:
   explicit TransferEngine(std::unique_ptr<detail::EngineImpl> impl);

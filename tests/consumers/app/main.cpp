@@ -22,7 +22,7 @@ int main() {
   req.num_layers = 1;
   req.topk = 2;
   req.num_experts = 4;
-  const auto st = foremoe::runtime::count_loads(foremoe::runtime::Backend::host, req, out.data());
+  const auto st = foremoe::runtime::count_loads(foremoe::runtime::Backend::host, req, out);
   if (!st.ok()) return std::printf("runtime: %s\n", st.to_string().c_str()), 1;
   if (out != want) return std::printf("runtime count wrong\n"), 1;
   std::printf("foremoe %s consumer ok (cuda compiled: %d)\n", foremoe::version_string,
