@@ -124,7 +124,7 @@ void BM_runtime_host_count(benchmark::State &state) {
   req.microbatch_offsets = t.offsets;
   std::vector<std::int64_t> out((t.offsets.size() - 1) * num_layers * num_experts);
   for (auto _ : state) {
-    auto st = foremoe::runtime::count_loads(foremoe::runtime::Backend::host, req, out.data(), threads);
+    auto st = foremoe::runtime::count_loads(foremoe::runtime::Backend::host, req, out, threads);
     if (!st.ok()) state.SkipWithError(st.to_string().c_str());
     benchmark::DoNotOptimize(out.data());
   }

@@ -142,7 +142,7 @@ void BM_runtime_host_map_tokens(benchmark::State &state) {
       req.layer_idx = l;
       req.slot_expert = m.plans[l].placement.phys_to_log();
       req.slot_tokens = m.plans[l].slot_tokens;
-      const auto st = foremoe::runtime::map_tokens(foremoe::runtime::Backend::host, req, out.data());
+      const auto st = foremoe::runtime::map_tokens(foremoe::runtime::Backend::host, req, out);
       if (!st.ok()) {
         state.SkipWithError(st.to_string().c_str());
         return;

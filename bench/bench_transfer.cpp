@@ -12,6 +12,7 @@
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/transfer/transfer_plan.hpp"
 #if defined(FOREMOE_BENCH_RUNTIME)
+#include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
 #endif
 

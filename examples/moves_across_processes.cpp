@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "foremoe/plan/planner.hpp"
+#include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
 
 namespace rt = foremoe::runtime;

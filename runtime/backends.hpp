@@ -10,8 +10,6 @@ namespace runtime::detail {
 Status host_count_loads(const CountRequest &req, int num_moe_layers, std::int64_t *out, int num_threads);
 
 #if defined(FOREMOE_HAVE_CUDA)
-Status cuda_count_loads(const CountRequest &req, int num_moe_layers, std::int64_t *out, void *stream,
-                        int timeout_ms);
 int cuda_num_devices() noexcept;
 #endif
 

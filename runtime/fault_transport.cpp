@@ -5,7 +5,8 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "transport.hpp"
+#include "foremoe/runtime/testing.hpp"
+#include "transport_util.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -110,11 +111,12 @@ public:
   }
   Status alloc(int gpu, std::int64_t n, std::byte *&out) override { return inner_->alloc(gpu, n, out); }
   void free(int gpu, std::byte *p) noexcept override { inner_->free(gpu, p); }
-  Status alloc_flag(volatile std::uint32_t *&flag) override { return inner_->alloc_flag(flag); }
-  void free_flag(volatile std::uint32_t *flag) noexcept override { inner_->free_flag(flag); }
-  Status enqueue_wait(void *stream, volatile std::uint32_t *flag) override {
-    return inner_->enqueue_wait(stream, flag);
+  Status alloc_flags(std::int64_t n, volatile std::uint32_t *&flags) override { return inner_->alloc_flags(n, flags); }
+  void free_flags(volatile std::uint32_t *flags) noexcept override { inner_->free_flags(flags); }
+  Status enqueue_wait(void *stream, volatile std::uint32_t *flag, std::uint32_t value) override {
+    return inner_->enqueue_wait(stream, flag, value);
   }
+  std::int64_t resources_created() const noexcept override { return inner_->resources_created(); }
 
 private:
   enum Decision : std::uint64_t { fail = 1, corrupt = 2, delay = 3 };
@@ -146,12 +148,14 @@ private:
 };
 
 } // namespace
+} // namespace runtime::detail
 
+namespace runtime {
 std::unique_ptr<Transport> make_fault_transport(std::unique_ptr<Transport> inner,
                                                 std::shared_ptr<const FaultSchedule> faults, bool host_memory) {
-  return std::make_unique<FaultTransport>(std::move(inner), std::move(faults), host_memory);
+  return std::make_unique<detail::FaultTransport>(std::move(inner), std::move(faults), host_memory);
 }
 
-} // namespace runtime::detail
+} // namespace runtime
 } // namespace v0
 } // namespace foremoe

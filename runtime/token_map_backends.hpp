@@ -15,11 +15,6 @@ namespace runtime::detail {
 Status host_map_tokens(const MapRequest &req, const TokenRanges &ranges, std::span<const std::int64_t> source_offsets,
                        std::int32_t *out_slots);
 
-#if defined(FOREMOE_HAVE_CUDA)
-Status cuda_map_tokens(const MapRequest &req, const TokenRanges &ranges, std::span<const std::int64_t> source_offsets,
-                       std::int32_t *out_slots, void *stream, int timeout_ms);
-#endif
-
 } // namespace runtime::detail
 } // namespace v0
 } // namespace foremoe

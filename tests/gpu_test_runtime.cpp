@@ -8,6 +8,7 @@
 #include <random>
 #include <vector>
 
+#include "gpu_main.hpp"
 #include "foremoe/foremoe.hpp"
 #include "foremoe/runtime/runtime.hpp"
 
@@ -48,7 +49,8 @@ TEST_CASE_TEMPLATE("device counting equals the CPU counter", T, std::int8_t, std
     req.topk = K;
     req.num_experts = E;
     req.microbatch_offsets = mb;
-    const rt::Status st = rt::count_loads(rt::Backend::cuda, req, static_cast<std::int64_t *>(d_out));
+    const rt::Status st = rt::count_loads(rt::Backend::cuda, req,
+                                            {static_cast<std::int64_t *>(d_out), want.totals().size()});
     REQUIRE_MESSAGE(st.ok(), st.to_string());
     std::vector<std::int64_t> got(want.totals().size());
     REQUIRE(cudaMemcpy(got.data(), d_out, got.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost) == cudaSuccess);
@@ -71,7 +73,7 @@ TEST_CASE("device counting names an out-of-range id") {
   req.num_layers = 1;
   req.topk = 2;
   req.num_experts = 8;
-  const rt::Status st = rt::count_loads(rt::Backend::cuda, req, static_cast<std::int64_t *>(d_out));
+  const rt::Status st = rt::count_loads(rt::Backend::cuda, req, {static_cast<std::int64_t *>(d_out), 8});
   CHECK(st.code() == rt::StatusCode::invalid_argument);
   CHECK(st.message().find("expert id 77 at token 2, layer 0, k 1") != std::string::npos);
   cudaFree(d_ids);
@@ -79,11 +81,4 @@ TEST_CASE("device counting names an out-of-range id") {
 }
 #endif
 
-int main(int argc, char **argv) {
-  if (rt::build_info().num_devices == 0) {
-    std::printf("skipped: no CUDA device (cuda compiled: %d)\n", int(rt::build_info().cuda_compiled));
-    return 77;
-  }
-  doctest::Context ctx(argc, argv);
-  return ctx.run();
-}
+int main(int argc, char **argv) { return foremoe_test::gpu_test_main(argc, argv); }

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu_main.hpp"
 #include "foremoe/foremoe.hpp"
 #include "foremoe/plan/token_map.hpp"
 #include "foremoe/runtime/runtime.hpp"
@@ -38,6 +39,7 @@ template <class T> struct DeviceVec {
   DeviceVec(const DeviceVec &) = delete;
   DeviceVec &operator=(const DeviceVec &) = delete;
   ~DeviceVec() { cudaFree(ptr); }
+  std::span<T> span() const { return {ptr, n}; }
   std::vector<T> get() const {
     std::vector<T> v(n);
     if (n > 0) REQUIRE(cudaMemcpy(v.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
@@ -123,12 +125,12 @@ TEST_CASE_TEMPLATE("device token map equals the CPU reference", T, std::int8_t, 
         req.num_sources = S;
         req.source_offsets = so;
         DeviceVec<std::int32_t> d_out(std::vector<std::int32_t>(want.size(), -7));
-        const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, d_out.ptr, it % 2 ? stream : nullptr);
+        const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, d_out.span(), it % 2 ? stream : nullptr);
         REQUIRE_MESSAGE(st.ok(), st.to_string());
         const auto got = d_out.get();
         CHECK(got == want);
         // Deterministic across runs.
-        REQUIRE(rt::map_tokens(rt::Backend::cuda, req, d_out.ptr, stream).ok());
+        REQUIRE(rt::map_tokens(rt::Backend::cuda, req, d_out.span(), stream).ok());
         CHECK(d_out.get() == got);
       }
   }
@@ -151,7 +153,7 @@ TEST_CASE("device token map names a bad id and a count mismatch like the referen
   {
     const DeviceVec<std::int32_t> d_ids(ids);
     req.ids = d_ids.ptr;
-    const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, d_out.ptr);
+    const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, d_out.span());
     CHECK(st.code() == rt::StatusCode::invalid_argument);
     CHECK_MESSAGE(st.message().find("expert id 9 at token 1, layer 0, k 1 is outside [0, 2)") != std::string::npos,
                   st.message());
@@ -160,7 +162,7 @@ TEST_CASE("device token map names a bad id and a count mismatch like the referen
   {
     const DeviceVec<std::int32_t> d_ids(ids);
     req.ids = d_ids.ptr;
-    const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, d_out.ptr);
+    const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, d_out.span());
     CHECK(st.code() == rt::StatusCode::invalid_argument);
     std::vector<std::int32_t> host(6);
     const RoutedView view(std::span<const std::int32_t>(ids), 3, 1, 2);
@@ -177,7 +179,7 @@ TEST_CASE("device token map names a bad id and a count mismatch like the referen
   {
     const DeviceVec<std::int32_t> d_ids(ids);
     req.ids = d_ids.ptr;
-    REQUIRE(rt::map_tokens(rt::Backend::cuda, req, d_out.ptr).ok());
+    REQUIRE(rt::map_tokens(rt::Backend::cuda, req, d_out.span()).ok());
     CHECK(d_out.get() == std::vector<std::int32_t>{0, 1, 0, -1, 1, 2});
   }
 }
@@ -193,20 +195,13 @@ TEST_CASE("device token map of zero tokens succeeds and checks the plan's totals
   req.num_experts = 2;
   req.slot_expert = slot_expert;
   req.slot_tokens = slot_tokens;
-  CHECK(rt::map_tokens(rt::Backend::cuda, req, nullptr).ok());
+  CHECK(rt::map_tokens(rt::Backend::cuda, req, {}).ok());
   slot_tokens[1] = 4;
-  const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, nullptr);
+  const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, {});
   CHECK(st.code() == rt::StatusCode::invalid_argument);
   CHECK_MESSAGE(st.message().find("expert 1 has 0 routed tokens but the plan gives its 1 copies 4") != std::string::npos,
                 st.message());
 }
 #endif
 
-int main(int argc, char **argv) {
-  if (rt::build_info().num_devices == 0) {
-    std::printf("skipped: no CUDA device (cuda compiled: %d)\n", int(rt::build_info().cuda_compiled));
-    return 77;
-  }
-  doctest::Context ctx(argc, argv);
-  return ctx.run();
-}
+int main(int argc, char **argv) { return foremoe_test::gpu_test_main(argc, argv); }

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "foremoe/runtime/runtime.hpp"
+#include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
 
 #if defined(FOREMOE_TEST_HAVE_CUDART)

@@ -37,7 +37,7 @@ TEST_CASE("runtime host count equals the header counter for any thread count (pr
     req.microbatch_offsets = mb;
     for (int threads : {1, 2, 3, 8}) {
       std::vector<std::int64_t> out(want.totals().size(), -7);
-      const rt::Status st = rt::count_loads(rt::Backend::host, req, out.data(), threads);
+      const rt::Status st = rt::count_loads(rt::Backend::host, req, out, threads);
       REQUIRE_MESSAGE(st.ok(), st.to_string());
       CHECK(std::equal(out.begin(), out.end(), want.totals().begin()));
     }
@@ -54,20 +54,20 @@ TEST_CASE("runtime count reports bad input as statuses, never throws") {
   req.topk = 2;
   req.num_experts = 4;
   std::vector<std::int64_t> out(4);
-  rt::Status st = rt::count_loads(rt::Backend::host, req, out.data(), 2);
+  rt::Status st = rt::count_loads(rt::Backend::host, req, out, 2);
   CHECK(st.code() == rt::StatusCode::invalid_argument);
   CHECK(st.message().find("expert id 9") != std::string::npos);
   ids[3] = 3;
-  CHECK(rt::count_loads(rt::Backend::host, req, out.data()).ok());
-  CHECK(rt::count_loads(rt::Backend::host, req, nullptr).code() == rt::StatusCode::invalid_argument);
+  CHECK(rt::count_loads(rt::Backend::host, req, out).ok());
+  CHECK(rt::count_loads(rt::Backend::host, req, {}).code() == rt::StatusCode::invalid_argument);
   std::vector<std::int64_t> bad_mb{0, 3};
   req.microbatch_offsets = bad_mb;
-  st = rt::count_loads(rt::Backend::host, req, out.data());
+  st = rt::count_loads(rt::Backend::host, req, out);
   CHECK(st.code() == rt::StatusCode::invalid_argument);
   CHECK(st.message().find("end at 3 but the trace has 2") != std::string::npos);
   req.microbatch_offsets = {};
   req.num_experts = 0;
-  CHECK(rt::count_loads(rt::Backend::host, req, out.data()).code() == rt::StatusCode::invalid_argument);
+  CHECK(rt::count_loads(rt::Backend::host, req, out).code() == rt::StatusCode::invalid_argument);
 }
 
 TEST_CASE("CUDA backend without a device answers with a status") {
@@ -84,7 +84,7 @@ TEST_CASE("CUDA backend without a device answers with a status") {
   req.topk = 2;
   req.num_experts = 4;
   std::vector<std::int64_t> out(4);
-  const rt::Status st = rt::count_loads(rt::Backend::cuda, req, out.data());
+  const rt::Status st = rt::count_loads(rt::Backend::cuda, req, out);
   CHECK_FALSE(st.ok());
   CHECK((st.code() == rt::StatusCode::unavailable || st.code() == rt::StatusCode::device_error));
 }

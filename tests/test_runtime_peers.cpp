@@ -9,6 +9,7 @@
 #include <random>
 #include <thread>
 
+#include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
 #include "expert_bytes.hpp"
 #include "test_support.hpp"

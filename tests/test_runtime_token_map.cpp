@@ -318,7 +318,7 @@ TEST_CASE_TEMPLATE("runtime host token map equals the reference (property)", T, 
       req.num_sources = num_sources;
       req.source_offsets = so;
       std::vector<std::int32_t> got(want.size() + 1, -7); // one guard entry past the end
-      const rt::Status st = rt::map_tokens(rt::Backend::host, req, got.data());
+      const rt::Status st = rt::map_tokens(rt::Backend::host, req, std::span(got).first(want.size()));
       REQUIRE_MESSAGE(st.ok(), st.to_string());
       CHECK(std::equal(want.begin(), want.end(), got.begin()));
       CHECK(got.back() == -7);
@@ -340,49 +340,49 @@ TEST_CASE("runtime token map reports bad input as statuses, never throws") {
   req.slot_expert = slot_expert;
   req.slot_tokens = slot_tokens;
   std::vector<std::int32_t> out(4);
-  rt::Status st = rt::map_tokens(rt::Backend::host, req, out.data());
+  rt::Status st = rt::map_tokens(rt::Backend::host, req, out);
   CHECK(st.code() == rt::StatusCode::invalid_argument);
   CHECK(st.message().find("expert id 9 at token 1, layer 0, k 1") != std::string::npos);
   ids[3] = 0;
-  st = rt::map_tokens(rt::Backend::host, req, out.data());
+  st = rt::map_tokens(rt::Backend::host, req, out);
   CHECK(st.code() == rt::StatusCode::invalid_argument);
   CHECK(st.message().find("expert 0 has 3 routed tokens but the plan gives its 1 copies 2") != std::string::npos);
   ids[3] = -1;
-  REQUIRE(rt::map_tokens(rt::Backend::host, req, out.data()).ok());
+  REQUIRE(rt::map_tokens(rt::Backend::host, req, out).ok());
   CHECK(out == std::vector<std::int32_t>{0, 1, 0, -1});
 
-  auto expect_invalid = [&](rt::MapRequest r, const char *text, std::int32_t *o) {
+  auto expect_invalid = [&](rt::MapRequest r, const char *text, std::span<std::int32_t> o) {
     const rt::Status s = rt::map_tokens(rt::Backend::host, r, o);
     CHECK(s.code() == rt::StatusCode::invalid_argument);
     CHECK_MESSAGE(s.message().find(text) != std::string::npos, s.message());
     CHECK(s.message().rfind("map_tokens: ", 0) == 0);
   };
-  expect_invalid(req, "null output", nullptr);
+  expect_invalid(req, "null output", {});
   rt::MapRequest r = req;
   r.layer_idx = 1;
-  expect_invalid(r, "layer_idx 1 outside [0, 1)", out.data());
+  expect_invalid(r, "layer_idx 1 outside [0, 1)", out);
   r = req;
   r.num_experts = 0;
-  expect_invalid(r, "num_experts must be positive", out.data());
+  expect_invalid(r, "num_experts must be positive", out);
   r = req;
   r.slot_tokens = std::span<const std::int64_t>(slot_tokens.data(), 1);
-  expect_invalid(r, "1 slot token counts for 2 slots", out.data());
+  expect_invalid(r, "1 slot token counts for 2 slots", out);
   r = req;
   r.num_sources = 2;
-  expect_invalid(r, "2 slot token counts for 2 slots x 2 sources", out.data());
+  expect_invalid(r, "2 slot token counts for 2 slots x 2 sources", out);
   r = req;
   r.num_sources = 0;
-  expect_invalid(r, "num_sources must be positive", out.data());
+  expect_invalid(r, "num_sources must be positive", out);
   r = req;
   const std::vector<std::int64_t> end_wrong{0, 3};
   r.source_offsets = end_wrong;
-  expect_invalid(r, "end at 3 but the trace has 2 tokens", out.data());
+  expect_invalid(r, "end at 3 but the trace has 2 tokens", out);
   r = req;
   r.ids = nullptr;
-  expect_invalid(r, "null data", out.data());
+  expect_invalid(r, "null data", out);
   r = req;
   r.topk = 0;
-  expect_invalid(r, "topk must be positive", out.data());
+  expect_invalid(r, "topk must be positive", out);
 }
 
 TEST_CASE("runtime token map: the CUDA backend is unavailable without a device, never crashes") {
@@ -403,8 +403,8 @@ TEST_CASE("runtime token map: the CUDA backend is unavailable without a device, 
   req.slot_expert = slot_expert;
   req.slot_tokens = slot_tokens;
   std::vector<std::int32_t> out(2, -9);
-  const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, out.data());
+  const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, out);
   CHECK(st.code() == rt::StatusCode::unavailable);
   CHECK(out == std::vector<std::int32_t>{-9, -9});
-  CHECK(rt::map_tokens(static_cast<rt::Backend>(7), req, out.data()).code() == rt::StatusCode::invalid_argument);
+  CHECK(rt::map_tokens(static_cast<rt::Backend>(7), req, out).code() == rt::StatusCode::invalid_argument);
 }

@@ -1,18 +1,19 @@
 // CUDA backend of load counting: one block per (token chunk, trace layer),
-// a shared-memory histogram per micro-step segment, flushed with atomics.
+// a shared-memory histogram per micro-step segment, flushed with atomics. Enqueued
+// through the workspace (cuda_workspace.hpp): inputs from pinned memory, ids checked
+// on the device and reported by `Workspace::check`.
 
 #include <cuda_runtime.h>
 
-#include <chrono>
+#include <cstring>
 #include <climits>
 #include <cstdint>
 #include <limits>
-#include <thread>
 #include <type_traits>
-#include <vector>
 
 #include "../backends.hpp"
 #include "cuda_check.hpp"
+#include "cuda_workspace.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -87,61 +88,48 @@ template <class T> unsigned long long none_value(int num_experts) {
   return std::numeric_limits<unsigned long long>::max();
 }
 
-/// Device scratch freed on every exit path.
-struct DeviceBuffer {
-  void *ptr = nullptr;
-  explicit DeviceBuffer(std::size_t bytes) { FOREMOE_CUDA_CHECK(cudaMalloc(&ptr, bytes)); }
-  DeviceBuffer(const DeviceBuffer &) = delete;
-  DeviceBuffer &operator=(const DeviceBuffer &) = delete;
-  ~DeviceBuffer() { FOREMOE_CUDA_ASSERT(cudaFree(ptr)); }
-};
-
-Status wait_stream(cudaStream_t stream, int timeout_ms) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  for (;;) {
-    const cudaError_t q = cudaStreamQuery(stream);
-    if (q == cudaSuccess) return Status::success();
-    if (q != cudaErrorNotReady) throw_cuda_error(q, "cudaStreamQuery(stream)", __FILE__, __LINE__);
-    if (std::chrono::steady_clock::now() >= deadline)
-      return {StatusCode::timed_out, "count_loads: device counting did not finish within " +
-                                         std::to_string(timeout_ms) + " ms"};
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-}
-
 } // namespace
 
-Status cuda_count_loads(const CountRequest &req, int num_moe_layers, std::int64_t *out, void *stream_ptr,
-                        int timeout_ms) try {
+Status CudaWorkspace::count(const CountRequest &req, int num_moe_layers, std::span<std::int64_t> out, void *stream_ptr,
+                            int) try {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  std::vector<std::int64_t> offsets(req.microbatch_offsets.begin(), req.microbatch_offsets.end());
-  if (offsets.empty()) offsets = {0, req.num_tokens};
-  const int num_micro_steps = static_cast<int>(offsets.size() - 1);
-  std::vector<int> moe_of(req.layer_map.begin(), req.layer_map.end());
-  if (moe_of.empty())
-    for (int l = 0; l < req.num_layers; ++l) moe_of.push_back(l);
+  const std::size_t num_offsets = req.microbatch_offsets.empty() ? 2 : req.microbatch_offsets.size();
+  const int num_micro_steps = static_cast<int>(num_offsets - 1);
+  if (req.num_tokens > 0 && (req.num_tokens + count_chunk_tokens - 1) / count_chunk_tokens > INT_MAX)
+    return {StatusCode::invalid_argument, "count_loads: " + std::to_string(req.num_tokens) + " tokens is too many"};
 
-  const std::size_t out_elems = static_cast<std::size_t>(num_micro_steps) * num_moe_layers * req.num_experts;
-  const std::size_t off_bytes = offsets.size() * sizeof(std::int64_t);
-  const std::size_t map_bytes = moe_of.size() * sizeof(int);
-  DeviceBuffer scratch(off_bytes + map_bytes + sizeof(unsigned long long));
-  auto *d_offsets = static_cast<std::int64_t *>(scratch.ptr);
-  auto *d_bad = reinterpret_cast<unsigned long long *>(static_cast<char *>(scratch.ptr) + off_bytes);
-  auto *d_map = reinterpret_cast<int *>(static_cast<char *>(scratch.ptr) + off_bytes + sizeof(unsigned long long));
-  const unsigned long long no_bad = std::numeric_limits<unsigned long long>::max();
-  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(d_offsets, offsets.data(), off_bytes, cudaMemcpyHostToDevice, stream));
-  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(d_map, moe_of.data(), map_bytes, cudaMemcpyHostToDevice, stream));
-  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(d_bad, &no_bad, sizeof(no_bad), cudaMemcpyHostToDevice, stream));
-  FOREMOE_CUDA_CHECK(cudaMemsetAsync(out, 0, out_elems * sizeof(std::int64_t), stream));
+  // Upload (one copy from pinned memory): micro-step offsets, then the layer map.
+  const std::size_t off_bytes = num_offsets * sizeof(std::int64_t);
+  const std::size_t map_bytes = static_cast<std::size_t>(req.num_layers) * sizeof(int);
+  Record *r = nullptr;
+  if (Status st = begin(Record::Kind::count, stream, off_bytes + map_bytes, r); !st.ok())
+    return {st.code(), "count_loads: " + st.message()};
+  unsigned char *up = upload(*r);
+  auto *h_offsets = reinterpret_cast<std::int64_t *>(up);
+  if (req.microbatch_offsets.empty()) h_offsets[0] = 0, h_offsets[1] = req.num_tokens;
+  else std::memcpy(h_offsets, req.microbatch_offsets.data(), off_bytes);
+  auto *h_map = reinterpret_cast<int *>(up + off_bytes);
+  for (int l = 0; l < req.num_layers; ++l)
+    h_map[l] = req.layer_map.empty() ? l : req.layer_map[l];
+  r->dtype = req.dtype;
+  r->num_layers = req.num_layers;
+  r->topk = req.topk;
+  r->num_experts = req.num_experts;
+
+  unsigned char *base = scratch(off_bytes + map_bytes, stream);
+  auto *d_res = reinterpret_cast<CallResults *>(base);
+  auto *d_offsets = reinterpret_cast<std::int64_t *>(base + results_bytes);
+  auto *d_map = reinterpret_cast<int *>(base + results_bytes + off_bytes);
+  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(d_offsets, up, off_bytes + map_bytes, cudaMemcpyHostToDevice, stream));
+  FOREMOE_CUDA_CHECK(cudaMemsetAsync(out.data(), 0, out.size() * sizeof(std::int64_t), stream));
 
   if (req.num_tokens > 0) {
     const std::int64_t chunks = (req.num_tokens + count_chunk_tokens - 1) / count_chunk_tokens;
-    if (chunks > INT_MAX)
-      return {StatusCode::invalid_argument, "count_loads: " + std::to_string(req.num_tokens) + " tokens is too many"};
     const dim3 grid(static_cast<unsigned>(chunks), static_cast<unsigned>(req.num_layers));
     const bool smem = req.num_experts <= max_smem_experts;
     const std::size_t smem_bytes = smem ? static_cast<std::size_t>(req.num_experts) * sizeof(unsigned int) : 0;
-    auto *d_out = reinterpret_cast<unsigned long long *>(out);
+    auto *d_out = reinterpret_cast<unsigned long long *>(out.data());
+    auto *d_bad = &d_res->bad_flat;
     visit_id_dtype(req.dtype, [&](auto tag) {
       using T = decltype(tag);
       const T *ids = static_cast<const T *>(req.ids);
@@ -156,30 +144,13 @@ Status cuda_count_loads(const CountRequest &req, int num_moe_layers, std::int64_
                                                                    num_micro_steps, d_out, d_bad, none);
     });
     FOREMOE_CUDA_CHECK(cudaGetLastError());
+    visit_id_dtype(req.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      capture_results<T><<<1, 1, 0, stream>>>(static_cast<const T *>(req.ids), d_res, nullptr, nullptr);
+    });
+    FOREMOE_CUDA_CHECK(cudaGetLastError());
   }
-  // Poll first: a device-to-pageable copy would block the host until the stream drains, past any deadline.
-  if (Status st = wait_stream(stream, timeout_ms); !st.ok()) {
-    scratch.ptr = nullptr; // still in use by the stream: leak it rather than block in cudaFree
-    return st;
-  }
-  unsigned long long bad = no_bad;
-  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(&bad, d_bad, sizeof(bad), cudaMemcpyDeviceToHost, stream));
-  FOREMOE_CUDA_CHECK(cudaStreamSynchronize(stream)); // only this one copy is left
-  if (bad != no_bad) {
-    const std::size_t id_bytes = static_cast<std::size_t>(id_dtype_bytes(req.dtype));
-    unsigned char raw[8] = {};
-    FOREMOE_CUDA_CHECK(cudaMemcpy(raw, static_cast<const unsigned char *>(req.ids) + bad * id_bytes, id_bytes,
-                                  cudaMemcpyDeviceToHost));
-    const RoutedView one(raw, req.dtype, 1, 1, 1);
-    const std::int64_t value = one.at(0, 0, 0, req.num_experts);
-    const auto k = static_cast<std::int64_t>(bad % req.topk);
-    const auto l = static_cast<std::int64_t>((bad / req.topk) % req.num_layers);
-    const auto t = static_cast<std::int64_t>(bad / (static_cast<unsigned long long>(req.topk) * req.num_layers));
-    return {StatusCode::invalid_argument, "count_loads: expert id " + std::to_string(value) + " at token " +
-                                              std::to_string(t) + ", layer " + std::to_string(l) + ", k " +
-                                              std::to_string(k) + " is outside [0, " +
-                                              std::to_string(req.num_experts) + ")"};
-  }
+  finish(*r, stream, base);
   return Status::success();
 } catch (const DeviceError &e) {
   return {StatusCode::device_error, e.what()};

@@ -2,22 +2,24 @@
 // stable radix sort of the keys with the flat index as value puts each key's occurrences in (token, k) order, so
 // an occurrence's rank is its sorted position minus the key's first position. A binary search of the rank in the
 // copy prefix ranges (built on the host from the plan) gives the slot. The sort is stable and nothing depends on
-// thread timing, so the result is deterministic and equals the CPU reference exactly.
+// thread timing, so the result is deterministic and equals the CPU reference exactly. Enqueued through the workspace
+// (cuda_workspace.hpp): the plan's ranges go up from pinned memory, ids and counts are checked on the device and
+// reported by `Workspace::check`.
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_runtime.h>
 
-#include <chrono>
+#include <cstring>
 #include <climits>
 #include <cstdint>
 #include <limits>
 #include <string>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "../token_map_backends.hpp"
 #include "cuda_check.hpp"
+#include "cuda_workspace.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -117,40 +119,14 @@ __global__ void assign_slots(const unsigned int *__restrict__ keys, const int *_
   }
 }
 
-/// Device scratch freed on every exit path, unless released to a stream still using it.
-struct DeviceBuffer {
-  void *ptr = nullptr;
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(std::size_t bytes) {
-    if (bytes > 0) FOREMOE_CUDA_CHECK(cudaMalloc(&ptr, bytes));
-  }
-  DeviceBuffer(const DeviceBuffer &) = delete;
-  DeviceBuffer &operator=(const DeviceBuffer &) = delete;
-  ~DeviceBuffer() {
-    if (ptr != nullptr) FOREMOE_CUDA_ASSERT(cudaFree(ptr));
-  }
-};
-
-Status wait_stream(cudaStream_t stream, int timeout_ms) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
-  for (;;) {
-    const cudaError_t q = cudaStreamQuery(stream);
-    if (q == cudaSuccess) return Status::success();
-    if (q != cudaErrorNotReady) throw_cuda_error(q, "cudaStreamQuery(stream)", __FILE__, __LINE__);
-    if (std::chrono::steady_clock::now() >= deadline)
-      return {StatusCode::timed_out,
-              "map_tokens: device mapping did not finish within " + std::to_string(timeout_ms) + " ms"};
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
-}
-
 std::size_t align_up(std::size_t x) { return (x + 255) / 256 * 256; }
 
 } // namespace
 
-Status cuda_map_tokens(const MapRequest &req, const TokenRanges &ranges, std::span<const std::int64_t> source_offsets,
-                       std::int32_t *out_slots, void *stream_ptr, int timeout_ms) try {
+Status CudaWorkspace::map(const MapRequest &req, const TokenRanges &ranges, std::span<const std::int64_t> source_offsets,
+                          std::span<std::int32_t> out_slots, void *stream_ptr) try {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
+  std::int32_t *out = out_slots.data();
   const std::int64_t n = req.num_tokens * req.topk;
   const int num_experts = ranges.num_experts, num_sources = ranges.num_sources, num_copies = ranges.num_copies();
   const std::int64_t num_keys64 = std::int64_t{num_sources} * num_experts;
@@ -164,14 +140,23 @@ Status cuda_map_tokens(const MapRequest &req, const TokenRanges &ranges, std::sp
   while (end_bit < 32 && (none_key >> end_bit) != 0)
     ++end_bit;
 
-  // One scratch block: keys and values twice (sort in and out), key bounds, plan ranges, offsets, flags.
+  // The upload (one copy from pinned memory): the plan's ranges and the source offsets.
+  std::size_t up_bytes = 0;
+  auto take_up = [&up_bytes](std::size_t bytes) {
+    const std::size_t at = up_bytes;
+    up_bytes += align_up(bytes);
+    return at;
+  };
+  const std::size_t u_coff = take_up(ranges.copy_offsets.size() * 4), u_cslot = take_up(ranges.copy_slot.size() * 4),
+                    u_cend = take_up(ranges.copy_end.size() * 8), u_so = take_up(source_offsets.size() * 8);
+  // Device scratch after the results: the upload, keys and values twice (sort in and out), key bounds, the sort's.
   const std::size_t ids_n = static_cast<std::size_t>(n);
   std::size_t sort_bytes = 0;
   FOREMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const unsigned int *>(nullptr),
                                                      static_cast<unsigned int *>(nullptr),
                                                      static_cast<const int *>(nullptr), static_cast<int *>(nullptr),
                                                      static_cast<int>(ids_n), 0, end_bit, stream));
-  std::size_t off = 0;
+  std::size_t off = up_bytes;
   auto take = [&off](std::size_t bytes) {
     const std::size_t at = off;
     off += align_up(bytes);
@@ -179,37 +164,40 @@ Status cuda_map_tokens(const MapRequest &req, const TokenRanges &ranges, std::sp
   };
   const std::size_t o_keys_in = take(ids_n * 4), o_keys_out = take(ids_n * 4), o_vals_in = take(ids_n * 4),
                     o_vals_out = take(ids_n * 4), o_first = take(num_keys * 8ull), o_last = take(num_keys * 8ull),
-                    o_coff = take(ranges.copy_offsets.size() * 4), o_cslot = take(ranges.copy_slot.size() * 4),
-                    o_cend = take(ranges.copy_end.size() * 8), o_so = take(source_offsets.size() * 8),
-                    o_flags = take(2 * sizeof(unsigned long long)), o_sort = take(sort_bytes);
-  DeviceBuffer scratch(off);
-  char *base = static_cast<char *>(scratch.ptr);
+                    o_sort = take(sort_bytes);
+
+  Record *r = nullptr;
+  if (Status st = begin(Record::Kind::map, stream, up_bytes, r); !st.ok())
+    return {st.code(), "map_tokens: " + st.message()};
+  unsigned char *up = upload(*r);
+  std::memcpy(up + u_coff, ranges.copy_offsets.data(), ranges.copy_offsets.size() * 4);
+  if (num_copies > 0) {
+    std::memcpy(up + u_cslot, ranges.copy_slot.data(), ranges.copy_slot.size() * 4);
+    std::memcpy(up + u_cend, ranges.copy_end.data(), ranges.copy_end.size() * 8);
+  }
+  std::memcpy(up + u_so, source_offsets.data(), source_offsets.size() * 8);
+  r->dtype = req.dtype;
+  r->num_layers = req.num_layers;
+  r->topk = req.topk;
+  r->layer_idx = req.layer_idx;
+  r->num_experts = num_experts;
+  r->ranges = ranges; // reuses the record's capacity
+
+  unsigned char *res_base = scratch(off, stream);
+  auto *d_res = reinterpret_cast<CallResults *>(res_base);
+  unsigned char *base = res_base + results_bytes;
   auto *keys_in = reinterpret_cast<unsigned int *>(base + o_keys_in);
   auto *keys_out = reinterpret_cast<unsigned int *>(base + o_keys_out);
   auto *vals_in = reinterpret_cast<int *>(base + o_vals_in);
   auto *vals_out = reinterpret_cast<int *>(base + o_vals_out);
   auto *first = reinterpret_cast<std::int64_t *>(base + o_first);
   auto *last = reinterpret_cast<std::int64_t *>(base + o_last);
-  auto *d_coff = reinterpret_cast<std::int32_t *>(base + o_coff);
-  auto *d_cslot = reinterpret_cast<std::int32_t *>(base + o_cslot);
-  auto *d_cend = reinterpret_cast<std::int64_t *>(base + o_cend);
-  auto *d_so = reinterpret_cast<std::int64_t *>(base + o_so);
-  auto *d_flags = reinterpret_cast<unsigned long long *>(base + o_flags);
+  auto *d_coff = reinterpret_cast<std::int32_t *>(base + u_coff);
+  auto *d_cslot = reinterpret_cast<std::int32_t *>(base + u_cslot);
+  auto *d_cend = reinterpret_cast<std::int64_t *>(base + u_cend);
+  auto *d_so = reinterpret_cast<std::int64_t *>(base + u_so);
 
-  // Pageable sources: cudaMemcpyAsync returns once they are staged, so the host vectors may go.
-  const unsigned long long no_flag[2] = {std::numeric_limits<unsigned long long>::max(),
-                                         std::numeric_limits<unsigned long long>::max()};
-  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(d_coff, ranges.copy_offsets.data(), ranges.copy_offsets.size() * 4,
-                                     cudaMemcpyHostToDevice, stream));
-  if (num_copies > 0) {
-    FOREMOE_CUDA_CHECK(cudaMemcpyAsync(d_cslot, ranges.copy_slot.data(), ranges.copy_slot.size() * 4,
-                                       cudaMemcpyHostToDevice, stream));
-    FOREMOE_CUDA_CHECK(cudaMemcpyAsync(d_cend, ranges.copy_end.data(), ranges.copy_end.size() * 8,
-                                       cudaMemcpyHostToDevice, stream));
-  }
-  FOREMOE_CUDA_CHECK(
-      cudaMemcpyAsync(d_so, source_offsets.data(), source_offsets.size() * 8, cudaMemcpyHostToDevice, stream));
-  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(d_flags, no_flag, sizeof(no_flag), cudaMemcpyHostToDevice, stream));
+  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(base, up, up_bytes, cudaMemcpyHostToDevice, stream));
   FOREMOE_CUDA_CHECK(cudaMemsetAsync(first, 0, num_keys * 8ull, stream));
   FOREMOE_CUDA_CHECK(cudaMemsetAsync(last, 0, num_keys * 8ull, stream));
 
@@ -218,7 +206,7 @@ Status cuda_map_tokens(const MapRequest &req, const TokenRanges &ranges, std::sp
       using T = decltype(tag);
       make_keys<T><<<grid_for(n), map_threads, 0, stream>>>(
           static_cast<const T *>(req.ids), n, req.num_layers, req.topk, req.layer_idx, num_experts, d_so, num_sources,
-          keys_in, vals_in, out_slots, d_flags, none_raw<T>(num_experts), none_key);
+          keys_in, vals_in, out, &d_res->bad_flat, none_raw<T>(num_experts), none_key);
     });
     FOREMOE_CUDA_CHECK(cudaGetLastError());
     std::size_t sort_avail = sort_bytes;
@@ -228,44 +216,19 @@ Status cuda_map_tokens(const MapRequest &req, const TokenRanges &ranges, std::sp
     FOREMOE_CUDA_CHECK(cudaGetLastError());
   }
   check_counts<<<grid_for(num_keys), map_threads, 0, stream>>>(first, last, d_coff, d_cend, num_copies, num_experts,
-                                                               num_keys, d_flags + 1);
+                                                               num_keys, &d_res->bad_key);
   FOREMOE_CUDA_CHECK(cudaGetLastError());
   if (n > 0) {
     assign_slots<<<grid_for(n), map_threads, 0, stream>>>(keys_out, vals_out, n, none_key, first, d_coff, d_cslot,
-                                                          d_cend, num_copies, num_experts, out_slots);
+                                                          d_cend, num_copies, num_experts, out);
     FOREMOE_CUDA_CHECK(cudaGetLastError());
   }
-  // A copy into pageable memory blocks until the stream drains, so the deadline is kept by polling first.
-  if (Status st = wait_stream(stream, timeout_ms); !st.ok()) {
-    scratch.ptr = nullptr; // still in use by the stream: leak it rather than block in cudaFree
-    return st;
-  }
-  unsigned long long flags[2] = {0, 0};
-  FOREMOE_CUDA_CHECK(cudaMemcpyAsync(flags, d_flags, sizeof(flags), cudaMemcpyDeviceToHost, stream));
-  if (flags[0] != no_flag[0]) {
-    const std::size_t id_bytes = static_cast<std::size_t>(id_dtype_bytes(req.dtype));
-    unsigned char raw[8] = {};
-    FOREMOE_CUDA_CHECK(cudaMemcpyAsync(raw, static_cast<const unsigned char *>(req.ids) + flags[0] * id_bytes,
-                                       id_bytes, cudaMemcpyDeviceToHost, stream));
-    const std::int64_t value = RoutedView(raw, req.dtype, 1, 1, 1).at(0, 0, 0, num_experts);
-    const auto k = static_cast<std::int64_t>(flags[0] % req.topk);
-    const auto t = static_cast<std::int64_t>(flags[0] / (static_cast<unsigned long long>(req.topk) * req.num_layers));
-    return {StatusCode::invalid_argument,
-            ::foremoe::detail::concat("map_tokens: expert id ", value, " at token ", t, ", layer ", req.layer_idx,
-                                      ", k ", k, " is outside [0, ", num_experts, ") (", to_string(req.dtype),
-                                      " ids, -1 = no route)")};
-  }
-  if (flags[1] != no_flag[1]) {
-    std::int64_t bounds[2] = {0, 0};
-    FOREMOE_CUDA_CHECK(cudaMemcpyAsync(&bounds[0], first + flags[1], 8, cudaMemcpyDeviceToHost, stream));
-    FOREMOE_CUDA_CHECK(cudaMemcpyAsync(&bounds[1], last + flags[1], 8, cudaMemcpyDeviceToHost, stream));
-    try {
-      ::foremoe::detail::fail_count_mismatch(ranges, req.layer_idx, static_cast<std::int64_t>(flags[1]),
-                                             bounds[1] - bounds[0]);
-    } catch (const Error &e) {
-      return {StatusCode::invalid_argument, e.what()};
-    }
-  }
+  visit_id_dtype(req.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    capture_results<T><<<1, 1, 0, stream>>>(static_cast<const T *>(req.ids), d_res, first, last);
+  });
+  FOREMOE_CUDA_CHECK(cudaGetLastError());
+  finish(*r, stream, res_base);
   return Status::success();
 } catch (const DeviceError &e) {
   return {StatusCode::device_error, e.what()};

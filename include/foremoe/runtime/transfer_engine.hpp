@@ -64,29 +64,10 @@ struct Gate {
   void *cuda_event = nullptr;      ///< CUDA backend: a `cudaEvent_t` on the device that writes or reads the memory
 };
 
-/// Faults the fault-injecting decorator adds to a backend (tests and chaos drills). Decisions are a hash of
-/// `seed` and the chunk's identity (layer, move, offset, path, attempt), so a schedule replays exactly.
-struct FaultSchedule {
-  double fail_probability = 0.0;    ///< the copy reports an error
-  double corrupt_probability = 0.0; ///< the copy "succeeds" with one byte flipped
-  double delay_probability = 0.0;   ///< the copy is held back by `delay_us`
-  int delay_us = 0;
-  bool fail_path[transfer::num_paths] = {false, false, false}; ///< every copy over this path fails
-  std::uint64_t seed = 0;
-};
-
-/// Joins engines of one process that stand for engines in separate processes: the host backend's stand-in for
-/// NCCL, with NCCL's matching rule (sends and receives between two GPUs pair up in the order they are posted).
-/// Tests and examples use it to run the multi-process (SPMD) protocol on one CPU.
-class HostFabric {
-public:
-  HostFabric();
-  struct Impl;
-  [[nodiscard]] const std::shared_ptr<Impl> &impl() const noexcept { return impl_; }
-
-private:
-  std::shared_ptr<Impl> impl_;
-};
+/// Test doubles (`foremoe/runtime/testing.hpp`, not in the umbrella header): the fault injector's schedule and
+/// the host fabric joining engines that stand for separate processes.
+struct FaultSchedule;
+class HostFabric;
 
 /// Multi-process (SPMD) use: one engine per process, each driving `local_gpus`, every process submitting the same
 /// batches (same moves, same order) for the whole EP group. Transfer planning then runs on the placement as planned
@@ -97,7 +78,7 @@ private:
 /// Submit from one thread per process, so that the order is the same everywhere.
 struct PeerOptions {
   std::vector<int> local_gpus;             ///< GPUs this engine drives; empty: all of them (one process)
-  std::shared_ptr<HostFabric> host_fabric; ///< host backend: the fabric joining the engines
+  std::shared_ptr<HostFabric> host_fabric; ///< host backend: the fabric joining the engines (testing.hpp)
   /// CUDA: `ncclComm_t` per GPU id (null for GPUs of other processes). Give the engine communicators of its own
   /// (e.g. `ncclCommSplit`): its progress thread calls them, and NCCL communicators must not be used from two
   /// threads at once. Non-blocking ones (`config.blocking = 0`) keep a late peer from stalling that thread; the
@@ -108,6 +89,9 @@ struct PeerOptions {
 
 struct EngineOptions {
   Backend backend = Backend::host;
+  /// Name of a registered transport (`foremoe/runtime/transport.hpp`: "host", "cuda" or one a trainer
+  /// registered); empty: the one named like `backend`.
+  std::string transport;
   Topology topology;                ///< GPUs `0 .. num_gpus-1` of the EP group
   int num_layers = 1;
   int num_experts = 1;
@@ -117,7 +101,7 @@ struct EngineOptions {
   bool verify = false;              ///< checksum every moved expert against its source
   int host_threads_per_path = 2;    ///< host backend copy workers per path
   std::vector<int> cuda_device_of_gpu; ///< CUDA: local device ordinal of each GPU (-1: another process); empty = identity
-  std::shared_ptr<const FaultSchedule> faults; ///< non-null: wrap the backend in the fault injector
+  std::shared_ptr<const FaultSchedule> faults; ///< non-null: wrap the transport in the fault injector (testing.hpp)
   PeerOptions peers;                ///< multi-process use (default: this engine drives every GPU)
 };
 
@@ -146,6 +130,15 @@ struct MoveTelemetry {
   bool ok = false;
   bool verified = false;
   bool remote = false;        ///< multi-process: the destination is another process's GPU (this one sent bytes)
+};
+
+/// What the engine's backend resources cost so far, to check that a steady state creates none.
+struct EngineStats {
+  /// Transport resources created: the engine's pooled completion flags and staging blocks (`Transport::alloc`,
+  /// `alloc_flags` calls) plus what the transport created itself (`Transport::resources_created`: CUDA events,
+  /// pinned header blocks, device scratch). Host bookkeeping (tickets, chunk lists) is not counted.
+  std::int64_t allocations = 0;
+  std::int64_t batches = 0; ///< move and reduce batches submitted
 };
 
 namespace detail {
@@ -232,6 +225,8 @@ public:
   [[nodiscard]] LayerPlacement resident(int layer) const;
   /// The transfer plan of the last move batch of `layer`.
   [[nodiscard]] transfer::TransferPlan last_plan(int layer) const;
+  /// Resources created and batches submitted so far.
+  [[nodiscard]] EngineStats stats() const;
 
 private:
   explicit TransferEngine(std::unique_ptr<detail::EngineImpl> impl);

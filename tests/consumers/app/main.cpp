@@ -25,7 +25,7 @@ int main() {
   req.num_layers = 1;
   req.topk = 2;
   req.num_experts = 4;
-  const auto st = foremoe::runtime::count_loads(foremoe::runtime::Backend::host, req, out.data());
+  const auto st = foremoe::runtime::count_loads(foremoe::runtime::Backend::host, req, out);
   if (!st.ok()) return std::printf("runtime: %s\n", st.to_string().c_str()), 1;
   if (out != want) return std::printf("runtime count wrong\n"), 1;
   const bool cuda = foremoe::runtime::build_info().cuda_compiled;

@@ -22,7 +22,7 @@ void HostFabric::Impl::complete(Group &g, const std::string &error) {
   g.remaining.fetch_sub(1, std::memory_order_acq_rel);
 }
 
-void HostFabric::Impl::post(detail::PeerOp *op, const std::shared_ptr<Group> &g, const void *owner) {
+void HostFabric::Impl::post(PeerOp *op, const std::shared_ptr<Group> &g, const void *owner) {
   const std::pair<int, int> key = op->send ? std::pair{op->local_gpu, op->peer_gpu} : std::pair{op->peer_gpu, op->local_gpu};
   std::lock_guard lock(mu_);
   auto &mine = op->send ? sends_[key] : recvs_[key];
@@ -33,8 +33,8 @@ void HostFabric::Impl::post(detail::PeerOp *op, const std::shared_ptr<Group> &g,
   }
   Pending other = theirs.front();
   theirs.pop_front();
-  detail::PeerOp *s = op->send ? op : other.op;
-  detail::PeerOp *r = op->send ? other.op : op;
+  PeerOp *s = op->send ? op : other.op;
+  PeerOp *r = op->send ? other.op : op;
   std::string error;
   if (s->num_bytes != r->num_bytes) {
     error = foremoe::detail::concat("GPU ", key.first, " -> GPU ", key.second, ": sent ", s->num_bytes,

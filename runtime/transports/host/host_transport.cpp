@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../transport.hpp"
+#include "../../transport_util.hpp"
 #include "host_fabric.hpp"
 
 namespace foremoe {
@@ -114,12 +114,13 @@ public:
     return Status::success();
   }
   void free(int, std::byte *p) noexcept override { delete[] p; }
-  Status alloc_flag(volatile std::uint32_t *&flag) override {
-    flag = new std::uint32_t(0);
+  Status alloc_flags(std::int64_t n, volatile std::uint32_t *&flags) override {
+    flags = new (std::nothrow) std::uint32_t[static_cast<std::size_t>(n)]();
+    if (flags == nullptr) return {StatusCode::internal, "host transport: out of memory for " + std::to_string(n) + " flags"};
     return Status::success();
   }
-  void free_flag(volatile std::uint32_t *flag) noexcept override { delete const_cast<std::uint32_t *>(flag); }
-  Status enqueue_wait(void *, volatile std::uint32_t *) override {
+  void free_flags(volatile std::uint32_t *flags) noexcept override { delete[] const_cast<std::uint32_t *>(flags); }
+  Status enqueue_wait(void *, volatile std::uint32_t *, std::uint32_t) override {
     return {StatusCode::unavailable, "enqueue_wait: the host backend has no streams; use wait()"};
   }
 
@@ -164,9 +165,12 @@ private:
 
 } // namespace
 
-std::unique_ptr<Transport> make_host_transport(const EngineOptions &opts) {
-  return std::make_unique<HostTransport>(opts.host_threads_per_path < 1 ? 1 : opts.host_threads_per_path,
-                                         opts.peers.host_fabric ? opts.peers.host_fabric->impl() : nullptr);
+void register_builtin_transport_host() {
+  add_builtin_transport("host", [](const EngineOptions &opts, std::unique_ptr<Transport> &out) {
+    out = std::make_unique<HostTransport>(opts.host_threads_per_path < 1 ? 1 : opts.host_threads_per_path,
+                                          opts.peers.host_fabric ? opts.peers.host_fabric->impl() : nullptr);
+    return Status::success();
+  });
 }
 
 } // namespace runtime::detail

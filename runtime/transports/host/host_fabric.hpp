@@ -11,7 +11,7 @@
 #include <string>
 #include <utility>
 
-#include "../transport.hpp"
+#include "foremoe/runtime/testing.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -28,13 +28,13 @@ struct HostFabric::Impl {
     std::chrono::steady_clock::time_point t1{};
   };
   struct Pending {
-    detail::PeerOp *op = nullptr;
+    PeerOp *op = nullptr;
     std::shared_ptr<Group> group;
     const void *owner = nullptr;
   };
 
   /// Posts `op` (it must stay alive until its group is done or `drop(owner)` ran).
-  void post(detail::PeerOp *op, const std::shared_ptr<Group> &g, const void *owner);
+  void post(PeerOp *op, const std::shared_ptr<Group> &g, const void *owner);
   /// Forgets every operation `owner` posted that is still unmatched (its engine is going away).
   void drop(const void *owner);
 

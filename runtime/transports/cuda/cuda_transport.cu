@@ -4,6 +4,11 @@
 // `enqueue_wait` makes a compute stream wait on a host-written flag with a stream memory operation. With NCCL,
 // paired transfers with GPUs of other processes are `ncclSend`/`ncclRecv` groups on the network stream, their
 // headers staged through a small device buffer.
+//
+// The hot path allocates nothing and never blocks the host: timing events come from a per-device pool (grown
+// geometrically), the checksum result and the peer headers use per-device buffers made at registration (headers
+// grown geometrically, an outgrown buffer kept until destruction since queued work may still use it), pinned header
+// blocks are reused, and the driver's stream-wait entry point is looked up once.
 
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -13,6 +18,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <mutex>
@@ -20,8 +26,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../transport.hpp"
-#include "cuda_check.hpp"
+#include "../../cuda/cuda_check.hpp"
+#include "../../transport_util.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -59,9 +65,9 @@ __global__ void accumulate_kernel(float *__restrict__ dst, const float *__restri
 }
 
 // Fallback of enqueue_wait where stream memory operations are unsupported: one thread spins on the flag, bounded.
-__global__ void wait_flag_kernel(const volatile std::uint32_t *flag, long long max_cycles) {
+__global__ void wait_flag_kernel(const volatile std::uint32_t *flag, std::uint32_t value, long long max_cycles) {
   const long long t0 = clock64();
-  while (*flag == 0 && clock64() - t0 < max_cycles) {
+  while (static_cast<int>(*flag - value) < 0 && clock64() - t0 < max_cycles) {
   }
 }
 
@@ -73,8 +79,7 @@ Status wait_stream(cudaStream_t s, const char *what) {
   for (;;) {
     const cudaError_t e = cudaStreamQuery(s);
     if (e == cudaSuccess) return Status::success();
-    if (e != cudaErrorNotReady)
-      return {StatusCode::device_error, std::string(what) + ": " + cudaGetErrorString(e)};
+    if (e != cudaErrorNotReady) return {StatusCode::device_error, std::string(what) + ": " + cudaGetErrorString(e)};
     if (std::chrono::steady_clock::now() > deadline)
       return {StatusCode::timed_out, std::string(what) + ": the device did not finish within 30 s"};
     std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -121,8 +126,8 @@ public:
         comms_[g] = static_cast<ncclComm_t>(o.peers.nccl_comm_of_gpu[g]);
       for (int g : local)
         if (comms_[g] == nullptr)
-          return {StatusCode::invalid_argument,
-                  "TransferEngine: local GPU " + std::to_string(g) + " has no NCCL communicator (peers.nccl_comm_of_gpu)"};
+          return {StatusCode::invalid_argument, "TransferEngine: local GPU " + std::to_string(g) +
+                                                    " has no NCCL communicator (peers.nccl_comm_of_gpu)"};
       rank_ = o.peers.nccl_rank_of_gpu;
       if (rank_.empty())
         for (int g = 0; g < num_gpus; ++g)
@@ -153,16 +158,36 @@ public:
         }
       }
       FOREMOE_CUDA_CHECK(cudaMallocHost(&host_sum_, sizeof(unsigned long long)));
+      created_.fetch_add(1, std::memory_order_relaxed);
+      dev_sum_.assign(static_cast<std::size_t>(n), nullptr);
+      events_.resize(static_cast<std::size_t>(n));
+      num_events_.assign(static_cast<std::size_t>(n), 0);
+      for (int d = 0; d < n; ++d) {
+        if (streams_[d][0] == nullptr) continue;
+        FOREMOE_CUDA_CHECK(cudaSetDevice(d));
+        FOREMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void **>(&dev_sum_[d]), sizeof(unsigned long long)));
+        created_.fetch_add(1, std::memory_order_relaxed);
+        grow_events(d); // the first block at registration
+      }
+#if defined(FOREMOE_HAVE_NCCL)
+      hdr_.assign(static_cast<std::size_t>(n), HeaderBuffer{});
+#endif
     } catch (const DeviceError &e) {
       return {StatusCode::device_error, e.what()};
     }
+    // The driver entry point is looked up at run time so the library loads where no driver is installed.
+    void *fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &found) == cudaSuccess &&
+        found == cudaDriverEntryPointSuccess)
+      wait_value_ = reinterpret_cast<WaitValueFn>(fn);
+    (void)cudaGetLastError();
     return Status::success();
   }
   ~CudaTransport() override {
     for (auto &[h, op] : ops_) {
       FOREMOE_CUDA_ASSERT(cudaEventSynchronize(op.end));
-      FOREMOE_CUDA_ASSERT(cudaEventDestroy(op.begin));
-      FOREMOE_CUDA_ASSERT(cudaEventDestroy(op.end));
+      give_events(op);
     }
     for (std::size_t d = 0; d < streams_.size(); ++d)
       for (cudaStream_t s : streams_[d])
@@ -173,10 +198,26 @@ public:
           (void)wait_stream(s, "~CudaTransport");
           FOREMOE_CUDA_ASSERT(cudaStreamDestroy(s));
         }
+    for (std::size_t d = 0; d < events_.size(); ++d)
+      for (cudaEvent_t e : events_[d]) {
+        FOREMOE_CUDA_ASSERT(cudaSetDevice(static_cast<int>(d)));
+        FOREMOE_CUDA_ASSERT(cudaEventDestroy(e));
+      }
     if (host_sum_ != nullptr) FOREMOE_CUDA_ASSERT(cudaFreeHost(host_sum_));
+    for (std::size_t d = 0; d < dev_sum_.size(); ++d)
+      if (dev_sum_[d] != nullptr) {
+        FOREMOE_CUDA_ASSERT(cudaSetDevice(static_cast<int>(d)));
+        FOREMOE_CUDA_ASSERT(cudaFree(dev_sum_[d]));
+      }
 #if defined(FOREMOE_HAVE_NCCL)
     for (auto &[bytes, p] : pinned_pool_)
       FOREMOE_CUDA_ASSERT(cudaFreeHost(p));
+    for (std::size_t d = 0; d < hdr_.size(); ++d) {
+      (void)cudaSetDevice(static_cast<int>(d));
+      if (hdr_[d].p != nullptr) FOREMOE_CUDA_ASSERT(cudaFree(hdr_[d].p));
+      for (std::uint64_t *p : hdr_[d].retired)
+        FOREMOE_CUDA_ASSERT(cudaFree(p));
+    }
 #endif
   }
 
@@ -189,14 +230,14 @@ public:
       FOREMOE_CUDA_CHECK(cudaSetDevice(d));
       cudaStream_t s = streams_[d][static_cast<int>(op.path)];
       Op o;
-      FOREMOE_CUDA_CHECK(cudaEventCreate(&o.begin));
-      FOREMOE_CUDA_CHECK(cudaEventCreate(&o.end));
+      take_events(d, o);
       FOREMOE_CUDA_CHECK(cudaEventRecord(o.begin, s));
       if (op.src_gpu < 0 || dev_[op.src_gpu] == d)
-        FOREMOE_CUDA_CHECK(cudaMemcpyAsync(op.dst, op.src, static_cast<std::size_t>(op.num_bytes), cudaMemcpyDefault, s));
+        FOREMOE_CUDA_CHECK(
+            cudaMemcpyAsync(op.dst, op.src, static_cast<std::size_t>(op.num_bytes), cudaMemcpyDefault, s));
       else
-        FOREMOE_CUDA_CHECK(cudaMemcpyPeerAsync(op.dst, d, op.src, dev_[op.src_gpu],
-                                               static_cast<std::size_t>(op.num_bytes), s));
+        FOREMOE_CUDA_CHECK(
+            cudaMemcpyPeerAsync(op.dst, d, op.src, dev_[op.src_gpu], static_cast<std::size_t>(op.num_bytes), s));
       FOREMOE_CUDA_CHECK(cudaEventRecord(o.end, s));
       std::lock_guard lock(mu_);
       handle = next_++;
@@ -206,6 +247,7 @@ public:
     }
     return Status::success();
   }
+  std::int64_t resources_created() const noexcept override { return created_.load(std::memory_order_relaxed); }
 #if defined(FOREMOE_HAVE_NCCL)
   static std::string nccl_error(const char *what, ncclResult_t r, ncclComm_t comm) {
     std::string m = std::string(what) + ": " + ncclGetErrorString(r);
@@ -229,10 +271,9 @@ public:
       const std::size_t block = n * 2 * sizeof(std::uint64_t);
       rec.host_bytes = std::max<std::size_t>(block * rec.devs.size(), 4096);
       rec.host_hdr = take_pinned(rec.host_bytes);
-      if (rec.host_hdr == nullptr) throw DeviceError("cudaMallocHost of " + std::to_string(rec.host_bytes) + " bytes failed");
+      if (rec.host_hdr == nullptr)
+        throw DeviceError("cudaMallocHost of " + std::to_string(rec.host_bytes) + " bytes failed");
       rec.dev_hdr.assign(rec.devs.size(), nullptr);
-      rec.begin.assign(rec.devs.size(), nullptr);
-      rec.end.assign(rec.devs.size(), nullptr);
       for (std::size_t i = 0; i < n; ++i) {
         const std::size_t di = dev_index(rec, dev_[ops[i].local_gpu]);
         std::memcpy(rec.host_hdr + di * n * 2 + i * 2, ops[i].header, sizeof ops[i].header);
@@ -241,11 +282,12 @@ public:
         const int d = rec.devs[di];
         cudaStream_t s = streams_[d][static_cast<int>(transfer::Path::network)];
         FOREMOE_CUDA_CHECK(cudaSetDevice(d));
-        FOREMOE_CUDA_CHECK(cudaEventCreate(&rec.begin[di]));
-        FOREMOE_CUDA_CHECK(cudaEventCreate(&rec.end[di]));
-        FOREMOE_CUDA_CHECK(cudaMallocAsync(reinterpret_cast<void **>(&rec.dev_hdr[di]), block, s));
-        FOREMOE_CUDA_CHECK(cudaMemcpyAsync(rec.dev_hdr[di], rec.host_hdr + di * n * 2, block, cudaMemcpyHostToDevice, s));
-        FOREMOE_CUDA_CHECK(cudaEventRecord(rec.begin[di], s));
+        rec.ev.emplace_back();
+        take_events(d, rec.ev.back());
+        rec.dev_hdr[di] = header_buffer(d, block);
+        FOREMOE_CUDA_CHECK(
+            cudaMemcpyAsync(rec.dev_hdr[di], rec.host_hdr + di * n * 2, block, cudaMemcpyHostToDevice, s));
+        FOREMOE_CUDA_CHECK(cudaEventRecord(rec.ev[di].begin, s));
       }
       ncclComm_t last = nullptr;
       ncclResult_t r = ncclGroupStart();
@@ -278,8 +320,8 @@ public:
             if (ncclCommGetAsyncError(comms_[op.local_gpu], &a) != ncclSuccess) a = ncclInternalError;
             if (a == ncclInProgress && std::chrono::steady_clock::now() > deadline) {
               free_peer(rec);
-              return {StatusCode::timed_out, "ncclSend/ncclRecv group: GPU " + std::to_string(op.peer_gpu) +
-                                                 " did not join within 30 s"};
+              return {StatusCode::timed_out,
+                      "ncclSend/ncclRecv group: GPU " + std::to_string(op.peer_gpu) + " did not join within 30 s"};
             }
             if (a == ncclInProgress) std::this_thread::sleep_for(std::chrono::microseconds(10));
           }
@@ -296,10 +338,9 @@ public:
         const int d = rec.devs[di];
         cudaStream_t s = streams_[d][static_cast<int>(transfer::Path::network)];
         FOREMOE_CUDA_CHECK(cudaSetDevice(d));
-        FOREMOE_CUDA_CHECK(cudaMemcpyAsync(rec.host_hdr + di * n * 2, rec.dev_hdr[di], block, cudaMemcpyDeviceToHost, s));
-        FOREMOE_CUDA_CHECK(cudaFreeAsync(rec.dev_hdr[di], s));
-        rec.dev_hdr[di] = nullptr;
-        FOREMOE_CUDA_CHECK(cudaEventRecord(rec.end[di], s));
+        FOREMOE_CUDA_CHECK(
+            cudaMemcpyAsync(rec.host_hdr + di * n * 2, rec.dev_hdr[di], block, cudaMemcpyDeviceToHost, s));
+        FOREMOE_CUDA_CHECK(cudaEventRecord(rec.ev[di].end, s));
       }
     } catch (const DeviceError &e) {
       free_peer(rec);
@@ -320,7 +361,7 @@ public:
         PeerRec &rec = pi->second;
         std::string failed;
         for (std::size_t di = 0; di < rec.devs.size(); ++di) {
-          const cudaError_t e = cudaEventQuery(rec.end[di]);
+          const cudaError_t e = cudaEventQuery(rec.ev[di].end);
           if (e == cudaErrorNotReady) {
             // Still running: report a communicator error rather than waiting on a transfer that cannot end.
             for (const PeerOp &op : rec.ops) {
@@ -341,7 +382,7 @@ public:
             std::memcpy(rec.ops[i].header, rec.host_hdr + di * n * 2 + i * 2, sizeof rec.ops[i].header);
           }
         float ms = 0;
-        if (st.ok() && cudaEventElapsedTime(&ms, rec.begin[0], rec.end[0]) == cudaSuccess) seconds = ms * 1e-3;
+        if (st.ok() && cudaEventElapsedTime(&ms, rec.ev[0].begin, rec.ev[0].end) == cudaSuccess) seconds = ms * 1e-3;
         free_peer(rec);
         peers_.erase(pi);
         return st;
@@ -357,16 +398,15 @@ public:
     }
     const cudaError_t e = cudaEventQuery(o.end);
     if (e == cudaErrorNotReady) return {StatusCode::in_progress, ""};
-    Status st = e != cudaSuccess ? Status(StatusCode::device_error, std::string("CUDA copy failed: ") +
-                                                                           cudaGetErrorString(e))
-                                 : Status::success();
+    Status st = e != cudaSuccess
+                    ? Status(StatusCode::device_error, std::string("CUDA copy failed: ") + cudaGetErrorString(e))
+                    : Status::success();
     if (e == cudaSuccess) {
       float ms = 0;
       if (cudaEventElapsedTime(&ms, o.begin, o.end) == cudaSuccess) seconds = ms * 1e-3;
     }
-    FOREMOE_CUDA_ASSERT(cudaEventDestroy(o.begin));
-    FOREMOE_CUDA_ASSERT(cudaEventDestroy(o.end));
     std::lock_guard lock(mu_);
+    give_events(o);
     ops_.erase(handle);
     return st;
   }
@@ -397,8 +437,7 @@ public:
     try {
       FOREMOE_CUDA_CHECK(cudaSetDevice(d));
       cudaStream_t s = streams_[d][transfer::num_paths];
-      unsigned long long *dsum = nullptr;
-      FOREMOE_CUDA_CHECK(cudaMallocAsync(&dsum, sizeof *dsum, s));
+      unsigned long long *dsum = dev_sum_[d]; // the checksum stream runs one checksum at a time
       FOREMOE_CUDA_CHECK(cudaMemsetAsync(dsum, 0, sizeof *dsum, s));
       const std::int64_t words = n / 8 + 1;
       const int blocks = static_cast<int>(std::min<std::int64_t>(1024, (words + 255) / 256));
@@ -406,7 +445,6 @@ public:
       FOREMOE_CUDA_CHECK(cudaGetLastError());
       std::lock_guard lock(sum_mu_);
       FOREMOE_CUDA_CHECK(cudaMemcpyAsync(host_sum_, dsum, sizeof *dsum, cudaMemcpyDeviceToHost, s));
-      FOREMOE_CUDA_CHECK(cudaFreeAsync(dsum, s));
       if (Status st = wait_stream(s, "checksum"); !st.ok()) return st;
       out = mix64(static_cast<std::uint64_t>(n)) + *host_sum_;
     } catch (const DeviceError &e) {
@@ -442,35 +480,29 @@ public:
     return Status::success();
   }
   void free(int, std::byte *p) noexcept override { FOREMOE_CUDA_ASSERT(cudaFree(p)); }
-  Status alloc_flag(volatile std::uint32_t *&flag) override {
+  Status alloc_flags(std::int64_t n, volatile std::uint32_t *&flags) override {
     void *p = nullptr;
-    if (cudaHostAlloc(&p, sizeof(std::uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
-      return {StatusCode::device_error, "alloc_flag: cudaHostAlloc failed"};
-    flag = static_cast<volatile std::uint32_t *>(p);
-    *flag = 0;
+    const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(std::uint32_t);
+    if (cudaHostAlloc(&p, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
+      return {StatusCode::device_error, "alloc_flags: cudaHostAlloc of " + std::to_string(bytes) + " bytes failed"};
+    std::memset(p, 0, bytes);
+    flags = static_cast<volatile std::uint32_t *>(p);
     return Status::success();
   }
-  void free_flag(volatile std::uint32_t *flag) noexcept override {
-    FOREMOE_CUDA_ASSERT(cudaFreeHost(const_cast<std::uint32_t *>(flag)));
+  void free_flags(volatile std::uint32_t *flags) noexcept override {
+    FOREMOE_CUDA_ASSERT(cudaFreeHost(const_cast<std::uint32_t *>(flags)));
   }
-  Status enqueue_wait(void *stream, volatile std::uint32_t *flag) override {
+  Status enqueue_wait(void *stream, volatile std::uint32_t *flag, std::uint32_t value) override {
     auto s = static_cast<cudaStream_t>(stream);
     void *dptr = nullptr;
     if (cudaHostGetDevicePointer(&dptr, const_cast<std::uint32_t *>(flag), 0) != cudaSuccess)
       return {StatusCode::device_error, "enqueue_wait: the completion flag is not mapped"};
-    // The driver entry point is looked up at run time so the library loads where no driver is installed.
-    using wait_value_fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
-    void *fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 12000, cudaEnableDefault, &found) ==
-            cudaSuccess &&
-        found == cudaDriverEntryPointSuccess && fn != nullptr &&
-        reinterpret_cast<wait_value_fn>(fn)(s, reinterpret_cast<CUdeviceptr>(dptr), 1, CU_STREAM_WAIT_VALUE_GEQ) ==
-            CUDA_SUCCESS)
+    if (wait_value_ != nullptr &&
+        wait_value_(s, reinterpret_cast<CUdeviceptr>(dptr), value, CU_STREAM_WAIT_VALUE_GEQ) == CUDA_SUCCESS)
       return Status::success();
     (void)cudaGetLastError();
     // No stream memory operations here: a one-thread kernel waits, bounded to about a minute at 2 GHz.
-    wait_flag_kernel<<<1, 1, 0, s>>>(static_cast<const volatile std::uint32_t *>(dptr), 120'000'000'000LL);
+    wait_flag_kernel<<<1, 1, 0, s>>>(static_cast<const volatile std::uint32_t *>(dptr), value, 120'000'000'000LL);
     if (cudaGetLastError() != cudaSuccess) return {StatusCode::device_error, "enqueue_wait: launch failed"};
     return Status::success();
   }
@@ -478,25 +510,72 @@ public:
 private:
   struct Op {
     cudaEvent_t begin = nullptr, end = nullptr;
+    int dev = 0;
   };
+  using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+  // Creates another block of timing events on device `d` (the current device), doubling its pool; the caller holds
+  // `ev_mu_` or is the constructor.
+  void grow_events(int d) {
+    const int n = std::max(16, num_events_[d]);
+    events_[d].reserve(static_cast<std::size_t>(num_events_[d] + n));
+    for (int i = 0; i < n; ++i) {
+      cudaEvent_t e = nullptr;
+      FOREMOE_CUDA_CHECK(cudaEventCreate(&e));
+      created_.fetch_add(1, std::memory_order_relaxed);
+      events_[d].push_back(e);
+      ++num_events_[d];
+    }
+  }
+  // Two events of device `d` (current) for a copy; pooled, so a steady state creates none.
+  void take_events(int d, Op &o) {
+    std::lock_guard lock(ev_mu_);
+    if (events_[d].size() < 2) grow_events(d);
+    o.dev = d;
+    o.end = events_[d].back();
+    events_[d].pop_back();
+    o.begin = events_[d].back();
+    events_[d].pop_back();
+  }
+  // Gives a finished copy's events back (within the pool's reserved capacity).
+  void give_events(const Op &o) noexcept {
+    std::lock_guard lock(ev_mu_);
+    events_[o.dev].push_back(o.begin);
+    events_[o.dev].push_back(o.end);
+  }
 #if defined(FOREMOE_HAVE_NCCL)
   struct PeerRec {
     std::span<PeerOp> ops;
     std::vector<int> devs;
     std::uint64_t *host_hdr = nullptr;
     std::size_t host_bytes = 0;
-    std::vector<std::uint64_t *> dev_hdr;
-    std::vector<cudaEvent_t> begin, end;
+    std::vector<std::uint64_t *> dev_hdr; // per device: its headers in `hdr_` (stream-ordered reuse)
+    std::vector<Op> ev;                   // per device: timing events from the pool
   };
+  // Device header staging of device `d`, one buffer per device reused by every group in stream order on its
+  // network stream; grown geometrically, an outgrown one kept until destruction (queued groups may still use it).
+  struct HeaderBuffer {
+    std::uint64_t *p = nullptr;
+    std::size_t bytes = 0;
+    std::vector<std::uint64_t *> retired;
+  };
+  std::uint64_t *header_buffer(int d, std::size_t bytes) {
+    HeaderBuffer &h = hdr_[d];
+    if (bytes <= h.bytes) return h.p;
+    const std::size_t grown = std::max<std::size_t>({bytes, 2 * h.bytes, 4096});
+    void *p = nullptr;
+    FOREMOE_CUDA_CHECK(cudaMalloc(&p, grown));
+    created_.fetch_add(1, std::memory_order_relaxed);
+    if (h.p != nullptr) h.retired.push_back(h.p);
+    h.p = static_cast<std::uint64_t *>(p);
+    h.bytes = grown;
+    return h.p;
+  }
   static std::size_t dev_index(const PeerRec &rec, int d) {
     return static_cast<std::size_t>(std::find(rec.devs.begin(), rec.devs.end(), d) - rec.devs.begin());
   }
   void free_peer(PeerRec &rec) noexcept {
     for (std::size_t di = 0; di < rec.devs.size(); ++di) {
-      (void)cudaSetDevice(rec.devs[di]);
-      if (di < rec.dev_hdr.size() && rec.dev_hdr[di] != nullptr) (void)cudaFree(rec.dev_hdr[di]);
-      if (di < rec.begin.size() && rec.begin[di] != nullptr) (void)cudaEventDestroy(rec.begin[di]);
-      if (di < rec.end.size() && rec.end[di] != nullptr) (void)cudaEventDestroy(rec.end[di]);
+      if (di < rec.ev.size()) give_events(rec.ev[di]);
     }
     if (rec.host_hdr != nullptr) {
       std::lock_guard lock(pool_mu_);
@@ -517,17 +596,24 @@ private:
     }
     void *p = nullptr;
     if (cudaMallocHost(&p, bytes) != cudaSuccess) return nullptr;
+    created_.fetch_add(1, std::memory_order_relaxed);
     return static_cast<std::uint64_t *>(p);
   }
   std::mutex pool_mu_;
   std::vector<std::pair<std::size_t, std::uint64_t *>> pinned_pool_;
+  std::vector<HeaderBuffer> hdr_; // per device
   std::vector<ncclComm_t> comms_;
   std::vector<int> rank_;
   std::unordered_map<std::uint64_t, PeerRec> peers_;
 #endif
   std::vector<int> dev_;
   std::vector<std::array<cudaStream_t, transfer::num_paths + 1>> streams_;
-  std::mutex mu_, sum_mu_;
+  std::vector<std::vector<cudaEvent_t>> events_; // per device: free timing events
+  std::vector<int> num_events_;                  // per device: events created
+  std::vector<unsigned long long *> dev_sum_;    // per device: the checksum's accumulator
+  std::atomic<std::int64_t> created_{0};
+  WaitValueFn wait_value_ = nullptr;
+  std::mutex mu_, sum_mu_, ev_mu_;
   std::uint64_t next_ = 1;
   std::unordered_map<std::uint64_t, Op> ops_;
   unsigned long long *host_sum_ = nullptr;
@@ -535,11 +621,13 @@ private:
 
 } // namespace
 
-Status make_cuda_transport(const EngineOptions &opts, std::unique_ptr<Transport> &out) {
-  auto t = std::make_unique<CudaTransport>();
-  if (Status st = t->init(opts); !st.ok()) return st;
-  out = std::move(t);
-  return Status::success();
+void register_builtin_transport_cuda() {
+  add_builtin_transport("cuda", [](const EngineOptions &opts, std::unique_ptr<Transport> &out) {
+    auto t = std::make_unique<CudaTransport>();
+    if (Status st = t->init(opts); !st.ok()) return st;
+    out = std::move(t);
+    return Status::success();
+  });
 }
 
 } // namespace runtime::detail

@@ -1,0 +1,168 @@
+// The progress thread: gates and ordering between batches, issuing and polling chunk copies, path switches.
+
+#include <algorithm>
+
+#include "engine.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+namespace runtime::detail {
+
+void EngineImpl::run() {
+  std::unique_lock lock(mu_);
+  for (;;) {
+    if (stopping_ && std::all_of(active_.begin(), active_.end(), [](const auto &t) { return t->finished(); })) return;
+    if (active_.empty()) {
+      cv_.wait(lock, [&] { return stopping_ || !active_.empty(); });
+      continue;
+    }
+    std::vector<std::shared_ptr<TicketImpl>> batch = active_;
+    lock.unlock();
+    for (auto &t : batch)
+      step(*t);
+    lock.lock();
+    std::erase_if(active_, [](const auto &t) { return !t->busy(); });
+    if (!active_.empty()) cv_.wait_for(lock, std::chrono::microseconds(50));
+  }
+}
+
+bool EngineImpl::issue(TicketImpl &t, ChunkRun &cr, int move_idx) {
+  LayerState &ls = layers_[t.layer];
+  const transfer::Chunk &c = cr.c;
+  void *src_base;
+  {
+    std::lock_guard lock(mu_);
+    if (c.path != transfer::Path::pcie && ls.resident.slot(c.src_gpu, c.src_slot) != c.expert) {
+      // Multi-process: planned there, but its move failed here. Fails at once; the retry takes the other path.
+      ++cr.attempts;
+      ++t.moves[move_idx].attempts;
+      cr.handles.clear();
+      cr.pending = 0;
+      cr.to(ChunkState::copying_bad); // no pieces: the next poll ends it failed
+      return false;
+    }
+    src_base =
+        c.path == transfer::Path::pcie
+            ? mirror_base(ls, c.dst_gpu, c.expert)
+            : slot_base(ls, c.src_gpu, c.src_slot, ls.buffer[c.src_gpu * opts_.topology.slots_per_gpu + c.src_slot]);
+  }
+  std::byte *dst_base = slot_base(ls, c.dst_gpu, c.dst_slot, t.dst_buffer);
+  cr.handles.clear();
+  cr.to(ChunkState::copying);
+  cr.seconds = 0.0;
+  ++cr.attempts;
+  ++t.moves[move_idx].attempts;
+  for_each_piece(c, [&](int ti, std::int64_t lo, std::int64_t hi) {
+    CopyOp op;
+    op.path = c.path;
+    op.src_gpu = c.path == transfer::Path::pcie ? -1 : c.src_gpu;
+    op.dst_gpu = c.dst_gpu;
+    op.src = at(src_base, ti, lo - prefix_[ti]);
+    op.dst = at(dst_base, ti, lo - prefix_[ti]);
+    op.num_bytes = hi - lo;
+    op.fault_key = mix64(t.serial) ^
+                   mix64((static_cast<std::uint64_t>(move_idx) << 20) ^ static_cast<std::uint64_t>(lo)) ^
+                   mix64(static_cast<std::uint64_t>(cr.attempts) * 131 + static_cast<std::uint64_t>(c.path));
+    std::uint64_t h = 0;
+    if (!transport_->start(op, h).ok()) {
+      cr.piece_failed();
+      return;
+    }
+    cr.handles.push_back(h);
+  });
+  cr.pending = cr.handles.size();
+  return true;
+}
+
+bool EngineImpl::poll(ChunkRun &cr) {
+  for (std::uint64_t &h : cr.handles) {
+    if (h == 0) continue;
+    double secs = 0;
+    const Status st = transport_->query(h, secs);
+    if (st.code() == StatusCode::in_progress) continue;
+    if (!st.ok()) cr.piece_failed();
+    cr.seconds += secs;
+    h = 0;
+    --cr.pending;
+  }
+  if (cr.pending != 0) return false;
+  cr.pieces_ended();
+  return true;
+}
+
+bool EngineImpl::switch_path(const TicketImpl &t, ChunkRun &cr, const MoveRun &mr) const {
+  transfer::Chunk &c = cr.c;
+  const bool was_peer = cr.role != Role::local;
+  if (c.path != transfer::Path::pcie && t.host_mirror) {
+    c.path = transfer::Path::pcie;
+    c.src_gpu = host_mirror;
+    c.src_slot = -1;
+  } else if ((c.path == transfer::Path::pcie || was_peer) && mr.gpu_src >= 0) {
+    c.src_gpu = mr.gpu_src;
+    c.src_slot = mr.gpu_src_slot;
+    c.path = opts_.topology.node_of(mr.gpu_src) == opts_.topology.node_of(c.dst_gpu) ? transfer::Path::nvlink
+                                                                                     : transfer::Path::network;
+  } else if (was_peer) {
+    return false;
+  }
+  cr.role = Role::local;
+  return true;
+}
+
+Status EngineImpl::expert_sum(int gpu, void *base, std::uint64_t &out) {
+  out = 0;
+  for (std::size_t ti = 0; ti < opts_.tensors.size(); ++ti) {
+    std::uint64_t s = 0;
+    if (Status st = transport_->checksum(gpu, at(base, static_cast<int>(ti), 0), opts_.tensors[ti].num_bytes, s);
+        !st.ok())
+      return st;
+    out += s * (2 * ti + 1);
+  }
+  return Status::success();
+}
+
+void EngineImpl::step(TicketImpl &t) {
+  if (t.finished()) {
+    // An ended batch still posts its paired transfers in turn (on scratch memory) and collects them.
+    if (t.has_peer && !t.peer_posted)
+      post_peer(t, true);
+    else if (t.peer_outstanding.load(std::memory_order_relaxed))
+      poll_peer(t);
+    return;
+  }
+  if (t.peer_posted && t.peer_outstanding.load(std::memory_order_relaxed)) poll_peer(t);
+  const double now_s = std::chrono::duration<double>(clock::now() - t.t0).count();
+  if (!t.draining && (t.abort_requested || clock::now() > t.deadline)) {
+    t.draining = true;
+    t.drain_reason = t.abort_requested ? StatusCode::aborted : StatusCode::timed_out;
+  }
+  if (!t.gated) {
+    if (t.draining) return end(t); // its paired transfers are still posted, in turn, on scratch memory
+    for (auto &a : t.after)
+      if (a->busy()) return;
+    for (const Gate &g : t.gates) {
+      bool ready = false;
+      if (Status st = transport_->gate(g, ready); !st.ok()) {
+        t.final_status = st;
+        t.draining = true;
+        t.drain_reason = st.code();
+        return end(t);
+      }
+      if (!ready) return;
+    }
+    t.gated = true;
+    if (t.kind == TicketImpl::Kind::moves)
+      start_moves(t, now_s);
+    else
+      start_reduce(t, now_s);
+    return;
+  }
+  if (t.kind == TicketImpl::Kind::moves)
+    step_moves(t, now_s);
+  else
+    step_reduce(t, now_s);
+}
+
+} // namespace runtime::detail
+} // namespace v0
+} // namespace foremoe

@@ -1,0 +1,165 @@
+// Construction, registration of slots, mirrors and gradients, the resident placement, and queries.
+
+#include <algorithm>
+#include <string>
+
+#include "engine.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+namespace runtime::detail {
+
+EngineImpl::EngineImpl(EngineOptions o, std::shared_ptr<Transport> t)
+    : opts_(std::move(o)), transport_(std::move(t)), pool_(std::make_shared<ResourcePool>(transport_)) {
+  const int num_gpus = opts_.topology.num_gpus();
+  local_.assign(static_cast<std::size_t>(num_gpus), opts_.peers.local_gpus.empty() ? 1 : 0);
+  for (int g : opts_.peers.local_gpus)
+    local_[g] = 1;
+  spmd_ = multi_process(opts_);
+  layers_.resize(static_cast<std::size_t>(opts_.num_layers));
+  for (LayerState &ls : layers_) {
+    ls.slots.resize(num_gpus);
+    ls.grads.resize(num_gpus);
+    ls.mirrors.resize(opts_.topology.num_nodes);
+    ls.resident = LayerPlacement(num_gpus, opts_.topology.slots_per_gpu, opts_.num_experts);
+    ls.planned = ls.resident;
+    ls.buffer.assign(static_cast<std::size_t>(ls.resident.num_slots()), 0);
+  }
+  prefix_.push_back(0);
+  for (const TensorSpan &ts : opts_.tensors)
+    prefix_.push_back(prefix_.back() + ts.num_bytes);
+  progress_ = std::thread([this] { run(); });
+}
+EngineImpl::~EngineImpl() {
+  // Running batches end aborted (bounded by their deadlines) before the thread stops; paired transfers another
+  // process never matched are dropped with the transport.
+  {
+    std::lock_guard lock(mu_);
+    for (auto &t : active_)
+      t->abort_requested = true;
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  progress_.join();
+}
+
+Status EngineImpl::register_region(int layer, int idx, const SlotRegion &r, bool grads, std::int64_t grad_bytes) {
+  const char *what = grads ? "register_grads" : "register_slots";
+  if (Status st = check_layer(layer, what); !st.ok()) return st;
+  if (idx < 0 || idx >= opts_.topology.num_gpus())
+    return bad(what, ": GPU ", idx, " outside [0, ", opts_.topology.num_gpus(), ")");
+  if (!local_[idx]) return bad(what, ": GPU ", idx, " is driven by another process (peers.local_gpus)");
+  if (r.base == nullptr) return bad(what, ": null base for GPU ", idx);
+  if (r.num_slots != opts_.topology.slots_per_gpu)
+    return bad(what, ": GPU ", idx, " has ", r.num_slots, " slots, the topology ", opts_.topology.slots_per_gpu);
+  if (r.num_buffers < 1 || r.num_buffers > 2) return bad(what, ": num_buffers must be 1 or 2, got ", r.num_buffers);
+  const std::int64_t need = grads ? grad_bytes : span_end();
+  if (grads && (grad_bytes <= 0 || grad_bytes % 4 != 0))
+    return bad(what, ": grad_bytes must be a positive multiple of 4, got ", grad_bytes);
+  if (r.slot_stride_bytes < need)
+    return bad(what, ": slot stride ", r.slot_stride_bytes, " is smaller than the ", need, " bytes of an expert");
+  if (r.num_buffers == 2 && r.buffer_stride_bytes < r.slot_stride_bytes * r.num_slots)
+    return bad(what, ": buffer stride ", r.buffer_stride_bytes, " overlaps the ", r.num_slots, " slots");
+  std::lock_guard lock(mu_);
+  LayerState &ls = layers_[layer];
+  ++ls.generation;
+  if (grads) {
+    if (ls.grad_bytes != 0 && ls.grad_bytes != grad_bytes)
+      return bad(what, ": grad_bytes ", grad_bytes, " differs from ", ls.grad_bytes, " registered before");
+    ls.grads[idx] = r;
+    ls.grad_bytes = grad_bytes;
+  } else {
+    ls.slots[idx] = r;
+  }
+  return Status::success();
+}
+
+Status EngineImpl::register_mirror(int layer, int node, const MirrorRegion &m) {
+  if (Status st = check_layer(layer, "register_mirror"); !st.ok()) return st;
+  if (node < 0 || node >= opts_.topology.num_nodes)
+    return bad("register_mirror: node ", node, " outside [0, ", opts_.topology.num_nodes, ")");
+  if (m.base == nullptr) return bad("register_mirror: null base for node ", node);
+  bool has_local = false;
+  for (int g = 0; g < opts_.topology.gpus_per_node; ++g)
+    has_local = has_local || local_[node * opts_.topology.gpus_per_node + g];
+  if (!has_local) return bad("register_mirror: node ", node, " has no GPU this engine drives");
+  if (m.num_experts != opts_.num_experts)
+    return bad("register_mirror: ", m.num_experts, " experts, the engine has ", opts_.num_experts);
+  if (m.expert_stride_bytes < span_end())
+    return bad("register_mirror: expert stride ", m.expert_stride_bytes, " is smaller than ", span_end());
+  std::lock_guard lock(mu_);
+  layers_[layer].mirrors[node] = m;
+  ++layers_[layer].generation;
+  return Status::success();
+}
+
+Status EngineImpl::set_resident(int layer, const LayerPlacement &p) {
+  if (Status st = check_layer(layer, "set_resident"); !st.ok()) return st;
+  try {
+    foremoe::detail::require(
+        p.num_gpus() == opts_.topology.num_gpus() && p.slots_per_gpu() == opts_.topology.slots_per_gpu &&
+            p.num_experts() == opts_.num_experts,
+        "placement is ", p.num_gpus(), " GPUs x ", p.slots_per_gpu(), " slots x ", p.num_experts(), " experts");
+    for (int g = 0; g < p.num_gpus(); ++g)
+      for (int s = 0; s < p.slots_per_gpu(); ++s) {
+        const std::int32_t e = p.slot(g, s);
+        foremoe::detail::require(e == empty_slot || (e >= 0 && e < p.num_experts()), "GPU ", g, " slot ", s,
+                                 " holds expert ", e);
+        for (int s2 = 0; s2 < s; ++s2)
+          foremoe::detail::require(e == empty_slot || p.slot(g, s2) != e, "GPU ", g, " holds expert ", e, " twice");
+      }
+  } catch (const Error &err) {
+    return {StatusCode::invalid_argument, std::string("set_resident: ") + err.what()};
+  }
+  std::lock_guard lock(mu_);
+  for (auto &t : active_)
+    if (t->layer == layer && t->busy())
+      return {StatusCode::invalid_argument, "set_resident: layer " + std::to_string(layer) + " has batches in flight"};
+  ++layers_[layer].generation;
+  layers_[layer].resident = p;
+  layers_[layer].planned = p;
+  return Status::success();
+}
+
+EngineStats EngineImpl::stats() const {
+  EngineStats s;
+  s.allocations = pool_->allocations() + transport_->resources_created();
+  std::lock_guard lock(mu_);
+  s.batches = static_cast<std::int64_t>(serial_);
+  return s;
+}
+
+std::int32_t EngineImpl::valid_expert(int layer, int gpu, int slot) const {
+  std::lock_guard lock(mu_);
+  if (layer < 0 || layer >= opts_.num_layers || gpu < 0 || gpu >= opts_.topology.num_gpus() || slot < 0 ||
+      slot >= opts_.topology.slots_per_gpu)
+    return empty_slot;
+  return layers_[layer].resident.slot(gpu, slot);
+}
+
+LayerPlacement EngineImpl::resident(int layer) const {
+  std::lock_guard lock(mu_);
+  return layer >= 0 && layer < opts_.num_layers ? layers_[layer].resident : LayerPlacement{};
+}
+
+transfer::TransferPlan EngineImpl::last_plan(int layer) const {
+  std::lock_guard lock(mu_);
+  return layer >= 0 && layer < opts_.num_layers ? layers_[layer].last_plan : transfer::TransferPlan{};
+}
+
+Status EngineImpl::check_layer(int layer, const char *what) const {
+  if (layer < 0 || layer >= opts_.num_layers)
+    return bad(what, ": layer ", layer, " outside [0, ", opts_.num_layers, ")");
+  return Status::success();
+}
+
+std::int64_t EngineImpl::span_end() const {
+  std::int64_t end = 0;
+  for (const TensorSpan &t : opts_.tensors)
+    end = std::max(end, t.offset_bytes + t.num_bytes);
+  return end;
+}
+
+} // namespace runtime::detail
+} // namespace v0
+} // namespace foremoe

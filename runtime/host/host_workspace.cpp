@@ -1,0 +1,44 @@
+// Host backend of the asynchronous calls: the work runs at once on the calling thread (the host is the device),
+// and its outcome waits for `check`, as on a device.
+
+#include "../backends.hpp"
+#include "../token_map_backends.hpp"
+#include "../workspace.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+namespace runtime::detail {
+namespace {
+
+class HostWorkspace final : public Workspace::Impl {
+public:
+  Status count(const CountRequest &req, int num_moe_layers, std::span<std::int64_t> out, void *,
+               int num_threads) override {
+    keep(host_count_loads(req, num_moe_layers, out.data(), num_threads < 1 ? 1 : num_threads));
+    return Status::success();
+  }
+  Status map(const MapRequest &req, const TokenRanges &ranges, std::span<const std::int64_t> source_offsets,
+             std::span<std::int32_t> out_slots, void *) override {
+    keep(host_map_tokens(req, ranges, source_offsets, out_slots.data()));
+    return Status::success();
+  }
+  Status check(int) override {
+    Status s = std::move(first_);
+    first_ = Status::success();
+    return s;
+  }
+
+private:
+  void keep(Status s) {
+    if (first_.ok() && !s.ok()) first_ = std::move(s);
+  }
+  Status first_; // the first failure since the last check
+};
+
+} // namespace
+
+std::unique_ptr<Workspace::Impl> make_host_workspace() { return std::make_unique<HostWorkspace>(); }
+
+} // namespace runtime::detail
+} // namespace v0
+} // namespace foremoe
