@@ -4,7 +4,7 @@
 # fuzzer and sanitizer runs need (clang with its runtime).
 set -euo pipefail
 
-pkgs=(cmake ninja-build g++ libeigen3-dev doctest-dev libbenchmark-dev nlohmann-json3-dev)
+pkgs=(cmake ninja-build g++ libeigen3-dev doctest-dev libbenchmark-dev)
 if [[ "${1:-}" == "--ci" ]]; then
   pkgs+=(clang libclang-rt-14-dev)
 fi
