@@ -102,22 +102,23 @@ std::vector<OptionSpec> schema_specs(const config::Schema<T> &s, const T &defaul
 template <class T>
 json::Value schema_overrides(const config::Schema<T> &s, const Args &a,
                              std::initializer_list<std::string_view> skip = {}) {
-  json::Value doc = json::Object{};
+  std::vector<std::pair<std::string, std::string>> given;
   for (const auto &o : s.options()) {
     if (std::find(skip.begin(), skip.end(), o.key) != skip.end()) continue;
-    try {
-      if (o.type == config::Type::boolean) {
-        const bool yes = a.flag(o.flag), no = a.flag("no-" + o.flag);
-        if (yes && no) throw UsageError{"--" + o.flag + " and --no-" + o.flag + " contradict each other"};
-        if (yes || no) config::Schema<T>::slot(doc, o.key) = json::Value(yes);
-      } else if (a.has(o.flag)) {
-        config::Schema<T>::slot(doc, o.key) = s.check(o, s.from_text(o, a.str(o.flag)), "--" + o.flag);
-      }
-    } catch (const Error &e) {
-      throw UsageError{e.what()};
+    if (o.type == config::Type::boolean) {
+      if (a.flag(o.flag) && a.flag("no-" + o.flag))
+        throw UsageError{"--" + o.flag + " and --no-" + o.flag + " contradict each other"};
+      if (a.flag(o.flag)) given.emplace_back(o.flag, "true");
+      if (a.flag("no-" + o.flag)) given.emplace_back("no-" + o.flag, "");
+    } else if (a.has(o.flag)) {
+      given.emplace_back(o.flag, a.str(o.flag));
     }
   }
-  return doc;
+  try {
+    return s.flags_document(given);
+  } catch (const Error &e) {
+    throw UsageError{e.what()};
+  }
 }
 
 std::vector<Command> &command_table();

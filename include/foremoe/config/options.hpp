@@ -46,13 +46,10 @@ inline constexpr double max_seconds = 1e6, max_us = 1e6, max_gb_per_s = 1e6, min
 
 /// A strategy name option over a `PlannerOptions`-like field (one place for the name <-> strategy binding).
 template <class T, class F> [[nodiscard]] Option<T> strategy_option(std::string key, std::string help, F field) {
-  Option<T> o;
-  o.key = std::move(key);
-  o.type = Type::string;
-  o.help = std::move(help);
-  o.get = [field](const T &t) { return json::Value(std::string(to_string(field(t)))); };
-  o.set = [field](T &t, const json::Value &v) { field(t) = parse_strategy(v.as_string()); };
-  return o;
+  return bound<T>(
+      std::move(key), Type::string, std::move(help),
+      [field](const T &t) { return json::Value(std::string(to_string(field(t)))); },
+      [field](T &t, const json::Value &v) { field(t) = parse_strategy(v.as_string()); });
 }
 
 /// The planner's options (`PlannerOptions`), as `foremoe plan` flags and Python `Planner(...)` keywords.

@@ -218,6 +218,29 @@ public:
     return {};
   }
 
+  /// Command-line flags as an override document (read it as a layer rooted "--"): each pair is a flag name
+  /// without "--" and its text; a bool option `x` is given as ("x", "true") or ("no-x", anything). Throws
+  /// `Error` naming the flag for unknown flags and bad values.
+  [[nodiscard]] json::Value flags_document(std::span<const std::pair<std::string, std::string>> flags) const {
+    json::Value doc = json::Object{};
+    for (const auto &[flag, text] : flags) {
+      const Option<T> *o = find_flag(flag);
+      json::Value v;
+      if (o == nullptr && flag.starts_with("no-") && (o = find_flag(flag.substr(3))) != nullptr &&
+          o->type == Type::boolean) {
+        v = json::Value(false);
+      } else if (o == nullptr) {
+        detail::fail("unknown option '--", flag, "'");
+      } else {
+        v = check(*o, from_text(*o, text), "--" + o->flag);
+      }
+      json::Value &dst = slot(doc, o->key);
+      detail::require(dst.is_null(), "option --", o->flag, " given twice");
+      dst = std::move(v);
+    }
+    return doc;
+  }
+
   /// The settings of `t` as a document: every option, nested by section, in schema order.
   [[nodiscard]] json::Value write(const T &t) const {
     json::Value doc = json::Object{};
@@ -346,65 +369,63 @@ private:
 // Option builders. `field` is a generic accessor returning a reference to the bound field:
 // `[](auto &s) -> auto & { return s.topo.slots_per_gpu; }`; it serves both reading and writing.
 
-template <class T, class F>
-[[nodiscard]] Option<T> integer(std::string key, std::int64_t lo, std::int64_t hi, std::string help, F field) {
+/// An option of `type` read through `get` and written through `set` (which gets checked values).
+template <class T, class Get, class Set>
+[[nodiscard]] Option<T> bound(std::string key, Type type, std::string help, Get get, Set set) {
   Option<T> o;
   o.key = std::move(key);
-  o.type = Type::integer;
+  o.type = type;
+  o.help = std::move(help);
+  o.get = std::move(get);
+  o.set = std::move(set);
+  return o;
+}
+
+template <class T, class F>
+[[nodiscard]] Option<T> integer(std::string key, std::int64_t lo, std::int64_t hi, std::string help, F field) {
+  Option<T> o = bound<T>(
+      std::move(key), Type::integer, std::move(help),
+      [field](const T &t) { return json::Value(static_cast<std::int64_t>(field(t))); },
+      [field](T &t, const json::Value &v) {
+        using Field = std::remove_reference_t<decltype(field(t))>;
+        field(t) = static_cast<Field>(v.as_integer()); // in range: checked against [lo, hi] first
+      });
   o.int_min = lo;
   o.int_max = hi;
-  o.help = std::move(help);
-  o.get = [field](const T &t) { return json::Value(static_cast<std::int64_t>(field(t))); };
-  o.set = [field](T &t, const json::Value &v) {
-    using Field = std::remove_reference_t<decltype(field(t))>;
-    field(t) = static_cast<Field>(v.as_integer()); // in range: checked against [lo, hi] first
-  };
   return o;
 }
 
 template <class T, class F>
 [[nodiscard]] Option<T> number(std::string key, double lo, double hi, std::string help, F field) {
-  Option<T> o;
-  o.key = std::move(key);
-  o.type = Type::number;
+  Option<T> o = bound<T>(
+      std::move(key), Type::number, std::move(help),
+      [field](const T &t) { return json::Value(static_cast<double>(field(t))); },
+      [field](T &t, const json::Value &v) { field(t) = v.as_double(); });
   o.min = lo;
   o.max = hi;
-  o.help = std::move(help);
-  o.get = [field](const T &t) { return json::Value(static_cast<double>(field(t))); };
-  o.set = [field](T &t, const json::Value &v) { field(t) = v.as_double(); };
   return o;
 }
 
 template <class T, class F> [[nodiscard]] Option<T> boolean(std::string key, std::string help, F field) {
-  Option<T> o;
-  o.key = std::move(key);
-  o.type = Type::boolean;
-  o.help = std::move(help);
-  o.get = [field](const T &t) { return json::Value(static_cast<bool>(field(t))); };
-  o.set = [field](T &t, const json::Value &v) { field(t) = v.as_bool(); };
-  return o;
+  return bound<T>(
+      std::move(key), Type::boolean, std::move(help),
+      [field](const T &t) { return json::Value(static_cast<bool>(field(t))); },
+      [field](T &t, const json::Value &v) { field(t) = v.as_bool(); });
 }
 
 template <class T, class F> [[nodiscard]] Option<T> string(std::string key, std::string help, F field) {
-  Option<T> o;
-  o.key = std::move(key);
-  o.type = Type::string;
-  o.help = std::move(help);
-  o.get = [field](const T &t) { return json::Value(std::string(field(t))); };
-  o.set = [field](T &t, const json::Value &v) { field(t) = v.as_string(); };
-  return o;
+  return bound<T>(
+      std::move(key), Type::string, std::move(help), [field](const T &t) { return json::Value(std::string(field(t))); },
+      [field](T &t, const json::Value &v) { field(t) = v.as_string(); });
 }
 
 /// A choice stored through conversions: `to` gives the field's name, `from` sets the field from a name.
 template <class T, class To, class From>
 [[nodiscard]] Option<T> choice(std::string key, std::vector<std::string> choices, std::string help, To to, From from) {
-  Option<T> o;
-  o.key = std::move(key);
-  o.type = Type::choice;
+  Option<T> o = bound<T>(
+      std::move(key), Type::choice, std::move(help), [to](const T &t) { return json::Value(std::string(to(t))); },
+      [from](T &t, const json::Value &v) { from(t, v.as_string()); });
   o.choices = std::move(choices);
-  o.help = std::move(help);
-  o.get = [to](const T &t) { return json::Value(std::string(to(t))); };
-  o.set = [from](T &t, const json::Value &v) { from(t, v.as_string()); };
   return o;
 }
 
