@@ -122,7 +122,7 @@ void print_command_help(std::ostream &os, const Command &c) {
       os << "\n";
     }
   }
-  os << "  --help                         show this help\n";
+  os << std::left << std::setw(30) << "  --help" << " show this help\n";
 }
 
 namespace {

@@ -62,7 +62,8 @@ template <class T, class F> [[nodiscard]] Option<T> strategy_option(std::string 
               "strategy", "planning strategy: static, eplb, eplb-oracle, foremoe or foremoe-free",
               [](auto &o) -> auto & { return o.strategy; }),
           choice<P>(
-              "mode", {"two-level", "free"}, "foremoe plan mode: two-level (owners + spare slots) or free",
+              "mode", {"two-level", "free"},
+              "foremoe plan mode (two-level: step-level owners + replicas in spare slots)",
               [](const P &o) { return to_string(o.mode); },
               [](P &o, const std::string &v) { o.mode = parse_plan_mode(v); }),
           integer<P>(
@@ -115,7 +116,7 @@ struct PlanSettings {
     lift(
         o, planner_schema(), "planner", [](auto &p) -> auto & { return p.planner; });
     o.push_back(choice<PlanSettings>(
-        "stage", {"update", "recompute"}, "recompute or update (replicas also return gradients)",
+        "stage", {"update", "recompute"}, "micro-step stage (in update, replicas also return gradients)",
         [](const PlanSettings &p) { return p.stage == Stage::update ? "update" : "recompute"; },
         [](PlanSettings &p, const std::string &v) { p.stage = v == "update" ? Stage::update : Stage::recompute; }));
     return Schema<PlanSettings>("plan", std::move(o));
@@ -191,8 +192,8 @@ struct SimulateSettings {
     std::vector<Option<S>> o;
     Option<S> preset = choice<S>(
         "preset", preset_names(),
-        "model shape and cluster: qwen3-30b-a3b (48 x 128, top-8, bf16, 8 x 8 GPUs x 3 slots) or deepseek-v3 "
-        "(58 x 256, H 7168, I 2048, fp8, 8 x 8 GPUs x 5 slots)",
+        "model and cluster defaults (qwen3-30b-a3b: 48 x 128, top-8, bf16, 8 x 8 GPUs x 3 slots; deepseek-v3: "
+        "58 x 256, H 7168, I 2048, fp8, 8 x 8 GPUs x 5 slots)",
         [](const S &x) { return x.preset; }, [](S &x, const std::string &v) { x = S::for_preset(v); });
     preset.first = true; // resets everything else: applied before the rest of any document
     o.push_back(std::move(preset));
