@@ -27,8 +27,9 @@ Command make_plan() {
       {"nodes", "N", "nodes in the EP group", "1"},
       {"gpus-per-node", "G", "GPUs per node", "8"},
       {"slots", "S", "expert slots per GPU per layer", ""},
-      {"strategy", "NAME", "foremoe, foremoe-free, eplb, eplb-oracle, static, or all (side by side, no --out)", "foremoe"},
-      {"mode", "MODE", "two-level (owners + spare slots) or free", "two-level"},
+      {"strategy", "NAME", strategy_names() + "; all (side by side, no --out); list (the registered strategies)",
+       "foremoe"},
+      {"mode", "MODE", "gone: free mode is --strategy foremoe-free, foremoe is two-level", ""},
       {"move-budget", "K", "new replicas per GPU per micro-step (default: the spare slots)", ""},
       {"owners", "KIND", "owner placement: hierarchical (nodes, then GPUs) or flat", "hierarchical"},
       {"stage", "STAGE", "recompute or update (replicas also return gradients)", "update"},
@@ -44,6 +45,19 @@ Command make_plan() {
       {"no-mirror", "", "the nodes have no pinned host mirror (GPU-direct sources only)", ""},
   };
   c.run = [](const Args &a, std::ostream &out, std::ostream &) {
+    if (a.str("strategy") == "list") {
+      for (const StrategyInfo *s : strategies()) {
+        out << "  " << std::left << std::setw(14) << s->name << s->help << "\n";
+        if (!s->options.empty()) {
+          out << "  " << std::setw(14) << "" << "options:";
+          for (const std::string &o : s->options) out << " " << o;
+          out << "\n";
+        }
+      }
+      return 0;
+    }
+    if (a.has("mode"))
+      throw UsageError{"--mode is gone: use --strategy foremoe-free for free mode (foremoe is two-level)"};
     if (!a.has("loads")) throw UsageError{"--loads LOADS.npy is required"};
     if (!a.has("slots")) throw UsageError{"--slots S is required"};
     Topology topo;
@@ -57,8 +71,7 @@ Command make_plan() {
     const bool all = a.str("strategy") == "all";
     if (all && (a.has("out") || a.has("out-placement")))
       throw UsageError{"--strategy all prints a comparison; --out and --out-placement need one strategy"};
-    opts.strategy = all ? Strategy::foremoe : parse_strategy(a.str("strategy"));
-    opts.mode = parse_plan_mode(a.str("mode"));
+    opts.strategy = all ? std::string("foremoe") : find_strategy(a.str("strategy")).name;
     if (a.has("move-budget")) opts.move_budget = static_cast<int>(a.integer("move-budget", 0, 1 << 16));
     const std::string owners = a.str("owners");
     if (owners != "hierarchical" && owners != "flat")
@@ -92,17 +105,16 @@ Command make_plan() {
       out << "  " << std::left << std::setw(14) << "strategy" << std::right << std::setw(12) << "median" << std::setw(10)
           << "p99" << std::setw(10) << "max" << std::setw(16) << "moves/micro" << std::setw(14) << "planner ms"
           << "   (layer max/mean GPU load)\n";
-      for (Strategy st : {Strategy::static_placement, Strategy::eplb, Strategy::eplb_oracle, Strategy::foremoe,
-                          Strategy::foremoe_free}) {
+      for (const StrategyInfo *st : strategies()) {
         PlannerOptions o = opts;
-        o.strategy = st;
+        o.strategy = st->name;
         Planner p(loads.num_layers(), loads.num_experts(), topo, o);
         const StepPlan sp = p.plan_step(loads, res, previous, stage);
         std::size_t moves = 0;
         for (const auto &layers : sp.micro_steps)
           for (const LayerPlan &lp : layers) moves += lp.moves.size();
         const BalanceStats b = balance_stats(imbalances(sp.micro_steps));
-        out << "  " << std::left << std::setw(14) << to_string(st) << std::right << std::fixed << std::setprecision(4)
+        out << "  " << std::left << std::setw(14) << st->name << std::right << std::fixed << std::setprecision(4)
             << std::setw(12) << b.median << std::setw(10) << b.p99 << std::setw(10) << b.max << std::setprecision(1)
             << std::setw(16) << double(moves) / double(sp.micro_steps.size()) << std::setprecision(2) << std::setw(14)
             << sp.planner_seconds * 1e3 << "\n";
@@ -125,8 +137,7 @@ Command make_plan() {
     const StepPlan sp = planner.plan_step(loads, res, previous, stage);
 
     nlohmann::json j;
-    j["strategy"] = std::string(to_string(opts.strategy));
-    j["mode"] = std::string(to_string(opts.mode));
+    j["strategy"] = opts.strategy;
     j["nodes"] = topo.num_nodes;
     j["gpus_per_node"] = topo.gpus_per_node;
     j["slots"] = topo.slots_per_gpu;
@@ -172,9 +183,7 @@ Command make_plan() {
     const BalanceStats balance = balance_stats(imbalances(sp.micro_steps));
     out << "planned " << sp.micro_steps.size() << " micro-steps x " << loads.num_layers() << " layers x "
         << loads.num_experts() << " experts on " << topo.num_nodes << " x " << topo.gpus_per_node << " GPUs x "
-        << topo.slots_per_gpu << " slots with " << to_string(opts.strategy)
-        << (opts.strategy == Strategy::foremoe ? " (" + std::string(to_string(opts.mode)) + ")" : std::string())
-        << " in " << std::fixed << std::setprecision(2) << sp.planner_seconds * 1e3
+        << topo.slots_per_gpu << " slots with " << opts.strategy << " in " << std::fixed << std::setprecision(2) << sp.planner_seconds * 1e3
         << " ms\n"
         << "  layer max/mean GPU load: median " << std::setprecision(4) << balance.median << ", p99 " << balance.p99
         << ", max " << balance.max << "\n"

@@ -151,7 +151,7 @@ Command make_simulate() {
       {"config", "FILE.json", "model, topology, batch, sim and cost settings", ""},
       {"preset", "NAME", "qwen3-30b-a3b or deepseek-v3 (58 x 256, H 7168, I 2048, fp8, 8 x 8 GPUs, 5 slots)", "qwen3-30b-a3b"},
       {"loads", "FILE.npy", "per-micro-step loads [M, L, E] instead of the generator (steps from FILE.steps.npy)", ""},
-      {"strategies", "LIST", "comma-separated: static,eplb,eplb-oracle,foremoe,foremoe-free,ideal", "static,eplb,eplb-oracle,foremoe,foremoe-free,ideal"},
+      {"strategies", "LIST", "comma-separated: " + sim_strategy_names(","), sim_strategy_names(",")},
       {"steps", "N", "RL steps to generate", ""},
       {"nodes", "N", "nodes", ""},
       {"gpus-per-node", "G", "GPUs per node", ""},

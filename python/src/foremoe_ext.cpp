@@ -319,13 +319,11 @@ struct PyPlanner {
   }
 };
 
-PyPlanner make_planner(const fm::Topology &topo, const std::string &strategy, const std::string &mode,
-                       std::optional<int> move_budget, int threads, bool hierarchical_owners, int local_search_rounds,
+PyPlanner make_planner(const fm::Topology &topo, const std::string &strategy, std::optional<int> move_budget, int threads, bool hierarchical_owners, int local_search_rounds,
                        int eplb_num_groups, bool exact_split, bool reowning_free) {
   topo.validate();
   PyPlanner p{topo, {}, nullptr, 0};
-  p.opts.strategy = fm::parse_strategy(strategy);
-  p.opts.mode = fm::parse_plan_mode(mode);
+  p.opts.strategy = fm::find_strategy(strategy).name;
   if (move_budget) {
     require(*move_budget >= 0, "Planner: move_budget must be >= 0 or None, got ", *move_budget);
     p.opts.move_budget = *move_budget;
@@ -840,12 +838,11 @@ NB_MODULE(_core, m) {
            "allow_network"_a = true);
 
   nb::class_<PyPlanner>(m, "Planner")
-      .def(nb::new_(&make_planner), "topology"_a, "strategy"_a, "mode"_a, "move_budget"_a.none(), "threads"_a,
+      .def(nb::new_(&make_planner), "topology"_a, "strategy"_a, "move_budget"_a.none(), "threads"_a,
            "hierarchical_owners"_a, "local_search_rounds"_a, "eplb_num_groups"_a, "exact_split"_a = false,
            "reowning_free"_a = true)
       .def_prop_ro("topology", [](const PyPlanner &p) { return p.topo; })
-      .def_prop_ro("strategy", [](const PyPlanner &p) { return std::string(fm::to_string(p.opts.strategy)); })
-      .def_prop_ro("mode", [](const PyPlanner &p) { return std::string(fm::to_string(p.opts.mode)); })
+      .def_prop_ro("strategy", [](const PyPlanner &p) { return p.opts.strategy; })
       .def_prop_ro("move_budget",
                    [](const PyPlanner &p) -> std::optional<int> {
                      if (p.opts.move_budget < 0) return std::nullopt;
@@ -856,6 +853,11 @@ NB_MODULE(_core, m) {
       .def("plan_step", &plan_step, "loads"_a, "resident"_a.none(), "previous_loads"_a.none(), "stage"_a)
       .def("_bench_cpp_plan", &bench_cpp_plan, "loads"_a, "resident"_a.none(), "iters"_a);
 
+  m.def("strategy_names", [] {
+    std::vector<std::string> out;
+    for (const fm::StrategyInfo *s : fm::strategies()) out.push_back(s->name);
+    return out;
+  }, "The registered planner strategies in listing order.");
   m.def("simulate", &simulate, "config"_a.none(), "loads"_a.none(), "step_offsets"_a.none(), "strategies"_a);
   m.def("synthetic_trace", &synthetic_trace, "config"_a);
   m.def("synthetic_loads", &synthetic_loads, "config"_a, "by_source"_a);

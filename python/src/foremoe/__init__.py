@@ -34,8 +34,8 @@ __all__ = [
     "__version__",
 ]
 
-#: Planner strategies (as on the command line).
-STRATEGIES = ("static", "eplb", "eplb-oracle", "foremoe", "foremoe-free")
+#: Planner strategies (as on the command line), from the C++ registry in listing order.
+STRATEGIES = tuple(_core.strategy_names())
 #: Simulator strategies: the planner's plus ``ideal`` (every layer perfectly balanced, moves free).
 SIM_STRATEGIES = STRATEGIES + ("ideal",)
 
@@ -138,8 +138,8 @@ class Planner:
 
     Args:
         topology: a :func:`Topology`.
-        strategy: ``foremoe`` (default), ``foremoe-free``, ``eplb``, ``eplb-oracle`` or ``static``.
-        mode: ``two-level`` (step-level owners + replicas in spare slots) or ``free``.
+        strategy: one of :data:`STRATEGIES`: ``foremoe`` (default; two-level: step-level owners + replicas in
+            spare slots), ``foremoe-free`` (any slot holds anything), ``eplb``, ``eplb-oracle`` or ``static``.
         move_budget: new replicas per GPU per micro-step; ``None``: the spare slots.
         threads: planning threads over layers (plans do not depend on the count).
         hierarchical_owners: owners placed nodes first, then GPUs in each node.
@@ -157,7 +157,6 @@ class Planner:
         self,
         topology: Topology,
         strategy: str = "foremoe",
-        mode: str = "two-level",
         move_budget: Optional[int] = None,
         threads: int = 1,
         *,
@@ -170,14 +169,13 @@ class Planner:
         if not isinstance(topology, Topology):
             raise ValueError(f"Planner: topology must be a foremoe.Topology, got {type(topology).__name__}")
         self._core = _core.Planner(
-            topology, str(strategy), str(mode), None if move_budget is None else int(move_budget), int(threads),
+            topology, str(strategy), None if move_budget is None else int(move_budget), int(threads),
             bool(hierarchical_owners), int(local_search_rounds), int(eplb_num_groups), bool(exact_split),
             bool(reowning_free),
         )
         self.topology = topology
 
     strategy = property(lambda self: self._core.strategy, doc="Strategy name.")
-    mode = property(lambda self: self._core.mode, doc="Plan mode name.")
     move_budget = property(lambda self: self._core.move_budget, doc="New replicas per GPU per micro-step or None.")
     threads = property(lambda self: self._core.threads, doc="Planning threads.")
     last_planner_seconds = property(lambda self: self._core.last_planner_seconds,
@@ -222,7 +220,7 @@ class Planner:
     def __repr__(self) -> str:
         t = self.topology
         return (f"Planner(Topology({t.nodes}, {t.gpus_per_node}, {t.slots}), strategy={self.strategy!r}, "
-                f"mode={self.mode!r}, move_budget={self.move_budget!r}, threads={self.threads})")
+                f"move_budget={self.move_budget!r}, threads={self.threads})")
 
 
 def simulate(

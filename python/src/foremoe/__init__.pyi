@@ -29,7 +29,6 @@ class Planner:
         self,
         topology: Topology,
         strategy: str = "foremoe",
-        mode: str = "two-level",
         move_budget: Optional[int] = None,
         threads: int = 1,
         *,
@@ -41,8 +40,6 @@ class Planner:
     ) -> None: ...
     @property
     def strategy(self) -> str: ...
-    @property
-    def mode(self) -> str: ...
     @property
     def move_budget(self) -> Optional[int]: ...
     @property

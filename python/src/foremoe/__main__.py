@@ -36,7 +36,6 @@ def plan_json(planner: "foremoe.Planner", plans: Sequence["foremoe.Plan"]) -> Di
     first = plans[0]
     return {
         "strategy": planner.strategy,
-        "mode": planner.mode,
         "nodes": t.nodes,
         "gpus_per_node": t.gpus_per_node,
         "slots": t.slots,
@@ -87,7 +86,7 @@ def _simulate(a: argparse.Namespace) -> int:
 def _plan(a: argparse.Namespace) -> int:
     loads = np.load(a.loads)
     topo = foremoe.Topology(a.nodes, a.gpus_per_node, a.slots)
-    planner = foremoe.Planner(topo, a.strategy, a.mode, a.move_budget, a.threads,
+    planner = foremoe.Planner(topo, a.strategy, a.move_budget, a.threads,
                               hierarchical_owners=a.owners == "hierarchical")
     prev = np.load(a.previous_loads) if a.previous_loads else None
     plans = planner.plan(loads if loads.ndim == 3 else loads[None], previous_loads=prev, stage=a.stage)
@@ -95,7 +94,7 @@ def _plan(a: argparse.Namespace) -> int:
     moves = sum(p.num_moves for p in plans)
     q = lambda f: imb[int(f * (imb.size - 1))]  # noqa: E731
     print(f"planned {len(plans)} micro-steps x {plans[0].num_layers} layers x {plans[0].num_experts} experts "
-          f"({planner.strategy}, {planner.mode}): layer max/mean GPU load median {q(0.5):.4f}, p99 {q(0.99):.4f}, "
+          f"({planner.strategy}): layer max/mean GPU load median {q(0.5):.4f}, p99 {q(0.99):.4f}, "
           f"max {imb[-1]:.4f}; {moves / len(plans):.1f} moves per micro-step; "
           f"planner {planner.last_planner_seconds * 1e3:.2f} ms")
     if a.out:
@@ -127,7 +126,6 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=8)
     q.add_argument("--slots", type=int, required=True)
     q.add_argument("--strategy", default="foremoe", choices=list(foremoe.STRATEGIES))
-    q.add_argument("--mode", default="two-level", choices=["two-level", "free"])
     q.add_argument("--move-budget", dest="move_budget", type=int)
     q.add_argument("--owners", default="hierarchical", choices=["hierarchical", "flat"])
     q.add_argument("--stage", default="update", choices=["update", "recompute"])

@@ -123,12 +123,13 @@ class Plan:
         (columns in `chunk_columns`; path 0 nvlink, 1 pcie, 2 network), `est_seconds`, `link_bound_seconds`,
         `num_rounds` per layer and `path_bytes` [L, 3]."""
 
+def strategy_names() -> List[str]: ...
+
 class Planner:
     def __init__(
         self,
         topology: Topology,
         strategy: str,
-        mode: str,
         move_budget: Optional[int],
         threads: int,
         hierarchical_owners: bool,
@@ -139,7 +140,6 @@ class Planner:
     ) -> None: ...
     topology: Topology
     strategy: str
-    mode: str
     move_budget: Optional[int]
     threads: int
     last_planner_seconds: float
