@@ -109,15 +109,18 @@ expect 1 "micro-step 0 layer 0: plan_transfers: move 0 .* has no source" -- "$bi
   --gpus-per-node 2 --slots 5 --expert-bytes 1000 --no-mirror
 # round trip: the final placement fed back as --resident with the same single micro-step moves nothing
 expect 0 "loads \[1, 4, 16\]" -- "$bin" trace gen "${shape[@]}" --steps 1 --microbatch-tokens 1000000 --loads "$work/one.npy"
-for mode in two-level free; do
-  expect 0 "wrote .*pl.json" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 --mode $mode \
-    --out-placement "$work/pl.json"
-  expect 0 "moves: 0 " -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 --mode $mode \
-    --resident "$work/pl.json"
+for strategy in foremoe foremoe-free; do
+  expect 0 "wrote .*pl.json" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+    --strategy $strategy --out-placement "$work/pl.json"
+  expect 0 "moves: 0 " -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+    --strategy $strategy --resident "$work/pl.json"
 done
+expect 2 "use --strategy foremoe-free" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+  --mode free
+expect 0 "foremoe-free +per-micro-step planning" -- "$bin" plan --strategy list
 expect 1 "cannot hold all 16 experts" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 5
 expect 2 "--slots S is required" -- "$bin" plan --loads "$work/step.npy"
-expect 1 "unknown strategy 'best'" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
+expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, foremoe, foremoe-free\)" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
 expect 1 "placement is for 2 x 2 GPUs x 5 slots, the topology is 1 x 4 x 5" -- "$bin" plan --loads "$work/step.npy" \
   --slots 5 --gpus-per-node 4 --resident "$work/pl.json"
 printf '{"nodes": 2' >"$work/broken.json"
@@ -134,7 +137,7 @@ expect 0 "^foremoe +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json" --jso
 expect 0 '"speedup_over_eplb"' -- cat "$work/sim_out.json"
 expect 0 "^ideal," -- "$bin" simulate --config "$work/sim.json" --csv
 expect 0 "^static " -- "$bin" simulate --config "$work/sim.json" --loads "$work/loads.npy" --strategies static,foremoe
-expect 1 "unknown strategy 'best'" -- "$bin" simulate --config "$work/sim.json" --strategies static,best
+expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, foremoe, foremoe-free, ideal\)" -- "$bin" simulate --config "$work/sim.json" --strategies static,best
 printf '{"model": {"layerz": 4}}' >"$work/typo.json"
 expect 1 "config.model: unknown key 'layerz' \\(known: layers, experts" -- "$bin" simulate --config "$work/typo.json"
 expect 1 "cannot hold all 16 experts" -- "$bin" simulate --config "$work/sim.json" --slots 3

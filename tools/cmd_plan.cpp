@@ -34,13 +34,29 @@ Command make_plan() {
        ""},
       {"max-chunk-bytes", "B", "transfer chunks are cut to at most this", "67108864"},
       {"no-mirror", "", "the nodes have no pinned host mirror (GPU-direct sources only)", ""},
+      {"mode", "MODE", "gone: free mode is --strategy foremoe-free, foremoe is two-level", ""},
   };
   for (auto &o : schema_specs(config::plan_schema())) {
     if (o.name == "slots") o.fallback = "required";
-    if (o.name == "strategy") o.help += "; or all (side by side, no --out)";
+    if (o.name == "strategy") o.help += "; all (side by side, no --out); list (the registered strategies)";
     c.options.push_back(std::move(o));
   }
   c.run = [](const Args &a, std::ostream &out, std::ostream &) {
+    if (a.str("strategy") == "list") {
+      for (const StrategyInfo *s : strategies()) {
+        out << "  " << std::left << std::setw(14) << s->name << s->help << "\n";
+        if (!s->options.empty()) {
+          out << "  " << std::setw(14) << ""
+              << "options:";
+          for (const std::string &o : s->options)
+            out << " " << o;
+          out << "\n";
+        }
+      }
+      return 0;
+    }
+    if (a.has("mode"))
+      throw UsageError{"--mode is gone: use --strategy foremoe-free for free mode (foremoe is two-level)"};
     if (!a.has("loads")) throw UsageError{"--loads LOADS.npy is required"};
     if (!a.has("slots")) throw UsageError{"--slots S is required"};
     const bool all = a.str("strategy") == "all";
@@ -78,10 +94,9 @@ Command make_plan() {
           << std::setw(10) << "p99" << std::setw(10) << "max" << std::setw(16) << "moves/micro" << std::setw(14)
           << "planner ms"
           << "   (layer max/mean GPU load)\n";
-      for (Strategy st : {Strategy::static_placement, Strategy::eplb, Strategy::eplb_oracle, Strategy::foremoe,
-                          Strategy::foremoe_free}) {
+      for (const StrategyInfo *st : strategies()) {
         PlannerOptions o = opts;
-        o.strategy = st;
+        o.strategy = st->name;
         Planner p(loads.num_layers(), loads.num_experts(), topo, o);
         const StepPlan sp = p.plan_step(loads, res, previous, stage);
         std::size_t moves = 0;
@@ -89,7 +104,7 @@ Command make_plan() {
           for (const LayerPlan &lp : layers)
             moves += lp.moves.size();
         const BalanceStats b = balance_stats(imbalances(sp.micro_steps));
-        out << "  " << std::left << std::setw(14) << to_string(st) << std::right << std::fixed << std::setprecision(4)
+        out << "  " << std::left << std::setw(14) << st->name << std::right << std::fixed << std::setprecision(4)
             << std::setw(12) << b.median << std::setw(10) << b.p99 << std::setw(10) << b.max << std::setprecision(1)
             << std::setw(16) << double(moves) / double(sp.micro_steps.size()) << std::setprecision(2) << std::setw(14)
             << sp.planner_seconds * 1e3 << "\n";
@@ -140,12 +155,7 @@ Command make_plan() {
       }
     }
     if (a.has("out")) {
-      const config::PlanHeader h{std::string(to_string(opts.strategy)),
-                                 std::string(to_string(opts.mode)),
-                                 topo,
-                                 loads.num_layers(),
-                                 loads.num_experts(),
-                                 sp.planner_seconds};
+      const config::PlanHeader h{opts.strategy, topo, loads.num_layers(), loads.num_experts(), sp.planner_seconds};
       config::write_text(a.str("out"),
                          json::dump(config::plan_document(h, sp.micro_steps, transfers ? &transfer_plans : nullptr)) +
                              "\n");
@@ -157,9 +167,8 @@ Command make_plan() {
     const BalanceStats balance = balance_stats(imbalances(sp.micro_steps));
     out << "planned " << sp.micro_steps.size() << " micro-steps x " << loads.num_layers() << " layers x "
         << loads.num_experts() << " experts on " << topo.num_nodes << " x " << topo.gpus_per_node << " GPUs x "
-        << topo.slots_per_gpu << " slots with " << to_string(opts.strategy)
-        << (opts.strategy == Strategy::foremoe ? " (" + std::string(to_string(opts.mode)) + ")" : std::string())
-        << " in " << std::fixed << std::setprecision(2) << sp.planner_seconds * 1e3 << " ms\n"
+        << topo.slots_per_gpu << " slots with " << opts.strategy << " in " << std::fixed << std::setprecision(2)
+        << sp.planner_seconds * 1e3 << " ms\n"
         << "  layer max/mean GPU load: median " << std::setprecision(4) << balance.median << ", p99 " << balance.p99
         << ", max " << balance.max << "\n"
         << "  moves: " << num_moves << " (" << std::setprecision(2)

@@ -181,7 +181,7 @@ struct PyPlan {
   double planner_seconds = 0;
   std::shared_ptr<const fm::StepPlan> step; ///< the step this micro-step's plans belong to
   std::size_t index = 0;                    ///< its micro-step in `step`
-  std::string strategy, mode;               ///< of the planner that made it
+  std::string strategy;                     ///< of the planner that made it
 
   PyPlan(const fm::Topology &t, int num_experts, const std::vector<fm::LayerPlan> &layers)
       : topo(t), L(static_cast<int>(layers.size())), G(t.num_gpus()), S(t.slots_per_gpu), E(num_experts) {
@@ -385,8 +385,7 @@ std::vector<PyPlan> plan_step(PyPlanner &self, const RoLoads &loads, const PyPla
     out.back().planner_seconds = sp->planner_seconds;
     out.back().step = sp;
     out.back().index = m;
-    out.back().strategy = fm::to_string(self.opts.strategy);
-    out.back().mode = fm::to_string(self.opts.mode);
+    out.back().strategy = self.opts.strategy;
   }
   return out;
 }
@@ -614,7 +613,7 @@ std::string plan_document(const std::vector<const PyPlan *> &plans) {
     require(p->step != nullptr, "plan_document: a plan without its step");
     micro.push_back(p->step->micro_steps[p->index]);
   }
-  const fm::config::PlanHeader h{first.strategy, first.mode, first.topo, first.L, first.E, first.planner_seconds};
+  const fm::config::PlanHeader h{first.strategy, first.topo, first.L, first.E, first.planner_seconds};
   return fm::json::dump(fm::config::plan_document(h, micro));
 }
 
@@ -723,8 +722,7 @@ NB_MODULE(_core, m) {
   nb::class_<PyPlanner>(m, "Planner")
       .def(nb::new_(&make_planner), "topology"_a, "options"_a)
       .def_prop_ro("topology", [](const PyPlanner &p) { return p.topo; })
-      .def_prop_ro("strategy", [](const PyPlanner &p) { return std::string(fm::to_string(p.opts.strategy)); })
-      .def_prop_ro("mode", [](const PyPlanner &p) { return std::string(fm::to_string(p.opts.mode)); })
+      .def_prop_ro("strategy", [](const PyPlanner &p) { return p.opts.strategy; })
       .def_prop_ro("move_budget",
                    [](const PyPlanner &p) -> std::optional<int> {
                      if (p.opts.move_budget < 0) return std::nullopt;
@@ -743,6 +741,11 @@ NB_MODULE(_core, m) {
         "config"_a.none(), "flags"_a);
   m.def("simulate_text", &simulate_text, "config"_a.none(), "flags"_a, "doc"_a, "csv"_a);
   m.def("options", &options, "command"_a);
+  m.def("strategy_names", [] {
+    std::vector<std::string> out;
+    for (const fm::StrategyInfo *s : fm::strategies()) out.push_back(s->name);
+    return out;
+  }, "The registered planner strategies in listing order.");
   m.def("plan_settings", &plan_settings, "flags"_a);
   m.def("plan_document", &plan_document, "plans"_a);
   m.def("placement_document", [](const PyPlacement &p) {

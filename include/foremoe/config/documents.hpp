@@ -103,7 +103,7 @@ inline json::Value gpu_slots_json(const LayerPlacement &p) {
 
 /// What a PLAN.json names besides the plans.
 struct PlanHeader {
-  std::string strategy, mode;
+  std::string strategy;
   Topology topo;
   int num_layers = 0, num_experts = 0;
   double planner_seconds = 0;
@@ -116,7 +116,6 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
               const std::vector<std::vector<transfer::TransferPlan>> *transfers = nullptr) {
   json::Value j;
   j["strategy"] = h.strategy;
-  j["mode"] = h.mode;
   j["nodes"] = h.topo.num_nodes;
   j["gpus_per_node"] = h.topo.gpus_per_node;
   j["slots"] = h.topo.slots_per_gpu;

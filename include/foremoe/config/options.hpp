@@ -44,28 +44,16 @@ inline constexpr double max_seconds = 1e6, max_us = 1e6, max_gb_per_s = 1e6, min
   return s;
 }
 
-/// A strategy name option over a `PlannerOptions`-like field (one place for the name <-> strategy binding).
-template <class T, class F> [[nodiscard]] Option<T> strategy_option(std::string key, std::string help, F field) {
-  return bound<T>(
-      std::move(key), Type::string, std::move(help),
-      [field](const T &t) { return json::Value(std::string(to_string(field(t)))); },
-      [field](T &t, const json::Value &v) { field(t) = parse_strategy(v.as_string()); });
-}
-
 /// The planner's options (`PlannerOptions`), as `foremoe plan` flags and Python `Planner(...)` keywords.
 [[nodiscard]] inline const Schema<PlannerOptions> &planner_schema() {
   using P = PlannerOptions;
   static const Schema<P> s(
       "planner",
       {
-          strategy_option<P>(
-              "strategy", "planning strategy: static, eplb, eplb-oracle, foremoe or foremoe-free",
-              [](auto &o) -> auto & { return o.strategy; }),
-          choice<P>(
-              "mode", {"two-level", "free"},
-              "foremoe plan mode (two-level: step-level owners + replicas in spare slots)",
-              [](const P &o) { return to_string(o.mode); },
-              [](P &o, const std::string &v) { o.mode = parse_plan_mode(v); }),
+          bound<P>(
+              "strategy", Type::string, "planning strategy: " + strategy_names(),
+              [](const P &o) { return json::Value(o.strategy); },
+              [](P &o, const json::Value &v) { o.strategy = find_strategy(v.as_string()).name; }),
           integer<P>(
               "move_budget", -1, max_budget, "new replicas per GPU per micro-step (-1: the spare slots)",
               [](auto &o) -> auto & { return o.move_budget; }),
@@ -133,7 +121,7 @@ inline const std::vector<std::string> &preset_names() {
 /// Everything `foremoe simulate` (and Python `simulate()`) runs with.
 struct SimulateSettings {
   std::string preset = "qwen3-30b-a3b";
-  std::string strategies = "static,eplb,eplb-oracle,foremoe,foremoe-free,ideal"; ///< comma-separated
+  std::string strategies = sim_strategy_names(","); ///< comma-separated
   SimConfig sim{};
   /// The embedded default batch: a GRPO step of 256 prompts x 8 responses on 64 GPUs, micro-batches of
   /// 8,192 tokens per GPU (about 8 micro-steps per step), 2 RL steps.
@@ -198,7 +186,7 @@ struct SimulateSettings {
     preset.first = true; // resets everything else: applied before the rest of any document
     o.push_back(std::move(preset));
     o.push_back(string<S>(
-        "strategies", "comma-separated strategies: static,eplb,eplb-oracle,foremoe,foremoe-free,ideal",
+        "strategies", "comma-separated strategies: " + sim_strategy_names(","),
         [](auto &x) -> auto & { return x.strategies; }));
     o.back().metavar = "LIST";
     // model

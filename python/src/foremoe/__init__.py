@@ -38,8 +38,8 @@ __all__ = [
     "__version__",
 ]
 
-#: Planner strategies (as on the command line).
-STRATEGIES = ("static", "eplb", "eplb-oracle", "foremoe", "foremoe-free")
+#: Planner strategies (as on the command line), from the C++ registry in listing order.
+STRATEGIES = tuple(_core.strategy_names())
 #: Simulator strategies: the planner's plus ``ideal`` (every layer perfectly balanced, moves free).
 SIM_STRATEGIES = STRATEGIES + ("ideal",)
 
@@ -172,10 +172,10 @@ class Planner:
 
     Args:
         topology: a :func:`Topology`.
-        strategy, mode, move_budget, threads and the keyword options: the planner options of
+        strategy, move_budget, threads and the keyword options: the planner options of
         ``foremoe.options("planner")`` (the same keys, defaults, ranges and messages as ``foremoe plan``):
-        ``strategy`` (``foremoe``, ``foremoe-free``, ``eplb``, ``eplb-oracle``, ``static``), ``mode``
-        (``two-level`` or ``free``), ``move_budget`` (new replicas per GPU per micro-step; ``None``: the spare
+        ``strategy`` (one of :data:`STRATEGIES`: ``foremoe``, the default, is two-level: step-level owners +
+        replicas in spare slots; ``foremoe-free`` lets any slot hold anything), ``move_budget`` (new replicas per GPU per micro-step; ``None``: the spare
         slots), ``threads``, ``hierarchical_owners``, ``reowning_free``, ``owner_keep_tolerance``,
         ``local_search_rounds``, ``free_search_rounds``, ``exact_split``, ``eplb_num_groups``.
         ``None`` (or leaving one out) takes the library's default.
@@ -187,19 +187,17 @@ class Planner:
         self,
         topology: Topology,
         strategy: Optional[str] = None,
-        mode: Optional[str] = None,
         move_budget: Optional[int] = None,
         threads: Optional[int] = None,
         **options: Any,
     ) -> None:
         if not isinstance(topology, Topology):
             raise ValueError(f"Planner: topology must be a foremoe.Topology, got {type(topology).__name__}")
-        given = dict(strategy=strategy, mode=mode, move_budget=move_budget, threads=threads, **options)
+        given = dict(strategy=strategy, move_budget=move_budget, threads=threads, **options)
         self._core = _core.Planner(topology, _json({k: v for k, v in given.items() if v is not None}))
         self.topology = topology
 
     strategy = property(lambda self: self._core.strategy, doc="Strategy name.")
-    mode = property(lambda self: self._core.mode, doc="Plan mode name.")
     move_budget = property(lambda self: self._core.move_budget, doc="New replicas per GPU per micro-step or None.")
     threads = property(lambda self: self._core.threads, doc="Planning threads.")
     last_planner_seconds = property(lambda self: self._core.last_planner_seconds,
@@ -244,7 +242,7 @@ class Planner:
     def __repr__(self) -> str:
         t = self.topology
         return (f"Planner(Topology({t.nodes}, {t.gpus_per_node}, {t.slots}), strategy={self.strategy!r}, "
-                f"mode={self.mode!r}, move_budget={self.move_budget!r}, threads={self.threads})")
+                f"move_budget={self.move_budget!r}, threads={self.threads})")
 
 
 def _simulate_config(config: Optional[Mapping[str, Any]], strategies: Union[None, str, Sequence[str]]) -> Optional[str]:

@@ -29,7 +29,6 @@ class Planner:
         self,
         topology: Topology,
         strategy: Optional[str] = None,
-        mode: Optional[str] = None,
         move_budget: Optional[int] = None,
         threads: Optional[int] = None,
         *,
@@ -44,8 +43,6 @@ class Planner:
         """None takes the library default (foremoe.options("planner"))."""
     @property
     def strategy(self) -> str: ...
-    @property
-    def mode(self) -> str: ...
     @property
     def move_budget(self) -> Optional[int]: ...
     @property

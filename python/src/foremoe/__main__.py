@@ -78,7 +78,7 @@ def _plan(a: argparse.Namespace) -> int:
     moves = sum(p.num_moves for p in plans)
     q = lambda f: imb[int(f * (imb.size - 1))]  # noqa: E731
     print(f"planned {len(plans)} micro-steps x {plans[0].num_layers} layers x {plans[0].num_experts} experts "
-          f"({planner.strategy}, {planner.mode}): layer max/mean GPU load median {q(0.5):.4f}, p99 {q(0.99):.4f}, "
+          f"({planner.strategy}): layer max/mean GPU load median {q(0.5):.4f}, p99 {q(0.99):.4f}, "
           f"max {imb[-1]:.4f}; {moves / len(plans):.1f} moves per micro-step; "
           f"planner {planner.last_planner_seconds * 1e3:.2f} ms")
     if a.out:
