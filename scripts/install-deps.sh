@@ -5,7 +5,7 @@
 # (clang-tidy-14, clang-format-14; scripts/lint.sh).
 set -euo pipefail
 
-pkgs=(cmake ninja-build g++ doctest-dev libbenchmark-dev nlohmann-json3-dev)
+pkgs=(cmake ninja-build g++ doctest-dev libbenchmark-dev)
 if [[ "${1:-}" == "--ci" ]]; then
   pkgs+=(clang libclang-rt-14-dev clang-tidy-14 clang-format-14)
 fi

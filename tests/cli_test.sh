@@ -109,19 +109,22 @@ expect 1 "micro-step 0 layer 0: plan_transfers: move 0 .* has no source" -- "$bi
   --gpus-per-node 2 --slots 5 --expert-bytes 1000 --no-mirror
 # round trip: the final placement fed back as --resident with the same single micro-step moves nothing
 expect 0 "loads \[1, 4, 16\]" -- "$bin" trace gen "${shape[@]}" --steps 1 --microbatch-tokens 1000000 --loads "$work/one.npy"
-for mode in two-level free; do
-  expect 0 "wrote .*pl.json" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 --mode $mode \
-    --out-placement "$work/pl.json"
-  expect 0 "moves: 0 " -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 --mode $mode \
-    --resident "$work/pl.json"
+for strategy in foremoe foremoe-free; do
+  expect 0 "wrote .*pl.json" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+    --strategy $strategy --out-placement "$work/pl.json"
+  expect 0 "moves: 0 " -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+    --strategy $strategy --resident "$work/pl.json"
 done
+expect 2 "use --strategy foremoe-free" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+  --mode free
+expect 0 "foremoe-free +per-micro-step planning" -- "$bin" plan --strategy list
 expect 1 "cannot hold all 16 experts" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 5
 expect 2 "--slots S is required" -- "$bin" plan --loads "$work/step.npy"
-expect 1 "unknown strategy 'best'" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
+expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, foremoe, foremoe-free\)" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
 expect 1 "placement is for 2 x 2 GPUs x 5 slots, the topology is 1 x 4 x 5" -- "$bin" plan --loads "$work/step.npy" \
   --slots 5 --gpus-per-node 4 --resident "$work/pl.json"
 printf '{"nodes": 2' >"$work/broken.json"
-expect 1 "broken.json: not valid JSON" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+expect 1 "broken.json:1:12: unexpected end of input" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --resident "$work/broken.json"
 
 # foremoe simulate on a small model and topology
@@ -134,16 +137,50 @@ expect 0 "^foremoe +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json" --jso
 expect 0 '"speedup_over_eplb"' -- cat "$work/sim_out.json"
 expect 0 "^ideal," -- "$bin" simulate --config "$work/sim.json" --csv
 expect 0 "^static " -- "$bin" simulate --config "$work/sim.json" --loads "$work/loads.npy" --strategies static,foremoe
-expect 1 "unknown strategy 'best'" -- "$bin" simulate --config "$work/sim.json" --strategies static,best
+expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, foremoe, foremoe-free, ideal\)" -- "$bin" simulate --config "$work/sim.json" --strategies static,best
 printf '{"model": {"layerz": 4}}' >"$work/typo.json"
-expect 1 "typo.json.model: unknown key 'layerz'" -- "$bin" simulate --config "$work/typo.json"
+expect 1 "config.model: unknown key 'layerz' \\(known: layers, experts" -- "$bin" simulate --config "$work/typo.json"
 expect 1 "cannot hold all 16 experts" -- "$bin" simulate --config "$work/sim.json" --slots 3
 printf '{"cost": {"move_host_gb_per_s": -5}}' >"$work/negbw.json"
-expect 1 "move.host.gb_per_s must be positive and finite, got -5" -- "$bin" simulate --config "$work/negbw.json"
+expect 1 "config.cost.move_host_gb_per_s: must be in \\[1e-06, 1000000\\], got -5" -- "$bin" simulate --config "$work/negbw.json"
 printf '{"topology": {"nodes": 0}}' >"$work/zero.json"
-expect 1 "num_nodes must be positive, got 0" -- "$bin" simulate --config "$work/zero.json"
-expect 1 "unknown weight dtype 'int4'" -- "$bin" simulate --config "$work/sim.json" --dtype int4
+expect 1 "config.topology.nodes: must be in \\[1, 16384\\], got 0" -- "$bin" simulate --config "$work/zero.json"
+expect 2 "--dtype must be one of bf16, fp16, fp32, fp8, got 'int4'" -- "$bin" simulate --config "$work/sim.json" --dtype int4
 expect 1 "loads are 4 layers x 16 experts, the model has 48 x 128" -- "$bin" simulate --loads "$work/loads.npy"
+
+# strict config values: integers in range, before narrowing; duplicate keys; wrong types name the key
+printf '{"topology": {"slots": 4294967301}}' >"$work/big.json"
+expect 1 "config.topology.slots: must be in \[1, 16384\], got 4294967301" -- "$bin" simulate --config "$work/big.json"
+printf '{"model": {"layers": 3.7}}' >"$work/float.json"
+expect 1 "config.model.layers: expected an integer, got 3.7" -- "$bin" simulate --config "$work/float.json"
+printf '{"sim": {"double_buffer": 1}}' >"$work/bool.json"
+expect 1 "config.sim.double_buffer: expected true or false, got 1" -- "$bin" simulate --config "$work/bool.json"
+printf '{"batch": {"seed": 1, "seed": 2}}' >"$work/dup.json"
+expect 1 "dup.json:1:23: duplicate key 'seed'" -- "$bin" simulate --config "$work/dup.json"
+expect 2 "--slots must be in \[1, 16384\], got 0" -- "$bin" simulate --slots 0
+# --print-config writes the full effective settings, which --config reads back unchanged
+for preset in qwen3-30b-a3b deepseek-v3; do
+  "$bin" simulate --preset $preset --print-config >"$work/pc1.json"
+  "$bin" simulate --config "$work/pc1.json" --print-config >"$work/pc2.json"
+  expect 0 "" -- cmp "$work/pc1.json" "$work/pc2.json"
+  expect 0 "\"preset\": \"$preset\"" -- cat "$work/pc1.json"
+done
+"$bin" simulate --config "$work/sim.json" --print-config >"$work/pc_sim.json"
+"$bin" simulate --config "$work/sim.json" --csv >"$work/a.csv" 2>/dev/null
+"$bin" simulate --config "$work/pc_sim.json" --csv >"$work/b.csv" 2>/dev/null
+expect 0 "" -- cmp "$work/a.csv" "$work/b.csv"
+# CSV is CSV: the header is the first line (the summary goes to stderr)
+expect 0 "^strategy,step_s," -- head -1 "$work/a.csv"
+# precedence: batch.seed from the file holds unless --seed is given; an explicit flag overrides the file
+python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); d["batch"]["seed"]=7; json.dump(d, open(sys.argv[2],"w"))' \
+  "$work/sim.json" "$work/seed7.json"
+"$bin" simulate --config "$work/seed7.json" --csv >"$work/s7.csv" 2>/dev/null
+"$bin" simulate --config "$work/sim.json" --seed 7 --csv >"$work/s7b.csv" 2>/dev/null
+"$bin" simulate --config "$work/seed7.json" --seed 1 --csv >"$work/s1.csv" 2>/dev/null
+expect 0 "" -- cmp "$work/s7.csv" "$work/s7b.csv"
+expect 0 "" -- cmp "$work/s1.csv" "$work/a.csv"
+expect 1 "differ" -- cmp "$work/s7.csv" "$work/a.csv"
+expect 0 '"seed": 7' -- "$bin" simulate --config "$work/seed7.json" --print-config
 
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -61,7 +61,7 @@ Scenario make_scenario(std::mt19937_64 &rng) {
   o.source_offsets = s.source_offsets;
   s.loads = count_loads(std::span<const std::int32_t>(s.ids), s.num_tokens, s.num_layers, s.topk, o);
   PlannerOptions popts;
-  popts.strategy = rng() % 4 == 0 ? Strategy::eplb_oracle : Strategy::foremoe;
+  popts.strategy = rng() % 4 == 0 ? "eplb-oracle" : "foremoe";
   Planner planner(s.num_layers, s.num_experts, s.topo, popts);
   s.plans = planner.plan(s.loads, 0);
   return s;

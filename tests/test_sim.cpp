@@ -1,5 +1,7 @@
 #include <doctest/doctest.h>
 
+#include <algorithm>
+#include <string_view>
 #include <vector>
 
 #include "foremoe/sim/simulator.hpp"
@@ -36,10 +38,19 @@ Case small_case(std::uint64_t seed) {
   return c;
 }
 
+/// Every registered strategy, then "ideal".
 std::vector<SimStrategy> all_strategies() {
   std::vector<SimStrategy> s;
-  for (const char *n : {"static", "eplb", "eplb-oracle", "foremoe", "foremoe-free", "ideal"}) s.push_back(parse_sim_strategy(n));
+  for (const StrategyInfo *info : strategies()) s.push_back(parse_sim_strategy(info->name));
+  s.push_back(parse_sim_strategy("ideal"));
   return s;
+}
+
+/// The result of strategy `name` (fails the test when it is missing).
+const SimResult &result_of(const std::vector<SimResult> &res, std::string_view name) {
+  const auto it = std::find_if(res.begin(), res.end(), [&](const SimResult &r) { return r.strategy == name; });
+  REQUIRE_MESSAGE(it != res.end(), "no result for strategy ", name);
+  return *it;
 }
 
 } // namespace
@@ -51,7 +62,7 @@ TEST_CASE("simulate: physical limits and accounting hold on random traces (prope
     const auto strategies = all_strategies();
     const auto res = simulate(c.cfg, c.loads, c.steps, strategies);
     REQUIRE(res.size() == strategies.size());
-    const SimResult &stat = res[0], &ideal = res.back();
+    const SimResult &stat = result_of(res, "static"), &ideal = result_of(res, "ideal");
     CHECK(stat.moved_gb == 0.0);
     CHECK(stat.stall_seconds == 0.0);
     CHECK(ideal.imbalance_median == 1.0);
@@ -66,7 +77,8 @@ TEST_CASE("simulate: physical limits and accounting hold on random traces (prope
       CHECK(x.step_seconds >= ideal.step_seconds);
     }
     // Per-micro-step planning balances at least as well as the static layout.
-    CHECK(res[3].imbalance_median <= stat.imbalance_median + 1e-12);
+    CHECK(result_of(res, "foremoe").imbalance_median <= stat.imbalance_median + 1e-12);
+    CHECK(result_of(res, "foremoe-free").imbalance_median <= stat.imbalance_median + 1e-12);
   }
 }
 
@@ -122,6 +134,15 @@ TEST_CASE("simulate: bad input is an error naming the value") {
   bad.cost.move.host.gb_per_s = -1;
   CHECK_THROWS_WITH_AS((void)simulate(bad, c.loads, c.steps, st), doctest::Contains("move.host.gb_per_s"), Error);
   CHECK_THROWS_WITH_AS((void)parse_sim_strategy("fastest"), doctest::Contains("unknown strategy 'fastest'"), Error);
+  CHECK_THROWS_WITH_AS((void)parse_sim_strategy("fastest"), doctest::Contains(sim_strategy_names().c_str()), Error);
+}
+
+TEST_CASE("simulate: strategies are the registered ones plus ideal") {
+  CHECK(sim_strategy_names() == strategy_names() + ", ideal");
+  CHECK(sim_strategy_names(",").rfind("static,eplb,eplb-oracle,foremoe,foremoe-free,", 0) == 0);
+  CHECK(parse_sim_strategy("eplb_oracle").name == "eplb-oracle");
+  CHECK(!parse_sim_strategy("foremoe-free").ideal);
+  CHECK(parse_sim_strategy("ideal").ideal);
 }
 
 TEST_CASE("simulate: a hand-computed tiny case (2 GPUs, 2 experts, one layer, static)") {

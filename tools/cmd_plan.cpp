@@ -5,11 +5,11 @@
 #include <ostream>
 
 #include "command.hpp"
+#include "foremoe/config/documents.hpp"
 #include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/planner.hpp"
-#include "foremoe/transfer/transfer_plan.hpp"
 #include "foremoe/trace/io.hpp"
-#include "plan_json.hpp"
+#include "foremoe/transfer/transfer_plan.hpp"
 
 namespace foremoe::cli {
 namespace {
@@ -24,85 +24,87 @@ Command make_plan() {
       "owner_gpu, gpu_slots, slot_tokens and moves ([expert, src_gpu or -1 for host, dst_gpu, dst_slot]).";
   c.options = {
       {"loads", "LOADS.npy", "per-micro-step loads (required)", ""},
-      {"nodes", "N", "nodes in the EP group", "1"},
-      {"gpus-per-node", "G", "GPUs per node", "8"},
-      {"slots", "S", "expert slots per GPU per layer", ""},
-      {"strategy", "NAME", "foremoe, foremoe-free, eplb, eplb-oracle, static, or all (side by side, no --out)", "foremoe"},
-      {"mode", "MODE", "two-level (owners + spare slots) or free", "two-level"},
-      {"move-budget", "K", "new replicas per GPU per micro-step (default: the spare slots)", ""},
-      {"owners", "KIND", "owner placement: hierarchical (nodes, then GPUs) or flat", "hierarchical"},
-      {"stage", "STAGE", "recompute or update (replicas also return gradients)", "update"},
       {"previous-loads", "FILE.npy", "previous step's loads: the history EPLB plans from", ""},
       {"resident", "PLACEMENT.json", "placement left by the previous micro-step (from --out-placement)", ""},
-      {"threads", "T", "threads over layers (plans do not depend on it)", "1"},
-      {"exact-split", "", "re-split every plan exactly (plans from a resident otherwise keep the search's split)", ""},
       {"out", "PLAN.json", "write the plan here", ""},
       {"out-placement", "PLACEMENT.json", "write the final placement here (readable by --resident)", ""},
-      {"expert-bytes", "B", "bytes of one expert's weights: adds each layer's transfer plan (chunks, paths, rounds, "
-                            "modelled time)", ""},
+      {"expert-bytes", "B",
+       "bytes of one expert's weights: adds each layer's transfer plan (chunks, paths, rounds, "
+       "modelled time)",
+       ""},
       {"max-chunk-bytes", "B", "transfer chunks are cut to at most this", "67108864"},
       {"no-mirror", "", "the nodes have no pinned host mirror (GPU-direct sources only)", ""},
+      {"mode", "MODE", "gone: free mode is --strategy foremoe-free, foremoe is two-level", ""},
   };
+  for (auto &o : schema_specs(config::plan_schema())) {
+    if (o.name == "slots") o.fallback = "required";
+    if (o.name == "strategy") o.help += "; all (side by side, no --out); list (the registered strategies)";
+    c.options.push_back(std::move(o));
+  }
   c.run = [](const Args &a, std::ostream &out, std::ostream &) {
+    if (a.str("strategy") == "list") {
+      for (const StrategyInfo *s : strategies()) {
+        out << "  " << std::left << std::setw(14) << s->name << s->help << "\n";
+        if (!s->options.empty()) {
+          out << "  " << std::setw(14) << ""
+              << "options:";
+          for (const std::string &o : s->options)
+            out << " " << o;
+          out << "\n";
+        }
+      }
+      return 0;
+    }
+    if (a.has("mode"))
+      throw UsageError{"--mode is gone: use --strategy foremoe-free for free mode (foremoe is two-level)"};
     if (!a.has("loads")) throw UsageError{"--loads LOADS.npy is required"};
     if (!a.has("slots")) throw UsageError{"--slots S is required"};
-    Topology topo;
-    topo.num_nodes = static_cast<int>(a.integer("nodes", 1, 1 << 16));
-    topo.gpus_per_node = static_cast<int>(a.integer("gpus-per-node", 1, 1 << 10));
-    topo.slots_per_gpu = static_cast<int>(a.integer("slots", 1, 1 << 16));
-    const LoadTensor loads = read_loads_npy(a.str("loads"));
-    topo.validate(loads.num_experts());
-
-    PlannerOptions opts;
     const bool all = a.str("strategy") == "all";
     if (all && (a.has("out") || a.has("out-placement")))
       throw UsageError{"--strategy all prints a comparison; --out and --out-placement need one strategy"};
-    opts.strategy = all ? Strategy::foremoe : parse_strategy(a.str("strategy"));
-    opts.mode = parse_plan_mode(a.str("mode"));
-    if (a.has("move-budget")) opts.move_budget = static_cast<int>(a.integer("move-budget", 0, 1 << 16));
-    const std::string owners = a.str("owners");
-    if (owners != "hierarchical" && owners != "flat")
-      throw UsageError{"--owners must be hierarchical or flat, got '" + owners + "'"};
-    opts.hierarchical_owners = owners == "hierarchical";
-    opts.num_threads = static_cast<int>(a.integer("threads", 1, 1024));
-    opts.exact_split = a.flag("exact-split");
-    const std::string stage_name = a.str("stage");
-    if (stage_name != "recompute" && stage_name != "update")
-      throw UsageError{"--stage must be recompute or update, got '" + stage_name + "'"};
-    const Stage stage = stage_name == "update" ? Stage::update : Stage::recompute;
+    const json::Value flags = all ? schema_overrides(config::plan_schema(), a, {"planner.strategy"})
+                                  : schema_overrides(config::plan_schema(), a);
+    config::PlanSettings settings;
+    config::plan_schema().read(settings, flags, "--");
+    const Topology topo = settings.topo;
+    const PlannerOptions opts = settings.planner;
+    const Stage stage = settings.stage;
+    const LoadTensor loads = read_loads_npy(a.str("loads"));
+    topo.validate(loads.num_experts());
 
     std::vector<std::int64_t> previous;
     if (a.has("previous-loads")) {
       const LoadTensor prev = read_loads_npy(a.str("previous-loads"));
       if (prev.num_layers() != loads.num_layers() || prev.num_experts() != loads.num_experts())
         throw Error("--previous-loads has " + std::to_string(prev.num_layers()) + " layers x " +
-                    std::to_string(prev.num_experts()) + " experts, --loads has " +
-                    std::to_string(loads.num_layers()) + " x " + std::to_string(loads.num_experts()));
+                    std::to_string(prev.num_experts()) + " experts, --loads has " + std::to_string(loads.num_layers()) +
+                    " x " + std::to_string(loads.num_experts()));
       previous = Planner(loads.num_layers(), loads.num_experts(), topo, opts).sum_steps(prev);
     }
     Placement resident;
     if (a.has("resident"))
-      resident = read_placement_json(a.str("resident"), topo, loads.num_layers(), loads.num_experts());
+      resident = config::read_placement_file(a.str("resident"), topo, loads.num_layers(), loads.num_experts());
 
     const Placement *res = a.has("resident") ? &resident : nullptr;
     if (all) {
       out << "planning " << loads.num_micro_steps() << " micro-steps x " << loads.num_layers() << " layers x "
           << loads.num_experts() << " experts on " << topo.num_nodes << " x " << topo.gpus_per_node << " GPUs x "
           << topo.slots_per_gpu << " slots" << (previous.empty() ? " (eplb without history = static)" : "") << "\n";
-      out << "  " << std::left << std::setw(14) << "strategy" << std::right << std::setw(12) << "median" << std::setw(10)
-          << "p99" << std::setw(10) << "max" << std::setw(16) << "moves/micro" << std::setw(14) << "planner ms"
+      out << "  " << std::left << std::setw(14) << "strategy" << std::right << std::setw(12) << "median"
+          << std::setw(10) << "p99" << std::setw(10) << "max" << std::setw(16) << "moves/micro" << std::setw(14)
+          << "planner ms"
           << "   (layer max/mean GPU load)\n";
-      for (Strategy st : {Strategy::static_placement, Strategy::eplb, Strategy::eplb_oracle, Strategy::foremoe,
-                          Strategy::foremoe_free}) {
+      for (const StrategyInfo *st : strategies()) {
         PlannerOptions o = opts;
-        o.strategy = st;
+        o.strategy = st->name;
         Planner p(loads.num_layers(), loads.num_experts(), topo, o);
         const StepPlan sp = p.plan_step(loads, res, previous, stage);
         std::size_t moves = 0;
         for (const auto &layers : sp.micro_steps)
-          for (const LayerPlan &lp : layers) moves += lp.moves.size();
+          for (const LayerPlan &lp : layers)
+            moves += lp.moves.size();
         const BalanceStats b = balance_stats(imbalances(sp.micro_steps));
-        out << "  " << std::left << std::setw(14) << to_string(st) << std::right << std::fixed << std::setprecision(4)
+        out << "  " << std::left << std::setw(14) << st->name << std::right << std::fixed << std::setprecision(4)
             << std::setw(12) << b.median << std::setw(10) << b.p99 << std::setw(10) << b.max << std::setprecision(1)
             << std::setw(16) << double(moves) / double(sp.micro_steps.size()) << std::setprecision(2) << std::setw(14)
             << sp.planner_seconds * 1e3 << "\n";
@@ -124,58 +126,49 @@ Command make_plan() {
     Planner planner(loads.num_layers(), loads.num_experts(), topo, opts);
     const StepPlan sp = planner.plan_step(loads, res, previous, stage);
 
-    nlohmann::json j;
-    j["strategy"] = std::string(to_string(opts.strategy));
-    j["mode"] = std::string(to_string(opts.mode));
-    j["nodes"] = topo.num_nodes;
-    j["gpus_per_node"] = topo.gpus_per_node;
-    j["slots"] = topo.slots_per_gpu;
-    j["num_layers"] = loads.num_layers();
-    j["num_experts"] = loads.num_experts();
-    j["planner_seconds"] = sp.planner_seconds;
-    nlohmann::json steps = nlohmann::json::array();
+    // Sources are what the slots held before each micro-step: the previous one's placement, or --resident.
+    std::vector<std::vector<transfer::TransferPlan>> transfer_plans;
     std::size_t num_moves = 0;
     double est_seconds = 0.0, bound_seconds = 0.0;
     std::int64_t path_bytes[transfer::num_paths] = {0, 0, 0};
     const LayerPlacement empty(topo.num_gpus(), topo.slots_per_gpu, loads.num_experts());
     for (std::size_t m = 0; m < sp.micro_steps.size(); ++m) {
       const auto &layers = sp.micro_steps[m];
-      nlohmann::json ls = nlohmann::json::array();
+      if (transfers) transfer_plans.emplace_back();
       for (std::size_t l = 0; l < layers.size(); ++l) {
         const LayerPlan &lp = layers[l];
-        nlohmann::json lj = layer_plan_json(lp);
         num_moves += lp.moves.size();
-        if (transfers) {
-          // Sources are what the slots held before this micro-step: the previous one's placement, or --resident.
-          const LayerPlacement &before = m > 0 ? sp.micro_steps[m - 1][l].placement
-                                         : res != nullptr ? res->layer(static_cast<int>(l))
-                                                          : empty;
-          transfer::TransferPlan tp;
-          try {
-            tp = transfer::plan_transfers(lp.moves, before, topo, topt);
-          } catch (const Error &e) {
-            throw Error("micro-step " + std::to_string(m) + " layer " + std::to_string(l) + ": " + e.what());
-          }
-          lj["transfers"] = transfer_plan_json(tp);
-          est_seconds += tp.est_seconds;
-          bound_seconds += tp.link_bound_seconds;
-          for (int p = 0; p < transfer::num_paths; ++p) path_bytes[p] += tp.path_bytes[p];
+        if (!transfers) continue;
+        const LayerPlacement &before = m > 0            ? sp.micro_steps[m - 1][l].placement
+                                       : res != nullptr ? res->layer(static_cast<int>(l))
+                                                        : empty;
+        try {
+          transfer_plans.back().push_back(transfer::plan_transfers(lp.moves, before, topo, topt));
+        } catch (const Error &e) {
+          throw Error("micro-step " + std::to_string(m) + " layer " + std::to_string(l) + ": " + e.what());
         }
-        ls.push_back(std::move(lj));
+        const transfer::TransferPlan &tp = transfer_plans.back().back();
+        est_seconds += tp.est_seconds;
+        bound_seconds += tp.link_bound_seconds;
+        for (int p = 0; p < transfer::num_paths; ++p)
+          path_bytes[p] += tp.path_bytes[p];
       }
-      steps.push_back({{"layers", std::move(ls)}});
     }
-    j["micro_steps"] = std::move(steps);
-    if (a.has("out")) write_json(a.str("out"), j);
-    if (a.has("out-placement")) write_json(a.str("out-placement"), placement_json(topo, sp.final_placement()));
+    if (a.has("out")) {
+      const config::PlanHeader h{opts.strategy, topo, loads.num_layers(), loads.num_experts(), sp.planner_seconds};
+      config::write_text(a.str("out"),
+                         json::dump(config::plan_document(h, sp.micro_steps, transfers ? &transfer_plans : nullptr)) +
+                             "\n");
+    }
+    if (a.has("out-placement"))
+      config::write_text(a.str("out-placement"),
+                         json::dump(config::placement_document(topo, sp.final_placement())) + "\n");
 
     const BalanceStats balance = balance_stats(imbalances(sp.micro_steps));
     out << "planned " << sp.micro_steps.size() << " micro-steps x " << loads.num_layers() << " layers x "
         << loads.num_experts() << " experts on " << topo.num_nodes << " x " << topo.gpus_per_node << " GPUs x "
-        << topo.slots_per_gpu << " slots with " << to_string(opts.strategy)
-        << (opts.strategy == Strategy::foremoe ? " (" + std::string(to_string(opts.mode)) + ")" : std::string())
-        << " in " << std::fixed << std::setprecision(2) << sp.planner_seconds * 1e3
-        << " ms\n"
+        << topo.slots_per_gpu << " slots with " << opts.strategy << " in " << std::fixed << std::setprecision(2)
+        << sp.planner_seconds * 1e3 << " ms\n"
         << "  layer max/mean GPU load: median " << std::setprecision(4) << balance.median << ", p99 " << balance.p99
         << ", max " << balance.max << "\n"
         << "  moves: " << num_moves << " (" << std::setprecision(2)

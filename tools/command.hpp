@@ -3,14 +3,18 @@
 // is one cmd_<name>.cpp that defines a `Command` and registers it with
 // `FOREMOE_REGISTER_COMMAND`; main.cpp dispatches on the words given.
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <iosfwd>
 #include <map>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
+
+#include "foremoe/config/schema.hpp"
 
 namespace foremoe::cli {
 
@@ -21,10 +25,16 @@ struct UsageError {
 
 /// One option a command accepts.
 struct OptionSpec {
-  std::string name;      ///< without the leading "--"
-  std::string value;     ///< metavariable, empty for a flag
+  OptionSpec(std::string name_, std::string value_, std::string help_, std::string fallback_ = "",
+             std::string label_ = "", bool hidden_ = false)
+      : name(std::move(name_)), value(std::move(value_)), help(std::move(help_)), fallback(std::move(fallback_)),
+        label(std::move(label_)), hidden(hidden_) {}
+  std::string name;  ///< without the leading "--"
+  std::string value; ///< metavariable, empty for a flag
   std::string help;
-  std::string fallback;  ///< default shown in --help (empty: none)
+  std::string fallback; ///< default shown in --help (empty: none)
+  std::string label;    ///< shown in --help instead of "--name VALUE" (empty: that)
+  bool hidden = false;  ///< accepted but not listed (the "--no-" form of a bool option)
 };
 
 /// Parsed options and positional arguments of one command.
@@ -34,7 +44,7 @@ public:
 
   [[nodiscard]] bool flag(std::string_view name) const;
   [[nodiscard]] bool has(std::string_view name) const;
-  [[nodiscard]] std::string str(std::string_view name) const;          ///< value or the spec's fallback
+  [[nodiscard]] std::string str(std::string_view name) const; ///< value or the spec's fallback
   [[nodiscard]] std::int64_t integer(std::string_view name, std::int64_t lo, std::int64_t hi) const;
   [[nodiscard]] double real(std::string_view name, double lo, double hi) const;
   [[nodiscard]] const std::vector<std::string> &positional() const { return positional_; }
@@ -50,12 +60,66 @@ private:
 struct Command {
   std::vector<std::string> words;
   std::string summary;
-  std::string usage;                 ///< positional part of the synopsis, e.g. "[FILE.npy]"
+  std::string usage; ///< positional part of the synopsis, e.g. "[FILE.npy]"
   std::string description;
   std::vector<OptionSpec> options;
   int max_positional = 0;
   std::function<int(const Args &, std::ostream &out, std::ostream &err)> run;
 };
+
+/// The flags of a schema's options (`skip`: keys the command handles itself). A bool option `x` takes `--x`
+/// (true) and `--no-x` (false); the others take one value.
+template <class T>
+std::vector<OptionSpec> schema_specs(const config::Schema<T> &s, const T &defaults = T{},
+                                     std::initializer_list<std::string_view> skip = {}) {
+  std::vector<OptionSpec> out;
+  for (const auto &o : s.options()) {
+    if (std::find(skip.begin(), skip.end(), o.key) != skip.end()) continue;
+    const json::Value d = o.get(defaults);
+    std::string help = o.help, fallback;
+    if (o.type == config::Type::integer || o.type == config::Type::number) help += " " + o.range_text();
+    if (o.type == config::Type::choice) help += ": " + o.range_text();
+    if (d.is_string())
+      fallback = d.as_string();
+    else if (d.is_bool())
+      fallback = d.as_bool() ? "true" : "false";
+    else if (d.is_integer())
+      fallback = std::to_string(d.as_integer());
+    else
+      fallback = config::number_text(d.as_double());
+    if (o.type == config::Type::boolean) {
+      out.push_back({o.flag, "", help + " [" + o.key + "]", fallback, "--[no-]" + o.flag, false});
+      out.push_back({"no-" + o.flag, "", "", "", "", true});
+    } else {
+      out.push_back({o.flag, o.metavar, help + " [" + o.key + "]", fallback, "", false});
+    }
+  }
+  return out;
+}
+
+/// The schema options given on the command line, as a document keyed like a config file (read it as the
+/// layer rooted "--" so that messages name the flag). Bad values are usage errors.
+template <class T>
+json::Value schema_overrides(const config::Schema<T> &s, const Args &a,
+                             std::initializer_list<std::string_view> skip = {}) {
+  std::vector<std::pair<std::string, std::string>> given;
+  for (const auto &o : s.options()) {
+    if (std::find(skip.begin(), skip.end(), o.key) != skip.end()) continue;
+    if (o.type == config::Type::boolean) {
+      if (a.flag(o.flag) && a.flag("no-" + o.flag))
+        throw UsageError{"--" + o.flag + " and --no-" + o.flag + " contradict each other"};
+      if (a.flag(o.flag)) given.emplace_back(o.flag, "true");
+      if (a.flag("no-" + o.flag)) given.emplace_back("no-" + o.flag, "");
+    } else if (a.has(o.flag)) {
+      given.emplace_back(o.flag, a.str(o.flag));
+    }
+  }
+  try {
+    return s.flags_document(given);
+  } catch (const Error &e) {
+    throw UsageError{e.what()};
+  }
+}
 
 std::vector<Command> &command_table();
 bool register_command(Command c);

@@ -115,13 +115,14 @@ void print_command_help(std::ostream &os, const Command &c) {
   if (!c.options.empty()) {
     os << "\noptions:\n";
     for (const auto &o : c.options) {
-      std::string left = "  --" + o.name + (o.value.empty() ? "" : " " + o.value);
-      os << std::left << std::setw(30) << left << " " << o.help;
+      if (o.hidden) continue;
+      const std::string left = "  " + (o.label.empty() ? "--" + o.name + (o.value.empty() ? "" : " " + o.value) : o.label);
+      os << std::left << std::setw(30) << left << (left.size() >= 30 ? "\n" + std::string(31, ' ') : " ") << o.help;
       if (!o.fallback.empty()) os << " (default: " << o.fallback << ")";
       os << "\n";
     }
   }
-  os << "  --help                         show this help\n";
+  os << std::left << std::setw(30) << "  --help" << " show this help\n";
 }
 
 namespace {

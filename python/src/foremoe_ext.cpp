@@ -7,6 +7,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -17,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "foremoe/config/documents.hpp"
 #include "foremoe/foremoe.hpp"
 #include "foremoe/plan/token_map.hpp"
 
@@ -177,6 +179,9 @@ struct PyPlan {
   std::vector<double> imbalance;           // [L]
   std::vector<std::int64_t> max_gpu_load;  // [L]
   double planner_seconds = 0;
+  std::shared_ptr<const fm::StepPlan> step; ///< the step this micro-step's plans belong to
+  std::size_t index = 0;                    ///< its micro-step in `step`
+  std::string strategy;                     ///< of the planner that made it
 
   PyPlan(const fm::Topology &t, int num_experts, const std::vector<fm::LayerPlan> &layers)
       : topo(t), L(static_cast<int>(layers.size())), G(t.num_gpus()), S(t.slots_per_gpu), E(num_experts) {
@@ -319,26 +324,11 @@ struct PyPlanner {
   }
 };
 
-PyPlanner make_planner(const fm::Topology &topo, const std::string &strategy, const std::string &mode,
-                       std::optional<int> move_budget, int threads, bool hierarchical_owners, int local_search_rounds,
-                       int eplb_num_groups, bool exact_split, bool reowning_free) {
+/// A planner from `options`: JSON text of `planner_schema()` keys (Python's keyword arguments).
+PyPlanner make_planner(const fm::Topology &topo, const std::string &options) {
   topo.validate();
   PyPlanner p{topo, {}, nullptr, 0};
-  p.opts.strategy = fm::parse_strategy(strategy);
-  p.opts.mode = fm::parse_plan_mode(mode);
-  if (move_budget) {
-    require(*move_budget >= 0, "Planner: move_budget must be >= 0 or None, got ", *move_budget);
-    p.opts.move_budget = *move_budget;
-  }
-  require(threads >= 1, "Planner: threads must be >= 1, got ", threads);
-  p.opts.num_threads = threads;
-  p.opts.hierarchical_owners = hierarchical_owners;
-  require(local_search_rounds >= 0, "Planner: local_search_rounds must be >= 0, got ", local_search_rounds);
-  p.opts.local_search_rounds = local_search_rounds;
-  require(eplb_num_groups >= 1, "Planner: eplb_num_groups must be >= 1, got ", eplb_num_groups);
-  p.opts.eplb_num_groups = eplb_num_groups;
-  p.opts.exact_split = exact_split;
-  p.opts.reowning_free = reowning_free;
+  fm::config::planner_schema().read(p.opts, fm::json::parse(options, "Planner"), "Planner");
   return p;
 }
 
@@ -387,12 +377,15 @@ std::vector<PyPlan> plan_step(PyPlanner &self, const RoLoads &loads, const PyPla
   const fm::LoadTensor t = load_tensor(loads);
   fm::Planner &p = self.get(L, E);
   const fm::Placement *res = check_resident(resident, self.topo, L, E);
-  const fm::StepPlan sp = p.plan_step(t, res, prev, stage);
-  self.last_planner_seconds = sp.planner_seconds;
-  out.reserve(sp.micro_steps.size());
-  for (const auto &layers : sp.micro_steps) {
-    out.emplace_back(self.topo, E, layers);
-    out.back().planner_seconds = sp.planner_seconds;
+  const auto sp = std::make_shared<const fm::StepPlan>(p.plan_step(t, res, prev, stage));
+  self.last_planner_seconds = sp->planner_seconds;
+  out.reserve(sp->micro_steps.size());
+  for (std::size_t m = 0; m < sp->micro_steps.size(); ++m) {
+    out.emplace_back(self.topo, E, sp->micro_steps[m]);
+    out.back().planner_seconds = sp->planner_seconds;
+    out.back().step = sp;
+    out.back().index = m;
+    out.back().strategy = self.opts.strategy;
   }
   return out;
 }
@@ -561,180 +554,67 @@ nb::dict synthetic_loads(const nb::dict &config, bool by_source) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// simulate: the same configuration, defaults and result keys as `foremoe simulate [--config] --json`.
+// Schema-driven entry points: the same reader, defaults, messages and documents as the `foremoe` program.
 
-fm::SyntheticConfig default_batch() {
-  fm::SyntheticConfig b;
-  b.num_steps = 2;
-  b.prompts_per_step = 256;
-  b.microbatch_tokens_per_gpu = 8192;
-  return b;
+using Flags = std::vector<std::pair<std::string, std::string>>;
+
+/// The simulate settings from a config document (JSON text, named "config") and command-line style flags.
+fm::config::SimulateSettings simulate_settings(const std::optional<std::string> &config, const Flags &flags) {
+  const auto &schema = fm::config::simulate_schema();
+  const fm::json::Value file = config ? fm::json::parse(*config, "config") : fm::json::Value(fm::json::Object{});
+  const fm::json::Value cli = schema.flags_document(flags);
+  const fm::config::Schema<fm::config::SimulateSettings>::Layer layers[] = {{&file, "config"}, {&cli, "--"}};
+  return fm::config::simulate_settings(layers);
 }
 
-void apply_sim_config(const nb::dict &j, fm::SimConfig &cfg, fm::SyntheticConfig &batch) {
-  const std::string w = "config";
-  if (j.contains("model")) {
-    const nb::dict m = sub(j, "model", w);
-    const std::string wm = w + ".model";
-    check_keys(m, {"layers", "experts", "topk", "hidden", "expert_ffn", "dtype"}, wm);
-    get(m, "layers", cfg.model.num_layers, wm);
-    get(m, "experts", cfg.model.num_experts, wm);
-    get(m, "topk", cfg.model.topk, wm);
-    get(m, "hidden", cfg.model.hidden, wm);
-    get(m, "expert_ffn", cfg.model.expert_ffn, wm);
-    std::string d;
-    get(m, "dtype", d, wm);
-    if (!d.empty()) cfg.model.dtype = fm::parse_weight_dtype(d);
-  }
-  if (j.contains("topology")) {
-    const nb::dict t = sub(j, "topology", w);
-    const std::string wt = w + ".topology";
-    check_keys(t, {"nodes", "gpus_per_node", "slots"}, wt);
-    get(t, "nodes", cfg.topo.num_nodes, wt);
-    get(t, "gpus_per_node", cfg.topo.gpus_per_node, wt);
-    get(t, "slots", cfg.topo.slots_per_gpu, wt);
-  }
-  if (j.contains("batch")) {
-    const nb::dict b = sub(j, "batch", w);
-    const std::string wb = w + ".batch";
-    check_keys(b, {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "seed", "skew",
-                   "persistence"},
-               wb);
-    get(b, "steps", batch.num_steps, wb);
-    get(b, "prompts", batch.prompts_per_step, wb);
-    get(b, "responses", batch.responses_per_prompt, wb);
-    get(b, "prompt_mean", batch.prompt_length.mean, wb);
-    get(b, "response_mean", batch.response_length.mean, wb);
-    get(b, "microbatch_tokens", batch.microbatch_tokens_per_gpu, wb);
-    get(b, "seed", batch.seed, wb);
-    get(b, "skew", batch.skew, wb);
-    get(b, "persistence", batch.persistence, wb);
-  }
-  if (j.contains("sim")) {
-    const nb::dict s = sub(j, "sim", w);
-    const std::string ws = w + ".sim";
-    check_keys(s, {"recompute_passes", "minibatches_per_step", "optimizer_seconds", "rollout_seconds", "double_buffer",
-                   "reowning_free", "move_budget"},
-               ws);
-    get(s, "recompute_passes", cfg.recompute_passes, ws);
-    get(s, "minibatches_per_step", cfg.minibatches_per_step, ws);
-    get(s, "optimizer_seconds", cfg.optimizer_seconds, ws);
-    get(s, "rollout_seconds", cfg.rollout_seconds, ws);
-    get(s, "double_buffer", cfg.double_buffer, ws);
-    get(s, "reowning_free", cfg.reowning_free, ws);
-    get(s, "move_budget", cfg.move_budget, ws);
-  }
-  if (j.contains("cost")) {
-    const nb::dict c = sub(j, "cost", w);
-    const std::string wc = w + ".cost";
-    check_keys(c, {"backward_factor", "dense_per_token_us", "a2a_intra_gb_per_s", "a2a_inter_gb_per_s",
-                   "move_intra_gb_per_s", "move_inter_gb_per_s", "move_host_gb_per_s"},
-               wc);
-    get(c, "backward_factor", cfg.cost.backward_factor, wc);
-    get(c, "dense_per_token_us", cfg.cost.dense.per_token_us, wc);
-    get(c, "a2a_intra_gb_per_s", cfg.cost.a2a.intra_gb_per_s, wc);
-    get(c, "a2a_inter_gb_per_s", cfg.cost.a2a.inter_gb_per_s, wc);
-    get(c, "move_intra_gb_per_s", cfg.cost.move.gpu_intra.gb_per_s, wc);
-    get(c, "move_inter_gb_per_s", cfg.cost.move.gpu_inter.gb_per_s, wc);
-    get(c, "move_host_gb_per_s", cfg.cost.move.host.gb_per_s, wc);
-  }
-}
-
-nb::dict simulate(std::optional<nb::dict> config, std::optional<RoLoads> loads_arr, std::optional<RoI64> step_offsets,
-                  const std::vector<std::string> &strategy_names) {
-  nb::dict j = config ? *config : nb::dict();
-  check_keys(j,
-             {"preset", "model", "topology", "batch", "sim", "cost", "steps", "nodes", "gpus_per_node", "slots", "seed",
-              "threads", "double_buffer"},
-             "config");
-  fm::SimConfig cfg;
-  fm::SyntheticConfig batch = default_batch();
-  std::string preset = "qwen3-30b-a3b";
-  get(j, "preset", preset, "config");
-  if (preset == "deepseek-v3") {
-    cfg.model = fm::deepseek_v3(fm::WeightDtype::fp8);
-    cfg.topo = fm::Topology{8, 8, 5};
-    const fm::SyntheticConfig ds = fm::SyntheticConfig::deepseek_v3();
-    batch.num_layers = ds.num_layers;
-    batch.num_experts = ds.num_experts;
-    batch.topk = ds.topk;
-    batch.skew = ds.skew;
-    batch.prompts_per_step = 128;
-  } else {
-    require(preset == "qwen3-30b-a3b", "config.preset must be qwen3-30b-a3b or deepseek-v3, got '", preset, "'");
-  }
-  apply_sim_config(j, cfg, batch);
-  get(j, "nodes", cfg.topo.num_nodes, "config");
-  get(j, "gpus_per_node", cfg.topo.gpus_per_node, "config");
-  get(j, "slots", cfg.topo.slots_per_gpu, "config");
-  get(j, "steps", batch.num_steps, "config");
-  get(j, "seed", batch.seed, "config");
-  get(j, "threads", cfg.planner_threads, "config");
-  bool db = false;
-  get(j, "double_buffer", db, "config");
-  cfg.double_buffer = cfg.double_buffer || db;
-  batch.num_layers = cfg.model.num_layers;
-  batch.num_experts = cfg.model.num_experts;
-  batch.topk = cfg.model.topk;
-  batch.num_gpus = cfg.topo.num_gpus();
-  cfg.validate();
-
-  std::vector<fm::SimStrategy> strategies;
-  for (const std::string &s : strategy_names) strategies.push_back(fm::parse_sim_strategy(s));
-  require(!strategies.empty(), "simulate: strategies lists no strategy");
-
-  std::vector<fm::SimResult> res;
+std::string simulate(const std::optional<std::string> &config, const Flags &flags, std::optional<RoLoads> loads_arr,
+                     std::optional<RoI64> step_offsets) {
+  const fm::config::SimulateSettings s = simulate_settings(config, flags);
+  nb::gil_scoped_release nogil;
   fm::LoadTensor loads;
   std::vector<std::int64_t> steps;
-  {
-    nb::gil_scoped_release nogil;
-    if (loads_arr) {
-      loads = load_tensor(*loads_arr);
-      const auto so = span_of(step_offsets);
-      steps.assign(so.begin(), so.end());
-    } else {
-      require(!step_offsets, "simulate: step_offsets need loads (the generator makes its own)");
-      batch.validate();
-      loads = fm::generate_loads(batch, &steps);
-    }
-    res = fm::simulate(cfg, loads, steps, strategies);
+  if (loads_arr) {
+    loads = load_tensor(*loads_arr);
+    const auto so = span_of(step_offsets);
+    steps.assign(so.begin(), so.end());
+  } else {
+    require(!step_offsets, "simulate: step_offsets need loads (the generator makes its own)");
   }
-  auto find = [&](const char *name) -> const fm::SimResult * {
-    for (const auto &r : res)
-      if (r.strategy == name) return &r;
-    return nullptr;
-  };
-  const fm::SimResult *base_static = find("static"), *base_eplb = find("eplb");
-  nb::dict out;
-  out["nodes"] = cfg.topo.num_nodes;
-  out["gpus_per_node"] = cfg.topo.gpus_per_node;
-  out["slots"] = cfg.topo.slots_per_gpu;
-  out["num_layers"] = cfg.model.num_layers;
-  out["num_experts"] = cfg.model.num_experts;
-  out["num_steps"] = steps.empty() ? 1 : static_cast<int>(steps.size() - 1);
-  out["num_micro_steps"] = loads.num_micro_steps();
-  nb::list list;
-  for (const auto &r : res) {
-    nb::dict d;
-    d["strategy"] = r.strategy;
-    d["step_seconds"] = r.step_seconds;
-    d["recompute_seconds"] = r.recompute_seconds;
-    d["update_seconds"] = r.update_seconds;
-    d["end_to_end_seconds"] = r.end_to_end_seconds;
-    d["imbalance_median"] = r.imbalance_median;
-    d["imbalance_p99"] = r.imbalance_p99;
-    d["moved_gb"] = r.moved_gb;
-    d["grad_gb"] = r.grad_gb;
-    d["stall_seconds"] = r.stall_seconds;
-    d["mirror_refresh_seconds"] = r.mirror_seconds;
-    d["planner_seconds"] = r.planner_seconds;
-    d["speedup_over_static"] = base_static ? base_static->step_seconds / r.step_seconds : 0.0;
-    d["speedup_over_eplb"] = base_eplb ? base_eplb->step_seconds / r.step_seconds : 0.0;
-    d["micro_step_layer_seconds"] = nb::cast(r.layer_seconds);
-    list.append(d);
+  return fm::json::dump(fm::config::run_simulate(s, loads_arr ? &loads : nullptr, steps));
+}
+
+/// (summary line, table or CSV) of a simulate document, as `foremoe simulate` prints them.
+nb::tuple simulate_text(const std::optional<std::string> &config, const Flags &flags, const std::string &doc,
+                        bool csv) {
+  const fm::json::Value d = fm::json::parse(doc, "simulate document");
+  const fm::config::SimulateSettings s = simulate_settings(config, flags);
+  return nb::make_tuple(fm::config::simulate_summary(s, d),
+                        csv ? fm::config::simulate_csv(d) : fm::config::simulate_table(d));
+}
+
+std::string options(const std::string &command) {
+  if (command == "simulate") return fm::json::dump(fm::config::simulate_schema().describe());
+  if (command == "plan") return fm::json::dump(fm::config::plan_schema().describe());
+  if (command == "planner") return fm::json::dump(fm::config::planner_schema().describe());
+  fail("options: unknown command '", command, "' (expected simulate, plan or planner)");
+}
+
+std::string plan_settings(const Flags &flags) {
+  fm::config::PlanSettings s;
+  fm::config::plan_schema().read(s, fm::config::plan_schema().flags_document(flags), "--");
+  return fm::json::dump(fm::config::plan_schema().write(s));
+}
+
+std::string plan_document(const std::vector<const PyPlan *> &plans) {
+  require(!plans.empty(), "plan_document: no plans");
+  const PyPlan &first = *plans.front();
+  std::vector<std::vector<fm::LayerPlan>> micro;
+  for (const PyPlan *p : plans) {
+    require(p->step != nullptr, "plan_document: a plan without its step");
+    micro.push_back(p->step->micro_steps[p->index]);
   }
-  out["strategies"] = list;
-  return out;
+  const fm::config::PlanHeader h{first.strategy, first.topo, first.L, first.E, first.planner_seconds};
+  return fm::json::dump(fm::config::plan_document(h, micro));
 }
 
 } // namespace
@@ -840,12 +720,9 @@ NB_MODULE(_core, m) {
            "allow_network"_a = true);
 
   nb::class_<PyPlanner>(m, "Planner")
-      .def(nb::new_(&make_planner), "topology"_a, "strategy"_a, "mode"_a, "move_budget"_a.none(), "threads"_a,
-           "hierarchical_owners"_a, "local_search_rounds"_a, "eplb_num_groups"_a, "exact_split"_a = false,
-           "reowning_free"_a = true)
+      .def(nb::new_(&make_planner), "topology"_a, "options"_a)
       .def_prop_ro("topology", [](const PyPlanner &p) { return p.topo; })
-      .def_prop_ro("strategy", [](const PyPlanner &p) { return std::string(fm::to_string(p.opts.strategy)); })
-      .def_prop_ro("mode", [](const PyPlanner &p) { return std::string(fm::to_string(p.opts.mode)); })
+      .def_prop_ro("strategy", [](const PyPlanner &p) { return p.opts.strategy; })
       .def_prop_ro("move_budget",
                    [](const PyPlanner &p) -> std::optional<int> {
                      if (p.opts.move_budget < 0) return std::nullopt;
@@ -856,7 +733,29 @@ NB_MODULE(_core, m) {
       .def("plan_step", &plan_step, "loads"_a, "resident"_a.none(), "previous_loads"_a.none(), "stage"_a)
       .def("_bench_cpp_plan", &bench_cpp_plan, "loads"_a, "resident"_a.none(), "iters"_a);
 
-  m.def("simulate", &simulate, "config"_a.none(), "loads"_a.none(), "step_offsets"_a.none(), "strategies"_a);
+  m.def("simulate", &simulate, "config"_a.none(), "flags"_a, "loads"_a.none(), "step_offsets"_a.none());
+  m.def("simulate_settings",
+        [](const std::optional<std::string> &config, const Flags &flags) {
+          return fm::json::dump(fm::config::simulate_schema().write(simulate_settings(config, flags)), 2);
+        },
+        "config"_a.none(), "flags"_a);
+  m.def("simulate_text", &simulate_text, "config"_a.none(), "flags"_a, "doc"_a, "csv"_a);
+  m.def("options", &options, "command"_a);
+  m.def("strategy_names", [] {
+    std::vector<std::string> out;
+    for (const fm::StrategyInfo *s : fm::strategies()) out.push_back(s->name);
+    return out;
+  }, "The registered planner strategies in listing order.");
+  m.def("plan_settings", &plan_settings, "flags"_a);
+  m.def("plan_document", &plan_document, "plans"_a);
+  m.def("placement_document", [](const PyPlacement &p) {
+    return fm::json::dump(fm::config::placement_document(p.topo, p.placement));
+  }, "placement"_a);
+  m.def("read_placement", [](const std::string &text, const std::string &source, const fm::Topology &topo,
+                             int num_layers, int num_experts) {
+    const fm::json::Value j = fm::json::parse(text, source);
+    return PyPlacement{topo, num_experts, fm::config::read_placement(j, source, topo, num_layers, num_experts)};
+  }, "text"_a, "source"_a, "topology"_a, "num_layers"_a, "num_experts"_a);
   m.def("synthetic_trace", &synthetic_trace, "config"_a);
   m.def("synthetic_loads", &synthetic_loads, "config"_a, "by_source"_a);
 }

@@ -121,11 +121,13 @@ def test_bad_loads(make, match):
 
 def test_bad_options_and_resident():
     topo = foremoe.Topology(**TOPO)
-    with pytest.raises(ValueError, match="unknown strategy 'greedy'"):
+    with pytest.raises(ValueError, match=r"unknown strategy 'greedy' \(registered: static, eplb, eplb-oracle, foremoe, "
+                       "foremoe-free"):
         foremoe.Planner(topo, strategy="greedy")
-    with pytest.raises(ValueError, match="unknown plan mode 'x'"):
-        foremoe.Planner(topo, mode="x")
-    with pytest.raises(ValueError, match="threads must be >= 1"):
+    with pytest.raises(ValueError, match="Planner: unknown key 'mode'"):
+        foremoe.Planner(topo, mode="free")
+    assert foremoe.STRATEGIES[:5] == ("static", "eplb", "eplb-oracle", "foremoe", "foremoe-free")
+    with pytest.raises(ValueError, match=r"Planner.threads: must be in \[1, 1024\], got 0"):
         foremoe.Planner(topo, threads=0)
     with pytest.raises(ValueError, match="unknown stage 'train'"):
         foremoe.Planner(topo).plan(loads_mle()[0], stage="train")

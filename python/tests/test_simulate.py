@@ -15,6 +15,10 @@ CFG = {
 }
 
 
+def seeded(seed):
+    return dict(CFG, batch=dict(CFG["batch"], seed=seed))
+
+
 def strip(doc):
     for s in doc["strategies"]:
         s.pop("planner_seconds")
@@ -22,7 +26,7 @@ def strip(doc):
 
 
 def test_simulate_keys_and_values():
-    r = foremoe.simulate(dict(CFG, seed=3))
+    r = foremoe.simulate(seeded(3))
     assert [s["strategy"] for s in r["strategies"]] == list(foremoe.SIM_STRATEGIES)
     assert r["num_layers"] == 4 and r["num_steps"] == 2
     ideal = r["strategies"][-1]
@@ -37,7 +41,7 @@ def test_simulate_matches_cli(cli, tmp_path):
     subprocess.run([cli, "simulate", "--config", str(cfg), "--seed", "3", "--json", str(out)], check=True,
                    capture_output=True)
     ref = strip(json.loads(out.read_text()))
-    got = strip(foremoe.simulate(dict(CFG, seed=3)))
+    got = strip(foremoe.simulate(seeded(3)))
     assert set(got) == set(ref)
     assert [set(s) for s in got["strategies"]] == [set(s) for s in ref["strategies"]]
     assert got == ref
@@ -64,9 +68,11 @@ def test_simulate_given_loads_matches_cli(cli, tmp_path):
 
 @pytest.mark.parametrize("cfg, match", [
     ({"modle": {}}, "config: unknown key 'modle'"),
-    ({"model": {"layers": "4"}}, r"config.model.layers: expected an integer, got '4'"),
+    ({"model": {"layers": "4"}}, r'config.model.layers: expected an integer, got "4"'),
+    ({"model": {"layers": 4.0}}, r"config.model.layers: expected an integer, got 4.0"),
     ({"topology": {"slots": 1}}, "slots cannot hold all 128 experts"),
-    ({"preset": "gpt"}, "preset must be qwen3-30b-a3b or deepseek-v3"),
+    ({"topology": {"slots": 2**32 + 5}}, r"config.topology.slots: must be in \[1, 16384\], got 4294967301"),
+    ({"preset": "gpt"}, "config.preset: must be one of qwen3-30b-a3b, deepseek-v3, got 'gpt'"),
 ])
 def test_bad_config(cfg, match):
     with pytest.raises(ValueError, match=match):
@@ -78,3 +84,11 @@ def test_bad_strategy_and_loads():
         foremoe.simulate(CFG, strategies="best")
     with pytest.raises(ValueError, match="loads are 2 layers x 16 experts, the model has 4 x 16"):
         foremoe.simulate(CFG, np.ones((3, 2, 16), dtype=np.int64), strategies="static")
+
+
+def test_simulate_config_round_trip():
+    full = foremoe.simulate_config(CFG)
+    assert full["model"]["layers"] == 4 and len(full["cost"]) == 18
+    assert foremoe.simulate_config(full) == full
+    assert strip(foremoe.simulate(full, strategies="static,foremoe")) == strip(
+        foremoe.simulate(CFG, strategies="static,foremoe"))

@@ -26,6 +26,7 @@
 #include <functional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
@@ -75,20 +76,22 @@ struct SimConfig {
   }
 };
 
-/// A simulated strategy: a planner strategy or the physical limit.
+/// A simulated strategy: a registered planner strategy or the physical limit ("ideal").
 struct SimStrategy {
-  std::string name;
+  std::string name; ///< the registered name, or "ideal"
   bool ideal = false;
-  Strategy strategy = Strategy::foremoe;
-  PlanMode mode = PlanMode::two_level;
 };
 
-/// Parses "static", "eplb", "eplb-oracle", "foremoe", "foremoe-free" or "ideal".
+/// Registered strategy names in listing order, then "ideal", joined by `sep`.
+[[nodiscard]] inline std::string sim_strategy_names(std::string_view sep = ", ") {
+  return strategy_names(sep) + std::string(sep) + "ideal";
+}
+
+/// Parses "ideal" or a registered strategy name; throws `Error` naming the value and the accepted ones.
 [[nodiscard]] inline SimStrategy parse_sim_strategy(std::string_view s) {
-  if (s == "ideal") return {"ideal", true, Strategy::foremoe, PlanMode::free};
-  SimStrategy out{std::string(s), false, parse_strategy(s), PlanMode::two_level};
-  out.name = std::string(to_string(out.strategy));
-  return out;
+  if (s == "ideal") return {"ideal", true};
+  if (const StrategyInfo *info = lookup_strategy(s)) return {info->name, false};
+  detail::fail("unknown strategy '", s, "' (registered: ", sim_strategy_names(), ")");
 }
 
 /// Results of one strategy over all simulated steps.
@@ -258,8 +261,7 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
     double total_recompute = 0, total_update = 0, total_stall = 0, total_moved = 0, total_grad = 0,
            total_planner = 0, total_extra = 0, total_mirror = 0;
     PlannerOptions popts;
-    popts.strategy = strat.strategy;
-    popts.mode = strat.mode;
+    popts.strategy = strat.ideal ? "foremoe-free" : strat.name; // "ideal" plans nothing
     popts.num_threads = cfg.planner_threads;
     popts.move_budget = cfg.move_budget;
     popts.reowning_free = cfg.reowning_free; // paid re-owning: the planner keeps owners where it can

@@ -11,6 +11,7 @@ Bad input raises ``ValueError`` with the C++ library's message.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -28,16 +29,49 @@ __all__ = [
     "SIM_STRATEGIES",
     "Topology",
     "count_loads",
+    "options",
+    "plan_document",
     "simulate",
+    "simulate_config",
     "synthetic_loads",
     "synthetic_trace",
     "__version__",
 ]
 
-#: Planner strategies (as on the command line).
-STRATEGIES = ("static", "eplb", "eplb-oracle", "foremoe", "foremoe-free")
+#: Planner strategies (as on the command line), from the C++ registry in listing order.
+STRATEGIES = tuple(_core.strategy_names())
 #: Simulator strategies: the planner's plus ``ideal`` (every layer perfectly balanced, moves free).
 SIM_STRATEGIES = STRATEGIES + ("ideal",)
+
+
+
+def options(command: str = "simulate") -> List[Dict[str, Any]]:
+    """The option schema of a front end, from the C++ library: ``simulate`` (the config of :func:`simulate`
+    and ``foremoe simulate``), ``planner`` (the keywords of :class:`Planner`) or ``plan`` (``foremoe plan``).
+
+    Each entry: ``key`` (JSON path, e.g. ``topology.slots``), ``flag`` (command-line name), ``type``
+    (int, float, bool, string, enum), ``default``, ``min``/``max`` (numbers), ``choices`` (enums), ``help``.
+    """
+    return json.loads(_core.options(str(command)))
+
+
+def _plain(x: Any) -> Any:
+    """Mappings, sequences and NumPy scalars as plain JSON-able Python values."""
+    if isinstance(x, Mapping):
+        return {str(k): _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    return x
+
+
+def _json(x: Any) -> str:
+    try:
+        return json.dumps(_plain(x), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"config is not JSON: {e}") from None
+
 
 _ID_DTYPES = (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64)
 
@@ -138,17 +172,13 @@ class Planner:
 
     Args:
         topology: a :func:`Topology`.
-        strategy: ``foremoe`` (default), ``foremoe-free``, ``eplb``, ``eplb-oracle`` or ``static``.
-        mode: ``two-level`` (step-level owners + replicas in spare slots) or ``free``.
-        move_budget: new replicas per GPU per micro-step; ``None``: the spare slots.
-        threads: planning threads over layers (plans do not depend on the count).
-        hierarchical_owners: owners placed nodes first, then GPUs in each node.
-        local_search_rounds: replica local-search rounds per layer.
-        eplb_num_groups: expert groups for EPLB.
-        exact_split: re-split every two-level plan exactly (plans from a resident placement otherwise keep the
-            search's own split, at most 0.05% above the best makespan it met).
-        reowning_free: a new owner map costs nothing (colocated trainers); ``False`` keeps the previous step's
-            owners unless they are more than 5% worse than a fresh plan.
+        strategy, move_budget, threads and the keyword options: the planner options of
+        ``foremoe.options("planner")`` (the same keys, defaults, ranges and messages as ``foremoe plan``):
+        ``strategy`` (one of :data:`STRATEGIES`: ``foremoe``, the default, is two-level: step-level owners +
+        replicas in spare slots; ``foremoe-free`` lets any slot hold anything), ``move_budget`` (new replicas per GPU per micro-step; ``None``: the spare
+        slots), ``threads``, ``hierarchical_owners``, ``reowning_free``, ``owner_keep_tolerance``,
+        ``local_search_rounds``, ``free_search_rounds``, ``exact_split``, ``eplb_num_groups``.
+        ``None`` (or leaving one out) takes the library's default.
 
     One planner object is not safe for concurrent calls; use one per thread.
     """
@@ -156,28 +186,18 @@ class Planner:
     def __init__(
         self,
         topology: Topology,
-        strategy: str = "foremoe",
-        mode: str = "two-level",
+        strategy: Optional[str] = None,
         move_budget: Optional[int] = None,
-        threads: int = 1,
-        *,
-        hierarchical_owners: bool = True,
-        local_search_rounds: int = 4,
-        eplb_num_groups: int = 1,
-        exact_split: bool = False,
-        reowning_free: bool = True,
+        threads: Optional[int] = None,
+        **options: Any,
     ) -> None:
         if not isinstance(topology, Topology):
             raise ValueError(f"Planner: topology must be a foremoe.Topology, got {type(topology).__name__}")
-        self._core = _core.Planner(
-            topology, str(strategy), str(mode), None if move_budget is None else int(move_budget), int(threads),
-            bool(hierarchical_owners), int(local_search_rounds), int(eplb_num_groups), bool(exact_split),
-            bool(reowning_free),
-        )
+        given = dict(strategy=strategy, move_budget=move_budget, threads=threads, **options)
+        self._core = _core.Planner(topology, _json({k: v for k, v in given.items() if v is not None}))
         self.topology = topology
 
     strategy = property(lambda self: self._core.strategy, doc="Strategy name.")
-    mode = property(lambda self: self._core.mode, doc="Plan mode name.")
     move_budget = property(lambda self: self._core.move_budget, doc="New replicas per GPU per micro-step or None.")
     threads = property(lambda self: self._core.threads, doc="Planning threads.")
     last_planner_seconds = property(lambda self: self._core.last_planner_seconds,
@@ -222,7 +242,16 @@ class Planner:
     def __repr__(self) -> str:
         t = self.topology
         return (f"Planner(Topology({t.nodes}, {t.gpus_per_node}, {t.slots}), strategy={self.strategy!r}, "
-                f"mode={self.mode!r}, move_budget={self.move_budget!r}, threads={self.threads})")
+                f"move_budget={self.move_budget!r}, threads={self.threads})")
+
+
+def _simulate_config(config: Optional[Mapping[str, Any]], strategies: Union[None, str, Sequence[str]]) -> Optional[str]:
+    if config is not None and not isinstance(config, Mapping):
+        raise ValueError(f"simulate: config must be a dict or None, got {type(config).__name__}")
+    cfg = {} if config is None else _plain(config)
+    if strategies is not None:
+        cfg["strategies"] = strategies if isinstance(strategies, str) else ",".join(str(s) for s in strategies)
+    return _json(cfg)
 
 
 def simulate(
@@ -234,37 +263,35 @@ def simulate(
     """Replays RL steps on a modelled cluster and compares strategies, as ``foremoe simulate --json``.
 
     Args:
-        config: the keys of ``foremoe simulate --config FILE.json`` (``model``,
-            ``topology``, ``batch``, ``sim``, ``cost``) plus the command-line
-            settings ``preset`` (``qwen3-30b-a3b`` or ``deepseek-v3``), ``steps``,
-            ``nodes``, ``gpus_per_node``, ``slots``, ``seed``, ``threads``,
-            ``double_buffer``. ``None``: the command's defaults.
+        config: the document ``foremoe simulate --config FILE.json`` reads (any subset of what
+            ``foremoe simulate --print-config`` or :func:`simulate_config` writes: ``preset``, ``strategies``,
+            ``model``, ``topology``, ``batch``, ``sim``, ``cost``; keys in :func:`options`). Read by the same C++
+            reader, so a config is accepted or refused with the same message. ``None``: the defaults.
         loads: ``[M, L, E]`` per-micro-step loads instead of the synthetic batch.
         step_offsets: ``[S + 1]`` micro-step offsets of the RL steps in ``loads``.
-        strategies: names (list or comma-separated); default all of :data:`SIM_STRATEGIES`.
+        strategies: names (list or comma-separated), overriding ``config["strategies"]``.
 
     Returns:
-        The JSON document ``foremoe simulate --json`` writes, as a dict.
+        The JSON document ``foremoe simulate --json`` writes, parsed.
     """
-    if strategies is None:
-        names = list(SIM_STRATEGIES)
-    elif isinstance(strategies, str):
-        names = [s for s in strategies.split(",") if s]
-    else:
-        names = [str(s) for s in strategies]
-    if config is not None and not isinstance(config, Mapping):
-        raise ValueError(f"simulate: config must be a dict or None, got {type(config).__name__}")
-    cfg = None if config is None else _plain_dict(config)
+    cfg = _simulate_config(config, strategies)
     arr = None
     if loads is not None:
         arr = _int64_loads(loads, "loads")
         if arr.ndim != 3:
             raise ValueError(f"simulate: loads must be [micro_steps, layers, experts], got shape {arr.shape}")
-    return _core.simulate(cfg, arr, _offsets(step_offsets, "step_offsets"), names)
+    return json.loads(_core.simulate(cfg, [], arr, _offsets(step_offsets, "step_offsets")))
 
 
-def _plain_dict(m: Mapping[str, Any]) -> Dict[str, Any]:
-    return {k: (_plain_dict(v) if isinstance(v, Mapping) else v) for k, v in m.items()}
+def simulate_config(config: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """The full effective settings of :func:`simulate` for ``config`` (``foremoe simulate --print-config``)."""
+    return json.loads(_core.simulate_settings(_simulate_config(config, None), []))
+
+
+def plan_document(plans: Union[Plan, Sequence[Plan]]) -> Dict[str, Any]:
+    """The PLAN.json document (``foremoe plan --out``) of the plans of one :meth:`Planner.plan` call."""
+    ps = [plans] if isinstance(plans, Plan) else list(plans)
+    return json.loads(_core.plan_document(ps))
 
 
 def synthetic_trace(**config: Any) -> Dict[str, Any]:
@@ -285,7 +312,7 @@ def synthetic_trace(**config: Any) -> Dict[str, Any]:
         ``source_offsets``, ``step_offsets`` (in micro-steps),
         ``sequence_offsets``, ``num_experts`` and ``num_sources``.
     """
-    return _core.synthetic_trace(_plain_dict(config))
+    return _core.synthetic_trace(_plain(config))
 
 
 def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]:
@@ -295,4 +322,4 @@ def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]
         dict with ``loads`` ``[M, L, E]`` int64, ``loads_by_source``
         (``[M, L, E, num_gpus]`` when ``by_source``, else None) and ``step_offsets``.
     """
-    return _core.synthetic_loads(_plain_dict(config), bool(by_source))
+    return _core.synthetic_loads(_plain(config), bool(by_source))

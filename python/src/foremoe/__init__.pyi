@@ -28,21 +28,21 @@ class Planner:
     def __init__(
         self,
         topology: Topology,
-        strategy: str = "foremoe",
-        mode: str = "two-level",
+        strategy: Optional[str] = None,
         move_budget: Optional[int] = None,
-        threads: int = 1,
+        threads: Optional[int] = None,
         *,
-        hierarchical_owners: bool = True,
-        local_search_rounds: int = 4,
-        eplb_num_groups: int = 1,
-        exact_split: bool = False,
-        reowning_free: bool = True,
-    ) -> None: ...
+        hierarchical_owners: Optional[bool] = None,
+        reowning_free: Optional[bool] = None,
+        owner_keep_tolerance: Optional[float] = None,
+        local_search_rounds: Optional[int] = None,
+        free_search_rounds: Optional[int] = None,
+        exact_split: Optional[bool] = None,
+        eplb_num_groups: Optional[int] = None,
+    ) -> None:
+        """None takes the library default (foremoe.options("planner"))."""
     @property
     def strategy(self) -> str: ...
-    @property
-    def mode(self) -> str: ...
     @property
     def move_budget(self) -> Optional[int]: ...
     @property
@@ -65,5 +65,8 @@ def simulate(
     step_offsets: Optional[Sequence[int]] = None,
     strategies: Union[None, str, Sequence[str]] = None,
 ) -> Dict[str, Any]: ...
+def options(command: str = "simulate") -> List[Dict[str, Any]]: ...
+def simulate_config(config: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]: ...
+def plan_document(plans: Union[Plan, Sequence[Plan]]) -> Dict[str, Any]: ...
 def synthetic_trace(**config: Any) -> Dict[str, Any]: ...
 def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]: ...

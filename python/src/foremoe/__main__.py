@@ -1,6 +1,8 @@
 """``python -m foremoe``: the ``simulate`` and ``plan`` commands of the ``foremoe`` program over the bound C++.
 
-Options and output files match the C++ command line (``foremoe simulate --json``, ``foremoe plan --out``).
+The options, defaults, ranges and messages come from the library's schema (``foremoe.options()``), the output
+documents from the library's writers, so the output files match ``foremoe simulate --json`` and
+``foremoe plan --out``.
 """
 
 from __future__ import annotations
@@ -9,98 +11,79 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
 import foremoe
+from foremoe import _core
 
 
-def plan_layer_json(plan: "foremoe.Plan", layer: int) -> Dict[str, Any]:
-    """One layer of a plan in the shape ``foremoe plan --out`` writes."""
-    mv = plan.moves
-    mv = mv[mv[:, 0] == layer]
-    return {
-        "owner_gpu": plan.owner_gpu[layer].tolist(),
-        "gpu_slots": plan.gpu_slots[layer].tolist(),
-        "slot_tokens": plan.slot_tokens[layer].tolist(),
-        "moves": mv[:, 1:].tolist(),
-        "max_gpu_load": int(plan.max_gpu_load[layer]),
-        "imbalance": float(plan.imbalance[layer]),
-    }
+def _add_schema_options(p: argparse.ArgumentParser, command: str, skip: Tuple[str, ...] = ()) -> None:
+    """One flag per schema option (bools as ``--x`` / ``--no-x``); values stay text for the C++ parser."""
+    for o in foremoe.options(command):
+        if o["key"] in skip:
+            continue
+        rng = f" [{o['min']}, {o['max']}]" if "min" in o else ""
+        if "choices" in o:
+            rng = ": " + ", ".join(o["choices"])
+        help_ = f"{o['help']}{rng} (default: {o['default']}) [{o['key']}]"
+        if o["type"] == "bool":
+            p.add_argument(f"--{o['flag']}", dest=f"flag:{o['flag']}", action="store_const", const="true",
+                           help=help_)
+            p.add_argument(f"--no-{o['flag']}", dest=f"flag:no-{o['flag']}", action="store_const", const="",
+                           help=argparse.SUPPRESS)
+        else:
+            p.add_argument(f"--{o['flag']}", dest=f"flag:{o['flag']}", metavar=o["type"].upper(), help=help_)
 
 
-def plan_json(planner: "foremoe.Planner", plans: Sequence["foremoe.Plan"]) -> Dict[str, Any]:
-    """The document ``foremoe plan --out PLAN.json`` writes."""
-    t = planner.topology
-    first = plans[0]
-    return {
-        "strategy": planner.strategy,
-        "mode": planner.mode,
-        "nodes": t.nodes,
-        "gpus_per_node": t.gpus_per_node,
-        "slots": t.slots,
-        "num_layers": first.num_layers,
-        "num_experts": first.num_experts,
-        "planner_seconds": planner.last_planner_seconds,
-        "micro_steps": [{"layers": [plan_layer_json(p, l) for l in range(p.num_layers)]} for p in plans],
-    }
+def _flags(a: argparse.Namespace) -> List[Tuple[str, str]]:
+    return [(k[5:], v) for k, v in vars(a).items() if k.startswith("flag:") and v is not None]
 
 
 def _simulate(a: argparse.Namespace) -> int:
-    cfg: Dict[str, Any] = {}
+    cfg = None
     if a.config:
         with open(a.config) as f:
-            cfg.update(json.load(f))
-    cfg["preset"] = a.preset
-    for key in ("steps", "nodes", "gpus_per_node", "slots"):
-        if getattr(a, key) is not None:
-            cfg[key] = getattr(a, key)
-    cfg["seed"] = a.seed
-    cfg["threads"] = a.threads
-    if a.double_buffer:
-        cfg["double_buffer"] = True
+            cfg = f.read()
+    flags = _flags(a)
+    if a.print_config:
+        print(_core.simulate_settings(cfg, flags))
+        return 0
     loads = steps = None
     if a.loads:
-        loads = np.load(a.loads)
+        loads = np.ascontiguousarray(np.load(a.loads), dtype=np.int64)
         sp = os.path.splitext(a.loads)[0] + ".steps.npy"
         if os.path.exists(sp):
-            steps = np.load(sp)
-    res = foremoe.simulate(cfg, loads, steps, a.strategies)
-    print(f"simulated {res['num_steps']} RL steps ({res['num_micro_steps']} micro-steps) of {res['num_layers']} MoE "
-          f"layers x {res['num_experts']} experts on {res['nodes']} x {res['gpus_per_node']} GPUs with {res['slots']} "
-          "slots per GPU per layer")
-    print(f"{'strategy':<14}{'step s':>10}{'recompute s':>13}{'update s':>10}{'median':>9}{'p99':>9}{'moved GB':>11}"
-          f"{'stall ms':>10}{'vs static':>11}{'vs eplb':>9}")
-    for r in res["strategies"]:
-        def ratio(v: float) -> str:
-            return f"{v:.3f}x" if v > 0 else "n/a"
-        print(f"{r['strategy']:<14}{r['step_seconds']:>10.3f}{r['recompute_seconds']:>13.3f}{r['update_seconds']:>10.3f}"
-              f"{r['imbalance_median']:>9.3f}{r['imbalance_p99']:>9.3f}{r['moved_gb']:>11.1f}"
-              f"{r['stall_seconds'] * 1e3:>10.1f}{ratio(r['speedup_over_static']):>11}{ratio(r['speedup_over_eplb']):>9}")
+            steps = np.ascontiguousarray(np.load(sp), dtype=np.int64)
+    doc = _core.simulate(cfg, flags, loads, steps)
+    summary, body = _core.simulate_text(cfg, flags, doc, bool(a.csv))
+    print(summary, end="", file=sys.stderr if a.csv else sys.stdout)
+    print(body, end="")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+            f.write(doc + "\n")
     return 0
 
 
 def _plan(a: argparse.Namespace) -> int:
+    s: Dict[str, Any] = json.loads(_core.plan_settings(_flags(a)))
     loads = np.load(a.loads)
-    topo = foremoe.Topology(a.nodes, a.gpus_per_node, a.slots)
-    planner = foremoe.Planner(topo, a.strategy, a.mode, a.move_budget, a.threads,
-                              hierarchical_owners=a.owners == "hierarchical")
+    t = s["topology"]
+    topo = foremoe.Topology(t["nodes"], t["gpus_per_node"], t["slots"])
+    planner = foremoe.Planner(topo, **s["planner"])
     prev = np.load(a.previous_loads) if a.previous_loads else None
-    plans = planner.plan(loads if loads.ndim == 3 else loads[None], previous_loads=prev, stage=a.stage)
+    plans = planner.plan(loads if loads.ndim == 3 else loads[None], previous_loads=prev, stage=s["stage"])
     imb = np.sort(np.concatenate([p.imbalance for p in plans]))
     moves = sum(p.num_moves for p in plans)
     q = lambda f: imb[int(f * (imb.size - 1))]  # noqa: E731
     print(f"planned {len(plans)} micro-steps x {plans[0].num_layers} layers x {plans[0].num_experts} experts "
-          f"({planner.strategy}, {planner.mode}): layer max/mean GPU load median {q(0.5):.4f}, p99 {q(0.99):.4f}, "
+          f"({planner.strategy}): layer max/mean GPU load median {q(0.5):.4f}, p99 {q(0.99):.4f}, "
           f"max {imb[-1]:.4f}; {moves / len(plans):.1f} moves per micro-step; "
           f"planner {planner.last_planner_seconds * 1e3:.2f} ms")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(plan_json(planner, plans), f)
+            f.write(_core.plan_document(plans) + "\n")
     return 0
 
 
@@ -108,32 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m foremoe", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command")
     s = sub.add_parser("simulate", help="replay RL steps on a modelled cluster and compare balancing strategies")
-    s.add_argument("--config", metavar="FILE.json", help="model, topology, batch, sim and cost settings")
-    s.add_argument("--preset", default="qwen3-30b-a3b", choices=["qwen3-30b-a3b", "deepseek-v3"])
+    s.add_argument("--config", metavar="FILE.json", help="settings file (what --print-config writes, any subset)")
+    s.add_argument("--print-config", dest="print_config", action="store_true",
+                   help="print the effective settings as JSON and exit")
     s.add_argument("--loads", metavar="FILE.npy", help="per-micro-step loads [M, L, E] (steps from FILE.steps.npy)")
-    s.add_argument("--strategies", default=",".join(foremoe.SIM_STRATEGIES), help="comma-separated strategies")
-    s.add_argument("--steps", type=int)
-    s.add_argument("--nodes", type=int)
-    s.add_argument("--gpus-per-node", dest="gpus_per_node", type=int)
-    s.add_argument("--slots", type=int)
-    s.add_argument("--seed", type=int, default=1)
-    s.add_argument("--threads", type=int, default=1)
-    s.add_argument("--double-buffer", dest="double_buffer", action="store_true")
     s.add_argument("--json", metavar="OUT.json", help="write machine-readable results")
+    s.add_argument("--csv", action="store_true", help="print the table as CSV (summary line on stderr)")
+    _add_schema_options(s, "simulate")
     s.set_defaults(func=_simulate)
     q = sub.add_parser("plan", help="plan replicas, placement, token split and moves for one RL step's micro-steps")
     q.add_argument("--loads", required=True, metavar="LOADS.npy", help="[L, E] or [M, L, E] loads")
-    q.add_argument("--nodes", type=int, default=1)
-    q.add_argument("--gpus-per-node", dest="gpus_per_node", type=int, default=8)
-    q.add_argument("--slots", type=int, required=True)
-    q.add_argument("--strategy", default="foremoe", choices=list(foremoe.STRATEGIES))
-    q.add_argument("--mode", default="two-level", choices=["two-level", "free"])
-    q.add_argument("--move-budget", dest="move_budget", type=int)
-    q.add_argument("--owners", default="hierarchical", choices=["hierarchical", "flat"])
-    q.add_argument("--stage", default="update", choices=["update", "recompute"])
     q.add_argument("--previous-loads", dest="previous_loads", metavar="FILE.npy")
-    q.add_argument("--threads", type=int, default=1)
-    q.add_argument("--out", metavar="PLAN.json", help="write the plan (same shape as `foremoe plan --out`)")
+    q.add_argument("--out", metavar="PLAN.json", help="write the plan (same document as `foremoe plan --out`)")
+    _add_schema_options(q, "plan")
     q.set_defaults(func=_plan)
     return p
 
@@ -144,9 +114,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.command is None:
         p.print_help()
         return 2
+    if a.command == "plan" and getattr(a, "flag:slots") is None:
+        p.error("--slots S is required")
     try:
         return a.func(a)
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

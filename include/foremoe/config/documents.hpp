@@ -1,0 +1,348 @@
+#pragma once
+/// @file
+/// The one writer (and, for placements, reader) of each document the front ends exchange: PLAN.json
+/// (`foremoe plan --out`, Python `plan_document`), placement files (`--out-placement` / `--resident`), and the
+/// simulate results as JSON (`foremoe simulate --json`, Python `simulate()`), CSV and the text table.
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "foremoe/config/json.hpp"
+#include "foremoe/config/options.hpp"
+#include "foremoe/core/placement.hpp"
+#include "foremoe/core/topology.hpp"
+#include "foremoe/plan/plan.hpp"
+#include "foremoe/sim/simulator.hpp"
+#include "foremoe/transfer/transfer_plan.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+namespace config {
+
+/// Reads a whole file, naming it on failure.
+[[nodiscard]] inline std::string read_text(const std::filesystem::path &path) {
+  std::ifstream in(path, std::ios::binary);
+  detail::require(in.good(), path.string(), ": cannot open: ", std::strerror(errno));
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  detail::require(!in.bad(), path.string(), ": read failed: ", std::strerror(errno));
+  return s;
+}
+
+/// Writes `text` to `path`, naming it on failure.
+inline void write_text(const std::filesystem::path &path, std::string_view text) {
+  std::ofstream out(path, std::ios::binary);
+  detail::require(out.good(), path.string(), ": cannot write: ", std::strerror(errno));
+  out << text;
+  out.close();
+  detail::require(out.good(), path.string(), ": write failed: ", std::strerror(errno));
+}
+
+namespace detail {
+inline json::Value gpu_slots_json(const LayerPlacement &p) {
+  json::Value g = json::Array{};
+  for (int gpu = 0; gpu < p.num_gpus(); ++gpu) {
+    const auto s = p.gpu_slots(gpu);
+    g.push_back(std::vector<std::int32_t>(s.begin(), s.end()));
+  }
+  return g;
+}
+} // namespace detail
+
+/// One layer's plan: `{"owner_gpu", "gpu_slots": [[expert or -1 ...] per GPU], "slot_tokens", "moves":
+/// [[expert, src_gpu or -1 (host), dst_gpu, dst_slot] ...], "max_gpu_load", "imbalance"}`.
+[[nodiscard]] inline json::Value layer_plan_json(const LayerPlan &lp) {
+  json::Value j;
+  j["owner_gpu"] = lp.owner_gpu;
+  j["gpu_slots"] = detail::gpu_slots_json(lp.placement);
+  json::Value tokens = json::Array{};
+  const int slots = lp.placement.slots_per_gpu();
+  for (int gpu = 0; gpu < lp.placement.num_gpus(); ++gpu)
+    tokens.push_back(
+        std::vector<std::int64_t>(lp.slot_tokens.begin() + gpu * slots, lp.slot_tokens.begin() + (gpu + 1) * slots));
+  j["slot_tokens"] = std::move(tokens);
+  json::Value moves = json::Array{};
+  for (const Move &m : lp.moves)
+    moves.push_back(std::vector<int>{m.expert, m.src_gpu, m.dst_gpu, m.dst_slot});
+  j["moves"] = std::move(moves);
+  j["max_gpu_load"] = lp.max_gpu_load;
+  j["imbalance"] = lp.imbalance();
+  return j;
+}
+
+/// One layer's transfer plan: `{"num_rounds", "est_seconds", "link_bound_seconds", "path_bytes": {nvlink, pcie,
+/// network}, "chunk_columns", "chunks": [[move, path, src_gpu, src_slot, dst_gpu, dst_slot, expert,
+/// offset_bytes, num_bytes, round] ...]}`.
+[[nodiscard]] inline json::Value transfer_plan_json(const transfer::TransferPlan &tp) {
+  json::Value j;
+  j["num_rounds"] = tp.num_rounds;
+  j["est_seconds"] = tp.est_seconds;
+  j["link_bound_seconds"] = tp.link_bound_seconds;
+  json::Value pb = json::Object{};
+  for (int p = 0; p < transfer::num_paths; ++p)
+    pb[transfer::to_string(static_cast<transfer::Path>(p))] = tp.path_bytes[p];
+  j["path_bytes"] = std::move(pb);
+  j["chunk_columns"] = std::vector<std::string>{"move",     "path",   "src_gpu",      "src_slot",  "dst_gpu",
+                                                "dst_slot", "expert", "offset_bytes", "num_bytes", "round"};
+  json::Value chunks = json::Array{};
+  for (const transfer::Chunk &c : tp.chunks)
+    chunks.push_back(json::Array{c.move_idx, std::string(transfer::to_string(c.path)), c.src_gpu, c.src_slot, c.dst_gpu,
+                                 c.dst_slot, c.expert, c.offset_bytes, c.num_bytes, c.round});
+  j["chunks"] = std::move(chunks);
+  return j;
+}
+
+/// What a PLAN.json names besides the plans.
+struct PlanHeader {
+  std::string strategy;
+  Topology topo;
+  int num_layers = 0, num_experts = 0;
+  double planner_seconds = 0;
+};
+
+/// PLAN.json: the header and, per micro-step and layer, `layer_plan_json` (plus `"transfers"` where
+/// `transfers` is given, `[micro_steps][layers]`).
+[[nodiscard]] inline json::Value
+plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &micro_steps,
+              const std::vector<std::vector<transfer::TransferPlan>> *transfers = nullptr) {
+  json::Value j;
+  j["strategy"] = h.strategy;
+  j["nodes"] = h.topo.num_nodes;
+  j["gpus_per_node"] = h.topo.gpus_per_node;
+  j["slots"] = h.topo.slots_per_gpu;
+  j["num_layers"] = h.num_layers;
+  j["num_experts"] = h.num_experts;
+  j["planner_seconds"] = h.planner_seconds;
+  json::Value steps = json::Array{};
+  for (std::size_t m = 0; m < micro_steps.size(); ++m) {
+    json::Value layers = json::Array{};
+    for (std::size_t l = 0; l < micro_steps[m].size(); ++l) {
+      json::Value lj = layer_plan_json(micro_steps[m][l]);
+      if (transfers != nullptr) lj["transfers"] = transfer_plan_json((*transfers)[m][l]);
+      layers.push_back(std::move(lj));
+    }
+    json::Value step;
+    step["layers"] = std::move(layers);
+    steps.push_back(std::move(step));
+  }
+  j["micro_steps"] = std::move(steps);
+  return j;
+}
+
+/// A placement file: `{"nodes", "gpus_per_node", "slots", "num_experts", "layers": [{"gpu_slots": ...}]}`.
+[[nodiscard]] inline json::Value placement_document(const Topology &topo, const Placement &p) {
+  json::Value j;
+  j["nodes"] = topo.num_nodes;
+  j["gpus_per_node"] = topo.gpus_per_node;
+  j["slots"] = topo.slots_per_gpu;
+  j["num_experts"] = p.num_layers() > 0 ? p.layer(0).num_experts() : 0;
+  json::Value layers = json::Array{};
+  for (int l = 0; l < p.num_layers(); ++l) {
+    json::Value layer;
+    layer["gpu_slots"] = detail::gpu_slots_json(p.layer(l));
+    layers.push_back(std::move(layer));
+  }
+  j["layers"] = std::move(layers);
+  return j;
+}
+
+/// Reads a placement document (named `where` in messages) strictly: every key present, no other key, whole
+/// integers only, checked against the topology, layer and expert counts.
+[[nodiscard]] inline Placement read_placement(const json::Value &j, std::string_view where, const Topology &topo,
+                                              int num_layers, int num_experts) {
+  using foremoe::detail::fail;
+  using foremoe::detail::require;
+  const std::string w(where);
+  require(j.is_object(), w, ": expected a JSON object, got ", value_text(j));
+  static const char *const keys[] = {"nodes", "gpus_per_node", "slots", "num_experts", "layers"};
+  for (const auto &[k, v] : j.as_object()) {
+    bool known = false;
+    for (const char *key : keys)
+      known = known || k == key;
+    require(known, w, ": unknown key '", k, "' (known: nodes, gpus_per_node, slots, num_experts, layers)");
+  }
+  auto get = [&](const json::Value &obj, const char *key, const std::string &at) -> const json::Value & {
+    const json::Value *v = obj.find(key);
+    require(v != nullptr, at, ": missing key '", key, "'");
+    return *v;
+  };
+  auto get_int = [&](const json::Value &v, const std::string &at) {
+    require(v.is_integer(), at, ": expected an integer, got ", value_text(v));
+    return v.as_integer();
+  };
+  const std::int64_t nodes = get_int(get(j, "nodes", w), w + ".nodes"),
+                     gpn = get_int(get(j, "gpus_per_node", w), w + ".gpus_per_node"),
+                     slots = get_int(get(j, "slots", w), w + ".slots"),
+                     experts = get_int(get(j, "num_experts", w), w + ".num_experts");
+  require(nodes == topo.num_nodes && gpn == topo.gpus_per_node && slots == topo.slots_per_gpu, w, ": placement is for ",
+          nodes, " x ", gpn, " GPUs x ", slots, " slots, the topology is ", topo.num_nodes, " x ", topo.gpus_per_node,
+          " x ", topo.slots_per_gpu);
+  require(experts == num_experts, w, ": placement has ", experts, " experts, the loads have ", num_experts);
+  const json::Value &layers = get(j, "layers", w);
+  require(layers.is_array() && static_cast<std::int64_t>(layers.as_array().size()) == num_layers, w, ": ",
+          layers.is_array() ? layers.as_array().size() : 0, " layers, the loads have ", num_layers);
+  Placement p(topo, num_layers, num_experts);
+  for (int l = 0; l < num_layers; ++l) {
+    const std::string wl = w + ".layers[" + std::to_string(l) + "]";
+    const json::Value &layer = layers.as_array()[l];
+    require(layer.is_object(), wl, ": expected an object, got ", value_text(layer));
+    for (const auto &[k, v] : layer.as_object())
+      require(k == "gpu_slots", wl, ": unknown key '", k, "'");
+    const json::Value &g = get(layer, "gpu_slots", wl);
+    require(g.is_array() && static_cast<int>(g.as_array().size()) == topo.num_gpus(), w, ": layer ", l, " has ",
+            g.is_array() ? g.as_array().size() : 0, " GPU lists, expected ", topo.num_gpus());
+    for (int gpu = 0; gpu < topo.num_gpus(); ++gpu) {
+      const json::Value &s = g.as_array()[gpu];
+      require(s.is_array() && static_cast<int>(s.as_array().size()) == topo.slots_per_gpu, w, ": layer ", l, " GPU ",
+              gpu, " lists ", s.is_array() ? s.as_array().size() : 0, " slots, expected ", topo.slots_per_gpu);
+      for (int k = 0; k < topo.slots_per_gpu; ++k) {
+        const std::string at = wl + ".gpu_slots[" + std::to_string(gpu) + "][" + std::to_string(k) + "]";
+        const std::int64_t e = get_int(s.as_array()[k], at);
+        require(e >= -1 && e < num_experts, w, ": layer ", l, " GPU ", gpu, " slot ", k, " holds expert ", e,
+                ", outside [-1, ", num_experts, ")");
+        p.layer(l).slot(gpu, k) = static_cast<std::int32_t>(e);
+      }
+    }
+  }
+  try {
+    p.validate();
+  } catch (const Error &e) {
+    fail(w, ": ", e.what());
+  }
+  return p;
+}
+
+/// Reads a placement file (parse errors name `path:line:column`).
+[[nodiscard]] inline Placement read_placement_file(const std::filesystem::path &path, const Topology &topo,
+                                                   int num_layers, int num_experts) {
+  const std::string where = path.string();
+  return read_placement(json::parse(read_text(path), where), where, topo, num_layers, num_experts);
+}
+
+/// The simulate results document (`foremoe simulate --json`, Python `simulate()`).
+[[nodiscard]] inline json::Value simulate_document(const SimulateSettings &s, int num_steps,
+                                                   std::int64_t num_micro_steps, const std::vector<SimResult> &res) {
+  const SimResult *base_static = nullptr, *base_eplb = nullptr;
+  for (const auto &r : res) {
+    if (r.strategy == "static") base_static = &r;
+    if (r.strategy == "eplb") base_eplb = &r;
+  }
+  json::Value j;
+  j["nodes"] = s.sim.topo.num_nodes;
+  j["gpus_per_node"] = s.sim.topo.gpus_per_node;
+  j["slots"] = s.sim.topo.slots_per_gpu;
+  j["num_layers"] = s.sim.model.num_layers;
+  j["num_experts"] = s.sim.model.num_experts;
+  j["num_steps"] = num_steps;
+  j["num_micro_steps"] = num_micro_steps;
+  json::Value list = json::Array{};
+  for (const auto &r : res) {
+    json::Value d;
+    d["strategy"] = r.strategy;
+    d["step_seconds"] = r.step_seconds;
+    d["recompute_seconds"] = r.recompute_seconds;
+    d["update_seconds"] = r.update_seconds;
+    d["end_to_end_seconds"] = r.end_to_end_seconds;
+    d["imbalance_median"] = r.imbalance_median;
+    d["imbalance_p99"] = r.imbalance_p99;
+    d["moved_gb"] = r.moved_gb;
+    d["grad_gb"] = r.grad_gb;
+    d["stall_seconds"] = r.stall_seconds;
+    d["mirror_refresh_seconds"] = r.mirror_seconds;
+    d["planner_seconds"] = r.planner_seconds;
+    d["speedup_over_static"] = base_static ? base_static->step_seconds / r.step_seconds : 0.0;
+    d["speedup_over_eplb"] = base_eplb ? base_eplb->step_seconds / r.step_seconds : 0.0;
+    d["micro_step_layer_seconds"] = r.layer_seconds;
+    list.push_back(std::move(d));
+  }
+  j["strategies"] = std::move(list);
+  return j;
+}
+
+/// The line that says what was simulated (stdout before the table; stderr in CSV mode).
+[[nodiscard]] inline std::string simulate_summary(const SimulateSettings &s, const json::Value &doc) {
+  std::ostringstream out;
+  const SimConfig &c = s.sim;
+  out << "simulated " << doc.find("num_steps")->as_integer() << " RL steps ("
+      << doc.find("num_micro_steps")->as_integer() << " micro-steps, recompute x " << c.recompute_passes
+      << " + update) of " << c.model.num_layers << " MoE layers x " << c.model.num_experts << " experts, top-"
+      << c.model.topk << ", on " << c.topo.num_nodes << " x " << c.topo.gpus_per_node << " GPUs with "
+      << c.topo.slots_per_gpu << " slots per GPU per layer\n";
+  return out.str();
+}
+
+/// The results as CSV: the header line first, one row per strategy.
+[[nodiscard]] inline std::string simulate_csv(const json::Value &doc) {
+  std::ostringstream out;
+  out << "strategy,step_s,recompute_s,update_s,median_max_mean,p99_max_mean,moved_gb,stall_ms,speedup_static,"
+         "speedup_eplb\n";
+  for (const json::Value &r : doc.find("strategies")->as_array()) {
+    auto f = [&](const char *k) { return r.find(k)->as_double(); };
+    out << r.find("strategy")->as_string() << "," << f("step_seconds") << "," << f("recompute_seconds") << ","
+        << f("update_seconds") << "," << f("imbalance_median") << "," << f("imbalance_p99") << "," << f("moved_gb")
+        << "," << f("stall_seconds") * 1e3 << "," << f("speedup_over_static") << "," << f("speedup_over_eplb") << "\n";
+  }
+  return out.str();
+}
+
+/// The results as the aligned text table with its legend line.
+[[nodiscard]] inline std::string simulate_table(const json::Value &doc) {
+  std::ostringstream out;
+  out << std::left << std::setw(14) << "strategy" << std::right << std::setw(10) << "step s" << std::setw(13)
+      << "recompute s" << std::setw(10) << "update s" << std::setw(9) << "median" << std::setw(9) << "p99"
+      << std::setw(11) << "moved GB" << std::setw(10) << "stall ms" << std::setw(11) << "vs static" << std::setw(9)
+      << "vs eplb"
+      << "\n";
+  auto ratio = [](double v) {
+    std::ostringstream os;
+    if (v > 0)
+      os << std::fixed << std::setprecision(3) << v << "x";
+    else
+      os << "n/a";
+    return os.str();
+  };
+  for (const json::Value &r : doc.find("strategies")->as_array()) {
+    auto f = [&](const char *k) { return r.find(k)->as_double(); };
+    out << std::left << std::setw(14) << r.find("strategy")->as_string() << std::right << std::fixed
+        << std::setprecision(3) << std::setw(10) << f("step_seconds") << std::setw(13) << f("recompute_seconds")
+        << std::setw(10) << f("update_seconds") << std::setw(9) << f("imbalance_median") << std::setw(9)
+        << f("imbalance_p99") << std::setprecision(1) << std::setw(11) << f("moved_gb") << std::setw(10)
+        << f("stall_seconds") * 1e3 << std::setw(11) << ratio(f("speedup_over_static")) << std::setw(9)
+        << ratio(f("speedup_over_eplb")) << "\n";
+  }
+  out << "(step/recompute/update: seconds per RL step; median/p99: per-layer max/mean GPU load; moved GB per step)\n";
+  return out.str();
+}
+
+/// Runs a simulation from settings: the synthetic batch unless `loads` is given (with its `step_offsets`).
+[[nodiscard]] inline json::Value run_simulate(const SimulateSettings &s, const LoadTensor *loads,
+                                              std::vector<std::int64_t> step_offsets,
+                                              const std::function<void(int, int)> &progress = {},
+                                              double *generate_seconds = nullptr) {
+  const std::vector<SimStrategy> strategies = s.strategy_list();
+  LoadTensor generated;
+  if (loads == nullptr) {
+    const auto t0 = std::chrono::steady_clock::now();
+    s.batch.validate();
+    generated = generate_loads(s.batch, &step_offsets);
+    loads = &generated;
+    if (generate_seconds != nullptr)
+      *generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const std::vector<SimResult> res = simulate(s.sim, *loads, step_offsets, strategies, progress);
+  const int num_steps = step_offsets.empty() ? 1 : static_cast<int>(step_offsets.size() - 1);
+  return simulate_document(s, num_steps, loads->num_micro_steps(), res);
+}
+
+} // namespace config
+} // namespace v0
+} // namespace foremoe

@@ -1,0 +1,338 @@
+#pragma once
+/// @file
+/// The option schemas of the front ends (`foremoe simulate`, `foremoe plan`, Python's `simulate()` and
+/// `Planner`): every key, flag, type, default, range and help text, bound to the library's config structs.
+/// Defaults are those structs' own; a preset is applied before a config file, a config file before explicit
+/// command-line flags.
+
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "foremoe/config/schema.hpp"
+#include "foremoe/core/model_spec.hpp"
+#include "foremoe/core/topology.hpp"
+#include "foremoe/plan/planner.hpp"
+#include "foremoe/sim/simulator.hpp"
+#include "foremoe/trace/synthetic.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+namespace config {
+
+/// Upper bounds shared by every front end (one limit per option).
+inline constexpr std::int64_t max_nodes = 1 << 14, max_gpus_per_node = 1 << 10, max_slots = 1 << 14;
+inline constexpr std::int64_t max_threads = 1024, max_rounds = 1 << 10, max_budget = 1 << 16;
+inline constexpr double max_seconds = 1e6, max_us = 1e6, max_gb_per_s = 1e6, min_gb_per_s = 1e-6;
+
+/// The expert-parallel group's shape: nodes x GPUs, slots per GPU per layer.
+[[nodiscard]] inline const Schema<Topology> &topology_schema() {
+  static const Schema<Topology> s("topology", {
+                                                  integer<Topology>(
+                                                      "nodes", 1, max_nodes, "nodes in the EP group",
+                                                      [](auto &t) -> auto & { return t.num_nodes; }),
+                                                  integer<Topology>(
+                                                      "gpus_per_node", 1, max_gpus_per_node, "GPUs per node",
+                                                      [](auto &t) -> auto & { return t.gpus_per_node; }),
+                                                  integer<Topology>(
+                                                      "slots", 1, max_slots, "expert slots per GPU per layer",
+                                                      [](auto &t) -> auto & { return t.slots_per_gpu; }),
+                                              });
+  return s;
+}
+
+/// The planner's options (`PlannerOptions`), as `foremoe plan` flags and Python `Planner(...)` keywords.
+[[nodiscard]] inline const Schema<PlannerOptions> &planner_schema() {
+  using P = PlannerOptions;
+  static const Schema<P> s(
+      "planner",
+      {
+          bound<P>(
+              "strategy", Type::string, "planning strategy: " + strategy_names(),
+              [](const P &o) { return json::Value(o.strategy); },
+              [](P &o, const json::Value &v) { o.strategy = find_strategy(v.as_string()).name; }),
+          integer<P>(
+              "move_budget", -1, max_budget, "new replicas per GPU per micro-step (-1: the spare slots)",
+              [](auto &o) -> auto & { return o.move_budget; }),
+          boolean<P>(
+              "hierarchical_owners", "owners placed nodes first, then GPUs in each node (else flat)",
+              [](auto &o) -> auto & { return o.hierarchical_owners; }),
+          boolean<P>(
+              "reowning_free",
+              "a new owner map costs nothing (colocated trainers); else keep owners within the tolerance",
+              [](auto &o) -> auto & { return o.reowning_free; }),
+          number<P>(
+              "owner_keep_tolerance", 0, 10,
+              "without reowning_free: keep the previous owners unless their peak is this much above a fresh plan",
+              [](auto &o) -> auto & { return o.owner_keep_tolerance; }),
+          integer<P>(
+              "threads", 1, max_threads, "planning threads over layers (plans do not depend on it)",
+              [](auto &o) -> auto & { return o.num_threads; }),
+          integer<P>(
+              "local_search_rounds", 0, max_rounds, "two-level exact-split local-search rounds per layer",
+              [](auto &o) -> auto & { return o.local_search_rounds; }),
+          integer<P>(
+              "free_search_rounds", 0, max_rounds, "free-mode placement swap rounds per layer",
+              [](auto &o) -> auto & { return o.free_search_rounds; }),
+          boolean<P>(
+              "exact_split",
+              "re-split every two-level plan exactly (plans from a resident otherwise keep the search's split)",
+              [](auto &o) -> auto & { return o.exact_split; }),
+          integer<P>(
+              "eplb_num_groups", 1, 32767, "expert groups for EPLB (hierarchical when they divide over nodes)",
+              [](auto &o) -> auto & { return o.eplb_num_groups; }),
+      });
+  return s;
+}
+
+/// What `foremoe plan` plans with: the EP group (1 node x 8 GPUs unless given), the planner options and the
+/// stage.
+struct PlanSettings {
+  Topology topo{1, 8, 1};
+  PlannerOptions planner{};
+  Stage stage = Stage::update;
+};
+
+[[nodiscard]] inline const Schema<PlanSettings> &plan_schema() {
+  static const Schema<PlanSettings> s = [] {
+    std::vector<Option<PlanSettings>> o;
+    lift(
+        o, topology_schema(), "topology", [](auto &p) -> auto & { return p.topo; });
+    lift(
+        o, planner_schema(), "planner", [](auto &p) -> auto & { return p.planner; });
+    o.push_back(choice<PlanSettings>(
+        "stage", {"update", "recompute"}, "micro-step stage (in update, replicas also return gradients)",
+        [](const PlanSettings &p) { return p.stage == Stage::update ? "update" : "recompute"; },
+        [](PlanSettings &p, const std::string &v) { p.stage = v == "update" ? Stage::update : Stage::recompute; }));
+    return Schema<PlanSettings>("plan", std::move(o));
+  }();
+  return s;
+}
+
+/// The model presets of `simulate`.
+inline const std::vector<std::string> &preset_names() {
+  static const std::vector<std::string> names{"qwen3-30b-a3b", "deepseek-v3"};
+  return names;
+}
+
+/// Everything `foremoe simulate` (and Python `simulate()`) runs with.
+struct SimulateSettings {
+  std::string preset = "qwen3-30b-a3b";
+  std::string strategies = sim_strategy_names(","); ///< comma-separated
+  SimConfig sim{};
+  /// The embedded default batch: a GRPO step of 256 prompts x 8 responses on 64 GPUs, micro-batches of
+  /// 8,192 tokens per GPU (about 8 micro-steps per step), 2 RL steps.
+  SyntheticConfig batch = [] {
+    SyntheticConfig b;
+    b.num_steps = 2;
+    b.prompts_per_step = 256;
+    b.microbatch_tokens_per_gpu = 8192;
+    return b;
+  }();
+
+  /// The defaults of a preset: Qwen3-30B-A3B on 8 x 8 GPUs x 3 slots, or DeepSeek-V3 (fp8) on 8 x 8 x 5 with
+  /// 128 prompts per step.
+  [[nodiscard]] static SimulateSettings for_preset(std::string_view name) {
+    SimulateSettings s;
+    if (name == "deepseek-v3") {
+      s.preset = "deepseek-v3";
+      s.sim.model = deepseek_v3(WeightDtype::fp8);
+      s.sim.topo = Topology{8, 8, 5};
+      const SyntheticConfig ds = SyntheticConfig::deepseek_v3();
+      s.batch.num_layers = ds.num_layers;
+      s.batch.num_experts = ds.num_experts;
+      s.batch.topk = ds.topk;
+      s.batch.skew = ds.skew;
+      s.batch.prompts_per_step = 128;
+    } else {
+      detail::require(name == "qwen3-30b-a3b", "unknown preset '", name, "' (expected qwen3-30b-a3b or deepseek-v3)");
+    }
+    return s;
+  }
+
+  /// The batch's shape follows the model and topology; validates the whole configuration.
+  void finish() {
+    batch.num_layers = sim.model.num_layers;
+    batch.num_experts = sim.model.num_experts;
+    batch.topk = sim.model.topk;
+    batch.num_gpus = sim.topo.num_gpus();
+    sim.validate();
+  }
+
+  /// The strategies to simulate, parsed; throws `Error` for an unknown or repeated name or an empty list.
+  [[nodiscard]] std::vector<SimStrategy> strategy_list() const {
+    std::vector<SimStrategy> out;
+    std::stringstream ss(strategies);
+    std::string name;
+    while (std::getline(ss, name, ','))
+      if (!name.empty()) out.push_back(parse_sim_strategy(name));
+    detail::require(!out.empty(), "strategies lists no strategy");
+    return out;
+  }
+};
+
+[[nodiscard]] inline const Schema<SimulateSettings> &simulate_schema() {
+  using S = SimulateSettings;
+  static const Schema<S> s = [] {
+    std::vector<Option<S>> o;
+    Option<S> preset = choice<S>(
+        "preset", preset_names(),
+        "model and cluster defaults (qwen3-30b-a3b: 48 x 128, top-8, bf16, 8 x 8 GPUs x 3 slots; deepseek-v3: "
+        "58 x 256, H 7168, I 2048, fp8, 8 x 8 GPUs x 5 slots)",
+        [](const S &x) { return x.preset; }, [](S &x, const std::string &v) { x = S::for_preset(v); });
+    preset.first = true; // resets everything else: applied before the rest of any document
+    o.push_back(std::move(preset));
+    o.push_back(string<S>(
+        "strategies", "comma-separated strategies: " + sim_strategy_names(","),
+        [](auto &x) -> auto & { return x.strategies; }));
+    o.back().metavar = "LIST";
+    // model
+    o.push_back(integer<S>(
+        "model.layers", 1, 4096, "MoE layers", [](auto &x) -> auto & { return x.sim.model.num_layers; }));
+    o.push_back(integer<S>(
+        "model.experts", 1, 32767, "routed experts per layer",
+        [](auto &x) -> auto & { return x.sim.model.num_experts; }));
+    o.push_back(integer<S>(
+        "model.topk", 1, 1024, "experts per token", [](auto &x) -> auto & { return x.sim.model.topk; }));
+    o.push_back(integer<S>(
+        "model.hidden", 1, 1 << 20, "model dimension H", [](auto &x) -> auto & { return x.sim.model.hidden; }));
+    o.push_back(integer<S>(
+        "model.expert_ffn", 1, 1 << 20, "per-expert FFN intermediate size I",
+        [](auto &x) -> auto & { return x.sim.model.expert_ffn; }));
+    o.push_back(choice<S>(
+        "model.dtype", {"bf16", "fp16", "fp32", "fp8"}, "expert weight dtype",
+        [](const S &x) { return to_string(x.sim.model.dtype); },
+        [](S &x, const std::string &v) { x.sim.model.dtype = parse_weight_dtype(v); }));
+    o.back().metavar = "DTYPE";
+    lift(
+        o, topology_schema(), "topology", [](auto &x) -> auto & { return x.sim.topo; });
+    // batch: the synthetic GRPO batch (its layers, experts, top-k and GPUs follow the model and topology)
+    o.push_back(integer<S>(
+        "batch.steps", 1, 4096, "RL steps to generate", [](auto &x) -> auto & { return x.batch.num_steps; }));
+    o.push_back(integer<S>(
+        "batch.prompts", 1, 1 << 24, "GRPO prompts per step",
+        [](auto &x) -> auto & { return x.batch.prompts_per_step; }));
+    o.push_back(integer<S>(
+        "batch.responses", 1, 1 << 16, "responses per prompt (group size)",
+        [](auto &x) -> auto & { return x.batch.responses_per_prompt; }));
+    o.push_back(number<S>(
+        "batch.prompt_mean", 1, 1 << 28, "mean prompt length (tokens)",
+        [](auto &x) -> auto & { return x.batch.prompt_length.mean; }));
+    o.push_back(number<S>(
+        "batch.response_mean", 1, 1 << 28, "mean response length (tokens)",
+        [](auto &x) -> auto & { return x.batch.response_length.mean; }));
+    o.push_back(integer<S>(
+        "batch.microbatch_tokens", 1, std::int64_t{1} << 30, "per-GPU micro-batch token budget (dynamic batch size)",
+        [](auto &x) -> auto & { return x.batch.microbatch_tokens_per_gpu; }));
+    o.push_back(integer<S>(
+        "batch.seed", 0, std::numeric_limits<std::int64_t>::max(),
+        "generator seed; the batch is a deterministic function of it", [](auto &x) -> auto & { return x.batch.seed; }));
+    o.push_back(number<S>(
+        "batch.skew", 0, 20, "skew of the per-layer expert popularity (0 = uniform)",
+        [](auto &x) -> auto & { return x.batch.skew; }));
+    o.push_back(number<S>(
+        "batch.persistence", 0, 1, "probability a token keeps each expert of the previous token",
+        [](auto &x) -> auto & { return x.batch.persistence; }));
+    // sim
+    o.push_back(integer<S>(
+        "sim.recompute_passes", 0, 64, "forward-only passes over the batch (old policy, reference)",
+        [](auto &x) -> auto & { return x.sim.recompute_passes; }));
+    o.push_back(integer<S>(
+        "sim.minibatches_per_step", 1, 1 << 16, "optimizer steps per RL step",
+        [](auto &x) -> auto & { return x.sim.minibatches_per_step; }));
+    o.push_back(number<S>(
+        "sim.optimizer_seconds", 0, max_seconds, "time of one optimizer step",
+        [](auto &x) -> auto & { return x.sim.optimizer_seconds; }));
+    o.push_back(number<S>(
+        "sim.rollout_seconds", 0, max_seconds, "rollout time (end-to-end figure only)",
+        [](auto &x) -> auto & { return x.sim.rollout_seconds; }));
+    o.push_back(boolean<S>(
+        "sim.double_buffer", "a second buffer per replica slot: moves may start a micro-step early",
+        [](auto &x) -> auto & { return x.sim.double_buffer; }));
+    o.push_back(boolean<S>(
+        "sim.reowning_free", "a new owner map costs nothing (colocated trainers)",
+        [](auto &x) -> auto & { return x.sim.reowning_free; }));
+    o.push_back(integer<S>(
+        "sim.move_budget", -1, max_budget, "new replicas per GPU per micro-step for foremoe (-1: the spare slots)",
+        [](auto &x) -> auto & { return x.sim.move_budget; }));
+    o.push_back(integer<S>(
+        "sim.threads", 1, max_threads, "planner threads over layers",
+        [](auto &x) -> auto & { return x.sim.planner_threads; }));
+    // cost: the 18 cost-model parameters that a config may set
+    auto cost = [&](const char *key, double lo, double hi, const char *help, auto field) {
+      o.push_back(number<S>(std::string("cost.") + key, lo, hi, help, field));
+    };
+    cost(
+        "backward_factor", 1e-3, 1e3, "backward time = factor x forward",
+        [](auto &x) -> auto & { return x.sim.cost.backward_factor; });
+    cost(
+        "dense_per_token_us", 0, max_us, "attention + dense forward us per token per layer",
+        [](auto &x) -> auto & { return x.sim.cost.dense.per_token_us; });
+    cost(
+        "dense_launch_us", 0, max_us, "fixed us of a layer's dense part",
+        [](auto &x) -> auto & { return x.sim.cost.dense.launch_us; });
+    cost(
+        "gemm_launch_us", 0, max_us, "fixed us of one grouped-GEMM call",
+        [](auto &x) -> auto & { return x.sim.cost.gemm.launch_us; });
+    cost(
+        "gemm_per_expert_us", 0, max_us, "fixed us per active expert",
+        [](auto &x) -> auto & { return x.sim.cost.gemm.per_expert_us; });
+    cost(
+        "gemm_compute_efficiency", 1e-6, 1, "achieved fraction of the tensor peak",
+        [](auto &x) -> auto & { return x.sim.cost.gemm.compute_efficiency; });
+    cost(
+        "gemm_hbm_efficiency", 1e-6, 1, "achieved fraction of HBM bandwidth",
+        [](auto &x) -> auto & { return x.sim.cost.gemm.hbm_efficiency; });
+    cost(
+        "a2a_intra_gb_per_s", min_gb_per_s, max_gb_per_s, "all-to-all NVLink GB/s per GPU",
+        [](auto &x) -> auto & { return x.sim.cost.a2a.intra_gb_per_s; });
+    cost(
+        "a2a_inter_gb_per_s", min_gb_per_s, max_gb_per_s, "all-to-all network GB/s per GPU",
+        [](auto &x) -> auto & { return x.sim.cost.a2a.inter_gb_per_s; });
+    cost(
+        "a2a_intra_latency_us", 0, max_us, "fixed us of an intra-node exchange",
+        [](auto &x) -> auto & { return x.sim.cost.a2a.intra_latency_us; });
+    cost(
+        "a2a_inter_latency_us", 0, max_us, "fixed us of an inter-node exchange",
+        [](auto &x) -> auto & { return x.sim.cost.a2a.inter_latency_us; });
+    cost(
+        "move_intra_gb_per_s", min_gb_per_s, max_gb_per_s, "expert move GB/s inside a node",
+        [](auto &x) -> auto & { return x.sim.cost.move.gpu_intra.gb_per_s; });
+    cost(
+        "move_inter_gb_per_s", min_gb_per_s, max_gb_per_s, "expert move GB/s across nodes",
+        [](auto &x) -> auto & { return x.sim.cost.move.gpu_inter.gb_per_s; });
+    cost(
+        "move_host_gb_per_s", min_gb_per_s, max_gb_per_s, "expert move GB/s from the host mirror",
+        [](auto &x) -> auto & { return x.sim.cost.move.host.gb_per_s; });
+    cost(
+        "move_intra_latency_us", 0, max_us, "fixed us of a move inside a node",
+        [](auto &x) -> auto & { return x.sim.cost.move.gpu_intra.latency_us; });
+    cost(
+        "move_inter_latency_us", 0, max_us, "fixed us of a move across nodes",
+        [](auto &x) -> auto & { return x.sim.cost.move.gpu_inter.latency_us; });
+    cost(
+        "move_host_latency_us", 0, max_us, "fixed us of a move from the host mirror",
+        [](auto &x) -> auto & { return x.sim.cost.move.host.latency_us; });
+    cost(
+        "grad_add_gb_per_s", min_gb_per_s, max_gb_per_s, "replica gradient accumulate GB/s",
+        [](auto &x) -> auto & { return x.sim.cost.grad.add_gb_per_s; });
+    return Schema<S>("simulate", std::move(o));
+  }();
+  return s;
+}
+
+/// The effective simulate settings: the preset (from the last layer naming one), then each layer in order
+/// (a config document, then command-line overrides); the batch shape follows the model; validated.
+[[nodiscard]] inline SimulateSettings simulate_settings(std::span<const Schema<SimulateSettings>::Layer> layers) {
+  SimulateSettings s;
+  simulate_schema().read(s, layers);
+  s.finish();
+  return s;
+}
+
+} // namespace config
+} // namespace v0
+} // namespace foremoe

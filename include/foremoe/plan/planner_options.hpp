@@ -1,0 +1,43 @@
+#pragma once
+/// @file
+/// Planner configuration: the options every strategy reads from (see `StrategyInfo::options` for which).
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "foremoe/plan/replicate.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+
+/// Training stage of a micro-step: the update stage also returns every replica's gradient to its owner.
+enum class Stage : std::uint8_t { recompute, update };
+
+/// Seconds a new replica costs in a stage (weights in; in the update stage also the gradient out).
+using StageReplicaCostFn = std::function<double(int expert, int src_gpu, int dst_gpu, Stage stage)>;
+
+/// Planner configuration.
+struct PlannerOptions {
+  /// Registered strategy name (see `strategies()`): "static", "eplb", "eplb-oracle", "foremoe" (two-level:
+  /// step-level owners, replicas in spare slots) or "foremoe-free" (any slot holds anything).
+  std::string strategy = "foremoe";
+  int move_budget = -1;            ///< new replicas per GPU per micro-step; < 0: the spare slots
+  bool hierarchical_owners = true; ///< owners: nodes first, then GPUs in each node
+  /// Whether a new owner map costs nothing (colocated trainers reload optimizer state after rollout). When not,
+  /// `begin_step` keeps the previous step's owners unless their most loaded GPU is more than
+  /// `owner_keep_tolerance` above a fresh plan's, and then changes as few as it can (see `OwnerOptions`).
+  bool reowning_free = true;
+  double owner_keep_tolerance = 0.05;
+  int num_threads = 1;         ///< parallel over layers; plans are identical for every count
+  int local_search_rounds = 0; ///< two-level exact-split local search per layer (see ReplicaOptions)
+  int free_search_rounds = 4;  ///< free-mode placement swap rounds per layer
+  bool exact_split = false;    ///< re-split every two-level plan exactly (see ReplicaOptions)
+  int eplb_num_groups = 1;     ///< expert groups for EPLB (hierarchical when they divide over nodes)
+  /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.
+  StageReplicaCostFn replica_cost;
+  TokenTimeFn token_time;
+};
+
+} // namespace v0
+} // namespace foremoe

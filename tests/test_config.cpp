@@ -1,0 +1,268 @@
+// The JSON value/parser/writer and the option schemas: every key of every schema accepts its default and
+// refuses a wrong type and an out-of-range value with a message naming the key; documents round-trip.
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+
+#include "foremoe/config/documents.hpp"
+#include "foremoe/config/json.hpp"
+#include "foremoe/config/options.hpp"
+
+namespace fm = foremoe;
+namespace json = foremoe::json;
+namespace config = foremoe::config;
+
+namespace {
+
+std::string error_of(auto &&f) {
+  try {
+    f();
+  } catch (const fm::Error &e) {
+    return e.what();
+  }
+  return "";
+}
+
+// A random document: nested objects and arrays of every kind, with awkward strings and doubles.
+json::Value random_value(std::mt19937_64 &rng, int depth) {
+  std::uniform_int_distribution<int> kind(0, depth > 3 ? 4 : 6);
+  switch (kind(rng)) {
+  case 0: return json::Value(nullptr);
+  case 1: return json::Value(rng() % 2 == 0);
+  case 2: return json::Value(static_cast<std::int64_t>(rng()));
+  case 3: {
+    double d = 0;
+    do {
+      const std::uint64_t bits = rng();
+      std::memcpy(&d, &bits, sizeof d);
+    } while (!std::isfinite(d));
+    return json::Value(rng() % 3 == 0 ? d : std::ldexp(static_cast<double>(rng() % 100000), -7));
+  }
+  case 4: {
+    std::string s;
+    const int n = static_cast<int>(rng() % 8);
+    for (int i = 0; i < n; ++i) {
+      const char pool[] = "ab\"\\/\n\t\x01 \xc3\xa9z";
+      s += pool[rng() % (sizeof pool - 1)];
+    }
+    return json::Value(s);
+  }
+  case 5: {
+    json::Value a = json::Array{};
+    const int n = static_cast<int>(rng() % 5);
+    for (int i = 0; i < n; ++i)
+      a.push_back(random_value(rng, depth + 1));
+    return a;
+  }
+  default: {
+    json::Value o = json::Object{};
+    const int n = static_cast<int>(rng() % 5);
+    for (int i = 0; i < n; ++i)
+      o["k" + std::to_string(i) + (rng() % 2 ? "\"x" : "")] = random_value(rng, depth + 1);
+    return o;
+  }
+  }
+}
+
+// A value of `o`'s type outside its range, or a wrong-typed value when the type has no range.
+template <class T> json::Value out_of_range(const config::Option<T> &o) {
+  if (o.type == config::Type::integer)
+    return o.int_max < INT64_MAX ? json::Value(o.int_max + 1) : json::Value(o.int_min - 1);
+  if (o.type == config::Type::number) return json::Value(o.max * 2 + 1);
+  if (o.type == config::Type::choice) return json::Value("no-such-" + o.key);
+  return json::Value();
+}
+
+template <class T> json::Value wrong_type(const config::Option<T> &o) {
+  switch (o.type) {
+  case config::Type::integer: return json::Value(1.5); // a non-integer number
+  case config::Type::number: return json::Value("1");
+  case config::Type::boolean: return json::Value(1);
+  default: return json::Value(true);
+  }
+}
+
+// Walks every key of `schema`: its default is accepted (and reads back equal), a wrong type and an
+// out-of-range value are refused naming "config.<key>".
+template <class T> void walk_schema(const config::Schema<T> &schema) {
+  const T defaults{};
+  const json::Value doc = schema.write(defaults);
+  for (const auto &o : schema.options()) {
+    CAPTURE(o.key);
+    json::Value one = json::Object{};
+    config::Schema<T>::slot(one, o.key) = o.get(defaults);
+    T t{};
+    CHECK(error_of([&] { schema.read(t, one); }) == "");
+    CHECK(schema.write(t) == doc);
+
+    config::Schema<T>::slot(one, o.key) = wrong_type(o);
+    const std::string type_msg = error_of([&] { schema.read(t, one); });
+    CHECK(type_msg.find("config." + o.key + ": expected ") == 0);
+
+    const json::Value bad = out_of_range(o);
+    if (!bad.is_null()) {
+      config::Schema<T>::slot(one, o.key) = bad;
+      const std::string range_msg = error_of([&] { schema.read(t, one); });
+      CHECK(range_msg.find("config." + o.key + ": must be ") == 0);
+      CHECK(range_msg.find(o.range_text()) != std::string::npos);
+    }
+  }
+}
+
+} // namespace
+
+TEST_CASE("json: random documents are written and read back equal, compact and pretty") {
+  std::mt19937_64 rng(7);
+  for (int i = 0; i < 500; ++i) {
+    const json::Value v = random_value(rng, 0);
+    CAPTURE(json::dump(v));
+    CHECK(json::parse(json::dump(v)) == v);
+    CHECK(json::parse(json::dump(v, 2)) == v);
+    CHECK(json::dump(json::parse(json::dump(v))) == json::dump(v));
+  }
+}
+
+TEST_CASE("json: doubles are the shortest form that reads back, integers stay integers") {
+  CHECK(json::format_double(0.1) == "0.1");
+  CHECK(json::format_double(1500.0) == "1500.0");
+  CHECK(json::format_double(1e-7) == "1e-07");
+  CHECK(json::format_double(1.0 / 3.0) == "0.3333333333333333");
+  CHECK(json::parse("3").is_integer());
+  CHECK_FALSE(json::parse("3.0").is_integer());
+  CHECK_FALSE(json::parse("3e0").is_integer());
+  CHECK(json::parse("-9223372036854775808").as_integer() == INT64_MIN);
+  CHECK(error_of([] { (void)json::parse("18446744073709551615", "f"); }) ==
+        "f:1:1: integer 18446744073709551615 is outside the int64 range");
+}
+
+TEST_CASE("json: duplicate keys and malformed input are errors naming line and column") {
+  CHECK(error_of([] { (void)json::parse("{\"a\": 1,\n \"a\": 2}", "x.json"); }) == "x.json:2:2: duplicate key 'a'");
+  CHECK(error_of([] { (void)json::parse("{\"a\": {\"b\": 1, \"b\": 1}}", "x"); }).find("duplicate key 'b'") !=
+        std::string::npos);
+  for (const char *bad : {"", "{", "[1,", "[1 2]", "{\"a\" 1}", "nul", "01", "1.", "-", "\"\\x\"", "\"abc", "[1]x",
+                          "NaN", "1e999", "{'a': 1}", "[\"\\ud800\"]", "// c\n1"})
+    CHECK_MESSAGE(error_of([&] { (void)json::parse(bad, "in"); }).rfind("in:", 0) == 0, bad);
+  // Deep nesting is refused, not a stack overflow.
+  CHECK(error_of([] { (void)json::parse(std::string(100000, '['), "deep"); }).find("nesting deeper") !=
+        std::string::npos);
+}
+
+TEST_CASE("json: random byte mutations of a document never crash the parser") {
+  const std::string base = json::dump(config::simulate_schema().write(config::SimulateSettings{}), 2);
+  std::mt19937_64 rng(11);
+  int refused = 0;
+  for (int i = 0; i < 3000; ++i) {
+    std::string s = base;
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits; ++e) {
+      const std::size_t at = rng() % s.size();
+      switch (rng() % 3) {
+      case 0: s[at] = static_cast<char>(rng() % 256); break;
+      case 1: s.erase(at, 1 + rng() % 3); break;
+      default: s.insert(at, 1, "{}[]\",:0e-."[rng() % 12]);
+      }
+      if (s.empty()) s = "x";
+    }
+    try {
+      (void)json::parse(s, "m");
+    } catch (const fm::Error &) {
+      ++refused;
+    }
+  }
+  CHECK(refused > 1000);
+}
+
+TEST_CASE("schema: every key of every schema accepts its default, refuses a wrong type and a bad value") {
+  walk_schema(config::simulate_schema());
+  walk_schema(config::plan_schema());
+  walk_schema(config::planner_schema());
+  walk_schema(config::topology_schema());
+}
+
+TEST_CASE("schema: the simulate config covers the 18 cost keys, every section, and reads its own output") {
+  int cost_keys = 0;
+  for (const auto &o : config::simulate_schema().options())
+    cost_keys += o.key.starts_with("cost.");
+  CHECK(cost_keys == 18);
+  for (const char *preset : {"qwen3-30b-a3b", "deepseek-v3"}) {
+    json::Value p = json::Object{};
+    p["preset"] = preset;
+    const config::Schema<config::SimulateSettings>::Layer l[] = {{&p, "config"}};
+    const config::SimulateSettings s = config::simulate_settings(l);
+    const json::Value printed = config::simulate_schema().write(s);
+    const config::Schema<config::SimulateSettings>::Layer back[] = {{&printed, "config"}};
+    CHECK(config::simulate_schema().write(config::simulate_settings(back)) == printed);
+  }
+}
+
+TEST_CASE("schema: unknown keys, sections that are not objects, narrowing and bindings are refused") {
+  const auto &s = config::simulate_schema();
+  config::SimulateSettings t;
+  auto read = [&](const char *text) { return error_of([&] { s.read(t, json::parse(text, "f")); }); };
+  CHECK(read(R"({"model": {"layerz": 4}})").find("config.model: unknown key 'layerz' (known: layers, experts") == 0);
+  CHECK(read(R"({"modle": {}})").find("config: unknown key 'modle'") == 0);
+  CHECK(read(R"({"model": 4})") == "config.model: expected an object, got 4");
+  CHECK(read(R"({"model": {"layers": 4294967300}})") == "config.model.layers: must be in [1, 4096], got 4294967300");
+  CHECK(read(R"({"model": {"layers": 3.7}})") == "config.model.layers: expected an integer, got 3.7");
+  CHECK(read(R"({"model": {"layers": true}})") == "config.model.layers: expected an integer, got true");
+  CHECK(read(R"({"batch": {"persistence": 2}})") == "config.batch.persistence: must be in [0, 1], got 2");
+  CHECK(read(R"({"model": {"dtype": "int4"}})") ==
+        "config.model.dtype: must be one of bf16, fp16, fp32, fp8, got 'int4'");
+  CHECK(read(R"({"batch": {"prompt_mean": 64}})") == ""); // integers are fine for number options
+  CHECK(t.batch.prompt_length.mean == 64.0);
+  fm::PlannerOptions p;
+  CHECK(error_of([&] {
+          config::planner_schema().read(p, json::parse(R"({"strategy": "best"})"), "Planner");
+        }).find("Planner.strategy: unknown strategy 'best'") == 0);
+}
+
+TEST_CASE("schema: precedence is defaults < preset < config file < explicit flags") {
+  const auto &s = config::simulate_schema();
+  const json::Value file = json::parse(R"({"preset": "deepseek-v3", "batch": {"seed": 7, "steps": 3}})");
+  const json::Value none = s.flags_document({});
+  const std::pair<std::string, std::string> seed_flag[] = {{"seed", "9"}};
+  const json::Value flags = s.flags_document(seed_flag);
+  using L = config::Schema<config::SimulateSettings>::Layer;
+  const L a[] = {{&file, "config"}, {&none, "--"}};
+  const config::SimulateSettings x = config::simulate_settings(a);
+  CHECK(x.batch.seed == 7); // the file's seed holds when no --seed is given
+  CHECK(x.batch.num_steps == 3);
+  CHECK(x.sim.model.num_experts == 256); // the preset came first
+  const L b[] = {{&file, "config"}, {&flags, "--"}};
+  CHECK(config::simulate_settings(b).batch.seed == 9);
+  const std::pair<std::string, std::string> bad[] = {{"slots", "0"}};
+  CHECK(error_of([&] { (void)s.flags_document(bad); }) == "--slots must be in [1, 16384], got 0");
+  const std::pair<std::string, std::string> nan[] = {{"skew", "x"}};
+  CHECK(error_of([&] { (void)s.flags_document(nan); }) == "--skew expects a number, got 'x'");
+  const std::pair<std::string, std::string> no[] = {{"no-reowning-free", ""}};
+  const json::Value nf = s.flags_document(no);
+  const L c[] = {{&nf, "--"}};
+  CHECK_FALSE(config::simulate_settings(c).sim.reowning_free);
+}
+
+TEST_CASE("documents: placements round-trip and the reader is strict") {
+  const fm::Topology topo{1, 2, 2};
+  fm::Placement p(topo, 1, 3);
+  p.layer(0).slot(0, 0) = 0;
+  p.layer(0).slot(0, 1) = 2;
+  p.layer(0).slot(1, 0) = 1;
+  const json::Value doc = config::placement_document(topo, p);
+  CHECK(config::read_placement(json::parse(json::dump(doc)), "pl", topo, 1, 3) == p);
+  auto refuse = [&](const std::string &text) {
+    return error_of([&] { (void)config::read_placement(json::parse(text, "pl"), "pl", topo, 1, 3); });
+  };
+  CHECK(refuse(R"({"nodes": 1, "gpus_per_node": 2, "slots": 2, "layers": [{"gpu_slots": [[0, 2], [1, -1]]}]})") ==
+        "pl: missing key 'num_experts'");
+  CHECK(refuse(R"({"nodes": 1, "gpus_per_node": 2, "slots": 2, "num_experts": 3, "x": 1, "layers": []})")
+            .find("pl: unknown key 'x'") == 0);
+  CHECK(refuse(R"({"nodes": 1, "gpus_per_node": 2, "slots": 2, "num_experts": 3,
+                   "layers": [{"gpu_slots": [[0, 2.7], [1, -1]]}]})") ==
+        "pl.layers[0].gpu_slots[0][1]: expected an integer, got 2.7");
+  CHECK(refuse(R"({"nodes": 1, "gpus_per_node": 2, "slots": 2, "num_experts": 3,
+                   "layers": [{"gpu_slots": [[0, true], [1, -1]]}]})") ==
+        "pl.layers[0].gpu_slots[0][1]: expected an integer, got true");
+}

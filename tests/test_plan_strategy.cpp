@@ -1,0 +1,123 @@
+// Strategy registry: built-ins listed in order, clear lookup errors, and a strategy defined in this file alone
+// that plans through `Planner` (a new strategy is one file).
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "foremoe/core/load_tensor.hpp"
+#include "foremoe/plan/planner.hpp"
+#include "foremoe/plan/strategy.hpp"
+
+using namespace foremoe;
+
+#define CHECK_ERROR_CONTAINS(expr, text) CHECK_THROWS_WITH_AS(expr, doctest::Contains(text), Error)
+
+namespace {
+
+/// Expert `e` on GPU `e % G`, no replicas: a trivial strategy that exercises every hook.
+class RoundRobinStrategy : public PlanStrategy {
+public:
+  static inline int steps_begun = 0;
+
+  void begin_step(const PlanShape &, std::span<const std::int64_t>, std::span<const std::int64_t>,
+                  OwnerMap &) override {
+    ++steps_begun;
+  }
+  [[nodiscard]] LayerPlan plan_layer(const LayerRequest &req, ReplicaPlanner &ws) const override {
+    const Topology &topo = req.shape.topo;
+    const int num_gpus = topo.num_gpus();
+    LayerPlacement p(num_gpus, topo.slots_per_gpu, req.shape.num_experts);
+    std::vector<std::int32_t> owners(static_cast<std::size_t>(req.shape.num_experts));
+    for (int e = 0; e < req.shape.num_experts; ++e) {
+      p.slot(e % num_gpus, e / num_gpus) = e;
+      owners[e] = e % num_gpus;
+    }
+    return ws.plan_from_placement(p, req.loads, owners, req.resident);
+  }
+  [[nodiscard]] bool plans_own_owners() const noexcept override { return true; }
+};
+
+const bool round_robin_registered = (register_strategy({"test-round-robin",
+                                                        "expert e on GPU e % G (test only)",
+                                                        {},
+                                                        1000,
+                                                        [] { return std::make_unique<RoundRobinStrategy>(); }}),
+                                     true);
+
+} // namespace
+
+TEST_CASE("strategy registry: the built-ins come first, in order, with help and options") {
+  REQUIRE(round_robin_registered);
+  const auto all = strategies();
+  REQUIRE(all.size() == 6);
+  const char *expected[] = {"static", "eplb", "eplb-oracle", "foremoe", "foremoe-free", "test-round-robin"};
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    CAPTURE(i);
+    CHECK(all[i]->name == expected[i]);
+    CHECK(!all[i]->help.empty());
+    CHECK(static_cast<bool>(all[i]->make));
+  }
+  CHECK(strategy_names() == "static, eplb, eplb-oracle, foremoe, foremoe-free, test-round-robin");
+  CHECK(strategy_names("|") == "static|eplb|eplb-oracle|foremoe|foremoe-free|test-round-robin");
+  CHECK(find_strategy("foremoe").options.front() == "move_budget");
+  CHECK(find_strategy("eplb-oracle").options == std::vector<std::string>{"eplb_num_groups"});
+  // Schema-style spellings name the same strategy.
+  CHECK(&find_strategy("foremoe_free") == &find_strategy("foremoe-free"));
+  CHECK(lookup_strategy("nope") == nullptr);
+}
+
+TEST_CASE("strategy registry: unknown names, duplicates and bad entries are errors naming the value") {
+  CHECK_ERROR_CONTAINS((void)find_strategy("greedy"),
+                       "unknown strategy 'greedy' (registered: static, eplb, eplb-oracle, foremoe, foremoe-free, "
+                       "test-round-robin)");
+  auto make = [] { return std::make_unique<RoundRobinStrategy>(); };
+  CHECK_ERROR_CONTAINS(register_strategy({"static", "again", {}, 1, make}), "strategy 'static' is already registered");
+  CHECK_ERROR_CONTAINS(register_strategy({"Bad Name", "x", {}, 1, make}), "'Bad Name' may hold only");
+  CHECK_ERROR_CONTAINS(register_strategy({"", "x", {}, 1, make}), "empty strategy name");
+  CHECK_ERROR_CONTAINS(register_strategy({"no-factory", "x", {}, 1, {}}), "'no-factory' has no factory");
+  CHECK(strategies().size() == 6); // nothing was added
+  PlannerOptions opts;
+  opts.strategy = "fastest";
+  CHECK_ERROR_CONTAINS(Planner(2, 16, Topology{1, 4, 5}, opts), "unknown strategy 'fastest'");
+}
+
+TEST_CASE("strategy registry: a strategy registered in this file plans through Planner") {
+  const int num_layers = 3, num_experts = 16;
+  const Topology topo{1, 4, 5};
+  LoadTensor loads(2, num_layers, num_experts);
+  for (int m = 0; m < 2; ++m)
+    for (int l = 0; l < num_layers; ++l)
+      for (int e = 0; e < num_experts; ++e)
+        loads.at(m, l, e) = 1 + (e * 7 + l * 3 + m) % 11;
+  PlannerOptions opts;
+  opts.strategy = "test_round_robin";
+  opts.num_threads = 2;
+  Planner planner(num_layers, num_experts, topo, opts);
+  CHECK(planner.options().strategy == "test-round-robin");
+  const int before = RoundRobinStrategy::steps_begun;
+  const StepPlan sp = planner.plan_step(loads);
+  CHECK(RoundRobinStrategy::steps_begun == before + 1);
+  REQUIRE(sp.micro_steps.size() == 2);
+  for (int m = 0; m < 2; ++m)
+    for (int l = 0; l < num_layers; ++l) {
+      const LayerPlan &lp = sp.micro_steps[m][l];
+      std::int64_t total = 0;
+      for (int e = 0; e < num_experts; ++e) {
+        CHECK(lp.placement.slot(e % 4, e / 4) == e);
+        CHECK(lp.owner_gpu[e] == e % 4);
+        total += loads.at(m, l, e);
+      }
+      std::int64_t planned = 0;
+      for (std::int64_t t : lp.slot_tokens)
+        planned += t;
+      CHECK(planned == total);
+      CHECK(lp.moves.empty()); // every copy is an owner: in place at the start, then resident
+    }
+  // The plans choose their owners, so the step reports the first micro-step's.
+  REQUIRE(sp.owner_gpu.size() == std::size_t(num_layers));
+  CHECK(sp.owner_gpu[1] == sp.micro_steps[0][1].owner_gpu);
+}
