@@ -11,10 +11,10 @@
 
 #include "foremoe/plan/bounds.hpp"
 #include "foremoe/plan/evaluate.hpp"
-#include "foremoe/plan/exact.hpp"
 #include "foremoe/plan/owners.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/replicate.hpp"
+#include "exact_oracle.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;

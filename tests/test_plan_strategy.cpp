@@ -1,5 +1,5 @@
 // Strategy registry: built-ins listed in order, clear lookup errors, and a strategy defined in this file alone
-// that plans through `Planner` (a new strategy is one file).
+// that plans through `Planner` (a new strategy is one file), with nothing but the lean `foremoe/plan.hpp`.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -8,9 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "foremoe/core/load_tensor.hpp"
-#include "foremoe/plan/planner.hpp"
-#include "foremoe/plan/strategy.hpp"
+#include "foremoe/plan.hpp" // the lean include alone is enough to write and run a strategy
 
 using namespace foremoe;
 

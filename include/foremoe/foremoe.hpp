@@ -1,6 +1,7 @@
 #pragma once
 /// @file
-/// Umbrella header: everything in the header-only library.
+/// Umbrella header: everything in the header-only library (`foremoe/plan.hpp` is the lean counting + planning
+/// set).
 
 #include "foremoe/version.hpp"
 

@@ -6,7 +6,7 @@
 #include <functional>
 #include <string>
 
-#include "foremoe/plan/replicate.hpp"
+#include "foremoe/plan/replicate/options.hpp"
 
 namespace foremoe {
 inline namespace v0 {

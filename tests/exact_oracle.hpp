@@ -1,6 +1,7 @@
 #pragma once
 /// @file
-/// Exact planners for tiny layers, by enumeration: the yardstick for the heuristics' optimality gap in tests.
+/// Exact planners for tiny layers, by enumeration: the yardstick for the heuristics' optimality gap in tests
+/// (test-only, not installed; it was `foremoe/plan/exact.hpp`).
 ///
 /// A copy never hurts the exact split (it may receive zero tokens), so only maximal placements are enumerated:
 /// in two-level mode every GPU fills its spare slots as far as candidates and the move budget allow; in free mode

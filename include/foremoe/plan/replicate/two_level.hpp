@@ -1,0 +1,613 @@
+#pragma once
+/// @file
+/// Two-level replica selection (owners fixed for the step, replicas in the spare slots) jointly with the token
+/// split.
+///
+/// A binary search on the makespan `T` whose feasibility test is a greedy "shedding" construction. Every GPU above
+/// `T` must shed `load - T`; it does so through replicas of its own experts on GPUs with a free spare slot and
+/// headroom below `T`, taking its heaviest remaining expert each time and the receiver whose headroom fits the need
+/// most tightly (a resident copy first, since it costs no move). A last piece that would close its receiver with
+/// headroom left is chained to the next GPU above `T` instead (into its otherwise unused spare slot), which then
+/// sheds that much more. The transfers it records are a valid split with maximum `T`: plans from a resident
+/// placement use them as they are; plans from scratch take the exact split. An optional local search driven by the
+/// exact split moves single replicas while the maximum drops.
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "foremoe/core/error.hpp"
+#include "foremoe/core/placement.hpp"
+#include "foremoe/core/topology.hpp"
+#include "foremoe/plan/bounds.hpp"
+#include "foremoe/plan/detail/layer_checks.hpp"
+#include "foremoe/plan/detail/makespan_search.hpp"
+#include "foremoe/plan/detail/receivers.hpp"
+#include "foremoe/plan/detail/replica_solution.hpp"
+#include "foremoe/plan/plan.hpp"
+#include "foremoe/plan/replicate/from_placement.hpp"
+#include "foremoe/plan/replicate/options.hpp"
+#include "foremoe/plan/split.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+
+/// A two-level plan and the makespan of the plan from scratch (resident ignored) for the same loads and owners,
+/// which free mode uses as its resident-independent reference.
+struct TwoLevelResult {
+  LayerPlan plan;
+  std::int64_t scratch_makespan = 0;
+};
+
+/// Two-level planning of single layers; keeps its scratch between calls (one per thread), never results.
+class TwoLevelPlanner {
+public:
+  TwoLevelPlanner(const Topology &topo, int num_experts)
+      : topo_(topo), num_experts_(num_experts), num_gpus_(topo.num_gpus()), slots_(topo.slots_per_gpu),
+        eval_(num_experts, topo.num_gpus(), topo.slots_per_gpu) {
+    topo.validate(num_experts);
+  }
+
+  /// Two-level plan: `owner_gpu[e]` keeps a copy of `e`; replicas fill spare slots. `resident` (may be null) is the
+  /// previous micro-step's placement of this layer: its replicas are kept where useful at no move cost.
+  [[nodiscard]] TwoLevelResult plan(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
+                                    const LayerPlacement *resident, const ReplicaOptions &opts = {}) {
+    detail::check_expert_loads(loads, num_experts_, "plan_two_level");
+    detail::check_resident_shape(resident, topo_, num_experts_, "plan_two_level");
+    setup_owners(loads, owner_gpu);
+    for (int g = 0; g < num_gpus_; ++g)
+      budget_[g] = opts.move_budget < 0 ? spare_[g] : std::min(spare_[g], opts.move_budget);
+
+    // The plan from scratch ignores the resident placement, so its makespan depends on the loads and owners
+    // alone. Every returned plan is at least that good, and the resident placement is kept whenever it is too:
+    // planning the same loads again with the result as resident therefore moves nothing. The scratch plan is
+    // within any budget (a GPU's new replicas are at most its replicas, which the scratch search caps).
+    // With a resident placement the scratch plan is usually replaced, so its makespan is taken as the search's
+    // (an upper bound on its exact split) instead of evaluating it.
+    setup_resident(nullptr, owner_gpu);
+    const bool gate = opts.replica_cost && opts.token_time;
+    const bool exact_scratch = resident == nullptr || opts.local_search_rounds > 0 || gate;
+    const std::int64_t scratch_makespan = search_two_level(loads, owner_gpu, opts, exact_scratch);
+    // Whether the split state of the last evaluation is that of `cur_` (a local search that stops on a failed
+    // trial leaves the trial's state behind, so it is re-evaluated then).
+    bool cur_evaluated = exact_scratch && (opts.local_search_rounds <= 0 || gate);
+    auto result = [&](LayerPlan plan) { return TwoLevelResult{std::move(plan), scratch_makespan}; };
+    if (resident == nullptr)
+      return result(realize(cur_, loads, owner_gpu, nullptr, cur_evaluated ? scratch_makespan : -1));
+    if (resident_compatible(*resident, owner_gpu)) {
+      // The resident placement as a solution (its non-owner copies as replicas): same exact-split maximum as the
+      // placement, through the cheaper owner-based evaluation.
+      if (res_sol_.rep.size() != static_cast<std::size_t>(num_gpus_) * slots_) res_sol_.clear(num_gpus_, slots_);
+      for (int g = 0; g < num_gpus_; ++g) {
+        res_sol_.cnt[g] = 0;
+        for (int j = 0; j < slots_; ++j)
+          if (const std::int32_t e = resident->slot(g, j); e != empty_slot && owner_gpu[e] != g)
+            res_sol_.rep[g * slots_ + res_sol_.cnt[g]++] = e;
+      }
+      // Cheap necessary test first: a GPU whose unreplicated owned experts alone exceed the scratch makespan
+      // rules the resident placement out without an exact split.
+      if (resident_fixed_load_fits(res_sol_, loads, scratch_makespan)) {
+        const std::int64_t res_makespan =
+            eval_.evaluate(res_sol_, loads, owner_, owner_load_, split_, scratch_makespan);
+        cur_evaluated = false;
+        if (res_makespan <= scratch_makespan)
+          return result(plan_from_placement(*resident, loads, owner_gpu, resident, topo_.gpus_per_node, split_));
+      }
+    }
+    scratch_ = cur_;
+    // Resident-aware construction at the scratch makespan: reuses resident replicas where they fit, so it
+    // usually moves less for the same maximum.
+    setup_resident(resident, owner_gpu);
+    const bool constructed = shed_greedy(scratch_makespan, loads);
+    if (constructed) {
+      cur_ = trial_;
+      // Without the gate the construction's own transfers are the split (each GPU at most the scratch makespan).
+      if (!gate) {
+        keep_unused_residents(cur_);
+        return result(realize(cur_, loads, owner_gpu, resident, -1, !opts.exact_split));
+      }
+      (void)apply_gate(loads, owner_gpu, eval_.evaluate(cur_, loads, owner_, owner_load_, split_), opts);
+      keep_unused_residents(cur_);
+      if (const std::int64_t m = eval_.evaluate(cur_, loads, owner_, owner_load_, split_); m <= scratch_makespan)
+        return result(realize(cur_, loads, owner_gpu, resident, m));
+    }
+    cur_ = scratch_;
+    // The last evaluation was of the scratch plan (the construction above does not evaluate when it fails), so
+    // it still holds unless kept residents change the solution.
+    const bool evaluated_scratch = !constructed && cur_evaluated;
+    if (keep_unused_residents(cur_) || !evaluated_scratch) return result(realize(cur_, loads, owner_gpu, resident));
+    return result(realize(cur_, loads, owner_gpu, resident, scratch_makespan));
+  }
+
+private:
+  /// Whether `r` is a valid two-level placement for these owners: ids in range, no duplicate on a GPU, every
+  /// owner holding its expert (which also hosts every expert).
+  [[nodiscard]] bool resident_compatible(const LayerPlacement &r, std::span<const std::int32_t> owner_gpu) {
+    mark_.assign(static_cast<std::size_t>(num_experts_), -1);
+    int owners_found = 0;
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < slots_; ++j) {
+        const std::int32_t e = r.slot(g, j);
+        if (e == empty_slot) continue;
+        if (e < 0 || e >= num_experts_ || mark_[e] == g) return false;
+        mark_[e] = g;
+        owners_found += owner_gpu[e] == g;
+      }
+    return owners_found == num_experts_;
+  }
+  /// Whether every GPU's owned experts without a replica in `s` fit under `limit` (a necessary condition for
+  /// the exact split of `s` to be at most `limit`).
+  [[nodiscard]] bool resident_fixed_load_fits(const detail::ReplicaSolution &s, std::span<const std::int64_t> loads,
+                                              std::int64_t limit) {
+    flag_.assign(static_cast<std::size_t>(num_experts_), 0);
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < s.cnt[g]; ++j)
+        flag_[s.rep[g * slots_ + j]] = 1;
+    for (int g = 0; g < num_gpus_; ++g) {
+      std::int64_t fixed = 0;
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+        if (!flag_[own_list_[j]]) fixed += loads[own_list_[j]];
+      if (fixed > limit) return false;
+    }
+    return true;
+  }
+  void setup_owners(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu) {
+    detail::require(static_cast<int>(owner_gpu.size()) == num_experts_, "plan_two_level: ", owner_gpu.size(),
+                    " owners for ", num_experts_, " experts");
+    owner_ = owner_gpu;
+    own_off_.assign(static_cast<std::size_t>(num_gpus_) + 1, 0);
+    for (int e = 0; e < num_experts_; ++e) {
+      const std::int32_t o = owner_gpu[e];
+      detail::require(o >= 0 && o < num_gpus_, "plan_two_level: expert ", e, " has owner GPU ", o, ", outside [0, ",
+                      num_gpus_, ")");
+      ++own_off_[o + 1];
+    }
+    for (int g = 0; g < num_gpus_; ++g) {
+      detail::require(own_off_[g + 1] <= slots_, "plan_two_level: GPU ", g, " owns ", own_off_[g + 1],
+                      " experts but has ", slots_, " slots");
+      own_off_[g + 1] += own_off_[g];
+    }
+    own_list_.resize(static_cast<std::size_t>(num_experts_));
+    fill_.assign(own_off_.begin(), own_off_.end() - 1);
+    for (int e = 0; e < num_experts_; ++e)
+      own_list_[fill_[owner_gpu[e]]++] = e;
+    owner_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    spare_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    budget_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    for (int g = 0; g < num_gpus_; ++g) {
+      // Insertion sort: a GPU owns a handful of experts, and it is stable.
+      for (int j = own_off_[g] + 1; j < own_off_[g + 1]; ++j) {
+        const std::int32_t x = own_list_[j];
+        int k = j;
+        for (; k > own_off_[g] && loads[own_list_[k - 1]] < loads[x]; --k)
+          own_list_[k] = own_list_[k - 1];
+        own_list_[k] = x;
+      }
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+        owner_load_[g] += loads[own_list_[j]];
+      spare_[g] = slots_ - (own_off_[g + 1] - own_off_[g]);
+    }
+    hot_order_.resize(static_cast<std::size_t>(num_gpus_));
+    std::iota(hot_order_.begin(), hot_order_.end(), 0);
+    // Owner load descending, ties by GPU: the order of a stable sort, without its buffer allocation.
+    std::sort(hot_order_.begin(), hot_order_.end(), [&](std::int32_t a, std::int32_t b) {
+      return owner_load_[a] > owner_load_[b] || (owner_load_[a] == owner_load_[b] && a < b);
+    });
+  }
+
+  void setup_resident(const LayerPlacement *resident, std::span<const std::int32_t> owner_gpu) {
+    res_.assign(static_cast<std::size_t>(num_gpus_) * slots_, empty_slot);
+    res_cnt_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    if (resident == nullptr) {
+      res_off_.assign(static_cast<std::size_t>(num_experts_) + 1, 0);
+      res_gpu_.clear();
+      recv_.build(hot_order_, spare_, budget_, res_cnt_, owner_load_);
+      return;
+    }
+    for (int g = 0; g < num_gpus_; ++g)
+      for (std::int32_t e : resident->gpu_slots(g)) {
+        if (e < 0 || e >= num_experts_ || owner_gpu[e] == g || res_cnt_[g] >= spare_[g]) continue;
+        bool dup = false;
+        for (int j = 0; j < res_cnt_[g]; ++j)
+          dup = dup || res_[g * slots_ + j] == e;
+        if (!dup) res_[g * slots_ + res_cnt_[g]++] = e;
+      }
+    // Expert -> GPUs holding it as a resident replica, ascending.
+    res_off_.assign(static_cast<std::size_t>(num_experts_) + 1, 0);
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < res_cnt_[g]; ++j)
+        ++res_off_[res_[g * slots_ + j] + 1];
+    for (int e = 0; e < num_experts_; ++e)
+      res_off_[e + 1] += res_off_[e];
+    res_gpu_.resize(static_cast<std::size_t>(res_off_.back()));
+    fill_.assign(res_off_.begin(), res_off_.end() - 1);
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < res_cnt_[g]; ++j)
+        res_gpu_[fill_[res_[g * slots_ + j]]++] = g;
+    recv_.build(hot_order_, spare_, budget_, res_cnt_, owner_load_);
+  }
+  [[nodiscard]] bool is_resident(int g, std::int32_t e) const noexcept {
+    for (int j = 0; j < res_cnt_[g]; ++j)
+      if (res_[g * slots_ + j] == e) return true;
+    return false;
+  }
+  [[nodiscard]] bool holds(const detail::ReplicaSolution &s, int g, std::int32_t e) const noexcept {
+    if (owner_[e] == g) return true;
+    for (int j = 0; j < s.cnt[g]; ++j)
+      if (s.rep[g * slots_ + j] == e) return true;
+    return false;
+  }
+  [[nodiscard]] int num_new(const detail::ReplicaSolution &s, int g) const noexcept {
+    int n = 0;
+    for (int j = 0; j < s.cnt[g]; ++j)
+      n += !is_resident(g, s.rep[g * slots_ + j]);
+    return n;
+  }
+
+  /// Binary search on T over the greedy construction, then local search and the optional gate; leaves the
+  /// solution in `cur_` and returns its exact makespan (without `exact`, and without local search and gate: the
+  /// smallest T the construction met, at least the exact makespan).
+  std::int64_t search_two_level(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
+                                const ReplicaOptions &opts, bool exact = true) {
+    std::int64_t hi = 0;
+    for (int g = 0; g < num_gpus_; ++g)
+      hi = std::max(hi, owner_load_[g]);
+    std::int64_t lo =
+        std::min(hi, lower_bound_two_level(loads, owner_gpu, topo_, opts.move_budget, nullptr, bound_ws_));
+    best_.clear(num_gpus_, slots_);
+    // Good plans sit just above the bound, so gallop up from it, then bisect down to a 0.05% bracket. With a
+    // resident placement the final plan keeps the construction's own split, which sits at the bracket's top, so
+    // the bracket is the plan's distance from the best T the construction meets (0.2% costs the same time here
+    // for about 0.0015 higher mean max/mean; below 0.05% it gains nothing measurable).
+    const std::int64_t tolerance = std::max<std::int64_t>(1, lo / 2000);
+    hi = detail::search_makespan(lo, hi, 4 * tolerance, tolerance, true, [&](std::int64_t t) {
+           if (!shed_greedy(t, loads)) return false;
+           best_ = trial_;
+           return true;
+         }).second;
+    cur_ = best_;
+    if (!exact && opts.local_search_rounds <= 0 && !(opts.replica_cost && opts.token_time)) return hi;
+    std::int64_t makespan = eval_.evaluate(cur_, loads, owner_, owner_load_, split_);
+    if (opts.local_search_rounds > 0) makespan = local_search_two_level(loads, makespan, opts);
+    if (opts.replica_cost && opts.token_time) makespan = apply_gate(loads, owner_gpu, makespan, opts);
+    return makespan;
+  }
+
+  /// The greedy shedding construction at makespan `t`; fills `trial_` and says whether every GPU got under `t`.
+  bool shed_greedy(std::int64_t t, std::span<const std::int64_t> loads) {
+    // Only the counts need clearing: entries past a GPU's count are never read.
+    if (trial_.rep.size() != static_cast<std::size_t>(num_gpus_) * slots_) trial_.clear(num_gpus_, slots_);
+    std::fill(trial_.cnt.begin(), trial_.cnt.end(), 0);
+    room_.resize(static_cast<std::size_t>(num_gpus_));
+    new_left_.resize(static_cast<std::size_t>(num_gpus_));
+    for (int g = 0; g < num_gpus_; ++g) {
+      room_[g] = t - owner_load_[g];
+      new_left_[g] = budget_[g];
+    }
+    // Kept sorted by (room, GPU) so that receivers are found by a search instead of a scan. Rooms start at
+    // `t - owner load`, so `hot_order_` (owner load descending, stable) is already that order, and the open GPUs
+    // (room > 0) are a suffix of the receivers in that order.
+    const std::size_t first_open = recv_.first_open(owner_load_, t);
+    open_.reset(std::span(recv_.gpus).subspan(first_open), room_, num_gpus_);
+    std::int64_t room_left = 0, slots_left = 0, excess_left = 0;
+    {
+      // Necessary conditions: the rooms hold the total excess, and the slots the fewest transfers (each moves at
+      // most the largest room).
+      const auto num_open = static_cast<std::int64_t>(open_.gpus().size());
+      const std::int64_t total_room = num_open * t - recv_.load_suf[first_open];
+      const std::int64_t max_room = open_.gpus().empty() ? 0 : room_[open_.gpus().back()];
+      const std::int64_t slots_free = recv_.slots_suf[first_open];
+      std::int64_t total_excess = 0;
+      for (std::int32_t g : hot_order_) {
+        const std::int64_t excess = owner_load_[g] - t;
+        if (excess <= 0) break;
+        total_excess += excess;
+      }
+      // Chaining lets hot GPUs share receivers' pieces, so only the total number of transfers is bounded.
+      const std::int64_t transfers = max_room > 0 ? (total_excess + max_room - 1) / max_room : 1;
+      if (total_excess > total_room || transfers > slots_free) return false;
+      room_left = total_room;
+      slots_left = slots_free;
+      excess_left = total_excess;
+    }
+    // Only the experts of GPUs above t are read, each by its owner alone: set them when their owner starts.
+    remaining_.resize(loads.size());
+    chained_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    for (std::size_t hi_idx = 0; hi_idx < hot_order_.size(); ++hi_idx) {
+      const std::int32_t g = hot_order_[hi_idx];
+      std::int64_t excess = owner_load_[g] + chained_[g] - t;
+      if (owner_load_[g] <= t) break;
+      // The same necessary conditions on what is left: room lost in receivers that closed early (out of slots or
+      // budget) usually makes a construction fail late, and this sees it one GPU at a time.
+      if (excess_left > room_left || (excess_left > 0 && slots_left <= 0)) return false;
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+        remaining_[own_list_[j]] = loads[own_list_[j]];
+      while (excess > 0) {
+        // Heaviest remaining expert of g first; the others only when it cannot move all it could.
+        std::int32_t pick_e = -1, pick_h = -1;
+        std::int64_t pick_t = 0;
+        std::int32_t top = -1;
+        for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+          if (top < 0 || remaining_[own_list_[j]] > remaining_[top]) top = own_list_[j];
+        if (top >= 0 && remaining_[top] > 0) {
+          const std::int64_t need = std::min(excess, remaining_[top]);
+          if (const std::int32_t h = pick_receiver(top, need); h >= 0) {
+            pick_t = std::min(need, room_[h]);
+            pick_e = top;
+            pick_h = h;
+          }
+          // Another expert can only do better when no GPU could take this one: the transfer is capped by the
+          // receiver's room or by the heaviest remaining load, and neither grows with a lighter expert.
+          if (pick_e < 0)
+            for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) {
+              const std::int32_t e = own_list_[j];
+              const std::int64_t a = remaining_[e];
+              if (e == top || a <= pick_t) continue; // cannot beat the transfer already found
+              const std::int64_t need_e = std::min(excess, a);
+              const std::int32_t h = pick_receiver(e, need_e);
+              if (h < 0) continue;
+              const std::int64_t tr = std::min(need_e, room_[h]);
+              if (tr > pick_t) {
+                pick_t = tr;
+                pick_e = e;
+                pick_h = h;
+                if (tr == excess) break;
+              }
+            }
+        }
+        if (pick_e < 0) return false;
+        // Chaining: a last piece that would close its receiver (no slot or budget left) with room to spare goes to
+        // the next hot GPU's spare slot instead, which sheds that much more in its turn. A hot GPU's spare slot is
+        // of no other use, and the receiver's room stays open for a later piece; otherwise every hot GPU wastes
+        // the room its last piece leaves (about 12% of the mean at 1024 GPUs x 2 slots with budget 1).
+        if (pick_t == excess && room_[pick_h] > pick_t && hi_idx + 1 < hot_order_.size()) {
+          const std::int32_t g2 = hot_order_[hi_idx + 1];
+          const bool closes =
+              trial_.cnt[pick_h] + 1 >= spare_[pick_h] || (!is_resident(pick_h, pick_e) && new_left_[pick_h] <= 1);
+          if (closes && owner_load_[g2] > t && trial_.cnt[g2] < spare_[g2] && !holds(trial_, g2, pick_e) &&
+              (new_left_[g2] > 0 || is_resident(g2, pick_e))) {
+            trial_.amt[g2 * slots_ + trial_.cnt[g2]] = excess;
+            trial_.rep[g2 * slots_ + trial_.cnt[g2]++] = pick_e;
+            if (!is_resident(g2, pick_e)) --new_left_[g2];
+            chained_[g2] += excess;
+            remaining_[pick_e] -= excess;
+            excess = 0;
+            continue;
+          }
+        }
+        trial_.amt[pick_h * slots_ + trial_.cnt[pick_h]] = pick_t;
+        trial_.rep[pick_h * slots_ + trial_.cnt[pick_h]++] = pick_e;
+        if (!is_resident(pick_h, pick_e)) --new_left_[pick_h];
+        // A receiver is always open (only open GPUs are eligible).
+        room_[pick_h] -= pick_t;
+        room_left -= pick_t;
+        excess_left -= pick_t;
+        --slots_left;
+        const std::int64_t r = room_[pick_h];
+        if (r <= 0 || trial_.cnt[pick_h] >= spare_[pick_h] || (new_left_[pick_h] <= 0 && res_cnt_[pick_h] == 0)) {
+          room_left -= std::max<std::int64_t>(r, 0);
+          slots_left -= std::min(spare_[pick_h], budget_[pick_h] + res_cnt_[pick_h]) - trial_.cnt[pick_h];
+          if (excess_left > room_left || (excess_left > 0 && slots_left <= 0)) return false;
+          open_.close(pick_h);
+        } else {
+          open_.shrink(pick_h, r); // room only shrinks
+        }
+        remaining_[pick_e] -= pick_t;
+        excess -= pick_t;
+      }
+    }
+    return true;
+  }
+
+  /// Receiver for a new copy of `e` needing `need` tokens of room: a resident holder with enough room, else the
+  /// tightest room >= need, else the largest room; -1 when no GPU can take it.
+  std::int32_t pick_receiver(std::int32_t e, std::int64_t need) const {
+    // Same choice as a scan of the open GPUs in GPU order: the first eligible resident holder with enough room,
+    // else the tightest room >= need (ties: lowest GPU), else the largest room (ties: lowest GPU).
+    for (int k = res_off_[e]; k < res_off_[e + 1]; ++k) {
+      const std::int32_t h = res_gpu_[k];
+      if (room_[h] >= need && eligible(h, e)) return h;
+    }
+    const std::vector<std::int32_t> &open = open_.gpus();
+    const auto pos = open.begin() + static_cast<std::ptrdiff_t>(open_.first_with_room(need));
+    for (auto it = pos; it != open.end(); ++it)
+      if (eligible(*it, e)) return *it;
+    std::int32_t big = -1;
+    for (auto it = pos; it != open.begin();) {
+      const std::int32_t h = *--it;
+      if (big >= 0 && room_[h] < room_[big]) break;
+      if (eligible(h, e)) big = h;
+    }
+    return big;
+  }
+  [[nodiscard]] bool eligible(std::int32_t h, std::int32_t e) const noexcept {
+    if (room_[h] <= 0 || trial_.cnt[h] >= spare_[h] || owner_[e] == h) return false;
+    if (new_left_[h] <= 0 && !is_resident(h, e)) return false;
+    for (int j = 0; j < trial_.cnt[h]; ++j)
+      if (trial_.rep[h * slots_ + j] == e) return false;
+    return true;
+  }
+
+  /// Improving single-replica moves: a replica (or a free spare) on a cool GPU is re-pointed at a heavy expert of
+  /// the hottest GPU whenever that lowers the exact-split maximum (ties: fewer GPUs at the maximum).
+  std::int64_t local_search_two_level(std::span<const std::int64_t> loads, std::int64_t makespan,
+                                      const ReplicaOptions &opts) {
+    // Within 0.2% of the bound there is little to gain for the evaluations it costs.
+    const std::int64_t bound = lower_bound_total(loads, num_gpus_);
+    const std::int64_t floor = bound + bound / 500;
+    for (int round = 0; round < opts.local_search_rounds && makespan > floor; ++round) {
+      // Hottest GPU and its heaviest experts by tokens it actually runs.
+      int hot = 0;
+      for (int g = 1; g < num_gpus_; ++g)
+        if (eval_.gpu_loads()[g] > eval_.gpu_loads()[hot]) hot = g;
+      cand_e_.clear();
+      for (int j = own_off_[hot]; j < own_off_[hot + 1]; ++j)
+        cand_e_.push_back(own_list_[j]);
+      for (int j = 0; j < cur_.cnt[hot]; ++j)
+        cand_e_.push_back(cur_.rep[hot * slots_ + j]);
+      cand_tok_.resize(cand_e_.size());
+      for (std::size_t k = 0; k < cand_e_.size(); ++k)
+        cand_tok_[k] = eval_.tokens_on(cand_e_[k], hot, loads, owner_);
+      // Top 3 experts by tokens on the hot GPU.
+      order_.resize(cand_e_.size());
+      std::iota(order_.begin(), order_.end(), 0);
+      const std::size_t top = std::min<std::size_t>(2, order_.size());
+      std::partial_sort(order_.begin(), order_.begin() + static_cast<std::ptrdiff_t>(top), order_.end(),
+                        [&](std::int32_t a, std::int32_t b) { return cand_tok_[a] > cand_tok_[b]; });
+      // Receivers: the coolest GPUs with a spare slot and budget.
+      cool_.clear();
+      for (int g = 0; g < num_gpus_; ++g)
+        if (g != hot && spare_[g] > 0) cool_.push_back(g);
+      const std::size_t num_recv = std::min<std::size_t>(3, cool_.size());
+      std::partial_sort(cool_.begin(), cool_.begin() + static_cast<std::ptrdiff_t>(num_recv), cool_.end(),
+                        [&](std::int32_t a, std::int32_t b) { return eval_.gpu_loads()[a] < eval_.gpu_loads()[b]; });
+      std::int64_t best = makespan;
+      detail::ReplicaSolution best_sol;
+      bool found = false;
+      saved_loads_ = eval_.gpu_loads();
+      for (std::size_t k = 0; k < top && !found; ++k) {
+        const std::int32_t e = cand_e_[order_[k]];
+        if (cand_tok_[order_[k]] <= 0) break;
+        for (std::size_t r = 0; r < num_recv && !found; ++r) {
+          const std::int32_t h = cool_[r];
+          if (holds(cur_, h, e)) continue;
+          // Where h has a free spare, add; otherwise replace each of its replicas in turn.
+          const int options = cur_.cnt[h] < spare_[h] ? 1 : cur_.cnt[h];
+          for (int slot = 0; slot < options; ++slot) {
+            trial_ = cur_;
+            if (cur_.cnt[h] < spare_[h])
+              trial_.rep[h * slots_ + trial_.cnt[h]++] = e;
+            else
+              trial_.rep[h * slots_ + slot] = e;
+            if (!is_resident(h, e) && num_new(trial_, h) > budget_[h]) continue;
+            const std::int64_t m = eval_.evaluate(trial_, loads, owner_, owner_load_, split_);
+            if (m < best) {
+              best = m;
+              best_sol = trial_;
+              found = true;
+            }
+          }
+        }
+      }
+      if (!found) {
+        eval_.gpu_loads() = saved_loads_;
+        break;
+      }
+      cur_ = best_sol;
+      makespan = eval_.evaluate(cur_, loads, owner_, owner_load_, split_);
+    }
+    return makespan;
+  }
+
+  /// Drops new replicas whose saving in compute time does not pay for their move.
+  std::int64_t apply_gate(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
+                          std::int64_t makespan, const ReplicaOptions &opts) {
+    for (int g = num_gpus_ - 1; g >= 0; --g)
+      for (int j = cur_.cnt[g] - 1; j >= 0; --j) {
+        const std::int32_t e = cur_.rep[g * slots_ + j];
+        if (is_resident(g, e)) continue;
+        trial_ = cur_;
+        for (int k = j; k + 1 < trial_.cnt[g]; ++k)
+          trial_.rep[g * slots_ + k] = trial_.rep[g * slots_ + k + 1];
+        trial_.rep[g * slots_ + --trial_.cnt[g]] = empty_slot;
+        const std::int64_t without = eval_.evaluate(trial_, loads, owner_, owner_load_, split_);
+        const int src = owner_gpu[e] / topo_.gpus_per_node == g / topo_.gpus_per_node ? owner_gpu[e] : host_mirror;
+        const double saving = opts.token_time(without) - opts.token_time(makespan);
+        if (saving <= opts.replica_cost(e, src, g)) {
+          cur_ = trial_;
+          makespan = without;
+        }
+      }
+    return eval_.evaluate(cur_, loads, owner_, owner_load_, split_);
+  }
+
+  /// Spare slots left unused keep their resident replica: it costs nothing and can only help the split.
+  bool keep_unused_residents(detail::ReplicaSolution &s) const {
+    bool added = false;
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < res_cnt_[g] && s.cnt[g] < spare_[g]; ++j) {
+        const std::int32_t e = res_[g * slots_ + j];
+        if (!holds(s, g, e)) {
+          if (!s.amt.empty()) s.amt[g * slots_ + s.cnt[g]] = 0;
+          s.rep[g * slots_ + s.cnt[g]++] = e;
+          added = true;
+        }
+      }
+    return added;
+  }
+
+  /// The plan of solution `s`: slots laid out around the resident ones, tokens from one exact split of `s`, or
+  /// with `construction_split` from the construction's transfers `s.amt` (owners keep the rest).
+  LayerPlan realize(const detail::ReplicaSolution &s, std::span<const std::int64_t> loads,
+                    std::span<const std::int32_t> owner_gpu, const LayerPlacement *resident,
+                    std::int64_t evaluated_makespan = -1, bool construction_split = false) {
+    LayerPlan plan;
+    if (construction_split) {
+      owner_tokens_.assign(loads.begin(), loads.end());
+      for (int g = 0; g < num_gpus_; ++g)
+        for (int j = 0; j < s.cnt[g]; ++j)
+          owner_tokens_[s.rep[g * slots_ + j]] -= s.amt[g * slots_ + j];
+    } else {
+      plan.max_gpu_load =
+          evaluated_makespan >= 0 ? evaluated_makespan : eval_.evaluate(s, loads, owner_, owner_load_, split_);
+    }
+    plan.placement = LayerPlacement(num_gpus_, slots_, num_experts_);
+    for (int g = 0; g < num_gpus_; ++g) {
+      want_.assign(own_list_.begin() + own_off_[g], own_list_.begin() + own_off_[g + 1]);
+      std::sort(want_.begin(), want_.end());
+      for (int j = 0; j < s.cnt[g]; ++j)
+        want_.push_back(s.rep[g * slots_ + j]);
+      layout_gpu_slots(plan.placement, g, want_, resident);
+    }
+    plan.owner_gpu.assign(owner_gpu.begin(), owner_gpu.end());
+    plan.slot_tokens.assign(static_cast<std::size_t>(num_gpus_) * slots_, 0);
+    if (construction_split) {
+      for (int g = 0; g < num_gpus_; ++g) {
+        std::int64_t gpu_load = 0;
+        for (int j = 0; j < slots_; ++j) {
+          const std::int32_t e = plan.placement.slot(g, j);
+          if (e == empty_slot) continue;
+          std::int64_t t = owner_tokens_[e];
+          if (owner_gpu[e] != g)
+            for (int k = 0; k < s.cnt[g]; ++k)
+              if (s.rep[g * slots_ + k] == e) t = s.amt[g * slots_ + k];
+          plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + j] = t;
+          gpu_load += t;
+        }
+        plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
+      }
+    } else {
+      for (int g = 0; g < num_gpus_; ++g)
+        for (int j = 0; j < slots_; ++j)
+          if (const std::int32_t e = plan.placement.slot(g, j); e != empty_slot)
+            plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + j] = eval_.tokens_on(e, g, loads, owner_);
+    }
+    plan.moves = compute_moves(plan.placement, owner_gpu, resident, topo_.gpus_per_node);
+    return plan;
+  }
+
+  Topology topo_;
+  int num_experts_ = 0, num_gpus_ = 0, slots_ = 0;
+  SplitSolver split_;
+  detail::SolutionSplit eval_;
+  TwoLevelBoundWorkspace bound_ws_;
+  std::span<const std::int32_t> owner_; ///< the current call's owners
+  std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
+  std::vector<std::int64_t> owner_load_, room_, remaining_, chained_;
+  std::vector<std::int64_t> owner_tokens_;
+  std::vector<std::int32_t> want_, mark_;
+  std::vector<char> flag_;
+  detail::ReceiverOrder recv_;
+  detail::OpenReceivers open_;
+  std::vector<std::int32_t> res_off_, res_gpu_;
+  detail::ReplicaSolution best_, trial_, cur_, scratch_, res_sol_;
+  std::vector<std::int32_t> cand_e_, order_, cool_;
+  std::vector<std::int64_t> saved_loads_, cand_tok_;
+};
+
+} // namespace v0
+} // namespace foremoe
