@@ -397,7 +397,7 @@ TEST_CASE("replica gradients reduce into owners, in a fixed order, all or nothin
     const rt::Status st = t.wait_for(10s);
     const auto tel = t.telemetry();
     REQUIRE(tel.size() == 4);
-    auto expect = [&](int e, std::vector<std::pair<int, int>> reps, bool applied) {
+    auto expect = [&](int e, const std::vector<std::pair<int, int>> &reps, bool applied) {
       const int o_gpu = owner[e], o_slot = e % 2;
       for (int i = 0; i < n; ++i) {
         float want = before[o_gpu][o_slot * n + i];

@@ -24,7 +24,7 @@ namespace {
 /// topk == num_experts, no or full persistence, strongly concentrated topics.
 SyntheticConfig random_config(std::uint64_t seed) {
   detail::Xoshiro256 rng(seed);
-  auto pick = [&](int lo, int hi) { return lo + static_cast<int>(rng.below(static_cast<std::uint64_t>(hi - lo + 1))); };
+  auto pick = [&](int lo, int hi) { return lo + static_cast<int>(rng.below(static_cast<std::uint64_t>(hi - lo) + 1)); };
   SyntheticConfig c;
   c.seed = rng.next();
   c.num_layers = pick(1, 4);

@@ -10,7 +10,7 @@ namespace foremoe::cli {
 
 /// The options that shape a synthetic GRPO trace.
 std::vector<OptionSpec> synthetic_options(const SyntheticConfig &defaults);
-/// Builds the config from `--preset` and the overrides given.
-SyntheticConfig synthetic_config(const Args &args, SyntheticConfig defaults);
+/// Builds the config from `--preset` and the overrides in `a`, starting from `c`.
+SyntheticConfig synthetic_config(const Args &a, SyntheticConfig c);
 
 } // namespace foremoe::cli
