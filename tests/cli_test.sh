@@ -40,6 +40,18 @@ expect 2 "--persistence must be in \[0, 1\], got 2" -- "$bin" trace gen --persis
 expect 2 "option --topk given twice" -- "$bin" trace gen "${small[@]}" --topk 17 --loads "$work/a.npy"
 expect 1 "topk 17 exceeds num_experts 16" -- "$bin" trace gen --experts 16 --topk 17 --loads "$work/a.npy"
 expect 2 "give --loads" -- "$bin" trace gen "${small[@]}"
+# trace gen / trace stats flags come from the synthetic schema: ranges, choices and help derived from it.
+expect 2 "--skew must be in \\[0, 20\\], got 50" -- "$bin" trace gen --skew 50 --loads "$work/a.npy"
+expect 2 "--preset must be one of qwen3-30b-a3b, deepseek-v3, got 'gpt'" -- "$bin" trace gen --preset gpt --loads "$work/a.npy"
+expect 2 "--popularity must be one of lognormal, zipf, got 'flat'" -- "$bin" trace gen --popularity flat --loads "$work/a.npy"
+expect 2 "--steps must be in \\[1, 65536\\], got 0" -- "$bin" trace stats --steps 0
+expect 2 "--topics-per-prompt must be in" -- "$bin" trace stats --topics-per-prompt 0
+expect 1 "topics_per_prompt 5 must be in \\[1, num_topics = 4\\]" -- "$bin" trace gen "${small[@]}" --topics 4 \
+  --topics-per-prompt 5 --loads "$work/a.npy"
+expect 1 "prompt_length.max_tokens 20 is below min_tokens 30" -- "$bin" trace gen "${small[@]/512/20}" --prompt-min 30 \
+  --loads "$work/a.npy"
+expect 0 "--prompt-sigma X .*\\[prompt_sigma\\] \\(default: 0.6\\)" -- "$bin" trace gen --help
+expect 0 "--prompts N .*\\(default: 64\\)" -- "$bin" trace stats --help
 expect 1 "missing.npy" -- "$bin" trace stats "$work/missing.npy"
 
 # generate loads and ids, then read both back

@@ -181,6 +181,8 @@ TEST_CASE("schema: every key of every schema accepts its default, refuses a wron
   walk_schema(config::plan_schema());
   walk_schema(config::planner_schema());
   walk_schema(config::topology_schema());
+  walk_schema(config::synthetic_schema());
+  walk_schema(config::synthetic_settings_schema());
 }
 
 TEST_CASE("schema: the simulate config covers the 18 cost keys, every section, and reads its own output") {
@@ -242,6 +244,44 @@ TEST_CASE("schema: precedence is defaults < preset < config file < explicit flag
   const json::Value nf = s.flags_document(no);
   const L c[] = {{&nf, "--"}};
   CHECK_FALSE(config::simulate_settings(c).sim.reowning_free);
+}
+
+TEST_CASE("schema: the generator's options are one schema; simulate's batch section reuses its entries") {
+  const auto &syn = config::synthetic_schema();
+  int batch = 0;
+  for (const auto &o : config::simulate_schema().options()) {
+    if (!o.key.starts_with("batch.")) continue;
+    const auto &g = syn.key(o.key.substr(6));
+    CHECK(o.flag == g.flag);
+    CHECK(o.help == g.help);
+    CHECK(o.range_text() == g.range_text());
+    ++batch;
+  }
+  CHECK(batch == 9);
+  // Flags as `trace gen` gives them: the preset first (the MoE shape), explicit keys over it.
+  const auto &s = config::synthetic_settings_schema();
+  const std::pair<std::string, std::string> flags[] = {
+      {"layers", "3"}, {"preset", "deepseek-v3"}, {"topics", "2"}, {"max-length", "20"}};
+  const fm::SyntheticConfig c = config::read_synthetic(s.flags_document(flags), "--");
+  CHECK(c.num_layers == 3);
+  CHECK(c.num_experts == 256);
+  CHECK(c.skew == fm::SyntheticConfig::deepseek_v3().skew);
+  CHECK(c.topics_per_prompt == 2);           // capped by topics
+  CHECK(c.prompt_length.max_tokens == 20);   // max_length bounds both lengths
+  CHECK(c.response_length.min_tokens == 16); // ... and lowers the shortest ones to it only where needed
+  CHECK(c.prompt_length.min_tokens == 20);
+  CHECK(error_of([&] {
+          (void)config::read_synthetic(json::parse(R"({"num_layers": 2})"), "synthetic_trace");
+        }).find("synthetic_trace: unknown key 'num_layers' (known: preset, seed, layers,") == 0);
+  CHECK(error_of([&] {
+          (void)config::read_synthetic(json::parse(R"({"experts": 4, "topk": 5})"), "x");
+        }).find("SyntheticConfig: topk 5 exceeds num_experts 4") == 0);
+  CHECK(error_of([&] { (void)config::read_synthetic(json::parse(R"({"popularity": "flat"})"), "x"); }) ==
+        "x.popularity: must be one of lognormal, zipf, got 'flat'");
+  // Defaults come from the command's own config (trace stats generates a smaller trace).
+  fm::SyntheticConfig d;
+  d.prompts_per_step = 64;
+  CHECK(config::read_synthetic(json::Value(json::Object{}), "--", d).prompts_per_step == 64);
 }
 
 TEST_CASE("documents: placements round-trip and the reader is strict") {

@@ -7,11 +7,11 @@
 #include <ostream>
 
 #include "command.hpp"
+#include "foremoe/config/options.hpp"
 #include "foremoe/trace/count.hpp"
 #include "foremoe/trace/io.hpp"
 #include "foremoe/trace/stats.hpp"
 #include "foremoe/trace/synthetic.hpp"
-#include "synthetic_options.hpp"
 
 namespace foremoe::cli {
 namespace {
@@ -32,6 +32,19 @@ SyntheticConfig stats_default_config() {
   return c;
 }
 
+/// The generator flags of both commands, from the synthetic schema (defaults shown from `defaults`).
+std::vector<OptionSpec> synthetic_specs(const SyntheticConfig &defaults) {
+  config::SyntheticSettings d;
+  d.config = defaults;
+  return schema_specs(config::synthetic_settings_schema(), d);
+}
+
+/// The config the generator flags give over `defaults` (bad flags are usage errors; a config that
+/// `SyntheticConfig::validate` refuses is an error).
+SyntheticConfig synthetic_config(const Args &a, SyntheticConfig defaults) {
+  return config::read_synthetic(schema_overrides(config::synthetic_settings_schema(), a), "--", std::move(defaults));
+}
+
 // ------------------------------------------------------------------ trace gen
 Command make_trace_gen() {
   Command c;
@@ -42,7 +55,7 @@ Command make_trace_gen() {
       "OUT.steps.npy (micro-step offsets of the RL steps), and/or --ids OUT.npy (int16 [tokens, layers, topk])\n"
       "with OUT.microbatches.npy (token offsets of the micro-steps), OUT.sources.npy (token offsets per source\n"
       "rank within micro-steps) and OUT.steps.npy.";
-  c.options = synthetic_options(SyntheticConfig{});
+  c.options = synthetic_specs(SyntheticConfig{});
   c.options.push_back({"loads", "FILE.npy", "write the per-micro-step loads here", ""});
   c.options.push_back({"ids", "FILE.npy", "write the routed ids here (memory: tokens x layers x topk x 2 bytes)", ""});
   c.options.push_back({"by-source", "", "split the loads by source rank ([M, L, E, gpus])", ""});
@@ -112,11 +125,11 @@ Command make_trace_stats() {
       "FILE is loads [M, L, E] (any int or float dtype; [M, L, E, S] and [L, E] too), or routed ids\n"
       "[T, L, K] when --microbatch-tokens or --microbatches is given. Without FILE a synthetic GRPO trace\n"
       "is generated (the synthetic options below shape it) and compared with the real DeepSeek-V3\n"
-      "statistics in --data-dir or $FOREMOE_DATA_DIR when present.";
-  c.options = synthetic_options(stats_default_config());
+      "statistics in --data-dir or $FOREMOE_DATA_DIR when present. With FILE, --gpus N splits the experts\n"
+      "over N GPUs for the GPU skew and --microbatch-tokens N cuts routed ids into micro-steps of N tokens.";
+  c.options = synthetic_specs(stats_default_config());
   c.options.push_back({"steps-file", "FILE.npy", "micro-step offsets of the RL steps (default: FILE.steps.npy if present)", ""});
   c.options.push_back({"microsteps-per-step", "N", "cut the micro-steps into steps of N", ""});
-  c.options.push_back({"microbatch-tokens", "N", "FILE is routed ids; cut them into micro-steps of N tokens", ""});
   c.options.push_back({"microbatches", "FILE.npy", "FILE is routed ids; token offsets of the micro-steps", ""});
   c.options.push_back({"num-experts", "N", "experts per layer for routed ids (default: largest id + 1)", ""});
   c.options.push_back({"dense-layers", "N", "routed ids hold N leading dense layers to skip (vLLM/SGLang layout)", "0"});

@@ -407,104 +407,12 @@ double bench_cpp_plan(PyPlanner &self, const RoLoads &loads, const PyPlacement *
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Dict configs (the keys of `foremoe simulate --config FILE.json` and of `SyntheticConfig`).
+// Synthetic traces: keyword arguments (JSON text of `synthetic_settings_schema()` keys, the flags of `foremoe
+// trace gen`) read by the same reader as the program, messages naming `where` ("synthetic_trace.topk").
 
-void check_keys(const nb::dict &d, std::initializer_list<const char *> keys, const std::string &where) {
-  for (auto [k, v] : d) {
-    const std::string key = nb::cast<std::string>(nb::str(k));
-    bool known = false;
-    for (const char *x : keys) known = known || key == x;
-    if (!known) {
-      std::string list;
-      for (const char *x : keys) list += (list.empty() ? "" : ", ") + std::string(x);
-      fail(where, ": unknown key '", key, "' (known: ", list, ")");
-    }
-  }
-}
-
-template <class T> void get(const nb::dict &d, const char *key, T &out, const std::string &where) {
-  if (!d.contains(key)) return;
-  nb::handle v = d[key];
-  if constexpr (std::is_same_v<T, bool>) {
-    if (!nb::isinstance<nb::bool_>(v)) fail(where, ".", key, ": expected a bool, got ", nb::cast<std::string>(nb::repr(v)));
-    out = nb::cast<bool>(v);
-  } else if constexpr (std::is_integral_v<T>) {
-    if (!nb::isinstance<nb::int_>(v) || nb::isinstance<nb::bool_>(v))
-      fail(where, ".", key, ": expected an integer, got ", nb::cast<std::string>(nb::repr(v)));
-    try {
-      out = nb::cast<T>(v);
-    } catch (const nb::cast_error &) {
-      fail(where, ".", key, ": integer ", nb::cast<std::string>(nb::repr(v)), " is out of range");
-    }
-  } else if constexpr (std::is_floating_point_v<T>) {
-    if (!(nb::isinstance<nb::float_>(v) || nb::isinstance<nb::int_>(v)) || nb::isinstance<nb::bool_>(v))
-      fail(where, ".", key, ": expected a number, got ", nb::cast<std::string>(nb::repr(v)));
-    out = nb::cast<T>(v);
-  } else {
-    if (!nb::isinstance<nb::str>(v)) fail(where, ".", key, ": expected a string, got ", nb::cast<std::string>(nb::repr(v)));
-    out = nb::cast<T>(v);
-  }
-}
-
-nb::dict sub(const nb::dict &d, const char *key, const std::string &where) {
-  nb::handle v = d[key];
-  if (!nb::isinstance<nb::dict>(v)) fail(where, ".", key, " must be a dict, got ", nb::cast<std::string>(nb::repr(v)));
-  return nb::borrow<nb::dict>(v);
-}
-
-void apply_length(const nb::dict &d, fm::LengthDistribution &len, const std::string &where) {
-  check_keys(d, {"mean", "sigma", "min_tokens", "max_tokens"}, where);
-  get(d, "mean", len.mean, where);
-  get(d, "sigma", len.sigma, where);
-  get(d, "min_tokens", len.min_tokens, where);
-  get(d, "max_tokens", len.max_tokens, where);
-}
-
-fm::SyntheticConfig synthetic_config(const nb::dict &d) {
-  const std::string w = "synthetic config";
-  check_keys(d,
-             {"preset", "seed", "num_layers", "num_experts", "topk", "num_steps", "prompts_per_step",
-              "responses_per_prompt", "prompt_length", "response_length", "num_topics", "topics_per_prompt",
-              "topic_concentration", "topic_mix_concentration", "response_topic_weight", "popularity", "skew",
-              "skew_layer_sigma", "persistence", "num_gpus", "microbatch_tokens_per_gpu"},
-             w);
-  fm::SyntheticConfig c;
-  std::string preset;
-  get(d, "preset", preset, w);
-  if (preset == "deepseek-v3") c = fm::SyntheticConfig::deepseek_v3();
-  else require(preset.empty() || preset == "qwen3-30b-a3b", w, ": preset must be qwen3-30b-a3b or deepseek-v3, got '",
-               preset, "'");
-  get(d, "seed", c.seed, w);
-  get(d, "num_layers", c.num_layers, w);
-  get(d, "num_experts", c.num_experts, w);
-  get(d, "topk", c.topk, w);
-  get(d, "num_steps", c.num_steps, w);
-  get(d, "prompts_per_step", c.prompts_per_step, w);
-  get(d, "responses_per_prompt", c.responses_per_prompt, w);
-  if (d.contains("prompt_length")) apply_length(sub(d, "prompt_length", w), c.prompt_length, w + ".prompt_length");
-  if (d.contains("response_length"))
-    apply_length(sub(d, "response_length", w), c.response_length, w + ".response_length");
-  get(d, "num_topics", c.num_topics, w);
-  get(d, "topics_per_prompt", c.topics_per_prompt, w);
-  get(d, "topic_concentration", c.topic_concentration, w);
-  get(d, "topic_mix_concentration", c.topic_mix_concentration, w);
-  get(d, "response_topic_weight", c.response_topic_weight, w);
-  std::string pop;
-  get(d, "popularity", pop, w);
-  if (pop == "zipf") c.popularity = fm::PopularityModel::zipf;
-  else if (pop == "lognormal") c.popularity = fm::PopularityModel::lognormal;
-  else require(pop.empty(), w, ": popularity must be lognormal or zipf, got '", pop, "'");
-  get(d, "skew", c.skew, w);
-  get(d, "skew_layer_sigma", c.skew_layer_sigma, w);
-  get(d, "persistence", c.persistence, w);
-  get(d, "num_gpus", c.num_gpus, w);
-  get(d, "microbatch_tokens_per_gpu", c.microbatch_tokens_per_gpu, w);
-  c.validate();
-  return c;
-}
-
-nb::dict synthetic_trace(const nb::dict &config) {
-  const fm::SyntheticConfig cfg = synthetic_config(config);
+nb::dict synthetic_trace(const std::string &config) {
+  const fm::SyntheticConfig cfg =
+      fm::config::read_synthetic(fm::json::parse(config, "synthetic_trace"), "synthetic_trace");
   fm::SyntheticTrace t;
   {
     nb::gil_scoped_release nogil;
@@ -527,8 +435,9 @@ nb::dict synthetic_trace(const nb::dict &config) {
   return out;
 }
 
-nb::dict synthetic_loads(const nb::dict &config, bool by_source) {
-  const fm::SyntheticConfig cfg = synthetic_config(config);
+nb::dict synthetic_loads(const std::string &config, bool by_source) {
+  const fm::SyntheticConfig cfg =
+      fm::config::read_synthetic(fm::json::parse(config, "synthetic_loads"), "synthetic_loads");
   auto *t = new fm::LoadTensor();
   std::vector<std::int64_t> steps;
   try {
@@ -596,7 +505,8 @@ std::string options(const std::string &command) {
   if (command == "simulate") return fm::json::dump(fm::config::simulate_schema().describe());
   if (command == "plan") return fm::json::dump(fm::config::plan_schema().describe());
   if (command == "planner") return fm::json::dump(fm::config::planner_schema().describe());
-  fail("options: unknown command '", command, "' (expected simulate, plan or planner)");
+  if (command == "synthetic") return fm::json::dump(fm::config::synthetic_settings_schema().describe());
+  fail("options: unknown command '", command, "' (expected simulate, plan, planner or synthetic)");
 }
 
 std::string plan_settings(const Flags &flags) {

@@ -114,10 +114,9 @@ def test_torch_tensors_zero_copy():
 
 
 def test_synthetic_trace_counts_match_synthetic_loads():
-    cfg = dict(num_layers=3, num_experts=16, topk=2, num_steps=2, prompts_per_step=4, responses_per_prompt=2,
-               prompt_length=dict(mean=32, sigma=0.3, min_tokens=4, max_tokens=128),
-               response_length=dict(mean=48, sigma=0.3, min_tokens=4, max_tokens=128), num_gpus=4,
-               microbatch_tokens_per_gpu=64, seed=7)
+    cfg = dict(layers=3, experts=16, topk=2, steps=2, prompts=4, responses=2, prompt_mean=32, prompt_sigma=0.3,
+               prompt_min=4, response_mean=48, response_sigma=0.3, response_min=4, max_length=128, gpus=4,
+               microbatch_tokens=64, seed=7)
     tr = foremoe.synthetic_trace(**cfg)
     assert tr["routed_ids"].dtype == np.int16 and tr["routed_ids"].shape[1:] == (3, 2)
     loads = foremoe.count_loads(tr["routed_ids"], tr["microbatch_offsets"], num_experts=tr["num_experts"])
@@ -128,7 +127,7 @@ def test_synthetic_trace_counts_match_synthetic_loads():
                                    num_sources=tr["num_sources"], source_offsets=tr["source_offsets"],
                                    return_by_source=True)
     np.testing.assert_array_equal(src, foremoe.synthetic_loads(by_source=True, **cfg)["loads_by_source"])
-    with pytest.raises(ValueError, match="unknown key 'num_expert'"):
-        foremoe.synthetic_trace(num_expert=3)
+    with pytest.raises(ValueError, match="synthetic_trace: unknown key 'num_experts'"):
+        foremoe.synthetic_trace(num_experts=3)
     with pytest.raises(ValueError, match="topk 40 exceeds num_experts 16"):
-        foremoe.synthetic_trace(num_experts=16, topk=40)
+        foremoe.synthetic_trace(experts=16, topk=40)

@@ -170,3 +170,92 @@ def test_planner_refuses_like_the_cli(cli_bin, tmp_path):
             foremoe.Planner(foremoe.Topology(1, 8, 2), **{key: value})
         # Same range and value; the place is named as each front end spells it.
         assert str(e.value).removeprefix(f"Planner.{key}: ") in r.stderr.replace(f"{flag} ", "")
+
+
+# A tiny synthetic trace (keys of options("synthetic"), the flags of `foremoe trace gen`).
+TINY_TRACE = {"layers": 2, "experts": 8, "topk": 2, "steps": 1, "prompts": 4, "responses": 2, "prompt_mean": 16,
+              "response_mean": 32, "max_length": 128, "gpus": 2, "microbatch_tokens": 256}
+
+
+def trace_gen(cli_bin, tmp_path, cfg):
+    """`foremoe trace gen` with `cfg` as flags: (rc, message without the program prefix, loads, steps)."""
+    flags = {o["key"]: o["flag"] for o in foremoe.options("synthetic")}
+    out = tmp_path / "gen.npy"
+    for f in (out, tmp_path / "gen.steps.npy"):
+        if f.exists():
+            f.unlink()
+    args = [cli_bin, "trace", "gen", "--loads", str(out)]
+    for k, v in cfg.items():
+        args += [f"--{flags[k]}", str(v)]
+    r = subprocess.run(args, capture_output=True, text=True)
+    err = r.stderr.splitlines()[0] if r.returncode else ""
+    err = err.removeprefix("foremoe trace gen: ").removeprefix("error: ")
+    if r.returncode:
+        return r.returncode, err, None, None
+    return 0, "", np.load(out), np.load(tmp_path / "gen.steps.npy")
+
+
+def py_loads(cfg):
+    try:
+        sl = foremoe.synthetic_loads(**cfg)
+        return 0, "", sl["loads"], sl["step_offsets"]
+    except ValueError as e:
+        return 1, str(e), None, None
+
+
+def test_simulate_batch_entries_are_the_synthetic_entries():
+    syn = {o["key"]: o for o in foremoe.options("synthetic")}
+    batch = [o for o in foremoe.options("simulate") if o["key"].startswith("batch.")]
+    assert len(batch) == 9
+    for o in batch:
+        s = syn[o["key"].removeprefix("batch.")]
+        drop = ("key", "default")
+        assert {k: v for k, v in o.items() if k not in drop} == {k: v for k, v in s.items() if k not in drop}, o
+
+
+def test_synthetic_keys_match_trace_gen_for_every_key(cli_bin, tmp_path):
+    opts = foremoe.options("synthetic")
+    assert [o["key"] for o in opts][:3] == ["preset", "seed", "layers"] and len(opts) == 26
+    for o in opts:
+        # The default is accepted by both, with identical loads and steps.
+        ok = {**TINY_TRACE, o["key"]: o["default"]}
+        rc_c, err_c, loads_c, steps_c = trace_gen(cli_bin, tmp_path, ok)
+        rc_p, err_p, loads_p, steps_p = py_loads(ok)
+        assert (rc_c, err_c) == (0, "") and rc_p == 0, (o["key"], err_c, err_p)
+        np.testing.assert_array_equal(loads_c, loads_p, err_msg=o["key"])
+        np.testing.assert_array_equal(steps_c, steps_p, err_msg=o["key"])
+        # A value out of range is refused by both: the same message, the place spelled as each front end does.
+        bad = {**TINY_TRACE, o["key"]: bad_value(o)}
+        rc_c, err_c, _, _ = trace_gen(cli_bin, tmp_path, bad)
+        rc_p, err_p, _, _ = py_loads(bad)
+        assert rc_c == 2 and rc_p == 1, (o["key"], err_c, err_p)
+        assert err_c.startswith(f"--{o['flag']} must be "), err_c
+        assert err_p.startswith(f"synthetic_loads.{o['key']}: must be "), err_p
+        assert err_c.removeprefix(f"--{o['flag']} ") == err_p.removeprefix(f"synthetic_loads.{o['key']}: "), o
+
+
+def test_synthetic_config_refusals_match_trace_gen(cli_bin, tmp_path):
+    # Values in range that the generator refuses as a whole: the same message from both.
+    for extra in ({"experts": 4, "topk": 5}, {"topics": 2, "topics_per_prompt": 3}, {"prompt_min": 200},
+                  {"prompts": 1 << 14, "responses": 1 << 15}):
+        cfg = {**TINY_TRACE, **extra}
+        rc_c, err_c, _, _ = trace_gen(cli_bin, tmp_path, cfg)
+        rc_p, err_p, _, _ = py_loads(cfg)
+        assert rc_c == rc_p == 1 and err_c == err_p and err_p.startswith("SyntheticConfig: "), (extra, err_c, err_p)
+    # The preset sets the shape, explicit keys override it; topics caps topics_per_prompt, as on the command line.
+    for extra in ({"preset": "deepseek-v3", "layers": 3}, {"topics": 2}, {"max_length": 20}):
+        cfg = {**TINY_TRACE, **extra}
+        rc_c, err_c, loads_c, _ = trace_gen(cli_bin, tmp_path, cfg)
+        rc_p, err_p, loads_p, _ = py_loads(cfg)
+        assert rc_c == rc_p == 0, (extra, err_c, err_p)
+        np.testing.assert_array_equal(loads_c, loads_p)
+    assert loads_p.shape[1:] == (2, 8)
+    # Unknown keys are refused naming them and the known keys; so are values of the wrong type.
+    with pytest.raises(ValueError) as e:
+        foremoe.synthetic_trace(num_layers=4)
+    known = ", ".join(o["key"] for o in foremoe.options("synthetic"))
+    assert str(e.value) == f"synthetic_trace: unknown key 'num_layers' (known: {known})"
+    with pytest.raises(ValueError, match=r"^synthetic_trace.layers: expected an integer, got 2.5$"):
+        foremoe.synthetic_trace(layers=2.5)
+    with pytest.raises(ValueError, match=r"^synthetic_loads.topk: expected an integer, got true$"):
+        foremoe.synthetic_loads(topk=True)

@@ -53,8 +53,8 @@ def test_simulate_matches_cli(cli, tmp_path):
 
 
 def test_simulate_given_loads_matches_cli(cli, tmp_path):
-    sl = foremoe.synthetic_loads(num_layers=4, num_experts=16, topk=2, num_steps=2, prompts_per_step=8,
-                                 responses_per_prompt=4, num_gpus=4, microbatch_tokens_per_gpu=512, seed=5)
+    sl = foremoe.synthetic_loads(layers=4, experts=16, topk=2, steps=2, prompts=8, responses=4, gpus=4,
+                                 microbatch_tokens=512, seed=5)
     np.save(tmp_path / "l.npy", sl["loads"])
     np.save(tmp_path / "l.steps.npy", sl["step_offsets"])
     cfg = tmp_path / "cfg.json"

@@ -5,6 +5,7 @@
 /// Defaults are those structs' own; a preset is applied before a config file, a config file before explicit
 /// command-line flags.
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <sstream>
@@ -27,6 +28,167 @@ namespace config {
 inline constexpr std::int64_t max_nodes = 1 << 14, max_gpus_per_node = 1 << 10, max_slots = 1 << 14;
 inline constexpr std::int64_t max_threads = 1024, max_rounds = 1 << 10, max_budget = 1 << 16;
 inline constexpr double max_seconds = 1e6, max_us = 1e6, max_gb_per_s = 1e6, min_gb_per_s = 1e-6;
+
+/// The model presets (`simulate`, `trace gen`, `trace stats`, Python).
+inline const std::vector<std::string> &preset_names() {
+  static const std::vector<std::string> names{"qwen3-30b-a3b", "deepseek-v3"};
+  return names;
+}
+
+/// Gives `c` the MoE shape of a preset: layers, experts, top-k and the calibrated skew (the rest is kept).
+inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
+  detail::require(name == "qwen3-30b-a3b" || name == "deepseek-v3", "unknown preset '", name,
+                  "' (expected qwen3-30b-a3b or deepseek-v3)");
+  const SyntheticConfig p = name == "deepseek-v3" ? SyntheticConfig::deepseek_v3() : SyntheticConfig{};
+  c.num_layers = p.num_layers;
+  c.num_experts = p.num_experts;
+  c.topk = p.topk;
+  c.skew = p.skew;
+}
+
+/// The synthetic GRPO generator's options (`SyntheticConfig`): the flags of `foremoe trace gen` and `trace
+/// stats`, the keywords of Python `synthetic_trace()` / `synthetic_loads()`, and (a subset, under `batch`)
+/// simulate's batch section.
+[[nodiscard]] inline const Schema<SyntheticConfig> &synthetic_schema() {
+  using C = SyntheticConfig;
+  static const Schema<C> s = [] {
+    constexpr std::int64_t max_tokens = std::int64_t{1} << 28;
+    std::vector<Option<C>> o;
+    o.push_back(integer<C>(
+        "seed", 0, std::numeric_limits<std::int64_t>::max(),
+        "generator seed; the trace is a deterministic function of it", [](auto &c) -> auto & { return c.seed; }));
+    o.push_back(integer<C>(
+        "layers", 1, 4096, "MoE layers", [](auto &c) -> auto & { return c.num_layers; }));
+    o.push_back(integer<C>(
+        "experts", 1, 32767, "routed experts per layer", [](auto &c) -> auto & { return c.num_experts; }));
+    o.push_back(integer<C>(
+        "topk", 1, 1024, "experts per token", [](auto &c) -> auto & { return c.topk; }));
+    o.push_back(integer<C>(
+        "steps", 1, 1 << 16, "RL steps to generate", [](auto &c) -> auto & { return c.num_steps; }));
+    o.push_back(integer<C>(
+        "prompts", 1, 1 << 24, "GRPO prompts per step", [](auto &c) -> auto & { return c.prompts_per_step; }));
+    o.push_back(integer<C>(
+        "responses", 1, 1 << 16, "responses per prompt (group size)",
+        [](auto &c) -> auto & { return c.responses_per_prompt; }));
+    o.push_back(number<C>(
+        "prompt_mean", 1, max_tokens, "mean prompt length (tokens)",
+        [](auto &c) -> auto & { return c.prompt_length.mean; }));
+    o.push_back(number<C>(
+        "response_mean", 1, max_tokens, "mean response length (tokens)",
+        [](auto &c) -> auto & { return c.response_length.mean; }));
+    // One bound for prompts and responses; the shortest lengths follow it down so that it may be small.
+    Option<C> max_length = bound<C>(
+        "max_length", Type::integer, "longest prompt or response (tokens)",
+        [](const C &c) {
+          return json::Value(
+              static_cast<std::int64_t>(std::max(c.prompt_length.max_tokens, c.response_length.max_tokens)));
+        },
+        [](C &c, const json::Value &v) {
+          const int n = static_cast<int>(v.as_integer());
+          for (LengthDistribution *d : {&c.prompt_length, &c.response_length}) {
+            d->max_tokens = n;
+            d->min_tokens = std::min(d->min_tokens, n);
+          }
+        });
+    max_length.int_min = 1;
+    max_length.int_max = max_tokens;
+    o.push_back(std::move(max_length));
+    o.push_back(integer<C>(
+        "gpus", 1, 1 << 20, "data-parallel ranks packing micro-batches (and EP GPUs for the GPU skew)",
+        [](auto &c) -> auto & { return c.num_gpus; }));
+    o.push_back(integer<C>(
+        "microbatch_tokens", 1, std::int64_t{1} << 30, "per-GPU micro-batch token budget (dynamic batch size)",
+        [](auto &c) -> auto & { return c.microbatch_tokens_per_gpu; }));
+    o.push_back(number<C>(
+        "skew", 0, 20, "skew of the per-layer expert popularity (0 = uniform)",
+        [](auto &c) -> auto & { return c.skew; }));
+    o.push_back(number<C>(
+        "persistence", 0, 1, "probability a token keeps each expert of the previous token",
+        [](auto &c) -> auto & { return c.persistence; }));
+    // Fewer topics than a prompt mixes lowers the mixture to all of them.
+    Option<C> topics = integer<C>(
+        "topics", 1, 1 << 16, "topics with their own expert preferences (topics_per_prompt is capped by it)",
+        [](auto &c) -> auto & { return c.num_topics; });
+    topics.set = [set = topics.set](C &c, const json::Value &v) {
+      set(c, v);
+      c.topics_per_prompt = std::min(c.topics_per_prompt, c.num_topics);
+    };
+    o.push_back(std::move(topics));
+    o.push_back(integer<C>(
+        "topics_per_prompt", 1, 1 << 16, "distinct topics mixed by one prompt (at most topics)",
+        [](auto &c) -> auto & { return c.topics_per_prompt; }));
+    o.push_back(number<C>(
+        "topic_concentration", 1e-6, 1e6, "Dirichlet concentration of a topic's expert preference, per expert",
+        [](auto &c) -> auto & { return c.topic_concentration; }));
+    o.push_back(number<C>(
+        "topic_mix_concentration", 1e-6, 1e6, "Dirichlet concentration of a prompt's weights over its topics",
+        [](auto &c) -> auto & { return c.topic_mix_concentration; }));
+    o.push_back(number<C>(
+        "response_topic_weight", 0, 1, "weight of the topic each response draws for itself",
+        [](auto &c) -> auto & { return c.response_topic_weight; }));
+    o.push_back(choice<C>(
+        "popularity", {"lognormal", "zipf"}, "shape of the expert popularity that skew parameterises",
+        [](const C &c) { return c.popularity == PopularityModel::zipf ? "zipf" : "lognormal"; },
+        [](C &c, const std::string &v) {
+          c.popularity = v == "zipf" ? PopularityModel::zipf : PopularityModel::lognormal;
+        }));
+    o.push_back(number<C>(
+        "skew_layer_sigma", 0, 10, "per-layer lognormal jitter of skew (log-scale sigma)",
+        [](auto &c) -> auto & { return c.skew_layer_sigma; }));
+    o.push_back(number<C>(
+        "prompt_sigma", 0, 10, "log-scale sigma of the prompt lengths (0: every prompt is prompt_mean)",
+        [](auto &c) -> auto & { return c.prompt_length.sigma; }));
+    o.push_back(number<C>(
+        "response_sigma", 0, 10, "log-scale sigma of the response lengths (0: every response is response_mean)",
+        [](auto &c) -> auto & { return c.response_length.sigma; }));
+    o.push_back(integer<C>(
+        "prompt_min", 1, max_tokens, "shortest prompt (tokens)",
+        [](auto &c) -> auto & { return c.prompt_length.min_tokens; }));
+    o.push_back(integer<C>(
+        "response_min", 1, max_tokens, "shortest response (tokens)",
+        [](auto &c) -> auto & { return c.response_length.min_tokens; }));
+    return Schema<C>("synthetic", std::move(o));
+  }();
+  return s;
+}
+
+/// What `foremoe trace gen` / `trace stats` and Python `synthetic_trace()` generate with: a preset (applied
+/// first; it sets the MoE shape) and the generator's options.
+struct SyntheticSettings {
+  std::string preset = "qwen3-30b-a3b";
+  SyntheticConfig config{};
+};
+
+[[nodiscard]] inline const Schema<SyntheticSettings> &synthetic_settings_schema() {
+  using S = SyntheticSettings;
+  static const Schema<S> s = [] {
+    std::vector<Option<S>> o;
+    Option<S> preset = choice<S>(
+        "preset", preset_names(), "model shape: qwen3-30b-a3b (48 x 128, top-8) or deepseek-v3 (58 x 256, top-8)",
+        [](const S &x) { return x.preset; },
+        [](S &x, const std::string &v) {
+          x.preset = v;
+          apply_synthetic_preset(x.config, v);
+        });
+    preset.first = true; // the shape it sets is overridden by explicit layers, experts, topk and skew
+    o.push_back(std::move(preset));
+    lift(
+        o, synthetic_schema(), "", [](auto &x) -> auto & { return x.config; });
+    return Schema<S>("synthetic", std::move(o));
+  }();
+  return s;
+}
+
+/// The generator config that document `doc` (named `root` in messages; "--" for command-line flags) gives over
+/// `defaults`, validated.
+[[nodiscard]] inline SyntheticConfig read_synthetic(const json::Value &doc, std::string root,
+                                                    SyntheticConfig defaults = {}) {
+  SyntheticSettings s;
+  s.config = std::move(defaults);
+  synthetic_settings_schema().read(s, doc, std::move(root));
+  s.config.validate();
+  return s.config;
+}
 
 /// The expert-parallel group's shape: nodes x GPUs, slots per GPU per layer.
 [[nodiscard]] inline const Schema<Topology> &topology_schema() {
@@ -112,12 +274,6 @@ struct PlanSettings {
   return s;
 }
 
-/// The model presets of `simulate`.
-inline const std::vector<std::string> &preset_names() {
-  static const std::vector<std::string> names{"qwen3-30b-a3b", "deepseek-v3"};
-  return names;
-}
-
 /// Everything `foremoe simulate` (and Python `simulate()`) runs with.
 struct SimulateSettings {
   std::string preset = "qwen3-30b-a3b";
@@ -141,11 +297,7 @@ struct SimulateSettings {
       s.preset = "deepseek-v3";
       s.sim.model = deepseek_v3(WeightDtype::fp8);
       s.sim.topo = Topology{8, 8, 5};
-      const SyntheticConfig ds = SyntheticConfig::deepseek_v3();
-      s.batch.num_layers = ds.num_layers;
-      s.batch.num_experts = ds.num_experts;
-      s.batch.topk = ds.topk;
-      s.batch.skew = ds.skew;
+      apply_synthetic_preset(s.batch, name);
       s.batch.prompts_per_step = 128;
     } else {
       detail::require(name == "qwen3-30b-a3b", "unknown preset '", name, "' (expected qwen3-30b-a3b or deepseek-v3)");
@@ -210,32 +362,9 @@ struct SimulateSettings {
     lift(
         o, topology_schema(), "topology", [](auto &x) -> auto & { return x.sim.topo; });
     // batch: the synthetic GRPO batch (its layers, experts, top-k and GPUs follow the model and topology)
-    o.push_back(integer<S>(
-        "batch.steps", 1, 4096, "RL steps to generate", [](auto &x) -> auto & { return x.batch.num_steps; }));
-    o.push_back(integer<S>(
-        "batch.prompts", 1, 1 << 24, "GRPO prompts per step",
-        [](auto &x) -> auto & { return x.batch.prompts_per_step; }));
-    o.push_back(integer<S>(
-        "batch.responses", 1, 1 << 16, "responses per prompt (group size)",
-        [](auto &x) -> auto & { return x.batch.responses_per_prompt; }));
-    o.push_back(number<S>(
-        "batch.prompt_mean", 1, 1 << 28, "mean prompt length (tokens)",
-        [](auto &x) -> auto & { return x.batch.prompt_length.mean; }));
-    o.push_back(number<S>(
-        "batch.response_mean", 1, 1 << 28, "mean response length (tokens)",
-        [](auto &x) -> auto & { return x.batch.response_length.mean; }));
-    o.push_back(integer<S>(
-        "batch.microbatch_tokens", 1, std::int64_t{1} << 30, "per-GPU micro-batch token budget (dynamic batch size)",
-        [](auto &x) -> auto & { return x.batch.microbatch_tokens_per_gpu; }));
-    o.push_back(integer<S>(
-        "batch.seed", 0, std::numeric_limits<std::int64_t>::max(),
-        "generator seed; the batch is a deterministic function of it", [](auto &x) -> auto & { return x.batch.seed; }));
-    o.push_back(number<S>(
-        "batch.skew", 0, 20, "skew of the per-layer expert popularity (0 = uniform)",
-        [](auto &x) -> auto & { return x.batch.skew; }));
-    o.push_back(number<S>(
-        "batch.persistence", 0, 1, "probability a token keeps each expert of the previous token",
-        [](auto &x) -> auto & { return x.batch.persistence; }));
+    lift(o, synthetic_schema(), "batch", [](auto &x) -> auto & { return x.batch; },
+         {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "seed", "skew",
+          "persistence"});
     // sim
     o.push_back(integer<S>(
         "sim.recompute_passes", 0, 64, "forward-only passes over the batch (old policy, reference)",

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <limits>
 #include <span>
 #include <string>
@@ -429,26 +430,40 @@ template <class T, class To, class From>
   return o;
 }
 
+/// The option `i` of a schema over `U` as an option of `T` under `prefix` ("" keeps the key), through `field`.
+template <class T, class U, class F>
+[[nodiscard]] Option<T> lifted(const Option<U> &i, const std::string &prefix, F field) {
+  Option<T> o;
+  o.key = prefix.empty() ? i.key : prefix + "." + i.key;
+  o.flag = i.flag;
+  o.type = i.type;
+  o.help = i.help;
+  o.metavar = i.metavar;
+  o.int_min = i.int_min;
+  o.int_max = i.int_max;
+  o.min = i.min;
+  o.max = i.max;
+  o.choices = i.choices;
+  o.first = i.first;
+  o.get = [g = i.get, field](const T &t) { return g(field(t)); };
+  o.set = [s = i.set, field](T &t, const json::Value &v) { s(field(t), v); };
+  return o;
+}
+
 /// The options of `inner` (over `U`) as options of `T` under `prefix` ("" keeps the keys), through `field`.
 template <class T, class U, class F>
 void lift(std::vector<Option<T>> &out, const Schema<U> &inner, const std::string &prefix, F field) {
-  for (const Option<U> &i : inner.options()) {
-    Option<T> o;
-    o.key = prefix.empty() ? i.key : prefix + "." + i.key;
-    o.flag = i.flag;
-    o.type = i.type;
-    o.help = i.help;
-    o.metavar = i.metavar;
-    o.int_min = i.int_min;
-    o.int_max = i.int_max;
-    o.min = i.min;
-    o.max = i.max;
-    o.choices = i.choices;
-    o.first = i.first;
-    o.get = [g = i.get, field](const T &t) { return g(field(t)); };
-    o.set = [s = i.set, field](T &t, const json::Value &v) { s(field(t), v); };
-    out.push_back(std::move(o));
-  }
+  for (const Option<U> &i : inner.options())
+    out.push_back(lifted<T>(i, prefix, field));
+}
+
+/// The options of `inner` named by `keys`, in that order, lifted like `lift` (one definition shared by two
+/// front ends that expose different subsets of a struct).
+template <class T, class U, class F>
+void lift(std::vector<Option<T>> &out, const Schema<U> &inner, const std::string &prefix, F field,
+          std::initializer_list<std::string_view> keys) {
+  for (std::string_view k : keys)
+    out.push_back(lifted<T>(inner.key(k), prefix, field));
 }
 
 } // namespace config

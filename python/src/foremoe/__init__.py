@@ -47,7 +47,8 @@ SIM_STRATEGIES = STRATEGIES + ("ideal",)
 
 def options(command: str = "simulate") -> List[Dict[str, Any]]:
     """The option schema of a front end, from the C++ library: ``simulate`` (the config of :func:`simulate`
-    and ``foremoe simulate``), ``planner`` (the keywords of :class:`Planner`) or ``plan`` (``foremoe plan``).
+    and ``foremoe simulate``), ``planner`` (the keywords of :class:`Planner`), ``plan`` (``foremoe plan``) or
+    ``synthetic`` (the keywords of :func:`synthetic_trace`, the generator flags of ``foremoe trace gen``).
 
     Each entry: ``key`` (JSON path, e.g. ``topology.slots``), ``flag`` (command-line name), ``type``
     (int, float, bool, string, enum), ``default``, ``min``/``max`` (numbers), ``choices`` (enums), ``help``.
@@ -295,31 +296,27 @@ def plan_document(plans: Union[Plan, Sequence[Plan]]) -> Dict[str, Any]:
 
 
 def synthetic_trace(**config: Any) -> Dict[str, Any]:
-    """A deterministic synthetic GRPO routing trace.
+    """A deterministic synthetic GRPO routing trace, as ``foremoe trace gen --ids``.
 
-    Keyword arguments are :cpp:`SyntheticConfig` fields (``seed``,
-    ``num_layers``, ``num_experts``, ``topk``, ``num_steps``,
-    ``prompts_per_step``, ``responses_per_prompt``, ``prompt_length`` /
-    ``response_length`` as dicts of ``mean, sigma, min_tokens, max_tokens``,
-    ``num_topics``, ``topics_per_prompt``, ``topic_concentration``,
-    ``topic_mix_concentration``, ``response_topic_weight``, ``popularity``
-    (``lognormal``/``zipf``), ``skew``, ``skew_layer_sigma``, ``persistence``,
-    ``num_gpus``, ``microbatch_tokens_per_gpu``) plus ``preset``
-    (``qwen3-30b-a3b`` default or ``deepseek-v3``).
+    Keyword arguments are the generator's options (``options("synthetic")``: ``preset``, ``seed``,
+    ``layers``, ``experts``, ``topk``, ``steps``, ``prompts``, ``responses``, ``prompt_mean``, ...), the
+    flags of ``foremoe trace gen`` with ``_`` for ``-``. Read by the same C++ reader, so they are accepted
+    or refused as the flags are; unknown keys are refused naming them.
 
     Returns:
         dict with ``routed_ids`` ``[T, L, K]`` int16, ``microbatch_offsets``,
         ``source_offsets``, ``step_offsets`` (in micro-steps),
         ``sequence_offsets``, ``num_experts`` and ``num_sources``.
     """
-    return _core.synthetic_trace(_plain(config))
+    return _core.synthetic_trace(_json(config))
 
 
 def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]:
-    """The loads of :func:`synthetic_trace` with the same config, counted without storing ids.
+    """The loads of :func:`synthetic_trace` with the same config, counted without storing ids
+    (``foremoe trace gen --loads``, with ``--by-source`` for ``by_source``).
 
     Returns:
         dict with ``loads`` ``[M, L, E]`` int64, ``loads_by_source``
         (``[M, L, E, num_gpus]`` when ``by_source``, else None) and ``step_offsets``.
     """
-    return _core.synthetic_loads(_plain(config), bool(by_source))
+    return _core.synthetic_loads(_json(config), bool(by_source))
