@@ -41,9 +41,11 @@ const Trace &trace(std::int64_t num_tokens) {
         s ^= s << 17;
         const auto base = static_cast<std::uint16_t>(s % num_experts);
         const auto step = static_cast<std::uint16_t>(1 + 2 * ((s >> 20) % 8)); // odd: k distinct ids
-        for (int k = 0; k < topk; ++k) t.ids[i++] = static_cast<std::uint16_t>((base + k * step) % num_experts);
+        for (int k = 0; k < topk; ++k)
+          t.ids[i++] = static_cast<std::uint16_t>((base + k * step) % num_experts);
       }
-    for (std::int64_t o = 0; o < num_tokens; o += microbatch_tokens) t.offsets.push_back(o);
+    for (std::int64_t o = 0; o < num_tokens; o += microbatch_tokens)
+      t.offsets.push_back(o);
     t.offsets.push_back(num_tokens);
   }
   return it->second;
@@ -53,8 +55,7 @@ void set_counters(benchmark::State &state, std::int64_t num_tokens) {
   const double ids = static_cast<double>(num_tokens) * num_layers * topk;
   state.SetItemsProcessed(static_cast<std::int64_t>(state.iterations() * ids));
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations() * ids * sizeof(std::uint16_t)));
-  state.counters["Gids_per_s"] =
-      benchmark::Counter(ids * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["Gids_per_s"] = benchmark::Counter(ids * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
 void BM_count_loads(benchmark::State &state) {
@@ -130,8 +131,12 @@ void BM_runtime_host_count(benchmark::State &state) {
   }
   set_counters(state, n);
 }
-BENCHMARK(BM_runtime_host_count)->Args({1 << 20, 1})->Args({1 << 20, 2})->Args({4 << 20, 2})
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_runtime_host_count)
+    ->Args({1 << 20, 1})
+    ->Args({1 << 20, 2})
+    ->Args({4 << 20, 2})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 #endif
 
 } // namespace

@@ -196,13 +196,13 @@ void BM_Balance(benchmark::State &st) {
   st.counters["plan_ms_per_micro_step"] = all_micro > 0 ? 1e3 * seconds / static_cast<double>(all_micro) : 0.0;
   std::string label = free ? std::string("foremoe") : strategy;
   if (free || strategy == "foremoe") label += free ? "/free" : "/two-level";
-  if (strategy == "eplb" || strategy == "eplb-oracle")
-    label += eplb_groups > 1 ? "/hierarchical" : "/global";
+  if (strategy == "eplb" || strategy == "eplb-oracle") label += eplb_groups > 1 ? "/hierarchical" : "/global";
   label += real ? " deepseek-v3 semi-synthetic" : " power-law synthetic";
   label += " burst=" + std::to_string(burst).substr(0, 3);
   st.SetLabel(label);
 }
-// Args: strategy (0 static, 1 eplb, 2 eplb-oracle, 3 foremoe), free mode, burst shape x10 (0 = plain multinomial), EPLB groups.
+// Args: strategy (0 static, 1 eplb, 2 eplb-oracle, 3 foremoe), free mode, burst shape x10 (0 = plain multinomial), EPLB
+// groups.
 BENCHMARK(BM_Balance)
     ->ArgsProduct({{0}, {0}, {0, 20}, {1}})
     ->ArgsProduct({{1, 2}, {0}, {0, 20}, {1, 8}})

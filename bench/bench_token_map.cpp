@@ -47,8 +47,8 @@ const MicroStep &micro_step() {
     for (std::int64_t t = 0; t < num_tokens; ++t)
       for (int l = 0; l < num_layers; ++l) {
         const double u = static_cast<double>(next() % 1000000) / 1e6;
-        const auto hot = static_cast<int>(num_experts * u * u * u); // cubic skew towards low ranks
-        const int base = (hot * 37 + l * 11) % num_experts;          // a per-layer permutation of ranks
+        const auto hot = static_cast<int>(num_experts * u * u * u);    // cubic skew towards low ranks
+        const int base = (hot * 37 + l * 11) % num_experts;            // a per-layer permutation of ranks
         const int step = 1 + 2 * static_cast<int>((next() >> 20) % 8); // odd: 8 distinct ids
         for (int k = 0; k < topk; ++k)
           m.ids[i++] = static_cast<std::uint16_t>((base + k * step) % num_experts);

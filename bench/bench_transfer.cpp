@@ -61,8 +61,8 @@ void BM_plan_transfers_deepseek(benchmark::State &state) {
   state.counters["rounds"] = tp.num_rounds;
   state.counters["modelled_ms"] = tp.est_seconds * 1e3;
   state.counters["link_bound_ms"] = tp.link_bound_seconds * 1e3;
-  state.counters["nvlink_share"] =
-      static_cast<double>(tp.path_bytes[0]) / static_cast<double>(opt.expert_bytes * std::max<std::size_t>(1, layer.moves.size()));
+  state.counters["nvlink_share"] = static_cast<double>(tp.path_bytes[0]) /
+                                   static_cast<double>(opt.expert_bytes * std::max<std::size_t>(1, layer.moves.size()));
   // Modelled time of the same moves on one path only, for comparison.
   transfer::Options mirror_only = opt;
   mirror_only.split_paths = false;
@@ -125,7 +125,12 @@ void BM_engine_host_deepseek(benchmark::State &state) {
   state.SetBytesProcessed(moved);
   state.counters["moves"] = static_cast<double>(layer.moves.size());
 }
-BENCHMARK(BM_engine_host_deepseek)->Args({256, 0})->Args({256, 1})->Args({1024, 0})->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_engine_host_deepseek)
+    ->Args({256, 0})
+    ->Args({256, 1})
+    ->Args({1024, 0})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 // The same layer in multi-process use: one engine per node (`range(1)` = 0) or per GPU (1), joined by a HostFabric,
 // each submitting the whole batch; in-node moves between processes become paired transfers. 256 KiB experts.
@@ -185,7 +190,11 @@ void BM_engine_host_deepseek_processes(benchmark::State &state) {
   state.counters["moves"] = static_cast<double>(layer.moves.size());
   state.counters["processes"] = procs;
 }
-BENCHMARK(BM_engine_host_deepseek_processes)->Args({256, 0})->Args({256, 1})->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_engine_host_deepseek_processes)
+    ->Args({256, 0})
+    ->Args({256, 1})
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 #endif
 
 } // namespace

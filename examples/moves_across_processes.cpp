@@ -37,8 +37,7 @@ int main() {
   const LayerPlacement &before = resident.layer(0);
 
   // The group's memory: slots per GPU (each process touches only its own) and one mirror per node.
-  std::vector<std::vector<std::byte>> slots(topo.num_gpus(),
-                                            std::vector<std::byte>(expert_bytes * topo.slots_per_gpu));
+  std::vector<std::vector<std::byte>> slots(topo.num_gpus(), std::vector<std::byte>(expert_bytes * topo.slots_per_gpu));
   std::vector<std::vector<std::byte>> mirror(topo.num_nodes, std::vector<std::byte>(expert_bytes * experts));
   for (auto &m : mirror)
     for (int e = 0; e < experts; ++e)
@@ -64,7 +63,8 @@ int main() {
       std::unique_ptr<rt::TransferEngine> engine;
       rt::Status st = rt::TransferEngine::create(o, engine);
       if (st.ok()) st = engine->register_slots(0, rank, {slots[rank].data(), expert_bytes, topo.slots_per_gpu});
-      if (st.ok()) st = engine->register_mirror(0, topo.node_of(rank), {mirror[topo.node_of(rank)].data(), expert_bytes, experts});
+      if (st.ok())
+        st = engine->register_mirror(0, topo.node_of(rank), {mirror[topo.node_of(rank)].data(), expert_bytes, experts});
       if (st.ok()) st = engine->set_resident(0, before);
       rt::Ticket t;
       if (st.ok()) st = engine->submit({0, moves}, t);

@@ -14,10 +14,10 @@
 #include <span>
 #include <vector>
 
-#include "gpu_main.hpp"
 #include "foremoe/runtime/runtime.hpp"
 #include "foremoe/runtime/token_map.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
+#include "gpu_main.hpp"
 
 #if defined(FOREMOE_TEST_HAVE_CUDART)
 #include <cuda_runtime_api.h>

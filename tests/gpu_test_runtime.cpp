@@ -8,9 +8,9 @@
 #include <random>
 #include <vector>
 
-#include "gpu_main.hpp"
 #include "foremoe/foremoe.hpp"
 #include "foremoe/runtime/runtime.hpp"
+#include "gpu_main.hpp"
 
 #if defined(FOREMOE_TEST_HAVE_CUDART)
 #include <cuda_runtime_api.h>
@@ -20,16 +20,18 @@ using namespace foremoe;
 namespace rt = foremoe::runtime;
 
 #if defined(FOREMOE_TEST_HAVE_CUDART)
-TEST_CASE_TEMPLATE("device counting equals the CPU counter", T, std::int8_t, std::uint8_t, std::int16_t,
-                   std::uint16_t, std::int32_t, std::int64_t) {
+TEST_CASE_TEMPLATE("device counting equals the CPU counter", T, std::int8_t, std::uint8_t, std::int16_t, std::uint16_t,
+                   std::int32_t, std::int64_t) {
   std::mt19937_64 rng(5 + sizeof(T));
   for (int it = 0; it < 20; ++it) {
     const std::int64_t num_tokens = 1 + std::int64_t(rng() % 20000);
     const int L = 1 + int(rng() % 6), K = 1 + int(rng() % 8), E = K + int(rng() % 100);
     std::vector<T> ids(std::size_t(num_tokens) * L * K);
-    for (auto &x : ids) x = rng() % 17 == 0 ? static_cast<T>(-1) : static_cast<T>(rng() % E);
+    for (auto &x : ids)
+      x = rng() % 17 == 0 ? static_cast<T>(-1) : static_cast<T>(rng() % E);
     std::vector<std::int64_t> mb{0};
-    for (int m = 0; m < int(rng() % 6); ++m) mb.push_back(std::int64_t(rng() % num_tokens));
+    for (int m = 0; m < int(rng() % 6); ++m)
+      mb.push_back(std::int64_t(rng() % num_tokens));
     mb.push_back(num_tokens);
     std::sort(mb.begin(), mb.end());
     CountOptions o;
@@ -49,8 +51,8 @@ TEST_CASE_TEMPLATE("device counting equals the CPU counter", T, std::int8_t, std
     req.topk = K;
     req.num_experts = E;
     req.microbatch_offsets = mb;
-    const rt::Status st = rt::count_loads(rt::Backend::cuda, req,
-                                            {static_cast<std::int64_t *>(d_out), want.totals().size()});
+    const rt::Status st =
+        rt::count_loads(rt::Backend::cuda, req, {static_cast<std::int64_t *>(d_out), want.totals().size()});
     REQUIRE_MESSAGE(st.ok(), st.to_string());
     std::vector<std::int64_t> got(want.totals().size());
     REQUIRE(cudaMemcpy(got.data(), d_out, got.size() * sizeof(std::int64_t), cudaMemcpyDeviceToHost) == cudaSuccess);

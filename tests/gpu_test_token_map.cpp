@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "gpu_main.hpp"
 #include "foremoe/foremoe.hpp"
 #include "foremoe/plan/token_map.hpp"
 #include "foremoe/runtime/runtime.hpp"
 #include "foremoe/runtime/token_map.hpp"
+#include "gpu_main.hpp"
 
 #if defined(FOREMOE_TEST_HAVE_CUDART)
 #include <cuda_runtime_api.h>
@@ -67,12 +67,15 @@ Case make_case(std::mt19937_64 &rng, bool large) {
   c.K = 1 + int(rng() % std::min(8, c.E));
   c.T = std::int64_t(rng() % (large ? 40000 : 3000));
   std::vector<double> w(std::size_t(c.E));
-  for (auto &x : w) x = std::pow(double(rng() % 1000 + 1), 1.5);
+  for (auto &x : w)
+    x = std::pow(double(rng() % 1000 + 1), 1.5);
   std::discrete_distribution<int> pick(w.begin(), w.end());
   c.ids.resize(std::size_t(c.T) * c.L * c.K);
-  for (auto &x : c.ids) x = rng() % 13 == 0 ? -1 : pick(rng);
+  for (auto &x : c.ids)
+    x = rng() % 13 == 0 ? -1 : pick(rng);
   c.so = {0};
-  for (int g = 0; g < G - 1; ++g) c.so.push_back(c.T == 0 ? 0 : std::int64_t(rng() % (c.T + 1)));
+  for (int g = 0; g < G - 1; ++g)
+    c.so.push_back(c.T == 0 ? 0 : std::int64_t(rng() % (c.T + 1)));
   c.so.push_back(c.T);
   std::sort(c.so.begin(), c.so.end());
   CountOptions o;
@@ -97,7 +100,8 @@ TEST_CASE_TEMPLATE("device token map equals the CPU reference", T, std::int8_t, 
     Case c = make_case(rng, large);
     if (sizeof(T) == 1 && c.E > 127) continue; // int8 cannot hold the ids
     std::vector<T> ids(c.ids.size());
-    for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<T>(c.ids[i]);
+    for (std::size_t i = 0; i < ids.size(); ++i)
+      ids[i] = static_cast<T>(c.ids[i]);
     const DeviceVec<T> d_ids(ids);
     const RoutedView view(std::span<const T>(ids), c.T, c.L, c.K);
     for (int l = 0; l < c.L; ++l)
@@ -107,8 +111,8 @@ TEST_CASE_TEMPLATE("device token map equals the CPU reference", T, std::int8_t, 
         const auto split = by_source ? split_by_source(plan.placement, plan.slot_tokens, c.loads.layer_by_source(0, l),
                                                        S, c.topo.gpus_per_node)
                                      : plan.slot_tokens;
-        const std::span<const std::int64_t> so = by_source ? std::span<const std::int64_t>(c.so)
-                                                           : std::span<const std::int64_t>{};
+        const std::span<const std::int64_t> so =
+            by_source ? std::span<const std::int64_t>(c.so) : std::span<const std::int64_t>{};
         std::vector<std::int32_t> want(std::size_t(c.T) * c.K);
         map_tokens(token_ranges(plan.placement, split, S), view, l, want, so);
 
@@ -199,7 +203,8 @@ TEST_CASE("device token map of zero tokens succeeds and checks the plan's totals
   slot_tokens[1] = 4;
   const rt::Status st = rt::map_tokens(rt::Backend::cuda, req, {});
   CHECK(st.code() == rt::StatusCode::invalid_argument);
-  CHECK_MESSAGE(st.message().find("expert 1 has 0 routed tokens but the plan gives its 1 copies 4") != std::string::npos,
+  CHECK_MESSAGE(st.message().find("expert 1 has 0 routed tokens but the plan gives its 1 copies 4") !=
+                    std::string::npos,
                 st.message());
 }
 #endif

@@ -218,8 +218,10 @@ TEST_CASE("CUDA engine: replica gradients reduce on the device") {
   std::vector<float> g0(2 * n), g1(2 * n);
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
-  for (auto &x : g0) x = nd(rng);
-  for (auto &x : g1) x = nd(rng);
+  for (auto &x : g0)
+    x = nd(rng);
+  for (auto &x : g1)
+    x = nd(rng);
   void *d0, *d1;
   REQUIRE(cudaMalloc(&d0, g0.size() * 4) == cudaSuccess);
   REQUIRE(cudaMalloc(&d1, g1.size() * 4) == cudaSuccess);

@@ -73,7 +73,8 @@ TEST_CASE("LoadTensor indexing, sources and validation") {
   std::vector<double> v(2 * 3 * 4, 1.0);
   CHECK(LoadTensor::from_floats(v, 2, 3, 4).layer_total(0, 0) == 4);
   v[5] = std::numeric_limits<double>::quiet_NaN();
-  CHECK_ERROR_CONTAINS((void)LoadTensor::from_floats(v, 2, 3, 4), "non-finite load nan at micro-step 0, layer 1, expert 1");
+  CHECK_ERROR_CONTAINS((void)LoadTensor::from_floats(v, 2, 3, 4),
+                       "non-finite load nan at micro-step 0, layer 1, expert 1");
   v[5] = -2;
   CHECK_ERROR_CONTAINS((void)LoadTensor::from_floats(v, 2, 3, 4), "negative load -2");
   v[5] = 0.5;
@@ -87,7 +88,8 @@ TEST_CASE("LoadTensor indexing, sources and validation") {
 
 TEST_CASE("LayerPlacement maps and validation") {
   LayerPlacement p(4, 3, 6);
-  for (int e = 0; e < 6; ++e) p.slot(e / 2, e % 2) = e;
+  for (int e = 0; e < 6; ++e)
+    p.slot(e / 2, e % 2) = e;
   p.slot(2, 2) = 0; // replica of expert 0 on GPU 2
   p.slot(3, 0) = 5; // replica of expert 5 on GPU 3
   p.validate();
@@ -119,7 +121,8 @@ TEST_CASE("Placement::contiguous is valid on random topologies (property)") {
     const Topology topo{nodes, gpn, (experts + nodes * gpn - 1) / (nodes * gpn) + int(rng() % 3)};
     const Placement p = Placement::contiguous(topo, 2, experts);
     p.validate();
-    for (int e : p.layer(1).replica_counts()) CHECK(e == 1);
+    for (int e : p.layer(1).replica_counts())
+      CHECK(e == 1);
   }
   CHECK_ERROR_CONTAINS(Placement(Topology{1, 2, 1}, 1, 3), "cannot hold all 3 experts");
 }

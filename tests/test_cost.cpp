@@ -39,7 +39,8 @@ double weighted_residual(const std::vector<double> &a, const std::vector<double>
   double res = 0;
   for (std::size_t i = 0; i < b.size(); ++i) {
     double r = -b[i];
-    for (std::size_t j = 0; j < n; ++j) r += a[i * n + j] * x[j];
+    for (std::size_t j = 0; j < n; ++j)
+      r += a[i * n + j] * x[j];
     res += (r * w[i]) * (r * w[i]);
   }
   return res;
@@ -76,17 +77,21 @@ TEST_CASE("nonneg least squares: KKT conditions and the best support on random p
     // Columns of very different magnitudes, as in the cost fits (1, counts, bytes, flops); now and then a
     // zero column or a duplicated one.
     std::vector<double> colscale(n);
-    for (auto &c : colscale) c = std::pow(10.0, logu(rng));
+    for (auto &c : colscale)
+      c = std::pow(10.0, logu(rng));
     std::vector<double> a(m * n), b(m), w(m);
     for (std::size_t i = 0; i < m; ++i) {
-      for (std::size_t j = 0; j < n; ++j) a[i * n + j] = u(rng) * colscale[j];
+      for (std::size_t j = 0; j < n; ++j)
+        a[i * n + j] = u(rng) * colscale[j];
       b[i] = u(rng);
       w[i] = wu(rng);
     }
     if (n >= 2 && it % 23 == 0)
-      for (std::size_t i = 0; i < m; ++i) a[i * n + 1] = 0;
+      for (std::size_t i = 0; i < m; ++i)
+        a[i * n + 1] = 0;
     if (n >= 3 && it % 29 == 0)
-      for (std::size_t i = 0; i < m; ++i) a[i * n + 2] = 3 * a[i * n];
+      for (std::size_t i = 0; i < m; ++i)
+        a[i * n + 2] = 3 * a[i * n];
     CAPTURE(it);
     CAPTURE(n);
     CAPTURE(m);
@@ -94,14 +99,16 @@ TEST_CASE("nonneg least squares: KKT conditions and the best support on random p
     REQUIRE(x.size() == n);
     // Descent d = A^T W^2 (b - A x), relative to |W a_j| |W b|: ~0 where x_j > 0, <= ~0 where x_j = 0.
     double bnorm = 0;
-    for (std::size_t i = 0; i < m; ++i) bnorm += (w[i] * b[i]) * (w[i] * b[i]);
+    for (std::size_t i = 0; i < m; ++i)
+      bnorm += (w[i] * b[i]) * (w[i] * b[i]);
     bnorm = std::sqrt(bnorm);
     for (std::size_t j = 0; j < n; ++j) {
       CHECK(x[j] >= 0.0);
       double d = 0, cnorm = 0;
       for (std::size_t i = 0; i < m; ++i) {
         double r = b[i];
-        for (std::size_t k = 0; k < n; ++k) r -= a[i * n + k] * x[k];
+        for (std::size_t k = 0; k < n; ++k)
+          r -= a[i * n + k] * x[k];
         d += a[i * n + j] * w[i] * w[i] * r;
         cnorm += (a[i * n + j] * w[i]) * (a[i * n + j] * w[i]);
       }
@@ -221,7 +228,8 @@ TEST_CASE("all-to-all: hand-computed and symmetric cases") {
   std::vector<double> m(n * n, 0.0);
   // One node of 4: every GPU sends 1000 rows to every other one.
   for (int s = 0; s < n; ++s)
-    for (int d = 0; d < n; ++d) m[s * n + d] = s == d ? 5000 : 1000;
+    for (int d = 0; d < n; ++d)
+      m[s * n + d] = s == d ? 5000 : 1000;
   const double rb = 1024 * 2.0;
   CHECK(all_to_all_seconds(p, m, n, 4, 1024, 2) == doctest::Approx(10e-6 + 3 * 1000 * rb / 100e9));
   CHECK(combine_seconds(p, m, n, 4, 1024, 2) == doctest::Approx(dispatch_seconds(p, m, n, 4, 1024, 2)));
@@ -230,10 +238,12 @@ TEST_CASE("all-to-all: hand-computed and symmetric cases") {
         doctest::Approx(std::max(10e-6 + 1000 * rb / 100e9, 20e-6 + 2000 * rb / 10e9)));
   // Local-only traffic is free; a skewed matrix costs its worst receiver, and transposing it keeps the cost.
   std::vector<double> local(n * n, 0.0);
-  for (int g = 0; g < n; ++g) local[g * n + g] = 1e6;
+  for (int g = 0; g < n; ++g)
+    local[g * n + g] = 1e6;
   CHECK(all_to_all_seconds(p, local, n, 4, 1024, 2) == 0.0);
   std::vector<double> hot(n * n, 0.0);
-  for (int s = 1; s < n; ++s) hot[s * n + 0] = 1000;
+  for (int s = 1; s < n; ++s)
+    hot[s * n + 0] = 1000;
   CHECK(all_to_all_seconds(p, hot, n, 4, 1024, 2) == doctest::Approx(10e-6 + 3000 * rb / 100e9));
   CHECK(combine_seconds(p, hot, n, 4, 1024, 2) == doctest::Approx(all_to_all_seconds(p, hot, n, 4, 1024, 2)));
   // More bandwidth is never slower; more tokens never faster.
@@ -263,7 +273,8 @@ TEST_CASE("moves and gradient reduction") {
 
 TEST_CASE("alpha-beta fit recovers known parameters") {
   std::vector<NcclSample> s;
-  for (double b = 512; b <= 1 << 29; b *= 2) s.push_back({"alltoall", 8, b, 7e-6 + b / 300e9, 0});
+  for (double b = 512; b <= 1 << 29; b *= 2)
+    s.push_back({"alltoall", 8, b, 7e-6 + b / 300e9, 0});
   s.push_back({"all_reduce", 8, 4096, 1.0, 0});
   const auto f = fit_alpha_beta(s, "alltoall", 8);
   CHECK(f.alpha_s == doctest::Approx(7e-6).epsilon(1e-9));
@@ -317,21 +328,24 @@ TEST_CASE("real H200 data: expert GEMM and NCCL alltoall fits") {
   REQUIRE(!all.empty());
   // Per (hidden, dtype); hold out every 4th (tp, ep) pair in sorted order.
   std::map<std::pair<int, int>, std::vector<ExpertComputeSample>> groups;
-  for (const auto &s : all) groups[{s.shape.hidden, static_cast<int>(s.shape.dtype)}].push_back(s);
+  for (const auto &s : all)
+    groups[{s.shape.hidden, static_cast<int>(s.shape.dtype)}].push_back(s);
   for (const auto &[key, samples] : groups) {
     std::set<std::pair<int, int>> pairs;
-    for (const auto &s : samples) pairs.insert({s.tp, s.ep});
+    for (const auto &s : samples)
+      pairs.insert({s.tp, s.ep});
     std::set<std::pair<int, int>> held;
     int i = 0;
     for (const auto &pr : pairs)
       if (i++ % 4 == 2) held.insert(pr);
     std::vector<ExpertComputeSample> train, test;
-    for (const auto &s : samples) (held.count({s.tp, s.ep}) ? test : train).push_back(s);
+    for (const auto &s : samples)
+      (held.count({s.tp, s.ep}) ? test : train).push_back(s);
     const auto fit = fit_expert_compute(train);
     const auto test_err = expert_compute_errors(fit.params, test);
     const auto &fp = fit.params;
-    const std::string name = "H" + std::to_string(key.first) + " " +
-                             std::string(to_string(static_cast<WeightDtype>(key.second)));
+    const std::string name =
+        "H" + std::to_string(key.first) + " " + std::string(to_string(static_cast<WeightDtype>(key.second)));
     MESSAGE(name, ": ", train.size(), " train rows (", pairs.size() - held.size(), " tp x ep pairs), ", test.size(),
             " held out (", held.size(), " pairs); launch ", fp.launch_us, " us, per expert ", fp.per_expert_us,
             " us, scan ", fp.scan_ps_per_element, " ps/elem, hbm eff ", fp.hbm_efficiency, ", compute eff ",

@@ -46,7 +46,8 @@ LoadTensor reference_count(const RoutedView &v, const CountOptions &o) {
 
 std::vector<std::int64_t> random_offsets(std::mt19937_64 &rng, std::int64_t n, int parts) {
   std::vector<std::int64_t> o{0};
-  for (int i = 1; i < parts; ++i) o.push_back(n == 0 ? 0 : std::int64_t(rng() % std::uint64_t(n + 1)));
+  for (int i = 1; i < parts; ++i)
+    o.push_back(n == 0 ? 0 : std::int64_t(rng() % std::uint64_t(n + 1)));
   o.push_back(n);
   std::sort(o.begin(), o.end());
   return o;
@@ -61,8 +62,10 @@ template <class T> void property_round(std::mt19937_64 &rng) {
   std::vector<T> ids(std::size_t(T_) * L * K);
   for (auto &x : ids) {
     const auto r = rng() % 10;
-    if (r == 0) x = static_cast<T>(-1); // no route (all-ones for unsigned)
-    else x = static_cast<T>(rng() % std::uint64_t(E));
+    if (r == 0)
+      x = static_cast<T>(-1); // no route (all-ones for unsigned)
+    else
+      x = static_cast<T>(rng() % std::uint64_t(E));
   }
   CountOptions o;
   o.num_experts = E;
@@ -70,7 +73,8 @@ template <class T> void property_round(std::mt19937_64 &rng) {
   if (rng() % 4 != 0) o.microbatch_offsets = mb;
   std::vector<int> lm;
   if (rng() % 2 == 0 && L > 1) {
-    for (int l = 0, next = 0; l < L; ++l) lm.push_back(rng() % 3 == 0 && !(l == L - 1 && next == 0) ? -1 : next++);
+    for (int l = 0, next = 0; l < L; ++l)
+      lm.push_back(rng() % 3 == 0 && !(l == L - 1 && next == 0) ? -1 : next++);
     o.layer_map = LayerMap(lm);
   }
   std::vector<std::int64_t> so;
@@ -81,7 +85,8 @@ template <class T> void property_round(std::mt19937_64 &rng) {
       if (m2.empty()) m2 = {0, T_};
       for (std::size_t m = 0; m + 1 < m2.size(); ++m) {
         auto part = random_offsets(rng, m2[m + 1] - m2[m], o.num_sources);
-        for (int r = 0; r < o.num_sources; ++r) so.push_back(m2[m] + part[r]);
+        for (int r = 0; r < o.num_sources; ++r)
+          so.push_back(m2[m] + part[r]);
       }
       so.push_back(T_);
       o.source_offsets = so;
@@ -105,17 +110,19 @@ template <class T> void property_round(std::mt19937_64 &rng) {
 
 } // namespace
 
-TEST_CASE_TEMPLATE("count_loads equals the naive reference on random traces (property)", T, std::int8_t,
-                   std::uint8_t, std::int16_t, std::uint16_t, std::int32_t, std::int64_t) {
+TEST_CASE_TEMPLATE("count_loads equals the naive reference on random traces (property)", T, std::int8_t, std::uint8_t,
+                   std::int16_t, std::uint16_t, std::int32_t, std::int64_t) {
   std::mt19937_64 rng(1234 + sizeof(T) * 7 + std::is_signed_v<T>);
   const int rounds = 60 * foremoe_test::seed_multiplier();
-  for (int i = 0; i < rounds; ++i) property_round<T>(rng);
+  for (int i = 0; i < rounds; ++i)
+    property_round<T>(rng);
 }
 
 TEST_CASE("count_loads totals: every routed id is counted exactly once") {
   std::vector<std::uint16_t> ids(1000 * 4 * 8);
   std::mt19937_64 rng(7);
-  for (auto &x : ids) x = std::uint16_t(rng() % 64);
+  for (auto &x : ids)
+    x = std::uint16_t(rng() % 64);
   std::vector<std::int64_t> mb{0, 100, 100, 700, 1000};
   CountOptions o;
   o.num_experts = 64;

@@ -9,12 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "exact_oracle.hpp"
 #include "foremoe/plan/bounds.hpp"
 #include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/owners.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/replicate.hpp"
-#include "exact_oracle.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -153,7 +153,8 @@ TEST_CASE("free plans are valid and respect the bounds over random instances") {
     ReplicaOptions opts;
     opts.free_search_rounds = static_cast<int>(rng() % 2) * 4;
     // With or without the two-level candidate's owners.
-    const std::span<const std::int32_t> hint = rng() % 2 == 0 ? std::span<const std::int32_t>(in.owner) : std::span<const std::int32_t>();
+    const std::span<const std::int32_t> hint =
+        rng() % 2 == 0 ? std::span<const std::int32_t>(in.owner) : std::span<const std::int32_t>();
     const LayerPlan plan = rp.plan_free(in.loads, nullptr, opts, hint);
     REQUIRE_NOTHROW(validate(plan, in.loads, nullptr));
     CHECK(plan.max_gpu_load >= lower_bound_free(in.loads, in.topo));
@@ -187,7 +188,8 @@ TEST_CASE("free plans are never worse than two-level plans with the same owners"
     CHECK(free.max_gpu_load <= two.max_gpu_load);
     strictly_better += free.max_gpu_load < two.max_gpu_load;
     // The same from a resident placement (a two-level plan) with shifted loads.
-    const LayerPlan res = rp.plan_two_level(in.loads, in.owner, nullptr, budget_options(static_cast<int>(rng() % 3) - 1));
+    const LayerPlan res =
+        rp.plan_two_level(in.loads, in.owner, nullptr, budget_options(static_cast<int>(rng() % 3) - 1));
     const auto next = shifted_loads(rng, in.loads, 200);
     const LayerPlan two_next = rp.plan_two_level(next, in.owner, &res.placement, budget_options(-1));
     const LayerPlan free_next = rp.plan_free(next, &res.placement, {}, in.owner);

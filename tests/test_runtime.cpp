@@ -17,9 +17,11 @@ TEST_CASE("runtime host count equals the header counter for any thread count (pr
     const std::int64_t T = std::int64_t(rng() % 2000);
     const int L = 1 + int(rng() % 5), K = 1 + int(rng() % 4), E = K + int(rng() % 60);
     std::vector<std::int32_t> ids(std::size_t(T) * L * K);
-    for (auto &x : ids) x = rng() % 13 == 0 ? -1 : std::int32_t(rng() % E);
+    for (auto &x : ids)
+      x = rng() % 13 == 0 ? -1 : std::int32_t(rng() % E);
     std::vector<std::int64_t> mb{0};
-    for (int m = 0, parts = 1 + int(rng() % 9); m < parts - 1; ++m) mb.push_back(T == 0 ? 0 : std::int64_t(rng() % T));
+    for (int m = 0, parts = 1 + int(rng() % 9); m < parts - 1; ++m)
+      mb.push_back(T == 0 ? 0 : std::int64_t(rng() % T));
     mb.push_back(T);
     std::sort(mb.begin(), mb.end());
     CountOptions o;

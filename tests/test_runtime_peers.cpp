@@ -9,9 +9,9 @@
 #include <random>
 #include <thread>
 
+#include "expert_bytes.hpp"
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
-#include "expert_bytes.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -31,8 +31,8 @@ struct Group {
   std::vector<int> proc_of_gpu;
   int num_procs = 0;
   std::vector<std::shared_ptr<const rt::FaultSchedule>> faults_of_proc; // optional, per process
-  std::vector<std::vector<std::byte>> gpu_mem, mirror_mem; // [layer * gpus + gpu], [layer * nodes + node]
-  std::vector<std::vector<float>> grad_mem;                // [gpu]: slots * grad_bytes / 4 floats (layer 0)
+  std::vector<std::vector<std::byte>> gpu_mem, mirror_mem;              // [layer * gpus + gpu], [layer * nodes + node]
+  std::vector<std::vector<float>> grad_mem; // [gpu]: slots * grad_bytes / 4 floats (layer 0)
   std::shared_ptr<rt::HostFabric> fabric = std::make_shared<rt::HostFabric>();
   std::vector<std::unique_ptr<rt::TransferEngine>> engines;
 
@@ -142,7 +142,8 @@ struct Group {
   // A random resident placement per layer, then three rounds of one batch per layer: later batches read what
   // earlier ones wrote, in other processes too. Without mirrors every move has a GPU source that stays in place.
   // `target` receives each layer's placement after all of them.
-  std::vector<std::pair<int, std::vector<Move>>> random_batches(std::mt19937_64 &rng, std::vector<LayerPlacement> &target) {
+  std::vector<std::pair<int, std::vector<Move>>> random_batches(std::mt19937_64 &rng,
+                                                                std::vector<LayerPlacement> &target) {
     std::vector<std::pair<int, std::vector<Move>>> batches;
     target.clear();
     for (int l = 0; l < num_layers; ++l)
@@ -175,8 +176,10 @@ std::vector<int> random_partition(std::mt19937_64 &rng, const Topology &topo, in
   const int kind = static_cast<int>(rng() % 3);
   int p = 0;
   for (int g = 0; g < topo.num_gpus(); ++g) {
-    if (kind == 0) proc[g] = g;
-    else if (kind == 1) proc[g] = topo.node_of(g);
+    if (kind == 0)
+      proc[g] = g;
+    else if (kind == 1)
+      proc[g] = topo.node_of(g);
     else {
       if (g > 0 && rng() % 2 == 0) ++p;
       proc[g] = p;
@@ -207,7 +210,8 @@ rt::EngineOptions random_options(std::mt19937_64 &rng) {
 }
 
 // Submits `batches` (layer, moves) on every engine, each engine from its own thread in the same order, and waits.
-std::vector<std::vector<rt::Status>> run_everywhere(Group &grp, const std::vector<std::pair<int, std::vector<Move>>> &batches,
+std::vector<std::vector<rt::Status>> run_everywhere(Group &grp,
+                                                    const std::vector<std::pair<int, std::vector<Move>>> &batches,
                                                     std::chrono::milliseconds timeout) {
   std::vector<std::vector<rt::Status>> out(static_cast<std::size_t>(grp.num_procs));
   std::vector<std::thread> procs;
@@ -349,7 +353,7 @@ TEST_CASE("multi-process: a sender whose copy is not valid says so, and the rece
   CHECK(st[0][0].code() == rt::StatusCode::device_error); // batch 1 failed on GPU 0
   CHECK(st[1][1].code() == rt::StatusCode::device_error); // GPU 1 got a header saying "not valid"
   CHECK(st[1][1].message().find("expert 0 on GPU 1") != std::string::npos);
-  CHECK(st[2][1].ok());                                   // GPU 2 got expert 3 from GPU 1
+  CHECK(st[2][1].ok()); // GPU 2 got expert 3 from GPU 1
   CHECK(grp.engines[0]->valid_expert(0, 0, 1) == empty_slot);
   CHECK(grp.engines[1]->valid_expert(0, 1, 1) == empty_slot);
   CHECK(grp.engines[2]->valid_expert(0, 2, 0) == 3);
@@ -434,7 +438,8 @@ TEST_CASE("multi-process replica gradients: owners receive every replica's gradi
     for (int g = 0; g < grp.topo.num_gpus(); ++g)
       for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
         for (std::int64_t i = 0; i < n; ++i)
-          grp.grad_mem[g][static_cast<std::size_t>(s * n + i)] = static_cast<float>(g + 1) + 0.25f * static_cast<float>(i % 5);
+          grp.grad_mem[g][static_cast<std::size_t>(s * n + i)] =
+              static_cast<float>(g + 1) + 0.25f * static_cast<float>(i % 5);
     const auto before = grp.grad_mem;
     std::vector<rt::Status> st(static_cast<std::size_t>(grp.num_procs));
     std::vector<std::vector<rt::MoveTelemetry>> tel(static_cast<std::size_t>(grp.num_procs));

@@ -45,14 +45,16 @@ Scenario make_scenario(std::mt19937_64 &rng) {
   s.num_tokens = std::int64_t(rng() % 3000);
   s.ids.resize(std::size_t(s.num_tokens) * s.num_layers * s.topk);
   std::vector<double> weight(std::size_t(s.num_experts));
-  for (auto &w : weight) w = std::pow(double(rng() % 1000 + 1), 1.5);
+  for (auto &w : weight)
+    w = std::pow(double(rng() % 1000 + 1), 1.5);
   std::discrete_distribution<int> pick(weight.begin(), weight.end());
   for (std::int64_t t = 0; t < s.num_tokens; ++t)
     for (int l = 0; l < s.num_layers; ++l)
       for (int k = 0; k < s.topk; ++k)
         s.ids[(std::size_t(t) * s.num_layers + l) * s.topk + k] = rng() % 11 == 0 ? -1 : pick(rng);
   s.source_offsets = {0};
-  for (int g = 0; g < num_gpus - 1; ++g) s.source_offsets.push_back(s.num_tokens == 0 ? 0 : std::int64_t(rng() % (s.num_tokens + 1)));
+  for (int g = 0; g < num_gpus - 1; ++g)
+    s.source_offsets.push_back(s.num_tokens == 0 ? 0 : std::int64_t(rng() % (s.num_tokens + 1)));
   s.source_offsets.push_back(s.num_tokens);
   std::sort(s.source_offsets.begin(), s.source_offsets.end());
   CountOptions o;
@@ -76,7 +78,8 @@ std::vector<std::int32_t> naive_map(const LayerPlacement &p, const std::vector<s
   std::vector<std::int64_t> seen(std::size_t(num_sources) * p.num_experts(), 0);
   for (std::int64_t t = 0; t < num_tokens; ++t) {
     int src = 0;
-    while (!(so[src] <= t && t < so[src + 1])) ++src;
+    while (!(so[src] <= t && t < so[src + 1]))
+      ++src;
     for (int k = 0; k < topk; ++k) {
       const std::int32_t e = ids[(std::size_t(t) * num_layers + l) * topk + k];
       if (e < 0) continue;
@@ -98,7 +101,8 @@ std::vector<std::int32_t> naive_map(const LayerPlacement &p, const std::vector<s
 
 template <class T> std::vector<T> cast_ids(const std::vector<std::int32_t> &ids) {
   std::vector<T> out(ids.size());
-  for (std::size_t i = 0; i < ids.size(); ++i) out[i] = static_cast<T>(ids[i]);
+  for (std::size_t i = 0; i < ids.size(); ++i)
+    out[i] = static_cast<T>(ids[i]);
   return out;
 }
 
@@ -146,8 +150,8 @@ TEST_CASE("token map: per-source split from split_by_source maps each source's t
     for (int l = 0; l < s.num_layers; ++l) {
       const LayerPlan &plan = s.plans[l];
       const auto src_loads = s.loads.layer_by_source(0, l);
-      const auto split = split_by_source(plan.placement, plan.slot_tokens, src_loads, num_sources,
-                                         s.topo.gpus_per_node);
+      const auto split =
+          split_by_source(plan.placement, plan.slot_tokens, src_loads, num_sources, s.topo.gpus_per_node);
       const TokenRanges ranges = token_ranges(plan.placement, split, num_sources);
       std::vector<std::int32_t> got(std::size_t(s.num_tokens) * s.topk, -5);
       map_tokens(ranges, view, l, got, s.source_offsets);
@@ -170,7 +174,8 @@ TEST_CASE("token map: per-source split from split_by_source maps each source's t
                              s.source_offsets));
       // Summed over sources the copies still get the plan's totals.
       std::vector<std::int64_t> per_slot(plan.slot_tokens.size(), 0);
-      for (std::size_t i = 0; i < per.size(); ++i) per_slot[i / num_sources] += per[i];
+      for (std::size_t i = 0; i < per.size(); ++i)
+        per_slot[i / num_sources] += per[i];
       CHECK(per_slot == plan.slot_tokens);
     }
   }
@@ -257,8 +262,8 @@ TEST_CASE("token map: bad input is named") {
   ids = {0, 1, 0, -1};
   CHECK_THROWS_WITH_AS(map_tokens(two, view, 0, out, std::vector<std::int64_t>{0, 2}),
                        doctest::Contains("2 source offsets for 2 sources"), Error);
-  CHECK_THROWS_WITH_AS(map_tokens(two, view, 0, out, std::vector<std::int64_t>{0, 3, 2}),
-                       doctest::Contains("decrease"), Error);
+  CHECK_THROWS_WITH_AS(map_tokens(two, view, 0, out, std::vector<std::int64_t>{0, 3, 2}), doctest::Contains("decrease"),
+                       Error);
   map_tokens(two, view, 0, out, std::vector<std::int64_t>{0, 1, 2});
   CHECK(out == std::vector<std::int32_t>{0, 1, 0, -1});
   CHECK_THROWS_WITH_AS(map_tokens(two, view, 0, out, std::vector<std::int64_t>{0, 2, 2}),
@@ -269,9 +274,10 @@ TEST_CASE("token map: bad input is named") {
 
 TEST_CASE("token map: uint8 ids with 256 experts treat 255 as an expert, with fewer as no route") {
   LayerPlacement p(1, 256, 256);
-  for (int e = 0; e < 256; ++e) p.slot(0, e) = 255 - e;
+  for (int e = 0; e < 256; ++e)
+    p.slot(0, e) = 255 - e;
   std::vector<std::int64_t> slot_tokens(256, 0);
-  slot_tokens[0] = 1; // expert 255
+  slot_tokens[0] = 1;   // expert 255
   slot_tokens[255] = 1; // expert 0
   const std::vector<std::uint8_t> ids{255, 0};
   std::vector<std::int32_t> out(2);
@@ -285,8 +291,8 @@ TEST_CASE("token map: uint8 ids with 256 experts treat 255 as an expert, with fe
   CHECK(out == std::vector<std::int32_t>{-1, 1});
 }
 
-TEST_CASE_TEMPLATE("runtime host token map equals the reference (property)", T, std::int8_t, std::uint8_t,
-                   std::int16_t, std::uint16_t, std::int32_t, std::int64_t) {
+TEST_CASE_TEMPLATE("runtime host token map equals the reference (property)", T, std::int8_t, std::uint8_t, std::int16_t,
+                   std::uint16_t, std::int32_t, std::int64_t) {
   std::mt19937_64 rng(31 + sizeof(T) + std::is_signed_v<T>);
   const int rounds = 15 * foremoe_test::seed_multiplier();
   for (int it = 0; it < rounds; ++it) {
@@ -301,8 +307,8 @@ TEST_CASE_TEMPLATE("runtime host token map equals the reference (property)", T, 
                                                      num_sources, s.topo.gpus_per_node)
                                    : plan.slot_tokens;
       std::vector<std::int32_t> want(std::size_t(s.num_tokens) * s.topk);
-      const std::span<const std::int64_t> so = by_source ? std::span<const std::int64_t>(s.source_offsets)
-                                                         : std::span<const std::int64_t>{};
+      const std::span<const std::int64_t> so =
+          by_source ? std::span<const std::int64_t>(s.source_offsets) : std::span<const std::int64_t>{};
       map_tokens(token_ranges(plan.placement, split, num_sources), view, l, want, so);
 
       rt::MapRequest req;

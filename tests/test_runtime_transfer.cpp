@@ -10,9 +10,9 @@
 #include <random>
 #include <thread>
 
+#include "expert_bytes.hpp"
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
-#include "expert_bytes.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -351,7 +351,7 @@ TEST_CASE("double-buffered slots keep the old copy valid until the new one lands
   rt::Ticket t;
   REQUIRE(c.engine->submit(mb, t).ok());
   CHECK(t.wait_for(10s).code() == rt::StatusCode::device_error); // every path fails
-  CHECK(c.engine->valid_expert(0, 1, 0) == 1);                    // the old copy in buffer 0 stays valid
+  CHECK(c.engine->valid_expert(0, 1, 0) == 1);                   // the old copy in buffer 0 stays valid
   CHECK(c.holds_bytes(0, 1, 0, 0, 1));
 }
 

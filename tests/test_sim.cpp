@@ -41,7 +41,8 @@ Case small_case(std::uint64_t seed) {
 /// Every registered strategy, then "ideal".
 std::vector<SimStrategy> all_strategies() {
   std::vector<SimStrategy> s;
-  for (const StrategyInfo *info : strategies()) s.push_back(parse_sim_strategy(info->name));
+  for (const StrategyInfo *info : strategies())
+    s.push_back(parse_sim_strategy(info->name));
   s.push_back(parse_sim_strategy("ideal"));
   return s;
 }
@@ -86,7 +87,8 @@ TEST_CASE("simulate: slow move paths show up as stall, double buffering hides so
   Case c = small_case(7);
   c.cfg.model.hidden = 7168;
   c.cfg.model.expert_ffn = 4096;
-  for (auto *p : {&c.cfg.cost.move.gpu_intra, &c.cfg.cost.move.gpu_inter, &c.cfg.cost.move.host}) p->gb_per_s = 0.5;
+  for (auto *p : {&c.cfg.cost.move.gpu_intra, &c.cfg.cost.move.gpu_inter, &c.cfg.cost.move.host})
+    p->gb_per_s = 0.5;
   const std::vector<SimStrategy> fm{parse_sim_strategy("foremoe")};
   const auto slow = simulate(c.cfg, c.loads, c.steps, fm);
   CHECK(slow[0].stall_seconds > 0);
@@ -124,7 +126,8 @@ TEST_CASE("simulate: bad input is an error naming the value") {
   const std::vector<SimStrategy> st{parse_sim_strategy("static")};
   SimConfig bad = c.cfg;
   bad.topo.slots_per_gpu = 3;
-  CHECK_THROWS_WITH_AS((void)simulate(bad, c.loads, c.steps, st), doctest::Contains("cannot hold all 16 experts"), Error);
+  CHECK_THROWS_WITH_AS((void)simulate(bad, c.loads, c.steps, st), doctest::Contains("cannot hold all 16 experts"),
+                       Error);
   bad = c.cfg;
   bad.model.num_layers = 5;
   CHECK_THROWS_WITH_AS((void)simulate(bad, c.loads, c.steps, st), doctest::Contains("the model has 5 x 16"), Error);
@@ -190,7 +193,8 @@ TEST_CASE("simulate: more bandwidth is never slower (property)") {
     const auto strategies = all_strategies();
     const auto slow = simulate(c.cfg, c.loads, c.steps, strategies);
     SimConfig fast = c.cfg;
-    for (auto *p : {&fast.cost.move.gpu_intra, &fast.cost.move.gpu_inter, &fast.cost.move.host}) p->gb_per_s *= 2;
+    for (auto *p : {&fast.cost.move.gpu_intra, &fast.cost.move.gpu_inter, &fast.cost.move.host})
+      p->gb_per_s *= 2;
     fast.cost.a2a.intra_gb_per_s *= 2;
     fast.cost.a2a.inter_gb_per_s *= 2;
     const auto quick = simulate(fast, c.loads, c.steps, strategies);

@@ -55,7 +55,8 @@ int num_seeds(int base) { return base * foremoe_test::seed_multiplier(); }
 
 std::int16_t id_at(const SyntheticTrace &t, std::int64_t token, int layer, int k) {
   return t.routed_ids[(static_cast<std::size_t>(token) * static_cast<std::size_t>(t.num_layers) +
-                       static_cast<std::size_t>(layer)) * static_cast<std::size_t>(t.topk) +
+                       static_cast<std::size_t>(layer)) *
+                          static_cast<std::size_t>(t.topk) +
                       static_cast<std::size_t>(k)];
 }
 
@@ -65,7 +66,8 @@ LoadTensor naive_count(const SyntheticTrace &t, int num_gpus, bool by_source) {
   LoadTensor out(num_micro, t.num_layers, t.num_experts, by_source ? num_gpus : 0);
   for (int m = 0; m < num_micro; ++m)
     for (int r = 0; r < num_gpus; ++r) {
-      const std::size_t b = static_cast<std::size_t>(m) * static_cast<std::size_t>(num_gpus) + static_cast<std::size_t>(r);
+      const std::size_t b =
+          static_cast<std::size_t>(m) * static_cast<std::size_t>(num_gpus) + static_cast<std::size_t>(r);
       for (std::int64_t tok = t.source_offsets[b]; tok < t.source_offsets[b + 1]; ++tok)
         for (int l = 0; l < t.num_layers; ++l)
           for (int k = 0; k < t.topk; ++k) {
@@ -98,7 +100,8 @@ std::string error_of(const std::function<void()> &f) {
 
 TEST_CASE("synthetic: samplers are deterministic and have the right moments") {
   detail::Xoshiro256 a(42), b(42), c(43);
-  for (int i = 0; i < 100; ++i) CHECK(a.next() == b.next());
+  for (int i = 0; i < 100; ++i)
+    CHECK(a.next() == b.next());
   CHECK(a.next() != c.next());
 
   detail::Xoshiro256 rng(7);
@@ -119,15 +122,18 @@ TEST_CASE("synthetic: samplers are deterministic and have the right moments") {
   CHECK(lsum / n == doctest::Approx(100.0).epsilon(0.02));
 
   std::vector<std::uint64_t> hist(7, 0);
-  for (int i = 0; i < 70000; ++i) ++hist[rng.below(7)];
-  for (auto h : hist) CHECK(std::fabs(static_cast<double>(h) - 10000.0) < 500.0);
+  for (int i = 0; i < 70000; ++i)
+    ++hist[rng.below(7)];
+  for (auto h : hist)
+    CHECK(std::fabs(static_cast<double>(h) - 10000.0) < 500.0);
 
   const double alpha[] = {0.1, 1.0, 5.0};
   double out[3], mean[3] = {0, 0, 0};
   for (int i = 0; i < 20000; ++i) {
     detail::sample_dirichlet(rng, alpha, out, 3);
     CHECK(out[0] + out[1] + out[2] == doctest::Approx(1.0));
-    for (int j = 0; j < 3; ++j) mean[j] += out[j] / 20000;
+    for (int j = 0; j < 3; ++j)
+      mean[j] += out[j] / 20000;
   }
   CHECK(mean[0] == doctest::Approx(0.1 / 6.1).epsilon(0.1));
   CHECK(mean[2] == doctest::Approx(5.0 / 6.1).epsilon(0.02));
@@ -137,7 +143,8 @@ TEST_CASE("synthetic: samplers are deterministic and have the right moments") {
   detail::AliasTable table;
   table.build(w, 4);
   std::vector<int> counts(4, 0);
-  for (int i = 0; i < 100000; ++i) ++counts[static_cast<std::size_t>(table.sample(rng))];
+  for (int i = 0; i < 100000; ++i)
+    ++counts[static_cast<std::size_t>(table.sample(rng))];
   CHECK(counts[1] == 0);
   CHECK(counts[0] == doctest::Approx(10000).epsilon(0.05));
   CHECK(counts[3] == doctest::Approx(60000).epsilon(0.02));
@@ -219,7 +226,8 @@ TEST_CASE("synthetic: offsets are consistent and micro-batches respect the budge
     REQUIRE(t.step_offsets.size() == static_cast<std::size_t>(c.num_steps) + 1);
     CHECK(t.step_offsets.front() == 0);
     CHECK(t.step_offsets.back() == static_cast<std::int64_t>(num_micro));
-    for (std::size_t s = 0; s + 1 < t.step_offsets.size(); ++s) CHECK(t.step_offsets[s + 1] > t.step_offsets[s]);
+    for (std::size_t s = 0; s + 1 < t.step_offsets.size(); ++s)
+      CHECK(t.step_offsets[s + 1] > t.step_offsets[s]);
     REQUIRE(t.source_offsets.size() == num_micro * num_gpus + 1);
     CHECK(t.microbatch_offsets.front() == 0);
     CHECK(t.source_offsets.front() == 0);
@@ -246,7 +254,8 @@ TEST_CASE("synthetic: offsets are consistent and micro-batches respect the budge
     const auto is_boundary = [&](std::int64_t tok) {
       return std::binary_search(t.sequence_offsets.begin(), t.sequence_offsets.end(), tok);
     };
-    for (std::int64_t off : t.source_offsets) CHECK(is_boundary(off));
+    for (std::int64_t off : t.source_offsets)
+      CHECK(is_boundary(off));
     const auto sequences_in = [&](std::int64_t lo, std::int64_t hi) {
       return std::upper_bound(t.sequence_offsets.begin(), t.sequence_offsets.end(), hi) -
              std::upper_bound(t.sequence_offsets.begin(), t.sequence_offsets.end(), lo);
@@ -294,13 +303,15 @@ TEST_CASE("synthetic: responses of one prompt repeat its prompt routes") {
   std::map<std::vector<std::int16_t>, int> prompts;
   std::map<std::vector<std::int16_t>, int> responses;
   for (std::size_t s = 0; s + 1 < t.sequence_offsets.size(); ++s) {
-    const auto begin = t.routed_ids.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(t.sequence_offsets[s]) * row);
+    const auto begin =
+        t.routed_ids.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(t.sequence_offsets[s]) * row);
     ++prompts[std::vector<std::int16_t>(begin, begin + static_cast<std::ptrdiff_t>(24 * row))];
     ++responses[std::vector<std::int16_t>(begin + static_cast<std::ptrdiff_t>(24 * row),
                                           begin + static_cast<std::ptrdiff_t>(32 * row))];
   }
   REQUIRE(prompts.size() == 6);
-  for (const auto &[ids, n] : prompts) CHECK(n == 3);
+  for (const auto &[ids, n] : prompts)
+    CHECK(n == 3);
   CHECK(responses.size() == 18); // responses diverge after the prompt
 }
 
@@ -332,7 +343,8 @@ TEST_CASE("synthetic: step loads are stable, micro-step loads swing, skew is rea
 TEST_CASE("trace stats: hand-made tensors with known answers") {
   SUBCASE("constant loads: no variation, perfect balance") {
     LoadTensor t(6, 2, 4);
-    for (auto &v : t.totals()) v = 5;
+    for (auto &v : t.totals())
+      v = 5;
     const std::vector<std::int64_t> steps = {0, 2, 4, 6};
     const TraceStats st = compute_trace_stats(t, steps, 2, 1);
     CHECK(st.num_steps == 3);
@@ -378,7 +390,7 @@ TEST_CASE("trace stats: hand-made tensors with known answers") {
     CHECK(std::isnan(st.step_cv.median));
     CHECK(std::isnan(st.step_cv_load_weighted));
     CHECK(st.micro_cv.count == 4);
-    CHECK(st.micro_cv.median == doctest::Approx(std::sqrt(2.0))); // sd of {0.5, 0} is 0.3536, mean 0.25
+    CHECK(st.micro_cv.median == doctest::Approx(std::sqrt(2.0)));      // sd of {0.5, 0} is 0.3536, mean 0.25
     CHECK(st.step_max_over_mean.median == doctest::Approx(4.0 / 3.0)); // [2, 1, 2, 1]
     CHECK(st.micro_max_over_mean.median == doctest::Approx(2.0));
     CHECK(st.micro_max_over_mean.p90 == doctest::Approx(2.0));
@@ -413,15 +425,17 @@ TEST_CASE("trace stats: hand-made tensors with known answers") {
 TEST_CASE("trace stats: bad inputs are named") {
   LoadTensor t(4, 1, 6);
   t.at(0, 0, 0) = 1;
-  CHECK(error_of([&] { (void)compute_trace_stats(t, std::vector<std::int64_t>{0, 2, 3}); }).find("end at 3") !=
-        std::string::npos);
-  CHECK(error_of([&] { (void)compute_trace_stats(t, std::vector<std::int64_t>{0, 3, 2, 4}); }).find("decrease") !=
-        std::string::npos);
-  CHECK(error_of([&] { (void)compute_trace_stats(t, std::vector<std::int64_t>{1, 4}); }).find("got 1") !=
-        std::string::npos);
+  CHECK(error_of([&] {
+          (void)compute_trace_stats(t, std::vector<std::int64_t>{0, 2, 3});
+        }).find("end at 3") != std::string::npos);
+  CHECK(error_of([&] {
+          (void)compute_trace_stats(t, std::vector<std::int64_t>{0, 3, 2, 4});
+        }).find("decrease") != std::string::npos);
+  CHECK(error_of([&] {
+          (void)compute_trace_stats(t, std::vector<std::int64_t>{1, 4});
+        }).find("got 1") != std::string::npos);
   CHECK(error_of([&] { (void)compute_trace_stats(t, {}, 4); }).find("num_gpus 4") != std::string::npos);
-  CHECK(error_of([&] { (void)compute_trace_stats(LoadTensor(0, 1, 6)); }).find("no micro-steps") !=
-        std::string::npos);
+  CHECK(error_of([&] { (void)compute_trace_stats(LoadTensor(0, 1, 6)); }).find("no micro-steps") != std::string::npos);
   const std::vector<double> counts = {1, 2, 3};
   CHECK(error_of([&] { (void)layer_skew(counts, 2, 2); }).find("3 counts") != std::string::npos);
   const std::vector<double> negative = {1, -2};
@@ -487,9 +501,11 @@ TEST_CASE("synthetic: presets validate and bad configs are named") {
       {[](SyntheticConfig &c) { c.topics_per_prompt = 33; }, "topics_per_prompt 33 must be in [1, num_topics = 32]"},
       {[](SyntheticConfig &c) { c.num_topics = 0; }, "num_topics must be positive, got 0"},
       {[](SyntheticConfig &c) { c.num_gpus = 0; }, "num_gpus must be positive, got 0"},
-      {[](SyntheticConfig &c) { c.microbatch_tokens_per_gpu = -5; }, "microbatch_tokens_per_gpu must be positive, got -5"},
+      {[](SyntheticConfig &c) { c.microbatch_tokens_per_gpu = -5; },
+       "microbatch_tokens_per_gpu must be positive, got -5"},
       {[](SyntheticConfig &c) { c.prompt_length.mean = -1; }, "prompt_length.mean must be positive and finite, got -1"},
-      {[](SyntheticConfig &c) { c.response_length.max_tokens = 3; }, "response_length.max_tokens 3 is below min_tokens 16"},
+      {[](SyntheticConfig &c) { c.response_length.max_tokens = 3; },
+       "response_length.max_tokens 3 is below min_tokens 16"},
       {[](SyntheticConfig &c) { c.response_length.sigma = -1; }, "response_length.sigma must be in [0, 10], got -1"},
   };
   for (const auto &cs : cases) {

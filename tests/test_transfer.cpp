@@ -115,8 +115,8 @@ TEST_CASE("transfer plans realise every move once from valid sources, rounds nev
     }
     ++planned;
   }
-  MESSAGE(planned, " planned, ", refused, " without a source refused, ", split_moves, " moves split, ",
-          network_chunks, " network chunks");
+  MESSAGE(planned, " planned, ", refused, " without a source refused, ", split_moves, " moves split, ", network_chunks,
+          " network chunks");
   CHECK(planned > runs / 2);
   CHECK(split_moves > 0);
   CHECK(network_chunks > 0);
@@ -138,7 +138,8 @@ TEST_CASE("a move with both paths is split so that they finish together") {
   const double t_pc = static_cast<double>(tp.path_bytes[1]) / (topo.links.pcie_gb_per_s * 1e9);
   CHECK(std::abs(t_nv - t_pc) <= 2 * 4096 / (topo.links.pcie_gb_per_s * 1e9));
   // Shares follow the bandwidths: NVLink 450 GB/s carries 450/505 of the bytes.
-  CHECK(static_cast<double>(tp.path_bytes[0]) / static_cast<double>(opt.expert_bytes) == doctest::Approx(450.0 / 505.0).epsilon(1e-3));
+  CHECK(static_cast<double>(tp.path_bytes[0]) / static_cast<double>(opt.expert_bytes) ==
+        doctest::Approx(450.0 / 505.0).epsilon(1e-3));
   CHECK(tp.chunks[0].round == 0);
   CHECK(tp.chunks[1].round == 0); // different links: the same round
   CHECK(tp.est_seconds == doctest::Approx(std::max(t_nv, t_pc)));
@@ -164,8 +165,8 @@ TEST_CASE("a source slot overwritten in the same batch is never read") {
   for (const auto &c : tp.chunks)
     CHECK(c.path == Path::pcie);
   opt.host_mirror = false;
-  CHECK_THROWS_WITH_AS((void)transfer::plan_transfers(moves, resident, topo, opt),
-                       doctest::Contains("has no source"), Error);
+  CHECK_THROWS_WITH_AS((void)transfer::plan_transfers(moves, resident, topo, opt), doctest::Contains("has no source"),
+                       Error);
 }
 
 TEST_CASE("transfer plans of real planner moves, per layer, with estimates") {
@@ -185,8 +186,8 @@ TEST_CASE("transfer plans of real planner moves, per layer, with estimates") {
       x = static_cast<std::int64_t>(skew(rng));
     const auto plans = planner.plan(loads, Stage::update, m == 0 ? nullptr : &resident);
     for (int l = 0; l < num_layers; ++l) {
-      const LayerPlacement before = m == 0 ? LayerPlacement(topo.num_gpus(), topo.slots_per_gpu, num_experts)
-                                           : resident.layer(l);
+      const LayerPlacement before =
+          m == 0 ? LayerPlacement(topo.num_gpus(), topo.slots_per_gpu, num_experts) : resident.layer(l);
       const auto tp = transfer::plan_transfers(plans[l].moves, before, topo, opt);
       REQUIRE_NOTHROW(transfer::validate(tp, plans[l].moves, before, topo, opt));
       total_moves += static_cast<int>(plans[l].moves.size());
@@ -206,8 +207,8 @@ TEST_CASE("transfer planning rejects bad input naming the value") {
                        doctest::Contains("expert_bytes must be positive, got 0"), Error);
   opt.expert_bytes = 100;
   const std::vector<Move> bad_expert{{9, host_mirror, 0, 0}};
-  CHECK_THROWS_WITH_AS((void)transfer::plan_transfers(bad_expert, resident, topo, opt),
-                       doctest::Contains("expert 9"), Error);
+  CHECK_THROWS_WITH_AS((void)transfer::plan_transfers(bad_expert, resident, topo, opt), doctest::Contains("expert 9"),
+                       Error);
   const std::vector<Move> bad_slot{{1, host_mirror, 0, 5}};
   CHECK_THROWS_WITH_AS((void)transfer::plan_transfers(bad_slot, resident, topo, opt), doctest::Contains("slot 5"),
                        Error);

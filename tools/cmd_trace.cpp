@@ -83,8 +83,8 @@ Command make_trace_gen() {
       write_loads_npy(p, loads, by_source);
       write_offsets_npy(sidecar_path(p, "steps"), steps);
       out << "wrote " << p.string() << ": loads [" << loads.num_micro_steps() << ", " << loads.num_layers() << ", "
-          << loads.num_experts() << (by_source ? ", " + std::to_string(loads.num_sources()) : std::string()) << "] int64, "
-          << steps.size() - 1 << " steps (" << sidecar_path(p, "steps").string() << ")\n";
+          << loads.num_experts() << (by_source ? ", " + std::to_string(loads.num_sources()) : std::string())
+          << "] int64, " << steps.size() - 1 << " steps (" << sidecar_path(p, "steps").string() << ")\n";
     }
     out << "generated in " << std::fixed << std::setprecision(2) << seconds_since(t0) << " s\n";
     return 0;
@@ -98,7 +98,8 @@ void print_real_comparison(std::ostream &out, const TraceStats &st, const fs::pa
   if (!fs::exists(real_dir)) return;
   out << "\nexpert-load skew, synthetic vs real DeepSeek-V3 (SGLang EPLB statistics, " << real_dir.string() << ")\n";
   out << "  " << std::left << std::setw(44) << "source" << std::right << std::setw(12) << "median" << std::setw(10)
-      << "min" << std::setw(10) << "max" << "   (per-layer max/mean expert load)\n";
+      << "min" << std::setw(10) << "max"
+      << "   (per-layer max/mean expert load)\n";
   auto row = [&](const std::string &name, const SummaryStats &s) {
     out << "  " << std::left << std::setw(44) << name << std::right << std::fixed << std::setprecision(2)
         << std::setw(12) << s.median << std::setw(10) << s.min << std::setw(10) << s.max << "\n";
@@ -128,11 +129,13 @@ Command make_trace_stats() {
       "statistics in --data-dir or $FOREMOE_DATA_DIR when present. With FILE, --gpus N splits the experts\n"
       "over N GPUs for the GPU skew and --microbatch-tokens N cuts routed ids into micro-steps of N tokens.";
   c.options = synthetic_specs(stats_default_config());
-  c.options.push_back({"steps-file", "FILE.npy", "micro-step offsets of the RL steps (default: FILE.steps.npy if present)", ""});
+  c.options.push_back(
+      {"steps-file", "FILE.npy", "micro-step offsets of the RL steps (default: FILE.steps.npy if present)", ""});
   c.options.push_back({"microsteps-per-step", "N", "cut the micro-steps into steps of N", ""});
   c.options.push_back({"microbatches", "FILE.npy", "FILE is routed ids; token offsets of the micro-steps", ""});
   c.options.push_back({"num-experts", "N", "experts per layer for routed ids (default: largest id + 1)", ""});
-  c.options.push_back({"dense-layers", "N", "routed ids hold N leading dense layers to skip (vLLM/SGLang layout)", "0"});
+  c.options.push_back(
+      {"dense-layers", "N", "routed ids hold N leading dense layers to skip (vLLM/SGLang layout)", "0"});
   c.options.push_back({"data-dir", "DIR", "reference data folder (shared/data) to compare against", ""});
   c.run = [](const Args &a, std::ostream &out, std::ostream &err) {
     LoadTensor loads;
@@ -165,7 +168,8 @@ Command make_trace_stats() {
           std::int64_t mx = -1;
           for (std::int64_t t = 0; t < view.num_tokens(); ++t)
             for (int l = 0; l < view.num_layers(); ++l)
-              for (int k = 0; k < view.topk(); ++k) mx = std::max(mx, view.at(t, l, k, 1 << 30));
+              for (int k = 0; k < view.topk(); ++k)
+                mx = std::max(mx, view.at(t, l, k, 1 << 30));
           if (mx < 0) throw UsageError{"the trace routes no token; give --num-experts"};
           o.num_experts = static_cast<int>(mx + 1);
           err << "num-experts not given: using largest id + 1 = " << o.num_experts << "\n";
@@ -176,7 +180,8 @@ Command make_trace_stats() {
           mb = read_offsets_npy(a.str("microbatches"));
         } else {
           const std::int64_t n = a.integer("microbatch-tokens", 1, std::int64_t{1} << 40);
-          for (std::int64_t t = 0; t < view.num_tokens(); t += n) mb.push_back(t);
+          for (std::int64_t t = 0; t < view.num_tokens(); t += n)
+            mb.push_back(t);
           mb.push_back(view.num_tokens());
           if (mb.size() == 1) mb.insert(mb.begin(), 0);
         }
@@ -190,7 +195,8 @@ Command make_trace_stats() {
         steps = read_offsets_npy(a.str("steps-file"));
       } else if (a.has("microsteps-per-step")) {
         const std::int64_t n = a.integer("microsteps-per-step", 1, 1 << 30);
-        for (std::int64_t m = 0; m < loads.num_micro_steps(); m += n) steps.push_back(m);
+        for (std::int64_t m = 0; m < loads.num_micro_steps(); m += n)
+          steps.push_back(m);
         steps.push_back(loads.num_micro_steps());
       } else if (!a.has("microbatch-tokens") && fs::exists(sidecar_path(p, "steps"))) {
         steps = read_offsets_npy(sidecar_path(p, "steps"));
@@ -206,8 +212,10 @@ Command make_trace_stats() {
     const TraceStats st = compute_trace_stats(loads, steps, num_gpus, topk);
     print_trace_stats(out, st);
     fs::path data_dir;
-    if (a.has("data-dir")) data_dir = a.str("data-dir");
-    else if (const char *env = std::getenv("FOREMOE_DATA_DIR")) data_dir = env;
+    if (a.has("data-dir"))
+      data_dir = a.str("data-dir");
+    else if (const char *env = std::getenv("FOREMOE_DATA_DIR"))
+      data_dir = env;
     if (!data_dir.empty()) print_real_comparison(out, st, data_dir);
     return 0;
   };

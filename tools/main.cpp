@@ -107,22 +107,25 @@ double Args::real(std::string_view name, double lo, double hi) const {
 
 void print_command_help(std::ostream &os, const Command &c) {
   std::string words;
-  for (const auto &w : c.words) words += " " + w;
-  os << "usage: foremoe" << words << (c.options.empty() ? "" : " [options]") << (c.usage.empty() ? "" : " ")
-     << c.usage << "\n\n"
+  for (const auto &w : c.words)
+    words += " " + w;
+  os << "usage: foremoe" << words << (c.options.empty() ? "" : " [options]") << (c.usage.empty() ? "" : " ") << c.usage
+     << "\n\n"
      << c.summary << "\n";
   if (!c.description.empty()) os << "\n" << c.description << "\n";
   if (!c.options.empty()) {
     os << "\noptions:\n";
     for (const auto &o : c.options) {
       if (o.hidden) continue;
-      const std::string left = "  " + (o.label.empty() ? "--" + o.name + (o.value.empty() ? "" : " " + o.value) : o.label);
+      const std::string left =
+          "  " + (o.label.empty() ? "--" + o.name + (o.value.empty() ? "" : " " + o.value) : o.label);
       os << std::left << std::setw(30) << left << (left.size() >= 30 ? "\n" + std::string(31, ' ') : " ") << o.help;
       if (!o.fallback.empty()) os << " (default: " << o.fallback << ")";
       os << "\n";
     }
   }
-  os << std::left << std::setw(30) << "  --help" << " show this help\n";
+  os << std::left << std::setw(30) << "  --help"
+     << " show this help\n";
 }
 
 namespace {
@@ -134,7 +137,8 @@ void print_overview(std::ostream &os) {
   std::sort(table.begin(), table.end(), [](const Command &a, const Command &b) { return a.words < b.words; });
   for (const auto &c : table) {
     std::string words;
-    for (const auto &w : c.words) words += (words.empty() ? "" : " ") + w;
+    for (const auto &w : c.words)
+      words += (words.empty() ? "" : " ") + w;
     os << "  " << std::left << std::setw(16) << words << " " << c.summary << "\n";
   }
   os << "\nRun 'foremoe <command> --help' for a command's options.\n";
@@ -176,7 +180,8 @@ int main(int argc, char **argv) {
     return 0;
   }
   std::string words;
-  for (const auto &w : best->words) words += " " + w;
+  for (const auto &w : best->words)
+    words += " " + w;
   try {
     const Args parsed(best->options, rest, best->max_positional);
     return best->run(parsed, std::cout, std::cerr);

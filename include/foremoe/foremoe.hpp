@@ -12,9 +12,9 @@
 #include "foremoe/core/topology.hpp"
 
 #include "foremoe/trace/count.hpp"
-#include "foremoe/trace/routed_view.hpp"
 #include "foremoe/trace/io.hpp"
 #include "foremoe/trace/npy.hpp"
+#include "foremoe/trace/routed_view.hpp"
 #include "foremoe/trace/stats.hpp"
 #include "foremoe/trace/synthetic.hpp"
 

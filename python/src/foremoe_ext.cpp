@@ -52,7 +52,7 @@ std::string dtype_name(const nb::dlpack::dtype &d) {
                      : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt)  ? "uint"
                      : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) ? "float"
                      : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bool)  ? "bool"
-                                                                                           : "other";
+                                                                                          : "other";
   return std::string(kind) + std::to_string(d.bits);
 }
 
@@ -168,11 +168,11 @@ PyPlacement placement_from_array(const fm::Topology &topo,
 struct PyPlan {
   fm::Topology topo;
   int L = 0, G = 0, S = 0, E = 0;
-  std::vector<std::int32_t> gpu_slots;   // [L, G, S]
-  std::vector<std::int64_t> slot_tokens; // [L, G, S]
-  std::vector<std::int64_t> gpu_loads;   // [L, G]
-  std::vector<std::int32_t> l2p_offsets; // [L, E + 1]
-  std::vector<std::int32_t> l2p_phys;    // [L, G * S], -1 past each layer's copies
+  std::vector<std::int32_t> gpu_slots;     // [L, G, S]
+  std::vector<std::int64_t> slot_tokens;   // [L, G, S]
+  std::vector<std::int64_t> gpu_loads;     // [L, G]
+  std::vector<std::int32_t> l2p_offsets;   // [L, E + 1]
+  std::vector<std::int32_t> l2p_phys;      // [L, G * S], -1 past each layer's copies
   std::vector<std::int32_t> replica_count; // [L, E]
   std::vector<std::int32_t> owner_gpu;     // [L, E]
   std::vector<std::int32_t> moves;         // [N, 5]: layer, expert, src_gpu (-1 host), dst_gpu, dst_slot
@@ -264,8 +264,8 @@ nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, std::int64
         moves.push_back({p.moves[mi * 5 + 1], p.moves[mi * 5 + 2], p.moves[mi * 5 + 3], p.moves[mi * 5 + 4]});
       const fm::transfer::TransferPlan tp = fm::transfer::plan_transfers(moves, before, p.topo, opt);
       for (const fm::transfer::Chunk &c : tp.chunks)
-        chunks.insert(chunks.end(), {l, c.move_idx, static_cast<std::int64_t>(c.path), c.src_gpu, c.src_slot,
-                                     c.dst_gpu, c.dst_slot, c.expert, c.offset_bytes, c.num_bytes, c.round});
+        chunks.insert(chunks.end(), {l, c.move_idx, static_cast<std::int64_t>(c.path), c.src_gpu, c.src_slot, c.dst_gpu,
+                                     c.dst_slot, c.expert, c.offset_bytes, c.num_bytes, c.round});
       est.push_back(tp.est_seconds);
       bound.push_back(tp.link_bound_seconds);
       rounds.push_back(tp.num_rounds);
@@ -275,8 +275,9 @@ nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, std::int64
   nb::dict out;
   const std::size_t n = chunks.size() / 11;
   out["chunks"] = owned_array(std::move(chunks), {n, 11});
-  out["chunk_columns"] = std::vector<std::string>{"layer", "move", "path", "src_gpu", "src_slot", "dst_gpu",
-                                                  "dst_slot", "expert", "offset_bytes", "num_bytes", "round"};
+  out["chunk_columns"] =
+      std::vector<std::string>{"layer",    "move",   "path",         "src_gpu",   "src_slot", "dst_gpu",
+                               "dst_slot", "expert", "offset_bytes", "num_bytes", "round"};
   out["paths"] = std::vector<std::string>{"nvlink", "pcie", "network"};
   out["est_seconds"] = owned_array(std::move(est), {static_cast<std::size_t>(p.L)});
   out["link_bound_seconds"] = owned_array(std::move(bound), {static_cast<std::size_t>(p.L)});
@@ -303,9 +304,9 @@ nb::ndarray<nb::numpy, std::int32_t> plan_map_tokens(const PyPlan &p, const RoId
                                         std::span<const std::int64_t>(p.slot_tokens.data() + l * P, P)));
     fm::map_tokens(ranges, view, lmap, out);
   }
-  return owned_array(std::move(out), {static_cast<std::size_t>(view.num_tokens()),
-                                      static_cast<std::size_t>(view.num_layers()),
-                                      static_cast<std::size_t>(view.topk())});
+  return owned_array(std::move(out),
+                     {static_cast<std::size_t>(view.num_tokens()), static_cast<std::size_t>(view.num_layers()),
+                      static_cast<std::size_t>(view.topk())});
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -400,7 +401,8 @@ double bench_cpp_plan(PyPlanner &self, const RoLoads &loads, const PyPlacement *
   const fm::Placement *res = check_resident(resident, self.topo, L, E);
   const auto t0 = std::chrono::steady_clock::now();
   std::size_t sink = 0;
-  for (int i = 0; i < iters; ++i) sink += p.plan_step(t, res, {}, fm::Stage::update).micro_steps.size();
+  for (int i = 0; i < iters; ++i)
+    sink += p.plan_step(t, res, {}, fm::Stage::update).micro_steps.size();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   require(sink > 0 || t.num_micro_steps() == 0, "bench: no plans");
   return s / iters;
@@ -419,9 +421,9 @@ nb::dict synthetic_trace(const std::string &config) {
     t = fm::generate_trace(cfg);
   }
   nb::dict out;
-  out["routed_ids"] = owned_array(std::move(t.routed_ids), {static_cast<std::size_t>(t.num_tokens),
-                                                           static_cast<std::size_t>(t.num_layers),
-                                                           static_cast<std::size_t>(t.topk)});
+  out["routed_ids"] =
+      owned_array(std::move(t.routed_ids), {static_cast<std::size_t>(t.num_tokens),
+                                            static_cast<std::size_t>(t.num_layers), static_cast<std::size_t>(t.topk)});
   auto vec1 = [](std::vector<std::int64_t> &&v) {
     const std::size_t n = v.size();
     return owned_array(std::move(v), {n});
@@ -541,27 +543,31 @@ NB_MODULE(_core, m) {
     }
   });
 
-  m.def("_data_address", [](const RoIds &a) { return reinterpret_cast<std::uintptr_t>(a.data()); }, "a"_a,
-        "Address the C++ side reads for `a` (equal to the array's own address when no copy was made).");
+  m.def(
+      "_data_address", [](const RoIds &a) { return reinterpret_cast<std::uintptr_t>(a.data()); }, "a"_a,
+      "Address the C++ side reads for `a` (equal to the array's own address when no copy was made).");
 
   m.def("count_loads", &count_loads, "routed_experts"_a, "microbatch_offsets"_a.none(), "num_experts"_a,
         "layer_map"_a.none(), "num_sources"_a, "source_offsets"_a.none());
 
   nb::class_<fm::Topology>(m, "Topology")
-      .def("__init__",
-           [](fm::Topology *t, int nodes, int gpus_per_node, int slots, double nvlink_gb_per_s, double network_gb_per_s,
-              double pcie_gb_per_s, double nvlink_latency_us, double network_latency_us, double pcie_latency_us) {
-             fm::Topology topo{nodes, gpus_per_node, slots,
-                               {nvlink_gb_per_s, network_gb_per_s, pcie_gb_per_s, nvlink_latency_us,
-                                network_latency_us, pcie_latency_us}};
-             topo.validate();
-             new (t) fm::Topology(topo);
-           },
-           "nodes"_a, "gpus_per_node"_a, "slots"_a, nb::kw_only(), "nvlink_gb_per_s"_a = 450.0,
-           "network_gb_per_s"_a = 50.0, "pcie_gb_per_s"_a = 55.0, "nvlink_latency_us"_a = 3.0,
-           "network_latency_us"_a = 10.0, "pcie_latency_us"_a = 5.0,
-           "The expert-parallel group: nodes x gpus_per_node GPUs, `slots` expert slots per GPU per layer.\n"
-           "Bandwidths in GB/s (one direction), latencies in microseconds (defaults: H200 SXM node).")
+      .def(
+          "__init__",
+          [](fm::Topology *t, int nodes, int gpus_per_node, int slots, double nvlink_gb_per_s, double network_gb_per_s,
+             double pcie_gb_per_s, double nvlink_latency_us, double network_latency_us, double pcie_latency_us) {
+            fm::Topology topo{nodes,
+                              gpus_per_node,
+                              slots,
+                              {nvlink_gb_per_s, network_gb_per_s, pcie_gb_per_s, nvlink_latency_us, network_latency_us,
+                               pcie_latency_us}};
+            topo.validate();
+            new (t) fm::Topology(topo);
+          },
+          "nodes"_a, "gpus_per_node"_a, "slots"_a, nb::kw_only(), "nvlink_gb_per_s"_a = 450.0,
+          "network_gb_per_s"_a = 50.0, "pcie_gb_per_s"_a = 55.0, "nvlink_latency_us"_a = 3.0,
+          "network_latency_us"_a = 10.0, "pcie_latency_us"_a = 5.0,
+          "The expert-parallel group: nodes x gpus_per_node GPUs, `slots` expert slots per GPU per layer.\n"
+          "Bandwidths in GB/s (one direction), latencies in microseconds (defaults: H200 SXM node).")
       .def("__repr__",
            [](const fm::Topology &t) {
              return "Topology(" + std::to_string(t.num_nodes) + ", " + std::to_string(t.gpus_per_node) + ", " +
@@ -577,8 +583,9 @@ NB_MODULE(_core, m) {
       .def_prop_ro("nvlink_latency_us", [](const fm::Topology &t) { return t.links.nvlink_latency_us; })
       .def_prop_ro("network_latency_us", [](const fm::Topology &t) { return t.links.network_latency_us; })
       .def_prop_ro("pcie_latency_us", [](const fm::Topology &t) { return t.links.pcie_latency_us; })
-      .def("validate", [](const fm::Topology &t, std::optional<int> e) { e ? t.validate(*e) : t.validate(); },
-           "num_experts"_a.none() = nb::none());
+      .def(
+          "validate", [](const fm::Topology &t, std::optional<int> e) { e ? t.validate(*e) : t.validate(); },
+          "num_experts"_a.none() = nb::none());
 
   nb::class_<PyPlacement>(m, "Placement")
       .def_static("from_array", &placement_from_array, "topology"_a, "gpu_slots"_a, "num_experts"_a)
@@ -606,7 +613,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("placement", &PyPlan::placement)
 #define FM_VIEW(name, field, ...)                                                                                      \
   .def_prop_ro(name, [](nb::handle self) {                                                                             \
-    const PyPlan &p = nb::cast<const PyPlan &>(self);                                                                 \
+    const PyPlan &p = nb::cast<const PyPlan &>(self);                                                                  \
     return view_array(p.field, {__VA_ARGS__}, self);                                                                   \
   })
       // clang-format off
@@ -621,7 +628,7 @@ NB_MODULE(_core, m) {
       FM_VIEW("moves", moves, p.moves.size() / 5, (size_t)5)
       FM_VIEW("imbalance", imbalance, (size_t)p.L)
       FM_VIEW("max_gpu_load", max_gpu_load, (size_t)p.L)
-      // clang-format on
+  // clang-format on
 #undef FM_VIEW
       .def_prop_ro("num_moves", [](const PyPlan &p) { return p.moves.size() / 5; })
       .def("map_tokens", &plan_map_tokens, "routed_experts"_a, "layer_map"_a.none() = nb::none())
@@ -644,28 +651,37 @@ NB_MODULE(_core, m) {
       .def("_bench_cpp_plan", &bench_cpp_plan, "loads"_a, "resident"_a.none(), "iters"_a);
 
   m.def("simulate", &simulate, "config"_a.none(), "flags"_a, "loads"_a.none(), "step_offsets"_a.none());
-  m.def("simulate_settings",
-        [](const std::optional<std::string> &config, const Flags &flags) {
-          return fm::json::dump(fm::config::simulate_schema().write(simulate_settings(config, flags)), 2);
-        },
-        "config"_a.none(), "flags"_a);
+  m.def(
+      "simulate_settings",
+      [](const std::optional<std::string> &config, const Flags &flags) {
+        return fm::json::dump(fm::config::simulate_schema().write(simulate_settings(config, flags)), 2);
+      },
+      "config"_a.none(), "flags"_a);
   m.def("simulate_text", &simulate_text, "config"_a.none(), "flags"_a, "doc"_a, "csv"_a);
   m.def("options", &options, "command"_a);
-  m.def("strategy_names", [] {
-    std::vector<std::string> out;
-    for (const fm::StrategyInfo *s : fm::strategies()) out.push_back(s->name);
-    return out;
-  }, "The registered planner strategies in listing order.");
+  m.def(
+      "strategy_names",
+      [] {
+        std::vector<std::string> out;
+        for (const fm::StrategyInfo *s : fm::strategies())
+          out.push_back(s->name);
+        return out;
+      },
+      "The registered planner strategies in listing order.");
   m.def("plan_settings", &plan_settings, "flags"_a);
   m.def("plan_document", &plan_document, "plans"_a);
-  m.def("placement_document", [](const PyPlacement &p) {
-    return fm::json::dump(fm::config::placement_document(p.topo, p.placement));
-  }, "placement"_a);
-  m.def("read_placement", [](const std::string &text, const std::string &source, const fm::Topology &topo,
-                             int num_layers, int num_experts) {
-    const fm::json::Value j = fm::json::parse(text, source);
-    return PyPlacement{topo, num_experts, fm::config::read_placement(j, source, topo, num_layers, num_experts)};
-  }, "text"_a, "source"_a, "topology"_a, "num_layers"_a, "num_experts"_a);
+  m.def(
+      "placement_document",
+      [](const PyPlacement &p) { return fm::json::dump(fm::config::placement_document(p.topo, p.placement)); },
+      "placement"_a);
+  m.def(
+      "read_placement",
+      [](const std::string &text, const std::string &source, const fm::Topology &topo, int num_layers,
+         int num_experts) {
+        const fm::json::Value j = fm::json::parse(text, source);
+        return PyPlacement{topo, num_experts, fm::config::read_placement(j, source, topo, num_layers, num_experts)};
+      },
+      "text"_a, "source"_a, "topology"_a, "num_layers"_a, "num_experts"_a);
   m.def("synthetic_trace", &synthetic_trace, "config"_a);
   m.def("synthetic_loads", &synthetic_loads, "config"_a, "by_source"_a);
 }

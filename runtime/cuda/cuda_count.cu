@@ -5,9 +5,9 @@
 
 #include <cuda_runtime.h>
 
-#include <cstring>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -42,11 +42,14 @@ __global__ void count_kernel(const T *__restrict__ ids, std::int64_t num_tokens,
   int lo = 0, hi = num_micro_steps - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (offsets[mid] <= c0) lo = mid;
-    else hi = mid - 1;
+    if (offsets[mid] <= c0)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   int m = lo;
-  while (m < num_micro_steps && offsets[m + 1] <= c0) ++m;
+  while (m < num_micro_steps && offsets[m + 1] <= c0)
+    ++m;
 
   const unsigned long long e_count = static_cast<unsigned long long>(num_experts);
   std::int64_t seg0 = c0;
@@ -54,7 +57,8 @@ __global__ void count_kernel(const T *__restrict__ ids, std::int64_t num_tokens,
     const std::int64_t seg1 = offsets[m + 1] < c1 ? offsets[m + 1] : c1;
     unsigned long long *dst = out + (static_cast<std::size_t>(m) * num_moe_layers + ml) * num_experts;
     if constexpr (SharedBins) {
-      for (int e = threadIdx.x; e < num_experts; e += blockDim.x) bins[e] = 0;
+      for (int e = threadIdx.x; e < num_experts; e += blockDim.x)
+        bins[e] = 0;
       __syncthreads();
     }
     const std::int64_t n = (seg1 - seg0) * topk;
@@ -64,8 +68,10 @@ __global__ void count_kernel(const T *__restrict__ ids, std::int64_t num_tokens,
       const std::int64_t flat = (t * num_layers + l) * topk + k;
       const auto u = static_cast<unsigned long long>(static_cast<long long>(ids[flat]));
       if (u < e_count) {
-        if constexpr (SharedBins) atomicAdd(&bins[u], 1u);
-        else atomicAdd(&dst[u], 1ull);
+        if constexpr (SharedBins)
+          atomicAdd(&bins[u], 1u);
+        else
+          atomicAdd(&dst[u], 1ull);
       } else if (u != none) {
         atomicMin(bad_flat, static_cast<unsigned long long>(flat));
       }
@@ -78,7 +84,8 @@ __global__ void count_kernel(const T *__restrict__ ids, std::int64_t num_tokens,
     }
     seg0 = seg1;
     ++m;
-    while (m < num_micro_steps && offsets[m + 1] <= seg0) ++m; // skip empty micro-steps
+    while (m < num_micro_steps && offsets[m + 1] <= seg0)
+      ++m; // skip empty micro-steps
   }
 }
 
@@ -106,8 +113,10 @@ Status CudaWorkspace::count(const CountRequest &req, int num_moe_layers, std::sp
     return {st.code(), "count_loads: " + st.message()};
   unsigned char *up = upload(*r);
   auto *h_offsets = reinterpret_cast<std::int64_t *>(up);
-  if (req.microbatch_offsets.empty()) h_offsets[0] = 0, h_offsets[1] = req.num_tokens;
-  else std::memcpy(h_offsets, req.microbatch_offsets.data(), off_bytes);
+  if (req.microbatch_offsets.empty())
+    h_offsets[0] = 0, h_offsets[1] = req.num_tokens;
+  else
+    std::memcpy(h_offsets, req.microbatch_offsets.data(), off_bytes);
   auto *h_map = reinterpret_cast<int *>(up + off_bytes);
   for (int l = 0; l < req.num_layers; ++l)
     h_map[l] = req.layer_map.empty() ? l : req.layer_map[l];
@@ -139,8 +148,8 @@ Status CudaWorkspace::count(const CountRequest &req, int num_moe_layers, std::sp
             ids, req.num_tokens, req.num_layers, req.topk, d_map, num_moe_layers, req.num_experts, d_offsets,
             num_micro_steps, d_out, d_bad, none);
       else
-        count_kernel<T, false><<<grid, count_threads, 0, stream>>>(ids, req.num_tokens, req.num_layers, req.topk,
-                                                                   d_map, num_moe_layers, req.num_experts, d_offsets,
+        count_kernel<T, false><<<grid, count_threads, 0, stream>>>(ids, req.num_tokens, req.num_layers, req.topk, d_map,
+                                                                   num_moe_layers, req.num_experts, d_offsets,
                                                                    num_micro_steps, d_out, d_bad, none);
     });
     FOREMOE_CUDA_CHECK(cudaGetLastError());

@@ -9,9 +9,9 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_runtime.h>
 
-#include <cstring>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -63,8 +63,10 @@ __global__ void make_keys(const T *__restrict__ ids, std::int64_t n, int num_lay
     int lo = 0, hi = num_sources - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (so[mid] <= t) lo = mid;
-      else hi = mid - 1;
+      if (so[mid] <= t)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     keys[i] = static_cast<unsigned int>(lo) * static_cast<unsigned int>(num_experts) + static_cast<unsigned int>(u);
   }
@@ -112,8 +114,10 @@ __global__ void assign_slots(const unsigned int *__restrict__ keys, const int *_
     const int stop = hi;
     while (lo < hi) {
       const int mid = (lo + hi) / 2;
-      if (end[mid] > rank) hi = mid;
-      else lo = mid + 1;
+      if (end[mid] > rank)
+        hi = mid;
+      else
+        lo = mid + 1;
     }
     out[vals[j]] = lo < stop ? copy_slot[lo] : -1; // past the plan's total: reported by check_counts
   }
@@ -123,8 +127,9 @@ std::size_t align_up(std::size_t x) { return (x + 255) / 256 * 256; }
 
 } // namespace
 
-Status CudaWorkspace::map(const MapRequest &req, const TokenRanges &ranges, std::span<const std::int64_t> source_offsets,
-                          std::span<std::int32_t> out_slots, void *stream_ptr) try {
+Status CudaWorkspace::map(const MapRequest &req, const TokenRanges &ranges,
+                          std::span<const std::int64_t> source_offsets, std::span<std::int32_t> out_slots,
+                          void *stream_ptr) try {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   std::int32_t *out = out_slots.data();
   const std::int64_t n = req.num_tokens * req.topk;
@@ -152,10 +157,9 @@ Status CudaWorkspace::map(const MapRequest &req, const TokenRanges &ranges, std:
   // Device scratch after the results: the upload, keys and values twice (sort in and out), key bounds, the sort's.
   const std::size_t ids_n = static_cast<std::size_t>(n);
   std::size_t sort_bytes = 0;
-  FOREMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<const unsigned int *>(nullptr),
-                                                     static_cast<unsigned int *>(nullptr),
-                                                     static_cast<const int *>(nullptr), static_cast<int *>(nullptr),
-                                                     static_cast<int>(ids_n), 0, end_bit, stream));
+  FOREMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, sort_bytes, static_cast<const unsigned int *>(nullptr), static_cast<unsigned int *>(nullptr),
+      static_cast<const int *>(nullptr), static_cast<int *>(nullptr), static_cast<int>(ids_n), 0, end_bit, stream));
   std::size_t off = up_bytes;
   auto take = [&off](std::size_t bytes) {
     const std::size_t at = off;

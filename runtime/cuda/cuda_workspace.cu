@@ -108,9 +108,9 @@ Status CudaWorkspace::message(const Record &r) const {
     const auto l = static_cast<std::int64_t>((res.bad_flat / r.topk) % r.num_layers);
     const auto t = static_cast<std::int64_t>(res.bad_flat / (static_cast<unsigned long long>(r.topk) * r.num_layers));
     if (r.kind == Record::Kind::count)
-      return {StatusCode::invalid_argument, ::foremoe::detail::concat(what, ": expert id ", value, " at token ", t,
-                                                                      ", layer ", l, ", k ", k, " is outside [0, ",
-                                                                      r.num_experts, ")")};
+      return {StatusCode::invalid_argument,
+              ::foremoe::detail::concat(what, ": expert id ", value, " at token ", t, ", layer ", l, ", k ", k,
+                                        " is outside [0, ", r.num_experts, ")")};
     return {StatusCode::invalid_argument,
             ::foremoe::detail::concat(what, ": expert id ", value, " at token ", t, ", layer ", r.layer_idx, ", k ", k,
                                       " is outside [0, ", r.num_experts, ") (", to_string(r.dtype),
@@ -148,7 +148,8 @@ Status CudaWorkspace::check(int timeout_ms) {
   }
   pending_.clear();
   if (failed != cudaSuccess)
-    return {StatusCode::device_error, std::string("workspace call failed on the device: ") + cudaGetErrorString(failed)};
+    return {StatusCode::device_error,
+            std::string("workspace call failed on the device: ") + cudaGetErrorString(failed)};
   return bad != nullptr ? message(*bad) : Status::success();
 }
 

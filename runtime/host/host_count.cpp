@@ -36,19 +36,23 @@ Status host_count_loads(const CountRequest &req, int num_moe_layers, std::int64_
     try {
       const std::int64_t t0 = mb[m0], t1 = mb[m1];
       std::vector<std::int64_t> local(mb.begin() + m0, mb.begin() + m1 + 1);
-      for (auto &o : local) o -= t0;
-      const auto *base = static_cast<const unsigned char *>(req.ids) + static_cast<std::size_t>(t0) * token_ids * id_bytes;
+      for (auto &o : local)
+        o -= t0;
+      const auto *base =
+          static_cast<const unsigned char *>(req.ids) + static_cast<std::size_t>(t0) * token_ids * id_bytes;
       RoutedView view(base, req.dtype, t1 - t0, req.num_layers, req.topk);
       CountOptions opts;
       opts.num_experts = req.num_experts;
-      if (!req.layer_map.empty()) opts.layer_map = LayerMap(std::vector<int>(req.layer_map.begin(), req.layer_map.end()));
+      if (!req.layer_map.empty())
+        opts.layer_map = LayerMap(std::vector<int>(req.layer_map.begin(), req.layer_map.end()));
       opts.microbatch_offsets = local;
       const LoadTensor part = ::foremoe::count_loads(view, opts);
       std::memcpy(out + static_cast<std::size_t>(m0) * per_step, part.totals().data(),
                   part.totals().size() * sizeof(std::int64_t));
     } catch (const std::exception &e) {
       // Token indices in the message are relative to the worker's first token.
-      errors[w] = ::foremoe::detail::concat("micro-steps [", m0, ", ", m1, ") starting at token ", mb[m0], ": ", e.what());
+      errors[w] =
+          ::foremoe::detail::concat("micro-steps [", m0, ", ", m1, ") starting at token ", mb[m0], ": ", e.what());
     }
   };
   if (workers == 1) {
@@ -56,8 +60,10 @@ Status host_count_loads(const CountRequest &req, int num_moe_layers, std::int64_
   } else {
     std::vector<std::thread> pool;
     pool.reserve(workers);
-    for (int w = 0; w < workers; ++w) pool.emplace_back(work, w);
-    for (auto &t : pool) t.join();
+    for (int w = 0; w < workers; ++w)
+      pool.emplace_back(work, w);
+    for (auto &t : pool)
+      t.join();
   }
   for (const auto &e : errors)
     if (!e.empty()) return {StatusCode::invalid_argument, e};

@@ -30,11 +30,10 @@ public:
     detail::require(num_experts > 0, "LoadTensor: num_experts must be positive, got ", num_experts);
     detail::require(num_sources >= 0, "LoadTensor: num_sources must be >= 0, got ", num_sources);
     const double cells = double(num_micro_steps) * num_layers * num_experts * (num_sources > 0 ? num_sources + 1 : 1);
-    detail::require(cells <= double(std::int64_t{1} << 34), "LoadTensor: ", num_micro_steps, " x ", num_layers,
-                    " x ", num_experts, " (x sources ", num_sources, ") cells exceed the supported 2^34");
+    detail::require(cells <= double(std::int64_t{1} << 34), "LoadTensor: ", num_micro_steps, " x ", num_layers, " x ",
+                    num_experts, " (x sources ", num_sources, ") cells exceed the supported 2^34");
     totals_.assign(static_cast<std::size_t>(num_micro_steps) * num_layers * num_experts, 0);
-    if (num_sources > 0)
-      by_source_.assign(totals_.size() * static_cast<std::size_t>(num_sources), 0);
+    if (num_sources > 0) by_source_.assign(totals_.size() * static_cast<std::size_t>(num_sources), 0);
   }
 
   [[nodiscard]] int num_micro_steps() const noexcept { return num_micro_steps_; }
@@ -63,13 +62,11 @@ public:
   /// `[experts][sources]` of one (micro-step, layer); empty without sources.
   [[nodiscard]] std::span<const value_type> layer_by_source(int m, int l) const noexcept {
     if (num_sources_ == 0) return {};
-    return {by_source_.data() + index(m, l, 0) * num_sources_,
-            static_cast<std::size_t>(num_experts_) * num_sources_};
+    return {by_source_.data() + index(m, l, 0) * num_sources_, static_cast<std::size_t>(num_experts_) * num_sources_};
   }
   [[nodiscard]] std::span<value_type> layer_by_source(int m, int l) noexcept {
     if (num_sources_ == 0) return {};
-    return {by_source_.data() + index(m, l, 0) * num_sources_,
-            static_cast<std::size_t>(num_experts_) * num_sources_};
+    return {by_source_.data() + index(m, l, 0) * num_sources_, static_cast<std::size_t>(num_experts_) * num_sources_};
   }
 
   /// Flat `[M][L][E]` totals, C order.
@@ -82,7 +79,8 @@ public:
   /// Sum of one (micro-step, layer) over experts.
   [[nodiscard]] value_type layer_total(int m, int l) const noexcept {
     value_type s = 0;
-    for (value_type v : layer(m, l)) s += v;
+    for (value_type v : layer(m, l))
+      s += v;
     return s;
   }
 
@@ -124,8 +122,8 @@ public:
   }
 
   /// Builds totals from integer counts `[M][L][E]`, rejecting negative values.
-  [[nodiscard]] static LoadTensor from_counts(std::span<const value_type> values, int num_micro_steps,
-                                              int num_layers, int num_experts) {
+  [[nodiscard]] static LoadTensor from_counts(std::span<const value_type> values, int num_micro_steps, int num_layers,
+                                              int num_experts) {
     LoadTensor t(num_micro_steps, num_layers, num_experts);
     detail::require(values.size() == t.totals_.size(), "LoadTensor: ", values.size(), " values for shape [",
                     num_micro_steps, ", ", num_layers, ", ", num_experts, "] which needs ", t.totals_.size());

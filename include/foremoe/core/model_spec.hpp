@@ -45,11 +45,11 @@ enum class WeightDtype : std::uint8_t { bf16, fp16, fp32, fp8 };
 
 /// The routed-expert part of an MoE model.
 struct ModelSpec {
-  int num_layers = 48;       ///< MoE layers (dense layers are not counted)
-  int num_experts = 128;     ///< routed experts per MoE layer
-  int topk = 8;              ///< experts per token
-  int hidden = 2048;         ///< model dimension H
-  int expert_ffn = 768;      ///< per-expert FFN intermediate size I
+  int num_layers = 48;   ///< MoE layers (dense layers are not counted)
+  int num_experts = 128; ///< routed experts per MoE layer
+  int topk = 8;          ///< experts per token
+  int hidden = 2048;     ///< model dimension H
+  int expert_ffn = 768;  ///< per-expert FFN intermediate size I
   WeightDtype dtype = WeightDtype::bf16;
   /// Weight matrices per expert: 3 for a gated FFN (gate, up, down), 2 otherwise.
   int num_matrices = 3;
@@ -60,12 +60,12 @@ struct ModelSpec {
   void validate() const {
     detail::require(num_layers > 0, "ModelSpec: num_layers must be positive, got ", num_layers);
     detail::require(num_experts > 0, "ModelSpec: num_experts must be positive, got ", num_experts);
-    detail::require(topk > 0 && topk <= num_experts, "ModelSpec: topk must be in [1, num_experts=",
-                    num_experts, "], got ", topk);
+    detail::require(topk > 0 && topk <= num_experts, "ModelSpec: topk must be in [1, num_experts=", num_experts,
+                    "], got ", topk);
     detail::require(hidden > 0, "ModelSpec: hidden must be positive, got ", hidden);
     detail::require(expert_ffn > 0, "ModelSpec: expert_ffn must be positive, got ", expert_ffn);
-    detail::require(num_matrices == 2 || num_matrices == 3,
-                    "ModelSpec: num_matrices must be 2 or 3, got ", num_matrices);
+    detail::require(num_matrices == 2 || num_matrices == 3, "ModelSpec: num_matrices must be 2 or 3, got ",
+                    num_matrices);
     detail::require(fp8_block >= 0, "ModelSpec: fp8_block must be >= 0, got ", fp8_block);
   }
 

@@ -81,7 +81,8 @@ public:
     m.offsets.assign(static_cast<std::size_t>(num_experts_) + 1, 0);
     for (std::int32_t e : slots_)
       if (e >= 0 && e < num_experts_) ++m.offsets[e + 1];
-    for (int e = 0; e < num_experts_; ++e) m.offsets[e + 1] += m.offsets[e];
+    for (int e = 0; e < num_experts_; ++e)
+      m.offsets[e + 1] += m.offsets[e];
     m.phys.resize(m.offsets.back());
     std::vector<std::int32_t> fill(m.offsets.begin(), m.offsets.end() - 1);
     for (int p = 0; p < num_slots(); ++p)
@@ -147,7 +148,8 @@ public:
     detail::require(per_gpu <= topo.slots_per_gpu, "Placement: contiguous layout needs ", per_gpu,
                     " slots per GPU for ", num_experts, " experts, topology has ", topo.slots_per_gpu);
     for (auto &lp : p.layers_)
-      for (int e = 0; e < num_experts; ++e) lp.slot(e / per_gpu, e % per_gpu) = e;
+      for (int e = 0; e < num_experts; ++e)
+        lp.slot(e / per_gpu, e % per_gpu) = e;
     return p;
   }
 

@@ -14,17 +14,17 @@ inline namespace v0 {
 /// in microseconds. Defaults: H200 SXM node, NVLink 4, one 400 Gb/s NIC per GPU,
 /// PCIe Gen5 x16 to the host.
 struct LinkBandwidths {
-  double nvlink_gb_per_s = 450.0;  ///< GPU<->GPU inside a node, per GPU port
-  double network_gb_per_s = 50.0;  ///< GPU<->GPU across nodes, per GPU NIC
-  double pcie_gb_per_s = 55.0;     ///< pinned host -> device, per GPU
+  double nvlink_gb_per_s = 450.0; ///< GPU<->GPU inside a node, per GPU port
+  double network_gb_per_s = 50.0; ///< GPU<->GPU across nodes, per GPU NIC
+  double pcie_gb_per_s = 55.0;    ///< pinned host -> device, per GPU
   double nvlink_latency_us = 3.0;
   double network_latency_us = 10.0;
   double pcie_latency_us = 5.0;
 
   void validate() const {
     auto check = [](double v, const char *name) {
-      detail::require(std::isfinite(v) && v > 0, "LinkBandwidths: ", name,
-                      " must be a positive finite number, got ", v);
+      detail::require(std::isfinite(v) && v > 0, "LinkBandwidths: ", name, " must be a positive finite number, got ",
+                      v);
     };
     check(nvlink_gb_per_s, "nvlink_gb_per_s");
     check(network_gb_per_s, "network_gb_per_s");
@@ -67,8 +67,8 @@ struct Topology {
     detail::require(num_nodes > 0, "Topology: num_nodes must be positive, got ", num_nodes);
     detail::require(gpus_per_node > 0, "Topology: gpus_per_node must be positive, got ", gpus_per_node);
     detail::require(slots_per_gpu > 0, "Topology: slots_per_gpu must be positive, got ", slots_per_gpu);
-    detail::require(static_cast<std::int64_t>(num_nodes) * gpus_per_node <= (1 << 20),
-                    "Topology: ", num_nodes, " x ", gpus_per_node, " GPUs is beyond the supported 2^20");
+    detail::require(static_cast<std::int64_t>(num_nodes) * gpus_per_node <= (1 << 20), "Topology: ", num_nodes, " x ",
+                    gpus_per_node, " GPUs is beyond the supported 2^20");
     detail::require(slots_per_gpu <= (1 << 16), "Topology: slots_per_gpu ", slots_per_gpu,
                     " is beyond the supported 65536");
     links.validate();

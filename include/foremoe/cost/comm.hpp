@@ -82,7 +82,8 @@ inline namespace v0 {
                   num_gpus, " x ", num_gpus);
   std::vector<double> tr(n * n);
   for (std::size_t s = 0; s < n; ++s)
-    for (std::size_t d = 0; d < n; ++d) tr[d * n + s] = tokens[s * n + d];
+    for (std::size_t d = 0; d < n; ++d)
+      tr[d * n + s] = tokens[s * n + d];
   return all_to_all_seconds(p, tr, num_gpus, gpus_per_node, hidden, bytes_per_element);
 }
 
@@ -159,7 +160,8 @@ struct AlphaBetaFit {
   AlphaBetaFit f;
   f.alpha_s = x[0];
   f.beta_bytes_per_s = x[1] > 0 ? 1.0 / x[1] : 1e30;
-  for (const auto *s : used) f.rel_error.push_back(std::abs(f.seconds(s->bytes) - s->seconds) / s->seconds);
+  for (const auto *s : used)
+    f.rel_error.push_back(std::abs(f.seconds(s->bytes) - s->seconds) / s->seconds);
   return f;
 }
 

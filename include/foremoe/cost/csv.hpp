@@ -36,8 +36,8 @@ public:
         header_ = std::move(fields);
         continue;
       }
-      require(fields.size() == header_.size(), source_, ":", lineno, ": expected ", header_.size(),
-              " fields, got ", fields.size());
+      require(fields.size() == header_.size(), source_, ":", lineno, ": expected ", header_.size(), " fields, got ",
+              fields.size());
       rows_.push_back(std::move(fields));
       lines_.push_back(lineno);
     }
@@ -97,9 +97,11 @@ private:
     for (;;) {
       const std::size_t comma = line.find(',', start);
       std::string f = line.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-      while (!f.empty() && (f.back() == ' ' || f.back() == '\t')) f.pop_back();
+      while (!f.empty() && (f.back() == ' ' || f.back() == '\t'))
+        f.pop_back();
       std::size_t b = 0;
-      while (b < f.size() && (f[b] == ' ' || f[b] == '\t')) ++b;
+      while (b < f.size() && (f[b] == ' ' || f[b] == '\t'))
+        ++b;
       out.push_back(f.substr(b));
       if (comma == std::string::npos) break;
       start = comma + 1;

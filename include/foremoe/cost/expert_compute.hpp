@@ -30,8 +30,8 @@ struct ExpertShape {
 
   /// The routed-expert shape of `spec` with its FFN split `tp` ways.
   [[nodiscard]] static ExpertShape from(const ModelSpec &spec, int tp = 1) {
-    detail::require(tp > 0 && spec.expert_ffn % tp == 0, "ExpertShape: tp=", tp, " must divide expert_ffn=",
-                    spec.expert_ffn);
+    detail::require(tp > 0 && spec.expert_ffn % tp == 0, "ExpertShape: tp=", tp,
+                    " must divide expert_ffn=", spec.expert_ffn);
     return ExpertShape{spec.hidden, spec.expert_ffn / tp, spec.num_matrices, spec.dtype};
   }
   [[nodiscard]] double flops_per_token() const noexcept {
@@ -113,12 +113,12 @@ private:
 /// One measured grouped-GEMM time.
 struct ExpertComputeSample {
   ExpertShape shape{};
-  double tokens = 0;  ///< token-expert assignments on the GPU
+  double tokens = 0;   ///< token-expert assignments on the GPU
   double scanned = -1; ///< token-expert rows the kernel visits (num_tokens * topk in the SGLang table; <0: tokens)
-  int experts = 1;    ///< resident (local) experts
-  double seconds = 0; ///< measured forward time
-  int tp = 1, ep = 1; ///< provenance (for hold-out splits); not used by the model
-  int line = 0;       ///< source line (0 when synthetic)
+  int experts = 1;     ///< resident (local) experts
+  double seconds = 0;  ///< measured forward time
+  int tp = 1, ep = 1;  ///< provenance (for hold-out splits); not used by the model
+  int line = 0;        ///< source line (0 when synthetic)
 };
 
 /// Result of `fit_expert_compute`: fitted parameters and the relative error |model - measured| / measured
@@ -252,8 +252,8 @@ struct ExpertComputeFit {
     } catch (const Error &e) {
       t.fail_at(r, e.what());
     }
-    const long long tok = t.integer(r, c_tok), h = t.integer(r, c_h), inter = t.integer(r, c_i),
-                    k = t.integer(r, c_k), e = t.integer(r, c_e), tp = t.integer(r, c_tp), ep = t.integer(r, c_ep);
+    const long long tok = t.integer(r, c_tok), h = t.integer(r, c_h), inter = t.integer(r, c_i), k = t.integer(r, c_k),
+                    e = t.integer(r, c_e), tp = t.integer(r, c_tp), ep = t.integer(r, c_ep);
     const double lat = t.number(r, c_lat);
     if (tok <= 0 || h <= 0 || inter <= 0 || k <= 0 || e <= 0 || tp <= 0 || ep <= 0 || h > (1 << 20) ||
         inter > (1 << 24) || e > (1 << 20) || tp > e * inter || ep > e)

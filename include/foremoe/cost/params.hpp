@@ -136,8 +136,8 @@ struct GradReduceParams {
                     "CostParams.grad: grad_bytes_factor must be positive, got ", grad_bytes_factor);
     detail::require(std::isfinite(add_gb_per_s) && add_gb_per_s > 0,
                     "CostParams.grad: add_gb_per_s must be positive, got ", add_gb_per_s);
-    detail::require(std::isfinite(latency_us) && latency_us >= 0,
-                    "CostParams.grad: latency_us must be >= 0, got ", latency_us);
+    detail::require(std::isfinite(latency_us) && latency_us >= 0, "CostParams.grad: latency_us must be >= 0, got ",
+                    latency_us);
   }
 };
 

@@ -109,7 +109,6 @@ inline void improve_bins(std::span<const std::int32_t> sorted_items, std::span<c
   }
 }
 
-
 /// Packs `items` (indices into `weights`) into `num_bins` bins: LPT, each bin gets `floor(n / bins)` or one more
 /// item. Writes the bin of each item into `bin_of[item]` and improves by swaps from the heaviest bin. Returns
 /// nothing; bin loads are recomputed by the caller when needed.
@@ -240,8 +239,8 @@ plan_owners(std::span<const std::int64_t> step_totals, int num_layers, int num_e
   detail::require(step_totals.size() == static_cast<std::size_t>(num_layers) * num_experts,
                   "plan_owners: ", step_totals.size(), " step totals for ", num_layers, " layers x ", num_experts,
                   " experts");
-  detail::require(previous.empty() || static_cast<int>(previous.size()) == num_layers, "plan_owners: previous owners have ",
-                  previous.size(), " layers, expected ", num_layers);
+  detail::require(previous.empty() || static_cast<int>(previous.size()) == num_layers,
+                  "plan_owners: previous owners have ", previous.size(), " layers, expected ", num_layers);
   OwnerPlanner planner(topo, num_experts, opts);
   std::vector<std::vector<std::int32_t>> out(static_cast<std::size_t>(num_layers));
   for (int l = 0; l < num_layers; ++l)

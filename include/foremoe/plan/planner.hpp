@@ -128,8 +128,12 @@ public:
       ReplicaPlanner &rp = workers_[worker];
       const auto layer_loads = loads.subspan(static_cast<std::size_t>(l) * num_experts_, num_experts_);
       const LayerPlacement *res = resident != nullptr ? &resident->layer(l) : nullptr;
-      const LayerRequest req{sh, l, layer_loads, res,
-                             owners_.empty() ? std::span<const std::int32_t>{} : std::span<const std::int32_t>(owners_[l]),
+      const LayerRequest req{sh,
+                             l,
+                             layer_loads,
+                             res,
+                             owners_.empty() ? std::span<const std::int32_t>{}
+                                             : std::span<const std::int32_t>(owners_[l]),
                              ropts};
       out[l] = strategy_->plan_layer(req, rp);
     };

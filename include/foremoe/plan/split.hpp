@@ -10,8 +10,8 @@
 /// (capacities only grow), so the whole search costs about one max-flow. Integer capacities give integer flows.
 
 #include <algorithm>
-#include <limits>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -166,8 +166,8 @@ public:
     queue_.resize(static_cast<std::size_t>(num_shared) + num_gpus);
     stamp_ = 0;
     for (int k = 0; k < num_comps; ++k)
-      if (const std::int64_t t = solve_component(k, base, shared_loads, copy_offsets, copy_gpu, copy_tokens, gpu_loads,
-                                                 limit);
+      if (const std::int64_t t =
+              solve_component(k, base, shared_loads, copy_offsets, copy_gpu, copy_tokens, gpu_loads, limit);
           t > limit)
         return t;
     return max_of(gpu_loads);

@@ -54,9 +54,9 @@ struct TokenRanges {
   require(num_sources > 0, "token_ranges: num_sources must be positive, got ", num_sources);
   const auto num_slots = static_cast<std::int64_t>(slot_expert.size());
   require(num_slots > 0 && num_slots < (std::int64_t{1} << 31), "token_ranges: ", num_slots, " slots");
-  require(static_cast<std::int64_t>(slot_tokens.size()) == num_slots * num_sources, "token_ranges: ",
-          slot_tokens.size(), " slot token counts for ", num_slots, " slots x ", num_sources, " sources, expected ",
-          num_slots * num_sources);
+  require(static_cast<std::int64_t>(slot_tokens.size()) == num_slots * num_sources,
+          "token_ranges: ", slot_tokens.size(), " slot token counts for ", num_slots, " slots x ", num_sources,
+          " sources, expected ", num_slots * num_sources);
   TokenRanges r;
   r.num_experts = num_experts;
   r.num_sources = num_sources;
@@ -93,8 +93,8 @@ struct TokenRanges {
 }
 
 /// Token ranges of a placement and its per-slot tokens (`[slots]`, or `[slots][num_sources]`).
-[[nodiscard]] inline TokenRanges token_ranges(const LayerPlacement &placement, std::span<const std::int64_t> slot_tokens,
-                                              int num_sources = 1) {
+[[nodiscard]] inline TokenRanges token_ranges(const LayerPlacement &placement,
+                                              std::span<const std::int64_t> slot_tokens, int num_sources = 1) {
   return token_ranges(placement.phys_to_log(), placement.num_experts(), slot_tokens, num_sources);
 }
 
@@ -204,16 +204,18 @@ inline void map_tokens(const TokenRanges &ranges, const RoutedView &ids, int lay
               ranges.copy_offsets.size() == static_cast<std::size_t>(ranges.num_experts) + 1 &&
               ranges.copy_end.size() == ranges.copy_slot.size() * ranges.num_sources,
           "map_tokens: malformed token ranges (build them with token_ranges)");
-  require(static_cast<std::int64_t>(out.size()) == ids.num_tokens() * ids.topk(), "map_tokens: output has ",
-          out.size(), " entries for ", ids.num_tokens(), " tokens x top-", ids.topk());
+  require(static_cast<std::int64_t>(out.size()) == ids.num_tokens() * ids.topk(), "map_tokens: output has ", out.size(),
+          " entries for ", ids.num_tokens(), " tokens x top-", ids.topk());
   const auto so = detail::source_ranges(source_offsets, ranges.num_sources, ids.num_tokens());
   const std::size_t num_keys = static_cast<std::size_t>(ranges.num_sources) * ranges.num_experts;
   std::vector<detail::MapCursor> cursors(num_keys);
   const bool contiguous = ids.strides()[2] == 1;
   visit_id_dtype(ids.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    if (contiguous) detail::map_layer<T, true>(ranges, ids, layer_idx, so, out.data(), cursors);
-    else detail::map_layer<T, false>(ranges, ids, layer_idx, so, out.data(), cursors);
+    if (contiguous)
+      detail::map_layer<T, true>(ranges, ids, layer_idx, so, out.data(), cursors);
+    else
+      detail::map_layer<T, false>(ranges, ids, layer_idx, so, out.data(), cursors);
   });
   for (std::size_t key = 0; key < num_keys; ++key) {
     const auto e = static_cast<int>(key % ranges.num_experts), s = static_cast<int>(key / ranges.num_experts);
@@ -223,8 +225,7 @@ inline void map_tokens(const TokenRanges &ranges, const RoutedView &ids, int lay
 }
 
 /// Maps trace layer `layer_idx` of `ids` through `plan`'s split (one source); returns `[tokens][topk]` slots.
-[[nodiscard]] inline std::vector<std::int32_t> map_tokens(const LayerPlan &plan, const RoutedView &ids,
-                                                          int layer_idx) {
+[[nodiscard]] inline std::vector<std::int32_t> map_tokens(const LayerPlan &plan, const RoutedView &ids, int layer_idx) {
   std::vector<std::int32_t> out(static_cast<std::size_t>(ids.num_tokens()) * ids.topk());
   map_tokens(token_ranges(plan), ids, layer_idx, out);
   return out;
@@ -239,8 +240,8 @@ inline void map_tokens(std::span<const TokenRanges> ranges, const RoutedView &id
   const LayerMap lmap = layer_map.empty() ? LayerMap::identity(ids.num_layers()) : layer_map;
   require(lmap.num_trace_layers() == ids.num_layers(), "map_tokens: layer map covers ", lmap.num_trace_layers(),
           " trace layers but the trace has ", ids.num_layers());
-  require(static_cast<int>(ranges.size()) == lmap.num_moe_layers(), "map_tokens: ", ranges.size(),
-          " layer plans for ", lmap.num_moe_layers(), " MoE layers");
+  require(static_cast<int>(ranges.size()) == lmap.num_moe_layers(), "map_tokens: ", ranges.size(), " layer plans for ",
+          lmap.num_moe_layers(), " MoE layers");
   const std::int64_t num_tokens = ids.num_tokens();
   const int num_layers = ids.num_layers(), topk = ids.topk();
   require(static_cast<std::int64_t>(out.size()) == num_tokens * num_layers * topk, "map_tokens: output has ",
@@ -248,8 +249,10 @@ inline void map_tokens(std::span<const TokenRanges> ranges, const RoutedView &id
   std::vector<std::int32_t> layer_out(static_cast<std::size_t>(num_tokens) * topk);
   for (int l = 0; l < num_layers; ++l) {
     const int ml = lmap.moe_layer(l);
-    if (ml >= 0) map_tokens(ranges[ml], ids, l, layer_out, source_offsets);
-    else std::fill(layer_out.begin(), layer_out.end(), -1);
+    if (ml >= 0)
+      map_tokens(ranges[ml], ids, l, layer_out, source_offsets);
+    else
+      std::fill(layer_out.begin(), layer_out.end(), -1);
     for (std::int64_t t = 0; t < num_tokens; ++t)
       std::copy_n(layer_out.data() + t * topk, topk, out.data() + (t * num_layers + l) * topk);
   }

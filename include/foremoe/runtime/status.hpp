@@ -15,7 +15,7 @@ enum class StatusCode : int {
   ok = 0,
   in_progress,
   invalid_argument,
-  unavailable,  ///< backend not compiled in or no device present
+  unavailable, ///< backend not compiled in or no device present
   timed_out,
   aborted,
   device_error, ///< a CUDA or NCCL call failed

@@ -84,7 +84,7 @@ struct PeerOptions {
   /// threads at once. Non-blocking ones (`config.blocking = 0`) keep a late peer from stalling that thread; the
   /// engine waits for them at most 30 s per group.
   std::vector<void *> nccl_comm_of_gpu;
-  std::vector<int> nccl_rank_of_gpu;       ///< CUDA: NCCL rank of each GPU in those communicators; empty = identity
+  std::vector<int> nccl_rank_of_gpu; ///< CUDA: NCCL rank of each GPU in those communicators; empty = identity
 };
 
 struct EngineOptions {
@@ -92,17 +92,18 @@ struct EngineOptions {
   /// Name of a registered transport (`foremoe/runtime/transport.hpp`: "host", "cuda" or one a trainer
   /// registered); empty: the one named like `backend`.
   std::string transport;
-  Topology topology;                ///< GPUs `0 .. num_gpus-1` of the EP group
+  Topology topology; ///< GPUs `0 .. num_gpus-1` of the EP group
   int num_layers = 1;
   int num_experts = 1;
-  std::vector<TensorSpan> tensors;  ///< an expert's tensors inside a slot; their sum is the move size
-  transfer::Options planning{};     ///< `expert_bytes` is filled from `tensors`
-  int max_attempts = 3;             ///< per chunk, alternating paths where another one exists
-  bool verify = false;              ///< checksum every moved expert against its source
-  int host_threads_per_path = 2;    ///< host backend copy workers per path
-  std::vector<int> cuda_device_of_gpu; ///< CUDA: local device ordinal of each GPU (-1: another process); empty = identity
+  std::vector<TensorSpan> tensors; ///< an expert's tensors inside a slot; their sum is the move size
+  transfer::Options planning{};    ///< `expert_bytes` is filled from `tensors`
+  int max_attempts = 3;            ///< per chunk, alternating paths where another one exists
+  bool verify = false;             ///< checksum every moved expert against its source
+  int host_threads_per_path = 2;   ///< host backend copy workers per path
+  std::vector<int>
+      cuda_device_of_gpu; ///< CUDA: local device ordinal of each GPU (-1: another process); empty = identity
   std::shared_ptr<const FaultSchedule> faults; ///< non-null: wrap the transport in the fault injector (testing.hpp)
-  PeerOptions peers;                ///< multi-process use (default: this engine drives every GPU)
+  PeerOptions peers;                           ///< multi-process use (default: this engine drives every GPU)
 };
 
 enum class TicketState : int { pending = 0, done, failed, timed_out, aborted };
@@ -125,11 +126,11 @@ struct MoveTelemetry {
   double start_seconds = 0.0; ///< since submit
   double end_seconds = 0.0;
   double gb_per_s = 0.0;
-  int num_chunks = 0;         ///< chunks the transfer plan cut it into
-  int attempts = 0;           ///< chunk copies issued, retries included (> num_chunks: something was retried)
+  int num_chunks = 0; ///< chunks the transfer plan cut it into
+  int attempts = 0;   ///< chunk copies issued, retries included (> num_chunks: something was retried)
   bool ok = false;
   bool verified = false;
-  bool remote = false;        ///< multi-process: the destination is another process's GPU (this one sent bytes)
+  bool remote = false; ///< multi-process: the destination is another process's GPU (this one sent bytes)
 };
 
 /// What the engine's backend resources cost so far, to check that a steady state creates none.
@@ -178,10 +179,10 @@ private:
 /// One layer's move batch.
 struct MoveBatch {
   int layer = 0;
-  std::span<const Move> moves;     ///< from a plan (`LayerPlan::moves`); sources are re-chosen by transfer planning
-  Gate sources_ready{};            ///< source copies are written (e.g. after the optimizer step refreshed them)
-  Gate slots_free{};               ///< destination slots' last reads are done
-  int dst_buffer = 0;              ///< buffer written in double-buffered slots
+  std::span<const Move> moves; ///< from a plan (`LayerPlan::moves`); sources are re-chosen by transfer planning
+  Gate sources_ready{};        ///< source copies are written (e.g. after the optimizer step refreshed them)
+  Gate slots_free{};           ///< destination slots' last reads are done
+  int dst_buffer = 0;          ///< buffer written in double-buffered slots
   std::chrono::milliseconds timeout{10000}; ///< the batch ends `timed_out` after this
 };
 

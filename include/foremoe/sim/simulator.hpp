@@ -97,17 +97,18 @@ struct SimStrategy {
 /// Results of one strategy over all simulated steps.
 struct SimResult {
   std::string strategy;
-  double step_seconds = 0;      ///< mean per RL step: recompute + update (+ optimizer, re-owning)
-  double recompute_seconds = 0; ///< mean per step
-  double update_seconds = 0;    ///< mean per step, optimizer steps included
-  double end_to_end_seconds = 0; ///< step + rollout
+  double step_seconds = 0;                        ///< mean per RL step: recompute + update (+ optimizer, re-owning)
+  double recompute_seconds = 0;                   ///< mean per step
+  double update_seconds = 0;                      ///< mean per step, optimizer steps included
+  double end_to_end_seconds = 0;                  ///< step + rollout
   double imbalance_median = 1, imbalance_p99 = 1; ///< per (micro-step, layer) max/mean GPU load, both stages
-  double moved_gb = 0;          ///< weights moved per step (replicas in, re-owning), GB
-  double grad_gb = 0;           ///< replica gradients reduced per step, GB
-  double stall_seconds = 0;     ///< per step: time layers waited for weights
-  double mirror_seconds = 0;    ///< per step: host-mirror refreshes after optimizer steps (strategies reading it)
-  double planner_seconds = 0;   ///< wall time of planning, all steps
-  std::vector<std::vector<double>> layer_seconds; ///< per simulated micro-step (recompute then update, per step): layer forward(+backward) times
+  double moved_gb = 0;                            ///< weights moved per step (replicas in, re-owning), GB
+  double grad_gb = 0;                             ///< replica gradients reduced per step, GB
+  double stall_seconds = 0;                       ///< per step: time layers waited for weights
+  double mirror_seconds = 0;  ///< per step: host-mirror refreshes after optimizer steps (strategies reading it)
+  double planner_seconds = 0; ///< wall time of planning, all steps
+  std::vector<std::vector<double>>
+      layer_seconds; ///< per simulated micro-step (recompute then update, per step): layer forward(+backward) times
 };
 
 namespace detail {
@@ -142,7 +143,8 @@ struct LayerTiming {
     // Send: this rank's share of what the node's other GPUs and the other nodes receive.
     const double send_intra = node - r, send_inter = total / G - node;
     double t = 0;
-    const double intra = std::max(recv_intra, send_intra) * row_bytes, inter = std::max(recv_inter, send_inter) * row_bytes;
+    const double intra = std::max(recv_intra, send_intra) * row_bytes,
+                 inter = std::max(recv_inter, send_inter) * row_bytes;
     if (intra > 0) t = std::max(t, p.intra_latency_us * 1e-6 + intra / (p.intra_gb_per_s * 1e9));
     if (inter > 0) t = std::max(t, p.inter_latency_us * 1e-6 + inter / (p.inter_gb_per_s * 1e9));
     worst = std::max(worst, t);
@@ -154,9 +156,10 @@ struct LayerTiming {
 
 /// Simulates `loads` (micro-steps of consecutive RL steps cut by `step_offsets`, `[S + 1]` micro-step offsets;
 /// empty = one step) under each strategy. `progress`, if set, is called with (done, total) planning units.
-[[nodiscard]] inline std::vector<SimResult>
-simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int64_t> step_offsets,
-         std::span<const SimStrategy> strategies, const std::function<void(int, int)> &progress = {}) {
+[[nodiscard]] inline std::vector<SimResult> simulate(const SimConfig &cfg, const LoadTensor &loads,
+                                                     std::span<const std::int64_t> step_offsets,
+                                                     std::span<const SimStrategy> strategies,
+                                                     const std::function<void(int, int)> &progress = {}) {
   cfg.validate();
   loads.validate();
   const ModelSpec &spec = cfg.model;
@@ -199,7 +202,8 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
       }
     } else {
       double total = 0;
-      for (std::int64_t v : expert_loads) total += static_cast<double>(v);
+      for (std::int64_t v : expert_loads)
+        total += static_cast<double>(v);
       std::fill(gpu_tokens.begin(), gpu_tokens.end(), total / G);
       std::fill(gpu_experts.begin(), gpu_experts.end(), (E + G - 1) / G);
     }
@@ -258,8 +262,8 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
     SimResult res;
     res.strategy = strat.name;
     std::vector<double> imbalance;
-    double total_recompute = 0, total_update = 0, total_stall = 0, total_moved = 0, total_grad = 0,
-           total_planner = 0, total_extra = 0, total_mirror = 0;
+    double total_recompute = 0, total_update = 0, total_stall = 0, total_moved = 0, total_grad = 0, total_planner = 0,
+           total_extra = 0, total_mirror = 0;
     PlannerOptions popts;
     popts.strategy = strat.ideal ? "foremoe-free" : strat.name; // "ideal" plans nothing
     popts.num_threads = cfg.planner_threads;
@@ -294,8 +298,8 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
               for (int e = 0; e < E; ++e) {
                 const std::int32_t o = sp.owner_gpu.empty() ? -1 : sp.owner_gpu[l][e];
                 if (o >= 0 && o != prev_owner_flat[static_cast<std::size_t>(l) * E + e]) {
-                  per_gpu[o] += move_seconds(cfg.cost.move, MovePath::gpu_inter,
-                                             expert_bytes * (1 + cfg.optimizer_state_factor));
+                  per_gpu[o] +=
+                      move_seconds(cfg.cost.move, MovePath::gpu_inter, expert_bytes * (1 + cfg.optimizer_state_factor));
                   total_moved += expert_bytes * (1 + cfg.optimizer_state_factor);
                 }
               }
@@ -303,7 +307,8 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
           }
           if (pass == 0 && !sp.owner_gpu.empty()) {
             prev_owner_flat.clear();
-            for (const auto &row : sp.owner_gpu) prev_owner_flat.insert(prev_owner_flat.end(), row.begin(), row.end());
+            for (const auto &row : sp.owner_gpu)
+              prev_owner_flat.insert(prev_owner_flat.end(), row.begin(), row.end());
           }
         }
         const int M = step.num_micro_steps();
@@ -326,19 +331,24 @@ simulate(const SimConfig &cfg, const LoadTensor &loads, std::span<const std::int
           // Windows: from the slot's last use in m - 1 to layer l's forward in m.
           double micro = 0, stall = 0;
           std::vector<double> fwd_prefix(static_cast<std::size_t>(L) + 1, 0.0);
-          for (int l = 0; l < L; ++l) fwd_prefix[l + 1] = fwd_prefix[l] + cur[l].forward;
+          for (int l = 0; l < L; ++l)
+            fwd_prefix[l + 1] = fwd_prefix[l] + cur[l].forward;
           for (int l = 0; l < L; ++l) {
             double window = fwd_prefix[l];
             if (!prev_t.empty()) {
               if (update)
-                for (int k = 0; k < l; ++k) window += prev_t[k].backward; // backward runs L-1 .. 0
+                for (int k = 0; k < l; ++k)
+                  window += prev_t[k].backward; // backward runs L-1 .. 0
               else
-                for (int k = l + 1; k < L; ++k) window += prev_t[k].forward;
+                for (int k = l + 1; k < L; ++k)
+                  window += prev_t[k].forward;
               if (cfg.double_buffer)
-                for (int k = 0; k < L; ++k) window += prev_t[k].forward + prev_t[k].backward;
+                for (int k = 0; k < L; ++k)
+                  window += prev_t[k].forward + prev_t[k].backward;
             }
             double need = 0;
-            for (int g = 0; g < G; ++g) need = std::max(need, cur[l].move_demand[g] + cur[l].grad_demand[g]);
+            for (int g = 0; g < G; ++g)
+              need = std::max(need, cur[l].move_demand[g] + cur[l].grad_demand[g]);
             stall += std::max(0.0, need - window);
           }
           std::vector<double> layer_times(static_cast<std::size_t>(L));

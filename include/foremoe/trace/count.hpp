@@ -44,10 +44,8 @@ inline void check_offsets(std::span<const std::int64_t> offsets, std::int64_t nu
   require(offsets.size() >= 2, what, ": need at least 2 offsets (start and end), got ", offsets.size());
   require(offsets.front() == 0, what, "[0] must be 0, got ", offsets.front());
   for (std::size_t i = 1; i < offsets.size(); ++i)
-    require(offsets[i] >= offsets[i - 1], what, " decrease at index ", i, ": ", offsets[i - 1], " then ",
-            offsets[i]);
-  require(offsets.back() == num_tokens, what, " end at ", offsets.back(), " but the trace has ", num_tokens,
-          " tokens");
+    require(offsets[i] >= offsets[i - 1], what, " decrease at index ", i, ": ", offsets[i - 1], " then ", offsets[i]);
+  require(offsets.back() == num_tokens, what, " end at ", offsets.back(), " but the trace has ", num_tokens, " tokens");
 }
 
 /// Bins per MoE layer: `[0]` no route, `[1 + e]` expert `e`, `[E + 1]` out of range.
@@ -142,19 +140,20 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
       even.reserve(static_cast<std::size_t>(num_micro_steps) * num_sources + 1);
       for (int m = 0; m < num_micro_steps; ++m) {
         const std::int64_t n = mb[m + 1] - mb[m];
-        for (int r = 0; r < num_sources; ++r) even.push_back(mb[m] + n * r / num_sources);
+        for (int r = 0; r < num_sources; ++r)
+          even.push_back(mb[m] + n * r / num_sources);
       }
       even.push_back(num_tokens);
       so = even;
     }
-    require(so.size() == static_cast<std::size_t>(num_micro_steps) * num_sources + 1, "count_loads: ",
-            so.size(), " source_offsets for ", num_micro_steps, " micro-steps x ", num_sources,
-            " sources, expected ", static_cast<std::size_t>(num_micro_steps) * num_sources + 1);
+    require(so.size() == static_cast<std::size_t>(num_micro_steps) * num_sources + 1, "count_loads: ", so.size(),
+            " source_offsets for ", num_micro_steps, " micro-steps x ", num_sources, " sources, expected ",
+            static_cast<std::size_t>(num_micro_steps) * num_sources + 1);
     detail::check_offsets(so, num_tokens, "source_offsets");
     for (int m = 0; m < num_micro_steps; ++m)
       require(so[static_cast<std::size_t>(m) * num_sources] == mb[m], "source_offsets[", m * num_sources,
-              "] = ", so[static_cast<std::size_t>(m) * num_sources], " does not start micro-step ", m,
-              " at token ", mb[m]);
+              "] = ", so[static_cast<std::size_t>(m) * num_sources], " does not start micro-step ", m, " at token ",
+              mb[m]);
   } else {
     require(so.empty(), "count_loads: source_offsets given but num_sources is 0");
   }
@@ -173,8 +172,10 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
     visit_id_dtype(ids.dtype(), [&](auto tag) {
       using T = decltype(tag);
       // A top-k fixed at compile time (fully unrolled) measured slower than this loop.
-      if (contiguous) detail::count_range<T, true>(ids, t0, t1, moe_of, num_experts, bins.data());
-      else detail::count_range<T, false>(ids, t0, t1, moe_of, num_experts, bins.data());
+      if (contiguous)
+        detail::count_range<T, true>(ids, t0, t1, moe_of, num_experts, bins.data());
+      else
+        detail::count_range<T, false>(ids, t0, t1, moe_of, num_experts, bins.data());
     });
     for (int l = 0; l < num_moe; ++l)
       if (bins[static_cast<std::size_t>(l) * row + row - 1] != 0) [[unlikely]]
@@ -197,10 +198,13 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
       for (int l = 0; l < num_moe; ++l) {
         const std::uint32_t *b = bins.data() + static_cast<std::size_t>(l) * row + 1;
         auto tot = out.layer(m, l);
-        for (int e = 0; e < num_experts; ++e) tot[e] += b[e];
+        for (int e = 0; e < num_experts; ++e)
+          tot[e] += b[e];
         if (r >= 0) {
-          std::int64_t *st = staged.data() + static_cast<std::size_t>(r) * layer_cells + static_cast<std::size_t>(l) * num_experts;
-          for (int e = 0; e < num_experts; ++e) st[e] += b[e];
+          std::int64_t *st =
+              staged.data() + static_cast<std::size_t>(r) * layer_cells + static_cast<std::size_t>(l) * num_experts;
+          for (int e = 0; e < num_experts; ++e)
+            st[e] += b[e];
         }
       }
     }
@@ -219,8 +223,10 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
     for (int l = 0; l < num_moe; ++l) {
       auto src = out.layer_by_source(m, l);
       for (int r = 0; r < num_sources; ++r) {
-        const std::int64_t *st = staged.data() + static_cast<std::size_t>(r) * layer_cells + static_cast<std::size_t>(l) * num_experts;
-        for (int e = 0; e < num_experts; ++e) src[static_cast<std::size_t>(e) * num_sources + r] = st[e];
+        const std::int64_t *st =
+            staged.data() + static_cast<std::size_t>(r) * layer_cells + static_cast<std::size_t>(l) * num_experts;
+        for (int e = 0; e < num_experts; ++e)
+          src[static_cast<std::size_t>(e) * num_sources + r] = st[e];
       }
     }
   }

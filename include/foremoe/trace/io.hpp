@@ -19,7 +19,8 @@ inline namespace v0 {
 namespace detail {
 [[nodiscard]] inline std::string shape_text(std::span<const std::int64_t> shape) {
   std::string s = "[";
-  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";
 }
 inline void require_int_dim(std::int64_t d, const std::filesystem::path &path, const char *what) {
@@ -41,10 +42,11 @@ inline void require_int_dim(std::int64_t d, const std::filesystem::path &path, c
 [[nodiscard]] inline LoadTensor read_loads_npy(const std::filesystem::path &path) {
   const NpyArray a = read_npy(path).to_c_order();
   std::vector<std::int64_t> shape = a.shape;
-  detail::require(shape.size() >= 2 && shape.size() <= 4, path.string(), ": loads must be [M, L, E], [M, L, E, S] or [L, E], got shape ",
-                  detail::shape_text(shape));
+  detail::require(shape.size() >= 2 && shape.size() <= 4, path.string(),
+                  ": loads must be [M, L, E], [M, L, E, S] or [L, E], got shape ", detail::shape_text(shape));
   if (shape.size() == 2) shape.insert(shape.begin(), 1);
-  for (std::size_t i = 0; i < shape.size(); ++i) detail::require_int_dim(shape[i], path, "dimension");
+  for (std::size_t i = 0; i < shape.size(); ++i)
+    detail::require_int_dim(shape[i], path, "dimension");
   const int M = static_cast<int>(shape[0]), L = static_cast<int>(shape[1]), E = static_cast<int>(shape[2]);
   const int S = shape.size() == 4 ? static_cast<int>(shape[3]) : 0;
   const std::vector<double> v = a.to_doubles();
@@ -60,7 +62,8 @@ inline void require_int_dim(std::int64_t d, const std::filesystem::path &path, c
     }
     auto tot = t.totals();
     for (std::size_t c = 0; c < tot.size(); ++c)
-      for (int s = 0; s < S; ++s) tot[c] += src[c * S + s];
+      for (int s = 0; s < S; ++s)
+        tot[c] += src[c * S + s];
     return t;
   } catch (const Error &e) {
     detail::fail(path.string(), ": ", e.what());
@@ -121,7 +124,10 @@ struct RoutedIdsFile {
   detail::require_int_dim(a.shape[2], path, "topk");
   const auto &d = a.dtype;
   if (d.kind == NpyKind::int_) {
-    f.dtype = d.item_bytes == 1 ? IdDtype::i8 : d.item_bytes == 2 ? IdDtype::i16 : d.item_bytes == 4 ? IdDtype::i32 : IdDtype::i64;
+    f.dtype = d.item_bytes == 1   ? IdDtype::i8
+              : d.item_bytes == 2 ? IdDtype::i16
+              : d.item_bytes == 4 ? IdDtype::i32
+                                  : IdDtype::i64;
   } else if (d.kind == NpyKind::uint_ && d.item_bytes <= 2) {
     f.dtype = d.item_bytes == 1 ? IdDtype::u8 : IdDtype::u16;
   } else {

@@ -51,10 +51,14 @@ template <class T> [[nodiscard]] constexpr IdDtype id_dtype_of() noexcept {
   static_assert(std::is_integral_v<T> && !std::is_same_v<T, bool> && sizeof(T) <= 8 &&
                     !(std::is_unsigned_v<T> && sizeof(T) > 2),
                 "routed ids must be int8/uint8/int16/uint16/int32/int64");
-  if constexpr (sizeof(T) == 1) return std::is_signed_v<T> ? IdDtype::i8 : IdDtype::u8;
-  else if constexpr (sizeof(T) == 2) return std::is_signed_v<T> ? IdDtype::i16 : IdDtype::u16;
-  else if constexpr (sizeof(T) == 4) return IdDtype::i32;
-  else return IdDtype::i64;
+  if constexpr (sizeof(T) == 1)
+    return std::is_signed_v<T> ? IdDtype::i8 : IdDtype::u8;
+  else if constexpr (sizeof(T) == 2)
+    return std::is_signed_v<T> ? IdDtype::i16 : IdDtype::u16;
+  else if constexpr (sizeof(T) == 4)
+    return IdDtype::i32;
+  else
+    return IdDtype::i64;
 }
 
 /// Calls `f(T{})` with the C++ type of `d`.
@@ -82,8 +86,7 @@ public:
   RoutedView() = default;
   RoutedView(const void *data, IdDtype dtype, std::int64_t num_tokens, int num_layers, int topk,
              std::array<std::int64_t, 3> strides)
-      : data_(data), dtype_(dtype), num_tokens_(num_tokens), num_layers_(num_layers), topk_(topk),
-        strides_(strides) {
+      : data_(data), dtype_(dtype), num_tokens_(num_tokens), num_layers_(num_layers), topk_(topk), strides_(strides) {
     detail::require(num_tokens >= 0, "RoutedView: num_tokens must be >= 0, got ", num_tokens);
     detail::require(num_layers > 0, "RoutedView: num_layers must be positive, got ", num_layers);
     detail::require(topk > 0, "RoutedView: topk must be positive, got ", topk);
@@ -97,8 +100,8 @@ public:
   template <class T>
   RoutedView(std::span<const T> ids, std::int64_t num_tokens, int num_layers, int topk)
       : RoutedView(ids.data(), id_dtype_of<T>(), num_tokens, num_layers, topk) {
-    detail::require(static_cast<std::int64_t>(ids.size()) == num_tokens * num_layers * topk, "RoutedView: ",
-                    ids.size(), " ids for shape [", num_tokens, ", ", num_layers, ", ", topk, "] which needs ",
+    detail::require(static_cast<std::int64_t>(ids.size()) == num_tokens * num_layers * topk, "RoutedView: ", ids.size(),
+                    " ids for shape [", num_tokens, ", ", num_layers, ", ", topk, "] which needs ",
                     num_tokens * num_layers * topk);
   }
 
@@ -162,25 +165,28 @@ public:
   /// Every trace layer is an MoE layer.
   [[nodiscard]] static LayerMap identity(int num_layers) {
     std::vector<int> m(num_layers);
-    for (int i = 0; i < num_layers; ++i) m[i] = i;
+    for (int i = 0; i < num_layers; ++i)
+      m[i] = i;
     return LayerMap(std::move(m));
   }
   /// `num_dense` leading dense layers, then MoE layers (DeepSeek-V3: 61 layers, 3 dense).
   [[nodiscard]] static LayerMap dense_prefix(int num_layers, int num_dense) {
-    detail::require(num_dense >= 0 && num_dense < num_layers, "LayerMap: ", num_dense,
-                    " dense layers out of ", num_layers);
+    detail::require(num_dense >= 0 && num_dense < num_layers, "LayerMap: ", num_dense, " dense layers out of ",
+                    num_layers);
     std::vector<int> m(num_layers);
-    for (int i = 0; i < num_layers; ++i) m[i] = i < num_dense ? -1 : i - num_dense;
+    for (int i = 0; i < num_layers; ++i)
+      m[i] = i < num_dense ? -1 : i - num_dense;
     return LayerMap(std::move(m));
   }
   /// Every `period`-th layer (starting at `first`) is MoE, the rest dense.
   [[nodiscard]] static LayerMap interleaved(int num_layers, int period, int first = 0) {
     detail::require(period > 0, "LayerMap: period must be positive, got ", period);
-    detail::require(first >= 0 && first < num_layers, "LayerMap: first MoE layer ", first, " outside [0, ",
-                    num_layers, ")");
+    detail::require(first >= 0 && first < num_layers, "LayerMap: first MoE layer ", first, " outside [0, ", num_layers,
+                    ")");
     std::vector<int> m(num_layers, -1);
     int next = 0;
-    for (int i = first; i < num_layers; i += period) m[i] = next++;
+    for (int i = first; i < num_layers; i += period)
+      m[i] = next++;
     return LayerMap(std::move(m));
   }
 

@@ -84,7 +84,8 @@ namespace detail {
   if (values.empty()) return s;
   std::sort(values.begin(), values.end());
   double sum = 0;
-  for (double v : values) sum += v;
+  for (double v : values)
+    sum += v;
   s.min = values.front();
   s.max = values.back();
   s.mean = sum / static_cast<double>(values.size());
@@ -135,7 +136,8 @@ struct ShareMoments {
   template <class T> void add(int layer_idx, const T *loads) {
     const auto ne = static_cast<std::size_t>(num_experts);
     double total = 0;
-    for (std::size_t e = 0; e < ne; ++e) total += static_cast<double>(loads[e]);
+    for (std::size_t e = 0; e < ne; ++e)
+      total += static_cast<double>(loads[e]);
     if (!(total > 0)) return;
     const auto l = static_cast<std::size_t>(layer_idx);
     const auto n = static_cast<double>(++count[l]);
@@ -201,8 +203,8 @@ struct ShareMoments {
 /// `num_micro_steps`; empty = the whole tensor is one step). With `num_gpus > 0` (dividing the experts) also
 /// the GPU max/mean of the contiguous placement; with `topk > 0` also tokens per micro-step.
 [[nodiscard]] inline TraceStats compute_trace_stats(const LoadTensor &loads,
-                                                    std::span<const std::int64_t> step_offsets = {},
-                                                    int num_gpus = 0, int topk = 0) {
+                                                    std::span<const std::int64_t> step_offsets = {}, int num_gpus = 0,
+                                                    int topk = 0) {
   using detail::require;
   const int num_micro = loads.num_micro_steps(), num_layers = loads.num_layers(), num_experts = loads.num_experts();
   require(num_micro > 0, "compute_trace_stats: the load tensor has no micro-steps");
@@ -292,7 +294,8 @@ namespace detail {
 
 inline void print_summary_row(std::ostream &os, const char *label, const SummaryStats &s) {
   os << "  " << std::left << std::setw(40) << label << std::right;
-  for (double v : {s.min, s.median, s.mean, s.p90, s.max}) os << std::setw(11) << format_stat(v);
+  for (double v : {s.min, s.median, s.mean, s.p90, s.max})
+    os << std::setw(11) << format_stat(v);
   os << std::setw(9) << s.count << '\n';
 }
 
@@ -304,7 +307,8 @@ inline void print_trace_stats(std::ostream &os, const TraceStats &st) {
      << " layers x " << st.num_experts << " experts";
   if (st.num_gpus > 0) os << ", " << st.num_gpus << " GPUs";
   os << '\n' << "  " << std::left << std::setw(40) << "statistic" << std::right;
-  for (const char *h : {"min", "median", "mean", "p90", "max"}) os << std::setw(11) << h;
+  for (const char *h : {"min", "median", "mean", "p90", "max"})
+    os << std::setw(11) << h;
   os << std::setw(9) << "n" << '\n';
   using detail::print_summary_row;
   print_summary_row(os, "micro-steps per step", st.micro_steps_per_step);

@@ -47,10 +47,10 @@ enum class PopularityModel {
 
 /// A lognormal length distribution, rounded to whole tokens and clipped to `[min_tokens, max_tokens]`.
 struct LengthDistribution {
-  double mean = 1.0;      ///< arithmetic mean of the unclipped lognormal, in tokens
-  double sigma = 0.0;     ///< standard deviation of the underlying normal (log scale); 0 = every length is `mean`
-  int min_tokens = 1;     ///< clip below
-  int max_tokens = 1;     ///< clip above
+  double mean = 1.0;  ///< arithmetic mean of the unclipped lognormal, in tokens
+  double sigma = 0.0; ///< standard deviation of the underlying normal (log scale); 0 = every length is `mean`
+  int min_tokens = 1; ///< clip below
+  int max_tokens = 1; ///< clip above
 };
 
 /// Shape and statistics of a synthetic GRPO trace. The defaults model Qwen3-30B-A3B (48 MoE layers, 128 experts,
@@ -58,13 +58,13 @@ struct LengthDistribution {
 struct SyntheticConfig {
   std::uint64_t seed = 1; ///< everything below is a deterministic function of this
 
-  int num_layers = 48;  ///< MoE layers
+  int num_layers = 48;   ///< MoE layers
   int num_experts = 128; ///< routed experts per layer (at most 32767: ids are int16)
   int topk = 8;          ///< distinct experts per token and layer
 
-  int num_steps = 2;              ///< RL steps
-  int prompts_per_step = 512;     ///< GRPO prompts per step
-  int responses_per_prompt = 8;   ///< GRPO group size; a step has prompts_per_step x responses_per_prompt sequences
+  int num_steps = 2;            ///< RL steps
+  int prompts_per_step = 512;   ///< GRPO prompts per step
+  int responses_per_prompt = 8; ///< GRPO group size; a step has prompts_per_step x responses_per_prompt sequences
   LengthDistribution prompt_length{512.0, 0.6, 32, 8192};    ///< drawn once per prompt
   LengthDistribution response_length{1500.0, 0.8, 16, 8192}; ///< drawn per response
 
@@ -92,7 +92,7 @@ struct SyntheticConfig {
   /// In [0, 1]: probability that a token keeps each of the previous token's experts in a layer.
   double persistence = 0.6;
 
-  int num_gpus = 64;                             ///< data-parallel ranks (8 nodes x 8 GPUs)
+  int num_gpus = 64;                              ///< data-parallel ranks (8 nodes x 8 GPUs)
   std::int64_t microbatch_tokens_per_gpu = 16384; ///< per-rank micro-batch token budget (dynamic batch size)
 
   /// DeepSeek-V3's MoE shape (58 MoE layers, 256 routed experts, top-8), with the skew calibrated so that the
@@ -139,8 +139,7 @@ struct SyntheticConfig {
     require(std::isfinite(skew) && skew >= 0 && skew <= 20, "SyntheticConfig: skew must be in [0, 20], got ", skew);
     require(std::isfinite(skew_layer_sigma) && skew_layer_sigma >= 0,
             "SyntheticConfig: skew_layer_sigma must be finite and >= 0, got ", skew_layer_sigma);
-    require(persistence >= 0 && persistence <= 1, "SyntheticConfig: persistence must be in [0, 1], got ",
-            persistence);
+    require(persistence >= 0 && persistence <= 1, "SyntheticConfig: persistence must be in [0, 1], got ", persistence);
     require(num_gpus > 0, "SyntheticConfig: num_gpus must be positive, got ", num_gpus);
     require(num_gpus <= (1 << 20), "SyntheticConfig: num_gpus ", num_gpus, " exceeds 2^20");
     require(microbatch_tokens_per_gpu > 0, "SyntheticConfig: microbatch_tokens_per_gpu must be positive, got ",
@@ -168,7 +167,8 @@ struct SyntheticTrace {
   int num_layers = 0, topk = 0, num_experts = 0;
   /// `[M + 1]` token offsets: micro-step `m` is tokens `[microbatch_offsets[m], microbatch_offsets[m+1])`.
   std::vector<std::int64_t> microbatch_offsets;
-  /// `[M * num_gpus + 1]`: tokens of micro-step `m` from rank `r` are `[source_offsets[m*G+r], source_offsets[m*G+r+1])`.
+  /// `[M * num_gpus + 1]`: tokens of micro-step `m` from rank `r` are `[source_offsets[m*G+r],
+  /// source_offsets[m*G+r+1])`.
   std::vector<std::int64_t> source_offsets;
   /// `[num_steps + 1]` offsets in micro-steps: step `s` is micro-steps `[step_offsets[s], step_offsets[s+1])`.
   std::vector<std::int64_t> step_offsets;
@@ -228,7 +228,8 @@ public:
     std::uint64_t m = (next() >> 32) * n;
     if (static_cast<std::uint32_t>(m) < n) {
       const std::uint64_t threshold = (std::uint64_t{1} << 32) % n;
-      while ((m & 0xFFFFFFFFu) < threshold) m = (next() >> 32) * n;
+      while ((m & 0xFFFFFFFFu) < threshold)
+        m = (next() >> 32) * n;
     }
     return m >> 32;
   }
@@ -271,12 +272,15 @@ inline double sample_lognormal(Xoshiro256 &rng, double mean, double sigma) noexc
 /// Dirichlet(alpha) into `out` (same size); an all-underflow draw falls back to the normalised alpha.
 inline void sample_dirichlet(Xoshiro256 &rng, const double *alpha, double *out, std::size_t n) noexcept {
   double sum = 0;
-  for (std::size_t i = 0; i < n; ++i) sum += out[i] = sample_gamma(rng, alpha[i]);
+  for (std::size_t i = 0; i < n; ++i)
+    sum += out[i] = sample_gamma(rng, alpha[i]);
   if (!(sum > 0)) {
     sum = 0;
-    for (std::size_t i = 0; i < n; ++i) sum += out[i] = alpha[i];
+    for (std::size_t i = 0; i < n; ++i)
+      sum += out[i] = alpha[i];
   }
-  for (std::size_t i = 0; i < n; ++i) out[i] /= sum;
+  for (std::size_t i = 0; i < n; ++i)
+    out[i] /= sum;
 }
 
 inline int sample_length(Xoshiro256 &rng, const LengthDistribution &d) noexcept {
@@ -295,7 +299,8 @@ public:
     small_.resize(static_cast<std::size_t>(n));
     large_.resize(static_cast<std::size_t>(n));
     double sum = 0;
-    for (int i = 0; i < n; ++i) sum += weights[i];
+    for (int i = 0; i < n; ++i)
+      sum += weights[i];
     std::size_t num_small = 0, num_large = 0;
     for (int i = 0; i < n; ++i) {
       const double s = weights[i] * n / sum;
@@ -360,15 +365,21 @@ inline SyntheticWorld make_world(const SyntheticConfig &cfg) {
     double *p = popularity.data() + static_cast<std::size_t>(l) * ne;
     if (cfg.popularity == PopularityModel::zipf) {
       std::vector<int> perm(ne);
-      for (int e = 0; e < num_experts; ++e) perm[static_cast<std::size_t>(e)] = e;
-      for (std::size_t i = ne; i > 1; --i) std::swap(perm[i - 1], perm[rng.below(i)]);
-      for (std::size_t r = 0; r < ne; ++r) p[perm[r]] = std::pow(static_cast<double>(r + 1), -s);
+      for (int e = 0; e < num_experts; ++e)
+        perm[static_cast<std::size_t>(e)] = e;
+      for (std::size_t i = ne; i > 1; --i)
+        std::swap(perm[i - 1], perm[rng.below(i)]);
+      for (std::size_t r = 0; r < ne; ++r)
+        p[perm[r]] = std::pow(static_cast<double>(r + 1), -s);
     } else {
-      for (std::size_t e = 0; e < ne; ++e) p[e] = std::exp(s * sample_normal(rng));
+      for (std::size_t e = 0; e < ne; ++e)
+        p[e] = std::exp(s * sample_normal(rng));
     }
     double sum = 0;
-    for (std::size_t e = 0; e < ne; ++e) sum += p[e];
-    for (std::size_t e = 0; e < ne; ++e) p[e] /= sum;
+    for (std::size_t e = 0; e < ne; ++e)
+      sum += p[e];
+    for (std::size_t e = 0; e < ne; ++e)
+      p[e] /= sum;
   }
   SyntheticWorld w;
   w.topic_prefs.resize(static_cast<std::size_t>(cfg.num_topics) * popularity.size());
@@ -379,10 +390,12 @@ inline SyntheticWorld make_world(const SyntheticConfig &cfg) {
     for (int l = 0; l < num_layers; ++l) {
       Xoshiro256 rng(stream_seed(cfg.seed, tag_topic, static_cast<std::uint64_t>(t), static_cast<std::uint64_t>(l)));
       const double *p = popularity.data() + static_cast<std::size_t>(l) * ne;
-      for (std::size_t e = 0; e < ne; ++e) alpha[e] = cfg.topic_concentration * num_experts * p[e];
+      for (std::size_t e = 0; e < ne; ++e)
+        alpha[e] = cfg.topic_concentration * num_experts * p[e];
       double *q = w.topic_prefs.data() + (static_cast<std::size_t>(t) * num_layers + l) * ne;
       sample_dirichlet(rng, alpha.data(), q, ne);
-      for (std::size_t e = 0; e < ne; ++e) q[e] = (1.0 - floor_mass) * q[e] + floor_mass / num_experts;
+      for (std::size_t e = 0; e < ne; ++e)
+        q[e] = (1.0 - floor_mass) * q[e] + floor_mass / num_experts;
     }
   return w;
 }
@@ -425,7 +438,8 @@ inline SyntheticStepPlan plan_step(const SyntheticConfig &cfg, int step_idx) {
     Xoshiro256 rng(stream_seed(cfg.seed, tag_prompt, step, pu));
     const int prompt_tokens = sample_length(rng, cfg.prompt_length);
     const std::uint64_t prompt_seed = stream_seed(cfg.seed, tag_route, step, pu, 0);
-    for (std::size_t t = 0; t < topics.size(); ++t) topics[t] = static_cast<int>(t);
+    for (std::size_t t = 0; t < topics.size(); ++t)
+      topics[t] = static_cast<int>(t);
     for (std::size_t i = 0; i < ntp; ++i) { // partial Fisher-Yates: tp distinct topics
       std::swap(topics[i], topics[i + rng.below(topics.size() - i)]);
       plan.prompt_topics[pu * ntp + i] = topics[i];
@@ -455,15 +469,18 @@ inline SyntheticStepPlan plan_step(const SyntheticConfig &cfg, int step_idx) {
   // Shuffle, deal to the least-loaded rank, then pack each rank greedily in order.
   Xoshiro256 rng(stream_seed(cfg.seed, tag_step, step));
   std::vector<int> shuffled(num_seqs);
-  for (std::size_t i = 0; i < num_seqs; ++i) shuffled[i] = static_cast<int>(i);
-  for (std::size_t i = num_seqs; i > 1; --i) std::swap(shuffled[i - 1], shuffled[rng.below(i)]);
+  for (std::size_t i = 0; i < num_seqs; ++i)
+    shuffled[i] = static_cast<int>(i);
+  for (std::size_t i = num_seqs; i > 1; --i)
+    std::swap(shuffled[i - 1], shuffled[rng.below(i)]);
   const auto ng = static_cast<std::size_t>(num_gpus);
   std::vector<std::vector<int>> rank_seqs(ng);
   // (tokens so far, rank), least first; ties go to the lower rank.
   std::priority_queue<std::pair<std::int64_t, std::size_t>, std::vector<std::pair<std::int64_t, std::size_t>>,
                       std::greater<>>
       least_loaded;
-  for (std::size_t r = 0; r < ng; ++r) least_loaded.emplace(0, r);
+  for (std::size_t r = 0; r < ng; ++r)
+    least_loaded.emplace(0, r);
   for (int s : shuffled) {
     const auto [tokens, r] = least_loaded.top();
     least_loaded.pop();
@@ -495,7 +512,8 @@ inline SyntheticStepPlan plan_step(const SyntheticConfig &cfg, int step_idx) {
     for (std::size_t r = 0; r < ng; ++r) {
       plan.block_offsets.push_back(static_cast<std::int64_t>(plan.order.size()));
       if (m + 1 < rank_mb[r].size())
-        for (std::size_t i = rank_mb[r][m]; i < rank_mb[r][m + 1]; ++i) plan.order.push_back(rank_seqs[r][i]);
+        for (std::size_t i = rank_mb[r][m]; i < rank_mb[r][m + 1]; ++i)
+          plan.order.push_back(rank_seqs[r][i]);
     }
   plan.block_offsets.push_back(static_cast<std::int64_t>(plan.order.size()));
   return plan;
@@ -509,9 +527,8 @@ public:
       : num_layers_(cfg.num_layers), num_experts_(cfg.num_experts),
         tp_(static_cast<std::size_t>(cfg.topics_per_prompt)),
         keep_threshold_(static_cast<std::uint64_t>(std::llround(cfg.persistence * 32768.0))),
-        distinct_weights_(cfg.response_topic_weight > 0),
-        prompt_mix_(static_cast<std::size_t>(cfg.num_experts)), response_mix_(prompt_mix_.size()),
-        cur_(static_cast<std::size_t>(cfg.topk), std::int16_t{-1}),
+        distinct_weights_(cfg.response_topic_weight > 0), prompt_mix_(static_cast<std::size_t>(cfg.num_experts)),
+        response_mix_(prompt_mix_.size()), cur_(static_cast<std::size_t>(cfg.topk), std::int16_t{-1}),
         taken_((static_cast<std::size_t>(cfg.num_experts) + 63) / 64, 0),
         drop_((static_cast<std::size_t>(cfg.topk) + 63) / 64, 0), enter_(static_cast<std::size_t>(cfg.topk), 0) {}
 
@@ -548,11 +565,13 @@ private:
     const auto ne = static_cast<std::size_t>(num_experts_);
     std::fill(out, out + ne, 0.0);
     for (std::size_t i = 0; i < num_topics; ++i) {
-      const double *q = world.topic_prefs.data() +
-                        (static_cast<std::size_t>(topics[i]) * static_cast<std::size_t>(num_layers_) +
-                         static_cast<std::size_t>(l)) * ne;
+      const double *q =
+          world.topic_prefs.data() +
+          (static_cast<std::size_t>(topics[i]) * static_cast<std::size_t>(num_layers_) + static_cast<std::size_t>(l)) *
+              ne;
       const double w = weights[i];
-      for (std::size_t e = 0; e < ne; ++e) out[e] += w * q[e];
+      for (std::size_t e = 0; e < ne; ++e)
+        out[e] += w * q[e];
     }
   }
 
@@ -652,7 +671,8 @@ private:
     }
     if constexpr (run_length) {
       const std::int64_t end = first_token + num_tokens;
-      for (std::size_t j = 0; j < k; ++j) row[cur[j]] += end - enter[j];
+      for (std::size_t j = 0; j < k; ++j)
+        row[cur[j]] += end - enter[j];
     }
     rng_ref = rng;
   }
@@ -663,7 +683,7 @@ private:
   bool distinct_weights_;
   std::vector<double> prompt_mix_, response_mix_;
   AliasTable prompt_table_, response_table_;
-  std::vector<std::int16_t> cur_;     ///< current top-k of the chain; -1 before the first draw
+  std::vector<std::int16_t> cur_;    ///< current top-k of the chain; -1 before the first draw
   std::vector<std::uint64_t> taken_; ///< bit set of the experts in `cur_`
   std::vector<std::uint64_t> drop_;  ///< bit set of the slots to re-draw
   std::vector<std::int64_t> enter_;  ///< run-length counting: token at which each slot got its expert
@@ -680,8 +700,8 @@ void run_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStepPl
   for (const SyntheticStepPlan &plan : plans) {
     for (int m = 0; m < plan.num_micro_steps; ++m)
       for (int r = 0; r < cfg.num_gpus; ++r) {
-        const std::size_t b = static_cast<std::size_t>(m) * static_cast<std::size_t>(cfg.num_gpus) +
-                              static_cast<std::size_t>(r);
+        const std::size_t b =
+            static_cast<std::size_t>(m) * static_cast<std::size_t>(cfg.num_gpus) + static_cast<std::size_t>(r);
         sink.begin_block(micro_base + m, r);
         for (std::int64_t i = plan.block_offsets[b]; i < plan.block_offsets[b + 1]; ++i) {
           const int s = plan.order[static_cast<std::size_t>(i)];
@@ -704,7 +724,8 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
   for (int s = 0; s < cfg.num_steps; ++s) {
     plans.push_back(plan_step(cfg, s));
     step_offsets.push_back(step_offsets.back() + plans.back().num_micro_steps);
-    for (const SyntheticSequence &seq : plans.back().sequences) num_tokens += seq.prompt_tokens + seq.response_tokens;
+    for (const SyntheticSequence &seq : plans.back().sequences)
+      num_tokens += seq.prompt_tokens + seq.response_tokens;
   }
   require(step_offsets.back() <= std::numeric_limits<int>::max(), "synthetic trace: ", step_offsets.back(),
           " micro-steps exceed the int range");
@@ -735,8 +756,8 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
     for (int m = 0; m < plan.num_micro_steps; ++m) {
       out.microbatch_offsets.push_back(token);
       for (int r = 0; r < cfg.num_gpus; ++r) {
-        const std::size_t b = static_cast<std::size_t>(m) * static_cast<std::size_t>(cfg.num_gpus) +
-                              static_cast<std::size_t>(r);
+        const std::size_t b =
+            static_cast<std::size_t>(m) * static_cast<std::size_t>(cfg.num_gpus) + static_cast<std::size_t>(r);
         out.source_offsets.push_back(token);
         for (std::int64_t i = plan.block_offsets[b]; i < plan.block_offsets[b + 1]; ++i) {
           const auto &seq = plan.sequences[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(i)])];
@@ -757,7 +778,8 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
       std::copy(ids, ids + k,
                 trace.routed_ids.data() +
                     (static_cast<std::size_t>(token_idx) * static_cast<std::size_t>(trace.num_layers) +
-                     static_cast<std::size_t>(layer_idx)) * k);
+                     static_cast<std::size_t>(layer_idx)) *
+                        k);
     }
   } routes{out};
   detail::run_synthetic(cfg, plans, routes);
@@ -767,9 +789,8 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
 /// Streams the same tokens as `generate_trace(cfg)` and counts them into `[micro_steps][num_layers][num_experts]`
 /// loads without storing ids; with `by_source` also `[...][num_gpus]` by source rank. `step_offsets`, if given,
 /// receives the `[num_steps + 1]` micro-step offsets of the steps. Throws `Error` for an invalid config.
-[[nodiscard]] inline LoadTensor generate_loads(const SyntheticConfig &cfg,
-                                               std::vector<std::int64_t> *step_offsets = nullptr,
-                                               bool by_source = false) {
+[[nodiscard]] inline LoadTensor
+generate_loads(const SyntheticConfig &cfg, std::vector<std::int64_t> *step_offsets = nullptr, bool by_source = false) {
   cfg.validate();
   std::vector<std::int64_t> steps;
   std::int64_t num_tokens = 0;
@@ -788,11 +809,13 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
       for (int l = 0; l < num_layers; ++l) {
         const std::int64_t *row = block.data() + static_cast<std::size_t>(l) * ne;
         auto tot = out.layer(micro_idx, l);
-        for (std::size_t e = 0; e < ne; ++e) tot[e] += row[e];
+        for (std::size_t e = 0; e < ne; ++e)
+          tot[e] += row[e];
         if (out.has_sources()) {
           auto src = out.layer_by_source(micro_idx, l);
           const auto ns = static_cast<std::size_t>(out.num_sources());
-          for (std::size_t e = 0; e < ne; ++e) src[e * ns + static_cast<std::size_t>(rank_idx)] = row[e];
+          for (std::size_t e = 0; e < ne; ++e)
+            src[e * ns + static_cast<std::size_t>(rank_idx)] = row[e];
         }
       }
     }

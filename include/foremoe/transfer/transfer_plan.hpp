@@ -39,9 +39,9 @@ inline constexpr int num_paths = 3;
 
 /// Knobs of transfer planning.
 struct Options {
-  std::int64_t expert_bytes = 0;                       ///< bytes of one expert's weights (all its tensors)
+  std::int64_t expert_bytes = 0;                         ///< bytes of one expert's weights (all its tensors)
   std::int64_t max_chunk_bytes = std::int64_t{64} << 20; ///< pieces of one path are cut to at most this (retry unit)
-  std::int64_t align_bytes = 4096;                     ///< chunk boundaries are multiples of this (but the tail)
+  std::int64_t align_bytes = 4096;                       ///< chunk boundaries are multiples of this (but the tail)
   bool split_paths = true;   ///< split a move across GPU-direct and the mirror so that both finish together
   bool host_mirror = true;   ///< every node has a valid pinned mirror of all experts
   bool allow_network = true; ///< read from another node's GPU when the node has no source at all
@@ -50,7 +50,7 @@ struct Options {
     foremoe::detail::require(expert_bytes > 0, "transfer::Options: expert_bytes must be positive, got ", expert_bytes);
     foremoe::detail::require(align_bytes > 0, "transfer::Options: align_bytes must be positive, got ", align_bytes);
     foremoe::detail::require(max_chunk_bytes >= align_bytes, "transfer::Options: max_chunk_bytes (", max_chunk_bytes,
-                    ") must be at least align_bytes (", align_bytes, ")");
+                             ") must be at least align_bytes (", align_bytes, ")");
   }
 };
 
@@ -165,17 +165,17 @@ inline void estimate(TransferPlan &plan, const Topology &topo) {
   opt.validate();
   const int num_gpus = topo.num_gpus(), slots = topo.slots_per_gpu, gpn = topo.gpus_per_node;
   foremoe::detail::require(resident.num_gpus() == num_gpus && resident.slots_per_gpu() == slots,
-                  "plan_transfers: resident placement is ", resident.num_gpus(), " GPUs x ", resident.slots_per_gpu(),
-                  " slots, topology is ", num_gpus, " x ", slots);
+                           "plan_transfers: resident placement is ", resident.num_gpus(), " GPUs x ",
+                           resident.slots_per_gpu(), " slots, topology is ", num_gpus, " x ", slots);
   const int num_experts = resident.num_experts();
   std::vector<char> overwritten(static_cast<std::size_t>(resident.num_slots()), 0);
   for (std::size_t i = 0; i < moves.size(); ++i) {
     const Move &m = moves[i];
-    foremoe::detail::require(m.expert >= 0 && m.expert < num_experts, "plan_transfers: move ", i, " copies expert ", m.expert,
-                    ", outside [0, ", num_experts, ")");
+    foremoe::detail::require(m.expert >= 0 && m.expert < num_experts, "plan_transfers: move ", i, " copies expert ",
+                             m.expert, ", outside [0, ", num_experts, ")");
     foremoe::detail::require(m.dst_gpu >= 0 && m.dst_gpu < num_gpus && m.dst_slot >= 0 && m.dst_slot < slots,
-                    "plan_transfers: move ", i, " targets GPU ", m.dst_gpu, " slot ", m.dst_slot, ", outside ",
-                    num_gpus, " GPUs x ", slots, " slots");
+                             "plan_transfers: move ", i, " targets GPU ", m.dst_gpu, " slot ", m.dst_slot, ", outside ",
+                             num_gpus, " GPUs x ", slots, " slots");
     char &w = overwritten[static_cast<std::size_t>(m.dst_gpu) * slots + m.dst_slot];
     foremoe::detail::require(!w, "plan_transfers: two moves write GPU ", m.dst_gpu, " slot ", m.dst_slot);
     w = 1;
@@ -260,11 +260,10 @@ inline void estimate(TransferPlan &plan, const Topology &topo) {
       pc_in[dst] += static_cast<double>(total) * inv_pc;
       plan.moves[i].src_gpu = host_mirror;
     } else {
-      foremoe::detail::require(opt.allow_network && best_remote >= 0, "plan_transfers: move ", i, " of expert ", m.expert,
-                      " to GPU ", dst, " has no source: no copy on node ", node,
-                      opt.host_mirror ? "" : ", no host mirror",
-                      opt.allow_network ? (best_remote < 0 ? ", no copy on any other node" : "")
-                                        : ", network sources disallowed");
+      foremoe::detail::require(
+          opt.allow_network && best_remote >= 0, "plan_transfers: move ", i, " of expert ", m.expert, " to GPU ", dst,
+          " has no source: no copy on node ", node, opt.host_mirror ? "" : ", no host mirror",
+          opt.allow_network ? (best_remote < 0 ? ", no copy on any other node" : "") : ", network sources disallowed");
       emit(idx, Path::network, best_remote, best_remote_slot, 0, total);
       net_out[best_remote] += static_cast<double>(total) * inv_net;
       net_in[dst] += static_cast<double>(total) * inv_net;
@@ -296,8 +295,8 @@ inline void estimate(TransferPlan &plan, const Topology &topo) {
 inline void validate(const TransferPlan &plan, std::span<const Move> moves, const LayerPlacement &resident,
                      const Topology &topo, const Options &opt) {
   const int slots = topo.slots_per_gpu, gpn = topo.gpus_per_node, num_gpus = topo.num_gpus();
-  foremoe::detail::require(plan.moves.size() == moves.size(), "TransferPlan: ", plan.moves.size(), " moves for ", moves.size(),
-                  " requested");
+  foremoe::detail::require(plan.moves.size() == moves.size(), "TransferPlan: ", plan.moves.size(), " moves for ",
+                           moves.size(), " requested");
   std::vector<char> overwritten(static_cast<std::size_t>(resident.num_slots()), 0);
   for (const Move &m : moves)
     overwritten[static_cast<std::size_t>(m.dst_gpu) * slots + m.dst_slot] = 1;
@@ -305,37 +304,39 @@ inline void validate(const TransferPlan &plan, std::span<const Move> moves, cons
   std::map<std::tuple<int, int, int, int>, int> used; // (round, link) -> chunk
   for (std::size_t i = 0; i < plan.chunks.size(); ++i) {
     const Chunk &c = plan.chunks[i];
-    foremoe::detail::require(c.move_idx >= 0 && static_cast<std::size_t>(c.move_idx) < moves.size(), "TransferPlan: chunk ", i,
-                    " belongs to move ", c.move_idx, " of ", moves.size());
+    foremoe::detail::require(c.move_idx >= 0 && static_cast<std::size_t>(c.move_idx) < moves.size(),
+                             "TransferPlan: chunk ", i, " belongs to move ", c.move_idx, " of ", moves.size());
     const Move &m = moves[c.move_idx];
-    foremoe::detail::require(c.expert == m.expert && c.dst_gpu == m.dst_gpu && c.dst_slot == m.dst_slot, "TransferPlan: chunk ",
-                    i, " does not match move ", c.move_idx);
+    foremoe::detail::require(c.expert == m.expert && c.dst_gpu == m.dst_gpu && c.dst_slot == m.dst_slot,
+                             "TransferPlan: chunk ", i, " does not match move ", c.move_idx);
     foremoe::detail::require(c.num_bytes > 0 && c.num_bytes <= opt.max_chunk_bytes && c.offset_bytes >= 0 &&
-                        c.offset_bytes + c.num_bytes <= plan.expert_bytes,
-                    "TransferPlan: chunk ", i, " covers bytes [", c.offset_bytes, ", ", c.offset_bytes + c.num_bytes,
-                    ") of an expert of ", plan.expert_bytes, " with chunks of at most ", opt.max_chunk_bytes);
+                                 c.offset_bytes + c.num_bytes <= plan.expert_bytes,
+                             "TransferPlan: chunk ", i, " covers bytes [", c.offset_bytes, ", ",
+                             c.offset_bytes + c.num_bytes, ") of an expert of ", plan.expert_bytes,
+                             " with chunks of at most ", opt.max_chunk_bytes);
     if (c.path == Path::pcie) {
       foremoe::detail::require(c.src_gpu == host_mirror && opt.host_mirror, "TransferPlan: chunk ", i,
-                      " goes over PCIe but does not read the host mirror (or there is none)");
+                               " goes over PCIe but does not read the host mirror (or there is none)");
     } else {
       foremoe::detail::require(c.src_gpu >= 0 && c.src_gpu < num_gpus && c.src_gpu != c.dst_gpu && c.src_slot >= 0 &&
-                          c.src_slot < slots,
-                      "TransferPlan: chunk ", i, " reads GPU ", c.src_gpu, " slot ", c.src_slot);
-      foremoe::detail::require(resident.slot(c.src_gpu, c.src_slot) == c.expert, "TransferPlan: chunk ", i, " reads expert ",
-                      c.expert, " from GPU ", c.src_gpu, " slot ", c.src_slot, ", which holds ",
-                      resident.slot(c.src_gpu, c.src_slot));
-      foremoe::detail::require(!overwritten[static_cast<std::size_t>(c.src_gpu) * slots + c.src_slot], "TransferPlan: chunk ",
-                      i, " reads GPU ", c.src_gpu, " slot ", c.src_slot, ", which the same batch overwrites");
+                                   c.src_slot < slots,
+                               "TransferPlan: chunk ", i, " reads GPU ", c.src_gpu, " slot ", c.src_slot);
+      foremoe::detail::require(resident.slot(c.src_gpu, c.src_slot) == c.expert, "TransferPlan: chunk ", i,
+                               " reads expert ", c.expert, " from GPU ", c.src_gpu, " slot ", c.src_slot,
+                               ", which holds ", resident.slot(c.src_gpu, c.src_slot));
+      foremoe::detail::require(!overwritten[static_cast<std::size_t>(c.src_gpu) * slots + c.src_slot],
+                               "TransferPlan: chunk ", i, " reads GPU ", c.src_gpu, " slot ", c.src_slot,
+                               ", which the same batch overwrites");
       const bool same_node = c.src_gpu / gpn == c.dst_gpu / gpn;
-      foremoe::detail::require(same_node == (c.path == Path::nvlink), "TransferPlan: chunk ", i, " uses ", to_string(c.path),
-                      " between GPUs ", c.src_gpu, " and ", c.dst_gpu);
+      foremoe::detail::require(same_node == (c.path == Path::nvlink), "TransferPlan: chunk ", i, " uses ",
+                               to_string(c.path), " between GPUs ", c.src_gpu, " and ", c.dst_gpu);
     }
     auto [p, s, d] = detail::link_of(c);
     auto [it, fresh] = used.try_emplace({c.round, p, s, d}, static_cast<int>(i));
     foremoe::detail::require(fresh, "TransferPlan: chunks ", it->second, " and ", i, " share a ", to_string(c.path),
-                    " link in round ", c.round);
-    foremoe::detail::require(c.round >= 0 && c.round < plan.num_rounds, "TransferPlan: chunk ", i, " in round ", c.round,
-                    " of ", plan.num_rounds);
+                             " link in round ", c.round);
+    foremoe::detail::require(c.round >= 0 && c.round < plan.num_rounds, "TransferPlan: chunk ", i, " in round ",
+                             c.round, " of ", plan.num_rounds);
     ranges[c.move_idx].push_back({c.offset_bytes, c.offset_bytes + c.num_bytes});
   }
   for (std::size_t i = 0; i < moves.size(); ++i) {
@@ -343,12 +344,12 @@ inline void validate(const TransferPlan &plan, std::span<const Move> moves, cons
     std::sort(r.begin(), r.end());
     std::int64_t at = 0;
     for (auto [lo, hi] : r) {
-      foremoe::detail::require(lo == at, "TransferPlan: move ", i, " has ", lo < at ? "overlapping" : "missing", " bytes at ",
-                      std::min(lo, at));
+      foremoe::detail::require(lo == at, "TransferPlan: move ", i, " has ", lo < at ? "overlapping" : "missing",
+                               " bytes at ", std::min(lo, at));
       at = hi;
     }
-    foremoe::detail::require(at == plan.expert_bytes, "TransferPlan: move ", i, " covers ", at, " of ", plan.expert_bytes,
-                    " bytes");
+    foremoe::detail::require(at == plan.expert_bytes, "TransferPlan: move ", i, " covers ", at, " of ",
+                             plan.expert_bytes, " bytes");
   }
 }
 

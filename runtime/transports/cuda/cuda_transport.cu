@@ -458,8 +458,9 @@ public:
     try {
       FOREMOE_CUDA_CHECK(cudaSetDevice(d));
       cudaStream_t s = streams_[d][transfer::num_paths];
-      const int blocks = static_cast<int>(std::min<std::int64_t>(2048, (n + 255) / 256));
-      accumulate_kernel<<<blocks > 0 ? blocks : 1, 256, 0, s>>>(dst, src, n);
+      // At least one block; the grid is named so that clang-format keeps the launch syntax whole.
+      const int grid = std::max(1, static_cast<int>(std::min<std::int64_t>(2048, (n + 255) / 256)));
+      accumulate_kernel<<<grid, 256, 0, s>>>(dst, src, n);
       FOREMOE_CUDA_CHECK(cudaGetLastError());
       return wait_stream(s, "accumulate");
     } catch (const DeviceError &e) {

@@ -23,7 +23,8 @@ void HostFabric::Impl::complete(Group &g, const std::string &error) {
 }
 
 void HostFabric::Impl::post(PeerOp *op, const std::shared_ptr<Group> &g, const void *owner) {
-  const std::pair<int, int> key = op->send ? std::pair{op->local_gpu, op->peer_gpu} : std::pair{op->peer_gpu, op->local_gpu};
+  const std::pair<int, int> key =
+      op->send ? std::pair{op->local_gpu, op->peer_gpu} : std::pair{op->peer_gpu, op->local_gpu};
   std::lock_guard lock(mu_);
   auto &mine = op->send ? sends_[key] : recvs_[key];
   auto &theirs = op->send ? recvs_[key] : sends_[key];

@@ -116,7 +116,8 @@ public:
   void free(int, std::byte *p) noexcept override { delete[] p; }
   Status alloc_flags(std::int64_t n, volatile std::uint32_t *&flags) override {
     flags = new (std::nothrow) std::uint32_t[static_cast<std::size_t>(n)]();
-    if (flags == nullptr) return {StatusCode::internal, "host transport: out of memory for " + std::to_string(n) + " flags"};
+    if (flags == nullptr)
+      return {StatusCode::internal, "host transport: out of memory for " + std::to_string(n) + " flags"};
     return Status::success();
   }
   void free_flags(volatile std::uint32_t *flags) noexcept override { delete[] const_cast<std::uint32_t *>(flags); }
