@@ -42,7 +42,7 @@ std::vector<OptionSpec> synthetic_specs(const SyntheticConfig &defaults) {
 /// The config the generator flags give over `defaults` (bad flags are usage errors; a config that
 /// `SyntheticConfig::validate` refuses is an error).
 SyntheticConfig synthetic_config(const Args &a, SyntheticConfig defaults) {
-  return config::read_synthetic(schema_overrides(config::synthetic_settings_schema(), a), "--", std::move(defaults));
+  return config::read_synthetic(schema_overrides(config::synthetic_settings_schema(), a), "--", defaults);
 }
 
 // ------------------------------------------------------------------ trace gen
@@ -56,9 +56,9 @@ Command make_trace_gen() {
       "with OUT.microbatches.npy (token offsets of the micro-steps), OUT.sources.npy (token offsets per source\n"
       "rank within micro-steps) and OUT.steps.npy.";
   c.options = synthetic_specs(SyntheticConfig{});
-  c.options.push_back({"loads", "FILE.npy", "write the per-micro-step loads here", ""});
-  c.options.push_back({"ids", "FILE.npy", "write the routed ids here (memory: tokens x layers x topk x 2 bytes)", ""});
-  c.options.push_back({"by-source", "", "split the loads by source rank ([M, L, E, gpus])", ""});
+  c.options.emplace_back("loads", "FILE.npy", "write the per-micro-step loads here", "");
+  c.options.emplace_back("ids", "FILE.npy", "write the routed ids here (memory: tokens x layers x topk x 2 bytes)", "");
+  c.options.emplace_back("by-source", "", "split the loads by source rank ([M, L, E, gpus])", "");
   c.run = [](const Args &a, std::ostream &out, std::ostream &) {
     const SyntheticConfig cfg = synthetic_config(a, SyntheticConfig{});
     if (!a.has("loads") && !a.has("ids")) throw UsageError{"give --loads FILE.npy and/or --ids FILE.npy"};
@@ -129,14 +129,14 @@ Command make_trace_stats() {
       "statistics in --data-dir or $FOREMOE_DATA_DIR when present. With FILE, --gpus N splits the experts\n"
       "over N GPUs for the GPU skew and --microbatch-tokens N cuts routed ids into micro-steps of N tokens.";
   c.options = synthetic_specs(stats_default_config());
-  c.options.push_back(
-      {"steps-file", "FILE.npy", "micro-step offsets of the RL steps (default: FILE.steps.npy if present)", ""});
-  c.options.push_back({"microsteps-per-step", "N", "cut the micro-steps into steps of N", ""});
-  c.options.push_back({"microbatches", "FILE.npy", "FILE is routed ids; token offsets of the micro-steps", ""});
-  c.options.push_back({"num-experts", "N", "experts per layer for routed ids (default: largest id + 1)", ""});
-  c.options.push_back(
-      {"dense-layers", "N", "routed ids hold N leading dense layers to skip (vLLM/SGLang layout)", "0"});
-  c.options.push_back({"data-dir", "DIR", "reference data folder (shared/data) to compare against", ""});
+  c.options.emplace_back("steps-file", "FILE.npy",
+                         "micro-step offsets of the RL steps (default: FILE.steps.npy if present)", "");
+  c.options.emplace_back("microsteps-per-step", "N", "cut the micro-steps into steps of N", "");
+  c.options.emplace_back("microbatches", "FILE.npy", "FILE is routed ids; token offsets of the micro-steps", "");
+  c.options.emplace_back("num-experts", "N", "experts per layer for routed ids (default: largest id + 1)", "");
+  c.options.emplace_back("dense-layers", "N", "routed ids hold N leading dense layers to skip (vLLM/SGLang layout)",
+                         "0");
+  c.options.emplace_back("data-dir", "DIR", "reference data folder (shared/data) to compare against", "");
   c.run = [](const Args &a, std::ostream &out, std::ostream &err) {
     LoadTensor loads;
     std::vector<std::int64_t> steps;

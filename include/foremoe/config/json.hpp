@@ -437,7 +437,7 @@ inline void write(std::string &out, const Value &v, int indent = -1, int level =
   auto newline = [&](int lvl) {
     if (indent < 0) return;
     out += '\n';
-    out.append(static_cast<std::size_t>(indent * lvl), ' ');
+    out.append(static_cast<std::size_t>(indent) * static_cast<std::size_t>(lvl), ' ');
   };
   switch (v.kind()) {
   case Kind::null: out += "null"; break;

@@ -184,7 +184,7 @@ struct SyntheticSettings {
 [[nodiscard]] inline SyntheticConfig read_synthetic(const json::Value &doc, std::string root,
                                                     SyntheticConfig defaults = {}) {
   SyntheticSettings s;
-  s.config = std::move(defaults);
+  s.config = defaults;
   synthetic_settings_schema().read(s, doc, std::move(root));
   s.config.validate();
   return s.config;

@@ -342,7 +342,9 @@ private:
   }
   template <class F> void walk(const json::Value &obj, const std::string &prefix, const Layer &l, F &&f) const {
     for (const auto &[k, v] : obj.as_object()) {
-      const std::string key = prefix.empty() ? k : prefix + "." + k;
+      std::string key = prefix;
+      if (!key.empty()) key += '.';
+      key += k;
       if (const Option<T> *o = find_key(key)) {
         f(*o, v);
       } else if (is_section(key)) {
@@ -372,11 +374,11 @@ private:
 
 /// An option of `type` read through `get` and written through `set` (which gets checked values).
 template <class T, class Get, class Set>
-[[nodiscard]] Option<T> bound(std::string key, Type type, std::string help, Get get, Set set) {
+[[nodiscard]] Option<T> bound(const std::string &key, Type type, const std::string &help, Get get, Set set) {
   Option<T> o;
-  o.key = std::move(key);
+  o.key = key;
   o.type = type;
-  o.help = std::move(help);
+  o.help = help;
   o.get = std::move(get);
   o.set = std::move(set);
   return o;
@@ -422,11 +424,12 @@ template <class T, class F> [[nodiscard]] Option<T> string(std::string key, std:
 
 /// A choice stored through conversions: `to` gives the field's name, `from` sets the field from a name.
 template <class T, class To, class From>
-[[nodiscard]] Option<T> choice(std::string key, std::vector<std::string> choices, std::string help, To to, From from) {
+[[nodiscard]] Option<T> choice(std::string key, const std::vector<std::string> &choices, std::string help, To to,
+                               From from) {
   Option<T> o = bound<T>(
       std::move(key), Type::choice, std::move(help), [to](const T &t) { return json::Value(std::string(to(t))); },
       [from](T &t, const json::Value &v) { from(t, v.as_string()); });
-  o.choices = std::move(choices);
+  o.choices = choices;
   return o;
 }
 
