@@ -106,6 +106,29 @@ template <class T> void property_round(std::mt19937_64 &rng) {
             ids[(std::size_t(t) * L + l) * K + k];
   const RoutedView strided(fortran.data(), id_dtype_of<T>(), T_, L, K, {1, T_, T_ * L});
   CHECK(count_loads(strided, o) == fast);
+
+  // Masked counting equals counting the unmasked tokens with the masked ones set to "no route".
+  std::vector<std::uint8_t> mask(static_cast<std::size_t>(T_));
+  const auto keep = 1 + rng() % 4; // from all kept to about a quarter masked
+  for (auto &b : mask)
+    b = static_cast<std::uint8_t>(rng() % keep == 0 ? 0 : 1 + rng() % 255);
+  std::vector<T> unrouted = ids;
+  for (std::int64_t t = 0; t < T_; ++t)
+    if (mask[std::size_t(t)] == 0)
+      for (int j = 0; j < L * K; ++j)
+        unrouted[std::size_t(t) * L * K + j] = static_cast<T>(-1);
+  CountOptions om = o;
+  om.mask = mask;
+  const LoadTensor masked = count_loads(view, om);
+  masked.validate();
+  CHECK(masked == count_loads(RoutedView(std::span<const T>(unrouted), T_, L, K), o));
+  CHECK(count_loads(strided, om) == masked);
+  // A bad id under a masked token is never read, so it cannot fail.
+  if (T_ > 0 && mask[0] == 0) {
+    std::vector<T> bad = ids;
+    bad[0] = static_cast<T>(E < 127 ? E : 0);
+    if (bad[0] == static_cast<T>(E)) CHECK(count_loads(RoutedView(std::span<const T>(bad), T_, L, K), om) == masked);
+  }
 }
 
 } // namespace
@@ -193,4 +216,24 @@ TEST_CASE("LayerMap presets") {
   CHECK(il.num_moe_layers() == 4);
   CHECK(il.moe_layer(7) == 3);
   CHECK(il.moe_layer(0) == -1);
+}
+
+TEST_CASE("count_loads mask: wrong length is refused; all-zero mask counts nothing") {
+  std::vector<std::int16_t> ids{0, 1, 2, 3, 1, 1};
+  CountOptions o;
+  o.num_experts = 4;
+  std::vector<std::uint8_t> mask{1, 0};
+  o.mask = mask;
+  CHECK_THROWS_WITH_AS((void)count_loads(std::span<const std::int16_t>(ids), 3, 1, 2, o),
+                       doctest::Contains("mask has 2 entries but the trace has 3 tokens"), Error);
+  std::vector<std::uint8_t> zeros(3, 0);
+  o.mask = zeros;
+  const LoadTensor none = count_loads(std::span<const std::int16_t>(ids), 3, 1, 2, o);
+  for (int e = 0; e < 4; ++e)
+    CHECK(none.at(0, 0, e) == 0);
+  std::vector<std::uint8_t> last{0, 0, 1};
+  o.mask = last;
+  const LoadTensor one = count_loads(std::span<const std::int16_t>(ids), 3, 1, 2, o);
+  CHECK(one.at(0, 0, 1) == 2);
+  CHECK(one.at(0, 0, 0) == 0);
 }

@@ -30,6 +30,10 @@ struct CountOptions {
   /// of micro-step `m` held by rank `r` are `[so[m*S + r], so[m*S + r + 1])`.
   /// Empty with `num_sources > 0` splits each micro-step into equal ranges.
   std::span<const std::int64_t> source_offsets{};
+  /// `[num_tokens]` per-token mask: tokens with `mask[t] == 0` are not counted
+  /// (padding, e.g. verl's left-padded `routed_experts` under its attention
+  /// mask). Empty counts every token. Offsets still index the unmasked stream.
+  std::span<const std::uint8_t> mask{};
 };
 
 namespace detail {
@@ -59,7 +63,7 @@ inline void check_offsets(std::span<const std::int64_t> offsets, std::int64_t nu
 /// and no branch; the caller checks the last bins once per range.
 template <class T, bool Contiguous>
 void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const int *moe_of, int num_experts,
-                 std::uint32_t *bins) {
+                 std::uint32_t *bins, const std::uint8_t *mask) {
   const T *ids = static_cast<const T *>(v.data());
   const int num_layers = v.num_layers(), topk = v.topk();
   const auto [s0, s1, s2] = v.strides();
@@ -69,6 +73,7 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
   const bool wrap = unsigned_ids && num_experts <= static_cast<int>(std::numeric_limits<T>::max());
   const std::size_t row = count_row(num_experts);
   for (std::int64_t t = t0; t < t1; ++t) {
+    if (mask != nullptr && mask[t] == 0) continue; // one predictable byte load per token, not per id
     for (int l = 0; l < num_layers; ++l) {
       const int ml = moe_of[l];
       if (ml < 0) continue;
@@ -90,9 +95,10 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
 }
 
 [[noreturn]] inline void report_bad_id(const RoutedView &v, std::int64_t t0, std::int64_t t1, const int *moe_of,
-                                       int num_experts) {
+                                       int num_experts, const std::uint8_t *mask) {
   for (std::int64_t t = t0; t < t1; ++t)
-    for (int l = 0; l < v.num_layers(); ++l) {
+    if (mask == nullptr || mask[t] != 0)
+      for (int l = 0; l < v.num_layers(); ++l) {
       if (moe_of[l] < 0) continue;
       for (int k = 0; k < v.topk(); ++k) {
         const std::int64_t id = v.at(t, l, k, num_experts);
@@ -165,6 +171,9 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
   std::vector<std::uint32_t> bins(static_cast<std::size_t>(num_moe) * row);
   const int *moe_of = lmap.map().data();
   const bool contiguous = ids.is_contiguous();
+  require(opts.mask.empty() || static_cast<std::int64_t>(opts.mask.size()) == num_tokens, "count_loads: mask has ",
+          opts.mask.size(), " entries but the trace has ", num_tokens, " tokens");
+  const std::uint8_t *mask = opts.mask.empty() ? nullptr : opts.mask.data();
 
   // Counts `[t0, t1)`, at most `count_chunk_tokens()` long, into fresh bins.
   auto count_into_bins = [&](std::int64_t t0, std::int64_t t1) {
@@ -173,13 +182,13 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
       using T = decltype(tag);
       // A top-k fixed at compile time (fully unrolled) measured slower than this loop.
       if (contiguous)
-        detail::count_range<T, true>(ids, t0, t1, moe_of, num_experts, bins.data());
+        detail::count_range<T, true>(ids, t0, t1, moe_of, num_experts, bins.data(), mask);
       else
-        detail::count_range<T, false>(ids, t0, t1, moe_of, num_experts, bins.data());
+        detail::count_range<T, false>(ids, t0, t1, moe_of, num_experts, bins.data(), mask);
     });
     for (int l = 0; l < num_moe; ++l)
       if (bins[static_cast<std::size_t>(l) * row + row - 1] != 0) [[unlikely]]
-        detail::report_bad_id(ids, t0, t1, moe_of, num_experts);
+        detail::report_bad_id(ids, t0, t1, moe_of, num_experts, mask);
   };
 
   // Per-source counts of the current micro-step, `[src][layer][expert]`, so
