@@ -10,6 +10,7 @@
 #include "foremoe/config/options.hpp"
 #include "foremoe/trace/count.hpp"
 #include "foremoe/trace/io.hpp"
+#include "foremoe/trace/readers.hpp"
 #include "foremoe/trace/stats.hpp"
 #include "foremoe/trace/synthetic.hpp"
 
@@ -154,7 +155,9 @@ Command make_trace_stats() {
       out << "synthetic trace generated in " << std::fixed << std::setprecision(2) << seconds_since(t0) << " s\n\n";
     } else {
       const fs::path p = a.positional()[0];
-      if (a.has("microbatch-tokens") || a.has("microbatches")) {
+      const fs::path mb_sidecar = sidecar_path(p, "microbatches");
+      const bool ids_input = a.has("microbatch-tokens") || a.has("microbatches") || fs::exists(mb_sidecar);
+      if (ids_input) {
         const RoutedIdsFile ids = read_routed_ids_npy(p);
         const RoutedView view = ids.view();
         CountOptions o;
@@ -178,6 +181,9 @@ Command make_trace_stats() {
         if (a.has("microbatches")) {
           if (a.has("microbatch-tokens")) throw UsageError{"give --microbatch-tokens or --microbatches, not both"};
           mb = read_offsets_npy(a.str("microbatches"));
+        } else if (!a.has("microbatch-tokens")) {
+          mb = read_offsets_npy(mb_sidecar);
+          err << "micro-steps from " << mb_sidecar.string() << "\n";
         } else {
           const std::int64_t n = a.integer("microbatch-tokens", 1, std::int64_t{1} << 40);
           for (std::int64_t t = 0; t < view.num_tokens(); t += n)
@@ -198,9 +204,15 @@ Command make_trace_stats() {
         for (std::int64_t m = 0; m < loads.num_micro_steps(); m += n)
           steps.push_back(m);
         steps.push_back(loads.num_micro_steps());
-      } else if (!a.has("microbatch-tokens") && fs::exists(sidecar_path(p, "steps"))) {
+      } else if ((!ids_input || !a.has("microbatch-tokens")) && fs::exists(sidecar_path(p, "steps"))) {
         steps = read_offsets_npy(sidecar_path(p, "steps"));
         err << "steps from " << sidecar_path(p, "steps").string() << "\n";
+        if (!ids_input && !steps.empty() && steps.back() != loads.num_micro_steps())
+          throw UsageError{sidecar_path(p, "steps").string() + " ends at micro-step " + std::to_string(steps.back()) +
+                           " but " + p.string() + " read as loads has " + std::to_string(loads.num_micro_steps()) +
+                           " micro-steps; if it holds routed ids [T, L, K], pass --microbatches FILE.npy or "
+                           "--microbatch-tokens N (or keep the " +
+                           mb_sidecar.string() + " sidecar that trace gen writes)"};
       }
       if (a.has("gpus")) {
         num_gpus = static_cast<int>(a.integer("gpus", 1, 1 << 20));
@@ -222,6 +234,141 @@ Command make_trace_stats() {
   return c;
 }
 
+// ---------------------------------------------------------------- trace count
+/// Largest routed id + 1 over the unmasked tokens (the expert count when none is given).
+int infer_num_experts(const RoutedView &v, std::span<const std::uint8_t> mask) {
+  std::int64_t mx = -1;
+  for (std::int64_t t = 0; t < v.num_tokens(); ++t) {
+    if (!mask.empty() && mask[static_cast<std::size_t>(t)] == 0) continue;
+    for (int l = 0; l < v.num_layers(); ++l)
+      for (int k = 0; k < v.topk(); ++k)
+        mx = std::max(mx, v.at(t, l, k, 1 << 30));
+  }
+  if (mx < 0) throw UsageError{"the trace routes no token; give --experts"};
+  if (mx >= 32767) throw UsageError{"largest id " + std::to_string(mx) + " is beyond 32766; give --experts"};
+  return static_cast<int>(mx + 1);
+}
+
+Command make_trace_count() {
+  Command c;
+  c.words = {"trace", "count"};
+  c.usage = "FILE";
+  c.max_positional = 1;
+  c.summary = "count routed ids (NPY, verl, SGLang, Megatron) into loads [M, L, E] as NPY";
+  c.description =
+      "Input forms (--format, auto by default):\n"
+      "  npy       routed ids [T, L, K] (int8/uint8/int16/uint16/int32/int64, -1 = no route), tokens in\n"
+      "            execution order; FILE.microbatches.npy ([M+1] token offsets) and FILE.sources.npy\n"
+      "            ([M*S+1]) are picked up when present, as trace gen writes them.\n"
+      "  verl      routed_experts [batch, seq, L, K] (C order) as NPY; --mask FILE.npy is the attention\n"
+      "            mask [batch, seq] (bool/int, 0 = padding; verl pads on the left): masked tokens are not\n"
+      "            counted. Tokens run row by row (t = b * seq + s); offsets index that stream.\n"
+      "  sglang    JSON lines, one request per line, each with routed_experts (top level or under meta_info)\n"
+      "            = base64 of little-endian int32 [tokens, layers, topk]; give --layers and --topk.\n"
+      "            Requests are concatenated in file order; malformed base64 is an error naming the line.\n"
+      "  megatron  NPY [L, T, K]: Megatron-core router replay's per-layer RouterReplay.recorded_topk_idx\n"
+      "            ([T, K] per MoE layer, layer order) stacked on axis 0 (torch.stack(...).numpy()).\n"
+      "Micro-steps: --microbatches FILE.npy, else --microbatch-tokens N, else the sidecar, else one.\n"
+      "Writes --out LOADS.npy (int64 [M, L, E], [M, L, E, S] with --by-source) and LOADS.steps.npy\n"
+      "when FILE.steps.npy exists, the files plan, simulate and trace stats read.";
+  c.options = schema_specs(config::count_schema());
+  c.options.emplace_back("out", "FILE.npy", "write the loads here (required)", "");
+  c.options.emplace_back("mask", "FILE.npy", "verl: attention mask [batch, seq] (0 = padding, not counted)", "");
+  c.options.emplace_back("microbatches", "FILE.npy", "token offsets [M+1] of the micro-steps", "");
+  c.run = [](const Args &a, std::ostream &out, std::ostream &err) {
+    config::CountSettings cs;
+    config::count_schema().read(cs, schema_overrides(config::count_schema(), a), "--");
+    if (a.positional().empty()) throw UsageError{"give the routed-id FILE to count"};
+    if (!a.has("out")) throw UsageError{"give --out LOADS.npy"};
+    const fs::path p = a.positional()[0], outp = a.str("out");
+    std::string fmt = cs.format;
+    if (fmt == "auto") {
+      const std::string ext = p.extension().string();
+      if (ext == ".jsonl" || ext == ".json" || ext == ".ndjson")
+        fmt = "sglang";
+      else
+        fmt = read_npy(p).shape.size() == 4 ? "verl" : "npy";
+    }
+    if (a.has("mask") && fmt != "verl") throw UsageError{"--mask is for --format verl (got " + fmt + ")"};
+    RoutedRecord rec;
+    if (fmt == "verl") {
+      rec = read_verl(p, a.has("mask") ? fs::path(a.str("mask")) : fs::path());
+    } else if (fmt == "sglang") {
+      if (cs.layers == 0 || cs.topk == 0)
+        throw UsageError{"--format sglang needs --layers and --topk (the payload's int32 [tokens, layers, topk])"};
+      rec = read_sglang(p, static_cast<int>(cs.layers), static_cast<int>(cs.topk));
+    } else if (fmt == "megatron") {
+      rec = read_megatron(p);
+    } else {
+      RoutedIdsFile f = read_routed_ids_npy(p);
+      rec.view = f.view();
+      rec.array = std::move(f.array);
+      rec.view = RoutedView(rec.array.data.data(), rec.view.dtype(), rec.view.num_tokens(), rec.view.num_layers(),
+                            rec.view.topk(), rec.view.strides());
+    }
+    const RoutedView &view = rec.view;
+    CountOptions o;
+    o.mask = rec.mask;
+    if (cs.dense_layers > 0) o.layer_map = LayerMap::dense_prefix(view.num_layers(), static_cast<int>(cs.dense_layers));
+    if (cs.experts > 0) {
+      o.num_experts = static_cast<int>(cs.experts);
+    } else {
+      o.num_experts = infer_num_experts(view, rec.mask);
+      err << "--experts not given: using largest id + 1 = " << o.num_experts << "\n";
+    }
+    std::vector<std::int64_t> mb, so;
+    const fs::path mb_side = sidecar_path(p, "microbatches"), so_side = sidecar_path(p, "sources");
+    if (a.has("microbatches")) {
+      if (cs.microbatch_tokens > 0) throw UsageError{"give --microbatch-tokens or --microbatches, not both"};
+      mb = read_offsets_npy(a.str("microbatches"));
+    } else if (cs.microbatch_tokens > 0) {
+      for (std::int64_t t = 0; t < view.num_tokens(); t += cs.microbatch_tokens)
+        mb.push_back(t);
+      mb.push_back(view.num_tokens());
+      if (mb.size() == 1) mb.insert(mb.begin(), 0);
+    } else if (fmt == "npy" && fs::exists(mb_side)) {
+      mb = read_offsets_npy(mb_side);
+      err << "micro-steps from " << mb_side.string() << "\n";
+    }
+    o.microbatch_offsets = mb;
+    if (cs.by_source) {
+      if (cs.sources > 0) {
+        o.num_sources = static_cast<int>(cs.sources);
+      } else if (fmt == "npy" && fs::exists(so_side) && !mb.empty()) {
+        so = read_offsets_npy(so_side);
+        const std::size_t M = mb.size() - 1;
+        if (so.size() < 2 || (so.size() - 1) % M != 0)
+          throw UsageError{so_side.string() + " has " + std::to_string(so.size()) +
+                           " offsets, not M * S + 1 for M = " + std::to_string(M) + " micro-steps"};
+        o.num_sources = static_cast<int>((so.size() - 1) / M);
+        o.source_offsets = so;
+        err << "sources from " << so_side.string() << " (" << o.num_sources << " ranks)\n";
+      } else {
+        throw UsageError{"--by-source needs --sources S (or a " + so_side.string() + " sidecar with micro-steps)"};
+      }
+    } else if (cs.sources > 0) {
+      throw UsageError{"--sources is for --by-source"};
+    }
+    const LoadTensor loads = count_loads(view, o);
+    write_loads_npy(outp, loads, cs.by_source);
+    const fs::path steps_in = sidecar_path(p, "steps");
+    if (fmt == "npy" && fs::exists(steps_in))
+      write_offsets_npy(sidecar_path(outp, "steps"), read_offsets_npy(steps_in));
+    std::int64_t masked = 0;
+    for (const std::uint8_t b : rec.mask)
+      masked += b == 0;
+    out << "wrote " << outp.string() << ": loads [" << loads.num_micro_steps() << ", " << loads.num_layers() << ", "
+        << loads.num_experts() << (cs.by_source ? ", " + std::to_string(loads.num_sources()) : std::string())
+        << "] int64 from " << fmt << " " << p.string() << " (" << view.num_tokens() << " tokens";
+    if (!rec.mask.empty()) out << ", " << masked << " masked";
+    if (!rec.request_offsets.empty()) out << ", " << rec.request_offsets.size() - 1 << " requests";
+    out << ")\n";
+    return 0;
+  };
+  return c;
+}
+
+FOREMOE_REGISTER_COMMAND(make_trace_count);
 FOREMOE_REGISTER_COMMAND(make_trace_gen);
 FOREMOE_REGISTER_COMMAND(make_trace_stats);
 

@@ -190,6 +190,54 @@ struct SyntheticSettings {
   return s.config;
 }
 
+/// What `foremoe trace count` (and Python `count_trace`) counts: the input form, the expert count, the layer
+/// map and how the token stream is cut into micro-steps and source ranks.
+struct CountSettings {
+  std::string format = "auto"; ///< auto, npy, verl, sglang, megatron
+  std::int64_t experts = 0;    ///< 0: largest id + 1
+  std::int64_t dense_layers = 0;
+  std::int64_t microbatch_tokens = 0; ///< 0: the micro-batch sidecar, else one micro-step
+  bool by_source = false;
+  std::int64_t sources = 0; ///< with by_source: 0 means the sources sidecar
+  std::int64_t layers = 0;  ///< SGLang payload shape
+  std::int64_t topk = 0;
+};
+
+[[nodiscard]] inline const Schema<CountSettings> &count_schema() {
+  using C = CountSettings;
+  static const Schema<C> s(
+      "count",
+      {
+          choice<C>(
+              "format", {"auto", "npy", "verl", "sglang", "megatron"},
+              "input form (auto: .jsonl/.json is sglang, a 4-D NPY is verl, else npy [T, L, K])",
+              [](const C &c) { return c.format; }, [](C &c, const std::string &v) { c.format = v; }),
+          integer<C>(
+              "experts", 0, 32767, "routed experts per MoE layer (0: largest id + 1)",
+              [](auto &c) -> auto & { return c.experts; }),
+          integer<C>(
+              "dense_layers", 0, 4096, "leading dense layers in the trace to skip (vLLM/SGLang layout)",
+              [](auto &c) -> auto & { return c.dense_layers; }),
+          integer<C>(
+              "microbatch_tokens", 0, std::int64_t{1} << 40,
+              "cut the token stream into micro-steps of N tokens (0: FILE.microbatches.npy if present, else one)",
+              [](auto &c) -> auto & { return c.microbatch_tokens; }),
+          boolean<C>(
+              "by_source", "also split the loads by source rank ([M, L, E, S])",
+              [](auto &c) -> auto & { return c.by_source; }),
+          integer<C>(
+              "sources", 0, max_nodes * max_gpus_per_node,
+              "with by_source: S equal source ranks per micro-step (0: FILE.sources.npy)",
+              [](auto &c) -> auto & { return c.sources; }),
+          integer<C>(
+              "layers", 0, 4096, "sglang: trace layers of the int32 [tokens, layers, topk] payload",
+              [](auto &c) -> auto & { return c.layers; }),
+          integer<C>(
+              "topk", 0, 1024, "sglang: experts per token of the payload", [](auto &c) -> auto & { return c.topk; }),
+      });
+  return s;
+}
+
 /// The expert-parallel group's shape: nodes x GPUs, slots per GPU per layer.
 [[nodiscard]] inline const Schema<Topology> &topology_schema() {
   static const Schema<Topology> s("topology", {

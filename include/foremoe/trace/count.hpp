@@ -99,14 +99,14 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
   for (std::int64_t t = t0; t < t1; ++t)
     if (mask == nullptr || mask[t] != 0)
       for (int l = 0; l < v.num_layers(); ++l) {
-      if (moe_of[l] < 0) continue;
-      for (int k = 0; k < v.topk(); ++k) {
-        const std::int64_t id = v.at(t, l, k, num_experts);
-        if (id != -1 && (id < 0 || id >= num_experts))
-          fail("count_loads: expert id ", id, " at token ", t, ", layer ", l, ", k ", k, " is outside [0, ",
-               num_experts, ") (", to_string(v.dtype()), " ids, -1 = no route)");
+        if (moe_of[l] < 0) continue;
+        for (int k = 0; k < v.topk(); ++k) {
+          const std::int64_t id = v.at(t, l, k, num_experts);
+          if (id != -1 && (id < 0 || id >= num_experts))
+            fail("count_loads: expert id ", id, " at token ", t, ", layer ", l, ", k ", k, " is outside [0, ",
+                 num_experts, ") (", to_string(v.dtype()), " ids, -1 = no route)");
+        }
       }
-    }
   fail("count_loads: internal error: bad id flagged in tokens [", t0, ", ", t1, ") but not found");
 }
 
