@@ -194,5 +194,100 @@ expect 0 "" -- cmp "$work/s1.csv" "$work/a.csv"
 expect 1 "differ" -- cmp "$work/s7.csv" "$work/a.csv"
 expect 0 '"seed": 7' -- "$bin" simulate --config "$work/seed7.json" --print-config
 
+# ---------------------------------------------------------------- trace count, every input form
+# npy_i4 FILE DESCR SHAPE V...: writes an NPY of little-endian int32 values (or uint8 with DESCR |u1).
+npy_i4() {
+  local file=$1 descr=$2 shape=$3
+  shift 3
+  local header="{'descr': '$descr', 'fortran_order': False, 'shape': $shape, }"
+  local total=$((10 + ${#header} + 1))
+  local pad=$(((64 - total % 64) % 64))
+  header="$header$(printf '%*s' "$pad" '')"
+  local hlen=$((${#header} + 1))
+  {
+    printf '\x93NUMPY\x01\x00'
+    printf "\\x$(printf %02x $((hlen & 255)))\\x$(printf %02x $((hlen >> 8)))"
+    printf '%s\n' "$header"
+    local v
+    for v in "$@"; do
+      if [[ $descr == "|u1" ]]; then
+        printf "\\x$(printf %02x "$v")"
+      else
+        printf "\\x$(printf %02x $((v & 255)))\\x$(printf %02x $(((v >> 8) & 255)))"
+        printf "\\x$(printf %02x $(((v >> 16) & 255)))\\x$(printf %02x $(((v >> 24) & 255)))"
+      fi
+    done
+  } >"$file"
+}
+# i4 bytes of V... as base64 (SGLang's payload)
+b64_i4() {
+  local v
+  for v in "$@"; do
+    printf "\\x$(printf %02x $((v & 255)))\\x$(printf %02x $(((v >> 8) & 255)))"
+    printf "\\x$(printf %02x $(((v >> 16) & 255)))\\x$(printf %02x $(((v >> 24) & 255)))"
+  done | base64 | tr -d '\n'
+}
+# the real tokens: 4 tokens x 2 layers x top-2 over 4 experts
+real=(1 2 3 0  2 3 1 1  0 1 2 2  3 3 0 1)
+npy_i4 "$work/real.npy" "<i4" "(4, 2, 2)" "${real[@]}"
+expect 0 "loads \[1, 2, 4\] int64 from npy" -- "$bin" trace count "$work/real.npy" --experts 4 --out "$work/c_real.npy"
+# verl: [2, 3, 2, 2] left-padded with zeros (expert 0) under the attention mask [2, 3]
+# row 0 = pad, t0, t1; row 1 = pad, t2, t3 (padding holds zeros, as verl's tensor does)
+npy_i4 "$work/verl.npy" "<i4" "(2, 3, 2, 2)" 0 0 0 0 "${real[@]:0:8}" 0 0 0 0 "${real[@]:8:4}" "${real[@]:12:4}"
+npy_i4 "$work/verl_mask.npy" "|u1" "(2, 3)" 0 1 1 0 1 1
+expect 0 "loads \[1, 2, 4\] int64 from verl .*6 tokens, 2 masked" -- \
+  "$bin" trace count "$work/verl.npy" --mask "$work/verl_mask.npy" --experts 4 --out "$work/c_verl.npy"
+expect 0 "" -- cmp "$work/c_verl.npy" "$work/c_real.npy"
+"$bin" trace count "$work/verl.npy" --experts 4 --out "$work/c_verl_nomask.npy" >/dev/null 2>&1
+expect 1 "differ" -- cmp "$work/c_verl_nomask.npy" "$work/c_real.npy" # without the mask padding counts as expert 0
+npy_i4 "$work/verl_badmask.npy" "|u1" "(3, 2)" 0 1 1 0 1 1
+expect 1 "attention mask must be \[2, 3\]" -- \
+  "$bin" trace count "$work/verl.npy" --mask "$work/verl_badmask.npy" --experts 4 --out "$work/x.npy"
+expect 2 "--mask is for --format verl" -- \
+  "$bin" trace count "$work/real.npy" --mask "$work/verl_mask.npy" --experts 4 --out "$work/x.npy"
+# SGLang: one request per JSON line, base64 int32 [tokens, layers, topk], top level or under meta_info
+{
+  printf '{"text": "a", "meta_info": {"routed_experts": "%s"}}\n' "$(b64_i4 "${real[@]:0:4}")"
+  printf '\n{"routed_experts": "%s"}\n' "$(b64_i4 "${real[@]:4:12}")"
+} >"$work/sg.jsonl"
+expect 0 "loads \[1, 2, 4\] int64 from sglang .*4 tokens, 2 requests" -- \
+  "$bin" trace count "$work/sg.jsonl" --layers 2 --topk 2 --experts 4 --out "$work/c_sg.npy"
+expect 0 "" -- cmp "$work/c_sg.npy" "$work/c_real.npy"
+expect 2 "needs --layers and --topk" -- "$bin" trace count "$work/sg.jsonl" --experts 4 --out "$work/x.npy"
+printf '{"routed_experts": "AAAA*AAA"}\n' >"$work/sg_bad.jsonl"
+expect 1 "sg_bad.jsonl:1: routed_experts: malformed base64: character \* at position 4" -- \
+  "$bin" trace count "$work/sg_bad.jsonl" --layers 2 --topk 2 --experts 4 --out "$work/x.npy"
+printf '{"routed_experts": "AAAAA"}\n' >"$work/sg_len.jsonl"
+expect 1 "malformed base64: 5 characters" -- \
+  "$bin" trace count "$work/sg_len.jsonl" --layers 2 --topk 2 --out "$work/x.npy"
+printf '{"routed_experts": "%s"}\n' "$(b64_i4 1 2 3)" >"$work/sg_short.jsonl"
+expect 1 "12 bytes, not a whole number of int32 \[tokens, 2, 2\] rows" -- \
+  "$bin" trace count "$work/sg_short.jsonl" --layers 2 --topk 2 --out "$work/x.npy"
+printf '{"routed_experts": [1, 2]}\n' >"$work/sg_arr.jsonl"
+expect 1 "routed_experts must be a base64 string" -- \
+  "$bin" trace count "$work/sg_arr.jsonl" --layers 2 --topk 2 --out "$work/x.npy"
+# Megatron router replay: [layers, tokens, topk]
+npy_i4 "$work/mg.npy" "<i4" "(2, 4, 2)" 1 2 2 3 0 1 3 3  3 0 1 1 2 2 0 1
+expect 0 "loads \[1, 2, 4\] int64 from megatron" -- \
+  "$bin" trace count "$work/mg.npy" --format megatron --experts 4 --out "$work/c_mg.npy"
+expect 0 "" -- cmp "$work/c_mg.npy" "$work/c_real.npy"
+# dense-layer map, micro-steps, sources
+expect 0 "loads \[2, 1, 4\]" -- "$bin" trace count "$work/real.npy" --dense-layers 1 --microbatch-tokens 2 --experts 4 --out "$work/x.npy"
+expect 0 "loads \[2, 2, 4, 2\]" -- "$bin" trace count "$work/real.npy" --microbatch-tokens 2 --by-source --sources 2 --experts 4 --out "$work/x.npy"
+expect 2 "--by-source needs --sources" -- "$bin" trace count "$work/real.npy" --by-source --out "$work/x.npy"
+expect 1 "expert id 3 at token 0, layer 0, k 2|outside \[0, 3\)" -- "$bin" trace count "$work/real.npy" --experts 3 --out "$work/x.npy"
+expect 2 "give --out" -- "$bin" trace count "$work/real.npy"
+# trace gen --ids sidecars are picked up by trace count and trace stats (no --microbatches needed)
+"$bin" trace gen "${small[@]}" --ids "$work/gids.npy" --loads "$work/gloads.npy" >/dev/null 2>&1
+expect 0 "micro-steps from .*gids.microbatches.npy" -- "$bin" trace count "$work/gids.npy" --experts 16 --out "$work/gc.npy"
+expect 0 "" -- cmp "$work/gc.npy" "$work/gloads.npy"
+expect 0 "" -- cmp "$work/gc.steps.npy" "$work/gloads.steps.npy"
+expect 0 "sources from .*gids.sources.npy \(4 ranks\)" -- \
+  "$bin" trace count "$work/gids.npy" --by-source --experts 16 --out "$work/gcs.npy"
+expect 0 "micro-steps from .*gids.microbatches.npy" -- "$bin" trace stats "$work/gids.npy"
+mv "$work/gids.microbatches.npy" "$work/gids.mb.npy"
+expect 2 "pass --microbatches FILE.npy or --microbatch-tokens N" -- "$bin" trace stats "$work/gids.npy"
+expect 0 "micro-step" -- "$bin" trace stats "$work/gids.npy" --microbatches "$work/gids.mb.npy"
+
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]
