@@ -97,7 +97,8 @@ std::span<const std::int64_t> span_of(const std::optional<RoI64> &a) {
 // count_loads
 
 nb::tuple count_loads(const RoIds &ids, std::optional<RoI64> microbatch_offsets, int num_experts,
-                      std::optional<std::vector<int>> layer_map, int num_sources, std::optional<RoI64> source_offsets) {
+                      std::optional<std::vector<int>> layer_map, int num_sources, std::optional<RoI64> source_offsets,
+                      std::optional<nb::ndarray<nb::ro, const std::uint8_t, nb::c_contig, nb::device::cpu>> mask) {
   const fm::RoutedView view = routed_view(ids, "count_loads");
   fm::CountOptions opts;
   opts.num_experts = num_experts;
@@ -105,6 +106,7 @@ nb::tuple count_loads(const RoIds &ids, std::optional<RoI64> microbatch_offsets,
   opts.microbatch_offsets = span_of(microbatch_offsets);
   opts.num_sources = num_sources;
   opts.source_offsets = span_of(source_offsets);
+  if (mask) opts.mask = {mask->data(), mask->size()};
   auto *out = new fm::LoadTensor();
   try {
     nb::gil_scoped_release nogil;
@@ -508,7 +510,8 @@ std::string options(const std::string &command) {
   if (command == "plan") return fm::json::dump(fm::config::plan_schema().describe());
   if (command == "planner") return fm::json::dump(fm::config::planner_schema().describe());
   if (command == "synthetic") return fm::json::dump(fm::config::synthetic_settings_schema().describe());
-  fail("options: unknown command '", command, "' (expected simulate, plan, planner or synthetic)");
+  if (command == "count") return fm::json::dump(fm::config::count_schema().describe());
+  fail("options: unknown command '", command, "' (expected simulate, plan, planner, synthetic or count)");
 }
 
 std::string plan_settings(const Flags &flags) {
@@ -548,7 +551,8 @@ NB_MODULE(_core, m) {
       "Address the C++ side reads for `a` (equal to the array's own address when no copy was made).");
 
   m.def("count_loads", &count_loads, "routed_experts"_a, "microbatch_offsets"_a.none(), "num_experts"_a,
-        "layer_map"_a.none(), "num_sources"_a, "source_offsets"_a.none());
+        "layer_map"_a.none(), "num_sources"_a, "source_offsets"_a.none(),
+        "mask"_a.none());
 
   nb::class_<fm::Topology>(m, "Topology")
       .def(

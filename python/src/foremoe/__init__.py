@@ -11,7 +11,10 @@ Bad input raises ``ValueError`` with the C++ library's message.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -29,6 +32,10 @@ __all__ = [
     "SIM_STRATEGIES",
     "Topology",
     "count_loads",
+    "export_placement",
+    "read_sglang",
+    "read_verl",
+    "rebalance_experts",
     "options",
     "plan_document",
     "simulate",
@@ -117,6 +124,7 @@ def count_loads(
     num_sources: int = 0,
     source_offsets: Optional[Sequence[int]] = None,
     return_by_source: bool = False,
+    mask: Any = None,
 ):
     """Counts routed expert ids into per-micro-step loads.
 
@@ -134,6 +142,9 @@ def count_loads(
         source_offsets: ``[M * num_sources + 1]`` token offsets of the ranks'
             tokens within each micro-step; ``None`` splits evenly.
         return_by_source: also return the ``[M, L, E, num_sources]`` split.
+        mask: per-token mask, ``[T]`` (or ``[bs, seq]`` for verl's ``[bs, seq, L, K]`` ids), bool or
+            integer: tokens where it is 0 (padding) are not counted. ``None`` counts every token.
+            A 4-D ``routed_experts`` ``[bs, seq, L, K]`` is taken row by row (token ``b * seq + s``).
 
     Returns:
         ``[M, L, E]`` int64 loads (and the split when ``return_by_source``).
@@ -141,6 +152,15 @@ def count_loads(
     ids = routed_experts if _is_tensor_like(routed_experts) else np.asarray(routed_experts)
     if isinstance(ids, np.ndarray) and ids.dtype == np.bool_:
         raise ValueError("count_loads: routed_experts must be an integer array, got dtype bool")
+    if getattr(ids, "ndim", 3) == 4:  # verl's [bs, seq, L, K]
+        shp = tuple(ids.shape)
+        ids = ids.reshape(shp[0] * shp[1], shp[2], shp[3])
+    m = None
+    if mask is not None:
+        m = np.asarray(mask.cpu().numpy() if _is_tensor_like(mask) and hasattr(mask, "cpu") else mask)
+        if m.dtype.kind not in "biu":
+            raise ValueError(f"count_loads: mask must be bool or integer, got dtype {m.dtype}")
+        m = np.ascontiguousarray(m.reshape(-1) != 0, dtype=np.uint8)
     lm = None if layer_map is None else [int(v) for v in layer_map]
     totals, by_source = _core.count_loads(
         ids,
@@ -149,8 +169,80 @@ def count_loads(
         lm,
         int(num_sources),
         _offsets(source_offsets, "source_offsets"),
+        m,
     )
     return (totals, by_source) if return_by_source else totals
+
+
+def read_verl(routed_experts: Any, attention_mask: Any = None):
+    """verl's padded routing record as ``(ids [bs * seq, L, K], mask [bs * seq] uint8)`` for :func:`count_loads`.
+
+    ``routed_experts`` is ``[bs, seq, L, K]`` (a NumPy array, a PyTorch tensor or a path to an ``.npy``),
+    ``attention_mask`` ``[bs, seq]`` (same; bool or integer, 0 = padding; verl pads prompts on the left, and
+    the padded positions hold expert 0, which must not be counted). Tokens run row by row."""
+    ids = np.load(routed_experts) if isinstance(routed_experts, (str, os.PathLike)) else routed_experts
+    if _is_tensor_like(ids) and hasattr(ids, "cpu"):
+        ids = ids.cpu().numpy()
+    ids = np.asarray(ids)
+    if ids.ndim != 4:
+        raise ValueError(f"read_verl: routed_experts must be [batch, seq, layers, topk], got shape {ids.shape}")
+    flat = ids.reshape(ids.shape[0] * ids.shape[1], ids.shape[2], ids.shape[3])
+    if attention_mask is None:
+        return flat, None
+    m = np.load(attention_mask) if isinstance(attention_mask, (str, os.PathLike)) else attention_mask
+    if _is_tensor_like(m) and hasattr(m, "cpu"):
+        m = m.cpu().numpy()
+    m = np.asarray(m)
+    if m.shape != ids.shape[:2]:
+        raise ValueError(f"read_verl: attention_mask must be {list(ids.shape[:2])} to match routed_experts, "
+                         f"got shape {list(m.shape)}")
+    if m.dtype.kind not in "biu":
+        raise ValueError(f"read_verl: attention_mask must be bool or integer, got dtype {m.dtype}")
+    return flat, np.ascontiguousarray(m.reshape(-1) != 0, dtype=np.uint8)
+
+
+def read_sglang(source: Any, num_layers: int, topk: int):
+    """SGLang's ``routed_experts`` payloads as ``(ids [T, num_layers, topk] int32, request_offsets [R + 1])``.
+
+    ``source`` is a path to a JSON-lines file (one request per line), an iterable of lines, dicts (as
+    ``/generate`` returns them: ``routed_experts`` at the top level or under ``meta_info``) or base64
+    strings. Each payload is base64 of little-endian int32 ``[tokens, num_layers, topk]``; requests are
+    concatenated in order. Malformed base64 or a payload that is not whole tokens raises ``ValueError``
+    naming the request."""
+    if num_layers <= 0 or topk <= 0:
+        raise ValueError(f"read_sglang: num_layers and topk must be positive, got {num_layers}, {topk}")
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, encoding="utf-8") as f:
+            items = [ln for ln in f.read().splitlines() if ln.strip()]
+    else:
+        items = list(source)
+    per_token = int(num_layers) * int(topk)
+    parts, offsets = [], [0]
+    for i, it in enumerate(items):
+        where = f"read_sglang: request {i}"
+        if isinstance(it, (bytes, str)) and not str(it).lstrip().startswith("{"):
+            payload = it
+        else:
+            d = json.loads(it) if isinstance(it, (bytes, str)) else it
+            payload = d.get("routed_experts")
+            if payload is None and isinstance(d.get("meta_info"), Mapping):
+                payload = d["meta_info"].get("routed_experts")
+            if payload is None:
+                raise ValueError(f"{where}: no routed_experts (top level or meta_info)")
+        if not isinstance(payload, (str, bytes)):
+            raise ValueError(f"{where}: routed_experts must be a base64 string, got {type(payload).__name__}")
+        try:
+            raw = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError) as e:
+            raise ValueError(f"{where}: malformed base64 routed_experts: {e}") from None
+        if len(raw) % (4 * per_token):
+            raise ValueError(f"{where}: routed_experts holds {len(raw)} bytes, not a whole number of int32 "
+                             f"[tokens, {num_layers}, {topk}] rows ({4 * per_token} bytes per token)")
+        a = np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(-1, num_layers, topk)
+        parts.append(a)
+        offsets.append(offsets[-1] + a.shape[0])
+    ids = np.concatenate(parts) if parts else np.zeros((0, num_layers, topk), np.int32)
+    return ids, np.asarray(offsets, dtype=np.int64)
 
 
 
@@ -320,3 +412,6 @@ def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]
         (``[M, L, E, num_gpus]`` when ``by_source``, else None) and ``step_offsets``.
     """
     return _core.synthetic_loads(_json(config), bool(by_source))
+
+
+from .eplb import export_placement, rebalance_experts  # noqa: E402  (uses Planner above)

@@ -20,8 +20,17 @@ def count_loads(
     num_sources: int = 0,
     source_offsets: Optional[Sequence[int]] = None,
     return_by_source: bool = False,
+    mask: Any = None,
 ) -> Any:
-    """[T, L, K] routed ids (any int dtype, -1 = no route) -> [M, L, E] int64 loads."""
+    """[T, L, K] routed ids (any int dtype, -1 = no route) -> [M, L, E] int64 loads; mask 0 = not counted."""
+
+def read_verl(routed_experts: Any, attention_mask: Any = None) -> Tuple[npt.NDArray[Any], Optional[npt.NDArray[np.uint8]]]: ...
+def read_sglang(source: Any, num_layers: int, topk: int) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]: ...
+def rebalance_experts(
+    weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> Tuple[Any, Any, Any]:
+    """DeepSeek EPLB's call: float weights [L, E] -> (phy2log [L, R], log2phy [L, E, maxcnt] (-1 padded), logcnt [L, E])."""
+def export_placement(placement: Any, path: Any, format: str = "sglang", num_experts: Optional[int] = None) -> None: ...
 
 class Planner:
     topology: Topology

@@ -15,6 +15,7 @@ def count_loads(
     layer_map: Optional[Sequence[int]],
     num_sources: int,
     source_offsets: Optional[npt.NDArray[np.int64]],
+    mask: Optional[npt.NDArray[np.uint8]] = None,
 ) -> Tuple[npt.NDArray[np.int64], Optional[npt.NDArray[np.int64]]]: ...
 
 class Topology:
