@@ -289,5 +289,19 @@ mv "$work/gids.microbatches.npy" "$work/gids.mb.npy"
 expect 2 "pass --microbatches FILE.npy or --microbatch-tokens N" -- "$bin" trace stats "$work/gids.npy"
 expect 0 "micro-step" -- "$bin" trace stats "$work/gids.npy" --microbatches "$work/gids.mb.npy"
 
+# placement export for SGLang (--init-expert-location) and vLLM (EplbState maps): every slot filled, no
+# expert twice on a GPU
+"$bin" trace gen --layers 2 --experts 8 --topk 2 --prompts 4 --responses 2 --steps 1 --gpus 4 \
+  --loads "$work/pl.npy" >/dev/null 2>&1
+expect 0 "wrote .*s.json" -- "$bin" plan --loads "$work/pl.npy" --nodes 1 --gpus-per-node 4 --slots 3 \
+  --out-placement "$work/s.json" --placement-format sglang
+expect 0 '^\{"physical_to_logical_map":\[\[[0-9]+(,[0-9]+){11}\],\[[0-9]+(,[0-9]+){11}\]\]\}$' -- cat "$work/s.json"
+expect 0 "" -- "$bin" plan --loads "$work/pl.npy" --nodes 1 --gpus-per-node 4 --slots 3 \
+  --out-placement "$work/v.json" --placement-format vllm
+expect 0 '"logical_to_physical_map":\[\[\[.*"logical_replica_count":\[\[' -- cat "$work/v.json"
+expect 2 "--placement-format must be foremoe, sglang or vllm, got 'x'" -- \
+  "$bin" plan --loads "$work/pl.npy" --out-placement "$work/z.json" --placement-format x
+expect 2 "--placement-format is for --out-placement" -- "$bin" plan --loads "$work/pl.npy" --placement-format vllm
+
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

@@ -6,6 +6,7 @@
 
 #include "command.hpp"
 #include "foremoe/config/documents.hpp"
+#include "foremoe/config/placement_export.hpp"
 #include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/trace/io.hpp"
@@ -28,6 +29,10 @@ Command make_plan() {
       {"resident", "PLACEMENT.json", "placement left by the previous micro-step (from --out-placement)", ""},
       {"out", "PLAN.json", "write the plan here", ""},
       {"out-placement", "PLACEMENT.json", "write the final placement here (readable by --resident)", ""},
+      {"placement-format", "NAME",
+       "--out-placement form: foremoe (readable by --resident), sglang (--init-expert-location JSON: "
+       "physical_to_logical_map), vllm (EplbState maps); sglang/vllm fill spare slots",
+       "foremoe"},
       {"expert-bytes", "B",
        "bytes of one expert's weights: adds each layer's transfer plan (chunks, paths, rounds, "
        "modelled time)",
@@ -58,6 +63,14 @@ Command make_plan() {
     if (a.has("mode"))
       throw UsageError{"--mode is gone: use --strategy foremoe-free for free mode (foremoe is two-level)"};
     if (!a.has("loads")) throw UsageError{"--loads LOADS.npy is required"};
+    const std::string placement_format = a.has("placement-format") ? a.str("placement-format") : "foremoe";
+    {
+      const auto &names = config::placement_format_names();
+      if (std::find(names.begin(), names.end(), placement_format) == names.end())
+        throw UsageError{"--placement-format must be foremoe, sglang or vllm, got '" + placement_format + "'"};
+      if (a.has("placement-format") && !a.has("out-placement"))
+        throw UsageError{"--placement-format is for --out-placement"};
+    }
     if (!a.has("slots")) throw UsageError{"--slots S is required"};
     const bool all = a.str("strategy") == "all";
     if (all && (a.has("out") || a.has("out-placement")))
@@ -160,9 +173,20 @@ Command make_plan() {
                          json::dump(config::plan_document(h, sp.micro_steps, transfers ? &transfer_plans : nullptr)) +
                              "\n");
     }
-    if (a.has("out-placement"))
+    if (a.has("out-placement") && placement_format == "foremoe") {
       config::write_text(a.str("out-placement"),
                          json::dump(config::placement_document(topo, sp.final_placement())) + "\n");
+    } else if (a.has("out-placement")) {
+      // SGLang and vLLM need every physical slot filled: spare slots get the step's heaviest experts per replica.
+      const std::size_t cells = static_cast<std::size_t>(loads.num_layers()) * loads.num_experts();
+      std::vector<std::int64_t> weights(cells, 0);
+      const auto tot = loads.totals();
+      for (std::size_t i = 0; i < tot.size(); ++i)
+        weights[i % cells] += tot[i];
+      Placement full = sp.final_placement();
+      config::fill_empty_slots(full, weights);
+      config::write_text(a.str("out-placement"), config::placement_export_text(full, placement_format));
+    }
 
     const BalanceStats balance = balance_stats(imbalances(sp.micro_steps));
     out << "planned " << sp.micro_steps.size() << " micro-steps x " << loads.num_layers() << " layers x "
