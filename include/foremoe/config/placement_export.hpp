@@ -33,7 +33,7 @@ inline void fill_empty_slots(Placement &p, std::span<const std::int64_t> weights
   for (int l = 0; l < p.num_layers(); ++l) {
     LayerPlacement &lp = p.layer(l);
     const int E = lp.num_experts(), S = lp.slots_per_gpu();
-    detail::require(S <= E, "placement export: ", S, " slots per GPU exceed the ", E,
+    foremoe::detail::require(S <= E, "placement export: ", S, " slots per GPU exceed the ", E,
                     " experts; a full placement would need two copies on one GPU");
     std::vector<int> cnt = lp.replica_counts();
     for (int g = 0; g < lp.num_gpus(); ++g)
@@ -56,7 +56,7 @@ inline void fill_empty_slots(Placement &p, std::span<const std::int64_t> weights
 /// `p` (every slot filled) as the JSON text that `format` (sglang or vllm) reads (written directly: the
 /// documents are plain nested integer arrays).
 [[nodiscard]] inline std::string placement_export_text(const Placement &p, std::string_view format) {
-  detail::require(format == "sglang" || format == "vllm", "placement format must be sglang or vllm, got '", format,
+  foremoe::detail::require(format == "sglang" || format == "vllm", "placement format must be sglang or vllm, got '", format,
                   "'");
   std::string p2l = "[", l2p = "[", cnt = "[";
   for (int l = 0; l < p.num_layers(); ++l) {
@@ -66,7 +66,7 @@ inline void fill_empty_slots(Placement &p, std::span<const std::int64_t> weights
     const auto slots = lp.phys_to_log();
     p2l += l > 0 ? ",[" : "[";
     for (std::size_t i = 0; i < slots.size(); ++i) {
-      detail::require(slots[i] >= 0, "placement export: physical slot ", i, " of layer ", l, " is empty");
+      foremoe::detail::require(slots[i] >= 0, "placement export: physical slot ", i, " of layer ", l, " is empty");
       p2l += (i > 0 ? "," : "") + std::to_string(slots[i]);
       phys[static_cast<std::size_t>(slots[i])].push_back(static_cast<std::int64_t>(i));
     }
