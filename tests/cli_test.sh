@@ -51,7 +51,12 @@ expect 1 "topics_per_prompt 5 must be in \\[1, num_topics = 4\\]" -- "$bin" trac
 expect 1 "prompt_length.max_tokens 20 is below min_tokens 30" -- "$bin" trace gen "${small[@]/512/20}" --prompt-min 30 \
   --loads "$work/a.npy"
 expect 0 "--prompt-sigma X .*\\[prompt_sigma\\] \\(default: 0.6\\)" -- "$bin" trace gen --help
-expect 0 "--prompts N .*\\(default: 64\\)" -- "$bin" trace stats --help
+# One default preset: trace stats, trace gen and simulate show the same batch defaults.
+for cmd in "trace stats" "trace gen" ; do
+  expect 0 "--prompts N .*\\(default: 256\\)" -- "$bin" $cmd --help
+  expect 0 "--microbatch-tokens N .*\\(default: 8192\\)" -- "$bin" $cmd --help
+done
+expect 0 "--prompts N .*\\(default: 256\\)" -- "$bin" simulate --help
 expect 1 "missing.npy" -- "$bin" trace stats "$work/missing.npy"
 
 # generate loads and ids, then read both back
@@ -131,10 +136,10 @@ expect 2 "use --strategy foremoe-free" -- "$bin" plan --loads "$work/one.npy" --
   --mode free
 expect 0 "foremoe-free +per-micro-step planning" -- "$bin" plan --strategy list
 expect 1 "cannot hold all 16 experts" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 5
-expect 2 "--slots S is required" -- "$bin" plan --loads "$work/step.npy"
+expect 1 "cannot hold all 16 experts|GPUs" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 1
 expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, foremoe, foremoe-free\)" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
 expect 1 "placement is for 2 x 2 GPUs x 5 slots, the topology is 1 x 4 x 5" -- "$bin" plan --loads "$work/step.npy" \
-  --slots 5 --gpus-per-node 4 --resident "$work/pl.json"
+  --nodes 1 --slots 5 --gpus-per-node 4 --resident "$work/pl.json"
 printf '{"nodes": 2' >"$work/broken.json"
 expect 1 "broken.json:1:12: unexpected end of input" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --resident "$work/broken.json"
