@@ -51,7 +51,12 @@ expect 1 "topics_per_prompt 5 must be in \\[1, num_topics = 4\\]" -- "$bin" trac
 expect 1 "prompt_length.max_tokens 20 is below min_tokens 30" -- "$bin" trace gen "${small[@]/512/20}" --prompt-min 30 \
   --loads "$work/a.npy"
 expect 0 "--prompt-sigma X .*\\[prompt_sigma\\] \\(default: 0.6\\)" -- "$bin" trace gen --help
-expect 0 "--prompts N .*\\(default: 64\\)" -- "$bin" trace stats --help
+# One default preset: trace stats, trace gen and simulate show the same batch defaults.
+for cmd in "trace stats" "trace gen" ; do
+  expect 0 "--prompts N .*\\(default: 256\\)" -- "$bin" $cmd --help
+  expect 0 "--microbatch-tokens N .*\\(default: 8192\\)" -- "$bin" $cmd --help
+done
+expect 0 "--prompts N .*\\(default: 256\\)" -- "$bin" simulate --help
 expect 1 "missing.npy" -- "$bin" trace stats "$work/missing.npy"
 
 # generate loads and ids, then read both back
@@ -75,6 +80,15 @@ expect 1 "bad.npy" -- "$bin" trace stats "$work/bad.npy"
 head -c 100 "$work/loads.npy" >"$work/trunc.npy"
 expect 1 "trunc.npy" -- "$bin" trace stats "$work/trunc.npy"
 expect 1 "offsets|microbatch" -- "$bin" trace stats "$work/ids.npy" --microbatches "$work/loads.npy"
+
+# Scriptable simulate output: --json - is JSON on stdout, CSV has one column count, bad paths fail before work.
+if command -v python3 >/dev/null; then
+  "$bin" simulate --prompts 8 --steps 1 --quiet --json - 2>/dev/null | python3 -c 'import json,sys; d=json.load(sys.stdin); assert "config" in d and "axes" in d and "breakdown" in d["strategies"][0]' \
+    && passed=$((passed + 1)) || { echo "FAIL: simulate --json - is not JSON with config, axes, breakdown"; failed=$((failed + 1)); }
+  "$bin" simulate --prompts 8 --steps 1 --quiet --csv 2>/dev/null | python3 -c 'import csv,sys; r=list(csv.reader(sys.stdin)); assert r[0][0]=="strategy" and len(r)>2 and len(set(map(len,r)))==1' \
+    && passed=$((passed + 1)) || { echo "FAIL: simulate --csv is not CSV with a constant column count"; failed=$((failed + 1)); }
+fi
+expect 2 "folder '/nonexistent-dir' does not exist" -- "$bin" simulate --json /nonexistent-dir/out.json
 
 # foremoe plan: one micro-step [L, E] from the first micro-step of the loads
 expect 0 "wrote" -- "$bin" trace gen "${shape[@]}" --steps 1 --microbatch-tokens 1024 --loads "$work/step.npy"
@@ -131,10 +145,10 @@ expect 2 "use --strategy foremoe-free" -- "$bin" plan --loads "$work/one.npy" --
   --mode free
 expect 0 "foremoe-free +per-micro-step planning" -- "$bin" plan --strategy list
 expect 1 "cannot hold all 16 experts" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 5
-expect 2 "--slots S is required" -- "$bin" plan --loads "$work/step.npy"
+expect 1 "cannot hold all 16 experts|GPUs" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 1
 expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, foremoe, foremoe-free\)" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
 expect 1 "placement is for 2 x 2 GPUs x 5 slots, the topology is 1 x 4 x 5" -- "$bin" plan --loads "$work/step.npy" \
-  --slots 5 --gpus-per-node 4 --resident "$work/pl.json"
+  --nodes 1 --slots 5 --gpus-per-node 4 --resident "$work/pl.json"
 printf '{"nodes": 2' >"$work/broken.json"
 expect 1 "broken.json:1:12: unexpected end of input" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --resident "$work/broken.json"

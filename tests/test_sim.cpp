@@ -76,6 +76,18 @@ TEST_CASE("simulate: physical limits and accounting hold on random traces (prope
       CHECK(x.layer_seconds.size() == std::size_t(2 * c.loads.num_micro_steps())); // recompute + update
       // Nothing beats perfect balance with free moves.
       CHECK(x.step_seconds >= ideal.step_seconds);
+      // The breakdown accounts for the whole step, per step and per micro-step.
+      CHECK(x.breakdown.total() == doctest::Approx(x.step_seconds));
+      CHECK(x.breakdown.stall == doctest::Approx(x.stall_seconds));
+      REQUIRE(x.step_breakdown.size() == c.steps.size() - 1);
+      REQUIRE(x.micro_breakdown.size() == x.layer_seconds.size());
+      for (std::size_t m = 0; m < x.layer_seconds.size(); ++m) {
+        double layers = 0;
+        for (double v : x.layer_seconds[m])
+          layers += v;
+        CHECK(x.micro_breakdown[m].total() == doctest::Approx(layers + x.micro_breakdown[m].stall));
+        CHECK(x.micro_breakdown[m].expert_compute > 0);
+      }
     }
     // Per-micro-step planning balances at least as well as the static layout.
     CHECK(result_of(res, "foremoe").imbalance_median <= stat.imbalance_median + 1e-12);

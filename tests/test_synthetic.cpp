@@ -185,6 +185,32 @@ TEST_CASE("synthetic: generate_loads counts exactly the tokens of generate_trace
   }
 }
 
+TEST_CASE("synthetic: the output does not depend on the thread count, and progress reaches every token") {
+  for (int i = 0; i < num_seeds(8); ++i) {
+    const SyntheticConfig c = random_config(1500 + static_cast<std::uint64_t>(i));
+    INFO(describe(c));
+    GeneratorOptions one, many;
+    one.num_threads = 1;
+    many.num_threads = 2 + i % 4;
+    std::int64_t last_done = -1, last_total = -1;
+    bool monotone = true;
+    many.progress = [&](std::int64_t done, std::int64_t total) {
+      monotone = monotone && done > last_done && done <= total;
+      last_done = done;
+      last_total = total;
+    };
+    const SyntheticTrace a = generate_trace(c, one), b = generate_trace(c, many);
+    CHECK(a.routed_ids == b.routed_ids);
+    CHECK(a.sequence_offsets == b.sequence_offsets);
+    CHECK(monotone);
+    CHECK(last_done == a.num_tokens);
+    CHECK(last_total == a.num_tokens);
+    const bool by_source = i % 2 == 1;
+    CHECK(generate_loads(c, nullptr, by_source, one) == generate_loads(c, nullptr, by_source, many));
+    CHECK(last_done == a.num_tokens);
+  }
+}
+
 TEST_CASE("synthetic: every token routes to topk distinct experts in range") {
   for (int i = 0; i < num_seeds(12); ++i) {
     SyntheticConfig c = random_config(2000 + static_cast<std::uint64_t>(i));

@@ -42,7 +42,6 @@ Command make_plan() {
       {"mode", "MODE", "gone: free mode is --strategy foremoe-free, foremoe is two-level", ""},
   };
   for (auto &o : schema_specs(config::plan_schema())) {
-    if (o.name == "slots") o.fallback = "required";
     if (o.name == "strategy") o.help += "; all (side by side, no --out); list (the registered strategies)";
     c.options.push_back(std::move(o));
   }
@@ -71,7 +70,6 @@ Command make_plan() {
       if (a.has("placement-format") && !a.has("out-placement"))
         throw UsageError{"--placement-format is for --out-placement"};
     }
-    if (!a.has("slots")) throw UsageError{"--slots S is required"};
     const bool all = a.str("strategy") == "all";
     if (all && (a.has("out") || a.has("out-placement")))
       throw UsageError{"--strategy all prints a comparison; --out and --out-placement need one strategy"};

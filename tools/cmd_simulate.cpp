@@ -2,8 +2,6 @@
 // Every setting comes from the simulate schema (foremoe/config/options.hpp): defaults < --preset < --config
 // file < explicit flags.
 
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdio>
 #include <iomanip>
@@ -23,17 +21,18 @@ Command make_simulate() {
   c.words = {"simulate"};
   c.summary = "replay RL steps on a modelled cluster and compare balancing strategies (the main job)";
   c.description =
-      "Without arguments: Qwen3-30B-A3B (48 MoE layers x 128 experts, top-8, H 2048, I 768, bf16) on 8 nodes x 8\n"
-      "H200 with 3 slots per GPU per layer (2 owners + 1 spare), a synthetic GRPO batch (2 steps x 256 prompts x\n"
-      "8 responses, 8,192-token micro-batches per GPU), recompute + update, all strategies.\n"
+      "Without arguments: the default preset, " + config::default_preset_text() +
+      ", recompute + update, all strategies.\n"
       "Settings: defaults < --preset < --config FILE.json (the keys in [brackets], nested by section; see\n"
-      "--print-config) < the flags given.";
+      "--print-config) < the flags given. Results go to stdout (the table, --csv, or --json -), everything\n"
+      "else to stderr.";
   c.options = {
       {"config", "FILE.json", "settings file (the document --print-config writes, any subset of it)", ""},
       {"print-config", "", "print the effective settings as JSON (readable by --config) and exit", ""},
       {"loads", "FILE.npy", "per-micro-step loads [M, L, E] instead of the generator (steps from FILE.steps.npy)", ""},
-      {"json", "OUT.json", "write machine-readable results", ""},
+      {"json", "OUT.json", "write machine-readable results ('-': stdout, instead of the table)", ""},
       {"csv", "", "print the table as CSV (header first; the summary line goes to stderr)", ""},
+      quiet_option(),
   };
   for (auto &o : schema_specs(config::simulate_schema()))
     c.options.push_back(std::move(o));
@@ -52,8 +51,10 @@ Command make_simulate() {
       out << json::dump(config::simulate_schema().write(s), 2) << "\n";
       return 0;
     }
+    check_output_path(a, "json");
+    const bool json_stdout = a.has("json") && a.str("json") == "-";
+    if (json_stdout && a.flag("csv")) throw UsageError{"--json - and --csv both write to stdout; choose one"};
 
-    const bool tty = isatty(fileno(stderr)) != 0;
     LoadTensor loads;
     std::vector<std::int64_t> steps;
     if (a.has("loads")) {
@@ -61,26 +62,35 @@ Command make_simulate() {
       loads = read_loads_npy(p);
       if (fs::exists(sidecar_path(p, "steps"))) steps = read_offsets_npy(sidecar_path(p, "steps"));
     }
-    auto progress = [&](int done, int total) {
-      if (tty)
-        err << "\rsimulating: " << done << "/" << total << " strategy-steps" << (done == total ? "\033[K\r" : "")
-            << std::flush;
+    Progress meter(err, progress_wanted(a));
+    config::SimulateProgress progress;
+    progress.generate = [&](std::int64_t done, std::int64_t total) {
+      meter.update("generating the synthetic GRPO batch (tokens)", static_cast<double>(done),
+                   static_cast<double>(total));
     };
-    if (tty && !a.has("loads")) err << "generating the synthetic GRPO batch ..." << std::flush;
+    progress.simulate = [&](int done, int total) { meter.update("simulating (strategy-steps)", done, total); };
     double gen_s = 0;
     const auto t0 = std::chrono::steady_clock::now();
     const json::Value doc = config::run_simulate(s, a.has("loads") ? &loads : nullptr, steps, progress, &gen_s);
     const double sim_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - gen_s;
-    if (tty) err << "\r\033[K";
+    meter.clear();
 
     if (a.flag("csv")) {
       err << config::simulate_summary(s, doc);
       out << config::simulate_csv(doc);
     } else {
-      out << config::simulate_summary(s, doc) << config::simulate_table(doc) << std::fixed << std::setprecision(2)
-          << "loads in " << gen_s << " s, simulation and planning in " << sim_s << " s\n";
+      std::ostream &table = json_stdout ? err : out;
+      table << config::simulate_summary(s, doc) << config::simulate_table(doc);
     }
-    if (a.has("json")) config::write_text(a.str("json"), json::dump(doc) + "\n");
+    if (!a.flag("quiet")) {
+      err << std::fixed << std::setprecision(2);
+      if (!a.has("loads")) err << "loads generated in " << gen_s << " s, ";
+      err << "simulation and planning in " << sim_s << " s\n";
+    }
+    if (json_stdout)
+      out << json::dump(doc) << "\n";
+    else if (a.has("json"))
+      config::write_text(a.str("json"), json::dump(doc) + "\n");
     return 0;
   };
   return c;

@@ -23,15 +23,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-/// The trace `trace stats` makes when given no file: one node's worth of
-/// data-parallel ranks so that a few dozen micro-steps come out in seconds.
-SyntheticConfig stats_default_config() {
-  SyntheticConfig c;
-  c.num_steps = 4;
-  c.prompts_per_step = 64;
-  c.num_gpus = 8;
-  return c;
-}
+/// The trace `trace stats` makes when given no file: the one default batch of every command.
+SyntheticConfig stats_default_config() { return config::default_batch(); }
 
 /// The generator flags of both commands, from the synthetic schema (defaults shown from `defaults`).
 std::vector<OptionSpec> synthetic_specs(const SyntheticConfig &defaults) {
@@ -56,7 +49,7 @@ Command make_trace_gen() {
       "OUT.steps.npy (micro-step offsets of the RL steps), and/or --ids OUT.npy (int16 [tokens, layers, topk])\n"
       "with OUT.microbatches.npy (token offsets of the micro-steps), OUT.sources.npy (token offsets per source\n"
       "rank within micro-steps) and OUT.steps.npy.";
-  c.options = synthetic_specs(SyntheticConfig{});
+  c.options = synthetic_specs(config::default_batch());
   c.options.emplace_back("loads", "FILE.npy", "write the per-micro-step loads here", "");
   c.options.emplace_back("ids", "FILE.npy", "write the routed ids here (memory: tokens x layers x topk x 2 bytes)", "");
   c.options.emplace_back("by-source", "", "split the loads by source rank ([M, L, E, gpus])", "");
@@ -137,7 +130,10 @@ Command make_trace_stats() {
   c.options.emplace_back("num-experts", "N", "experts per layer for routed ids (default: largest id + 1)", "");
   c.options.emplace_back("dense-layers", "N", "routed ids hold N leading dense layers to skip (vLLM/SGLang layout)",
                          "0");
-  c.options.emplace_back("data-dir", "DIR", "reference data folder (shared/data) to compare against", "");
+  c.options.emplace_back("data-dir", "DIR",
+                         "reference data folder to compare against (default: $FOREMOE_DATA_DIR, else ../shared/data "
+                         "if it exists)",
+                         "");
   c.run = [](const Args &a, std::ostream &out, std::ostream &err) {
     LoadTensor loads;
     std::vector<std::int64_t> steps;
@@ -228,6 +224,8 @@ Command make_trace_stats() {
       data_dir = a.str("data-dir");
     else if (const char *env = std::getenv("FOREMOE_DATA_DIR"))
       data_dir = env;
+    else if (fs::is_directory("../shared/data"))
+      data_dir = "../shared/data"; // the reference data beside a checkout, as on the project's machines
     if (!data_dir.empty()) print_real_comparison(out, st, data_dir);
     return 0;
   };

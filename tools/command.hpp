@@ -121,6 +121,33 @@ json::Value schema_overrides(const config::Schema<T> &s, const Args &a,
   }
 }
 
+/// Refuses, before any work, an output path that cannot be written: "-" (stdout) is fine, otherwise its folder
+/// must exist and be writable and the path must not be a folder. A usage error naming the option and the path.
+void check_output_path(const Args &a, std::string_view option);
+
+/// Progress for long work on stderr: shown only when stderr is a terminal and `--quiet` is not given, after the
+/// work has run for `delay_s` seconds, so that quick runs print nothing.
+class Progress {
+public:
+  Progress(std::ostream &err, bool enabled, double delay_s = 2.0);
+  /// `done` of `total` units of `what`; ends the line at done == total.
+  void update(std::string_view what, double done, double total);
+  void clear();
+  [[nodiscard]] bool enabled() const { return enabled_; }
+
+private:
+  std::ostream &err_;
+  bool enabled_, shown_ = false;
+  double delay_s_;
+  std::int64_t start_ns_;
+};
+
+/// Whether progress may be shown: stderr is a terminal and `--quiet` was not given.
+[[nodiscard]] bool progress_wanted(const Args &a);
+
+/// The `--quiet` option every long-running command takes.
+[[nodiscard]] OptionSpec quiet_option();
+
 std::vector<Command> &command_table();
 bool register_command(Command c);
 void print_command_help(std::ostream &os, const Command &c);

@@ -1,9 +1,14 @@
 // `foremoe`: entry point, command dispatch and the option parser.
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <charconv>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <exception>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
@@ -103,6 +108,49 @@ double Args::real(std::string_view name, double lo, double hi) const {
     throw UsageError{os.str()};
   }
   return x;
+}
+
+void check_output_path(const Args &a, std::string_view option) {
+  if (!a.has(option)) return;
+  const std::string path = a.str(option);
+  if (path == "-") return;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path p(path);
+  const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
+  if (path.empty() || fs::is_directory(p, ec))
+    throw UsageError{"--" + std::string(option) + " '" + path + "' is a folder, not a file"};
+  if (!fs::is_directory(dir, ec))
+    throw UsageError{"--" + std::string(option) + " '" + path + "': folder '" + dir.string() + "' does not exist"};
+  if (::access(dir.c_str(), W_OK) != 0 || (fs::exists(p, ec) && ::access(p.c_str(), W_OK) != 0))
+    throw UsageError{"--" + std::string(option) + " '" + path + "' is not writable"};
+}
+
+Progress::Progress(std::ostream &err, bool enabled, double delay_s)
+    : err_(err), enabled_(enabled), delay_s_(delay_s),
+      start_ns_(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+              .count()) {}
+
+void Progress::update(std::string_view what, double done, double total) {
+  if (!enabled_) return;
+  const auto now =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  if (!shown_ && static_cast<double>(now - start_ns_) * 1e-9 < delay_s_) return;
+  shown_ = true;
+  const double pct = total > 0 ? 100.0 * done / total : 100.0;
+  err_ << "\r" << what << ": " << std::fixed << std::setprecision(0) << pct << "%\033[K" << std::flush;
+}
+
+void Progress::clear() {
+  if (shown_) err_ << "\r\033[K" << std::flush;
+  shown_ = false;
+}
+
+bool progress_wanted(const Args &a) { return !a.flag("quiet") && isatty(fileno(stderr)) != 0; }
+
+OptionSpec quiet_option() {
+  return {"quiet", "", "no progress on stderr (shown only on a terminal, for work over ~2 s)"};
 }
 
 void print_command_help(std::ostream &os, const Command &c) {

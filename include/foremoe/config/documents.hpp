@@ -228,6 +228,19 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   return read_placement(json::parse(read_text(path), where), where, topo, num_layers, num_experts);
 }
 
+/// A breakdown as named seconds (`total` is their sum).
+[[nodiscard]] inline json::Value breakdown_json(const SimBreakdown &b) {
+  json::Value j;
+  j["expert_compute_seconds"] = b.expert_compute;
+  j["all_to_all_seconds"] = b.all_to_all;
+  j["dense_seconds"] = b.dense;
+  j["moves_seconds"] = b.moves;
+  j["stall_seconds"] = b.stall;
+  j["optimizer_seconds"] = b.optimizer;
+  j["total_seconds"] = b.total();
+  return j;
+}
+
 /// The simulate results document (`foremoe simulate --json`, Python `simulate()`).
 [[nodiscard]] inline json::Value simulate_document(const SimulateSettings &s, int num_steps,
                                                    std::int64_t num_micro_steps, const std::vector<SimResult> &res) {
@@ -237,6 +250,7 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
     if (r.strategy == "eplb") base_eplb = &r;
   }
   json::Value j;
+  j["config"] = simulate_schema().write(s); // the full effective settings, readable by --config
   j["nodes"] = s.sim.topo.num_nodes;
   j["gpus_per_node"] = s.sim.topo.gpus_per_node;
   j["slots"] = s.sim.topo.slots_per_gpu;
@@ -261,10 +275,28 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
     d["planner_seconds"] = r.planner_seconds;
     d["speedup_over_static"] = base_static ? base_static->step_seconds / r.step_seconds : 0.0;
     d["speedup_over_eplb"] = base_eplb ? base_eplb->step_seconds / r.step_seconds : 0.0;
+    d["breakdown"] = breakdown_json(r.breakdown);
+    json::Value steps = json::Array{};
+    for (const SimBreakdown &b : r.step_breakdown)
+      steps.push_back(breakdown_json(b));
+    d["steps"] = std::move(steps);
+    json::Value micro = json::Array{};
+    for (const SimBreakdown &b : r.micro_breakdown)
+      micro.push_back(breakdown_json(b));
+    d["micro_steps"] = std::move(micro);
     d["micro_step_layer_seconds"] = r.layer_seconds;
     list.push_back(std::move(d));
   }
   j["strategies"] = std::move(list);
+  // What each array's axes are, so that a reader need not guess.
+  json::Value axes;
+  axes["strategies[].steps"] = json::Array{"rl_step"};
+  axes["strategies[].micro_steps"] = json::Array{"simulated_micro_step"};
+  axes["strategies[].micro_step_layer_seconds"] = json::Array{"simulated_micro_step", "layer"};
+  j["axes"] = std::move(axes);
+  j["notes"] =
+      json::Value("simulated micro-steps run per RL step: the recompute passes' micro-steps, then the update pass's; "
+                  "breakdown fields are seconds and add up to step_seconds (per RL step)");
   return j;
 }
 
@@ -272,7 +304,8 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
 [[nodiscard]] inline std::string simulate_summary(const SimulateSettings &s, const json::Value &doc) {
   std::ostringstream out;
   const SimConfig &c = s.sim;
-  out << "simulated " << doc.find("num_steps")->as_integer() << " RL steps ("
+  const std::int64_t num_steps = doc.find("num_steps")->as_integer();
+  out << "simulated " << num_steps << (num_steps == 1 ? " RL step (" : " RL steps (")
       << doc.find("num_micro_steps")->as_integer() << " micro-steps, recompute x " << c.recompute_passes
       << " + update) of " << c.model.num_layers << " MoE layers x " << c.model.num_experts << " experts, top-"
       << c.model.topk << ", on " << c.topo.num_nodes << " x " << c.topo.gpus_per_node << " GPUs with "
@@ -284,12 +317,17 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
 [[nodiscard]] inline std::string simulate_csv(const json::Value &doc) {
   std::ostringstream out;
   out << "strategy,step_s,recompute_s,update_s,median_max_mean,p99_max_mean,moved_gb,stall_ms,speedup_static,"
-         "speedup_eplb\n";
+         "speedup_eplb,expert_compute_s,all_to_all_s,dense_s,moves_s,optimizer_s\n";
   for (const json::Value &r : doc.find("strategies")->as_array()) {
     auto f = [&](const char *k) { return r.find(k)->as_double(); };
     out << r.find("strategy")->as_string() << "," << f("step_seconds") << "," << f("recompute_seconds") << ","
         << f("update_seconds") << "," << f("imbalance_median") << "," << f("imbalance_p99") << "," << f("moved_gb")
-        << "," << f("stall_seconds") * 1e3 << "," << f("speedup_over_static") << "," << f("speedup_over_eplb") << "\n";
+        << "," << f("stall_seconds") * 1e3 << "," << f("speedup_over_static") << "," << f("speedup_over_eplb");
+    const json::Value &b = *r.find("breakdown");
+    for (const char *k :
+         {"expert_compute_seconds", "all_to_all_seconds", "dense_seconds", "moves_seconds", "optimizer_seconds"})
+      out << "," << b.find(k)->as_double();
+    out << "\n";
   }
   return out.str();
 }
@@ -319,26 +357,37 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
         << f("stall_seconds") * 1e3 << std::setw(11) << ratio(f("speedup_over_static")) << std::setw(9)
         << ratio(f("speedup_over_eplb")) << "\n";
   }
-  out << "(step/recompute/update: seconds per RL step; median/p99: per-layer max/mean GPU load; moved GB per step)\n";
+  out << "(step/recompute/update: seconds per RL step; median/p99: per-layer max/mean GPU load; moved GB: weights\n"
+         " moved per step; stall ms: per step, layers waiting for moved weights or returning gradients; vs: step-time\n"
+         " speed-up. foremoe-free may put copies in any slot, but foremoe's plan is one of its candidates: where that\n"
+         " plan already balances perfectly (median 1.000) foremoe-free keeps it, and the figures agree)\n";
   return out.str();
 }
+
+/// Progress callbacks of `run_simulate`: tokens generated of the total, then strategy-steps simulated.
+struct SimulateProgress {
+  std::function<void(std::int64_t, std::int64_t)> generate;
+  std::function<void(int, int)> simulate;
+};
 
 /// Runs a simulation from settings: the synthetic batch unless `loads` is given (with its `step_offsets`).
 [[nodiscard]] inline json::Value run_simulate(const SimulateSettings &s, const LoadTensor *loads,
                                               std::vector<std::int64_t> step_offsets,
-                                              const std::function<void(int, int)> &progress = {},
+                                              const SimulateProgress &progress = {},
                                               double *generate_seconds = nullptr) {
   const std::vector<SimStrategy> strategies = s.strategy_list();
   LoadTensor generated;
   if (loads == nullptr) {
     const auto t0 = std::chrono::steady_clock::now();
     s.batch.validate();
-    generated = generate_loads(s.batch, &step_offsets);
+    GeneratorOptions gen;
+    gen.progress = progress.generate;
+    generated = generate_loads(s.batch, &step_offsets, false, gen);
     loads = &generated;
     if (generate_seconds != nullptr)
       *generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  const std::vector<SimResult> res = simulate(s.sim, *loads, step_offsets, strategies, progress);
+  const std::vector<SimResult> res = simulate(s.sim, *loads, step_offsets, strategies, progress.simulate);
   const int num_steps = step_offsets.empty() ? 1 : static_cast<int>(step_offsets.size() - 1);
   return simulate_document(s, num_steps, loads->num_micro_steps(), res);
 }

@@ -46,6 +46,34 @@ inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
   c.skew = p.skew;
 }
 
+/// The one default preset of every command (`plan`, `trace gen`, `trace stats`, `simulate`, Python): the EP group
+/// of 8 nodes x 8 GPUs with 3 slots per GPU per layer (2 owners + 1 spare for 128 experts).
+[[nodiscard]] inline Topology default_topology() { return Topology{8, 8, 3}; }
+
+/// The default batch of the preset: Qwen3-30B-A3B's MoE shape, 2 RL steps of 256 GRPO prompts x 8 responses on
+/// the 64 ranks of `default_topology()`, micro-batches of 8,192 tokens per GPU (about 11 micro-steps per step).
+[[nodiscard]] inline SyntheticConfig default_batch() {
+  SyntheticConfig b;
+  b.num_steps = 2;
+  b.prompts_per_step = 256;
+  b.microbatch_tokens_per_gpu = 8192;
+  b.num_gpus = default_topology().num_gpus();
+  return b;
+}
+
+/// The default preset in words, for `--help`.
+[[nodiscard]] inline std::string default_preset_text() {
+  const Topology t = default_topology();
+  const SyntheticConfig b = default_batch();
+  std::ostringstream os;
+  os << "qwen3-30b-a3b (" << b.num_layers << " MoE layers x " << b.num_experts << " experts, top-" << b.topk << ") on "
+     << t.num_nodes << " x " << t.gpus_per_node << " GPUs x " << t.slots_per_gpu
+     << " slots per GPU per layer, a synthetic GRPO batch of " << b.num_steps << " RL steps x " << b.prompts_per_step
+     << " prompts x " << b.responses_per_prompt << " responses with " << b.microbatch_tokens_per_gpu
+     << "-token micro-batches per GPU, seed " << b.seed;
+  return os.str();
+}
+
 /// The synthetic GRPO generator's options (`SyntheticConfig`): the flags of `foremoe trace gen` and `trace
 /// stats`, the keywords of Python `synthetic_trace()` / `synthetic_loads()`, and (a subset, under `batch`)
 /// simulate's batch section.
@@ -156,7 +184,7 @@ inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
 /// first; it sets the MoE shape) and the generator's options.
 struct SyntheticSettings {
   std::string preset = "qwen3-30b-a3b";
-  SyntheticConfig config{};
+  SyntheticConfig config = default_batch();
 };
 
 [[nodiscard]] inline const Schema<SyntheticSettings> &synthetic_settings_schema() {
@@ -182,7 +210,7 @@ struct SyntheticSettings {
 /// The generator config that document `doc` (named `root` in messages; "--" for command-line flags) gives over
 /// `defaults`, validated.
 [[nodiscard]] inline SyntheticConfig read_synthetic(const json::Value &doc, std::string root,
-                                                    SyntheticConfig defaults = {}) {
+                                                    SyntheticConfig defaults = default_batch()) {
   SyntheticSettings s;
   s.config = defaults;
   synthetic_settings_schema().read(s, doc, std::move(root));
@@ -298,10 +326,10 @@ struct CountSettings {
   return s;
 }
 
-/// What `foremoe plan` plans with: the EP group (1 node x 8 GPUs unless given), the planner options and the
+/// What `foremoe plan` plans with: the EP group (`default_topology()` unless given), the planner options and the
 /// stage.
 struct PlanSettings {
-  Topology topo{1, 8, 1};
+  Topology topo = default_topology();
   PlannerOptions planner{};
   Stage stage = Stage::update;
 };
@@ -326,16 +354,12 @@ struct PlanSettings {
 struct SimulateSettings {
   std::string preset = "qwen3-30b-a3b";
   std::string strategies = sim_strategy_names(","); ///< comma-separated
-  SimConfig sim{};
-  /// The embedded default batch: a GRPO step of 256 prompts x 8 responses on 64 GPUs, micro-batches of
-  /// 8,192 tokens per GPU (about 8 micro-steps per step), 2 RL steps.
-  SyntheticConfig batch = [] {
-    SyntheticConfig b;
-    b.num_steps = 2;
-    b.prompts_per_step = 256;
-    b.microbatch_tokens_per_gpu = 8192;
-    return b;
+  SimConfig sim = [] {
+    SimConfig c;
+    c.topo = default_topology();
+    return c;
   }();
+  SyntheticConfig batch = default_batch(); ///< the GPUs, layers, experts and top-k follow `sim` (`finish`)
 
   /// The defaults of a preset: Qwen3-30B-A3B on 8 x 8 GPUs x 3 slots, or DeepSeek-V3 (fp8) on 8 x 8 x 5 with
   /// 128 prompts per step.

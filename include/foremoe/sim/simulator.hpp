@@ -94,6 +94,28 @@ struct SimStrategy {
   detail::fail("unknown strategy '", s, "' (registered: ", sim_strategy_names(), ")");
 }
 
+/// Where time goes: parts that add up to a step (or micro-step) time, in seconds.
+struct SimBreakdown {
+  double expert_compute = 0; ///< grouped-GEMM time of the busiest GPU per layer, forward and backward
+  double all_to_all = 0;     ///< dispatch and combine, forward and backward
+  double dense = 0;          ///< attention and dense layers, forward and backward
+  double moves = 0;          ///< weight moves outside the overlap windows: re-owning and host-mirror refreshes
+  double stall = 0;          ///< layers waiting for replica weights or gradient returns
+  double optimizer = 0;      ///< optimizer steps
+  [[nodiscard]] double total() const noexcept {
+    return expert_compute + all_to_all + dense + moves + stall + optimizer;
+  }
+  SimBreakdown &operator+=(const SimBreakdown &o) noexcept {
+    expert_compute += o.expert_compute;
+    all_to_all += o.all_to_all;
+    dense += o.dense;
+    moves += o.moves;
+    stall += o.stall;
+    optimizer += o.optimizer;
+    return *this;
+  }
+};
+
 /// Results of one strategy over all simulated steps.
 struct SimResult {
   std::string strategy;
@@ -109,6 +131,9 @@ struct SimResult {
   double planner_seconds = 0; ///< wall time of planning, all steps
   std::vector<std::vector<double>>
       layer_seconds; ///< per simulated micro-step (recompute then update, per step): layer forward(+backward) times
+  SimBreakdown breakdown;                    ///< mean per RL step; its total is `step_seconds`
+  std::vector<SimBreakdown> step_breakdown;  ///< per RL step
+  std::vector<SimBreakdown> micro_breakdown; ///< per simulated micro-step (the rows of `layer_seconds`)
 };
 
 namespace detail {
@@ -116,8 +141,9 @@ namespace detail {
 /// Per-layer timing of one micro-step under one plan.
 struct LayerTiming {
   double forward = 0, backward = 0;
-  std::vector<double> move_demand; ///< per GPU: seconds of incoming moves (max over paths)
-  std::vector<double> grad_demand; ///< per GPU: seconds of gradient reductions it sends
+  double expert = 0, a2a = 0, dense = 0; ///< the parts of forward + backward
+  std::vector<double> move_demand;       ///< per GPU: seconds of incoming moves (max over paths)
+  std::vector<double> grad_demand;       ///< per GPU: seconds of gradient reductions it sends
   double moved_bytes = 0, grad_bytes = 0;
   bool host_moves = false; ///< some move read the host mirror
 };
@@ -215,7 +241,15 @@ struct LayerTiming {
     const double attn = cfg.cost.dense.launch_us * 1e-6 + cfg.cost.dense.per_token_us * 1e-6 * tokens / G;
     const double a2a = detail::uniform_a2a_seconds(cfg.cost.a2a, gpu_tokens, topo.gpus_per_node, row_bytes);
     t.forward = attn + a2a + fwd_expert + a2a;
-    if (update) t.backward = cfg.cost.backward_factor * attn + a2a + bwd_expert + a2a;
+    t.expert = fwd_expert;
+    t.a2a = 2 * a2a;
+    t.dense = attn;
+    if (update) {
+      t.backward = cfg.cost.backward_factor * attn + a2a + bwd_expert + a2a;
+      t.expert += bwd_expert;
+      t.a2a += 2 * a2a;
+      t.dense += cfg.cost.backward_factor * attn;
+    }
     t.move_demand.assign(static_cast<std::size_t>(G), 0.0);
     t.grad_demand.assign(static_cast<std::size_t>(G), 0.0);
     if (lp == nullptr) return t;
@@ -276,6 +310,7 @@ struct LayerTiming {
     std::vector<std::int64_t> prev_totals;
 
     for (int s = 0; s < num_steps; ++s) {
+      SimBreakdown step_parts;
       const int m0 = static_cast<int>(step_offsets[s]), m1 = static_cast<int>(step_offsets[s + 1]);
       LoadTensor step(m1 - m0, L, E);
       std::copy(loads.totals().begin() + static_cast<std::ptrdiff_t>(m0) * L * E,
@@ -303,7 +338,9 @@ struct LayerTiming {
                   total_moved += expert_bytes * (1 + cfg.optimizer_state_factor);
                 }
               }
-            total_extra += *std::max_element(per_gpu.begin(), per_gpu.end());
+            const double reown = *std::max_element(per_gpu.begin(), per_gpu.end());
+            total_extra += reown;
+            step_parts.moves += reown;
           }
           if (pass == 0 && !sp.owner_gpu.empty()) {
             prev_owner_flat.clear();
@@ -352,10 +389,17 @@ struct LayerTiming {
             stall += std::max(0.0, need - window);
           }
           std::vector<double> layer_times(static_cast<std::size_t>(L));
+          SimBreakdown parts;
           for (int l = 0; l < L; ++l) {
             layer_times[l] = cur[l].forward + cur[l].backward;
             micro += layer_times[l];
+            parts.expert_compute += cur[l].expert;
+            parts.all_to_all += cur[l].a2a;
+            parts.dense += cur[l].dense;
           }
+          parts.stall = stall;
+          step_parts += parts;
+          res.micro_breakdown.push_back(parts);
           micro += stall;
           total_stall += stall;
           stage_time += micro;
@@ -365,6 +409,7 @@ struct LayerTiming {
         }
         if (update) {
           stage_time += cfg.optimizer_seconds * cfg.minibatches_per_step;
+          step_parts.optimizer += cfg.optimizer_seconds * cfg.minibatches_per_step;
           // After each optimizer step every GPU copies its owned experts' new weights to the node's pinned
           // mirror over its PCIe link, before the next mini-batch may read them; only strategies that read
           // the mirror pay it.
@@ -373,6 +418,7 @@ struct LayerTiming {
             const double refresh = cfg.minibatches_per_step * move_seconds(cfg.cost.move, MovePath::host, owned);
             stage_time += refresh;
             total_mirror += refresh;
+            step_parts.moves += refresh;
           }
           total_update += stage_time;
         } else {
@@ -384,6 +430,8 @@ struct LayerTiming {
         }
       }
       prev_totals = totals;
+      res.step_breakdown.push_back(step_parts);
+      res.breakdown += step_parts;
       if (progress) progress(++done_units, total_units);
     }
     const BalanceStats balance = balance_stats(std::move(imbalance));
@@ -398,6 +446,9 @@ struct LayerTiming {
     res.stall_seconds = total_stall / num_steps;
     res.mirror_seconds = total_mirror / num_steps;
     res.planner_seconds = total_planner;
+    for (double *part : {&res.breakdown.expert_compute, &res.breakdown.all_to_all, &res.breakdown.dense,
+                         &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.optimizer})
+      *part /= num_steps;
     results.push_back(std::move(res));
   }
   return results;

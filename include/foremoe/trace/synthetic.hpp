@@ -18,13 +18,17 @@
 /// fraction of them, and the sequences' topic-coherent routing makes its loads swing.
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <queue>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -158,6 +162,13 @@ private:
             " is below min_tokens ", d.min_tokens);
     require(d.max_tokens <= (1 << 28), "SyntheticConfig: ", name, ".max_tokens ", d.max_tokens, " exceeds 2^28");
   }
+};
+
+/// How the generator runs; the output does not depend on these.
+struct GeneratorOptions {
+  int num_threads = 0; ///< worker threads; 0 = one per hardware thread
+  /// Called with (tokens generated so far, total tokens) as work completes, from any worker (serialised).
+  std::function<void(std::int64_t, std::int64_t)> progress;
 };
 
 /// Routed ids of a synthetic trace with its micro-batch, source-rank, step and sequence boundaries.
@@ -559,6 +570,67 @@ public:
     }
   }
 
+  /// Counts the prompt part of sequence `seq_idx` alone (identical in every response of its prompt, so it is
+  /// counted once per prompt): each layer's `(expert, tokens)` pairs go to `counts` (layer `l`'s are
+  /// `[count_offsets[l], count_offsets[l+1])`) and its final top-k, where the responses start, to `last`.
+  template <class Sink>
+  void count_prompt(const SyntheticWorld &world, const SyntheticStepPlan &plan, int seq_idx, Sink &sink,
+                    std::vector<std::pair<std::int32_t, std::int32_t>> &counts,
+                    std::vector<std::int32_t> &count_offsets, std::vector<std::int16_t> &last) {
+    const SyntheticSequence &seq = plan.sequences[static_cast<std::size_t>(seq_idx)];
+    const int *topics = plan.prompt_topics.data() + static_cast<std::size_t>(seq.prompt_idx) * tp_;
+    const double *pw = plan.prompt_weights.data() + static_cast<std::size_t>(seq.prompt_idx) * tp_;
+    counts.clear();
+    count_offsets.assign(1, 0);
+    last.resize(static_cast<std::size_t>(num_layers_) * cur_.size());
+    for (int l = 0; l < num_layers_; ++l) {
+      mix(world, topics, pw, tp_, l, prompt_mix_.data());
+      prompt_table_.build(prompt_mix_.data(), num_experts_);
+      Xoshiro256 prompt_rng(mix64(seq.prompt_seed ^ static_cast<std::uint64_t>(l)));
+      run_chain(prompt_rng, prompt_table_, prompt_mix_.data(), true, seq.prompt_tokens, 0, l, sink);
+      std::int64_t *row = sink.count_row(l);
+      for (int e = 0; e < num_experts_; ++e)
+        if (row[e] != 0) {
+          counts.emplace_back(e, static_cast<std::int32_t>(row[e]));
+          row[e] = 0;
+        }
+      count_offsets.push_back(static_cast<std::int32_t>(counts.size()));
+      std::copy(cur_.begin(), cur_.end(), last.begin() + static_cast<std::ptrdiff_t>(l * cur_.size()));
+    }
+  }
+
+  /// Counts the response part of sequence `seq_idx` into `sink`, each layer's chain starting from `last` (the
+  /// prompt's final top-k that `count_prompt` recorded); the same counts as that part of `route`.
+  template <class Sink>
+  void count_response(const SyntheticWorld &world, const SyntheticStepPlan &plan, int seq_idx, const std::int16_t *last,
+                      Sink &sink) {
+    const auto s = static_cast<std::size_t>(seq_idx);
+    const SyntheticSequence &seq = plan.sequences[s];
+    const int *topics = plan.prompt_topics.data() + static_cast<std::size_t>(seq.prompt_idx) * tp_;
+    const double *pw = plan.prompt_weights.data() + static_cast<std::size_t>(seq.prompt_idx) * tp_;
+    const int *rt = plan.response_topics.data() + s * (tp_ + 1);
+    const double *rw = plan.response_weights.data() + s * (tp_ + 1);
+    const std::size_t k = cur_.size();
+    for (int l = 0; l < num_layers_; ++l) {
+      for (std::size_t j = 0; j < k; ++j)
+        if (cur_[j] >= 0) flip(taken_.data(), cur_[j]);
+      for (std::size_t j = 0; j < k; ++j) {
+        cur_[j] = last[static_cast<std::size_t>(l) * k + j];
+        flip(taken_.data(), cur_[j]);
+      }
+      if (distinct_weights_) {
+        mix(world, rt, rw, tp_ + 1, l, response_mix_.data());
+        response_table_.build(response_mix_.data(), num_experts_);
+      } else {
+        mix(world, topics, pw, tp_, l, prompt_mix_.data());
+        prompt_table_.build(prompt_mix_.data(), num_experts_);
+      }
+      Xoshiro256 response_rng(mix64(seq.response_seed ^ static_cast<std::uint64_t>(l)));
+      run_chain(response_rng, distinct_weights_ ? response_table_ : prompt_table_,
+                distinct_weights_ ? response_mix_.data() : prompt_mix_.data(), false, seq.response_tokens, 0, l, sink);
+    }
+  }
+
 private:
   void mix(const SyntheticWorld &world, const int *topics, const double *weights, std::size_t num_topics, int l,
            double *out) const {
@@ -689,28 +761,175 @@ private:
   std::vector<std::int64_t> enter_;  ///< run-length counting: token at which each slot got its expert
 };
 
-/// Routes every sequence in execution order through `sink`, which sees
-/// `begin_block(micro_idx, rank_idx)`, `route(token_idx, layer_idx, ids)` and `end_block(micro_idx, rank_idx)`.
-template <class Sink>
-void run_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStepPlan> &plans, Sink &sink) {
+/// Runs `fn(task, worker)` for every task in `[0, num_tasks)` on `num_threads` threads (worker in
+/// `[0, num_threads)`), tasks handed out in order; rethrows the first exception.
+template <class Fn> void parallel_tasks(std::size_t num_tasks, int num_threads, Fn &&fn) {
+  const auto workers = static_cast<int>(
+      std::min<std::size_t>(static_cast<std::size_t>(std::max(1, num_threads)), std::max<std::size_t>(1, num_tasks)));
+  if (workers == 1) {
+    for (std::size_t t = 0; t < num_tasks; ++t)
+      fn(t, 0);
+    return;
+  }
+  std::atomic<std::size_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  auto work = [&](int w) {
+    try {
+      for (std::size_t t; (t = next.fetch_add(1)) < num_tasks;)
+        fn(t, w);
+    } catch (...) {
+      const std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = std::current_exception();
+      next = num_tasks;
+    }
+  };
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(workers - 1));
+  for (int w = 1; w < workers; ++w)
+    threads.emplace_back(work, w);
+  work(0);
+  for (auto &t : threads)
+    t.join();
+  if (error) std::rethrow_exception(error);
+}
+
+[[nodiscard]] inline int generator_threads(int requested) noexcept {
+  if (requested > 0) return requested;
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+/// Reports tokens done to `progress` (if set) from any worker, serialised.
+class ProgressMeter {
+public:
+  ProgressMeter(const std::function<void(std::int64_t, std::int64_t)> &fn, std::int64_t total)
+      : fn_(fn), total_(total) {}
+  void add(std::int64_t tokens) {
+    if (!fn_ || tokens == 0) return;
+    const std::lock_guard<std::mutex> lock(mutex_);
+    done_ += tokens;
+    fn_(done_, total_);
+  }
+
+private:
+  const std::function<void(std::int64_t, std::int64_t)> &fn_;
+  std::int64_t total_, done_ = 0;
+  std::mutex mutex_;
+};
+
+/// Routes every (micro-step, rank) block of `plans` on its own worker's router: `sink(worker)` gives that
+/// worker's sink, which sees `route(token_idx, layer_idx, ids)` for the tokens of its blocks. Blocks are
+/// independent (every sequence's streams come from its own seeds), so the ids do not depend on the threads.
+template <class SinkOf>
+void route_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStepPlan> &plans, int num_threads,
+                     ProgressMeter &meter, SinkOf &&sink_of) {
   const SyntheticWorld world = make_world(cfg);
-  SequenceRouter router(cfg);
+  struct Block {
+    const SyntheticStepPlan *plan;
+    std::size_t index;
+    std::int64_t first_token;
+  };
+  std::vector<Block> blocks;
   std::int64_t token = 0;
+  for (const SyntheticStepPlan &plan : plans)
+    for (std::size_t b = 0; b + 1 < plan.block_offsets.size(); ++b) {
+      blocks.push_back({&plan, b, token});
+      for (std::int64_t i = plan.block_offsets[b]; i < plan.block_offsets[b + 1]; ++i) {
+        const SyntheticSequence &seq =
+            plan.sequences[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(i)])];
+        token += seq.prompt_tokens + seq.response_tokens;
+      }
+    }
+  const int workers = generator_threads(num_threads);
+  std::vector<SequenceRouter> routers(static_cast<std::size_t>(std::min<std::size_t>(
+                                          static_cast<std::size_t>(workers), std::max<std::size_t>(1, blocks.size()))),
+                                      SequenceRouter(cfg));
+  parallel_tasks(blocks.size(), workers, [&](std::size_t t, int w) {
+    const Block &blk = blocks[t];
+    auto &&sink = sink_of(w);
+    std::int64_t tok = blk.first_token;
+    for (std::int64_t i = blk.plan->block_offsets[blk.index]; i < blk.plan->block_offsets[blk.index + 1]; ++i) {
+      const int s = blk.plan->order[static_cast<std::size_t>(i)];
+      routers[static_cast<std::size_t>(w)].route(world, *blk.plan, s, tok, sink);
+      const SyntheticSequence &seq = blk.plan->sequences[static_cast<std::size_t>(s)];
+      tok += seq.prompt_tokens + seq.response_tokens;
+    }
+    meter.add(tok - blk.first_token);
+  });
+}
+
+/// Counts `plans` into `out` (`[micro_steps][L][E]`, optionally by source rank). Each prompt's part is counted
+/// once (threads over prompts) and added to each of its responses' blocks, then the micro-steps are counted on
+/// threads, each into its own rows: the loads do not depend on the threads and equal the counts of the ids.
+inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStepPlan> &plans, int num_threads,
+                            ProgressMeter &meter, LoadTensor &out) {
+  const SyntheticWorld world = make_world(cfg);
+  const int workers = generator_threads(num_threads);
+  const auto ne = static_cast<std::size_t>(cfg.num_experts);
+  const auto nl = static_cast<std::size_t>(cfg.num_layers);
+  struct Rows {
+    std::vector<std::int64_t> block; ///< `[L][E]` counts of the current (micro-step, rank)
+    std::int64_t *count_row(int layer_idx) { return block.data() + static_cast<std::size_t>(layer_idx) * ne_; }
+    std::size_t ne_;
+  };
+  struct Worker {
+    SequenceRouter router;
+    Rows rows;
+  };
+  std::vector<Worker> ws(static_cast<std::size_t>(workers),
+                         Worker{SequenceRouter(cfg), Rows{std::vector<std::int64_t>(nl * ne), ne}});
+  struct PromptCounts {
+    std::vector<std::pair<std::int32_t, std::int32_t>> counts;
+    std::vector<std::int32_t> offsets;
+    std::vector<std::int16_t> last;
+  };
+  const auto nr = static_cast<std::size_t>(cfg.responses_per_prompt);
   int micro_base = 0;
   for (const SyntheticStepPlan &plan : plans) {
-    for (int m = 0; m < plan.num_micro_steps; ++m)
+    const std::size_t num_prompts = plan.sequences.size() / nr;
+    std::vector<PromptCounts> prompts(num_prompts);
+    // count_prompt needs zero rows and leaves them zero; the previous step's blocks do not.
+    for (Worker &wk : ws)
+      std::fill(wk.rows.block.begin(), wk.rows.block.end(), 0);
+    parallel_tasks(num_prompts, workers, [&](std::size_t p, int w) {
+      Worker &wk = ws[static_cast<std::size_t>(w)];
+      PromptCounts &pc = prompts[p];
+      wk.router.count_prompt(world, plan, static_cast<int>(p * nr), wk.rows, pc.counts, pc.offsets, pc.last);
+    });
+    parallel_tasks(static_cast<std::size_t>(plan.num_micro_steps), workers, [&](std::size_t m, int w) {
+      Worker &wk = ws[static_cast<std::size_t>(w)];
+      const int micro = micro_base + static_cast<int>(m);
+      std::int64_t tokens = 0;
       for (int r = 0; r < cfg.num_gpus; ++r) {
-        const std::size_t b =
-            static_cast<std::size_t>(m) * static_cast<std::size_t>(cfg.num_gpus) + static_cast<std::size_t>(r);
-        sink.begin_block(micro_base + m, r);
+        const std::size_t b = m * static_cast<std::size_t>(cfg.num_gpus) + static_cast<std::size_t>(r);
+        std::fill(wk.rows.block.begin(), wk.rows.block.end(), 0);
         for (std::int64_t i = plan.block_offsets[b]; i < plan.block_offsets[b + 1]; ++i) {
           const int s = plan.order[static_cast<std::size_t>(i)];
-          router.route(world, plan, s, token, sink);
           const SyntheticSequence &seq = plan.sequences[static_cast<std::size_t>(s)];
-          token += seq.prompt_tokens + seq.response_tokens;
+          const PromptCounts &pc = prompts[static_cast<std::size_t>(seq.prompt_idx)];
+          for (std::size_t l = 0; l < nl; ++l) {
+            std::int64_t *row = wk.rows.block.data() + l * ne;
+            for (auto c = static_cast<std::size_t>(pc.offsets[l]); c < static_cast<std::size_t>(pc.offsets[l + 1]); ++c)
+              row[pc.counts[c].first] += pc.counts[c].second;
+          }
+          wk.router.count_response(world, plan, s, pc.last.data(), wk.rows);
+          tokens += seq.prompt_tokens + seq.response_tokens;
         }
-        sink.end_block(micro_base + m, r);
+        for (std::size_t l = 0; l < nl; ++l) {
+          const std::int64_t *row = wk.rows.block.data() + l * ne;
+          auto tot = out.layer(micro, static_cast<int>(l));
+          for (std::size_t e = 0; e < ne; ++e)
+            tot[e] += row[e];
+          if (out.has_sources()) {
+            auto src = out.layer_by_source(micro, static_cast<int>(l));
+            const auto ns = static_cast<std::size_t>(out.num_sources());
+            for (std::size_t e = 0; e < ne; ++e)
+              src[e * ns + static_cast<std::size_t>(r)] = row[e];
+          }
+        }
       }
+      meter.add(tokens);
+    });
     micro_base += plan.num_micro_steps;
   }
 }
@@ -736,7 +955,7 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
 
 /// Materialises the routed ids (`num_tokens * num_layers * topk` int16 values: meant for small configs; use
 /// `generate_loads` for large ones). Throws `Error` for an invalid config or one above 2^31 ids.
-[[nodiscard]] inline SyntheticTrace generate_trace(const SyntheticConfig &cfg) {
+[[nodiscard]] inline SyntheticTrace generate_trace(const SyntheticConfig &cfg, const GeneratorOptions &opts = {}) {
   cfg.validate();
   SyntheticTrace out;
   const auto plans = detail::plan_steps(cfg, out.step_offsets, out.num_tokens);
@@ -771,8 +990,6 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
   out.source_offsets.push_back(token);
   struct Routes {
     SyntheticTrace &trace;
-    void begin_block(int, int) {}
-    void end_block(int, int) {}
     void route(std::int64_t token_idx, int layer_idx, const std::int16_t *ids) {
       const std::size_t k = static_cast<std::size_t>(trace.topk);
       std::copy(ids, ids + k,
@@ -782,46 +999,24 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
                         k);
     }
   } routes{out};
-  detail::run_synthetic(cfg, plans, routes);
+  detail::ProgressMeter meter(opts.progress, out.num_tokens);
+  detail::route_synthetic(cfg, plans, opts.num_threads, meter, [&](int) -> Routes & { return routes; });
   return out;
 }
 
 /// Streams the same tokens as `generate_trace(cfg)` and counts them into `[micro_steps][num_layers][num_experts]`
 /// loads without storing ids; with `by_source` also `[...][num_gpus]` by source rank. `step_offsets`, if given,
 /// receives the `[num_steps + 1]` micro-step offsets of the steps. Throws `Error` for an invalid config.
-[[nodiscard]] inline LoadTensor
-generate_loads(const SyntheticConfig &cfg, std::vector<std::int64_t> *step_offsets = nullptr, bool by_source = false) {
+[[nodiscard]] inline LoadTensor generate_loads(const SyntheticConfig &cfg,
+                                               std::vector<std::int64_t> *step_offsets = nullptr,
+                                               bool by_source = false, const GeneratorOptions &opts = {}) {
   cfg.validate();
   std::vector<std::int64_t> steps;
   std::int64_t num_tokens = 0;
   const auto plans = detail::plan_steps(cfg, steps, num_tokens);
   LoadTensor out(static_cast<int>(steps.back()), cfg.num_layers, cfg.num_experts, by_source ? cfg.num_gpus : 0);
-  struct Counter {
-    LoadTensor &out;
-    int num_layers, num_experts;
-    std::vector<std::int64_t> block; ///< `[L][E]` counts of the current (micro-step, rank)
-    void begin_block(int, int) { std::fill(block.begin(), block.end(), 0); }
-    std::int64_t *count_row(int layer_idx) {
-      return block.data() + static_cast<std::size_t>(layer_idx) * static_cast<std::size_t>(num_experts);
-    }
-    void end_block(int micro_idx, int rank_idx) {
-      const auto ne = static_cast<std::size_t>(num_experts);
-      for (int l = 0; l < num_layers; ++l) {
-        const std::int64_t *row = block.data() + static_cast<std::size_t>(l) * ne;
-        auto tot = out.layer(micro_idx, l);
-        for (std::size_t e = 0; e < ne; ++e)
-          tot[e] += row[e];
-        if (out.has_sources()) {
-          auto src = out.layer_by_source(micro_idx, l);
-          const auto ns = static_cast<std::size_t>(out.num_sources());
-          for (std::size_t e = 0; e < ne; ++e)
-            src[e * ns + static_cast<std::size_t>(rank_idx)] = row[e];
-        }
-      }
-    }
-  } counter{out, cfg.num_layers, cfg.num_experts,
-            std::vector<std::int64_t>(static_cast<std::size_t>(cfg.num_layers) * cfg.num_experts)};
-  detail::run_synthetic(cfg, plans, counter);
+  detail::ProgressMeter meter(opts.progress, num_tokens);
+  detail::count_synthetic(cfg, plans, opts.num_threads, meter, out);
   if (step_offsets != nullptr) *step_offsets = std::move(steps);
   return out;
 }
