@@ -76,7 +76,11 @@ Command make_plan() {
     const json::Value flags = all ? schema_overrides(config::plan_schema(), a, {"planner.strategy"})
                                   : schema_overrides(config::plan_schema(), a);
     config::PlanSettings settings;
-    config::plan_schema().read(settings, flags, "--");
+    try {
+      config::plan_schema().read(settings, flags, "--");
+    } catch (const Error &e) {
+      throw UsageError{e.what()}; // an unknown --strategy or a bad flag value is a usage error (exit 2)
+    }
     const Topology topo = settings.topo;
     const PlannerOptions opts = settings.planner;
     const Stage stage = settings.stage;
@@ -130,6 +134,11 @@ Command make_plan() {
       topt.max_chunk_bytes = a.integer("max-chunk-bytes", 1, std::int64_t{1} << 40);
       topt.align_bytes = std::min<std::int64_t>(topt.align_bytes, topt.max_chunk_bytes);
       topt.host_mirror = !a.flag("no-mirror");
+      try {
+        topt.validate(); // before planning: a chunk count above the limit is a usage error, not a late failure
+      } catch (const Error &e) {
+        throw UsageError{std::string("--expert-bytes / --max-chunk-bytes: ") + e.what()};
+      }
     } else if (a.has("max-chunk-bytes") || a.flag("no-mirror")) {
       throw UsageError{"--max-chunk-bytes and --no-mirror shape the transfer plan: give --expert-bytes too"};
     }
@@ -137,12 +146,12 @@ Command make_plan() {
     Planner planner(loads.num_layers(), loads.num_experts(), topo, opts);
     const StepPlan sp = planner.plan_step(loads, res, previous, stage);
 
-    // Sources are what the slots held before each micro-step: the previous one's placement, or --resident.
+    // Sources are what the slots held before each micro-step: the previous one's placement, or --resident, or
+    // (micro-step 0 without --resident) what the planner assumed resident: every slot its moves do not write.
     std::vector<std::vector<transfer::TransferPlan>> transfer_plans;
     std::size_t num_moves = 0;
     double est_seconds = 0.0, bound_seconds = 0.0;
     std::int64_t path_bytes[transfer::num_paths] = {0, 0, 0};
-    const LayerPlacement empty(topo.num_gpus(), topo.slots_per_gpu, loads.num_experts());
     for (std::size_t m = 0; m < sp.micro_steps.size(); ++m) {
       const auto &layers = sp.micro_steps[m];
       if (transfers) transfer_plans.emplace_back();
@@ -150,9 +159,9 @@ Command make_plan() {
         const LayerPlan &lp = layers[l];
         num_moves += lp.moves.size();
         if (!transfers) continue;
-        const LayerPlacement &before = m > 0            ? sp.micro_steps[m - 1][l].placement
-                                       : res != nullptr ? res->layer(static_cast<int>(l))
-                                                        : empty;
+        const LayerPlacement before = m > 0            ? sp.micro_steps[m - 1][l].placement
+                                      : res != nullptr ? res->layer(static_cast<int>(l))
+                                                       : transfer::resident_before(lp.placement, lp.moves);
         try {
           transfer_plans.back().push_back(transfer::plan_transfers(lp.moves, before, topo, topt));
         } catch (const Error &e) {

@@ -56,6 +56,16 @@ Command make_trace_gen() {
   c.run = [](const Args &a, std::ostream &out, std::ostream &) {
     const SyntheticConfig cfg = synthetic_config(a, SyntheticConfig{});
     if (!a.has("loads") && !a.has("ids")) throw UsageError{"give --loads FILE.npy and/or --ids FILE.npy"};
+    if (a.flag("by-source") && !a.has("loads"))
+      throw UsageError{"--by-source splits the loads: give --loads FILE.npy too"};
+    if (a.has("loads") && a.has("ids")) {
+      // Both files and their .steps.npy sidecars would be written over each other.
+      std::error_code ec;
+      const fs::path l = fs::weakly_canonical(a.str("loads"), ec), i = fs::weakly_canonical(a.str("ids"), ec);
+      if (l == i || sidecar_path(l, "steps") == sidecar_path(i, "steps"))
+        throw UsageError{"--loads " + a.str("loads") + " and --ids " + a.str("ids") +
+                         " name the same file: give two different paths"};
+    }
     const auto t0 = std::chrono::steady_clock::now();
     if (a.has("ids")) {
       const fs::path p = a.str("ids");
@@ -135,6 +145,13 @@ Command make_trace_stats() {
                          "if it exists)",
                          "");
   c.run = [](const Args &a, std::ostream &out, std::ostream &err) {
+    // An explicit --data-dir must hold the reference data: checked first, not after minutes of generation.
+    if (a.has("data-dir")) {
+      const fs::path d = a.str("data-dir");
+      if (!fs::is_directory(d)) throw UsageError{"--data-dir " + d.string() + ": no such directory"};
+      if (!fs::is_directory(d / "deepseek-v3-sglang"))
+        throw UsageError{"--data-dir " + d.string() + ": holds no deepseek-v3-sglang/ reference data"};
+    }
     LoadTensor loads;
     std::vector<std::int64_t> steps;
     int num_gpus = 0, topk = 0;

@@ -384,6 +384,7 @@ struct SimulateSettings {
     batch.topk = sim.model.topk;
     batch.num_gpus = sim.topo.num_gpus();
     sim.validate();
+    (void)strategy_list(); // a bad list fails here, before the batch is generated
   }
 
   /// The strategies to simulate, parsed; throws `Error` for an unknown or repeated name or an empty list.
@@ -391,8 +392,14 @@ struct SimulateSettings {
     std::vector<SimStrategy> out;
     std::stringstream ss(strategies);
     std::string name;
-    while (std::getline(ss, name, ','))
-      if (!name.empty()) out.push_back(parse_sim_strategy(name));
+    while (std::getline(ss, name, ',')) {
+      if (name.empty()) continue;
+      const SimStrategy st = parse_sim_strategy(name);
+      // A repeated name would simulate (and print) the same strategy twice.
+      detail::require(std::none_of(out.begin(), out.end(), [&](const SimStrategy &o) { return o.name == st.name; }),
+                      "strategies: '", name, "' is listed twice in '", strategies, "'");
+      out.push_back(st);
+    }
     detail::require(!out.empty(), "strategies lists no strategy");
     return out;
   }

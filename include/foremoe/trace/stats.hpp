@@ -288,15 +288,20 @@ namespace detail {
 [[nodiscard]] inline std::string format_stat(double v) {
   if (std::isnan(v)) return "-";
   std::ostringstream os;
-  os << std::fixed << std::setprecision(std::fabs(v) >= 1000 ? 0 : 3) << v;
+  // Past 1e7 fixed notation outgrows the 10-character column (1e18 has 19 digits): switch to 4 significant digits.
+  if (std::fabs(v) >= 1e7)
+    os << std::scientific << std::setprecision(3) << v;
+  else
+    os << std::fixed << std::setprecision(std::fabs(v) >= 1000 ? 0 : 3) << v;
   return os.str();
 }
 
 inline void print_summary_row(std::ostream &os, const char *label, const SummaryStats &s) {
   os << "  " << std::left << std::setw(40) << label << std::right;
+  // A space before every cell: columns stay apart even when a value fills its width.
   for (double v : {s.min, s.median, s.mean, s.p90, s.max})
-    os << std::setw(11) << format_stat(v);
-  os << std::setw(9) << s.count << '\n';
+    os << ' ' << std::setw(10) << format_stat(v);
+  os << ' ' << std::setw(8) << s.count << '\n';
 }
 
 } // namespace detail

@@ -37,6 +37,11 @@ inline constexpr int num_paths = 3;
   return "?";
 }
 
+/// Most chunks one move may be cut into (per move, both paths together): the bound that keeps a plan's size and
+/// planning time proportional to its moves whatever `expert_bytes` / `max_chunk_bytes` a front end is given.
+/// 4096 chunks of the default 64 MiB cover a 256 GiB expert.
+inline constexpr std::int64_t max_chunks_per_move = 4096;
+
 /// Knobs of transfer planning.
 struct Options {
   std::int64_t expert_bytes = 0;                         ///< bytes of one expert's weights (all its tensors)
@@ -51,6 +56,12 @@ struct Options {
     foremoe::detail::require(align_bytes > 0, "transfer::Options: align_bytes must be positive, got ", align_bytes);
     foremoe::detail::require(max_chunk_bytes >= align_bytes, "transfer::Options: max_chunk_bytes (", max_chunk_bytes,
                              ") must be at least align_bytes (", align_bytes, ")");
+    const std::int64_t chunks = expert_bytes / max_chunk_bytes + (expert_bytes % max_chunk_bytes != 0 ? 1 : 0);
+    foremoe::detail::require(
+        chunks <= max_chunks_per_move, "transfer::Options: expert_bytes ", expert_bytes,
+        " in chunks of max_chunk_bytes ", max_chunk_bytes, " makes ", chunks, " chunks per move, above the limit of ",
+        max_chunks_per_move, " (max_chunk_bytes must be at least ",
+        expert_bytes / max_chunks_per_move + (expert_bytes % max_chunks_per_move != 0 ? 1 : 0), ")");
   }
 };
 
@@ -107,6 +118,21 @@ namespace detail {
 }
 
 } // namespace detail
+
+/// What the slots held before a batch of `moves` whose result is `after`, when nothing else is known (no placement
+/// of a previous micro-step): every slot the batch does not write was already in place (the owners among them),
+/// and the written ones were empty. This is the planner's own view of micro-step 0 without a resident placement.
+[[nodiscard]] inline LayerPlacement resident_before(const LayerPlacement &after, std::span<const Move> moves) {
+  LayerPlacement before = after;
+  for (const Move &m : moves) {
+    foremoe::detail::require(m.dst_gpu >= 0 && m.dst_gpu < after.num_gpus() && m.dst_slot >= 0 &&
+                                 m.dst_slot < after.slots_per_gpu(),
+                             "resident_before: a move targets GPU ", m.dst_gpu, " slot ", m.dst_slot, ", outside ",
+                             after.num_gpus(), " GPUs x ", after.slots_per_gpu(), " slots");
+    before.slot(m.dst_gpu, m.dst_slot) = empty_slot;
+  }
+  return before;
+}
 
 /// Round-by-round time and link bound of `plan`'s chunks (fills `est_seconds` and `link_bound_seconds`). A GPU's
 /// NVLink or NIC port is shared by all its chunks of a round, so a round lasts as long as its busiest port.
