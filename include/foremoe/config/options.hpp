@@ -243,6 +243,15 @@ struct SyntheticSettings {
               "exact_split",
               "re-split every two-level plan exactly (plans from a resident otherwise keep the search's split)",
               [](auto &o) -> auto & { return o.exact_split; }),
+          number<P>(
+              "tolerance", 0, 100,
+              "largest accepted layer max/mean; within it the plan moving fewest experts wins (0: as balanced as "
+              "possible; else >= 1)",
+              [](auto &o) -> auto & { return o.tolerance; }),
+          integer<P>(
+              "min_tokens_per_replica", 0, std::int64_t{1} << 40,
+              "fewest tokens a replica may run (0: any); lighter pieces go back to another copy",
+              [](auto &o) -> auto & { return o.min_tokens_per_replica; }),
           integer<P>(
               "eplb_num_groups", 1, 32767, "expert groups for EPLB (hierarchical when they divide over nodes)",
               [](auto &o) -> auto & { return o.eplb_num_groups; }),
