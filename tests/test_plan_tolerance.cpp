@@ -187,3 +187,24 @@ TEST_CASE("free mode honours the move budget (plan checker's rule)") {
   }
   CHECK(binding > 0); // the budget bound somewhere: without it the checker fails
 }
+
+TEST_CASE("cost gate: valid, never slower in the gate's model than the plan without it") {
+  std::mt19937_64 rng(19);
+  int differs = 0;
+  for (int it = 0; it < 1000; ++it) {
+    const Case c = random_case(rng);
+    ReplicaPlanner rp(c.topo, c.num_experts);
+    ReplicaOptions gated;
+    const double per_token = 1e-6 * static_cast<double>(1 + rng() % 10);
+    const double move = 1e-6 * static_cast<double>(rng() % 2000);
+    gated.token_time = [per_token](std::int64_t t) { return per_token * static_cast<double>(t); };
+    gated.replica_cost = [move](int, int src, int) { return src < 0 ? 2 * move : move; };
+    const LayerPlan g = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, gated);
+    const LayerPlan u = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, {});
+    CAPTURE(it);
+    REQUIRE_NOTHROW(validate(g, c.loads, &c.resident.placement));
+    CHECK(TwoLevelPlanner::gate_model_seconds(g, gated) <= TwoLevelPlanner::gate_model_seconds(u, gated) + 1e-12);
+    differs += g.moves.size() != u.moves.size();
+  }
+  CHECK(differs > 0); // the gate acts somewhere
+}

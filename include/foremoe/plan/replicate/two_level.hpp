@@ -60,12 +60,30 @@ public:
   [[nodiscard]] TwoLevelResult plan(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
                                     const LayerPlacement *resident, const ReplicaOptions &opts = {}) {
     TwoLevelResult r = plan_balanced(loads, owner_gpu, resident, opts);
+    if (opts.replica_cost && opts.token_time) {
+      // The gate drops replicas one at a time from its own starting plan, which need not be the plan without it;
+      // so the plan without the gate stays when the model says it is faster (see `gate_model_seconds`).
+      ReplicaOptions plain = opts;
+      plain.replica_cost = nullptr;
+      plain.token_time = nullptr;
+      TwoLevelResult u = plan_balanced(loads, owner_gpu, resident, plain);
+      if (gate_model_seconds(u.plan, opts) < gate_model_seconds(r.plan, opts)) r.plan = std::move(u.plan);
+    }
     if (opts.tolerance > 0) apply_tolerance(r.plan, loads, owner_gpu, resident, opts);
     if (opts.min_tokens_per_replica > 0) {
       detail::enforce_min_tokens(r.plan, resident, opts.min_tokens_per_replica, topo_.gpus_per_node);
       if (opts.tolerance > 0) r.plan.tolerance_met = r.plan.max_gpu_load <= tolerance_limit(loads, opts.tolerance);
     }
     return r;
+  }
+
+  /// The gate's model of a plan's time: the expert compute of its most loaded GPU plus the cost of every new
+  /// replica (a move onto a GPU that does not own the expert).
+  [[nodiscard]] static double gate_model_seconds(const LayerPlan &plan, const ReplicaOptions &opts) {
+    double t = opts.token_time(plan.max_gpu_load);
+    for (const Move &m : plan.moves)
+      if (plan.owner_gpu[m.expert] != m.dst_gpu) t += opts.replica_cost(m.expert, m.src_gpu, m.dst_gpu);
+    return t;
   }
 
 private:
