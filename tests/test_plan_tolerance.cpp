@@ -208,3 +208,20 @@ TEST_CASE("cost gate: valid, never slower in the gate's model than the plan with
   }
   CHECK(differs > 0); // the gate acts somewhere
 }
+
+TEST_CASE("the packed owner-load sort gives the plans of the reference sort") {
+  std::mt19937_64 rng(20);
+  for (int it = 0; it < 500; ++it) {
+    const Case c = random_case(rng);
+    ReplicaPlanner rp(c.topo, c.num_experts);
+    ReplicaOptions o;
+    o.move_budget = static_cast<int>(rng() % 3) - 1;
+    const LayerPlan fast = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, o);
+    detail::reference_owner_sort = true;
+    const LayerPlan ref = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, o);
+    detail::reference_owner_sort = false;
+    CHECK(fast.placement == ref.placement);
+    CHECK(fast.slot_tokens == ref.slot_tokens);
+    CHECK(fast.moves == ref.moves);
+  }
+}
