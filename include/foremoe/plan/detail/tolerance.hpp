@@ -2,6 +2,7 @@
 /// @file
 /// The imbalance tolerance's token limit and the minimum tokens per replica, shared by the replica constructions.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <span>
