@@ -390,7 +390,8 @@ private:
     const std::int64_t tolerance = std::max<std::int64_t>(1, lo / 2000);
     hi = detail::search_makespan(lo, hi, 4 * tolerance, tolerance, true, [&](std::int64_t t) {
            if (!shed_greedy(t, loads)) return false;
-           best_ = trial_;
+           // A swap, not a copy: the next construction overwrites every entry of `trial_` it reads.
+           std::swap(best_, trial_);
            return true;
          }).second;
     cur_ = best_;
