@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "foremoe/plan/ep_groups.hpp"
 #include "foremoe/plan/eplb.hpp"
 #include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/owners.hpp"
@@ -118,6 +119,60 @@ BENCHMARK(BM_PlanQwen3TwoLevel)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_PlanQwen3Free)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_Plan1024GpusTwoLevel)->Unit(benchmark::kMillisecond)->Iterations(3);
 BENCHMARK(BM_Plan1024GpusFree)->Unit(benchmark::kMillisecond)->Iterations(3);
+
+/// Issue 15's scale cases: DeepSeek-V3 (58 x 256) two-level, one thread, one micro-step, at 32, 64 and 256 GPUs
+/// (one spare slot per GPU beside the owners, budget 1 as above).
+void BM_PlanDeepSeekV3Gpus(benchmark::State &st) {
+  const int gpus = static_cast<int>(st.range(0));
+  const Shape s{58, 256, Topology{gpus / 8, 8, (256 + gpus - 1) / gpus + 1}};
+  plan_micro_step(st, s, "foremoe");
+}
+BENCHMARK(BM_PlanDeepSeekV3Gpus)->Arg(32)->Arg(64)->Arg(256)->Unit(benchmark::kMicrosecond);
+
+/// A Kimi-K2-like shape, 60 layers x 384 experts, at 64 GPUs (6 owners + 1 spare slot each), two-level.
+void BM_PlanKimiK2At64Gpus(benchmark::State &st) { plan_micro_step(st, Shape{60, 384, Topology{8, 8, 7}}, "foremoe"); }
+BENCHMARK(BM_PlanKimiK2At64Gpus)->Unit(benchmark::kMicrosecond);
+
+/// 1,024 GPUs (128 x 8 x 2 slots) as EP groups of 256 GPUs (`default_ep_size`: four groups) planned on their own,
+/// in parallel over `threads` (argument); each group routes its own micro-steps.
+void BM_Plan1024GpusGroups(benchmark::State &st) {
+  const Topology topo{128, 8, 2};
+  PlannerOptions opts;
+  opts.move_budget = 1;
+  opts.num_threads = static_cast<int>(st.range(0));
+  apply_env(opts);
+  GroupedPlanner planner(58, 256, topo, opts);
+  const Shape group{58, 256, ep_group_topology(topo, default_ep_size(topo.num_gpus(), 256))};
+  std::vector<std::vector<std::int64_t>> totals, first, second;
+  for (int g = 0; g < planner.num_groups(); ++g) {
+    const LoadTensor steps = micro_steps_for(group, 4, 2.0, 20 + static_cast<std::uint64_t>(g));
+    totals.push_back(planner.group(g).sum_steps(steps));
+    const auto v = steps.totals();
+    const std::size_t n = static_cast<std::size_t>(58) * 256;
+    first.emplace_back(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(n));
+    second.emplace_back(v.begin() + static_cast<std::ptrdiff_t>(n), v.begin() + static_cast<std::ptrdiff_t>(2 * n));
+  }
+  planner.begin_step(totals);
+  std::vector<Placement> resident;
+  for (const auto &plans : planner.plan(first))
+    resident.push_back(to_placement(plans));
+  std::vector<const Placement *> res_ptr;
+  for (const Placement &p : resident)
+    res_ptr.push_back(&p);
+  double imb = 0;
+  std::int64_t n = 0;
+  for (auto _ : st) {
+    auto plans = planner.plan(second, Stage::update, res_ptr);
+    benchmark::DoNotOptimize(plans.data());
+    for (const auto &g : plans)
+      for (const auto &lp : g)
+        imb += lp.imbalance();
+    n += static_cast<std::int64_t>(plans.size() * plans.front().size());
+  }
+  st.counters["mean_max_over_mean"] = n > 0 ? imb / static_cast<double>(n) : 0.0;
+  st.counters["groups"] = planner.num_groups();
+}
+BENCHMARK(BM_Plan1024GpusGroups)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 void BM_OwnersDeepSeekV3(benchmark::State &st) {
   const LoadTensor steps = micro_steps_for(dsv3, 8, 2.0, 12);

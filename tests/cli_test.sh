@@ -103,6 +103,23 @@ expect 0 "^  foremoe-free +[0-9.]+" -- "$bin" plan --loads "$work/step.npy" --no
   --strategy all
 expect 2 "need one strategy" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --strategy all --out "$work/x.json"
+# free mode honours --move-budget (issue 16 item 4): no GPU takes more than K new replicas per micro-step; a
+# tolerance is reported per layer
+# (without the budget these plans put 3 new replicas on a GPU)
+expect 0 "wrote" -- "$bin" plan --loads "$work/loads.npy" --nodes 2 --gpus-per-node 2 --slots 8 --strategy foremoe-free \
+  --move-budget 1 --tolerance 1.05 --out "$work/plan_free_budget.json"
+if command -v python3 >/dev/null; then
+  expect 0 "^ok budget" -- python3 - "$work/plan_free_budget.json" <<'PY'
+import collections, json, sys
+j = json.load(open(sys.argv[1]))
+for step in j["micro_steps"]:
+    for lp in step["layers"]:
+        assert "tolerance_met" in lp, lp.keys()
+        new = collections.Counter(m[2] for m in lp["moves"] if lp["owner_gpu"][m[0]] != m[2])
+        assert max(new.values(), default=0) <= 1, new
+print("ok budget")
+PY
+fi
 # transfer plans per layer: every move's chunks add up to one expert, reading a GPU that held it or the mirror
 expect 0 "transfers: [0-9.]+ ms modelled per micro-step .*% NVLink" -- "$bin" plan --loads "$work/step.npy" --nodes 2 \
   --gpus-per-node 2 --slots 5 --expert-bytes 1000000 --max-chunk-bytes 300000 --out "$work/plan_tr.json"

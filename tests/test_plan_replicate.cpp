@@ -401,3 +401,27 @@ TEST_CASE("planner: clear errors") {
   CHECK_ERROR_CONTAINS((void)plan_two_level(std::vector<std::int64_t>(16, 1), owners, Topology{1, 4, 5}),
                        "owns 16 experts but has 5 slots");
 }
+
+TEST_CASE("open receivers: first_with_room is the first position with room >= need, as a linear scan finds") {
+  std::mt19937_64 rng(41);
+  for (int it = 0; it < 2000; ++it) {
+    const int n = static_cast<int>(rng() % 40);
+    std::vector<std::int64_t> room(static_cast<std::size_t>(n));
+    std::vector<std::int32_t> gpus(static_cast<std::size_t>(n));
+    for (int g = 0; g < n; ++g)
+      room[g] = static_cast<std::int64_t>(rng() % 50) - 5;
+    std::iota(gpus.begin(), gpus.end(), 0);
+    std::sort(gpus.begin(), gpus.end(),
+              [&](std::int32_t a, std::int32_t b) { return room[a] < room[b] || (room[a] == room[b] && a < b); });
+    detail::OpenReceivers open;
+    open.reset(gpus, room, n);
+    for (std::int64_t need = -7; need <= 50; ++need) {
+      std::size_t expect = 0;
+      while (expect < gpus.size() && room[gpus[expect]] < need)
+        ++expect;
+      CAPTURE(it);
+      CAPTURE(need);
+      REQUIRE(open.first_with_room(need) == expect);
+    }
+  }
+}

@@ -59,7 +59,8 @@ inline json::Value gpu_slots_json(const LayerPlacement &p) {
 } // namespace detail
 
 /// One layer's plan: `{"owner_gpu", "gpu_slots": [[expert or -1 ...] per GPU], "slot_tokens", "moves":
-/// [[expert, src_gpu or -1 (host), dst_gpu, dst_slot] ...], "max_gpu_load", "imbalance"}`.
+/// [[expert, src_gpu or -1 (host), dst_gpu, dst_slot] ...], "max_gpu_load", "imbalance", "tolerance_met"}`
+/// (`tolerance_met` false: an imbalance tolerance was asked for and not met; the plan is the best found).
 [[nodiscard]] inline json::Value layer_plan_json(const LayerPlan &lp) {
   json::Value j;
   j["owner_gpu"] = lp.owner_gpu;
@@ -76,6 +77,7 @@ inline json::Value gpu_slots_json(const LayerPlacement &p) {
   j["moves"] = std::move(moves);
   j["max_gpu_load"] = lp.max_gpu_load;
   j["imbalance"] = lp.imbalance();
+  j["tolerance_met"] = lp.tolerance_met;
   return j;
 }
 

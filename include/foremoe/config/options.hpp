@@ -319,6 +319,15 @@ struct CountSettings {
               "exact_split",
               "re-split every two-level plan exactly (plans from a resident otherwise keep the search's split)",
               [](auto &o) -> auto & { return o.exact_split; }),
+          number<P>(
+              "tolerance", 0, 100,
+              "largest accepted layer max/mean; within it the plan moving fewest experts wins (0: as balanced as "
+              "possible; else >= 1)",
+              [](auto &o) -> auto & { return o.tolerance; }),
+          integer<P>(
+              "min_tokens_per_replica", 0, std::int64_t{1} << 40,
+              "fewest tokens a replica may run (0: any); lighter pieces go back to another copy",
+              [](auto &o) -> auto & { return o.min_tokens_per_replica; }),
           integer<P>(
               "eplb_num_groups", 1, 32767, "expert groups for EPLB (hierarchical when they divide over nodes)",
               [](auto &o) -> auto & { return o.eplb_num_groups; }),
@@ -466,6 +475,16 @@ struct SimulateSettings {
     o.push_back(integer<S>(
         "sim.move_budget", -1, max_budget, "new replicas per GPU per micro-step for foremoe (-1: the spare slots)",
         [](auto &x) -> auto & { return x.sim.move_budget; }));
+    o.push_back(number<S>(
+        "sim.tolerance", 0, 100,
+        "planner imbalance tolerance: largest accepted layer max/mean (0: as balanced as possible; else >= 1)",
+        [](auto &x) -> auto & { return x.sim.tolerance; }));
+    o.push_back(integer<S>(
+        "sim.min_tokens_per_replica", 0, std::int64_t{1} << 40, "fewest tokens a replica may run (0: any)",
+        [](auto &x) -> auto & { return x.sim.min_tokens_per_replica; }));
+    o.push_back(boolean<S>(
+        "sim.cost_gate", "a new replica only when the expert compute it saves exceeds its move and gradient cost",
+        [](auto &x) -> auto & { return x.sim.cost_gate; }));
     o.push_back(integer<S>(
         "sim.threads", 1, max_threads, "planner threads over layers",
         [](auto &x) -> auto & { return x.sim.planner_threads; }));

@@ -33,6 +33,8 @@ struct LayerPlan {
   std::vector<std::int64_t> slot_tokens; ///< `[gpus * slots]`: tokens sent to each physical slot
   std::vector<Move> moves;               ///< turn the resident placement into `placement`
   std::int64_t max_gpu_load = 0;         ///< the largest per-GPU token count
+  /// False when an imbalance tolerance was asked for and could not be met (the plan is then the best found).
+  bool tolerance_met = true;
 
   /// Tokens per GPU.
   [[nodiscard]] std::vector<std::int64_t> gpu_loads() const {

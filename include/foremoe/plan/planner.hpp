@@ -51,6 +51,10 @@ public:
     detail::require(opts_.local_search_rounds >= 0 && opts_.free_search_rounds >= 0,
                     "Planner: local_search_rounds and free_search_rounds must be >= 0, got ", opts_.local_search_rounds,
                     " and ", opts_.free_search_rounds);
+    detail::require(opts_.tolerance == 0 || opts_.tolerance >= 1, "Planner: tolerance must be 0 (as balanced as ",
+                    "possible) or a max/mean >= 1, got ", opts_.tolerance);
+    detail::require(opts_.min_tokens_per_replica >= 0, "Planner: min_tokens_per_replica must be >= 0, got ",
+                    opts_.min_tokens_per_replica);
   }
   Planner(const ModelSpec &spec, const Topology &topo, PlannerOptions opts = {})
       : Planner((spec.validate(), spec.num_layers), spec.num_experts, topo, std::move(opts)) {}
@@ -120,6 +124,8 @@ public:
     ropts.local_search_rounds = opts_.local_search_rounds;
     ropts.free_search_rounds = opts_.free_search_rounds;
     ropts.exact_split = opts_.exact_split;
+    ropts.tolerance = opts_.tolerance;
+    ropts.min_tokens_per_replica = opts_.min_tokens_per_replica;
     if (opts_.replica_cost && opts_.token_time) {
       ropts.replica_cost = [f = opts_.replica_cost, stage](int e, int src, int dst) { return f(e, src, dst, stage); };
       ropts.token_time = opts_.token_time;

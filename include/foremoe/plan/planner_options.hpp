@@ -34,6 +34,9 @@ struct PlannerOptions {
   int free_search_rounds = 4;  ///< free-mode placement swap rounds per layer
   bool exact_split = false;    ///< re-split every two-level plan exactly (see ReplicaOptions)
   int eplb_num_groups = 1;     ///< expert groups for EPLB (hierarchical when they divide over nodes)
+  /// Largest accepted layer max/mean (0: as balanced as possible, today's plans); see `ReplicaOptions::tolerance`.
+  double tolerance = 0.0;
+  std::int64_t min_tokens_per_replica = 0; ///< fewest tokens a replica runs (0: any)
   /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.
   StageReplicaCostFn replica_cost;
   TokenTimeFn token_time;

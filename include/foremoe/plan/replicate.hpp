@@ -22,6 +22,7 @@
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/bounds.hpp"
 #include "foremoe/plan/detail/layer_checks.hpp"
+#include "foremoe/plan/detail/tolerance.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/plan/replicate/free_fill.hpp"
 #include "foremoe/plan/replicate/from_placement.hpp"
@@ -51,10 +52,13 @@ public:
     return two_level_.plan(loads, owner_gpu, resident, opts).plan;
   }
 
-  /// Free plan: any slot may hold any expert (every expert at least once), no move budget, owners not pinned.
+  /// Free plan: any slot may hold any expert (every expert at least once), owners not pinned. A move budget
+  /// (`opts.move_budget >= 0`, which needs `owner_hint`) holds for every candidate: the two-level one plans within
+  /// it and the others are dropped when they exceed it.
   ///
   /// Candidates, the best kept: the resident placement unchanged; the two-level plan with `owner_hint` (when
-  /// given; a two-level plan is a valid free plan, so free mode is never worse than two-level with those owners);
+  /// given; a two-level plan is a valid free plan, so the pick is never worse than the two-level plan with those
+  /// owners and this resident, except that the resident placement is kept within 0.1% of the best);
   /// the sequential fill below under a makespan search, when the two-level plan is not within 0.1% of the bound;
   /// the earlier LPT construction when still nothing is. Among candidates within 0.1% of the best (and never
   /// above the two-level one) the one with the fewest moves wins, so resident copies stay put when they are as
@@ -81,9 +85,11 @@ public:
       cands_.push_back(plan_from_placement(*resident, loads, first_owner_, resident));
       best = cands_.back().max_gpu_load;
     }
+    detail::require(opts.move_budget < 0 || !owner_hint.empty(), "plan_free: a move budget (", opts.move_budget,
+                    ") needs the step's owners (owner_hint)");
     if (!owner_hint.empty()) {
       ReplicaOptions two = opts;
-      two.move_budget = -1;
+      two.min_tokens_per_replica = 0; // applied to the pick below
       two.replica_cost = nullptr;
       two.token_time = nullptr;
       TwoLevelResult r = two_level_.plan(loads, owner_hint, resident, two);
@@ -98,16 +104,21 @@ public:
       if (std::optional<LayerPlan> fill =
               fill_.plan(loads, lb, std::min(indep == none ? none : indep - tolerance, FreeFill::upper_bound(loads)),
                          resolution, resident)) {
-        cands_.push_back(std::move(*fill));
-        best = std::min(best, cands_.back().max_gpu_load);
-        indep = std::min(indep, cands_.back().max_gpu_load);
+        if (within_budget(*fill, opts.move_budget, owner_hint)) {
+          cands_.push_back(std::move(*fill));
+          best = std::min(best, cands_.back().max_gpu_load);
+          indep = std::min(indep, cands_.back().max_gpu_load);
+        }
       }
     // The earlier construction as well when nothing is within the tolerance of the bound yet (small or
     // slot-starved layers, where the fill's sequential pieces fit worst).
     if (indep > lb + tolerance) {
-      cands_.push_back(lpt_.plan(loads, resident, opts));
-      best = std::min(best, cands_.back().max_gpu_load);
-      indep = std::min(indep, cands_.back().max_gpu_load);
+      LayerPlan lpt = lpt_.plan(loads, resident, opts);
+      if (within_budget(lpt, opts.move_budget, owner_hint)) {
+        cands_.push_back(std::move(lpt));
+        best = std::min(best, cands_.back().max_gpu_load);
+        indep = std::min(indep, cands_.back().max_gpu_load);
+      }
     }
     // The others must be within the tolerance of the best and no worse than the two-level plan. The resident
     // placement is kept when within the tolerance of the resident-independent best and no worse than the
@@ -124,7 +135,14 @@ public:
         pick = i;
     }
     if (pick == cands_.size()) pick = 0; // unreachable: the best candidate meets its limit unless it is the kept one
-    return std::move(cands_[pick]);
+    if (opts.tolerance > 0) pick = pick_within_tolerance(loads, opts.tolerance, pick);
+    LayerPlan out = std::move(cands_[pick]);
+    if (opts.min_tokens_per_replica > 0) {
+      detail::enforce_min_tokens(out, resident, opts.min_tokens_per_replica, topo_.gpus_per_node);
+      if (opts.tolerance > 0)
+        out.tolerance_met = out.max_gpu_load <= tolerance_limit(total_of(loads), topo_.num_gpus(), opts.tolerance);
+    }
+    return out;
   }
 
   /// A plan for a given placement: exact split and moves from `resident`.
@@ -134,6 +152,44 @@ public:
   }
 
 private:
+  [[nodiscard]] static std::int64_t total_of(std::span<const std::int64_t> loads) {
+    std::int64_t t = 0;
+    for (std::int64_t x : loads)
+      t += x;
+    return t;
+  }
+  /// Whether `plan` brings at most `budget` new copies to each GPU (`budget < 0`: always), counting every move
+  /// except that of an expert's copy on the GPU that owns it both in the plan and in `owner_hint`, so at least
+  /// what `validate` counts.
+  [[nodiscard]] static bool within_budget(const LayerPlan &plan, int budget, std::span<const std::int32_t> owner_hint) {
+    if (budget < 0) return true;
+    std::vector<int> per_gpu(static_cast<std::size_t>(plan.placement.num_gpus()), 0);
+    for (const Move &m : plan.moves) {
+      const bool owner_copy =
+          plan.owner_gpu[m.expert] == m.dst_gpu && !owner_hint.empty() && owner_hint[m.expert] == m.dst_gpu;
+      if (!owner_copy && ++per_gpu[m.dst_gpu] > budget) return false;
+    }
+    return true;
+  }
+  /// With a tolerance: the candidate with the fewest moves within it (ties: lower maximum, then the earlier),
+  /// else the most balanced one (`fallback` where it is as balanced), marked as not meeting it.
+  [[nodiscard]] std::size_t pick_within_tolerance(std::span<const std::int64_t> loads, double tol,
+                                                  std::size_t fallback) {
+    const std::int64_t limit = tolerance_limit(total_of(loads), topo_.num_gpus(), tol);
+    std::size_t pick = cands_.size(), most = fallback;
+    for (std::size_t i = 0; i < cands_.size(); ++i) {
+      const LayerPlan &c = cands_[i];
+      if (c.max_gpu_load < cands_[most].max_gpu_load) most = i;
+      if (c.max_gpu_load > limit) continue;
+      if (pick == cands_.size() || c.moves.size() < cands_[pick].moves.size() ||
+          (c.moves.size() == cands_[pick].moves.size() && c.max_gpu_load < cands_[pick].max_gpu_load))
+        pick = i;
+    }
+    if (pick == cands_.size()) pick = most;
+    cands_[pick].tolerance_met = cands_[pick].max_gpu_load <= limit;
+    return pick;
+  }
+
   Topology topo_;
   int num_experts_ = 0;
   SplitSolver split_;

@@ -58,7 +58,13 @@ struct SimConfig {
   bool reowning_free = true;
   double optimizer_state_factor = 6.0; ///< fp32 master + Adam moments over bf16 weights
   int planner_threads = 1;
-  int move_budget = -1; ///< new replicas per GPU per micro-step for `foremoe`; < 0: the spare slots
+  int move_budget = -1;                    ///< new replicas per GPU per micro-step for `foremoe`; < 0: the spare slots
+  double tolerance = 0.0;                  ///< the planner's imbalance tolerance (0: as balanced as possible)
+  std::int64_t min_tokens_per_replica = 0; ///< the planner's fewest tokens per replica (0: any)
+  /// The planner's cost gate: a new replica only when the expert compute it saves on the slowest GPU (this
+  /// model's grouped-GEMM time, forward plus backward) exceeds its move plus, in the update
+  /// stage, its gradient reduction (all counted as unhidden).
+  bool cost_gate = false;
 
   void validate() const {
     model.validate();
@@ -303,6 +309,22 @@ struct LayerTiming {
     popts.num_threads = cfg.planner_threads;
     popts.move_budget = cfg.move_budget;
     popts.reowning_free = cfg.reowning_free; // paid re-owning: the planner keeps owners where it can
+    popts.tolerance = cfg.tolerance;
+    popts.min_tokens_per_replica = cfg.min_tokens_per_replica;
+    if (cfg.cost_gate) {
+      // The slowest GPU's expert compute for its token count, on a GPU with every slot in use.
+      popts.token_time = [&compute, S](std::int64_t t) {
+        const auto x = static_cast<double>(t);
+        return compute.forward_seconds(x, S) + compute.backward_seconds(x, S);
+      };
+      popts.replica_cost = [&cfg, &topo, expert_bytes](int, int src, int dst, Stage stage) {
+        const bool same_node = src >= 0 && topo.node_of(src) == topo.node_of(dst);
+        const MovePath path = src < 0 ? MovePath::host : same_node ? MovePath::gpu_intra : MovePath::gpu_inter;
+        const MovePath grad = same_node ? MovePath::gpu_intra : MovePath::gpu_inter;
+        return move_seconds(cfg.cost.move, path, expert_bytes) +
+               (stage == Stage::update ? grad_reduce_seconds(cfg.cost, grad, expert_bytes) : 0.0);
+      };
+    }
     Planner planner(L, E, topo, popts);
     Placement resident;
     bool has_resident = false;

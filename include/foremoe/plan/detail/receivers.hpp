@@ -58,8 +58,12 @@ public:
   [[nodiscard]] const std::vector<std::int32_t> &gpus() const noexcept { return open_; }
   /// First position with room >= `need`: a branchless search over the contiguous rooms.
   [[nodiscard]] std::size_t first_with_room(std::int64_t need) const noexcept {
-    const std::int64_t *base = open_room_.data();
     std::size_t len = open_room_.size();
+    // The shedding asks mostly for more than the largest room (or less than the smallest): answer those without
+    // the search's chain of dependent loads.
+    if (len == 0 || open_room_.back() < need) return len;
+    if (open_room_.front() >= need) return 0;
+    const std::int64_t *base = open_room_.data();
     while (len > 1) {
       const std::size_t half = len / 2;
       base = base[half - 1] < need ? base + half : base;

@@ -28,6 +28,7 @@
 #include "foremoe/plan/detail/makespan_search.hpp"
 #include "foremoe/plan/detail/receivers.hpp"
 #include "foremoe/plan/detail/replica_solution.hpp"
+#include "foremoe/plan/detail/tolerance.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/plan/replicate/from_placement.hpp"
 #include "foremoe/plan/replicate/options.hpp"
@@ -35,6 +36,11 @@
 
 namespace foremoe {
 inline namespace v0 {
+
+namespace detail {
+/// Test-only switch: order GPUs by owner load with the original indirect sort (plans must not change).
+inline bool reference_owner_sort = false;
+} // namespace detail
 
 /// A two-level plan and the makespan of the plan from scratch (resident ignored) for the same loads and owners,
 /// which free mode uses as its resident-independent reference.
@@ -53,9 +59,43 @@ public:
   }
 
   /// Two-level plan: `owner_gpu[e]` keeps a copy of `e`; replicas fill spare slots. `resident` (may be null) is the
-  /// previous micro-step's placement of this layer: its replicas are kept where useful at no move cost.
+  /// previous micro-step's placement of this layer: its replicas are kept where useful at no move cost. With
+  /// `opts.tolerance` the plan with the fewest moves whose max/mean is within it (see `apply_tolerance`); with
+  /// `opts.min_tokens_per_replica` no replica runs fewer tokens (see `enforce_min_tokens`).
   [[nodiscard]] TwoLevelResult plan(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
                                     const LayerPlacement *resident, const ReplicaOptions &opts = {}) {
+    TwoLevelResult r = plan_balanced(loads, owner_gpu, resident, opts);
+    if (opts.replica_cost && opts.token_time) {
+      // The gate drops replicas one at a time from its own starting plan, which need not be the plan without it;
+      // so the plan without the gate stays when the model says it is faster (see `gate_model_seconds`).
+      ReplicaOptions plain = opts;
+      plain.replica_cost = nullptr;
+      plain.token_time = nullptr;
+      TwoLevelResult u = plan_balanced(loads, owner_gpu, resident, plain);
+      if (gate_model_seconds(u.plan, opts) < gate_model_seconds(r.plan, opts)) r.plan = std::move(u.plan);
+    }
+    if (opts.tolerance > 0) apply_tolerance(r.plan, loads, owner_gpu, resident, opts);
+    if (opts.min_tokens_per_replica > 0) {
+      detail::enforce_min_tokens(r.plan, resident, opts.min_tokens_per_replica, topo_.gpus_per_node);
+      if (opts.tolerance > 0) r.plan.tolerance_met = r.plan.max_gpu_load <= tolerance_limit(loads, opts.tolerance);
+    }
+    return r;
+  }
+
+  /// The gate's model of a plan's time: the expert compute of its most loaded GPU plus the cost of every new
+  /// replica (a move onto a GPU that does not own the expert).
+  [[nodiscard]] static double gate_model_seconds(const LayerPlan &plan, const ReplicaOptions &opts) {
+    double t = opts.token_time(plan.max_gpu_load);
+    for (const Move &m : plan.moves)
+      if (plan.owner_gpu[m.expert] != m.dst_gpu) t += opts.replica_cost(m.expert, m.src_gpu, m.dst_gpu);
+    return t;
+  }
+
+private:
+  /// Today's plan: as balanced as the construction gets, fewest moves among equally good ones.
+  [[nodiscard]] TwoLevelResult plan_balanced(std::span<const std::int64_t> loads,
+                                             std::span<const std::int32_t> owner_gpu, const LayerPlacement *resident,
+                                             const ReplicaOptions &opts) {
     detail::check_expert_loads(loads, num_experts_, "plan_two_level");
     detail::check_resident_shape(resident, topo_, num_experts_, "plan_two_level");
     setup_owners(loads, owner_gpu);
@@ -123,7 +163,77 @@ public:
     return result(realize(cur_, loads, owner_gpu, resident, scratch_makespan));
   }
 
-private:
+  [[nodiscard]] std::int64_t tolerance_limit(std::span<const std::int64_t> loads, double tolerance) const {
+    std::int64_t total = 0;
+    for (std::int64_t x : loads)
+      total += x;
+    return foremoe::tolerance_limit(total, num_gpus_, tolerance);
+  }
+
+  /// Replaces `plan` (today's plan, P) by the candidate with the fewest moves whose largest GPU load is within
+  /// `tolerance_limit` (ties: lower maximum, then ladder order), or, when none is, by the most balanced one, with
+  /// `tolerance_met` false. Candidates: P, the resident placement kept, and the construction at each ladder
+  /// makespan `ceil(r * mean)` (and at the owners' peak: no new replica) up to the larger of the limit and P's
+  /// maximum. The candidate sets grow with the tolerance and the unmet pick lies in every larger set within it, so
+  /// moves never grow as the tolerance loosens.
+  void apply_tolerance(LayerPlan &plan, std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
+                       const LayerPlacement *resident, const ReplicaOptions &opts) {
+    static constexpr double ladder[] = {1.0,  1.001, 1.0025, 1.005, 1.0075, 1.01, 1.015, 1.02, 1.03, 1.04,
+                                        1.05, 1.075, 1.1,    1.15,  1.2,    1.3,  1.5,   2.0,  3.0};
+    std::int64_t total = 0;
+    for (std::int64_t x : loads)
+      total += x;
+    const std::int64_t limit = foremoe::tolerance_limit(total, num_gpus_, opts.tolerance);
+    plan.tolerance_met = plan.max_gpu_load <= limit;
+    if (plan.tolerance_met && plan.moves.empty()) return;
+    const std::int64_t reach = std::max(limit, plan.max_gpu_load);
+    // Best feasible (fewest moves) and most balanced candidate so far; P is both where it qualifies.
+    LayerPlan feasible, balanced;
+    bool has_feasible = false;
+    auto better_feasible = [&](const LayerPlan &c) {
+      return !has_feasible || c.moves.size() < feasible.moves.size() ||
+             (c.moves.size() == feasible.moves.size() && c.max_gpu_load < feasible.max_gpu_load);
+    };
+    auto consider = [&](LayerPlan &&c) {
+      const bool more_balanced = c.max_gpu_load < balanced.max_gpu_load ||
+                                 (c.max_gpu_load == balanced.max_gpu_load && c.moves.size() < balanced.moves.size());
+      if (c.max_gpu_load <= limit && better_feasible(c)) {
+        if (more_balanced) balanced = c;
+        feasible = std::move(c);
+        has_feasible = true;
+      } else if (more_balanced) {
+        balanced = std::move(c);
+      }
+    };
+    balanced = plan;
+    if (plan.tolerance_met) {
+      feasible = plan;
+      has_feasible = true;
+    }
+    if (resident != nullptr && resident_compatible(*resident, owner_gpu))
+      consider(plan_from_placement(*resident, loads, owner_gpu, resident, topo_.gpus_per_node, split_));
+    std::int64_t peak = 0;
+    for (int g = 0; g < num_gpus_; ++g)
+      peak = std::max(peak, owner_load_[g]);
+    setup_resident(resident, owner_gpu);
+    std::int64_t last = -1;
+    auto construct = [&](std::int64_t t) {
+      if (t > reach || t == last || (has_feasible && feasible.moves.empty())) return;
+      last = t;
+      if (!shed_greedy(t, loads)) return;
+      cur_ = trial_;
+      keep_unused_residents(cur_);
+      consider(realize(cur_, loads, owner_gpu, resident, -1, true));
+    };
+    for (double r : ladder) {
+      const std::int64_t t = foremoe::tolerance_limit(total, num_gpus_, r);
+      if (t >= peak) break;
+      construct(t);
+    }
+    construct(peak);
+    plan = has_feasible ? std::move(feasible) : std::move(balanced);
+    plan.tolerance_met = has_feasible;
+  }
   /// Whether `r` is a valid two-level placement for these owners: ids in range, no duplicate on a GPU, every
   /// owner holding its expert (which also hosts every expert).
   [[nodiscard]] bool resident_compatible(const LayerPlacement &r, std::span<const std::int32_t> owner_gpu) {
@@ -193,10 +303,24 @@ private:
     }
     hot_order_.resize(static_cast<std::size_t>(num_gpus_));
     std::iota(hot_order_.begin(), hot_order_.end(), 0);
-    // Owner load descending, ties by GPU: the order of a stable sort, without its buffer allocation.
-    std::sort(hot_order_.begin(), hot_order_.end(), [&](std::int32_t a, std::int32_t b) {
-      return owner_load_[a] > owner_load_[b] || (owner_load_[a] == owner_load_[b] && a < b);
-    });
+    // Owner load descending, ties by GPU: the order of a stable sort, without its buffer allocation. Where the
+    // loads fit, as one sort of packed (peak - load, GPU) keys: the same order, without the indirect compares.
+    std::int64_t peak = 0;
+    for (int g = 0; g < num_gpus_; ++g)
+      peak = std::max(peak, owner_load_[g]);
+    constexpr int gpu_bits = 21;
+    if (!detail::reference_owner_sort && peak < (std::int64_t{1} << (63 - gpu_bits)) && num_gpus_ <= (1 << gpu_bits)) {
+      hot_keys_.resize(static_cast<std::size_t>(num_gpus_));
+      for (int g = 0; g < num_gpus_; ++g)
+        hot_keys_[g] = static_cast<std::uint64_t>(peak - owner_load_[g]) << gpu_bits | static_cast<std::uint64_t>(g);
+      std::sort(hot_keys_.begin(), hot_keys_.end());
+      for (int g = 0; g < num_gpus_; ++g)
+        hot_order_[g] = static_cast<std::int32_t>(hot_keys_[g] & ((std::uint64_t{1} << gpu_bits) - 1));
+    } else {
+      std::sort(hot_order_.begin(), hot_order_.end(), [&](std::int32_t a, std::int32_t b) {
+        return owner_load_[a] > owner_load_[b] || (owner_load_[a] == owner_load_[b] && a < b);
+      });
+    }
   }
 
   void setup_resident(const LayerPlacement *resident, std::span<const std::int32_t> owner_gpu) {
@@ -266,7 +390,8 @@ private:
     const std::int64_t tolerance = std::max<std::int64_t>(1, lo / 2000);
     hi = detail::search_makespan(lo, hi, 4 * tolerance, tolerance, true, [&](std::int64_t t) {
            if (!shed_greedy(t, loads)) return false;
-           best_ = trial_;
+           // A swap, not a copy: the next construction overwrites every entry of `trial_` it reads.
+           std::swap(best_, trial_);
            return true;
          }).second;
     cur_ = best_;
@@ -607,6 +732,7 @@ private:
   detail::ReplicaSolution best_, trial_, cur_, scratch_, res_sol_;
   std::vector<std::int32_t> cand_e_, order_, cool_;
   std::vector<std::int64_t> saved_loads_, cand_tok_;
+  std::vector<std::uint64_t> hot_keys_;
 };
 
 } // namespace v0

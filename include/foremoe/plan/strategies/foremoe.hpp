@@ -32,7 +32,7 @@ inline const bool foremoe_strategy_registered =
     (register_strategy({"foremoe",
                         "per-micro-step replicas in the spare slots next to step-level owners (two-level)",
                         {"move_budget", "hierarchical_owners", "reowning_free", "owner_keep_tolerance",
-                         "local_search_rounds", "exact_split"},
+                         "local_search_rounds", "exact_split", "tolerance", "min_tokens_per_replica"},
                         40,
                         [] { return std::make_unique<ForemoeStrategy>(); }}),
      true);

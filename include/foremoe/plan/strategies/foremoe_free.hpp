@@ -9,8 +9,8 @@
 namespace foremoe {
 inline namespace v0 {
 
-/// Owners as `ForemoeStrategy` (the two-level plan with them is one of the candidates, so free mode is never
-/// worse); each micro-step's plan then places copies anywhere, no move budget.
+/// Owners as `ForemoeStrategy` (the two-level plan with them and the same resident placement is one of the
+/// candidates); each micro-step's plan then places copies anywhere, within the move budget when one is set.
 class ForemoeFreeStrategy : public ForemoeStrategy {
 public:
   [[nodiscard]] LayerPlan plan_layer(const LayerRequest &req, ReplicaPlanner &ws) const override {
@@ -21,12 +21,13 @@ public:
 
 namespace detail {
 inline const bool foremoe_free_strategy_registered =
-    (register_strategy({"foremoe-free",
-                        "per-micro-step planning where any slot holds any expert (free mode)",
-                        {"hierarchical_owners", "reowning_free", "owner_keep_tolerance", "local_search_rounds",
-                         "free_search_rounds", "exact_split"},
-                        50,
-                        [] { return std::make_unique<ForemoeFreeStrategy>(); }}),
+    (register_strategy(
+         {"foremoe-free",
+          "per-micro-step planning where any slot holds any expert (free mode)",
+          {"move_budget", "hierarchical_owners", "reowning_free", "owner_keep_tolerance", "local_search_rounds",
+           "free_search_rounds", "exact_split", "tolerance", "min_tokens_per_replica"},
+          50,
+          [] { return std::make_unique<ForemoeFreeStrategy>(); }}),
      true);
 } // namespace detail
 

@@ -1,0 +1,227 @@
+// Imbalance tolerance, minimum tokens per replica and the move budget in free mode: properties over random
+// instances (issue 15, issue 16 item 4).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "foremoe/plan/detail/tolerance.hpp"
+#include "foremoe/plan/planner.hpp"
+#include "foremoe/plan/replicate.hpp"
+
+using namespace foremoe;
+
+namespace {
+
+/// A random layer: shape, skewed loads, owners within the slots, and a resident placement (the plan of other
+/// loads with the same owners), so the moves depend on what is already there.
+struct Case {
+  Topology topo;
+  int num_experts = 0;
+  std::vector<std::int64_t> loads;
+  std::vector<std::int32_t> owner;
+  LayerPlan resident;
+};
+
+std::vector<std::int64_t> random_loads(std::mt19937_64 &rng, int n) {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  const double skew = 1.0 + 3.0 * u(rng);
+  const std::int64_t scale = 10 + static_cast<std::int64_t>(rng() % 5000);
+  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+  for (auto &x : v)
+    x = static_cast<std::int64_t>(std::pow(u(rng), skew) * static_cast<double>(scale));
+  return v;
+}
+
+Case random_case(std::mt19937_64 &rng) {
+  Case c;
+  c.topo = Topology{1 + static_cast<int>(rng() % 3), 1 + static_cast<int>(rng() % 6), 2 + static_cast<int>(rng() % 3)};
+  const int g = c.topo.num_gpus();
+  c.num_experts = std::max(1, g * (c.topo.slots_per_gpu - 1) - static_cast<int>(rng() % (g + 1)));
+  c.num_experts = std::max(c.num_experts, 1);
+  std::vector<int> count(static_cast<std::size_t>(g), 0);
+  c.owner.resize(static_cast<std::size_t>(c.num_experts));
+  for (int e = 0; e < c.num_experts; ++e) {
+    int o = 0;
+    do
+      o = static_cast<int>(rng() % static_cast<std::uint64_t>(g));
+    while (count[o] >= c.topo.slots_per_gpu - 1);
+    ++count[o];
+    c.owner[e] = o;
+  }
+  ReplicaPlanner rp(c.topo, c.num_experts);
+  c.resident = rp.plan_two_level(random_loads(rng, c.num_experts), c.owner, nullptr);
+  c.loads = random_loads(rng, c.num_experts);
+  return c;
+}
+
+std::int64_t total_of(const std::vector<std::int64_t> &v) {
+  std::int64_t t = 0;
+  for (auto x : v)
+    t += x;
+  return t;
+}
+
+bool validate_throws(const LayerPlan &p, const std::vector<std::int64_t> &loads, const LayerPlacement *res,
+                     int budget) {
+  try {
+    validate(p, loads, res, budget);
+  } catch (const Error &) {
+    return true;
+  }
+  return false;
+}
+
+constexpr double tolerances[] = {1.0, 1.01, 1.02, 1.05, 1.1, 1.3, 2.0};
+
+} // namespace
+
+TEST_CASE("tolerance: valid plans, moves never grow as it loosens, met where some candidate meets it") {
+  std::mt19937_64 rng(15);
+  int met = 0, unmet = 0, fewer = 0;
+  for (int it = 0; it < 1500; ++it) {
+    const Case c = random_case(rng);
+    ReplicaPlanner rp(c.topo, c.num_experts);
+    const int budget = rng() % 3 == 0 ? static_cast<int>(rng() % 2) : -1;
+    ReplicaOptions base;
+    base.move_budget = budget;
+    const LayerPlan balanced = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, base);
+    std::size_t prev_moves = SIZE_MAX;
+    for (double tol : tolerances) {
+      ReplicaOptions o = base;
+      o.tolerance = tol;
+      const LayerPlan p = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, o);
+      CAPTURE(it);
+      CAPTURE(tol);
+      REQUIRE_NOTHROW(validate(p, c.loads, &c.resident.placement, budget));
+      const std::int64_t limit = tolerance_limit(total_of(c.loads), c.topo.num_gpus(), tol);
+      CHECK(p.tolerance_met == (p.max_gpu_load <= limit));
+      // Today's plan is a candidate: whenever it meets the tolerance, so does the pick, moving no more.
+      if (balanced.max_gpu_load <= limit) {
+        CHECK(p.tolerance_met);
+        CHECK(p.moves.size() <= balanced.moves.size());
+      } else if (!p.tolerance_met) {
+        CHECK(p.max_gpu_load <= balanced.max_gpu_load); // the best found
+      }
+      CHECK(p.moves.size() <= prev_moves);
+      prev_moves = p.moves.size();
+      (p.tolerance_met ? met : unmet) += 1;
+      fewer += p.moves.size() < balanced.moves.size();
+    }
+  }
+  // The instances exercise both outcomes and the tolerance saves moves somewhere (the test can fail both ways).
+  CHECK(met > 0);
+  CHECK(unmet > 0);
+  CHECK(fewer > 0);
+}
+
+TEST_CASE("tolerance 0 leaves plans as they were") {
+  std::mt19937_64 rng(16);
+  for (int it = 0; it < 300; ++it) {
+    const Case c = random_case(rng);
+    ReplicaPlanner rp(c.topo, c.num_experts);
+    ReplicaOptions o;
+    const LayerPlan a = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, o);
+    o.tolerance = 0;
+    o.min_tokens_per_replica = 0;
+    const LayerPlan b = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, o);
+    CHECK(a.placement == b.placement);
+    CHECK(a.slot_tokens == b.slot_tokens);
+    CHECK(a.tolerance_met);
+  }
+}
+
+TEST_CASE("min_tokens_per_replica: no replica below it, plans valid, two-level and free") {
+  std::mt19937_64 rng(17);
+  int dropped = 0;
+  for (int it = 0; it < 1500; ++it) {
+    const Case c = random_case(rng);
+    ReplicaPlanner rp(c.topo, c.num_experts);
+    ReplicaOptions o;
+    o.min_tokens_per_replica = 1 + static_cast<std::int64_t>(rng() % 2000);
+    if (rng() % 2) o.tolerance = tolerances[rng() % 7];
+    const bool free = rng() % 3 == 0;
+    auto plan = [&](const ReplicaOptions &opts) {
+      return free ? rp.plan_free(c.loads, &c.resident.placement, opts, c.owner)
+                  : rp.plan_two_level(c.loads, c.owner, &c.resident.placement, opts);
+    };
+    const LayerPlan p = plan(o);
+    CAPTURE(it);
+    REQUIRE_NOTHROW(validate(p, c.loads, &c.resident.placement));
+    const int slots = c.topo.slots_per_gpu;
+    for (int g = 0; g < c.topo.num_gpus(); ++g)
+      for (int s = 0; s < slots; ++s) {
+        const std::int32_t e = p.placement.slot(g, s);
+        if (e == empty_slot || p.owner_gpu[e] == g) continue;
+        const std::int64_t t = p.slot_tokens[static_cast<std::size_t>(g) * slots + s];
+        CHECK((t == 0 || t >= o.min_tokens_per_replica));
+        // A copy without tokens is only kept where it already was (no move for nothing).
+        if (t == 0) CHECK(c.resident.placement.slot(g, s) == e);
+      }
+    ReplicaOptions plain = o;
+    plain.min_tokens_per_replica = 0;
+    dropped += p.num_replicas() < plan(plain).num_replicas();
+  }
+  CHECK(dropped > 0);
+}
+
+TEST_CASE("free mode honours the move budget (plan checker's rule)") {
+  std::mt19937_64 rng(18);
+  int binding = 0;
+  for (int it = 0; it < 1500; ++it) {
+    const Case c = random_case(rng);
+    ReplicaPlanner rp(c.topo, c.num_experts);
+    ReplicaOptions o;
+    o.move_budget = static_cast<int>(rng() % 3);
+    if (rng() % 4 == 0) o.tolerance = tolerances[rng() % 7];
+    // A resident placement with other owners (a free plan of other loads), so free mode sees many candidates.
+    const LayerPlan res = rp.plan_free(random_loads(rng, c.num_experts), nullptr);
+    const LayerPlan p = rp.plan_free(c.loads, &res.placement, o, c.owner);
+    CAPTURE(it);
+    REQUIRE_NOTHROW(validate(p, c.loads, &res.placement, o.move_budget));
+    const LayerPlan unbounded = rp.plan_free(c.loads, &res.placement, {}, c.owner);
+    binding += validate_throws(unbounded, c.loads, &res.placement, o.move_budget);
+  }
+  CHECK(binding > 0); // the budget bound somewhere: without it the checker fails
+}
+
+TEST_CASE("cost gate: valid, never slower in the gate's model than the plan without it") {
+  std::mt19937_64 rng(19);
+  int differs = 0;
+  for (int it = 0; it < 1000; ++it) {
+    const Case c = random_case(rng);
+    ReplicaPlanner rp(c.topo, c.num_experts);
+    ReplicaOptions gated;
+    const double per_token = 1e-6 * static_cast<double>(1 + rng() % 10);
+    const double move = 1e-6 * static_cast<double>(rng() % 2000);
+    gated.token_time = [per_token](std::int64_t t) { return per_token * static_cast<double>(t); };
+    gated.replica_cost = [move](int, int src, int) { return src < 0 ? 2 * move : move; };
+    const LayerPlan g = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, gated);
+    const LayerPlan u = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, {});
+    CAPTURE(it);
+    REQUIRE_NOTHROW(validate(g, c.loads, &c.resident.placement));
+    CHECK(TwoLevelPlanner::gate_model_seconds(g, gated) <= TwoLevelPlanner::gate_model_seconds(u, gated) + 1e-12);
+    differs += g.moves.size() != u.moves.size();
+  }
+  CHECK(differs > 0); // the gate acts somewhere
+}
+
+TEST_CASE("the packed owner-load sort gives the plans of the reference sort") {
+  std::mt19937_64 rng(20);
+  for (int it = 0; it < 500; ++it) {
+    const Case c = random_case(rng);
+    ReplicaPlanner rp(c.topo, c.num_experts);
+    ReplicaOptions o;
+    o.move_budget = static_cast<int>(rng() % 3) - 1;
+    const LayerPlan fast = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, o);
+    detail::reference_owner_sort = true;
+    const LayerPlan ref = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, o);
+    detail::reference_owner_sort = false;
+    CHECK(fast.placement == ref.placement);
+    CHECK(fast.slot_tokens == ref.slot_tokens);
+    CHECK(fast.moves == ref.moves);
+  }
+}
