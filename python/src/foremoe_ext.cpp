@@ -551,8 +551,7 @@ NB_MODULE(_core, m) {
       "Address the C++ side reads for `a` (equal to the array's own address when no copy was made).");
 
   m.def("count_loads", &count_loads, "routed_experts"_a, "microbatch_offsets"_a.none(), "num_experts"_a,
-        "layer_map"_a.none(), "num_sources"_a, "source_offsets"_a.none(),
-        "mask"_a.none());
+        "layer_map"_a.none(), "num_sources"_a, "source_offsets"_a.none(), "mask"_a.none());
 
   nb::class_<fm::Topology>(m, "Topology")
       .def(

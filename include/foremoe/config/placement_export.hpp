@@ -34,7 +34,7 @@ inline void fill_empty_slots(Placement &p, std::span<const std::int64_t> weights
     LayerPlacement &lp = p.layer(l);
     const int E = lp.num_experts(), S = lp.slots_per_gpu();
     foremoe::detail::require(S <= E, "placement export: ", S, " slots per GPU exceed the ", E,
-                    " experts; a full placement would need two copies on one GPU");
+                             " experts; a full placement would need two copies on one GPU");
     std::vector<int> cnt = lp.replica_counts();
     for (int g = 0; g < lp.num_gpus(); ++g)
       for (int s = 0; s < S; ++s) {
@@ -56,8 +56,8 @@ inline void fill_empty_slots(Placement &p, std::span<const std::int64_t> weights
 /// `p` (every slot filled) as the JSON text that `format` (sglang or vllm) reads (written directly: the
 /// documents are plain nested integer arrays).
 [[nodiscard]] inline std::string placement_export_text(const Placement &p, std::string_view format) {
-  foremoe::detail::require(format == "sglang" || format == "vllm", "placement format must be sglang or vllm, got '", format,
-                  "'");
+  foremoe::detail::require(format == "sglang" || format == "vllm", "placement format must be sglang or vllm, got '",
+                           format, "'");
   std::string p2l = "[", l2p = "[", cnt = "[";
   for (int l = 0; l < p.num_layers(); ++l) {
     const LayerPlacement &lp = p.layer(l);
