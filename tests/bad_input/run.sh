@@ -45,7 +45,7 @@ for rel in "${cases[@]}"; do
   [[ -v "want_code[$rel]" ]] || continue
   case $rel in
   config/*) cmd=(simulate --config "$here/$rel") ;;
-  placement/*) cmd=(plan --loads "$work/loads.npy" --slots 2 --resident "$here/$rel") ;;
+  placement/*) cmd=(plan --loads "$work/loads.npy" --nodes 1 --gpus-per-node 8 --slots 2 --resident "$here/$rel") ;;
   cli/*)
     line=$(<"$here/$rel")
     line=${line//@LOADS@/$work/loads.npy}
