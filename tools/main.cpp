@@ -150,7 +150,7 @@ void Progress::clear() {
 bool progress_wanted(const Args &a) { return !a.flag("quiet") && isatty(fileno(stderr)) != 0; }
 
 OptionSpec quiet_option() {
-  return {"quiet", "", "no progress on stderr (shown only on a terminal, for work over ~2 s)"};
+  return {"quiet", "", "no progress (shown only on a terminal, for work over ~2 s) and no timing line on stderr"};
 }
 
 void print_command_help(std::ostream &os, const Command &c) {

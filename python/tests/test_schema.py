@@ -65,7 +65,7 @@ def run_cli(cli_bin, tmp_path, cfg):
     out = tmp_path / "out.json"
     if out.exists():
         out.unlink()
-    r = subprocess.run([cli_bin, "simulate", "--config", str(path), "--json", str(out)], capture_output=True,
+    r = subprocess.run([cli_bin, "simulate", "--quiet", "--config", str(path), "--json", str(out)], capture_output=True,
                        text=True)
     err = r.stderr.strip().removeprefix("foremoe simulate: error: ")
     return r.returncode, err, (strip(json.loads(out.read_text())) if r.returncode == 0 else None)
