@@ -180,6 +180,7 @@ struct PyPlan {
   std::vector<std::int32_t> moves;         // [N, 5]: layer, expert, src_gpu (-1 host), dst_gpu, dst_slot
   std::vector<double> imbalance;           // [L]
   std::vector<std::int64_t> max_gpu_load;  // [L]
+  std::vector<bool> tolerance_met;         // [L]: false where an asked-for imbalance tolerance was not met
   double planner_seconds = 0;
   std::shared_ptr<const fm::StepPlan> step; ///< the step this micro-step's plans belong to
   std::size_t index = 0;                    ///< its micro-step in `step`
@@ -214,6 +215,7 @@ struct PyPlan {
         moves.insert(moves.end(), {l, mv.expert, mv.src_gpu, mv.dst_gpu, mv.dst_slot});
       imbalance.push_back(lp.imbalance());
       max_gpu_load.push_back(lp.max_gpu_load);
+      tolerance_met.push_back(lp.tolerance_met);
     }
   }
 
@@ -634,6 +636,9 @@ NB_MODULE(_core, m) {
   // clang-format on
 #undef FM_VIEW
       .def_prop_ro("num_moves", [](const PyPlan &p) { return p.moves.size() / 5; })
+      .def_ro("tolerance_met", &PyPlan::tolerance_met,
+              "per layer: false where the asked-for imbalance tolerance "
+              "was not met (the plan is then the best found)")
       .def("map_tokens", &plan_map_tokens, "routed_experts"_a, "layer_map"_a.none() = nb::none())
       .def("transfers", &plan_transfers, "resident"_a.none() = nb::none(), "expert_bytes"_a,
            "max_chunk_bytes"_a = std::int64_t{64} << 20, "split_paths"_a = true, "host_mirror"_a = true,

@@ -175,3 +175,18 @@ def test_paid_reowning_plans_are_valid():
     topo = foremoe.Topology(**TOPO)
     for m, p in enumerate(foremoe.Planner(topo, reowning_free=False).plan(loads)):
         check_plan(p, loads[m], topo)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tolerance_met_matches_max_gpu_load(seed):
+    # tolerance_met[l] says whether the layer's busiest GPU is within tolerance x mean GPU load (the library's
+    # floor rule); without a tolerance every layer meets it.
+    loads = loads_mle(seed, M=2, E=32)
+    topo = foremoe.Topology(**TOPO)
+    for tol in (0.0, 1.0, 1.02, 1.3):
+        for m, p in enumerate(foremoe.Planner(topo, strategy="foremoe", tolerance=tol).plan(loads)):
+            assert len(p.tolerance_met) == p.num_layers
+            for l in range(p.num_layers):
+                limit = np.floor(loads[m, l].sum() / topo.num_gpus * tol * (1 + 1e-12))
+                want = tol == 0.0 or p.max_gpu_load[l] <= limit
+                assert p.tolerance_met[l] == want, (tol, m, l, p.max_gpu_load[l], limit)
