@@ -34,6 +34,11 @@ expect 0 "trace gen" -- "$bin" --help
 expect 2 "unknown command 'nope'" -- "$bin" nope
 expect 0 "usage: foremoe trace stats" -- "$bin" trace stats --help
 expect 0 "usage: foremoe trace gen" -- "$bin" trace gen --help
+# A group's first word lists the group: `trace --help` exits 0, bare `trace` (no command) 2; not "unknown command".
+expect 0 "trace count +count routed ids" -- "$bin" trace --help
+expect 0 "trace stats +load statistics" -- "$bin" trace -h
+expect 2 "trace count +count routed ids" -- "$bin" trace
+expect 2 "unknown command 'trace bogus'" -- "$bin" trace bogus
 expect 2 "unknown option '--bogus'" -- "$bin" trace stats --bogus
 expect 2 "--layers expects an integer, got 'x'" -- "$bin" trace gen --layers x --loads "$work/a.npy"
 expect 2 "--persistence must be in \[0, 1\], got 2" -- "$bin" trace gen --persistence 2 --loads "$work/a.npy"

@@ -178,10 +178,12 @@ void print_command_help(std::ostream &os, const Command &c) {
 
 namespace {
 
-void print_overview(std::ostream &os) {
+/// The commands; with `group` (a first word such as "trace"), only that group's.
+void print_overview(std::ostream &os, const std::string &group = "") {
   os << "foremoe " << version_string << ": per-micro-step MoE expert load balancing for RL post-training\n\n"
      << "usage: foremoe <command> [options]\n\ncommands:\n";
   auto table = command_table();
+  if (!group.empty()) std::erase_if(table, [&](const Command &c) { return c.words.size() < 2 || c.words[0] != group; });
   std::sort(table.begin(), table.end(), [](const Command &a, const Command &b) { return a.words < b.words; });
   for (const auto &c : table) {
     std::string words;
@@ -214,6 +216,14 @@ int main(int argc, char **argv) {
     if (std::equal(c.words.begin(), c.words.end(), args.begin())) {
       best = &c;
       best_len = c.words.size();
+    }
+  }
+  if (best == nullptr && (args.size() == 1 || args[1] == "--help" || args[1] == "-h")) {
+    // A group's first word alone (`foremoe trace`, `foremoe trace --help`): list that group's commands.
+    const auto &table = command_table();
+    if (std::any_of(table.begin(), table.end(), [&](const Command &c) { return c.words[0] == args[0]; })) {
+      print_overview(args.size() == 1 ? std::cerr : std::cout, args[0]);
+      return args.size() == 1 ? 2 : 0;
     }
   }
   if (best == nullptr) {
