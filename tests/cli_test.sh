@@ -199,6 +199,26 @@ printf '{"topology": {"nodes": 0}}' >"$work/zero.json"
 expect 1 "config.topology.nodes: must be in \\[1, 16384\\], got 0" -- "$bin" simulate --config "$work/zero.json"
 expect 2 "--dtype must be one of bf16, fp16, fp32, fp8, got 'int4'" -- "$bin" simulate --config "$work/sim.json" --dtype int4
 expect 1 "loads are 4 layers x 16 experts, the model has 48 x 128" -- "$bin" simulate --loads "$work/loads.npy"
+# steady state: warm-up steps are generated in front, simulated and not counted; the table says so
+expect 0 "^simulated 2 RL steps \\([0-9]+ micro-steps, recompute x 1 \\+ update\\), after 1 warm-up step," -- \
+  "$bin" simulate --config "$work/sim.json" --quiet
+expect 0 "warm-up: 1 RL step simulated and not counted; eplb rebalances every 1 step$" -- \
+  "$bin" simulate --config "$work/sim.json" --quiet
+expect 0 '"num_steps":2,.*"warmup_steps":1,"eplb_interval":3' -- "$bin" simulate --config "$work/sim.json" --quiet \
+  --eplb-interval 3 --json -
+expect 1 "simulate: 3 RL steps leave no counted step after 3 warm-up steps \\(sim.warmup_steps\\)" -- \
+  "$bin" simulate --config "$work/sim.json" --loads "$work/loads.npy" --warmup-steps 3
+expect 2 "--eplb-interval must be in \\[1, 65536\\], got 0" -- "$bin" simulate --eplb-interval 0
+# EP groups: more GPUs than experts are data-parallel copies of one EP group
+expect 0 "on 16 x 2 GPUs \\(2 data-parallel EP groups of 16 GPUs\\)" -- "$bin" simulate --config "$work/sim.json" \
+  --nodes 16 --quiet --strategies static,foremoe
+expect 0 '"ep_size":16,"num_ep_groups":2' -- "$bin" simulate --config "$work/sim.json" --nodes 16 --quiet \
+  --strategies static --json -
+expect 1 "EP group size 3 does not divide 4 GPUs" -- "$bin" simulate --config "$work/sim.json" --ep-size 3
+expect 1 "an EP group of 32 GPUs for 16 experts would leave GPUs without an expert" -- \
+  "$bin" simulate --config "$work/sim.json" --nodes 16 --ep-size 32
+expect 1 "2 slots cannot hold all 16 experts|10 slots cannot hold all 16 experts" -- \
+  "$bin" simulate --config "$work/sim.json" --ep-size 2
 
 # strict config values: integers in range, before narrowing; duplicate keys; wrong types name the key
 printf '{"topology": {"slots": 4294967301}}' >"$work/big.json"

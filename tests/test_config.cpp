@@ -253,7 +253,10 @@ TEST_CASE("schema: the generator's options are one schema; simulate's batch sect
     if (!o.key.starts_with("batch.")) continue;
     const auto &g = syn.key(o.key.substr(6));
     CHECK(o.flag == g.flag);
-    CHECK(o.help == g.help);
+    if (o.key == "batch.steps") // simulate counts its steps; the warm-up ones come in front
+      CHECK(o.help.find("warm-up") != std::string::npos);
+    else
+      CHECK(o.help == g.help);
     CHECK(o.range_text() == g.range_text());
     ++batch;
   }

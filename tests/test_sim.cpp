@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <random>
 #include <string_view>
 #include <vector>
 
@@ -18,7 +19,7 @@ struct Case {
   std::vector<std::int64_t> steps;
 };
 
-Case small_case(std::uint64_t seed) {
+Case small_case(std::uint64_t seed, int num_steps = 2) {
   Case c;
   c.cfg.model = ModelSpec{4, 16, 2, 256, 128, WeightDtype::bf16};
   c.cfg.topo = Topology{2, 2, 5}; // 4 owners + 1 spare per GPU
@@ -27,7 +28,7 @@ Case small_case(std::uint64_t seed) {
   b.num_layers = 4;
   b.num_experts = 16;
   b.topk = 2;
-  b.num_steps = 2;
+  b.num_steps = num_steps;
   b.prompts_per_step = 8;
   b.responses_per_prompt = 4;
   b.prompt_length = {64, 0.5, 8, 512};
@@ -73,13 +74,14 @@ TEST_CASE("simulate: physical limits and accounting hold on random traces (prope
       CHECK(x.imbalance_median >= 1.0);
       CHECK(x.imbalance_p99 >= x.imbalance_median);
       CHECK(x.stall_seconds >= 0);
-      CHECK(x.layer_seconds.size() == std::size_t(2 * c.loads.num_micro_steps())); // recompute + update
+      // recompute + update of the counted steps (the first one is warm-up)
+      CHECK(x.layer_seconds.size() == std::size_t(2 * (c.loads.num_micro_steps() - c.steps[1])));
       // Nothing beats perfect balance with free moves.
       CHECK(x.step_seconds >= ideal.step_seconds);
       // The breakdown accounts for the whole step, per step and per micro-step.
       CHECK(x.breakdown.total() == doctest::Approx(x.step_seconds));
       CHECK(x.breakdown.stall == doctest::Approx(x.stall_seconds));
-      REQUIRE(x.step_breakdown.size() == c.steps.size() - 1);
+      REQUIRE(x.step_breakdown.size() == c.steps.size() - 2);
       REQUIRE(x.micro_breakdown.size() == x.layer_seconds.size());
       for (std::size_t m = 0; m < x.layer_seconds.size(); ++m) {
         double layers = 0;
@@ -165,6 +167,7 @@ TEST_CASE("simulate: a hand-computed tiny case (2 GPUs, 2 experts, one layer, st
   cfg.model = ModelSpec{1, 2, 1, 1024, 512, WeightDtype::bf16};
   cfg.topo = Topology{1, 2, 1};
   cfg.recompute_passes = 1;
+  cfg.warmup_steps = 0; // one step, counted
   // Two micro-steps: expert loads (300, 100) then (50, 150); top-1, so tokens = assignments.
   LoadTensor loads(2, 1, 2);
   loads.at(0, 0, 0) = 300;
@@ -215,4 +218,177 @@ TEST_CASE("simulate: more bandwidth is never slower (property)") {
       CHECK(quick[i].stall_seconds <= slow[i].stall_seconds);
     }
   }
+}
+
+TEST_CASE("simulate: warm-up steps are simulated as before and only dropped from the figures (property)") {
+  const int rounds = 2 * foremoe_test::seed_multiplier();
+  for (int r = 0; r < rounds; ++r) {
+    Case c = small_case(300 + r, 4);
+    const auto strategies = all_strategies();
+    c.cfg.warmup_steps = 0;
+    const auto all = simulate(c.cfg, c.loads, c.steps, strategies);
+    for (int warm : {1, 2}) {
+      c.cfg.warmup_steps = warm;
+      const auto res = simulate(c.cfg, c.loads, c.steps, strategies);
+      for (std::size_t i = 0; i < res.size(); ++i) {
+        CAPTURE(res[i].strategy);
+        CAPTURE(warm);
+        REQUIRE(res[i].step_breakdown.size() == std::size_t(4 - warm));
+        double sum = 0;
+        for (int s = warm; s < 4; ++s) {
+          CHECK(res[i].step_breakdown[s - warm].total() == doctest::Approx(all[i].step_breakdown[s].total()));
+          sum += all[i].step_breakdown[s].total();
+        }
+        CHECK(res[i].step_seconds == doctest::Approx(sum / (4 - warm)));
+        const auto counted_micro = static_cast<std::size_t>(2 * (c.steps[4] - c.steps[warm]));
+        CHECK(res[i].layer_seconds.size() == counted_micro);
+      }
+    }
+  }
+  Case c = small_case(5);
+  c.cfg.warmup_steps = 2;
+  const std::vector<SimStrategy> st{parse_sim_strategy("static")};
+  CHECK_THROWS_WITH_AS((void)simulate(c.cfg, c.loads, c.steps, st),
+                       "simulate: 2 RL steps leave no counted step after 2 warm-up steps (sim.warmup_steps): give at "
+                       "least 3 steps or fewer warm-up steps",
+                       Error);
+  c.cfg.warmup_steps = -1;
+  CHECK_THROWS_WITH_AS((void)simulate(c.cfg, c.loads, c.steps, st), doctest::Contains("warmup_steps must be >= 0, got -1"),
+                       Error);
+}
+
+TEST_CASE("simulate: eplb rebalances every eplb_interval steps, static until its first rebalance") {
+  Case c = small_case(21, 4);
+  c.cfg.warmup_steps = 0;
+  const std::vector<SimStrategy> st{parse_sim_strategy("static"), parse_sim_strategy("eplb")};
+  const auto every = simulate(c.cfg, c.loads, c.steps, st);
+  c.cfg.eplb_interval = 2;
+  const auto two = simulate(c.cfg, c.loads, c.steps, st);
+  c.cfg.eplb_interval = 4; // never within 4 steps
+  const auto never = simulate(c.cfg, c.loads, c.steps, st);
+  auto step = [](const std::vector<SimResult> &r, int who, int s) { return r[who].step_breakdown[s].total(); };
+  for (int s = 0; s < 4; ++s)
+    CHECK(step(never, 1, s) == doctest::Approx(step(never, 0, s)).epsilon(1e-12)); // eplb == static
+  // Interval 2: static for steps 0 and 1, then tables from steps 0 + 1; interval 1 rebalances from step 1 on.
+  CHECK(step(two, 1, 0) == doctest::Approx(step(two, 0, 0)).epsilon(1e-12));
+  CHECK(step(two, 1, 1) == doctest::Approx(step(two, 0, 1)).epsilon(1e-12));
+  // A rebalance changes the placement (tiny GPUs: not necessarily for the better, moves are not free).
+  CHECK(step(two, 1, 2) != doctest::Approx(step(two, 0, 2)).epsilon(1e-9));
+  CHECK(step(every, 1, 1) != doctest::Approx(step(every, 0, 1)).epsilon(1e-9));
+  // Steps 2 and 3 of interval 2 share one table from steps 0 + 1; interval 1 re-plans step 3 from step 2.
+  CHECK(two[1].step_breakdown[3].total() != doctest::Approx(every[1].step_breakdown[3].total()).epsilon(1e-9));
+  CHECK(step(every, 1, 0) == doctest::Approx(step(every, 0, 0)).epsilon(1e-12));
+  c.cfg.eplb_interval = 0;
+  CHECK_THROWS_WITH_AS((void)simulate(c.cfg, c.loads, c.steps, st), doctest::Contains("eplb_interval must be >= 1, got 0"),
+                       Error);
+}
+
+namespace {
+
+/// 128 experts on `nodes` x 8 GPUs x 3 slots, 2 layers, a small batch whose loads are counted per EP group of
+/// `ep` ranks (sources).
+Case grouped_case(std::uint64_t seed, int nodes, int ep) {
+  Case c;
+  c.cfg.model = ModelSpec{2, 128, 8, 256, 128, WeightDtype::bf16};
+  c.cfg.topo = Topology{nodes, 8, 3};
+  SyntheticConfig b;
+  b.seed = seed;
+  b.num_layers = 2;
+  b.num_experts = 128;
+  b.topk = 8;
+  b.num_steps = 2;
+  b.prompts_per_step = 16;
+  b.responses_per_prompt = 4;
+  b.prompt_length = {64, 0.5, 8, 512};
+  b.response_length = {128, 0.5, 8, 512};
+  b.num_gpus = c.cfg.topo.num_gpus();
+  b.microbatch_tokens_per_gpu = 64;
+  GeneratorOptions gen;
+  gen.ranks_per_source = ep;
+  c.loads = generate_loads(b, &c.steps, true, gen);
+  return c;
+}
+
+} // namespace
+
+TEST_CASE("simulate: beyond the experts' count the cluster is data-parallel EP groups; no GPU is left empty") {
+  // 256 GPUs, 128 experts: two EP groups of 128 GPUs (default_ep_size), one expert per GPU under static.
+  Case c = grouped_case(31, 32, 64); // 4 sources of 64 ranks: sources 0-1 are group 0's tokens, 2-3 group 1's
+  CHECK(c.cfg.effective_ep_size() == 128);
+  const auto strategies = all_strategies();
+  const auto res = simulate(c.cfg, c.loads, c.steps, strategies);
+  for (const SimResult &r : res) {
+    CAPTURE(r.strategy);
+    CHECK(r.min_experts_per_gpu >= 1);
+  }
+  CHECK(result_of(res, "static").min_experts_per_gpu == 1);
+  // Each group is balanced alone on its own tokens: the grouped run's step is its slowest group's, each group
+  // simulated as a cluster of its own (one counted step).
+  std::vector<double> alone;
+  for (int g = 0; g < 2; ++g) {
+    SimConfig one = c.cfg;
+    one.topo = Topology{16, 8, 3};
+    LoadTensor mine(c.loads.num_micro_steps(), 2, 128);
+    for (int m = 0; m < mine.num_micro_steps(); ++m)
+      for (int l = 0; l < 2; ++l)
+        for (int e = 0; e < 128; ++e)
+          mine.at(m, l, e) = c.loads.at(m, l, e, 2 * g) + c.loads.at(m, l, e, 2 * g + 1);
+    alone.push_back(simulate(one, mine, c.steps, strategies).back().step_seconds); // ideal
+    const auto st = simulate(one, mine, c.steps, std::vector<SimStrategy>{parse_sim_strategy("static")});
+    alone.push_back(st[0].step_seconds);
+  }
+  CHECK(result_of(res, "ideal").step_seconds == doctest::Approx(std::max(alone[0], alone[2])).epsilon(1e-12));
+  CHECK(result_of(res, "static").step_seconds == doctest::Approx(std::max(alone[1], alone[3])).epsilon(1e-12));
+  // An explicit group size: 4 groups of 64, one source each.
+  SimConfig four = c.cfg;
+  four.ep_size = 64;
+  const auto r4 = simulate(four, c.loads, c.steps, std::vector<SimStrategy>{parse_sim_strategy("static")});
+  CHECK(r4[0].min_experts_per_gpu == 2);
+  // Bad group sizes name the values.
+  SimConfig bad = c.cfg;
+  bad.ep_size = 256;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("an EP group of 256 GPUs for 128 experts would leave GPUs"),
+                       Error);
+  bad.ep_size = 96;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("EP group size 96 does not divide 256 GPUs"), Error);
+  bad.ep_size = 12;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("EP group size 12 does not divide 256 GPUs"), Error);
+}
+
+TEST_CASE("split_loads_by_group: sources go to their group; without sources every count splits evenly (property)") {
+  std::mt19937_64 rng(77);
+  for (int round = 0; round < 20 * foremoe_test::seed_multiplier(); ++round) {
+    const int groups = 1 + static_cast<int>(rng() % 5);
+    LoadTensor t(3, 2, 7);
+    for (auto &v : t.totals())
+      v = static_cast<std::int64_t>(rng() % 50);
+    const auto parts = detail::split_loads_by_group(t, groups);
+    REQUIRE(parts.size() == std::size_t(groups));
+    for (int m = 0; m < 3; ++m)
+      for (int l = 0; l < 2; ++l)
+        for (int e = 0; e < 7; ++e) {
+          std::int64_t sum = 0, lo = t.at(m, l, e), hi = 0;
+          for (const auto &p : parts) {
+            sum += p.at(m, l, e);
+            lo = std::min(lo, p.at(m, l, e));
+            hi = std::max(hi, p.at(m, l, e));
+          }
+          CHECK(sum == t.at(m, l, e));
+          CHECK(hi - lo <= 1);
+        }
+  }
+  LoadTensor src(1, 1, 2, 4); // 4 sources over 2 groups: sources 0-1 and 2-3
+  for (int k = 0; k < 4; ++k) {
+    src.at(0, 0, 0, k) = k + 1;
+    src.at(0, 0, 1, k) = 10 * (k + 1);
+  }
+  src.at(0, 0, 0) = 10;
+  src.at(0, 0, 1) = 100;
+  const auto two = detail::split_loads_by_group(src, 2);
+  CHECK(two[0].at(0, 0, 0) == 3);
+  CHECK(two[1].at(0, 0, 0) == 7);
+  CHECK(two[0].at(0, 0, 1) == 30);
+  CHECK(two[1].at(0, 0, 1) == 70);
+  CHECK_THROWS_WITH_AS((void)detail::split_loads_by_group(src, 3),
+                       doctest::Contains("loads carry 4 sources, which do not split over 3 EP groups"), Error);
 }

@@ -258,8 +258,12 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   j["slots"] = s.sim.topo.slots_per_gpu;
   j["num_layers"] = s.sim.model.num_layers;
   j["num_experts"] = s.sim.model.num_experts;
-  j["num_steps"] = num_steps;
+  j["num_steps"] = num_steps; // counted
   j["num_micro_steps"] = num_micro_steps;
+  j["warmup_steps"] = s.sim.warmup_steps; // simulated before them, not counted
+  j["eplb_interval"] = s.sim.eplb_interval;
+  j["ep_size"] = s.sim.effective_ep_size();
+  j["num_ep_groups"] = s.sim.topo.num_gpus() / s.sim.effective_ep_size();
   json::Value list = json::Array{};
   for (const auto &r : res) {
     json::Value d;
@@ -275,6 +279,7 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
     d["stall_seconds"] = r.stall_seconds;
     d["mirror_refresh_seconds"] = r.mirror_seconds;
     d["planner_seconds"] = r.planner_seconds;
+    d["min_experts_per_gpu"] = r.min_experts_per_gpu;
     d["speedup_over_static"] = base_static ? base_static->step_seconds / r.step_seconds : 0.0;
     d["speedup_over_eplb"] = base_eplb ? base_eplb->step_seconds / r.step_seconds : 0.0;
     d["breakdown"] = breakdown_json(r.breakdown);
@@ -298,7 +303,9 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   j["axes"] = std::move(axes);
   j["notes"] =
       json::Value("simulated micro-steps run per RL step: the recompute passes' micro-steps, then the update pass's; "
-                  "breakdown fields are seconds and add up to step_seconds (per RL step)");
+                  "breakdown fields are seconds and add up to step_seconds (per RL step); every figure covers the "
+                  "num_steps counted steps, after warmup_steps steps that were simulated and dropped; with several EP "
+                  "groups (data-parallel copies) a step's times are those of its slowest group, volumes the sum");
   return j;
 }
 
@@ -309,9 +316,12 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   const std::int64_t num_steps = doc.find("num_steps")->as_integer();
   out << "simulated " << num_steps << (num_steps == 1 ? " RL step (" : " RL steps (")
       << doc.find("num_micro_steps")->as_integer() << " micro-steps, recompute x " << c.recompute_passes
-      << " + update) of " << c.model.num_layers << " MoE layers x " << c.model.num_experts << " experts, top-"
-      << c.model.topk << ", on " << c.topo.num_nodes << " x " << c.topo.gpus_per_node << " GPUs with "
-      << c.topo.slots_per_gpu << " slots per GPU per layer\n";
+      << " + update), after " << c.warmup_steps << (c.warmup_steps == 1 ? " warm-up step," : " warm-up steps,")
+      << " of " << c.model.num_layers << " MoE layers x " << c.model.num_experts << " experts, top-"
+      << c.model.topk << ", on " << c.topo.num_nodes << " x " << c.topo.gpus_per_node << " GPUs";
+  const std::int64_t ep = doc.find("ep_size")->as_integer(), groups = doc.find("num_ep_groups")->as_integer();
+  if (groups > 1) out << " (" << groups << " data-parallel EP groups of " << ep << " GPUs)";
+  out << " with " << c.topo.slots_per_gpu << " slots per GPU per layer\n";
   return out.str();
 }
 
@@ -363,6 +373,10 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
          " moved per step; stall ms: per step, layers waiting for moved weights or returning gradients; vs: step-time\n"
          " speed-up. foremoe-free may put copies in any slot, but foremoe's plan is one of its candidates: where that\n"
          " plan already balances perfectly (median 1.000) foremoe-free keeps it, and the figures agree)\n";
+  const std::int64_t warm = doc.find("warmup_steps")->as_integer(), every = doc.find("eplb_interval")->as_integer();
+  out << "model: per-GPU uniform all-to-all, grouped-GEMM fit, move windows (docs/simulator.md); warm-up: " << warm
+      << (warm == 1 ? " RL step" : " RL steps") << " simulated and not counted; eplb rebalances every " << every
+      << (every == 1 ? " step" : " steps") << "\n";
   return out.str();
 }
 
@@ -381,17 +395,25 @@ struct SimulateProgress {
   LoadTensor generated;
   if (loads == nullptr) {
     const auto t0 = std::chrono::steady_clock::now();
-    s.batch.validate();
+    // The warm-up steps are generated in front of the counted ones; with several EP groups each group's tokens
+    // are counted as one source, so that every data-parallel copy runs its own sequences.
+    SyntheticConfig batch = s.batch;
+    batch.num_steps += s.sim.warmup_steps;
+    batch.validate();
     GeneratorOptions gen;
     gen.progress = progress.generate;
-    generated = generate_loads(s.batch, &step_offsets, false, gen);
+    const int ep = s.sim.effective_ep_size();
+    const bool grouped = ep < s.sim.topo.num_gpus();
+    gen.ranks_per_source = grouped ? ep : 1;
+    generated = generate_loads(batch, &step_offsets, grouped, gen);
     loads = &generated;
     if (generate_seconds != nullptr)
       *generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   const std::vector<SimResult> res = simulate(s.sim, *loads, step_offsets, strategies, progress.simulate);
   const int num_steps = step_offsets.empty() ? 1 : static_cast<int>(step_offsets.size() - 1);
-  return simulate_document(s, num_steps, loads->num_micro_steps(), res);
+  const std::int64_t warmup_micro = step_offsets.empty() ? 0 : step_offsets[s.sim.warmup_steps];
+  return simulate_document(s, num_steps - s.sim.warmup_steps, loads->num_micro_steps() - warmup_micro, res);
 }
 
 } // namespace config

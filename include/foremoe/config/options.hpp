@@ -449,14 +449,29 @@ struct SimulateSettings {
     o.back().metavar = "DTYPE";
     lift(
         o, topology_schema(), "topology", [](auto &x) -> auto & { return x.sim.topo; });
+    o.push_back(integer<S>(
+        "topology.ep_size", 0, max_nodes * max_gpus_per_node,
+        "GPUs per EP group; more GPUs are data-parallel copies of it, each balanced alone on its own tokens (0: "
+        "every GPU when they do not outnumber the experts, else the largest divisor not above the experts)",
+        [](auto &x) -> auto & { return x.sim.ep_size; }));
     // batch: the synthetic GRPO batch (its layers, experts, top-k and GPUs follow the model and topology)
     lift(o, synthetic_schema(), "batch", [](auto &x) -> auto & { return x.batch; },
          {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "seed", "skew",
           "persistence"});
+    for (Option<S> &opt : o)
+      if (opt.key == "batch.steps")
+        opt.help = "RL steps to simulate and count (the generator adds sim.warmup_steps warm-up steps in front)";
     // sim
     o.push_back(integer<S>(
         "sim.recompute_passes", 0, 64, "forward-only passes over the batch (old policy, reference)",
         [](auto &x) -> auto & { return x.sim.recompute_passes; }));
+    o.push_back(integer<S>(
+        "sim.warmup_steps", 0, 1 << 16,
+        "RL steps planned and simulated first but left out of every figure (steady state for history-fed eplb)",
+        [](auto &x) -> auto & { return x.sim.warmup_steps; }));
+    o.push_back(integer<S>(
+        "sim.eplb_interval", 1, 1 << 16, "eplb rebalances every N RL steps from the loads seen since its last rebalance",
+        [](auto &x) -> auto & { return x.sim.eplb_interval; }));
     o.push_back(integer<S>(
         "sim.minibatches_per_step", 1, 1 << 16, "optimizer steps per RL step",
         [](auto &x) -> auto & { return x.sim.minibatches_per_step; }));

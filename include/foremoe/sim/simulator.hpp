@@ -18,12 +18,23 @@
 ///
 /// Strategies come from `Planner` (`static`, `eplb`, `eplb-oracle`, `foremoe`,
 /// `foremoe-free`) plus `ideal`: every layer perfectly balanced, moves free.
+///
+/// Steady state: the first `warmup_steps` RL steps are planned and timed like the others (every strategy
+/// builds its history and residents on them) but left out of every reported figure. `eplb` rebalances every
+/// `eplb_interval` steps from the loads accumulated since its last rebalance.
+///
+/// EP groups: the cluster is `num_gpus / ep_size` data-parallel copies of one EP group of `ep_size` GPUs
+/// (`default_ep_size` unless set); each copy holds every expert, routes only its own tokens and is planned and
+/// timed alone; an RL step takes as long as its slowest copy (the copies meet at the optimizer step). A copy's
+/// tokens are those of its ranks when the loads carry per-source counts (`[m][l][e][src]`, sources being
+/// consecutive blocks of ranks); without them every expert's count is split evenly across the copies.
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <span>
 #include <string>
 #include <string_view>
@@ -36,6 +47,7 @@
 #include "foremoe/cost/comm.hpp"
 #include "foremoe/cost/expert_compute.hpp"
 #include "foremoe/cost/params.hpp"
+#include "foremoe/plan/ep_groups.hpp"
 #include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/planner.hpp"
 
@@ -65,11 +77,29 @@ struct SimConfig {
   /// model's grouped-GEMM time, forward plus backward) exceeds its move plus, in the update
   /// stage, its gradient reduction (all counted as unhidden).
   bool cost_gate = false;
+  /// RL steps at the start that are planned and simulated but not counted (EPLB's cold start, first residents).
+  int warmup_steps = 1;
+  int eplb_interval = 1; ///< `eplb` rebalances every N RL steps from the loads accumulated since its last rebalance
+  int ep_size = 0;       ///< GPUs per EP group (0: `default_ep_size`); the cluster is data-parallel copies of it
+
+  /// The EP group size in use: `ep_size`, or `default_ep_size` of the cluster and the experts.
+  [[nodiscard]] int effective_ep_size() const {
+    return ep_size > 0 ? ep_size : default_ep_size(topo.num_gpus(), model.num_experts);
+  }
 
   void validate() const {
     model.validate();
     topo.validate(model.num_experts);
     cost.validate();
+    detail::require(ep_size >= 0, "SimConfig: ep_size must be >= 0 (0: the default), got ", ep_size);
+    detail::require(ep_size <= model.num_experts, "SimConfig: an EP group of ", ep_size, " GPUs for ",
+                    model.num_experts, " experts would leave GPUs without an expert (ep_size <= experts)");
+    const int ep = effective_ep_size();
+    detail::require(topo.num_gpus() % ep == 0, "SimConfig: EP group size ", ep, " does not divide ",
+                    topo.num_gpus(), " GPUs");
+    ep_group_topology(topo, ep).validate(model.num_experts);
+    detail::require(warmup_steps >= 0, "SimConfig: warmup_steps must be >= 0, got ", warmup_steps);
+    detail::require(eplb_interval >= 1, "SimConfig: eplb_interval must be >= 1, got ", eplb_interval);
     detail::require(recompute_passes >= 0, "SimConfig: recompute_passes must be >= 0, got ", recompute_passes);
     detail::require(minibatches_per_step >= 1, "SimConfig: minibatches_per_step must be >= 1, got ",
                     minibatches_per_step);
@@ -134,12 +164,14 @@ struct SimResult {
   double grad_gb = 0;                             ///< replica gradients reduced per step, GB
   double stall_seconds = 0;                       ///< per step: time layers waited for weights
   double mirror_seconds = 0;  ///< per step: host-mirror refreshes after optimizer steps (strategies reading it)
-  double planner_seconds = 0; ///< wall time of planning, all steps
-  std::vector<std::vector<double>>
-      layer_seconds; ///< per simulated micro-step (recompute then update, per step): layer forward(+backward) times
-  SimBreakdown breakdown;                    ///< mean per RL step; its total is `step_seconds`
-  std::vector<SimBreakdown> step_breakdown;  ///< per RL step
-  std::vector<SimBreakdown> micro_breakdown; ///< per simulated micro-step (the rows of `layer_seconds`)
+  double planner_seconds = 0; ///< wall time of planning, the counted steps (every EP group)
+  int min_experts_per_gpu = 0; ///< fewest experts any GPU held in any counted (micro-step, layer)
+  /// Per counted micro-step (recompute then update, per counted step), of the step's slowest EP group: layer
+  /// forward(+backward) times.
+  std::vector<std::vector<double>> layer_seconds;
+  SimBreakdown breakdown;                    ///< mean per counted RL step; its total is `step_seconds`
+  std::vector<SimBreakdown> step_breakdown;  ///< per counted RL step (its slowest EP group)
+  std::vector<SimBreakdown> micro_breakdown; ///< per counted micro-step (the rows of `layer_seconds`)
 };
 
 namespace detail {
@@ -186,45 +218,80 @@ struct LayerTiming {
 
 } // namespace detail
 
-/// Simulates `loads` (micro-steps of consecutive RL steps cut by `step_offsets`, `[S + 1]` micro-step offsets;
-/// empty = one step) under each strategy. `progress`, if set, is called with (done, total) planning units.
-[[nodiscard]] inline std::vector<SimResult> simulate(const SimConfig &cfg, const LoadTensor &loads,
-                                                     std::span<const std::int64_t> step_offsets,
-                                                     std::span<const SimStrategy> strategies,
-                                                     const std::function<void(int, int)> &progress = {}) {
-  cfg.validate();
-  loads.validate();
-  const ModelSpec &spec = cfg.model;
-  const Topology &topo = cfg.topo;
-  detail::require(loads.num_layers() == spec.num_layers && loads.num_experts() == spec.num_experts,
-                  "simulate: loads are ", loads.num_layers(), " layers x ", loads.num_experts(),
-                  " experts, the model has ", spec.num_layers, " x ", spec.num_experts);
-  detail::require(loads.num_micro_steps() > 0, "simulate: no micro-steps to simulate");
-  std::vector<std::int64_t> whole;
-  if (step_offsets.empty()) {
-    whole = {0, loads.num_micro_steps()};
-    step_offsets = whole;
+namespace detail {
+
+/// What one EP group did in one RL step.
+struct GroupStep {
+  double recompute = 0, update = 0, extra = 0, stall = 0, mirror = 0, moved = 0, grad = 0, planner = 0;
+  int min_experts = std::numeric_limits<int>::max(); ///< fewest experts on a GPU in any (micro-step, layer)
+  SimBreakdown parts;
+  std::vector<SimBreakdown> micro;
+  std::vector<std::vector<double>> layers;
+  std::vector<double> imbalance;
+  [[nodiscard]] double seconds() const noexcept { return recompute + update + extra; }
+};
+
+/// The loads of each of `num_groups` data-parallel EP groups. With per-source counts (sources: consecutive blocks
+/// of ranks, `num_sources` a multiple of `num_groups`) group `i` gets the tokens of its own sources; without them
+/// every count `v` is split evenly: `v / n` each, the `v % n` leftover tokens to consecutive groups starting at one
+/// that rotates with expert, layer and micro-step (so no group is always the heavier one).
+[[nodiscard]] inline std::vector<LoadTensor> split_loads_by_group(const LoadTensor &loads, int num_groups) {
+  const int M = loads.num_micro_steps(), L = loads.num_layers(), E = loads.num_experts();
+  std::vector<LoadTensor> out;
+  out.reserve(static_cast<std::size_t>(num_groups));
+  for (int i = 0; i < num_groups; ++i)
+    out.emplace_back(M, L, E);
+  if (loads.has_sources()) {
+    const int ns = loads.num_sources();
+    require(ns % num_groups == 0, "simulate: loads carry ", ns, " sources, which do not split over ", num_groups,
+            " EP groups (give a multiple of the group count, or loads without sources)");
+    const int per = ns / num_groups;
+    for (int m = 0; m < M; ++m)
+      for (int l = 0; l < L; ++l) {
+        const auto src = loads.layer_by_source(m, l);
+        for (int i = 0; i < num_groups; ++i) {
+          auto dst = out[i].layer(m, l);
+          for (int e = 0; e < E; ++e)
+            for (int k = i * per; k < (i + 1) * per; ++k)
+              dst[e] += src[static_cast<std::size_t>(e) * ns + k];
+        }
+      }
+    return out;
   }
-  detail::require(step_offsets.size() >= 2 && step_offsets.front() == 0 &&
-                      step_offsets.back() == loads.num_micro_steps(),
-                  "simulate: step offsets must run from 0 to ", loads.num_micro_steps());
-  for (std::size_t s = 1; s < step_offsets.size(); ++s)
-    detail::require(step_offsets[s] > step_offsets[s - 1], "simulate: step ", s - 1, " has no micro-steps");
+  for (int m = 0; m < M; ++m)
+    for (int l = 0; l < L; ++l) {
+      const auto v = loads.layer(m, l);
+      for (int e = 0; e < E; ++e) {
+        const std::int64_t each = v[e] / num_groups, rem = v[e] % num_groups;
+        const int start = (e + 7 * l + 13 * m) % num_groups;
+        for (int i = 0; i < num_groups; ++i)
+          out[i].layer(m, l)[e] = each + ((i - start + num_groups) % num_groups < rem ? 1 : 0);
+      }
+    }
+  return out;
+}
+
+/// Simulates one EP group (`topo` is the group's topology, `loads` its own tokens) under `strat`, every RL step
+/// cut by `step_offsets`; `step_done` is called after each step.
+[[nodiscard]] inline std::vector<GroupStep> simulate_group(const SimConfig &cfg, const Topology &topo,
+                                                           const LoadTensor &loads,
+                                                           std::span<const std::int64_t> step_offsets,
+                                                           const SimStrategy &strat,
+                                                           const std::function<void()> &step_done) {
+  const ModelSpec &spec = cfg.model;
   const int num_steps = static_cast<int>(step_offsets.size() - 1);
   const int G = topo.num_gpus(), L = spec.num_layers, E = spec.num_experts, S = topo.slots_per_gpu;
   const ExpertComputeModel compute(cfg.cost, ExpertShape::from(spec));
   const double expert_bytes = static_cast<double>(spec.bytes_per_expert());
   const double row_bytes = static_cast<double>(spec.hidden) * cfg.activation_bytes;
-  const int total_units = static_cast<int>(strategies.size()) * num_steps;
-  int done_units = 0;
 
   // Tokens of a micro-step (before routing): its assignments over top-k, from layer 0.
   auto tokens_of = [&](int m) { return static_cast<double>(loads.layer_total(m, 0)) / spec.topk; };
 
   // Times one layer under a plan (or perfectly balanced when `lp` is null).
   auto time_layer = [&](const LayerPlan *lp, std::span<const std::int64_t> expert_loads, double tokens,
-                        const LayerPlacement *prev, bool update) {
-    detail::LayerTiming t;
+                        const LayerPlacement *prev, bool update, int &min_experts) {
+    LayerTiming t;
     std::vector<double> gpu_tokens(static_cast<std::size_t>(G), 0.0);
     std::vector<int> gpu_experts(static_cast<std::size_t>(G), 0);
     if (lp != nullptr) {
@@ -239,13 +306,14 @@ struct LayerTiming {
       std::fill(gpu_tokens.begin(), gpu_tokens.end(), total / G);
       std::fill(gpu_experts.begin(), gpu_experts.end(), (E + G - 1) / G);
     }
+    min_experts = std::min(min_experts, *std::min_element(gpu_experts.begin(), gpu_experts.end()));
     double fwd_expert = 0, bwd_expert = 0;
     for (int g = 0; g < G; ++g) {
       fwd_expert = std::max(fwd_expert, compute.forward_seconds(gpu_tokens[g], gpu_experts[g]));
       bwd_expert = std::max(bwd_expert, compute.backward_seconds(gpu_tokens[g], gpu_experts[g]));
     }
     const double attn = cfg.cost.dense.launch_us * 1e-6 + cfg.cost.dense.per_token_us * 1e-6 * tokens / G;
-    const double a2a = detail::uniform_a2a_seconds(cfg.cost.a2a, gpu_tokens, topo.gpus_per_node, row_bytes);
+    const double a2a = uniform_a2a_seconds(cfg.cost.a2a, gpu_tokens, topo.gpus_per_node, row_bytes);
     t.forward = attn + a2a + fwd_expert + a2a;
     t.expert = fwd_expert;
     t.a2a = 2 * a2a;
@@ -297,180 +365,268 @@ struct LayerTiming {
     return t;
   };
 
-  std::vector<SimResult> results;
-  for (const SimStrategy &strat : strategies) {
-    SimResult res;
-    res.strategy = strat.name;
-    std::vector<double> imbalance;
-    double total_recompute = 0, total_update = 0, total_stall = 0, total_moved = 0, total_grad = 0, total_planner = 0,
-           total_extra = 0, total_mirror = 0;
-    PlannerOptions popts;
-    popts.strategy = strat.ideal ? "foremoe-free" : strat.name; // "ideal" plans nothing
-    popts.num_threads = cfg.planner_threads;
-    popts.move_budget = cfg.move_budget;
-    popts.reowning_free = cfg.reowning_free; // paid re-owning: the planner keeps owners where it can
-    popts.tolerance = cfg.tolerance;
-    popts.min_tokens_per_replica = cfg.min_tokens_per_replica;
-    if (cfg.cost_gate) {
-      // The slowest GPU's expert compute for its token count, on a GPU with every slot in use.
-      popts.token_time = [&compute, S](std::int64_t t) {
-        const auto x = static_cast<double>(t);
-        return compute.forward_seconds(x, S) + compute.backward_seconds(x, S);
-      };
-      popts.replica_cost = [&cfg, &topo, expert_bytes](int, int src, int dst, Stage stage) {
-        const bool same_node = src >= 0 && topo.node_of(src) == topo.node_of(dst);
-        const MovePath path = src < 0 ? MovePath::host : same_node ? MovePath::gpu_intra : MovePath::gpu_inter;
-        const MovePath grad = same_node ? MovePath::gpu_intra : MovePath::gpu_inter;
-        return move_seconds(cfg.cost.move, path, expert_bytes) +
-               (stage == Stage::update ? grad_reduce_seconds(cfg.cost, grad, expert_bytes) : 0.0);
-      };
+  PlannerOptions popts;
+  popts.strategy = strat.ideal ? "foremoe-free" : strat.name; // "ideal" plans nothing
+  popts.num_threads = cfg.planner_threads;
+  popts.move_budget = cfg.move_budget;
+  popts.reowning_free = cfg.reowning_free; // paid re-owning: the planner keeps owners where it can
+  popts.tolerance = cfg.tolerance;
+  popts.min_tokens_per_replica = cfg.min_tokens_per_replica;
+  if (cfg.cost_gate) {
+    // The slowest GPU's expert compute for its token count, on a GPU with every slot in use.
+    popts.token_time = [&compute, S](std::int64_t t) {
+      const auto x = static_cast<double>(t);
+      return compute.forward_seconds(x, S) + compute.backward_seconds(x, S);
+    };
+    popts.replica_cost = [&cfg, &topo, expert_bytes](int, int src, int dst, Stage stage) {
+      const bool same_node = src >= 0 && topo.node_of(src) == topo.node_of(dst);
+      const MovePath path = src < 0 ? MovePath::host : same_node ? MovePath::gpu_intra : MovePath::gpu_inter;
+      const MovePath grad = same_node ? MovePath::gpu_intra : MovePath::gpu_inter;
+      return move_seconds(cfg.cost.move, path, expert_bytes) +
+             (stage == Stage::update ? grad_reduce_seconds(cfg.cost, grad, expert_bytes) : 0.0);
+    };
+  }
+  Planner planner(L, E, topo, popts);
+  Placement resident;
+  bool has_resident = false;
+  std::vector<std::int32_t> prev_owner_flat;
+  // The load history handed to the strategies (only `eplb` reads it): what its last rebalance saw, i.e. the sum
+  // of the `eplb_interval` steps before it; empty until the first rebalance (static placement). With an interval
+  // of 1 it is the previous step's totals.
+  std::vector<std::int64_t> history, accumulated;
+
+  std::vector<GroupStep> out;
+  out.reserve(static_cast<std::size_t>(num_steps));
+  for (int s = 0; s < num_steps; ++s) {
+    GroupStep rec;
+    SimBreakdown &step_parts = rec.parts;
+    const int m0 = static_cast<int>(step_offsets[s]), m1 = static_cast<int>(step_offsets[s + 1]);
+    LoadTensor step(m1 - m0, L, E);
+    std::copy(loads.totals().begin() + static_cast<std::ptrdiff_t>(m0) * L * E,
+              loads.totals().begin() + static_cast<std::ptrdiff_t>(m1) * L * E, step.totals().begin());
+    const std::vector<std::int64_t> totals = planner.sum_steps(step);
+    if (s > 0 && s % cfg.eplb_interval == 0) {
+      history = accumulated;
+      accumulated.clear();
     }
-    Planner planner(L, E, topo, popts);
-    Placement resident;
-    bool has_resident = false;
-    std::vector<std::int32_t> prev_owner_flat;
-    std::vector<std::int64_t> prev_totals;
 
-    for (int s = 0; s < num_steps; ++s) {
-      SimBreakdown step_parts;
-      const int m0 = static_cast<int>(step_offsets[s]), m1 = static_cast<int>(step_offsets[s + 1]);
-      LoadTensor step(m1 - m0, L, E);
-      std::copy(loads.totals().begin() + static_cast<std::ptrdiff_t>(m0) * L * E,
-                loads.totals().begin() + static_cast<std::ptrdiff_t>(m1) * L * E, step.totals().begin());
-      const std::vector<std::int64_t> totals = planner.sum_steps(step);
-
-      // Stages: `recompute_passes` forward-only passes, then the update pass.
-      for (int pass = 0; pass <= cfg.recompute_passes; ++pass) {
-        const bool update = pass == cfg.recompute_passes;
-        StepPlan sp;
-        if (!strat.ideal) {
-          const auto t0 = std::chrono::steady_clock::now();
-          sp = planner.plan_step(step, has_resident ? &resident : nullptr, prev_totals,
-                                 update ? Stage::update : Stage::recompute);
-          total_planner += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-          // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
-          if (pass == 0 && !cfg.reowning_free && !prev_owner_flat.empty()) {
-            std::vector<double> per_gpu(static_cast<std::size_t>(G), 0.0);
-            for (int l = 0; l < L; ++l)
-              for (int e = 0; e < E; ++e) {
-                const std::int32_t o = sp.owner_gpu.empty() ? -1 : sp.owner_gpu[l][e];
-                if (o >= 0 && o != prev_owner_flat[static_cast<std::size_t>(l) * E + e]) {
-                  per_gpu[o] +=
-                      move_seconds(cfg.cost.move, MovePath::gpu_inter, expert_bytes * (1 + cfg.optimizer_state_factor));
-                  total_moved += expert_bytes * (1 + cfg.optimizer_state_factor);
-                }
-              }
-            const double reown = *std::max_element(per_gpu.begin(), per_gpu.end());
-            total_extra += reown;
-            step_parts.moves += reown;
-          }
-          if (pass == 0 && !sp.owner_gpu.empty()) {
-            prev_owner_flat.clear();
-            for (const auto &row : sp.owner_gpu)
-              prev_owner_flat.insert(prev_owner_flat.end(), row.begin(), row.end());
-          }
-        }
-        const int M = step.num_micro_steps();
-        bool used_mirror = false;
-        std::vector<detail::LayerTiming> prev_t;
-        const std::vector<LayerPlan> *prev_plans = nullptr;
-        double stage_time = 0;
-        for (int m = 0; m < M; ++m) {
-          const double tokens = tokens_of(m0 + m);
-          std::vector<detail::LayerTiming> cur(static_cast<std::size_t>(L));
-          for (int l = 0; l < L; ++l) {
-            const LayerPlan *lp = strat.ideal ? nullptr : &sp.micro_steps[m][l];
-            const LayerPlacement *prev = prev_plans != nullptr ? &(*prev_plans)[l].placement : nullptr;
-            cur[l] = time_layer(lp, step.layer(m, l), tokens, prev, update);
-            if (lp != nullptr) imbalance.push_back(lp->imbalance());
-            total_moved += cur[l].moved_bytes;
-            used_mirror = used_mirror || cur[l].host_moves;
-            total_grad += cur[l].grad_bytes;
-          }
-          // Windows: from the slot's last use in m - 1 to layer l's forward in m.
-          double micro = 0, stall = 0;
-          std::vector<double> fwd_prefix(static_cast<std::size_t>(L) + 1, 0.0);
+    // Stages: `recompute_passes` forward-only passes, then the update pass.
+    for (int pass = 0; pass <= cfg.recompute_passes; ++pass) {
+      const bool update = pass == cfg.recompute_passes;
+      StepPlan sp;
+      if (!strat.ideal) {
+        const auto t0 = std::chrono::steady_clock::now();
+        sp = planner.plan_step(step, has_resident ? &resident : nullptr, history,
+                               update ? Stage::update : Stage::recompute);
+        rec.planner += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
+        if (pass == 0 && !cfg.reowning_free && !prev_owner_flat.empty()) {
+          std::vector<double> per_gpu(static_cast<std::size_t>(G), 0.0);
           for (int l = 0; l < L; ++l)
-            fwd_prefix[l + 1] = fwd_prefix[l] + cur[l].forward;
-          for (int l = 0; l < L; ++l) {
-            double window = fwd_prefix[l];
-            if (!prev_t.empty()) {
-              if (update)
-                for (int k = 0; k < l; ++k)
-                  window += prev_t[k].backward; // backward runs L-1 .. 0
-              else
-                for (int k = l + 1; k < L; ++k)
-                  window += prev_t[k].forward;
-              if (cfg.double_buffer)
-                for (int k = 0; k < L; ++k)
-                  window += prev_t[k].forward + prev_t[k].backward;
+            for (int e = 0; e < E; ++e) {
+              const std::int32_t o = sp.owner_gpu.empty() ? -1 : sp.owner_gpu[l][e];
+              if (o >= 0 && o != prev_owner_flat[static_cast<std::size_t>(l) * E + e]) {
+                per_gpu[o] +=
+                    move_seconds(cfg.cost.move, MovePath::gpu_inter, expert_bytes * (1 + cfg.optimizer_state_factor));
+                rec.moved += expert_bytes * (1 + cfg.optimizer_state_factor);
+              }
             }
-            double need = 0;
-            for (int g = 0; g < G; ++g)
-              need = std::max(need, cur[l].move_demand[g] + cur[l].grad_demand[g]);
-            stall += std::max(0.0, need - window);
-          }
-          std::vector<double> layer_times(static_cast<std::size_t>(L));
-          SimBreakdown parts;
-          for (int l = 0; l < L; ++l) {
-            layer_times[l] = cur[l].forward + cur[l].backward;
-            micro += layer_times[l];
-            parts.expert_compute += cur[l].expert;
-            parts.all_to_all += cur[l].a2a;
-            parts.dense += cur[l].dense;
-          }
-          parts.stall = stall;
-          step_parts += parts;
-          res.micro_breakdown.push_back(parts);
-          micro += stall;
-          total_stall += stall;
-          stage_time += micro;
-          res.layer_seconds.push_back(std::move(layer_times));
-          prev_t = std::move(cur);
-          prev_plans = strat.ideal ? nullptr : &sp.micro_steps[m];
+          const double reown = *std::max_element(per_gpu.begin(), per_gpu.end());
+          rec.extra += reown;
+          step_parts.moves += reown;
         }
-        if (update) {
-          stage_time += cfg.optimizer_seconds * cfg.minibatches_per_step;
-          step_parts.optimizer += cfg.optimizer_seconds * cfg.minibatches_per_step;
-          // After each optimizer step every GPU copies its owned experts' new weights to the node's pinned
-          // mirror over its PCIe link, before the next mini-batch may read them; only strategies that read
-          // the mirror pay it.
-          if (used_mirror) {
-            const double owned = static_cast<double>(topo.owners_per_gpu(E)) * L * expert_bytes;
-            const double refresh = cfg.minibatches_per_step * move_seconds(cfg.cost.move, MovePath::host, owned);
-            stage_time += refresh;
-            total_mirror += refresh;
-            step_parts.moves += refresh;
-          }
-          total_update += stage_time;
-        } else {
-          total_recompute += stage_time;
-        }
-        if (!strat.ideal && !sp.micro_steps.empty()) {
-          resident = sp.final_placement();
-          has_resident = true;
+        if (pass == 0 && !sp.owner_gpu.empty()) {
+          prev_owner_flat.clear();
+          for (const auto &row : sp.owner_gpu)
+            prev_owner_flat.insert(prev_owner_flat.end(), row.begin(), row.end());
         }
       }
-      prev_totals = totals;
-      res.step_breakdown.push_back(step_parts);
-      res.breakdown += step_parts;
-      if (progress) progress(++done_units, total_units);
+      const int M = step.num_micro_steps();
+      bool used_mirror = false;
+      std::vector<LayerTiming> prev_t;
+      const std::vector<LayerPlan> *prev_plans = nullptr;
+      double stage_time = 0;
+      for (int m = 0; m < M; ++m) {
+        const double tokens = tokens_of(m0 + m);
+        std::vector<LayerTiming> cur(static_cast<std::size_t>(L));
+        for (int l = 0; l < L; ++l) {
+          const LayerPlan *lp = strat.ideal ? nullptr : &sp.micro_steps[m][l];
+          const LayerPlacement *prev = prev_plans != nullptr ? &(*prev_plans)[l].placement : nullptr;
+          cur[l] = time_layer(lp, step.layer(m, l), tokens, prev, update, rec.min_experts);
+          if (lp != nullptr) rec.imbalance.push_back(lp->imbalance());
+          rec.moved += cur[l].moved_bytes;
+          used_mirror = used_mirror || cur[l].host_moves;
+          rec.grad += cur[l].grad_bytes;
+        }
+        // Windows: from the slot's last use in m - 1 to layer l's forward in m.
+        double micro = 0, stall = 0;
+        std::vector<double> fwd_prefix(static_cast<std::size_t>(L) + 1, 0.0);
+        for (int l = 0; l < L; ++l)
+          fwd_prefix[l + 1] = fwd_prefix[l] + cur[l].forward;
+        for (int l = 0; l < L; ++l) {
+          double window = fwd_prefix[l];
+          if (!prev_t.empty()) {
+            if (update)
+              for (int k = 0; k < l; ++k)
+                window += prev_t[k].backward; // backward runs L-1 .. 0
+            else
+              for (int k = l + 1; k < L; ++k)
+                window += prev_t[k].forward;
+            if (cfg.double_buffer)
+              for (int k = 0; k < L; ++k)
+                window += prev_t[k].forward + prev_t[k].backward;
+          }
+          double need = 0;
+          for (int g = 0; g < G; ++g)
+            need = std::max(need, cur[l].move_demand[g] + cur[l].grad_demand[g]);
+          stall += std::max(0.0, need - window);
+        }
+        std::vector<double> layer_times(static_cast<std::size_t>(L));
+        SimBreakdown parts;
+        for (int l = 0; l < L; ++l) {
+          layer_times[l] = cur[l].forward + cur[l].backward;
+          micro += layer_times[l];
+          parts.expert_compute += cur[l].expert;
+          parts.all_to_all += cur[l].a2a;
+          parts.dense += cur[l].dense;
+        }
+        parts.stall = stall;
+        step_parts += parts;
+        rec.micro.push_back(parts);
+        micro += stall;
+        rec.stall += stall;
+        stage_time += micro;
+        rec.layers.push_back(std::move(layer_times));
+        prev_t = std::move(cur);
+        prev_plans = strat.ideal ? nullptr : &sp.micro_steps[m];
+      }
+      if (update) {
+        stage_time += cfg.optimizer_seconds * cfg.minibatches_per_step;
+        step_parts.optimizer += cfg.optimizer_seconds * cfg.minibatches_per_step;
+        // After each optimizer step every GPU copies its owned experts' new weights to the node's pinned
+        // mirror over its PCIe link, before the next mini-batch may read them; only strategies that read
+        // the mirror pay it.
+        if (used_mirror) {
+          const double owned = static_cast<double>(topo.owners_per_gpu(E)) * L * expert_bytes;
+          const double refresh = cfg.minibatches_per_step * move_seconds(cfg.cost.move, MovePath::host, owned);
+          stage_time += refresh;
+          rec.mirror += refresh;
+          step_parts.moves += refresh;
+        }
+        rec.update += stage_time;
+      } else {
+        rec.recompute += stage_time;
+      }
+      if (!strat.ideal && !sp.micro_steps.empty()) {
+        resident = sp.final_placement();
+        has_resident = true;
+      }
+    }
+    if (accumulated.empty()) accumulated.assign(totals.size(), 0);
+    for (std::size_t i = 0; i < totals.size(); ++i)
+      accumulated[i] += totals[i];
+    out.push_back(std::move(rec));
+    if (step_done) step_done();
+  }
+  return out;
+}
+
+} // namespace detail
+
+/// Simulates `loads` (micro-steps of consecutive RL steps cut by `step_offsets`, `[S + 1]` micro-step offsets;
+/// empty = one step) under each strategy. The first `cfg.warmup_steps` steps are simulated but not counted, so
+/// there must be at least one more step than that. `progress`, if set, is called with (done, total) planning
+/// units (strategy x EP group x step).
+[[nodiscard]] inline std::vector<SimResult> simulate(const SimConfig &cfg, const LoadTensor &loads,
+                                                     std::span<const std::int64_t> step_offsets,
+                                                     std::span<const SimStrategy> strategies,
+                                                     const std::function<void(int, int)> &progress = {}) {
+  cfg.validate();
+  loads.validate();
+  const ModelSpec &spec = cfg.model;
+  detail::require(loads.num_layers() == spec.num_layers && loads.num_experts() == spec.num_experts,
+                  "simulate: loads are ", loads.num_layers(), " layers x ", loads.num_experts(),
+                  " experts, the model has ", spec.num_layers, " x ", spec.num_experts);
+  detail::require(loads.num_micro_steps() > 0, "simulate: no micro-steps to simulate");
+  std::vector<std::int64_t> whole;
+  if (step_offsets.empty()) {
+    whole = {0, loads.num_micro_steps()};
+    step_offsets = whole;
+  }
+  detail::require(step_offsets.size() >= 2 && step_offsets.front() == 0 &&
+                      step_offsets.back() == loads.num_micro_steps(),
+                  "simulate: step offsets must run from 0 to ", loads.num_micro_steps());
+  for (std::size_t s = 1; s < step_offsets.size(); ++s)
+    detail::require(step_offsets[s] > step_offsets[s - 1], "simulate: step ", s - 1, " has no micro-steps");
+  const int num_steps = static_cast<int>(step_offsets.size() - 1);
+  detail::require(num_steps > cfg.warmup_steps, "simulate: ", num_steps, num_steps == 1 ? " RL step" : " RL steps",
+                  " leave no counted step after ", cfg.warmup_steps, " warm-up step",
+                  cfg.warmup_steps == 1 ? "" : "s", " (sim.warmup_steps): give at least ", cfg.warmup_steps + 1,
+                  " steps or fewer warm-up steps");
+  const int counted = num_steps - cfg.warmup_steps;
+  const int ep = cfg.effective_ep_size();
+  const Topology group_topo = ep_group_topology(cfg.topo, ep);
+  const int num_groups = cfg.topo.num_gpus() / ep;
+  std::vector<LoadTensor> split;
+  if (num_groups > 1) split = detail::split_loads_by_group(loads, num_groups);
+  auto group_loads = [&](int i) -> const LoadTensor & { return num_groups > 1 ? split[i] : loads; };
+
+  const int total_units = static_cast<int>(strategies.size()) * num_groups * num_steps;
+  int done_units = 0;
+  const std::function<void()> step_done = [&] {
+    if (progress) progress(++done_units, total_units);
+  };
+
+  std::vector<SimResult> results;
+  for (const SimStrategy &strat : strategies) {
+    std::vector<std::vector<detail::GroupStep>> runs;
+    runs.reserve(static_cast<std::size_t>(num_groups));
+    for (int i = 0; i < num_groups; ++i)
+      runs.push_back(detail::simulate_group(cfg, group_topo, group_loads(i), step_offsets, strat, step_done));
+    SimResult res;
+    res.strategy = strat.name;
+    res.min_experts_per_gpu = std::numeric_limits<int>::max();
+    std::vector<double> imbalance;
+    double total_recompute = 0, total_update = 0, total_extra = 0, total_stall = 0, total_moved = 0, total_grad = 0,
+           total_mirror = 0;
+    for (int s = cfg.warmup_steps; s < num_steps; ++s) {
+      // The copies meet at the optimizer step: the step takes as long as its slowest copy.
+      int slow = 0;
+      for (int i = 1; i < num_groups; ++i)
+        if (runs[i][s].seconds() > runs[slow][s].seconds()) slow = i;
+      const detail::GroupStep &w = runs[slow][s];
+      total_recompute += w.recompute;
+      total_update += w.update;
+      total_extra += w.extra;
+      total_stall += w.stall;
+      total_mirror += w.mirror;
+      res.step_breakdown.push_back(w.parts);
+      res.breakdown += w.parts;
+      res.micro_breakdown.insert(res.micro_breakdown.end(), w.micro.begin(), w.micro.end());
+      res.layer_seconds.insert(res.layer_seconds.end(), w.layers.begin(), w.layers.end());
+      for (int i = 0; i < num_groups; ++i) {
+        const detail::GroupStep &g = runs[i][s];
+        total_moved += g.moved; // volumes: the whole cluster
+        total_grad += g.grad;
+        res.planner_seconds += g.planner;
+        res.min_experts_per_gpu = std::min(res.min_experts_per_gpu, g.min_experts);
+        imbalance.insert(imbalance.end(), g.imbalance.begin(), g.imbalance.end());
+      }
     }
     const BalanceStats balance = balance_stats(std::move(imbalance));
     res.imbalance_median = balance.median;
     res.imbalance_p99 = balance.p99;
-    res.recompute_seconds = total_recompute / num_steps;
-    res.update_seconds = total_update / num_steps;
-    res.step_seconds = (total_recompute + total_update + total_extra) / num_steps;
+    res.recompute_seconds = total_recompute / counted;
+    res.update_seconds = total_update / counted;
+    res.step_seconds = (total_recompute + total_update + total_extra) / counted;
     res.end_to_end_seconds = res.step_seconds + cfg.rollout_seconds;
-    res.moved_gb = total_moved / num_steps * 1e-9;
-    res.grad_gb = total_grad / num_steps * 1e-9;
-    res.stall_seconds = total_stall / num_steps;
-    res.mirror_seconds = total_mirror / num_steps;
-    res.planner_seconds = total_planner;
+    res.moved_gb = total_moved / counted * 1e-9;
+    res.grad_gb = total_grad / counted * 1e-9;
+    res.stall_seconds = total_stall / counted;
+    res.mirror_seconds = total_mirror / counted;
     for (double *part : {&res.breakdown.expert_compute, &res.breakdown.all_to_all, &res.breakdown.dense,
                          &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.optimizer})
-      *part /= num_steps;
+      *part /= counted;
     results.push_back(std::move(res));
   }
   return results;

@@ -169,6 +169,9 @@ struct GeneratorOptions {
   int num_threads = 0; ///< worker threads; 0 = one per hardware thread
   /// Called with (tokens generated so far, total tokens) as work completes, from any worker (serialised).
   std::function<void(std::int64_t, std::int64_t)> progress;
+  /// With `by_source`: consecutive ranks counted as one source (each data-parallel EP group's tokens as one
+  /// source when it is the EP group size); must divide `num_gpus`.
+  int ranks_per_source = 1;
 };
 
 /// Routed ids of a synthetic trace with its micro-batch, source-rank, step and sequence boundaries.
@@ -862,7 +865,7 @@ void route_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStep
 /// once (threads over prompts) and added to each of its responses' blocks, then the micro-steps are counted on
 /// threads, each into its own rows: the loads do not depend on the threads and equal the counts of the ids.
 inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStepPlan> &plans, int num_threads,
-                            ProgressMeter &meter, LoadTensor &out) {
+                            ProgressMeter &meter, LoadTensor &out, int ranks_per_source = 1) {
   const SyntheticWorld world = make_world(cfg);
   const int workers = generator_threads(num_threads);
   const auto ne = static_cast<std::size_t>(cfg.num_experts);
@@ -924,7 +927,7 @@ inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<Synthe
             auto src = out.layer_by_source(micro, static_cast<int>(l));
             const auto ns = static_cast<std::size_t>(out.num_sources());
             for (std::size_t e = 0; e < ne; ++e)
-              src[e * ns + static_cast<std::size_t>(r)] = row[e];
+              src[e * ns + static_cast<std::size_t>(r / ranks_per_source)] += row[e];
           }
         }
       }
@@ -1005,7 +1008,8 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
 }
 
 /// Streams the same tokens as `generate_trace(cfg)` and counts them into `[micro_steps][num_layers][num_experts]`
-/// loads without storing ids; with `by_source` also `[...][num_gpus]` by source rank. `step_offsets`, if given,
+/// loads without storing ids; with `by_source` also `[...][num_gpus / opts.ranks_per_source]` by source rank (or
+/// group of consecutive ranks). `step_offsets`, if given,
 /// receives the `[num_steps + 1]` micro-step offsets of the steps. Throws `Error` for an invalid config.
 [[nodiscard]] inline LoadTensor generate_loads(const SyntheticConfig &cfg,
                                                std::vector<std::int64_t> *step_offsets = nullptr,
@@ -1014,9 +1018,13 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
   std::vector<std::int64_t> steps;
   std::int64_t num_tokens = 0;
   const auto plans = detail::plan_steps(cfg, steps, num_tokens);
-  LoadTensor out(static_cast<int>(steps.back()), cfg.num_layers, cfg.num_experts, by_source ? cfg.num_gpus : 0);
+  detail::require(opts.ranks_per_source >= 1 && cfg.num_gpus % opts.ranks_per_source == 0,
+                  "generate_loads: ranks_per_source ", opts.ranks_per_source, " does not divide ", cfg.num_gpus,
+                  " ranks");
+  LoadTensor out(static_cast<int>(steps.back()), cfg.num_layers, cfg.num_experts,
+                 by_source ? cfg.num_gpus / opts.ranks_per_source : 0);
   detail::ProgressMeter meter(opts.progress, num_tokens);
-  detail::count_synthetic(cfg, plans, opts.num_threads, meter, out);
+  detail::count_synthetic(cfg, plans, opts.num_threads, meter, out, opts.ranks_per_source);
   if (step_offsets != nullptr) *step_offsets = std::move(steps);
   return out;
 }
