@@ -253,8 +253,8 @@ TEST_CASE("simulate: warm-up steps are simulated as before and only dropped from
                        "least 3 steps or fewer warm-up steps",
                        Error);
   c.cfg.warmup_steps = -1;
-  CHECK_THROWS_WITH_AS((void)simulate(c.cfg, c.loads, c.steps, st), doctest::Contains("warmup_steps must be >= 0, got -1"),
-                       Error);
+  CHECK_THROWS_WITH_AS((void)simulate(c.cfg, c.loads, c.steps, st),
+                       doctest::Contains("warmup_steps must be >= 0, got -1"), Error);
 }
 
 TEST_CASE("simulate: eplb rebalances every eplb_interval steps, static until its first rebalance") {
@@ -279,8 +279,8 @@ TEST_CASE("simulate: eplb rebalances every eplb_interval steps, static until its
   CHECK(two[1].step_breakdown[3].total() != doctest::Approx(every[1].step_breakdown[3].total()).epsilon(1e-9));
   CHECK(step(every, 1, 0) == doctest::Approx(step(every, 0, 0)).epsilon(1e-12));
   c.cfg.eplb_interval = 0;
-  CHECK_THROWS_WITH_AS((void)simulate(c.cfg, c.loads, c.steps, st), doctest::Contains("eplb_interval must be >= 1, got 0"),
-                       Error);
+  CHECK_THROWS_WITH_AS((void)simulate(c.cfg, c.loads, c.steps, st),
+                       doctest::Contains("eplb_interval must be >= 1, got 0"), Error);
 }
 
 namespace {

@@ -317,8 +317,8 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   out << "simulated " << num_steps << (num_steps == 1 ? " RL step (" : " RL steps (")
       << doc.find("num_micro_steps")->as_integer() << " micro-steps, recompute x " << c.recompute_passes
       << " + update), after " << c.warmup_steps << (c.warmup_steps == 1 ? " warm-up step," : " warm-up steps,")
-      << " of " << c.model.num_layers << " MoE layers x " << c.model.num_experts << " experts, top-"
-      << c.model.topk << ", on " << c.topo.num_nodes << " x " << c.topo.gpus_per_node << " GPUs";
+      << " of " << c.model.num_layers << " MoE layers x " << c.model.num_experts << " experts, top-" << c.model.topk
+      << ", on " << c.topo.num_nodes << " x " << c.topo.gpus_per_node << " GPUs";
   const std::int64_t ep = doc.find("ep_size")->as_integer(), groups = doc.find("num_ep_groups")->as_integer();
   if (groups > 1) out << " (" << groups << " data-parallel EP groups of " << ep << " GPUs)";
   out << " with " << c.topo.slots_per_gpu << " slots per GPU per layer\n";

@@ -470,7 +470,8 @@ struct SimulateSettings {
         "RL steps planned and simulated first but left out of every figure (steady state for history-fed eplb)",
         [](auto &x) -> auto & { return x.sim.warmup_steps; }));
     o.push_back(integer<S>(
-        "sim.eplb_interval", 1, 1 << 16, "eplb rebalances every N RL steps from the loads seen since its last rebalance",
+        "sim.eplb_interval", 1, 1 << 16,
+        "eplb rebalances every N RL steps from the loads seen since its last rebalance",
         [](auto &x) -> auto & { return x.sim.eplb_interval; }));
     o.push_back(integer<S>(
         "sim.minibatches_per_step", 1, 1 << 16, "optimizer steps per RL step",

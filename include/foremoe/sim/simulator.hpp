@@ -95,8 +95,8 @@ struct SimConfig {
     detail::require(ep_size <= model.num_experts, "SimConfig: an EP group of ", ep_size, " GPUs for ",
                     model.num_experts, " experts would leave GPUs without an expert (ep_size <= experts)");
     const int ep = effective_ep_size();
-    detail::require(topo.num_gpus() % ep == 0, "SimConfig: EP group size ", ep, " does not divide ",
-                    topo.num_gpus(), " GPUs");
+    detail::require(topo.num_gpus() % ep == 0, "SimConfig: EP group size ", ep, " does not divide ", topo.num_gpus(),
+                    " GPUs");
     ep_group_topology(topo, ep).validate(model.num_experts);
     detail::require(warmup_steps >= 0, "SimConfig: warmup_steps must be >= 0, got ", warmup_steps);
     detail::require(eplb_interval >= 1, "SimConfig: eplb_interval must be >= 1, got ", eplb_interval);
@@ -163,8 +163,8 @@ struct SimResult {
   double moved_gb = 0;                            ///< weights moved per step (replicas in, re-owning), GB
   double grad_gb = 0;                             ///< replica gradients reduced per step, GB
   double stall_seconds = 0;                       ///< per step: time layers waited for weights
-  double mirror_seconds = 0;  ///< per step: host-mirror refreshes after optimizer steps (strategies reading it)
-  double planner_seconds = 0; ///< wall time of planning, the counted steps (every EP group)
+  double mirror_seconds = 0;   ///< per step: host-mirror refreshes after optimizer steps (strategies reading it)
+  double planner_seconds = 0;  ///< wall time of planning, the counted steps (every EP group)
   int min_experts_per_gpu = 0; ///< fewest experts any GPU held in any counted (micro-step, layer)
   /// Per counted micro-step (recompute then update, per counted step), of the step's slowest EP group: layer
   /// forward(+backward) times.
@@ -559,10 +559,10 @@ struct GroupStep {
   for (std::size_t s = 1; s < step_offsets.size(); ++s)
     detail::require(step_offsets[s] > step_offsets[s - 1], "simulate: step ", s - 1, " has no micro-steps");
   const int num_steps = static_cast<int>(step_offsets.size() - 1);
-  detail::require(num_steps > cfg.warmup_steps, "simulate: ", num_steps, num_steps == 1 ? " RL step" : " RL steps",
-                  " leave no counted step after ", cfg.warmup_steps, " warm-up step",
-                  cfg.warmup_steps == 1 ? "" : "s", " (sim.warmup_steps): give at least ", cfg.warmup_steps + 1,
-                  " steps or fewer warm-up steps");
+  detail::require(num_steps > cfg.warmup_steps, "simulate: ", num_steps,
+                  num_steps == 1 ? " RL step leaves" : " RL steps leave", " no counted step after ", cfg.warmup_steps,
+                  " warm-up step", cfg.warmup_steps == 1 ? "" : "s", " (sim.warmup_steps): give at least ",
+                  cfg.warmup_steps + 1, " steps or fewer warm-up steps");
   const int counted = num_steps - cfg.warmup_steps;
   const int ep = cfg.effective_ep_size();
   const Topology group_topo = ep_group_topology(cfg.topo, ep);
