@@ -97,7 +97,7 @@ expect 2 "folder '/nonexistent-dir' does not exist" -- "$bin" simulate --json /n
 
 # foremoe plan: one micro-step [L, E] from the first micro-step of the loads
 expect 0 "wrote" -- "$bin" trace gen "${shape[@]}" --steps 1 --microbatch-tokens 1024 --loads "$work/step.npy"
-for strategy in foremoe foremoe-free eplb eplb-oracle static; do
+for strategy in foremoe foremoe-free eplb eplb-oracle static ultraep moonep; do
   expect 0 "with $strategy( \\(two-level\\))? in" -- "$bin" plan --loads "$work/step.npy" --nodes 2 \
     --gpus-per-node 2 --slots 5 --strategy "$strategy" --out "$work/plan_$strategy.json"
   expect 0 '"micro_steps"' -- cat "$work/plan_$strategy.json"
@@ -167,12 +167,29 @@ for strategy in foremoe foremoe-free; do
   expect 0 "moves: 0 " -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
     --strategy $strategy --resident "$work/pl.json"
 done
+# the peers re-push every replica each micro-step: fed back their own placement with the same loads, they move one
+# copy per replica, never 0 (the step loads here are skewed enough that both replicate)
+for strategy in ultraep moonep; do
+  expect 0 "wrote .*pl_$strategy.json" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+    --strategy $strategy --ultraep-min-tokens 1 --out-placement "$work/pl_$strategy.json"
+  expect 0 "moves: [1-9][0-9]* " -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+    --strategy $strategy --ultraep-min-tokens 1 --resident "$work/pl_$strategy.json"
+done
+expect 0 "^  ultraep +[0-9.]+ +[0-9.]+" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+  --strategy all
+expect 0 "^  moonep +[0-9.]+ +[0-9.]+" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+  --strategy all
+expect 0 "ultraep +peer, re-implemented: UltraEP" -- "$bin" plan --strategy list
+expect 0 "options: ultraep_min_tokens" -- "$bin" plan --strategy list
+expect 0 "moonep +peer, re-implemented: MoonEP" -- "$bin" plan --strategy list
+expect 2 "ultraep-min-tokens" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+  --strategy ultraep --ultraep-min-tokens -3
 expect 2 "use --strategy foremoe-free" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --mode free
 expect 0 "foremoe-free +per-micro-step planning" -- "$bin" plan --strategy list
 expect 1 "cannot hold all 16 experts" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 5
 expect 1 "cannot hold all 16 experts|GPUs" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 1
-expect 2 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, foremoe, foremoe-free\)" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
+expect 2 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, ultraep, moonep, foremoe, foremoe-free\)" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
 expect 1 "placement is for 2 x 2 GPUs x 5 slots, the topology is 1 x 4 x 5" -- "$bin" plan --loads "$work/step.npy" \
   --nodes 1 --slots 5 --gpus-per-node 4 --resident "$work/pl.json"
 printf '{"nodes": 2' >"$work/broken.json"
@@ -189,7 +206,11 @@ expect 0 "^foremoe +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json" --jso
 expect 0 '"speedup_over_eplb"' -- cat "$work/sim_out.json"
 expect 0 "^ideal," -- "$bin" simulate --config "$work/sim.json" --csv
 expect 0 "^static " -- "$bin" simulate --config "$work/sim.json" --loads "$work/loads.npy" --strategies static,foremoe
-expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, foremoe, foremoe-free, ideal\)" -- "$bin" simulate --config "$work/sim.json" --strategies static,best
+# the default comparison includes the peers; asked for alone they simulate too
+expect 0 "^ultraep +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json"
+expect 0 "^moonep +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json"
+expect 0 "^moonep," -- "$bin" simulate --config "$work/sim.json" --strategies static,ultraep,moonep --csv
+expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, ultraep, moonep, foremoe, foremoe-free, ideal\)" -- "$bin" simulate --config "$work/sim.json" --strategies static,best
 printf '{"model": {"layerz": 4}}' >"$work/typo.json"
 expect 1 "config.model: unknown key 'layerz' \\(known: layers, experts" -- "$bin" simulate --config "$work/typo.json"
 expect 1 "cannot hold all 16 experts" -- "$bin" simulate --config "$work/sim.json" --slots 3

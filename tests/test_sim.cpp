@@ -94,6 +94,8 @@ TEST_CASE("simulate: physical limits and accounting hold on random traces (prope
     // Per-micro-step planning balances at least as well as the static layout.
     CHECK(result_of(res, "foremoe").imbalance_median <= stat.imbalance_median + 1e-12);
     CHECK(result_of(res, "foremoe-free").imbalance_median <= stat.imbalance_median + 1e-12);
+    CHECK(result_of(res, "ultraep").imbalance_median <= stat.imbalance_median + 1e-12);
+    CHECK(result_of(res, "moonep").imbalance_median <= stat.imbalance_median + 1e-12);
   }
 }
 
@@ -156,7 +158,7 @@ TEST_CASE("simulate: bad input is an error naming the value") {
 
 TEST_CASE("simulate: strategies are the registered ones plus ideal") {
   CHECK(sim_strategy_names() == strategy_names() + ", ideal");
-  CHECK(sim_strategy_names(",").rfind("static,eplb,eplb-oracle,foremoe,foremoe-free,", 0) == 0);
+  CHECK(sim_strategy_names(",").rfind("static,eplb,eplb-oracle,ultraep,moonep,foremoe,foremoe-free,", 0) == 0);
   CHECK(parse_sim_strategy("eplb_oracle").name == "eplb-oracle");
   CHECK(!parse_sim_strategy("foremoe-free").ideal);
   CHECK(parse_sim_strategy("ideal").ideal);

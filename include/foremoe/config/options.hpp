@@ -329,6 +329,10 @@ struct CountSettings {
               "fewest tokens a replica may run (0: any); lighter pieces go back to another copy",
               [](auto &o) -> auto & { return o.min_tokens_per_replica; }),
           integer<P>(
+              "ultraep_min_tokens", 0, std::int64_t{1} << 40,
+              "ultraep: fewest tokens a replica runs (UltraEP's published 1,024)",
+              [](auto &o) -> auto & { return o.ultraep_min_tokens; }),
+          integer<P>(
               "eplb_num_groups", 1, 32767, "expert groups for EPLB (hierarchical when they divide over nodes)",
               [](auto &o) -> auto & { return o.eplb_num_groups; }),
       });

@@ -175,6 +175,36 @@ inline void layout_gpu_slots(LayerPlacement &p, int gpu_idx, std::span<const std
   return moves;
 }
 
+/// The moves of a strategy that re-pushes every replica's weights each micro-step and layer (UltraEP, MoonEP: no
+/// resident reuse, see `PlanStrategy::reuses_resident`): one per replica slot of `target`, also where `resident`
+/// already held that expert in that slot, plus one per owner copy not already in its slot. Sources as
+/// `compute_moves`: a holder in `resident` (or in the owner copies alone when null) on the destination's node,
+/// the owner first, else the host mirror.
+[[nodiscard]] inline std::vector<Move> full_push_moves(const LayerPlacement &target,
+                                                       std::span<const std::int32_t> owner_gpu,
+                                                       const LayerPlacement *resident, int gpus_per_node) {
+  std::vector<Move> moves;
+  const int num_gpus = target.num_gpus(), slots = target.slots_per_gpu();
+  LayerPlacement owners_only;
+  if (resident == nullptr) {
+    owners_only = LayerPlacement(num_gpus, slots, target.num_experts());
+    for (int g = 0; g < num_gpus; ++g)
+      for (int s = 0; s < slots; ++s)
+        if (const std::int32_t e = target.slot(g, s); e != empty_slot && !owner_gpu.empty() && owner_gpu[e] == g)
+          owners_only.slot(g, s) = e;
+  }
+  const LayerPlacement &base = resident != nullptr ? *resident : owners_only;
+  for (int g = 0; g < num_gpus; ++g)
+    for (int s = 0; s < slots; ++s) {
+      const std::int32_t e = target.slot(g, s);
+      if (e == empty_slot) continue;
+      const bool owner_copy = !owner_gpu.empty() && owner_gpu[e] == g;
+      if (owner_copy && base.slot(g, s) == e) continue;
+      moves.push_back({e, detail::move_source(base, owner_gpu, e, g, gpus_per_node), g, s});
+    }
+  return moves;
+}
+
 /// Checks every invariant of `plan` for `expert_loads`, throwing `Error` with a message naming the first violation:
 /// the placement's shape and validity (every expert hosted, no duplicate copy on a GPU), owners hosted by their
 /// owner GPU, token counts (non-negative, only on slots hosting the expert, summing exactly to each expert's load),

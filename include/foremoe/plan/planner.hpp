@@ -55,6 +55,8 @@ public:
                     "possible) or a max/mean >= 1, got ", opts_.tolerance);
     detail::require(opts_.min_tokens_per_replica >= 0, "Planner: min_tokens_per_replica must be >= 0, got ",
                     opts_.min_tokens_per_replica);
+    detail::require(opts_.ultraep_min_tokens >= 0, "Planner: ultraep_min_tokens must be >= 0, got ",
+                    opts_.ultraep_min_tokens);
   }
   Planner(const ModelSpec &spec, const Topology &topo, PlannerOptions opts = {})
       : Planner((spec.validate(), spec.num_layers), spec.num_experts, topo, std::move(opts)) {}
@@ -63,6 +65,9 @@ public:
   [[nodiscard]] int num_experts() const noexcept { return num_experts_; }
   [[nodiscard]] const Topology &topology() const noexcept { return topo_; }
   [[nodiscard]] const PlannerOptions &options() const noexcept { return opts_; }
+  /// Whether the strategy keeps resident replicas without a move (false: every replica is re-pushed each
+  /// micro-step and layer; see `PlanStrategy::reuses_resident`).
+  [[nodiscard]] bool reuses_resident() const noexcept { return strategy_->reuses_resident(); }
 
   /// Owners of every layer from step totals `[layers][experts]` (C order); `previous` (may be empty): owners to
   /// keep where the tolerance allows.
@@ -130,6 +135,7 @@ public:
       ropts.replica_cost = [f = opts_.replica_cost, stage](int e, int src, int dst) { return f(e, src, dst, stage); };
       ropts.token_time = opts_.token_time;
     }
+    const bool reuses_resident = strategy_->reuses_resident();
     auto run = [&](int worker, int l) {
       ReplicaPlanner &rp = workers_[worker];
       const auto layer_loads = loads.subspan(static_cast<std::size_t>(l) * num_experts_, num_experts_);
@@ -142,6 +148,7 @@ public:
                                              : std::span<const std::int32_t>(owners_[l]),
                              ropts};
       out[l] = strategy_->plan_layer(req, rp);
+      if (!reuses_resident) out[l].moves = full_push_moves(out[l].placement, out[l].owner_gpu, res, topo_.gpus_per_node);
     };
     if (num_threads == 1) {
       for (int l = 0; l < num_layers_; ++l)

@@ -19,8 +19,9 @@ using StageReplicaCostFn = std::function<double(int expert, int src_gpu, int dst
 
 /// Planner configuration.
 struct PlannerOptions {
-  /// Registered strategy name (see `strategies()`): "static", "eplb", "eplb-oracle", "foremoe" (two-level:
-  /// step-level owners, replicas in spare slots) or "foremoe-free" (any slot holds anything).
+  /// Registered strategy name (see `strategies()`): "static", "eplb", "eplb-oracle", the re-implemented peers
+  /// "ultraep" and "moonep", "foremoe" (two-level: step-level owners, replicas in spare slots) or "foremoe-free"
+  /// (any slot holds anything).
   std::string strategy = "foremoe";
   int move_budget = -1;            ///< new replicas per GPU per micro-step; < 0: the spare slots
   bool hierarchical_owners = true; ///< owners: nodes first, then GPUs in each node
@@ -37,6 +38,8 @@ struct PlannerOptions {
   /// Largest accepted layer max/mean (0: as balanced as possible, today's plans); see `ReplicaOptions::tolerance`.
   double tolerance = 0.0;
   std::int64_t min_tokens_per_replica = 0; ///< fewest tokens a replica runs (0: any)
+  /// `ultraep`: fewest tokens a replica runs (UltraEP, arXiv:2606.04101: at least 1,024 tokens per replica).
+  std::int64_t ultraep_min_tokens = 1024;
   /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.
   StageReplicaCostFn replica_cost;
   TokenTimeFn token_time;
