@@ -151,6 +151,9 @@ private:
 std::vector<Command> &command_table();
 bool register_command(Command c);
 void print_command_help(std::ostream &os, const Command &c);
+/// The whole program on `args` (the words after `foremoe`): output on std::cout and std::cerr (flushed on
+/// return), the exit status returned. `main()` calls it; so does Python's `foremoe._core.cli`.
+int run_cli(const std::vector<std::string> &args);
 
 } // namespace foremoe::cli
 

@@ -194,12 +194,20 @@ void print_overview(std::ostream &os, const std::string &group = "") {
   os << "\nRun 'foremoe <command> --help' for a command's options.\n";
 }
 
-} // namespace
-} // namespace foremoe::cli
+int run_words(const std::vector<std::string> &args);
 
-int main(int argc, char **argv) {
-  using namespace foremoe::cli;
-  std::vector<std::string> args(argv + 1, argv + argc);
+} // namespace
+
+int run_cli(const std::vector<std::string> &args) {
+  const int rc = run_words(args);
+  std::cout.flush();
+  std::cerr.flush();
+  return rc;
+}
+
+namespace {
+
+int run_words(const std::vector<std::string> &args) {
   if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
     print_overview(std::cout);
     return args.empty() ? 2 : 0;
@@ -254,3 +262,10 @@ int main(int argc, char **argv) {
     return 1;
   }
 }
+
+} // namespace
+} // namespace foremoe::cli
+
+#ifndef FOREMOE_CLI_NO_MAIN
+int main(int argc, char **argv) { return foremoe::cli::run_cli(std::vector<std::string>(argv + 1, argv + argc)); }
+#endif

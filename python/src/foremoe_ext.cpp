@@ -22,6 +22,10 @@
 #include "foremoe/foremoe.hpp"
 #include "foremoe/plan/token_map.hpp"
 
+namespace foremoe::cli {
+int run_cli(const std::vector<std::string> &args); // tools/main.cpp, compiled into this module
+}
+
 namespace nb = nanobind;
 using namespace nb::literals;
 namespace fm = foremoe;
@@ -658,6 +662,13 @@ NB_MODULE(_core, m) {
       .def("plan_step", &plan_step, "loads"_a, "resident"_a.none(), "previous_loads"_a.none(), "stage"_a)
       .def("_bench_cpp_plan", &bench_cpp_plan, "loads"_a, "resident"_a.none(), "iters"_a);
 
+  m.def(
+      "cli",
+      [](const std::vector<std::string> &args) {
+        nb::gil_scoped_release release;
+        return foremoe::cli::run_cli(args);
+      },
+      "args"_a, "Runs the `foremoe` program on `args` (the words after `foremoe`); returns its exit status.");
   m.def("simulate", &simulate, "config"_a.none(), "flags"_a, "loads"_a.none(), "step_offsets"_a.none());
   m.def(
       "simulate_settings",
