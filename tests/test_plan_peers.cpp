@@ -256,6 +256,7 @@ TEST_CASE("peers in the simulator: a full push of every replica per micro-step a
   SimConfig cfg;
   cfg.model = ModelSpec{2, 16, 2, 256, 128, WeightDtype::bf16};
   cfg.topo = Topology{2, 2, 6};
+  cfg.warmup_steps = 0; // one RL step, all of it counted
   const int M = 4;
   LoadTensor loads(M, 2, 16);
   for (int m = 0; m < M; ++m)

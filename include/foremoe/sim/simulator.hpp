@@ -16,8 +16,8 @@
 /// each replica's gradient returns to its owner on the GPU-direct path in the
 /// same window, before the slot is reused.
 ///
-/// Strategies come from `Planner` (`static`, `eplb`, `eplb-oracle`, `foremoe`,
-/// `foremoe-free`) plus `ideal`: every layer perfectly balanced, moves free.
+/// Strategies come from `Planner` (`static`, `eplb`, `eplb-oracle`, the peers `ultraep` and
+/// `moonep`, `foremoe`, `foremoe-free`) plus `ideal`: every layer perfectly balanced, moves free.
 ///
 /// Steady state: the first `warmup_steps` RL steps are planned and timed like the others (every strategy
 /// builds its history and residents on them) but left out of every reported figure. `eplb` rebalances every
