@@ -194,8 +194,10 @@ TEST_CASE("moonep: random instances keep its rules; exact per node whenever a ra
     // unless it was below its share; exact when R covers a home group.
     const auto got = r.plan.gpu_loads();
     for (int g = 0; g < in.topo.num_gpus(); ++g) {
-      if (ranks[g] <= r.targets[g]) CHECK(got[g] <= r.targets[g]);
-      else CHECK(got[g] <= ranks[g]);
+      if (ranks[g] <= r.targets[g])
+        CHECK(got[g] <= r.targets[g]);
+      else
+        CHECK(got[g] <= ranks[g]);
     }
     CHECK(r.exact == (got == r.targets));
     if (in.spare >= per_gpu) {

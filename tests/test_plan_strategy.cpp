@@ -52,8 +52,8 @@ TEST_CASE("strategy registry: the built-ins come first, in order, with help and 
   REQUIRE(round_robin_registered);
   const auto all = strategies();
   REQUIRE(all.size() == 8);
-  const char *expected[] = {"static",  "eplb",    "eplb-oracle",  "ultraep",
-                            "moonep",  "foremoe", "foremoe-free", "test-round-robin"};
+  const char *expected[] = {"static", "eplb",    "eplb-oracle",  "ultraep",
+                            "moonep", "foremoe", "foremoe-free", "test-round-robin"};
   for (std::size_t i = 0; i < all.size(); ++i) {
     CAPTURE(i);
     CHECK(all[i]->name == expected[i]);

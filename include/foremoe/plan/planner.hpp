@@ -148,7 +148,8 @@ public:
                                              : std::span<const std::int32_t>(owners_[l]),
                              ropts};
       out[l] = strategy_->plan_layer(req, rp);
-      if (!reuses_resident) out[l].moves = full_push_moves(out[l].placement, out[l].owner_gpu, res, topo_.gpus_per_node);
+      if (!reuses_resident)
+        out[l].moves = full_push_moves(out[l].placement, out[l].owner_gpu, res, topo_.gpus_per_node);
     };
     if (num_threads == 1) {
       for (int l = 0; l < num_layers_; ++l)

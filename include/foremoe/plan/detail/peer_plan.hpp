@@ -39,8 +39,8 @@ struct PeerQuota {
 }
 
 /// Checks one layer's loads and resident placement (may be null) for a peer strategy named `who`.
-inline void check_peer_inputs(std::span<const std::int64_t> loads, const Topology &topo,
-                              const LayerPlacement *resident, const char *who) {
+inline void check_peer_inputs(std::span<const std::int64_t> loads, const Topology &topo, const LayerPlacement *resident,
+                              const char *who) {
   const int num_experts = static_cast<int>(loads.size());
   topo.validate(num_experts);
   check_expert_loads(loads, num_experts, who);
