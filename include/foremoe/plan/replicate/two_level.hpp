@@ -285,18 +285,12 @@ private:
     fill_.assign(own_off_.begin(), own_off_.end() - 1);
     for (int e = 0; e < num_experts_; ++e)
       own_list_[fill_[owner_gpu[e]]++] = e;
+    own_by_id_ = own_list_; // each GPU's owned experts in expert order (the slot layout's order)
     owner_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
     spare_.assign(static_cast<std::size_t>(num_gpus_), 0);
     budget_.assign(static_cast<std::size_t>(num_gpus_), 0);
     for (int g = 0; g < num_gpus_; ++g) {
-      // Insertion sort: a GPU owns a handful of experts, and it is stable.
-      for (int j = own_off_[g] + 1; j < own_off_[g + 1]; ++j) {
-        const std::int32_t x = own_list_[j];
-        int k = j;
-        for (; k > own_off_[g] && loads[own_list_[k - 1]] < loads[x]; --k)
-          own_list_[k] = own_list_[k - 1];
-        own_list_[k] = x;
-      }
+      sort_owned(g, loads);
       for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
         owner_load_[g] += loads[own_list_[j]];
       spare_[g] = slots_ - (own_off_[g + 1] - own_off_[g]);
@@ -320,6 +314,32 @@ private:
       std::sort(hot_order_.begin(), hot_order_.end(), [&](std::int32_t a, std::int32_t b) {
         return owner_load_[a] > owner_load_[b] || (owner_load_[a] == owner_load_[b] && a < b);
       });
+    }
+  }
+
+  /// Sorts GPU `g`'s owned experts (in expert order on entry) by load, descending and stable. A GPU owns a
+  /// handful of experts: each one's place is counted without branches (ties keep expert order), which avoids the
+  /// mispredicted compares of an insertion sort on loads in random order.
+  void sort_owned(int g, std::span<const std::int64_t> loads) {
+    const int lo = own_off_[g], n = own_off_[g + 1] - own_off_[g];
+    if (n <= 1) return;
+    constexpr int small = 16;
+    if (n > small) {
+      std::stable_sort(own_list_.begin() + lo, own_list_.begin() + lo + n,
+                       [&](std::int32_t a, std::int32_t b) { return loads[a] > loads[b]; });
+      return;
+    }
+    std::int64_t l[small];
+    std::int32_t x[small];
+    for (int i = 0; i < n; ++i) {
+      x[i] = own_list_[lo + i];
+      l[i] = loads[x[i]];
+    }
+    for (int i = 0; i < n; ++i) {
+      int rank = 0;
+      for (int j = 0; j < n; ++j)
+        rank += static_cast<int>(l[j] > l[i]) | (static_cast<int>(l[j] == l[i]) & static_cast<int>(j < i));
+      own_list_[lo + rank] = x[i];
     }
   }
 
@@ -681,31 +701,50 @@ private:
           evaluated_makespan >= 0 ? evaluated_makespan : eval_.evaluate(s, loads, owner_, owner_load_, split_);
     }
     plan.placement = LayerPlacement(num_gpus_, slots_, num_experts_);
-    for (int g = 0; g < num_gpus_; ++g) {
-      want_.assign(own_list_.begin() + own_off_[g], own_list_.begin() + own_off_[g + 1]);
-      std::sort(want_.begin(), want_.end());
-      for (int j = 0; j < s.cnt[g]; ++j)
-        want_.push_back(s.rep[g * slots_ + j]);
-      layout_gpu_slots(plan.placement, g, want_, resident);
-    }
     plan.owner_gpu.assign(owner_gpu.begin(), owner_gpu.end());
     plan.slot_tokens.assign(static_cast<std::size_t>(num_gpus_) * slots_, 0);
-    if (construction_split) {
-      for (int g = 0; g < num_gpus_; ++g) {
+    // Per GPU the experts it wants (owned ones in expert order, then its replicas), laid out as
+    // `layout_gpu_slots` does: an expert the resident placement holds on the GPU keeps that slot, the others fill
+    // the free slots in order. `want_pos_[e]` is e's index in the GPU's list (-1 elsewhere, reset per GPU).
+    want_pos_.resize(static_cast<std::size_t>(num_experts_), -1);
+    for (int g = 0; g < num_gpus_; ++g) {
+      want_.assign(own_by_id_.begin() + own_off_[g], own_by_id_.begin() + own_off_[g + 1]);
+      const int num_owned = static_cast<int>(want_.size());
+      for (int j = 0; j < s.cnt[g]; ++j)
+        want_.push_back(s.rep[g * slots_ + j]);
+      const int n = static_cast<int>(want_.size());
+      detail::require(n <= slots_, "layout_slots: GPU ", g, " gets ", n, " experts but has ", slots_, " slots");
+      for (int i = 0; i < n; ++i)
+        want_pos_[want_[i]] = i;
+      slot_of_.assign(static_cast<std::size_t>(n), -1);
+      std::int32_t *out = &plan.placement.slot(g, 0);
+      if (resident != nullptr)
+        for (int j = 0; j < slots_; ++j)
+          if (const std::int32_t e = resident->slot(g, j); e >= 0 && e < num_experts_)
+            if (const int i = want_pos_[e]; i >= 0 && slot_of_[i] < 0) {
+              out[j] = e;
+              slot_of_[i] = j;
+            }
+      for (int i = 0, j = 0; i < n; ++i) {
+        if (slot_of_[i] >= 0) continue;
+        while (out[j] != empty_slot)
+          ++j;
+        out[j] = want_[i];
+        slot_of_[i] = j;
+      }
+      if (construction_split) {
         std::int64_t gpu_load = 0;
-        for (int j = 0; j < slots_; ++j) {
-          const std::int32_t e = plan.placement.slot(g, j);
-          if (e == empty_slot) continue;
-          std::int64_t t = owner_tokens_[e];
-          if (owner_gpu[e] != g)
-            for (int k = 0; k < s.cnt[g]; ++k)
-              if (s.rep[g * slots_ + k] == e) t = s.amt[g * slots_ + k];
-          plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + j] = t;
+        for (int i = 0; i < n; ++i) {
+          const std::int64_t t = i < num_owned ? owner_tokens_[want_[i]] : s.amt[g * slots_ + (i - num_owned)];
+          plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + slot_of_[i]] = t;
           gpu_load += t;
         }
         plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
       }
-    } else {
+      for (int i = 0; i < n; ++i)
+        want_pos_[want_[i]] = -1;
+    }
+    if (!construction_split) {
       for (int g = 0; g < num_gpus_; ++g)
         for (int j = 0; j < slots_; ++j)
           if (const std::int32_t e = plan.placement.slot(g, j); e != empty_slot)
@@ -724,7 +763,7 @@ private:
   std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
   std::vector<std::int64_t> owner_load_, room_, remaining_, chained_;
   std::vector<std::int64_t> owner_tokens_;
-  std::vector<std::int32_t> want_, mark_;
+  std::vector<std::int32_t> want_, want_pos_, slot_of_, own_by_id_, mark_;
   std::vector<char> flag_;
   detail::ReceiverOrder recv_;
   detail::OpenReceivers open_;
