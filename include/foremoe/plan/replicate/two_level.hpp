@@ -220,10 +220,19 @@ private:
     auto construct = [&](std::int64_t t) {
       if (t > reach || t == last || (has_feasible && feasible.moves.empty())) return;
       last = t;
-      if (!shed_greedy(t, loads)) return;
-      cur_ = trial_;
-      keep_unused_residents(cur_);
-      consider(realize(cur_, loads, owner_gpu, resident, -1, true));
+      // The constructions at t: the plain one, and with a resident placement two resident-first ones (1: a
+      // resident copy of the expert being shed takes a partial piece before any new copy; 2: also, each hot GPU
+      // first sheds whatever resident copies of any of its experts can take), which often reach t with fewer
+      // moves.
+      for (int variant = 0; variant < (resident != nullptr ? 3 : 1); ++variant) {
+        resident_first_ = variant;
+        const bool ok = shed_greedy(t, loads);
+        resident_first_ = 0;
+        if (!ok) continue;
+        cur_ = trial_;
+        keep_unused_residents(cur_);
+        consider(realize(cur_, loads, owner_gpu, resident, -1, true));
+      }
     };
     for (double r : ladder) {
       const std::int64_t t = foremoe::tolerance_limit(total, num_gpus_, r);
@@ -478,7 +487,22 @@ private:
         std::int32_t top = -1;
         for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
           if (top < 0 || remaining_[own_list_[j]] > remaining_[top]) top = own_list_[j];
-        if (top >= 0 && remaining_[top] > 0) {
+        if (resident_first_ == 2)
+          // Resident pieces first: the largest piece any resident copy of g's experts can take (no move).
+          for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) {
+            const std::int32_t e = own_list_[j];
+            if (remaining_[e] <= 0) continue;
+            for (int k = res_off_[e]; k < res_off_[e + 1]; ++k)
+              if (const std::int32_t h = res_gpu_[k]; eligible(h, e)) {
+                const std::int64_t tr = std::min({excess, remaining_[e], room_[h]});
+                if (tr > pick_t) {
+                  pick_t = tr;
+                  pick_e = e;
+                  pick_h = h;
+                }
+              }
+          }
+        if (pick_e < 0 && top >= 0 && remaining_[top] > 0) {
           const std::int64_t need = std::min(excess, remaining_[top]);
           if (const std::int32_t h = pick_receiver(top, need); h >= 0) {
             pick_t = std::min(need, room_[h]);
@@ -556,6 +580,14 @@ private:
     for (int k = res_off_[e]; k < res_off_[e + 1]; ++k) {
       const std::int32_t h = res_gpu_[k];
       if (room_[h] >= need && eligible(h, e)) return h;
+    }
+    if (resident_first_ > 0) {
+      // Resident-first variants: a resident holder takes what its room allows (the largest room; ties: lowest
+      // GPU) before any new copy is considered.
+      std::int32_t best = -1;
+      for (int k = res_off_[e]; k < res_off_[e + 1]; ++k)
+        if (const std::int32_t h = res_gpu_[k]; eligible(h, e) && (best < 0 || room_[h] > room_[best])) best = h;
+      if (best >= 0) return best;
     }
     const std::vector<std::int32_t> &open = open_.gpus();
     const auto pos = open.begin() + static_cast<std::ptrdiff_t>(open_.first_with_room(need));
@@ -772,6 +804,7 @@ private:
   std::vector<std::int32_t> cand_e_, order_, cool_;
   std::vector<std::int64_t> saved_loads_, cand_tok_;
   std::vector<std::uint64_t> hot_keys_;
+  int resident_first_ = 0; ///< construction variant of the tolerance candidates (see `apply_tolerance`)
 };
 
 } // namespace v0
