@@ -262,6 +262,7 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   j["num_micro_steps"] = num_micro_steps;
   j["warmup_steps"] = s.sim.warmup_steps; // simulated before them, not counted
   j["eplb_interval"] = s.sim.eplb_interval;
+  j["workload"] = s.workload;
   j["ep_size"] = s.sim.effective_ep_size();
   j["num_ep_groups"] = s.sim.topo.num_gpus() / s.sim.effective_ep_size();
   json::Value list = json::Array{};
@@ -321,7 +322,9 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
       << ", on " << c.topo.num_nodes << " x " << c.topo.gpus_per_node << " GPUs";
   const std::int64_t ep = doc.find("ep_size")->as_integer(), groups = doc.find("num_ep_groups")->as_integer();
   if (groups > 1) out << " (" << groups << " data-parallel EP groups of " << ep << " GPUs)";
-  out << " with " << c.topo.slots_per_gpu << " slots per GPU per layer\n";
+  out << " with " << c.topo.slots_per_gpu << " slots per GPU per layer";
+  if (s.workload != "grpo") out << ", workload " << s.workload;
+  out << "\n";
   return out.str();
 }
 
@@ -405,7 +408,11 @@ struct SimulateProgress {
     const int ep = s.sim.effective_ep_size();
     const bool grouped = ep < s.sim.topo.num_gpus();
     gen.ranks_per_source = grouped ? ep : 1;
-    generated = generate_loads(batch, &step_offsets, grouped, gen);
+    const WorkloadSpec workload = parse_workload(s.workload);
+    if (workload.kind == WorkloadKind::grpo)
+      generated = generate_loads(batch, &step_offsets, grouped, gen);
+    else // the peers' generators route the same micro-steps; the copies split them evenly
+      generated = generate_peer_loads(workload, batch, ep, &step_offsets);
     loads = &generated;
     if (generate_seconds != nullptr)
       *generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

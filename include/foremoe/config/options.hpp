@@ -18,6 +18,7 @@
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/sim/simulator.hpp"
+#include "foremoe/trace/peer_workloads.hpp"
 #include "foremoe/trace/synthetic.hpp"
 
 namespace foremoe {
@@ -373,6 +374,8 @@ struct SimulateSettings {
     return c;
   }();
   SyntheticConfig batch = default_batch(); ///< the GPUs, layers, experts and top-k follow `sim` (`finish`)
+  /// The load generator: "grpo" (the synthetic GRPO batch), "ultraep:A" or "moonep:V" (`peer_workloads.hpp`).
+  std::string workload = "grpo";
 
   /// The defaults of a preset: Qwen3-30B-A3B on 8 x 8 GPUs x 3 slots, or DeepSeek-V3 (fp8) on 8 x 8 x 5 with
   /// 128 prompts per step.
@@ -462,6 +465,15 @@ struct SimulateSettings {
     lift(o, synthetic_schema(), "batch", [](auto &x) -> auto & { return x.batch; },
          {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "seed", "skew",
           "persistence"});
+    o.push_back(bound<S>(
+        "batch.workload", Type::string,
+        "load generator: grpo (the synthetic GRPO batch), ultraep:A (UltraEP's: rank weight 1/r^alpha, alpha "
+        "bisected to a rank max/mean of A; expert weight in a rank 1/j^4) or moonep:V (MoonEP's: expert weight "
+        "exp(N(0, sigma)), sigma bisected to maxvio = max/mean - 1 of V); the peers' use the GRPO batch's "
+        "micro-steps",
+        [](const S &x) { return json::Value(x.workload); },
+        [](S &x, const json::Value &v) { x.workload = to_string(parse_workload(v.as_string())); }));
+    o.back().metavar = "NAME[:PARAM]";
     for (Option<S> &opt : o)
       if (opt.key == "batch.steps")
         opt.help = "RL steps to simulate and count (the generator adds sim.warmup_steps warm-up steps in front)";
