@@ -387,6 +387,9 @@ struct SimulateSettings {
       s.sim.topo = Topology{8, 8, 5};
       apply_synthetic_preset(s.batch, name);
       s.batch.prompts_per_step = 128;
+      // 654B expert parameters x (1 B fp8 weights + 4 B fp32 gradients + 12 B Adam state) = 11.1 TB do not fit in
+      // the 64 GPUs' 9.0 TB of HBM: the preset keeps the optimizer state in host memory (ZeRO-Offload).
+      s.sim.optimizer_offload = true;
     } else {
       detail::require(name == "qwen3-30b-a3b", "unknown preset '", name, "' (expected qwen3-30b-a3b or deepseek-v3)");
     }
@@ -520,6 +523,27 @@ struct SimulateSettings {
     o.push_back(integer<S>(
         "sim.threads", 1, max_threads, "planner threads over layers",
         [](auto &x) -> auto & { return x.sim.planner_threads; }));
+    o.push_back(boolean<S>(
+        "sim.planner_overlap",
+        "planning micro-step m+1 overlaps micro-step m (foresight): only what exceeds it is on the critical path",
+        [](auto &x) -> auto & { return x.sim.planner_overlap; }));
+    o.push_back(choice<S>(
+        "sim.grad_dtype", {"fp32", "bf16", "fp16"},
+        "expert gradient dtype (replica gradient returns and buffers; fp32: mixed-precision main gradients)",
+        [](const S &x) { return to_string(x.sim.grad_dtype); },
+        [](S &x, const std::string &v) { x.sim.grad_dtype = parse_weight_dtype(v); }));
+    o.back().metavar = "DTYPE";
+    o.push_back(number<S>(
+        "sim.optimizer_bytes_per_param", 0, 1024,
+        "optimizer state bytes per owned expert parameter (Adam: fp32 master + 2 moments = 12, ZeRO's K)",
+        [](auto &x) -> auto & { return x.sim.optimizer_bytes_per_param; }));
+    o.push_back(boolean<S>(
+        "sim.optimizer_offload", "optimizer state in host memory: not counted in GPU memory",
+        [](auto &x) -> auto & { return x.sim.optimizer_offload; }));
+    o.push_back(number<S>(
+        "sim.gpu_memory_gb", 1e-3, 1e6,
+        "GPU memory in GB (H200: 141); a strategy whose peak per-GPU memory exceeds it is an error",
+        [](auto &x) -> auto & { return x.sim.gpu_memory_gb; }));
     // cost: the 18 cost-model parameters that a config may set
     auto cost = [&](const char *key, double lo, double hi, const char *help, auto field) {
       o.push_back(number<S>(std::string("cost.") + key, lo, hi, help, field));
