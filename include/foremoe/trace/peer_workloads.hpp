@@ -63,7 +63,7 @@ struct WorkloadSpec {
   const bool has_param = colon != std::string_view::npos;
   const std::string_view text = has_param ? s.substr(colon + 1) : std::string_view{};
   if (name == "grpo") {
-    detail::require(!has_param, "workload '", s, "': grpo takes no parameter (write grpo)");
+    detail::require(!has_param, "'", s, "': grpo takes no parameter (write grpo)");
     return {};
   }
   WorkloadSpec w;
@@ -72,18 +72,18 @@ struct WorkloadSpec {
   else if (name == "moonep")
     w.kind = WorkloadKind::moonep;
   else
-    detail::fail("unknown workload '", s, "' (expected grpo, ultraep:A or moonep:V)");
+    detail::fail("'", s, "' is not a workload (expected grpo, ultraep:A or moonep:V)");
   const char *what = w.kind == WorkloadKind::ultraep ? "A, the target rank max/mean (e.g. ultraep:2)"
                                                      : "V, the target expert maxvio = max/mean - 1 (e.g. moonep:1)";
-  detail::require(has_param && !text.empty(), "workload '", s, "' needs a parameter: ", what);
+  detail::require(has_param && !text.empty(), "'", s, "' needs a parameter: ", what);
   double v = 0;
   const auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
-  detail::require(ec == std::errc() && p == text.data() + text.size() && std::isfinite(v), "workload '", s,
-                  "': parameter '", text, "' is not a number; expected ", what);
+  detail::require(ec == std::errc() && p == text.data() + text.size() && std::isfinite(v), "'", s, "': parameter '",
+                  text, "' is not a number; expected ", what);
   if (w.kind == WorkloadKind::ultraep)
-    detail::require(v >= 1, "workload '", s, "': the rank max/mean A must be >= 1, got ", v);
+    detail::require(v >= 1, "'", s, "': the rank max/mean A must be >= 1, got ", v);
   else
-    detail::require(v >= 0, "workload '", s, "': the maxvio V must be >= 0, got ", v);
+    detail::require(v >= 0, "'", s, "': the maxvio V must be >= 0, got ", v);
   w.param = v;
   return w;
 }
