@@ -169,7 +169,8 @@ TEST_CASE("simulate: a hand-computed tiny case (2 GPUs, 2 experts, one layer, st
   cfg.model = ModelSpec{1, 2, 1, 1024, 512, WeightDtype::bf16};
   cfg.topo = Topology{1, 2, 1};
   cfg.recompute_passes = 1;
-  cfg.warmup_steps = 0; // one step, counted
+  cfg.warmup_steps = 0;         // one step, counted
+  cfg.dense_from_shape = false; // the constant per-token dense time (the shape's is checked below)
   // Two micro-steps: expert loads (300, 100) then (50, 150); top-1, so tokens = assignments.
   LoadTensor loads(2, 1, 2);
   loads.at(0, 0, 0) = 300;
@@ -466,4 +467,32 @@ TEST_CASE("simulate: planning on the critical path is at most the planning time,
   c.cfg.planner_overlap = false;
   const SimResult e = result_of(simulate(c.cfg, c.loads, c.steps, st), "foremoe");
   CHECK(e.planner_critical_seconds * counted == doctest::Approx(e.planner_seconds));
+}
+
+TEST_CASE("dense part from the model shape: FLOPs at the cited efficiency plus weight streaming, by hand") {
+  SimConfig cfg;
+  cfg.dense.context = 1006; // (512 + 1500) / 2, the default batch
+  const double peak = cfg.cost.gemm.peak_tflops_bf16 * 1e12 * 0.40;
+  const double flops = 2.0 * 19136512 + 4.0 * 1006 * 4096; // Qwen3-30B-A3B: 2 x params + 4 x context x width
+  const double stream = 19136512 * 2.0 / (cfg.cost.gemm.hbm_tb_per_s * 1e12 * cfg.cost.gemm.hbm_efficiency);
+  for (double tokens : {0.0, 1.0, 6600.0, 1e5})
+    CHECK(cfg.dense_forward_seconds(tokens) ==
+          doctest::Approx(cfg.cost.dense.launch_us * 1e-6 + stream + tokens * flops / peak).epsilon(1e-12));
+  // About 0.14 us per token for Qwen3-30B-A3B, DeepSeek-V3's ten times more parameters about 1.4 us.
+  CHECK((cfg.dense_forward_seconds(1e5) - cfg.dense_forward_seconds(0)) / 1e5 ==
+        doctest::Approx(0.1385e-6).epsilon(0.01));
+  SimConfig ds = cfg;
+  ds.dense = DenseShape::deepseek_v3();
+  ds.dense.context = 1006;
+  CHECK((ds.dense_forward_seconds(1e5) - ds.dense_forward_seconds(0)) / 1e5 == doctest::Approx(1.386e-6).epsilon(0.01));
+  // A higher efficiency is never slower; the constant model ignores the shape.
+  SimConfig fast = cfg;
+  fast.dense_efficiency = 0.8;
+  CHECK(fast.dense_forward_seconds(6600) < cfg.dense_forward_seconds(6600));
+  cfg.dense_from_shape = false;
+  CHECK(cfg.dense_forward_seconds(1000) ==
+        doctest::Approx((cfg.cost.dense.launch_us + 1000 * cfg.cost.dense.per_token_us) * 1e-6));
+  SimConfig bad;
+  bad.dense_efficiency = 0;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("dense_efficiency must be in (0, 1], got 0"), Error);
 }

@@ -390,6 +390,7 @@ struct SimulateSettings {
       // 654B expert parameters x (1 B fp8 weights + 4 B fp32 gradients + 12 B Adam state) = 11.1 TB do not fit in
       // the 64 GPUs' 9.0 TB of HBM: the preset keeps the optimizer state in host memory (ZeRO-Offload).
       s.sim.optimizer_offload = true;
+      s.sim.dense = DenseShape::deepseek_v3();
     } else {
       detail::require(name == "qwen3-30b-a3b", "unknown preset '", name, "' (expected qwen3-30b-a3b or deepseek-v3)");
     }
@@ -402,6 +403,8 @@ struct SimulateSettings {
     batch.num_experts = sim.model.num_experts;
     batch.topk = sim.model.topk;
     batch.num_gpus = sim.topo.num_gpus();
+    // A token attends on average to half its sequence (causal); the mean sequence is the batch's.
+    if (sim.dense.context == 0) sim.dense.context = 0.5 * (batch.prompt_length.mean + batch.response_length.mean);
     sim.validate();
     (void)strategy_list(); // a bad list fails here, before the batch is generated
   }
@@ -457,6 +460,17 @@ struct SimulateSettings {
         [](const S &x) { return to_string(x.sim.model.dtype); },
         [](S &x, const std::string &v) { x.sim.model.dtype = parse_weight_dtype(v); }));
     o.back().metavar = "DTYPE";
+    o.push_back(number<S>(
+        "model.dense_params", 0, 1e12,
+        "non-routed parameters per MoE layer (attention, shared experts, router) for the dense part's time",
+        [](auto &x) -> auto & { return x.sim.dense.params; }));
+    o.push_back(number<S>(
+        "model.attention_dim", 0, 1e9, "query heads x head dim (QK^T and PV width) for the dense part's time",
+        [](auto &x) -> auto & { return x.sim.dense.attention_dim; }));
+    o.push_back(number<S>(
+        "model.attention_context", 0, 1e9,
+        "mean attended context per token (0: half the batch's mean prompt + response length)",
+        [](auto &x) -> auto & { return x.sim.dense.context; }));
     lift(
         o, topology_schema(), "topology", [](auto &x) -> auto & { return x.sim.topo; });
     o.push_back(integer<S>(
@@ -523,6 +537,14 @@ struct SimulateSettings {
     o.push_back(integer<S>(
         "sim.threads", 1, max_threads, "planner threads over layers",
         [](auto &x) -> auto & { return x.sim.planner_threads; }));
+    o.push_back(choice<S>(
+        "sim.dense_model", {"shape", "constant"},
+        "dense part's time: from the model shape (FLOPs at sim.dense_efficiency) or cost.dense_per_token_us",
+        [](const S &x) { return x.sim.dense_from_shape ? "shape" : "constant"; },
+        [](S &x, const std::string &v) { x.sim.dense_from_shape = v == "shape"; }));
+    o.push_back(number<S>(
+        "sim.dense_efficiency", 1e-6, 1, "achieved fraction of the bf16 peak in the dense part (Llama 3 MFU: 0.4)",
+        [](auto &x) -> auto & { return x.sim.dense_efficiency; }));
     o.push_back(boolean<S>(
         "sim.planner_overlap",
         "planning micro-step m+1 overlaps micro-step m (foresight): only what exceeds it is on the critical path",
@@ -552,7 +574,7 @@ struct SimulateSettings {
         "backward_factor", 1e-3, 1e3, "backward time = factor x forward",
         [](auto &x) -> auto & { return x.sim.cost.backward_factor; });
     cost(
-        "dense_per_token_us", 0, max_us, "attention + dense forward us per token per layer",
+        "dense_per_token_us", 0, max_us, "attention + dense forward us per token per layer (sim.dense_model constant)",
         [](auto &x) -> auto & { return x.sim.cost.dense.per_token_us; });
     cost(
         "dense_launch_us", 0, max_us, "fixed us of a layer's dense part",

@@ -54,6 +54,20 @@
 namespace foremoe {
 inline namespace v0 {
 
+/// The non-routed part of one MoE layer, for timing attention and the dense parts from the model shape.
+/// Defaults: Qwen3-30B-A3B (its public config: 32 query heads, 4 KV heads, head dim 128, hidden 2048, no shared
+/// expert): QKV 2048 x (32 + 2 x 4) x 128 + O 4096 x 2048 + router 2048 x 128 = 19,136,512 parameters.
+struct DenseShape {
+  double params = 19136512.0;  ///< non-routed parameters per MoE layer: attention projections, shared experts, router
+  double attention_dim = 4096; ///< width of QK^T and PV per token: query heads x head dim (their mean under MLA)
+  double context = 0; ///< mean attended context per token (`simulate` front ends: half the batch's mean sequence)
+
+  /// DeepSeek-V3 (its public config: MLA with q_lora_rank 1536, kv_lora_rank 512, 128 heads, qk 128 + 64 rope,
+  /// v 128; one shared expert of 3 x 7168 x 2048; router 7168 x 256): 232,980,480 parameters; QK^T is 128 x 192
+  /// wide and PV 128 x 128, mean 20,480.
+  [[nodiscard]] static DenseShape deepseek_v3() { return {232980480.0, 20480.0, 0.0}; }
+};
+
 /// What is simulated besides the loads.
 struct SimConfig {
   ModelSpec model{};
@@ -96,6 +110,25 @@ struct SimConfig {
   /// With foresight the planner plans micro-step m + 1 while m runs: only what exceeds micro-step m's time (and
   /// the first micro-step's plan) is on the critical path. false: all planning time is.
   bool planner_overlap = true;
+  /// Time attention and the dense parts from `dense` (FLOPs at `dense_efficiency` of the bf16 peak, weights
+  /// streamed at the GEMM fit's HBM efficiency) instead of the constant `cost.dense.per_token_us`.
+  bool dense_from_shape = true;
+  DenseShape dense{};
+  /// Achieved fraction of the bf16 tensor peak in the dense part: cited, not fitted (no dense measurement in
+  /// shared/data): Llama 3 405B pre-training ran at 38-43% BF16 MFU on H100 (Dubey et al. 2024, "The Llama 3 Herd
+  /// of Models", Table 4); a whole-model figure, so a conservative one for the dense kernels.
+  double dense_efficiency = 0.40;
+
+  /// Forward seconds of one layer's attention and dense parts on a GPU processing `tokens_per_gpu` tokens.
+  /// From the shape: `launch + params x 2 B / (hbm x hbm_eff) + tokens x (2 params + 4 context attention_dim) /
+  /// (peak_bf16 x dense_efficiency)`; else `launch + tokens x per_token_us`.
+  [[nodiscard]] double dense_forward_seconds(double tokens_per_gpu) const {
+    const double launch = cost.dense.launch_us * 1e-6;
+    if (!dense_from_shape) return launch + cost.dense.per_token_us * 1e-6 * tokens_per_gpu;
+    const double flops = 2.0 * dense.params + 4.0 * dense.context * dense.attention_dim;
+    const double weights = dense.params * 2.0 / (cost.gemm.hbm_tb_per_s * 1e12 * cost.gemm.hbm_efficiency);
+    return launch + weights + tokens_per_gpu * flops / (cost.gemm.peak_tflops_bf16 * 1e12 * dense_efficiency);
+  }
 
   /// The EP group size in use: `ep_size`, or `default_ep_size` of the cluster and the experts.
   [[nodiscard]] int effective_ep_size() const {
@@ -128,6 +161,12 @@ struct SimConfig {
                     "SimConfig: optimizer_bytes_per_param must be >= 0, got ", optimizer_bytes_per_param);
     detail::require(std::isfinite(gpu_memory_gb) && gpu_memory_gb > 0,
                     "SimConfig: gpu_memory_gb must be positive, got ", gpu_memory_gb);
+    detail::require(std::isfinite(dense_efficiency) && dense_efficiency > 0 && dense_efficiency <= 1,
+                    "SimConfig: dense_efficiency must be in (0, 1], got ", dense_efficiency);
+    detail::require(std::isfinite(dense.params) && dense.params >= 0 && std::isfinite(dense.attention_dim) &&
+                        dense.attention_dim >= 0 && std::isfinite(dense.context) && dense.context >= 0,
+                    "SimConfig: dense shape must be >= 0, got params ", dense.params, ", attention_dim ",
+                    dense.attention_dim, ", context ", dense.context);
   }
 };
 
@@ -406,7 +445,7 @@ struct GroupStep {
       fwd_expert = std::max(fwd_expert, compute.forward_seconds(gpu_tokens[g], gpu_experts[g]));
       bwd_expert = std::max(bwd_expert, compute.backward_seconds(gpu_tokens[g], gpu_experts[g]));
     }
-    const double attn = cfg.cost.dense.launch_us * 1e-6 + cfg.cost.dense.per_token_us * 1e-6 * tokens / G;
+    const double attn = cfg.dense_forward_seconds(tokens / G);
     const double a2a = uniform_a2a_seconds(cfg.cost.a2a, gpu_tokens, topo.gpus_per_node, row_bytes);
     t.forward = attn + a2a + fwd_expert + a2a;
     t.expert = fwd_expert;
