@@ -230,6 +230,26 @@ expect 0 '"num_steps":2,.*"warmup_steps":1,"eplb_interval":3' -- "$bin" simulate
 expect 1 "simulate: 3 RL steps leave no counted step after 3 warm-up steps \\(sim.warmup_steps\\)" -- \
   "$bin" simulate --config "$work/sim.json" --loads "$work/loads.npy" --warmup-steps 3
 expect 2 "--eplb-interval must be in \\[1, 65536\\], got 0" -- "$bin" simulate --eplb-interval 0
+# peer workloads (--workload NAME:PARAM) and their bad values
+expect 0 "with 5 slots per GPU per layer, workload ultraep:2$" -- "$bin" simulate --config "$work/sim.json" --quiet \
+  --workload ultraep:2 --strategies static,foremoe
+expect 0 '"workload":"moonep:1"' -- "$bin" simulate --config "$work/sim.json" --quiet --workload moonep:1 \
+  --strategies static --json -
+expect 1 "--workload 'ultraep:' needs a parameter: A, the target rank max/mean" -- "$bin" simulate --workload ultraep:
+expect 1 "--workload 'moonep:-1': the maxvio V must be >= 0, got -1" -- "$bin" simulate --workload moonep:-1
+expect 1 "--workload 'foo:1' is not a workload \\(expected grpo, ultraep:A or moonep:V\\)" -- "$bin" simulate --workload foo:1
+expect 1 "moonep:20: the maxvio of 16 experts is below 15; got 20" -- "$bin" simulate --config "$work/sim.json" \
+  --workload moonep:20
+# gradient dtype, memory, planner time, rollout
+expect 2 "--grad-dtype must be one of fp32, bf16, fp16, got 'fp8'" -- "$bin" simulate --grad-dtype fp8
+expect 2 "--gpu-memory-gb must be in \\[0.001, 1000000\\], got 0" -- "$bin" simulate --gpu-memory-gb 0
+expect 1 "strategy static needs [0-9.e-]+ GB on GPU [0-9]+ of its EP group \\(expert weights .*more than sim.gpu_memory_gb = 0.01 GB" -- \
+  "$bin" simulate --config "$work/sim.json" --gpu-memory-gb 0.01
+expect 0 '"peak_memory":\{"weights_gb":' -- "$bin" simulate --config "$work/sim.json" --quiet --strategies static --json -
+expect 0 "^whole RL step with 10.000 s rollout .*static [0-9.]+ s 1.000x" -- "$bin" simulate --config "$work/sim.json" \
+  --quiet --rollout-seconds 10 --strategies static,eplb,foremoe
+expect 0 '"planner_critical_seconds":' -- "$bin" simulate --config "$work/sim.json" --quiet --no-planner-overlap \
+  --strategies foremoe --json -
 # EP groups: more GPUs than experts are data-parallel copies of one EP group
 expect 0 "on 16 x 2 GPUs \\(2 data-parallel EP groups of 16 GPUs\\)" -- "$bin" simulate --config "$work/sim.json" \
   --nodes 16 --quiet --strategies static,foremoe

@@ -169,7 +169,8 @@ TEST_CASE("simulate: a hand-computed tiny case (2 GPUs, 2 experts, one layer, st
   cfg.model = ModelSpec{1, 2, 1, 1024, 512, WeightDtype::bf16};
   cfg.topo = Topology{1, 2, 1};
   cfg.recompute_passes = 1;
-  cfg.warmup_steps = 0; // one step, counted
+  cfg.warmup_steps = 0;         // one step, counted
+  cfg.dense_from_shape = false; // the constant per-token dense time (the shape's is checked below)
   // Two micro-steps: expert loads (300, 100) then (50, 150); top-1, so tokens = assignments.
   LoadTensor loads(2, 1, 2);
   loads.at(0, 0, 0) = 300;
@@ -393,4 +394,105 @@ TEST_CASE("split_loads_by_group: sources go to their group; without sources ever
   CHECK(two[1].at(0, 0, 1) == 70);
   CHECK_THROWS_WITH_AS((void)detail::split_loads_by_group(src, 3),
                        doctest::Contains("loads carry 4 sources, which do not split over 3 EP groups"), Error);
+}
+
+TEST_CASE("simulate: gradient dtype scales the gradient volume; the last micro-step's gradients are charged") {
+  for (std::uint64_t seed : {3u, 17u, 91u}) {
+    Case c = small_case(seed, 3);
+    const std::vector<SimStrategy> st = {parse_sim_strategy("static"), parse_sim_strategy("foremoe")};
+    c.cfg.grad_dtype = WeightDtype::bf16;
+    const auto bf = simulate(c.cfg, c.loads, c.steps, st);
+    c.cfg.grad_dtype = WeightDtype::fp32;
+    const auto fp = simulate(c.cfg, c.loads, c.steps, st);
+    // bf16 weights: fp32 gradients are twice the bytes; plans do not depend on it (no cost gate).
+    CHECK(result_of(fp, "foremoe").grad_gb == doctest::Approx(2 * result_of(bf, "foremoe").grad_gb));
+    CHECK(result_of(fp, "foremoe").grad_gb > 0);
+    CHECK(result_of(fp, "foremoe").stall_seconds >= result_of(bf, "foremoe").stall_seconds);
+    CHECK(result_of(fp, "foremoe").grad_tail_seconds >= result_of(bf, "foremoe").grad_tail_seconds);
+    // static holds no replicas: nothing to return.
+    CHECK(result_of(fp, "static").grad_gb == 0);
+    CHECK(result_of(fp, "static").grad_tail_seconds == 0);
+    // The tail is part of the stall, which is part of the step.
+    for (const SimResult &r : fp) {
+      CHECK(r.grad_tail_seconds >= 0);
+      CHECK(r.grad_tail_seconds <= r.stall_seconds + 1e-12);
+      CHECK(r.breakdown.total() == doctest::Approx(r.step_seconds));
+    }
+    // A slower gradient path makes the tail no shorter.
+    Case slow = c;
+    slow.cfg.cost.move.gpu_intra.gb_per_s /= 10;
+    slow.cfg.cost.move.gpu_inter.gb_per_s /= 10;
+    const auto sl = simulate(slow.cfg, slow.loads, slow.steps, st);
+    CHECK(result_of(sl, "foremoe").grad_tail_seconds >= result_of(fp, "foremoe").grad_tail_seconds);
+  }
+}
+
+TEST_CASE("simulate: static's peak memory matches the hand count; too little memory is an error naming it") {
+  Case c = small_case(5);
+  const std::vector<SimStrategy> st = {parse_sim_strategy("static")};
+  const SimResult r = simulate(c.cfg, c.loads, c.steps, st)[0];
+  const ModelSpec &m = c.cfg.model;
+  const double params = 3.0 * m.hidden * m.expert_ffn, owned = 4.0 * m.num_layers; // 16 experts on 4 GPUs
+  CHECK(r.memory.weights == doctest::Approx(owned * static_cast<double>(m.bytes_per_expert())));
+  CHECK(r.memory.grads == doctest::Approx(owned * params * 4));      // fp32 gradients
+  CHECK(r.memory.optimizer == doctest::Approx(owned * params * 12)); // Adam, 12 bytes per parameter
+  CHECK(r.memory.activations > 0);
+  Case off = c;
+  off.cfg.optimizer_offload = true;
+  CHECK(simulate(off.cfg, off.loads, off.steps, st)[0].memory.optimizer == 0);
+  // Replica strategies hold at least the owners' memory and, with double buffers, no less than without.
+  const std::vector<SimStrategy> fm = {parse_sim_strategy("foremoe")};
+  const SimResult single = simulate(c.cfg, c.loads, c.steps, fm)[0];
+  Case dbl = c;
+  dbl.cfg.double_buffer = true;
+  CHECK(simulate(dbl.cfg, dbl.loads, dbl.steps, fm)[0].memory.weights >= single.memory.weights);
+  CHECK(single.memory.optimizer == doctest::Approx(r.memory.optimizer)); // same owned count per GPU
+  Case tight = c;
+  tight.cfg.gpu_memory_gb = r.memory.total() * 1e-9 * 0.99;
+  CHECK_THROWS_WITH_AS((void)simulate(tight.cfg, tight.loads, tight.steps, st),
+                       doctest::Contains("simulate: strategy static needs"), Error);
+  CHECK_THROWS_WITH_AS((void)simulate(tight.cfg, tight.loads, tight.steps, st),
+                       doctest::Contains("more than sim.gpu_memory_gb"), Error);
+}
+
+TEST_CASE("simulate: planning on the critical path is at most the planning time, all of it without overlap") {
+  Case c = small_case(11, 3);
+  const std::vector<SimStrategy> st = {parse_sim_strategy("foremoe"), parse_sim_strategy("ideal")};
+  const auto hidden = simulate(c.cfg, c.loads, c.steps, st);
+  const int counted = static_cast<int>(c.steps.size()) - 1 - c.cfg.warmup_steps;
+  const SimResult &h = result_of(hidden, "foremoe");
+  CHECK(h.planner_critical_seconds >= 0);
+  CHECK(h.planner_critical_seconds * counted <= h.planner_seconds * (1 + 1e-9));
+  CHECK(result_of(hidden, "ideal").planner_critical_seconds == 0);
+  c.cfg.planner_overlap = false;
+  const SimResult e = result_of(simulate(c.cfg, c.loads, c.steps, st), "foremoe");
+  CHECK(e.planner_critical_seconds * counted == doctest::Approx(e.planner_seconds));
+}
+
+TEST_CASE("dense part from the model shape: FLOPs at the cited efficiency plus weight streaming, by hand") {
+  SimConfig cfg;
+  cfg.dense.context = 1006; // (512 + 1500) / 2, the default batch
+  const double peak = cfg.cost.gemm.peak_tflops_bf16 * 1e12 * 0.40;
+  const double flops = 2.0 * 19136512 + 4.0 * 1006 * 4096; // Qwen3-30B-A3B: 2 x params + 4 x context x width
+  const double stream = 19136512 * 2.0 / (cfg.cost.gemm.hbm_tb_per_s * 1e12 * cfg.cost.gemm.hbm_efficiency);
+  for (double tokens : {0.0, 1.0, 6600.0, 1e5})
+    CHECK(cfg.dense_forward_seconds(tokens) ==
+          doctest::Approx(cfg.cost.dense.launch_us * 1e-6 + stream + tokens * flops / peak).epsilon(1e-12));
+  // About 0.14 us per token for Qwen3-30B-A3B, DeepSeek-V3's ten times more parameters about 1.4 us.
+  CHECK((cfg.dense_forward_seconds(1e5) - cfg.dense_forward_seconds(0)) / 1e5 ==
+        doctest::Approx(0.1385e-6).epsilon(0.01));
+  SimConfig ds = cfg;
+  ds.dense = DenseShape::deepseek_v3();
+  ds.dense.context = 1006;
+  CHECK((ds.dense_forward_seconds(1e5) - ds.dense_forward_seconds(0)) / 1e5 == doctest::Approx(1.386e-6).epsilon(0.01));
+  // A higher efficiency is never slower; the constant model ignores the shape.
+  SimConfig fast = cfg;
+  fast.dense_efficiency = 0.8;
+  CHECK(fast.dense_forward_seconds(6600) < cfg.dense_forward_seconds(6600));
+  cfg.dense_from_shape = false;
+  CHECK(cfg.dense_forward_seconds(1000) ==
+        doctest::Approx((cfg.cost.dense.launch_us + 1000 * cfg.cost.dense.per_token_us) * 1e-6));
+  SimConfig bad;
+  bad.dense_efficiency = 0;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("dense_efficiency must be in (0, 1], got 0"), Error);
 }

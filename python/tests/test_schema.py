@@ -55,7 +55,8 @@ def bad_value(o):
 
 def strip(doc):
     for s in doc["strategies"]:
-        s.pop("planner_seconds")
+        for k in ("planner_seconds", "planner_critical_seconds", "step_with_planner_seconds"):  # wall time
+            s.pop(k)
     return doc
 
 

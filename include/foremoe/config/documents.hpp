@@ -262,6 +262,9 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   j["num_micro_steps"] = num_micro_steps;
   j["warmup_steps"] = s.sim.warmup_steps; // simulated before them, not counted
   j["eplb_interval"] = s.sim.eplb_interval;
+  j["workload"] = s.workload;
+  j["rollout_seconds"] = s.sim.rollout_seconds;
+  j["gpu_memory_gb"] = s.sim.gpu_memory_gb;
   j["ep_size"] = s.sim.effective_ep_size();
   j["num_ep_groups"] = s.sim.topo.num_gpus() / s.sim.effective_ep_size();
   json::Value list = json::Array{};
@@ -279,9 +282,23 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
     d["stall_seconds"] = r.stall_seconds;
     d["mirror_refresh_seconds"] = r.mirror_seconds;
     d["planner_seconds"] = r.planner_seconds;
+    d["planner_critical_seconds"] = r.planner_critical_seconds; // wall time: not in step_seconds
+    d["step_with_planner_seconds"] = r.step_seconds + r.planner_critical_seconds;
+    d["grad_tail_seconds"] = r.grad_tail_seconds;
+    json::Value mem;
+    mem["weights_gb"] = r.memory.weights * 1e-9;
+    mem["grads_gb"] = r.memory.grads * 1e-9;
+    mem["optimizer_gb"] = r.memory.optimizer * 1e-9;
+    mem["activations_gb"] = r.memory.activations * 1e-9;
+    mem["total_gb"] = r.memory.total() * 1e-9;
+    mem["gpu"] = r.memory.gpu;
+    d["peak_memory"] = std::move(mem);
     d["min_experts_per_gpu"] = r.min_experts_per_gpu;
     d["speedup_over_static"] = base_static ? base_static->step_seconds / r.step_seconds : 0.0;
     d["speedup_over_eplb"] = base_eplb ? base_eplb->step_seconds / r.step_seconds : 0.0;
+    // The whole RL step: training (step_seconds) plus rollout (sim.rollout_seconds, the same for every strategy).
+    d["rl_speedup_over_static"] = base_static ? base_static->end_to_end_seconds / r.end_to_end_seconds : 0.0;
+    d["rl_speedup_over_eplb"] = base_eplb ? base_eplb->end_to_end_seconds / r.end_to_end_seconds : 0.0;
     d["breakdown"] = breakdown_json(r.breakdown);
     json::Value steps = json::Array{};
     for (const SimBreakdown &b : r.step_breakdown)
@@ -321,7 +338,9 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
       << ", on " << c.topo.num_nodes << " x " << c.topo.gpus_per_node << " GPUs";
   const std::int64_t ep = doc.find("ep_size")->as_integer(), groups = doc.find("num_ep_groups")->as_integer();
   if (groups > 1) out << " (" << groups << " data-parallel EP groups of " << ep << " GPUs)";
-  out << " with " << c.topo.slots_per_gpu << " slots per GPU per layer\n";
+  out << " with " << c.topo.slots_per_gpu << " slots per GPU per layer";
+  if (s.workload != "grpo") out << ", workload " << s.workload;
+  out << "\n";
   return out.str();
 }
 
@@ -329,7 +348,7 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
 [[nodiscard]] inline std::string simulate_csv(const json::Value &doc) {
   std::ostringstream out;
   out << "strategy,step_s,recompute_s,update_s,median_max_mean,p99_max_mean,moved_gb,stall_ms,speedup_static,"
-         "speedup_eplb,expert_compute_s,all_to_all_s,dense_s,moves_s,optimizer_s\n";
+         "speedup_eplb,expert_compute_s,all_to_all_s,dense_s,moves_s,optimizer_s,peak_memory_gb,rl_step_s\n";
   for (const json::Value &r : doc.find("strategies")->as_array()) {
     auto f = [&](const char *k) { return r.find(k)->as_double(); };
     out << r.find("strategy")->as_string() << "," << f("step_seconds") << "," << f("recompute_seconds") << ","
@@ -339,7 +358,7 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
     for (const char *k :
          {"expert_compute_seconds", "all_to_all_seconds", "dense_seconds", "moves_seconds", "optimizer_seconds"})
       out << "," << b.find(k)->as_double();
-    out << "\n";
+    out << "," << r.find("peak_memory")->find("total_gb")->as_double() << "," << f("end_to_end_seconds") << "\n";
   }
   return out.str();
 }
@@ -350,7 +369,7 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   out << std::left << std::setw(14) << "strategy" << std::right << std::setw(10) << "step s" << std::setw(13)
       << "recompute s" << std::setw(10) << "update s" << std::setw(9) << "median" << std::setw(9) << "p99"
       << std::setw(11) << "moved GB" << std::setw(10) << "stall ms" << std::setw(11) << "vs static" << std::setw(9)
-      << "vs eplb"
+      << "vs eplb" << std::setw(9) << "peak GB" << std::setw(9) << "plan ms"
       << "\n";
   auto ratio = [](double v) {
     std::ostringstream os;
@@ -367,12 +386,23 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
         << std::setw(10) << f("update_seconds") << std::setw(9) << f("imbalance_median") << std::setw(9)
         << f("imbalance_p99") << std::setprecision(1) << std::setw(11) << f("moved_gb") << std::setw(10)
         << f("stall_seconds") * 1e3 << std::setw(11) << ratio(f("speedup_over_static")) << std::setw(9)
-        << ratio(f("speedup_over_eplb")) << "\n";
+        << ratio(f("speedup_over_eplb")) << std::setw(9) << r.find("peak_memory")->find("total_gb")->as_double()
+        << std::setw(9) << f("planner_critical_seconds") * 1e3 << "\n";
   }
   out << "(step/recompute/update: seconds per RL step; median/p99: per-layer max/mean GPU load; moved GB: weights\n"
          " moved per step; stall ms: per step, layers waiting for moved weights or returning gradients; vs: step-time\n"
          " speed-up. foremoe-free may put copies in any slot, but foremoe's plan is one of its candidates: where that\n"
-         " plan already balances perfectly (median 1.000) foremoe-free keeps it, and the figures agree)\n";
+         " plan already balances perfectly (median 1.000) foremoe-free keeps it, and the figures agree; peak GB:\n"
+         " memory of the fullest GPU; plan ms: per step, planning on the critical path, wall time, not in step s)\n";
+  if (const double rollout = doc.find("rollout_seconds")->as_double(); rollout > 0) {
+    out << "whole RL step with " << std::setprecision(3) << rollout << " s rollout (training s + rollout s; speed-up "
+        << "vs static, vs eplb):";
+    for (const json::Value &r : doc.find("strategies")->as_array())
+      out << " " << r.find("strategy")->as_string() << " " << r.find("end_to_end_seconds")->as_double() << " s "
+          << ratio(r.find("rl_speedup_over_static")->as_double()) << " "
+          << ratio(r.find("rl_speedup_over_eplb")->as_double()) << ";";
+    out << "\n";
+  }
   const std::int64_t warm = doc.find("warmup_steps")->as_integer(), every = doc.find("eplb_interval")->as_integer();
   out << "model: per-GPU uniform all-to-all, grouped-GEMM fit, move windows (docs/simulator.md); warm-up: " << warm
       << (warm == 1 ? " RL step" : " RL steps") << " simulated and not counted; eplb rebalances every " << every
@@ -405,7 +435,11 @@ struct SimulateProgress {
     const int ep = s.sim.effective_ep_size();
     const bool grouped = ep < s.sim.topo.num_gpus();
     gen.ranks_per_source = grouped ? ep : 1;
-    generated = generate_loads(batch, &step_offsets, grouped, gen);
+    const WorkloadSpec workload = parse_workload(s.workload);
+    if (workload.kind == WorkloadKind::grpo)
+      generated = generate_loads(batch, &step_offsets, grouped, gen);
+    else // the peers' generators route the same micro-steps; the copies split them evenly
+      generated = generate_peer_loads(workload, batch, ep, &step_offsets);
     loads = &generated;
     if (generate_seconds != nullptr)
       *generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

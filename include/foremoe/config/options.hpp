@@ -18,6 +18,7 @@
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/sim/simulator.hpp"
+#include "foremoe/trace/peer_workloads.hpp"
 #include "foremoe/trace/synthetic.hpp"
 
 namespace foremoe {
@@ -373,6 +374,8 @@ struct SimulateSettings {
     return c;
   }();
   SyntheticConfig batch = default_batch(); ///< the GPUs, layers, experts and top-k follow `sim` (`finish`)
+  /// The load generator: "grpo" (the synthetic GRPO batch), "ultraep:A" or "moonep:V" (`peer_workloads.hpp`).
+  std::string workload = "grpo";
 
   /// The defaults of a preset: Qwen3-30B-A3B on 8 x 8 GPUs x 3 slots, or DeepSeek-V3 (fp8) on 8 x 8 x 5 with
   /// 128 prompts per step.
@@ -384,6 +387,10 @@ struct SimulateSettings {
       s.sim.topo = Topology{8, 8, 5};
       apply_synthetic_preset(s.batch, name);
       s.batch.prompts_per_step = 128;
+      // 654B expert parameters x (1 B fp8 weights + 4 B fp32 gradients + 12 B Adam state) = 11.1 TB do not fit in
+      // the 64 GPUs' 9.0 TB of HBM: the preset keeps the optimizer state in host memory (ZeRO-Offload).
+      s.sim.optimizer_offload = true;
+      s.sim.dense = DenseShape::deepseek_v3();
     } else {
       detail::require(name == "qwen3-30b-a3b", "unknown preset '", name, "' (expected qwen3-30b-a3b or deepseek-v3)");
     }
@@ -396,6 +403,8 @@ struct SimulateSettings {
     batch.num_experts = sim.model.num_experts;
     batch.topk = sim.model.topk;
     batch.num_gpus = sim.topo.num_gpus();
+    // A token attends on average to half its sequence (causal); the mean sequence is the batch's.
+    if (sim.dense.context == 0) sim.dense.context = 0.5 * (batch.prompt_length.mean + batch.response_length.mean);
     sim.validate();
     (void)strategy_list(); // a bad list fails here, before the batch is generated
   }
@@ -451,6 +460,17 @@ struct SimulateSettings {
         [](const S &x) { return to_string(x.sim.model.dtype); },
         [](S &x, const std::string &v) { x.sim.model.dtype = parse_weight_dtype(v); }));
     o.back().metavar = "DTYPE";
+    o.push_back(number<S>(
+        "model.dense_params", 0, 1e12,
+        "non-routed parameters per MoE layer (attention, shared experts, router) for the dense part's time",
+        [](auto &x) -> auto & { return x.sim.dense.params; }));
+    o.push_back(number<S>(
+        "model.attention_dim", 0, 1e9, "query heads x head dim (QK^T and PV width) for the dense part's time",
+        [](auto &x) -> auto & { return x.sim.dense.attention_dim; }));
+    o.push_back(number<S>(
+        "model.attention_context", 0, 1e9,
+        "mean attended context per token (0: half the batch's mean prompt + response length)",
+        [](auto &x) -> auto & { return x.sim.dense.context; }));
     lift(
         o, topology_schema(), "topology", [](auto &x) -> auto & { return x.sim.topo; });
     o.push_back(integer<S>(
@@ -462,6 +482,15 @@ struct SimulateSettings {
     lift(o, synthetic_schema(), "batch", [](auto &x) -> auto & { return x.batch; },
          {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "seed", "skew",
           "persistence"});
+    o.push_back(bound<S>(
+        "batch.workload", Type::string,
+        "load generator: grpo (the synthetic GRPO batch), ultraep:A (UltraEP's: rank weight 1/r^alpha, alpha "
+        "bisected to a rank max/mean of A; expert weight in a rank 1/j^4) or moonep:V (MoonEP's: expert weight "
+        "exp(N(0, sigma)), sigma bisected to maxvio = max/mean - 1 of V); the peers' use the GRPO batch's "
+        "micro-steps",
+        [](const S &x) { return json::Value(x.workload); },
+        [](S &x, const json::Value &v) { x.workload = to_string(parse_workload(v.as_string())); }));
+    o.back().metavar = "NAME[:PARAM]";
     for (Option<S> &opt : o)
       if (opt.key == "batch.steps")
         opt.help = "RL steps to simulate and count (the generator adds sim.warmup_steps warm-up steps in front)";
@@ -508,6 +537,35 @@ struct SimulateSettings {
     o.push_back(integer<S>(
         "sim.threads", 1, max_threads, "planner threads over layers",
         [](auto &x) -> auto & { return x.sim.planner_threads; }));
+    o.push_back(choice<S>(
+        "sim.dense_model", {"shape", "constant"},
+        "dense part's time: from the model shape (FLOPs at sim.dense_efficiency) or cost.dense_per_token_us",
+        [](const S &x) { return x.sim.dense_from_shape ? "shape" : "constant"; },
+        [](S &x, const std::string &v) { x.sim.dense_from_shape = v == "shape"; }));
+    o.push_back(number<S>(
+        "sim.dense_efficiency", 1e-6, 1, "achieved fraction of the bf16 peak in the dense part (Llama 3 MFU: 0.4)",
+        [](auto &x) -> auto & { return x.sim.dense_efficiency; }));
+    o.push_back(boolean<S>(
+        "sim.planner_overlap",
+        "planning micro-step m+1 overlaps micro-step m (foresight): only what exceeds it is on the critical path",
+        [](auto &x) -> auto & { return x.sim.planner_overlap; }));
+    o.push_back(choice<S>(
+        "sim.grad_dtype", {"fp32", "bf16", "fp16"},
+        "expert gradient dtype (replica gradient returns and buffers; fp32: mixed-precision main gradients)",
+        [](const S &x) { return to_string(x.sim.grad_dtype); },
+        [](S &x, const std::string &v) { x.sim.grad_dtype = parse_weight_dtype(v); }));
+    o.back().metavar = "DTYPE";
+    o.push_back(number<S>(
+        "sim.optimizer_bytes_per_param", 0, 1024,
+        "optimizer state bytes per owned expert parameter (Adam: fp32 master + 2 moments = 12, ZeRO's K)",
+        [](auto &x) -> auto & { return x.sim.optimizer_bytes_per_param; }));
+    o.push_back(boolean<S>(
+        "sim.optimizer_offload", "optimizer state in host memory: not counted in GPU memory",
+        [](auto &x) -> auto & { return x.sim.optimizer_offload; }));
+    o.push_back(number<S>(
+        "sim.gpu_memory_gb", 1e-3, 1e6,
+        "GPU memory in GB (H200: 141); a strategy whose peak per-GPU memory exceeds it is an error",
+        [](auto &x) -> auto & { return x.sim.gpu_memory_gb; }));
     // cost: the 18 cost-model parameters that a config may set
     auto cost = [&](const char *key, double lo, double hi, const char *help, auto field) {
       o.push_back(number<S>(std::string("cost.") + key, lo, hi, help, field));
@@ -516,7 +574,7 @@ struct SimulateSettings {
         "backward_factor", 1e-3, 1e3, "backward time = factor x forward",
         [](auto &x) -> auto & { return x.sim.cost.backward_factor; });
     cost(
-        "dense_per_token_us", 0, max_us, "attention + dense forward us per token per layer",
+        "dense_per_token_us", 0, max_us, "attention + dense forward us per token per layer (sim.dense_model constant)",
         [](auto &x) -> auto & { return x.sim.cost.dense.per_token_us; });
     cost(
         "dense_launch_us", 0, max_us, "fixed us of a layer's dense part",

@@ -54,6 +54,20 @@
 namespace foremoe {
 inline namespace v0 {
 
+/// The non-routed part of one MoE layer, for timing attention and the dense parts from the model shape.
+/// Defaults: Qwen3-30B-A3B (its public config: 32 query heads, 4 KV heads, head dim 128, hidden 2048, no shared
+/// expert): QKV 2048 x (32 + 2 x 4) x 128 + O 4096 x 2048 + router 2048 x 128 = 19,136,512 parameters.
+struct DenseShape {
+  double params = 19136512.0;  ///< non-routed parameters per MoE layer: attention projections, shared experts, router
+  double attention_dim = 4096; ///< width of QK^T and PV per token: query heads x head dim (their mean under MLA)
+  double context = 0; ///< mean attended context per token (`simulate` front ends: half the batch's mean sequence)
+
+  /// DeepSeek-V3 (its public config: MLA with q_lora_rank 1536, kv_lora_rank 512, 128 heads, qk 128 + 64 rope,
+  /// v 128; one shared expert of 3 x 7168 x 2048; router 7168 x 256): 232,980,480 parameters; QK^T is 128 x 192
+  /// wide and PV 128 x 128, mean 20,480.
+  [[nodiscard]] static DenseShape deepseek_v3() { return {232980480.0, 20480.0, 0.0}; }
+};
+
 /// What is simulated besides the loads.
 struct SimConfig {
   ModelSpec model{};
@@ -81,6 +95,40 @@ struct SimConfig {
   int warmup_steps = 1;
   int eplb_interval = 1; ///< `eplb` rebalances every N RL steps from the loads accumulated since its last rebalance
   int ep_size = 0;       ///< GPUs per EP group (0: `default_ep_size`); the cluster is data-parallel copies of it
+  /// Dtype of the expert gradients (replica gradient returns, gradient buffers). fp32 by default: mixed-precision
+  /// training keeps fp32 main gradients (Megatron-LM accumulates into fp32 `main_grad`; Micikevicius et al. 2018,
+  /// "Mixed Precision Training"), so gradient bytes are 2x bf16 weight bytes. Replaces `cost.grad.grad_bytes_factor`
+  /// in the simulator: factor = gradient bytes / weight bytes of an expert.
+  WeightDtype grad_dtype = WeightDtype::fp32;
+  /// Optimizer state bytes per parameter of the owned experts: Adam's fp32 master weights and two fp32 moments,
+  /// K = 12 (Rajbhandari et al. 2020, ZeRO, sec. 3.1; mixed-precision Adam is 2 + 2 + K bytes per parameter).
+  double optimizer_bytes_per_param = 12.0;
+  bool optimizer_offload = false; ///< optimizer state in host memory (ZeRO-Offload), not counted on the GPU
+  /// Memory per GPU in GB (1e9 bytes): an H200 SXM's 141 GB of HBM3e (NVIDIA H200 datasheet). A strategy whose
+  /// peak (`SimMemory`) exceeds it is an error naming the parts.
+  double gpu_memory_gb = 141.0;
+  /// With foresight the planner plans micro-step m + 1 while m runs: only what exceeds micro-step m's time (and
+  /// the first micro-step's plan) is on the critical path. false: all planning time is.
+  bool planner_overlap = true;
+  /// Time attention and the dense parts from `dense` (FLOPs at `dense_efficiency` of the bf16 peak, weights
+  /// streamed at the GEMM fit's HBM efficiency) instead of the constant `cost.dense.per_token_us`.
+  bool dense_from_shape = true;
+  DenseShape dense{};
+  /// Achieved fraction of the bf16 tensor peak in the dense part: cited, not fitted (no dense measurement in
+  /// shared/data): Llama 3 405B pre-training ran at 38-43% BF16 MFU on H100 (Dubey et al. 2024, "The Llama 3 Herd
+  /// of Models", Table 4); a whole-model figure, so a conservative one for the dense kernels.
+  double dense_efficiency = 0.40;
+
+  /// Forward seconds of one layer's attention and dense parts on a GPU processing `tokens_per_gpu` tokens.
+  /// From the shape: `launch + params x 2 B / (hbm x hbm_eff) + tokens x (2 params + 4 context attention_dim) /
+  /// (peak_bf16 x dense_efficiency)`; else `launch + tokens x per_token_us`.
+  [[nodiscard]] double dense_forward_seconds(double tokens_per_gpu) const {
+    const double launch = cost.dense.launch_us * 1e-6;
+    if (!dense_from_shape) return launch + cost.dense.per_token_us * 1e-6 * tokens_per_gpu;
+    const double flops = 2.0 * dense.params + 4.0 * dense.context * dense.attention_dim;
+    const double weights = dense.params * 2.0 / (cost.gemm.hbm_tb_per_s * 1e12 * cost.gemm.hbm_efficiency);
+    return launch + weights + tokens_per_gpu * flops / (cost.gemm.peak_tflops_bf16 * 1e12 * dense_efficiency);
+  }
 
   /// The EP group size in use: `ep_size`, or `default_ep_size` of the cluster and the experts.
   [[nodiscard]] int effective_ep_size() const {
@@ -109,6 +157,16 @@ struct SimConfig {
                     "SimConfig: rollout_seconds must be >= 0, got ", rollout_seconds);
     detail::require(activation_bytes > 0, "SimConfig: activation_bytes must be positive, got ", activation_bytes);
     detail::require(planner_threads >= 1, "SimConfig: planner_threads must be >= 1, got ", planner_threads);
+    detail::require(std::isfinite(optimizer_bytes_per_param) && optimizer_bytes_per_param >= 0,
+                    "SimConfig: optimizer_bytes_per_param must be >= 0, got ", optimizer_bytes_per_param);
+    detail::require(std::isfinite(gpu_memory_gb) && gpu_memory_gb > 0,
+                    "SimConfig: gpu_memory_gb must be positive, got ", gpu_memory_gb);
+    detail::require(std::isfinite(dense_efficiency) && dense_efficiency > 0 && dense_efficiency <= 1,
+                    "SimConfig: dense_efficiency must be in (0, 1], got ", dense_efficiency);
+    detail::require(std::isfinite(dense.params) && dense.params >= 0 && std::isfinite(dense.attention_dim) &&
+                        dense.attention_dim >= 0 && std::isfinite(dense.context) && dense.context >= 0,
+                    "SimConfig: dense shape must be >= 0, got params ", dense.params, ", attention_dim ",
+                    dense.attention_dim, ", context ", dense.context);
   }
 };
 
@@ -152,6 +210,15 @@ struct SimBreakdown {
   }
 };
 
+/// Peak memory of one GPU, in bytes: expert weights (owned experts and replica slots, doubled with
+/// `double_buffer`), gradient buffers (owned experts and replicas, in `grad_dtype`), optimizer state of the owned
+/// experts, and activations (see `docs/simulator.md`).
+struct SimMemory {
+  double weights = 0, grads = 0, optimizer = 0, activations = 0;
+  int gpu = 0; ///< which GPU of its EP group peaks
+  [[nodiscard]] double total() const noexcept { return weights + grads + optimizer + activations; }
+};
+
 /// Results of one strategy over all simulated steps.
 struct SimResult {
   std::string strategy;
@@ -163,9 +230,14 @@ struct SimResult {
   double moved_gb = 0;                            ///< weights moved per step (replicas in, re-owning), GB
   double grad_gb = 0;                             ///< replica gradients reduced per step, GB
   double stall_seconds = 0;                       ///< per step: time layers waited for weights
-  double mirror_seconds = 0;   ///< per step: host-mirror refreshes after optimizer steps (strategies reading it)
-  double planner_seconds = 0;  ///< wall time of planning, the counted steps (every EP group)
-  int min_experts_per_gpu = 0; ///< fewest experts any GPU held in any counted (micro-step, layer)
+  double mirror_seconds = 0;  ///< per step: host-mirror refreshes after optimizer steps (strategies reading it)
+  double planner_seconds = 0; ///< wall time of planning, the counted steps (every EP group)
+  /// Per step: the planning time on the critical path (of the slowest EP group), see `SimConfig::planner_overlap`.
+  /// Wall time, so not part of `step_seconds` (which stays a deterministic function of the inputs).
+  double planner_critical_seconds = 0;
+  double grad_tail_seconds = 0; ///< per step: the last update micro-step's replica gradients not hidden (in stall)
+  SimMemory memory;             ///< the peak over every GPU and simulated micro-step (warm-up included)
+  int min_experts_per_gpu = 0;  ///< fewest experts any GPU held in any counted (micro-step, layer)
   /// Per counted micro-step (recompute then update, per counted step), of the step's slowest EP group: layer
   /// forward(+backward) times.
   std::vector<std::vector<double>> layer_seconds;
@@ -223,6 +295,8 @@ namespace detail {
 /// What one EP group did in one RL step.
 struct GroupStep {
   double recompute = 0, update = 0, extra = 0, stall = 0, mirror = 0, moved = 0, grad = 0, planner = 0;
+  double planner_critical = 0, grad_tail = 0;
+  SimMemory memory;
   int min_experts = std::numeric_limits<int>::max(); ///< fewest experts on a GPU in any (micro-step, layer)
   SimBreakdown parts;
   std::vector<SimBreakdown> micro;
@@ -284,9 +358,68 @@ struct GroupStep {
   const ExpertComputeModel compute(cfg.cost, ExpertShape::from(spec));
   const double expert_bytes = static_cast<double>(spec.bytes_per_expert());
   const double row_bytes = static_cast<double>(spec.hidden) * cfg.activation_bytes;
+  const double expert_params = static_cast<double>(spec.num_matrices) * spec.hidden * spec.expert_ffn;
+  const double grad_bytes_per_expert = expert_params * static_cast<double>(dtype_bytes(cfg.grad_dtype));
+  CostParams cost = cfg.cost; // gradients in `grad_dtype`
+  cost.grad.grad_bytes_factor = grad_bytes_per_expert / expert_bytes;
 
   // Tokens of a micro-step (before routing): its assignments over top-k, from layer 0.
   auto tokens_of = [&](int m) { return static_cast<double>(loads.layer_total(m, 0)) / spec.topk; };
+
+  // Adds to `demand` (per GPU) the seconds of returning the gradients of the replicas in `pl` to their owners
+  // (GPU-direct); returns their bytes.
+  auto grad_demand_of = [&](const LayerPlacement &pl, std::span<const std::int32_t> owner_gpu,
+                            std::vector<double> &demand) {
+    double bytes = 0;
+    for (int g = 0; g < G; ++g)
+      for (int s = 0; s < S; ++s) {
+        const std::int32_t e = pl.slot(g, s);
+        if (e == empty_slot || owner_gpu[e] == g) continue;
+        const int owner = owner_gpu[e];
+        const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::gpu_intra : MovePath::gpu_inter;
+        demand[g] += grad_reduce_seconds(cost, path, expert_bytes);
+        bytes += grad_bytes_per_expert;
+      }
+    return bytes;
+  };
+
+  // Peak memory of one micro-step (`plans` null: perfectly balanced, owners only), over its GPUs.
+  const int owners_per_gpu = topo.owners_per_gpu(E);
+  auto memory_of = [&](const std::vector<LayerPlan> *plans, double tokens) {
+    SimMemory peak;
+    const double per_gpu_tokens = tokens / G;
+    for (int g = 0; g < G; ++g) {
+      double owned = 0, replicas = 0, recv_max = 0;
+      for (int l = 0; l < L; ++l) {
+        if (plans == nullptr) {
+          owned += owners_per_gpu;
+          recv_max = per_gpu_tokens * spec.topk;
+          continue;
+        }
+        const LayerPlan &lp = (*plans)[l];
+        double recv = 0;
+        for (int s = 0; s < S; ++s) {
+          const std::int32_t e = lp.placement.slot(g, s);
+          if (e == empty_slot) continue;
+          (lp.owner_gpu[e] == g ? owned : replicas) += 1;
+          recv += static_cast<double>(lp.slot_tokens[static_cast<std::size_t>(g) * S + s]);
+        }
+        recv_max = std::max(recv_max, recv);
+      }
+      SimMemory m;
+      m.gpu = g;
+      m.weights = (owned + replicas * (cfg.double_buffer ? 2 : 1)) * expert_bytes;
+      m.grads = (owned + replicas) * grad_bytes_per_expert;
+      m.optimizer = cfg.optimizer_offload ? 0.0 : owned * expert_params * cfg.optimizer_bytes_per_param;
+      // Checkpointed layer inputs (full recomputation keeps one H-vector per token and layer: Korthikanti et al.
+      // 2022, "Reducing Activation Recomputation", sec. 4) plus one layer's expert working set for the rows the
+      // GPU receives: dispatched input (H), gate and up outputs (2 I), their product (I), output (H).
+      m.activations = (per_gpu_tokens * L * spec.hidden + recv_max * (2.0 * spec.hidden + 3.0 * spec.expert_ffn)) *
+                      cfg.activation_bytes;
+      if (m.total() > peak.total()) peak = m;
+    }
+    return peak;
+  };
 
   // Times one layer under a plan (or perfectly balanced when `lp` is null).
   auto time_layer = [&](const LayerPlan *lp, std::span<const std::int64_t> expert_loads, double tokens,
@@ -312,7 +445,7 @@ struct GroupStep {
       fwd_expert = std::max(fwd_expert, compute.forward_seconds(gpu_tokens[g], gpu_experts[g]));
       bwd_expert = std::max(bwd_expert, compute.backward_seconds(gpu_tokens[g], gpu_experts[g]));
     }
-    const double attn = cfg.cost.dense.launch_us * 1e-6 + cfg.cost.dense.per_token_us * 1e-6 * tokens / G;
+    const double attn = cfg.dense_forward_seconds(tokens / G);
     const double a2a = uniform_a2a_seconds(cfg.cost.a2a, gpu_tokens, topo.gpus_per_node, row_bytes);
     t.forward = attn + a2a + fwd_expert + a2a;
     t.expert = fwd_expert;
@@ -351,17 +484,7 @@ struct GroupStep {
     }
     // Gradients of the replicas the previous update micro-step used return to their owners before the
     // slots are reused.
-    if (update && prev != nullptr) {
-      for (int g = 0; g < G; ++g)
-        for (int s = 0; s < S; ++s) {
-          const std::int32_t e = prev->slot(g, s);
-          if (e == empty_slot || lp->owner_gpu[e] == g) continue;
-          const int owner = lp->owner_gpu[e];
-          const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::gpu_intra : MovePath::gpu_inter;
-          t.grad_demand[g] += grad_reduce_seconds(cfg.cost, path, expert_bytes);
-          t.grad_bytes += expert_bytes * cfg.cost.grad.grad_bytes_factor;
-        }
-    }
+    if (update && prev != nullptr) t.grad_bytes += grad_demand_of(*prev, lp->owner_gpu, t.grad_demand);
     return t;
   };
 
@@ -378,12 +501,12 @@ struct GroupStep {
       const auto x = static_cast<double>(t);
       return compute.forward_seconds(x, S) + compute.backward_seconds(x, S);
     };
-    popts.replica_cost = [&cfg, &topo, expert_bytes](int, int src, int dst, Stage stage) {
+    popts.replica_cost = [&cfg, &cost, &topo, expert_bytes](int, int src, int dst, Stage stage) {
       const bool same_node = src >= 0 && topo.node_of(src) == topo.node_of(dst);
       const MovePath path = src < 0 ? MovePath::host : same_node ? MovePath::gpu_intra : MovePath::gpu_inter;
       const MovePath grad = same_node ? MovePath::gpu_intra : MovePath::gpu_inter;
       return move_seconds(cfg.cost.move, path, expert_bytes) +
-             (stage == Stage::update ? grad_reduce_seconds(cfg.cost, grad, expert_bytes) : 0.0);
+             (stage == Stage::update ? grad_reduce_seconds(cost, grad, expert_bytes) : 0.0);
     };
   }
   Planner planner(L, E, topo, popts);
@@ -414,11 +537,13 @@ struct GroupStep {
     for (int pass = 0; pass <= cfg.recompute_passes; ++pass) {
       const bool update = pass == cfg.recompute_passes;
       StepPlan sp;
+      double stage_planner = 0;
       if (!strat.ideal) {
         const auto t0 = std::chrono::steady_clock::now();
         sp = planner.plan_step(step, has_resident ? &resident : nullptr, history,
                                update ? Stage::update : Stage::recompute);
-        rec.planner += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        stage_planner = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        rec.planner += stage_planner;
         // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
         if (pass == 0 && !cfg.reowning_free && !prev_owner_flat.empty()) {
           std::vector<double> per_gpu(static_cast<std::size_t>(G), 0.0);
@@ -458,6 +583,8 @@ struct GroupStep {
           used_mirror = used_mirror || cur[l].host_moves;
           rec.grad += cur[l].grad_bytes;
         }
+        const SimMemory mem = memory_of(strat.ideal ? nullptr : &sp.micro_steps[m], tokens);
+        if (mem.total() > rec.memory.total()) rec.memory = mem;
         // Windows: from the slot's last use in m - 1 to layer l's forward in m.
         double micro = 0, stall = 0;
         std::vector<double> fwd_prefix(static_cast<std::size_t>(L) + 1, 0.0);
@@ -496,9 +623,36 @@ struct GroupStep {
         micro += stall;
         rec.stall += stall;
         stage_time += micro;
+        // Planning: an equal share of the stage's planner time per micro-step. The first micro-step's plan is on
+        // the critical path; with overlap, micro-step m + 1's plan runs while m executes (`micro`), so only what
+        // exceeds it is; without, every share is.
+        const double share = stage_planner / M;
+        if (m == 0) rec.planner_critical += share;
+        if (m + 1 < M) rec.planner_critical += cfg.planner_overlap ? std::max(0.0, share - micro) : share;
         rec.layers.push_back(std::move(layer_times));
         prev_t = std::move(cur);
         prev_plans = strat.ideal ? nullptr : &sp.micro_steps[m];
+      }
+      // The last update micro-step's replica gradients return before the optimizer step: layer l's once its
+      // backward is over (backward runs L-1 .. 0), queued per GPU; what outlasts the backward pass is stall.
+      if (update && prev_plans != nullptr && !prev_t.empty()) {
+        double tail = 0;
+        std::vector<std::vector<double>> demand(static_cast<std::size_t>(L), std::vector<double>(G, 0.0));
+        for (int l = 0; l < L; ++l)
+          rec.grad += grad_demand_of((*prev_plans)[l].placement, (*prev_plans)[l].owner_gpu, demand[l]);
+        for (int g = 0; g < G; ++g) {
+          double ready = 0, finish = 0;
+          for (int l = L - 1; l >= 0; --l) {
+            ready += prev_t[l].backward;
+            finish = std::max(finish, ready) + demand[l][g];
+          }
+          tail = std::max(tail, finish - ready);
+        }
+        rec.grad_tail += tail;
+        rec.stall += tail;
+        step_parts.stall += tail;
+        rec.micro.back().stall += tail;
+        stage_time += tail;
       }
       if (update) {
         stage_time += cfg.optimizer_seconds * cfg.minibatches_per_step;
@@ -588,7 +742,10 @@ struct GroupStep {
     res.min_experts_per_gpu = std::numeric_limits<int>::max();
     std::vector<double> imbalance;
     double total_recompute = 0, total_update = 0, total_extra = 0, total_stall = 0, total_moved = 0, total_grad = 0,
-           total_mirror = 0;
+           total_mirror = 0, total_planner_critical = 0, total_grad_tail = 0;
+    for (int i = 0; i < num_groups; ++i)
+      for (const detail::GroupStep &g : runs[i])
+        if (g.memory.total() > res.memory.total()) res.memory = g.memory;
     for (int s = cfg.warmup_steps; s < num_steps; ++s) {
       // The copies meet at the optimizer step: the step takes as long as its slowest copy.
       int slow = 0;
@@ -600,6 +757,8 @@ struct GroupStep {
       total_extra += w.extra;
       total_stall += w.stall;
       total_mirror += w.mirror;
+      total_planner_critical += w.planner_critical;
+      total_grad_tail += w.grad_tail;
       res.step_breakdown.push_back(w.parts);
       res.breakdown += w.parts;
       res.micro_breakdown.insert(res.micro_breakdown.end(), w.micro.begin(), w.micro.end());
@@ -624,6 +783,15 @@ struct GroupStep {
     res.grad_gb = total_grad / counted * 1e-9;
     res.stall_seconds = total_stall / counted;
     res.mirror_seconds = total_mirror / counted;
+    res.planner_critical_seconds = total_planner_critical / counted;
+    res.grad_tail_seconds = total_grad_tail / counted;
+    const double limit = cfg.gpu_memory_gb * 1e9;
+    const SimMemory &pk = res.memory;
+    detail::require(pk.total() <= limit, "simulate: strategy ", strat.name, " needs ", pk.total() * 1e-9, " GB on GPU ",
+                    pk.gpu, " of its EP group (expert weights ", pk.weights * 1e-9, " GB, gradients ", pk.grads * 1e-9,
+                    " GB, optimizer state ", pk.optimizer * 1e-9, " GB, activations ", pk.activations * 1e-9,
+                    " GB), more than sim.gpu_memory_gb = ", cfg.gpu_memory_gb,
+                    " GB; use more GPUs, fewer slots, sim.optimizer_offload or a larger sim.gpu_memory_gb");
     for (double *part : {&res.breakdown.expert_compute, &res.breakdown.all_to_all, &res.breakdown.dense,
                          &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.optimizer})
       *part /= counted;
