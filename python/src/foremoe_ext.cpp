@@ -370,8 +370,34 @@ fm::LoadTensor load_tensor(const RoLoads &loads) {
                                      static_cast<int>(loads.shape(1)), static_cast<int>(loads.shape(2)));
 }
 
+using RoOwners = nb::ndarray<nb::ro, const std::int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+/// The micro-steps of `t` planned with the owner map fixed to `owners` (`[L, E]` owner GPU of every expert),
+/// chained as `Planner::plan_step` chains them; the strategy's step-level owner choice is skipped.
+fm::StepPlan plan_with_owners(fm::Planner &p, const fm::LoadTensor &t, const fm::Placement *resident,
+                              const RoOwners &owners, fm::Stage stage) {
+  const int L = t.num_layers(), E = t.num_experts();
+  require(static_cast<int>(owners.shape(0)) == L && static_cast<int>(owners.shape(1)) == E, "plan: owners is [",
+          owners.shape(0), ", ", owners.shape(1), "], expected [", L, ", ", E, "] (owner GPU of every expert)");
+  const auto start = std::chrono::steady_clock::now();
+  fm::Planner::OwnerMap map(static_cast<std::size_t>(L));
+  for (int l = 0; l < L; ++l)
+    map[l].assign(owners.data() + static_cast<std::size_t>(l) * E, owners.data() + static_cast<std::size_t>(l + 1) * E);
+  p.set_owners(map);
+  fm::StepPlan sp;
+  sp.owner_gpu = p.owners();
+  fm::Placement prev;
+  for (int m = 0; m < t.num_micro_steps(); ++m) {
+    sp.micro_steps.push_back(p.plan(t, m, stage, m == 0 ? resident : &prev));
+    prev = fm::to_placement(sp.micro_steps.back());
+  }
+  sp.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return sp;
+}
+
 std::vector<PyPlan> plan_step(PyPlanner &self, const RoLoads &loads, const PyPlacement *resident,
-                              std::optional<RoLayerLoads> previous, const std::string &stage_name) {
+                              std::optional<RoLayerLoads> previous, const std::string &stage_name,
+                              std::optional<RoOwners> owners) {
   const fm::Stage stage = parse_stage(stage_name);
   const int L = static_cast<int>(loads.shape(1)), E = static_cast<int>(loads.shape(2));
   std::span<const std::int64_t> prev;
@@ -386,7 +412,10 @@ std::vector<PyPlan> plan_step(PyPlanner &self, const RoLoads &loads, const PyPla
   const fm::LoadTensor t = load_tensor(loads);
   fm::Planner &p = self.get(L, E);
   const fm::Placement *res = check_resident(resident, self.topo, L, E);
-  const auto sp = std::make_shared<const fm::StepPlan>(p.plan_step(t, res, prev, stage));
+  require(!(owners && previous), "plan: owners and previous_loads cannot be combined (fixed owners skip the "
+                                 "step-level planning that previous_loads feeds)");
+  const auto sp = std::make_shared<const fm::StepPlan>(owners ? plan_with_owners(p, t, res, *owners, stage)
+                                                              : p.plan_step(t, res, prev, stage));
   self.last_planner_seconds = sp->planner_seconds;
   out.reserve(sp->micro_steps.size());
   for (std::size_t m = 0; m < sp->micro_steps.size(); ++m) {
@@ -414,6 +443,62 @@ double bench_cpp_plan(PyPlanner &self, const RoLoads &loads, const PyPlacement *
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   require(sink > 0 || t.num_micro_steps() == 0, "bench: no plans");
   return s / iters;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Dispatch across ranks (foremoe.torch): a layer plan's split by source rank, one source's token map.
+
+const fm::LayerPlan &layer_plan(const PyPlan &p, int layer, const char *who) {
+  require(p.step != nullptr && p.index < p.step->micro_steps.size(), who, ": a plan without its step");
+  require(layer >= 0 && layer < p.L, who, ": layer ", layer, " outside the plan's [0, ", p.L, ")");
+  return p.step->micro_steps[p.index][static_cast<std::size_t>(layer)];
+}
+
+/// `Plan.source_split`: `[G * S, G]` tokens each physical slot takes from each source rank (`split_by_source`),
+/// from the layer's `[E, G]` per-source loads.
+nb::ndarray<nb::numpy, std::int64_t> plan_source_split(const PyPlan &p, int layer, const RoLayerLoads &source_loads) {
+  const fm::LayerPlan &lp = layer_plan(p, layer, "source_split");
+  require(static_cast<int>(source_loads.shape(0)) == p.E && static_cast<int>(source_loads.shape(1)) == p.G,
+          "source_split: source loads are [", source_loads.shape(0), ", ", source_loads.shape(1), "], expected [", p.E,
+          ", ", p.G, "] (experts x source ranks)");
+  std::vector<std::int64_t> out;
+  {
+    nb::gil_scoped_release nogil;
+    out = fm::split_by_source(lp.placement, lp.slot_tokens, {source_loads.data(), source_loads.size()}, p.G,
+                              p.topo.gpus_per_node);
+  }
+  return owned_array(std::move(out), {static_cast<std::size_t>(p.G) * p.S, static_cast<std::size_t>(p.G)});
+}
+
+/// `Plan.dispatch`: one source rank's `[T, 1, K]` ids mapped through the layer's placement with that source's
+/// `[G * S]` slot token counts (a column of `source_split`): `(slots [T, K] int32, order [N] int64)`, where
+/// `order` lists the routed `(token * K + k)` sorted by physical slot, token order inside a slot (a counting
+/// sort over the exact counts): the send order of `all_to_all_single`.
+nb::tuple plan_dispatch(const PyPlan &p, int layer, const RoIds &ids, const RoI64 &slot_tokens) {
+  const fm::LayerPlan &lp = layer_plan(p, layer, "dispatch");
+  const fm::RoutedView view = routed_view(ids, "dispatch");
+  require(view.num_layers() == 1, "dispatch: routed ids must be [tokens, 1, topk], got ", view.num_layers(), " layers");
+  const std::size_t P = static_cast<std::size_t>(p.G) * p.S;
+  require(slot_tokens.size() == P, "dispatch: ", slot_tokens.size(), " slot token counts for ", P, " slots");
+  const std::size_t n = static_cast<std::size_t>(view.num_tokens()) * view.topk();
+  std::vector<std::int32_t> slots(n);
+  std::vector<std::int64_t> order;
+  {
+    nb::gil_scoped_release nogil;
+    const std::span<const std::int64_t> counts(slot_tokens.data(), P);
+    const fm::TokenRanges r = fm::token_ranges(lp.placement.phys_to_log(), p.E, counts);
+    fm::map_tokens(r, view, 0, slots);
+    std::vector<std::int64_t> next(P + 1, 0);
+    for (std::size_t q = 0; q < P; ++q)
+      next[q + 1] = next[q] + counts[q];
+    order.resize(static_cast<std::size_t>(next[P]));
+    for (std::size_t i = 0; i < n; ++i)
+      if (slots[i] >= 0) order[static_cast<std::size_t>(next[slots[i]]++)] = static_cast<std::int64_t>(i);
+  }
+  const std::size_t N = order.size();
+  return nb::make_tuple(owned_array(std::move(slots), {static_cast<std::size_t>(view.num_tokens()),
+                                                       static_cast<std::size_t>(view.topk())}),
+                        owned_array(std::move(order), {N}));
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -644,6 +729,8 @@ NB_MODULE(_core, m) {
               "per layer: false where the asked-for imbalance tolerance "
               "was not met (the plan is then the best found)")
       .def("map_tokens", &plan_map_tokens, "routed_experts"_a, "layer_map"_a.none() = nb::none())
+      .def("source_split", &plan_source_split, "layer"_a, "source_loads"_a)
+      .def("dispatch", &plan_dispatch, "layer"_a, "routed_experts"_a, "slot_tokens"_a)
       .def("transfers", &plan_transfers, "resident"_a.none() = nb::none(), "expert_bytes"_a,
            "max_chunk_bytes"_a = std::int64_t{64} << 20, "split_paths"_a = true, "host_mirror"_a = true,
            "allow_network"_a = true);
@@ -659,7 +746,8 @@ NB_MODULE(_core, m) {
                    })
       .def_prop_ro("threads", [](const PyPlanner &p) { return p.opts.num_threads; })
       .def_ro("last_planner_seconds", &PyPlanner::last_planner_seconds)
-      .def("plan_step", &plan_step, "loads"_a, "resident"_a.none(), "previous_loads"_a.none(), "stage"_a)
+      .def("plan_step", &plan_step, "loads"_a, "resident"_a.none(), "previous_loads"_a.none(), "stage"_a,
+           "owners"_a.none() = nb::none())
       .def("_bench_cpp_plan", &bench_cpp_plan, "loads"_a, "resident"_a.none(), "iters"_a);
 
   m.def(
