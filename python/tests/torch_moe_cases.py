@@ -187,3 +187,79 @@ def run_ranks(fn: Callable[..., None], world: int, args: tuple, tmp: str, timeou
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def _catch(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def bad_input_rank(rank: int, tmp: str) -> None:
+    """Runs each bad input of the error test on both ranks of a 2-rank group, then a good call (the group is
+    still usable after every error); writes ``{case: message}`` to ``tmp/rank{rank}.pt``."""
+    case = Case(world=2, experts=16, topk=2, hidden=32, ffn=32, steps=1, micro=2, dtype="float64", seed=7)
+    init_group(rank, 2, tmp)
+    data = make_data(case)[0]
+    experts = make_experts(case)
+    full = {n: getattr(experts, n).detach().clone() for n in experts.weight_names}
+    layer = ft.BalancedMoE(experts, case.slots, timeout=30.0)
+    topo = foremoe.Topology(1, 2, case.slots)
+    loads = step_loads(case, data)
+    plans = foremoe.Planner(topo).plan(loads, owners=layer.owners)
+    d = data[0][rank]
+    w = torch.softmax(d["logits"], dim=-1)
+    out: Dict[str, str] = {}
+
+    def call(x=d["x"], ids=d["ids"], weights=w, plan=plans[0], module=layer):
+        return module(x, ids, weights, plan)
+
+    bad = d["ids"].clone()
+    bad[3, 1] = 99
+    out["id_out_of_range"] = _catch(lambda: call(ids=bad if rank == 1 else d["ids"]))
+    out["weights_shape"] = _catch(lambda: call(weights=torch.ones(w.shape[0], 3, dtype=w.dtype) if rank == 0 else w))
+    out["x_tokens"] = _catch(lambda: call(x=torch.cat([d["x"], d["x"][:1]]) if rank == 1 else d["x"]))
+    out["hidden"] = _catch(lambda: call(x=d["x"][:, :31] if rank == 0 else d["x"]))
+    out["plan_other_micro_step"] = _catch(lambda: call(plan=plans[1]))
+    # A two-layer plan whose layer 1 has other loads: the module of layer 1 fed layer 0's routing.
+    two = np.concatenate([loads[:1], loads[1:2]], axis=1)  # [1, 2, E]
+    plan2 = foremoe.Planner(topo).plan(two, owners=np.stack([layer.owners] * 2))[0]
+    layer1 = ft.BalancedMoE(make_experts(case), case.slots, layer=1, timeout=30.0)
+    out["plan_other_layer"] = _catch(lambda: call(plan=plan2, module=layer1))
+    layer3 = ft.BalancedMoE(make_experts(case), case.slots, layer=3, timeout=30.0)
+    out["layer_out_of_range"] = _catch(lambda: call(plan=plan2, module=layer3))
+    rotated = (layer.owners + 1) % 2
+    out["plan_other_owners"] = _catch(lambda: call(plan=foremoe.Planner(topo).plan(loads[0], owners=rotated)))
+    sub = dist.new_group([0])
+    if rank == 0:
+        out["group_wrong_size"] = _catch(lambda: ft.balanced_moe(d["x"], d["ids"], w, plans[0], layer.storage,
+                                                                 layer.expert_fn, group=sub))
+        small = ft.BalancedMoE(make_experts(case), case.slots * 2, group=sub, timeout=30.0)
+        out["plan_for_other_group"] = _catch(lambda: call(module=small))
+    # Still usable: a good call equals the single-process layer on this rank's tokens.
+    got = call()
+    want = ft.reference_moe(d["x"], d["ids"], w, full, experts.expert)
+    out["good_after_errors"] = "equal" if torch.allclose(got, want, rtol=1e-12, atol=1e-12) else "differs"
+    torch.save(out, f"{tmp}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def timeout_rank(rank: int, tmp: str) -> None:
+    """Rank 1 never calls the layer: rank 0's call must fail within its timeout instead of hanging."""
+    case = Case(world=2, experts=16, topk=2, hidden=32, ffn=32, steps=1, micro=1, seed=8)
+    init_group(rank, 2, tmp)
+    data = make_data(case)[0]
+    layer = ft.BalancedMoE(make_experts(case), case.slots, timeout=1.5)
+    plan = foremoe.Planner(foremoe.Topology(1, 2, case.slots)).plan(step_loads(case, data)[0], owners=layer.owners)
+    dist.barrier()
+    if rank == 0:
+        d = data[0][0]
+        start = time.monotonic()
+        msg = _catch(lambda: layer(d["x"], d["ids"], torch.softmax(d["logits"], dim=-1), plan))
+        torch.save({"message": msg, "seconds": time.monotonic() - start}, f"{tmp}/rank0.pt")
+    else:
+        time.sleep(4.0)
+    os._exit(0)  # the group holds rank 0's abandoned collective: leave without tearing it down
