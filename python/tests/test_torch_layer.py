@@ -13,7 +13,8 @@ import torch_moe_cases as tc  # noqa: E402
 
 CASES = {
     "g2-f64-top2": tc.Case(world=2, experts=16, topk=2, hidden=32, ffn=48, dtype="float64", seed=1),
-    "g4-f64-top4": tc.Case(world=4, experts=32, topk=4, hidden=48, ffn=40, nodes=2, dtype="float64", seed=2),
+    "g4-f64-top4": tc.Case(world=4, experts=32, topk=4, hidden=48, ffn=40, nodes=2, dtype="float64", seed=2,
+                           plain=((0, 1), (2, 0))),
     "g4-f32-top2": tc.Case(world=4, experts=64, topk=2, hidden=64, ffn=32, spare=2, dtype="float32", seed=3),
     "g2-f32-top4": tc.Case(world=2, experts=16, topk=4, hidden=32, ffn=32, dtype="float32", seed=4),
 }

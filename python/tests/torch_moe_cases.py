@@ -12,7 +12,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ class Case:
     dtype: str = "float64"
     seed: int = 1
     skew: float = 2.0
+    plain: Tuple[Tuple[int, int], ...] = ()  # (step, micro-step) run as plain expert parallelism (plan=None)
 
     @property
     def slots(self) -> int:
@@ -137,23 +138,24 @@ def train_rank(rank: int, case: Case, tmp: str) -> None:
     rec: Dict[str, Any] = {"out": [], "x_grad": [], "w_grad": [], "grads": [], "params": [], "sync": [],
                            "owned": layer.storage.owned_experts, "names": list(layer.storage.names),
                            "param_names": [n for n, _ in layer.named_parameters()], "replica_tokens": 0}
-    for step in data:
+    for s, step in enumerate(data):
         plans = planner.plan(step_loads(case, step), owners=layer.owners)
         for m, ranks in enumerate(step):
             d = ranks[rank]
             x = d["x"].clone().requires_grad_(True)
             logits = d["logits"].clone().requires_grad_(True)
-            out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plans[m])
+            plan = None if (s, m) in case.plain else plans[m]
+            out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
             (out * d["target"]).sum().backward()
             rec["out"].append(out.detach())
             rec["x_grad"].append(x.grad)
             rec["w_grad"].append(logits.grad)
             rec["grads"].append({n: p.grad.clone() for n, p in layer.storage.params.items()})
             rec["sync"].append(asdict(layer.last_sync))
-            taken = np.asarray(plans[m].slot_tokens[0])
-            place = np.asarray(plans[m].gpu_slots[0])
-            rec["replica_tokens"] += int(sum(taken[g, j] for g in range(case.world) for j in range(case.slots)
-                                             if place[g, j] >= 0 and layer.owners[place[g, j]] != g))
+            if plan is not None:
+                taken, place = np.asarray(plan.slot_tokens[0]), np.asarray(plan.gpu_slots[0])
+                rec["replica_tokens"] += int(sum(taken[g, j] for g in range(case.world) for j in range(case.slots)
+                                                 if place[g, j] >= 0 and layer.owners[place[g, j]] != g))
         opt.step()
         opt.zero_grad(set_to_none=True)
         rec["params"].append({n: p.detach().clone() for n, p in layer.storage.params.items()})

@@ -77,7 +77,8 @@ def wait(work: Any, timeout: float, what: str) -> None:
         raise RuntimeError(f"foremoe.torch: {what} did not finish within {timeout:g} s")
 
 
-def _check_ids(expert_ids: torch.Tensor, num_experts: int, who: str) -> None:
+def check_ids(expert_ids: torch.Tensor, num_experts: int, who: str) -> None:
+    """Raises ``ValueError`` naming the first id outside ``[-1, num_experts)`` or a wrong shape or dtype."""
     if not isinstance(expert_ids, torch.Tensor):
         raise ValueError(f"{who}: expert_ids must be a torch.Tensor, got {type(expert_ids).__name__}")
     if expert_ids.dim() != 2:
@@ -204,7 +205,7 @@ def local_layout(
     check_plan(plan, layer, G, who)
     if not 0 <= rank < G:
         raise ValueError(f"{who}: rank {rank} outside [0, {G})")
-    _check_ids(expert_ids, E, who)
+    check_ids(expert_ids, E, who)
     loads = np.ascontiguousarray(np.asarray(source_loads), dtype=np.int64)
     if loads.shape != (E, G):
         raise ValueError(f"{who}: source_loads must be [experts, ranks] = [{E}, {G}], got {list(loads.shape)}")
@@ -279,7 +280,7 @@ def dispatch_layout(
         return local_layout(plan, layer, expert_ids, source_loads, rank)
     if error is None:
         try:
-            _check_ids(expert_ids, plan.num_experts, f"{who}: rank {rank}")
+            check_ids(expert_ids, plan.num_experts, f"{who}: rank {rank}")
         except ValueError as e:
             error = str(e)
     loads, got_flags = gather_source_loads(expert_ids, plan.num_experts, group=group, flags=flags, error=error,

@@ -35,8 +35,8 @@ from torch import nn
 
 import foremoe
 
-from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout, global_rank
-from .distributed import group_rank, group_size, wait
+from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_ids, check_plan, dispatch_layout
+from .distributed import gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
 
 __all__ = [
     "BalancedMoE",
@@ -182,6 +182,13 @@ class ExpertStorage:
         return self._invalid or self._param_versions() != self._versions
 
     # -- plan checks and sync -----------------------------------------------------------------------------------
+
+    def owner_plan(self, loads: Any) -> "foremoe.Plan":
+        """The one-layer plan of plain expert parallelism for ``[E]`` loads: owners only, no replica."""
+        if getattr(self, "_owner_planner", None) is None:
+            topo = foremoe.Topology(1, self.world, self.slots)
+            self._owner_planner = foremoe.Planner(topo, move_budget=0, threads=1)
+        return self._owner_planner.plan(np.asarray(loads, dtype=np.int64)[None], owners=self.owners)
 
     def check_plan(self, plan: "foremoe.Plan", layer: int) -> np.ndarray:
         """Checks that ``plan``'s layer ``layer`` fits this storage; returns its ``[G, S]`` placement."""
@@ -424,7 +431,7 @@ def balanced_moe(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
     routing_weights: torch.Tensor,
-    plan: "foremoe.Plan",
+    plan: Optional["foremoe.Plan"],
     storage: ExpertStorage,
     expert_fn: ExpertFn,
     *,
@@ -439,6 +446,8 @@ def balanced_moe(
     ``routing_weights`` ``[T, K]``; ``storage`` this layer's :class:`ExpertStorage`; ``expert_fn(x, *w)`` one
     expert's math on its rows with its weights in ``storage.names`` order. Every rank of ``group`` calls it.
     Returns ``[T, H]``: ``sum_k routing_weights[t, k] * expert_fn(x[t], W[expert_ids[t, k]])``.
+    ``plan=None`` runs plain expert parallelism (every expert on its owner, no replica): the run without
+    ForeMoE, and a rollout's forward before any routing is known.
     """
     G = group_size(group)
     if G != storage.world:
@@ -447,11 +456,23 @@ def balanced_moe(
         raise ValueError(f"balanced_moe: this process is rank {group_rank(group)} of the group, the storage "
                          f"belongs to rank {storage.rank}")
     storage.check_aliasing()
-    check_plan(plan, layer, G, "balanced_moe")
-    storage.check_plan(plan, layer)
     error = _input_error(x, expert_ids, routing_weights, storage, hidden)
-    layout = dispatch_layout(plan, layer, expert_ids if error is None else None, group=group,
-                             flags=(int(storage.owners_changed()),), timeout=timeout, error=error)
+    flags = (int(storage.owners_changed()),)
+    if plan is None:  # plain expert parallelism: every expert on its owner, no replica
+        if error is None:
+            try:
+                check_ids(expert_ids, storage.num_experts, f"balanced_moe: rank {storage.rank}")
+            except ValueError as e:
+                error = str(e)
+        loads, got = gather_source_loads(expert_ids if error is None else None, storage.num_experts, group=group,
+                                         flags=flags, error=error, timeout=timeout, what="balanced_moe")
+        plan, layer = storage.owner_plan(loads.sum(axis=1)), 0
+        layout = local_layout(plan, 0, expert_ids, loads, storage.rank, flags=got)
+    else:
+        check_plan(plan, layer, G, "balanced_moe")
+        storage.check_plan(plan, layer)
+        layout = dispatch_layout(plan, layer, expert_ids if error is None else None, group=group, flags=flags,
+                                 timeout=timeout, error=error)
     changed = [g for g in range(G) if layout.flags[g, 0]]
     rows, _ = storage.sync(plan, layer, changed, group=group, timeout=timeout)
     run = _Run(storage, expert_fn, rows, layout, plan, layer, group, timeout)
@@ -505,7 +526,8 @@ class BalancedMoE(nn.Module):
     optimizer and DDP see, the replica rows never are. Plans must keep these owners:
     ``foremoe.Planner(...).plan(loads, owners=module.owners)``.
 
-    ``forward(x [T, H], expert_ids [T, K], routing_weights [T, K], plan)`` -> ``[T, H]``.
+    ``forward(x [T, H], expert_ids [T, K], routing_weights [T, K], plan)`` -> ``[T, H]``; ``plan=None`` is plain
+    expert parallelism (no replica).
     """
 
     def __init__(self, experts: nn.Module, slots: int, *, group: Any = None, owners: Any = None, layer: int = 0,
@@ -547,6 +569,6 @@ class BalancedMoE(nn.Module):
         return self.storage.last_sync
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
-                plan: "foremoe.Plan") -> torch.Tensor:
+                plan: Optional["foremoe.Plan"]) -> torch.Tensor:
         return balanced_moe(x, expert_ids, routing_weights, plan, self.storage, self.expert_fn, layer=self.layer,
                             group=self.group, hidden=self.hidden, timeout=self.timeout)
