@@ -90,3 +90,14 @@ def test_reference_is_not_trivial():
     ref = tc.reference(tc.Case(steps=1, micro=1))
     assert float(ref["out"][0][0].abs().max()) > 0.1
     assert np.isfinite(float(ref["grads"][0]["w_down"].abs().sum()))
+
+
+def test_training_example_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "python" / "torch_moe_train.py"
+    r = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "largest relative loss difference with and without ForeMoE" in r.stdout, r.stdout

@@ -116,8 +116,15 @@ class ExpertStorage:
             self.storage[name] = buf
             self.params[name] = nn.Parameter(buf[:n_own])
         self.expert_bytes = sum(int(t[0].numel()) * t.element_size() for t in self.storage.values())
-        # Replica rows of every rank, tracked identically on every rank: expert -> row.
-        self.resident: List[Dict[int, int]] = [dict() for _ in range(world)]
+        self.num_owned_by = np.array([o.size for o in self.owned], dtype=np.int64)
+        # Storage rows of every rank, tracked identically on every rank: the expert of each replica row, -1 for a
+        # free row (and for the owner rows, which hold the owned experts in `owned` order).
+        self.resident_rows = np.full((world, self.slots), -1, dtype=np.int64)
+        # Storage row of expert e on rank g (owner rows and resident replicas), -1 where g holds no copy.
+        self.row_of = np.full((world, self.num_experts), -1, dtype=np.int64)
+        for g in range(world):
+            self.row_of[g, self.owned[g]] = np.arange(self.owned[g].size)
+        self._owner_row_of = self.row_of.copy()
         self.row_generation = np.zeros(self.slots, dtype=np.int64)  # bumped when a row of this rank is rewritten
         self._versions = self._param_versions()
         self._ptrs = self._param_ptrs()
@@ -154,7 +161,8 @@ class ExpertStorage:
 
     def replica_experts(self) -> Dict[int, int]:
         """Replicas resident on this rank: expert -> storage row."""
-        return dict(self.resident[self.rank])
+        rows = np.flatnonzero(self.resident_rows[self.rank] >= 0)
+        return {int(self.resident_rows[self.rank, r]): int(r) for r in rows}
 
     # -- staleness --------------------------------------------------------------------------------------------
 
@@ -205,13 +213,14 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: plan layer {layer} makes GPU {int(owner[e])} the owner of expert {e}, "
                              f"the storage rank {int(self.owners[e])} (plan with owners=... the trainer's "
                              f"sharding)")
-        place = np.asarray(plan.gpu_slots[layer])
-        for g in range(self.world):
-            held = set(int(e) for e in place[g] if e >= 0)
-            missing = [int(e) for e in self.owned[g] if int(e) not in held]
-            if missing:
-                raise ValueError(f"ExpertStorage: plan layer {layer} does not keep rank {g}'s owned expert "
-                                 f"{missing[0]} on rank {g}")
+        place = np.asarray(plan.gpu_slots[layer], dtype=np.int64)
+        own_here = (place >= 0) & (self.owners[np.maximum(place, 0)] == np.arange(self.world)[:, None])
+        short = np.flatnonzero(own_here.sum(axis=1) != self.num_owned_by)
+        if short.size:  # a GPU holds at most one copy of an expert, so equal counts mean all owners are there
+            g = int(short[0])
+            missing = sorted(set(self.owned[g].tolist()) - set(place[g].tolist()))
+            raise ValueError(f"ExpertStorage: plan layer {layer} does not keep rank {g}'s owned expert "
+                             f"{missing[0]} on rank {g}")
         return place
 
     def sync(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int], *, group: Any = None,
@@ -221,45 +230,67 @@ class ExpertStorage:
         owner weights changed since the last sync (their replicas are re-sent). Every rank calls it with the
         same arguments; the moves go over ``batch_isend_irecv`` and are waited for with ``timeout``."""
         place = self.check_plan(plan, layer)
-        changed_set = set(int(g) for g in changed)
-        moves: List[Tuple[int, int, int, int]] = []  # (expert, src, dst, dst_row)
-        reused = 0
-        for g in range(self.world):
-            n_own = int(self.owned[g].size)
-            want = sorted(int(e) for e in place[g] if e >= 0 and int(self.owners[e]) != g)
-            if len(want) > self.slots - n_own:
-                raise ValueError(f"ExpertStorage: plan layer {layer} puts {len(want)} replicas on rank {g}, which "
-                                 f"has {self.slots - n_own} spare slots")
-            old = self.resident[g]
-            keep = {e: r for e, r in old.items() if e in want and int(self.owners[e]) not in changed_set}
-            reused += len(keep)
-            used = set(keep.values())
-            free = [r for r in range(n_own, self.slots) if r not in used]
-            new = dict(keep)
-            for e in want:
-                if e not in keep:
-                    row = free.pop(0)
-                    new[e] = row
-                    moves.append((e, int(self.owners[e]), g, row))
-            self.resident[g] = new
-        moves.sort()
+        changed_mask = np.zeros(self.world, dtype=bool)
+        changed_mask[np.asarray(list(changed), dtype=np.int64)] = True
+        moves, reused = self.plan_moves(place, changed_mask, layer)
         self._move(moves, group, timeout, layer)
-        stats = SyncStats(len(moves), len(moves) * self.expert_bytes, reused, tuple(sorted(changed_set)))
+        stats = SyncStats(int(moves.shape[0]), int(moves.shape[0]) * self.expert_bytes, reused,
+                          tuple(int(g) for g in np.flatnonzero(changed_mask)))
         self.last_sync = stats
         self._versions = self._param_versions()
         self._invalid = False
-        rows = np.full(self.slots, -1, dtype=np.int64)
-        for j, e in enumerate(place[self.rank]):
-            if e < 0:
-                continue
-            rows[j] = self.own_row[e] if int(self.owners[e]) == self.rank else self.resident[self.rank][int(e)]
+        mine = place[self.rank]
+        rows = np.where(mine >= 0, self.row_of[self.rank, np.maximum(mine, 0)], -1)
         return rows, stats
 
-    def _move(self, moves: Sequence[Tuple[int, int, int, int]], group: Any, timeout: float, layer: int) -> None:
+    def plan_moves(self, place: np.ndarray, changed: np.ndarray, layer: int = 0) -> Tuple[np.ndarray, int]:
+        """The bookkeeping of :meth:`sync` without the transfers: updates the tracked rows of every rank to the
+        ``[G, S]`` placement ``place`` and returns the moves ``[N, 4]`` (expert, source rank, destination rank,
+        destination row; sorted by expert, then destination) and the number of replicas reused. A replica is
+        reused when its rank already holds it and its owner (``changed[owner]`` false) did not change."""
+        G, S, E = self.world, self.slots, self.num_experts
+        ranks = np.arange(G)[:, None]
+        valid = place >= 0
+        pe = np.maximum(place, 0)
+        rep = valid & (self.owners[pe] != ranks)
+        want = np.zeros((G, E), dtype=bool)
+        gi, ji = np.nonzero(rep)
+        want[gi, place[gi, ji]] = True
+        spare = S - self.num_owned_by
+        over = np.flatnonzero(want.sum(axis=1) > spare)
+        if over.size:
+            g = int(over[0])
+            raise ValueError(f"ExpertStorage: plan layer {layer} puts {int(want[g].sum())} replicas on rank {g}, "
+                             f"which has {int(spare[g])} spare slots")
+        res = self.resident_rows
+        held = res >= 0
+        re = np.maximum(res, 0)
+        keep = held & want[ranks, re] & ~changed[self.owners[re]]
+        new_res = np.where(keep, res, -1)
+        kept = np.zeros((G, E), dtype=bool)
+        gk, rk = np.nonzero(keep)
+        kept[gk, res[gk, rk]] = True
+        gn, en = np.nonzero(want & ~kept)  # by rank, then expert
+        free = ~keep & (np.arange(S)[None, :] >= self.num_owned_by[:, None])
+        gf, rf = np.nonzero(free)  # by rank, then row
+        need_start = np.concatenate(([0], np.cumsum(np.bincount(gn, minlength=G))[:-1]))
+        free_start = np.concatenate(([0], np.cumsum(np.bincount(gf, minlength=G))[:-1]))
+        rows_new = rf[free_start[gn] + np.arange(gn.size) - need_start[gn]]
+        new_res[gn, rows_new] = en
+        self.resident_rows = new_res
+        self.row_of = self._owner_row_of.copy()
+        gr, rr = np.nonzero(new_res >= 0)
+        self.row_of[gr, new_res[gr, rr]] = rr
+        moves = np.stack([en, self.owners[en], gn, rows_new], axis=1).astype(np.int64)
+        return moves[np.lexsort((gn, en))], int(keep.sum())
+
+    def _move(self, moves: np.ndarray, group: Any, timeout: float, layer: int) -> None:
         ops = []
         nk = len(self.names)
-        for i, (e, src, dst, row) in enumerate(moves):
-            if dst == self.rank:
+        r = self.rank
+        for i in np.flatnonzero((moves[:, 1] == r) | (moves[:, 2] == r)).tolist():
+            e, src, dst, row = (int(v) for v in moves[i])
+            if dst == r:
                 self.row_generation[row] += 1
             for k, name in enumerate(self.names):
                 t = self.storage[name]
@@ -304,20 +335,21 @@ class _Run:
                  plan: "foremoe.Plan", layer: int, group: Any, timeout: float):
         self.storage, self.expert_fn, self.rows, self.layout = storage, expert_fn, rows, layout
         self.group, self.timeout, self.layer = group, timeout, layer
-        S, r = storage.slots, storage.rank
-        place = np.asarray(plan.gpu_slots[layer])
+        place = np.asarray(plan.gpu_slots[layer], dtype=np.int64)
         taken = np.asarray(plan.slot_tokens[layer])
-        # Replica gradient transfers of this layer, the same list on every rank: (expert, holder, holder row).
-        holders: List[Tuple[int, int, int]] = []
-        for g in range(storage.world):
-            for j in range(S):
-                e = int(place[g, j])
-                if e >= 0 and int(storage.owners[e]) != g and int(taken[g, j]) > 0:
-                    holders.append((e, g, storage.resident[g][e]))
-        holders.sort()
-        self.grad_transfers = holders
+        # Replica gradient transfers of this layer, the same on every rank: (expert, holder rank, holder row) of
+        # every replica given tokens, sorted by expert, then holder. Only the rows naming this rank are kept.
+        ranks = np.arange(storage.world)[:, None]
+        pe = np.maximum(place, 0)
+        gi, ji = np.nonzero((place >= 0) & (storage.owners[pe] != ranks) & (taken > 0))
+        ei = place[gi, ji]
+        t = np.stack([ei, gi, storage.row_of[gi, ei], np.zeros_like(ei)], axis=1)
+        t = t[np.lexsort((gi, ei))]
+        t[:, 3] = np.arange(t.shape[0])  # its index: the transfer's tag
+        mine = (t[:, 1] == storage.rank) | (storage.owners[t[:, 0]] == storage.rank)
+        self.grad_transfers = [tuple(int(v) for v in row) for row in t[mine]]
         self.generations = storage.row_generation.copy()
-        self.replica_slots = [j for j in range(S) if rows[j] >= storage.num_owned]
+        self.replica_slots = [j for j in np.flatnonzero(rows >= storage.num_owned).tolist()]
         self.need_grad = True
 
 
@@ -382,7 +414,7 @@ def _reduce_replica_grads(run: _Run, go: List[torch.Tensor], rep_grad: Dict[int,
     r, nk = st.rank, len(st.names)
     ops = []
     received: List[Tuple[int, int, List[torch.Tensor]]] = []  # (expert, holder, grads)
-    for i, (e, g, row) in enumerate(run.grad_transfers):
+    for e, g, row, i in run.grad_transfers:
         owner = int(st.owners[e])
         if g == r:
             for k in range(nk):
