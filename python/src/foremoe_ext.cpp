@@ -470,35 +470,80 @@ nb::ndarray<nb::numpy, std::int64_t> plan_source_split(const PyPlan &p, int laye
   return owned_array(std::move(out), {static_cast<std::size_t>(p.G) * p.S, static_cast<std::size_t>(p.G)});
 }
 
-/// `Plan.dispatch`: one source rank's `[T, 1, K]` ids mapped through the layer's placement with that source's
-/// `[G * S]` slot token counts (a column of `source_split`): `(slots [T, K] int32, order [N] int64)`, where
-/// `order` lists the routed `(token * K + k)` sorted by physical slot, token order inside a slot (a counting
-/// sort over the exact counts): the send order of `all_to_all_single`.
-nb::tuple plan_dispatch(const PyPlan &p, int layer, const RoIds &ids, const RoI64 &slot_tokens) {
+/// `Plan.dispatch`: rank `rank`'s `[T, 1, K]` ids mapped through the layer's placement with its column of the
+/// `[G * S, G]` split (`source_split`), and everything `all_to_all_single` needs, in one pass each:
+/// `slots` `[T, K]` int32 (-1 = no route); `order` the routed `token * K + k` sorted by physical slot (a counting
+/// sort over the exact counts; token order inside a slot), the send order; `send_tokens` their tokens;
+/// `input_splits` / `output_splits` `[G]` rows to / from each rank; `slot_counts` `[S]` rows per local slot;
+/// `recv_perm` the received row of each position grouped by local slot (sources in rank order inside a slot)
+/// and `recv_inverse` its inverse.
+nb::dict plan_dispatch(const PyPlan &p, int layer, const RoIds &ids, const RoLayerLoads &split, int rank) {
   const fm::LayerPlan &lp = layer_plan(p, layer, "dispatch");
   const fm::RoutedView view = routed_view(ids, "dispatch");
   require(view.num_layers() == 1, "dispatch: routed ids must be [tokens, 1, topk], got ", view.num_layers(), " layers");
-  const std::size_t P = static_cast<std::size_t>(p.G) * p.S;
-  require(slot_tokens.size() == P, "dispatch: ", slot_tokens.size(), " slot token counts for ", P, " slots");
-  const std::size_t n = static_cast<std::size_t>(view.num_tokens()) * view.topk();
+  const std::size_t G = static_cast<std::size_t>(p.G), S = static_cast<std::size_t>(p.S), P = G * S;
+  require(split.shape(0) == P && split.shape(1) == G, "dispatch: the split is [", split.shape(0), ", ", split.shape(1),
+          "], expected [", P, ", ", G, "] (slots x source ranks, from source_split)");
+  require(rank >= 0 && rank < p.G, "dispatch: rank ", rank, " outside [0, ", p.G, ")");
+  const std::size_t r = static_cast<std::size_t>(rank), topk = static_cast<std::size_t>(view.topk());
+  const std::size_t n = static_cast<std::size_t>(view.num_tokens()) * topk;
+  const std::int64_t *sp = split.data();
   std::vector<std::int32_t> slots(n);
-  std::vector<std::int64_t> order;
+  std::vector<std::int64_t> order, send_tokens, input_splits(G, 0), output_splits(G, 0), slot_counts(S, 0), perm,
+      inverse;
   {
     nb::gil_scoped_release nogil;
-    const std::span<const std::int64_t> counts(slot_tokens.data(), P);
-    const fm::TokenRanges r = fm::token_ranges(lp.placement.phys_to_log(), p.E, counts);
-    fm::map_tokens(r, view, 0, slots);
-    std::vector<std::int64_t> next(P + 1, 0);
+    std::vector<std::int64_t> column(P);
     for (std::size_t q = 0; q < P; ++q)
-      next[q + 1] = next[q] + counts[q];
+      column[q] = sp[q * G + r];
+    const fm::TokenRanges ranges = fm::token_ranges(lp.placement.phys_to_log(), p.E, column);
+    fm::map_tokens(ranges, view, 0, slots);
+    std::vector<std::int64_t> next(P + 1, 0);
+    for (std::size_t q = 0; q < P; ++q) {
+      next[q + 1] = next[q] + column[q];
+      input_splits[q / S] += column[q];
+    }
     order.resize(static_cast<std::size_t>(next[P]));
     for (std::size_t i = 0; i < n; ++i)
       if (slots[i] >= 0) order[static_cast<std::size_t>(next[slots[i]]++)] = static_cast<std::int64_t>(i);
+    send_tokens.resize(order.size());
+    for (std::size_t i = 0; i < order.size(); ++i)
+      send_tokens[i] = order[i] / static_cast<std::int64_t>(topk);
+    // Received rows come source by source, each source's rows in slot order; group them slot by slot.
+    const std::int64_t *mine = sp + r * S * G; // [S][G]: rows local slot j takes from source s
+    std::vector<std::int64_t> at(G, 0);        // next received row of each source's chunk
+    for (std::size_t j = 0; j < S; ++j)
+      for (std::size_t s = 0; s < G; ++s) {
+        output_splits[s] += mine[j * G + s];
+        slot_counts[j] += mine[j * G + s];
+      }
+    for (std::size_t s = 1; s < G; ++s)
+      at[s] = at[s - 1] + output_splits[s - 1];
+    const std::int64_t total = at[G - 1] + output_splits[G - 1];
+    perm.resize(static_cast<std::size_t>(total));
+    inverse.resize(static_cast<std::size_t>(total));
+    std::size_t pos = 0;
+    for (std::size_t j = 0; j < S; ++j)
+      for (std::size_t s = 0; s < G; ++s)
+        for (std::int64_t t = 0; t < mine[j * G + s]; ++t, ++pos) {
+          perm[pos] = at[s]++;
+          inverse[static_cast<std::size_t>(perm[pos])] = static_cast<std::int64_t>(pos);
+        }
   }
-  const std::size_t N = order.size();
-  return nb::make_tuple(owned_array(std::move(slots), {static_cast<std::size_t>(view.num_tokens()),
-                                                       static_cast<std::size_t>(view.topk())}),
-                        owned_array(std::move(order), {N}));
+  auto vec1 = [](std::vector<std::int64_t> &&v) {
+    const std::size_t m = v.size();
+    return owned_array(std::move(v), {m});
+  };
+  nb::dict out;
+  out["slots"] = owned_array(std::move(slots), {static_cast<std::size_t>(view.num_tokens()), topk});
+  out["order"] = vec1(std::move(order));
+  out["send_tokens"] = vec1(std::move(send_tokens));
+  out["input_splits"] = vec1(std::move(input_splits));
+  out["output_splits"] = vec1(std::move(output_splits));
+  out["slot_counts"] = vec1(std::move(slot_counts));
+  out["recv_perm"] = vec1(std::move(perm));
+  out["recv_inverse"] = vec1(std::move(inverse));
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -730,7 +775,7 @@ NB_MODULE(_core, m) {
               "was not met (the plan is then the best found)")
       .def("map_tokens", &plan_map_tokens, "routed_experts"_a, "layer_map"_a.none() = nb::none())
       .def("source_split", &plan_source_split, "layer"_a, "source_loads"_a)
-      .def("dispatch", &plan_dispatch, "layer"_a, "routed_experts"_a, "slot_tokens"_a)
+      .def("dispatch", &plan_dispatch, "layer"_a, "routed_experts"_a, "split"_a, "rank"_a)
       .def("transfers", &plan_transfers, "resident"_a.none() = nb::none(), "expert_bytes"_a,
            "max_chunk_bytes"_a = std::int64_t{64} << 20, "split_paths"_a = true, "host_mirror"_a = true,
            "allow_network"_a = true);

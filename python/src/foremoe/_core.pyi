@@ -113,11 +113,11 @@ class Plan:
     def source_split(self, layer: int, source_loads: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """[G * S, G] tokens each physical slot takes from each source rank, from the layer's [E, G] per-source
         loads (a copy on the source's rank first, then on its node, then anywhere)."""
-    def dispatch(
-        self, layer: int, routed_experts: Any, slot_tokens: npt.NDArray[np.int64]
-    ) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:
-        """One source rank's [T, 1, K] ids through the layer's placement with its [G * S] slot counts (a column
-        of `source_split`): (slots [T, K] int32, -1 = no route; routed (token * K + k) sorted by slot)."""
+    def dispatch(self, layer: int, routed_experts: Any, split: npt.NDArray[np.int64], rank: int) -> Dict[str, Any]:
+        """Rank `rank`'s [T, 1, K] ids through the layer's placement with its column of the [G * S, G] split:
+        slots [T, K] int32 (-1 = no route), order / send_tokens (routes sorted by slot: the send order),
+        input_splits / output_splits [G], slot_counts [S], recv_perm / recv_inverse (received rows grouped by
+        local slot)."""
     def transfers(
         self,
         resident: Optional[Placement] = None,

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import foremoe
+from foremoe import _core
 
 __all__ = [
     "DispatchLayout",
@@ -77,28 +78,25 @@ def wait(work: Any, timeout: float, what: str) -> None:
         raise RuntimeError(f"foremoe.torch: {what} did not finish within {timeout:g} s")
 
 
-def check_ids(expert_ids: torch.Tensor, num_experts: int, who: str) -> None:
-    """Raises ``ValueError`` naming the first id outside ``[-1, num_experts)`` or a wrong shape or dtype."""
+def local_counts(expert_ids: torch.Tensor, num_experts: int, who: str) -> np.ndarray:
+    """``[E]`` int64 routed count of every expert in ``[T, K]`` ids (one C++ pass, read in place), raising
+    ``ValueError`` naming the first id outside ``[-1, num_experts)`` and its token."""
     if not isinstance(expert_ids, torch.Tensor):
         raise ValueError(f"{who}: expert_ids must be a torch.Tensor, got {type(expert_ids).__name__}")
     if expert_ids.dim() != 2:
         raise ValueError(f"{who}: expert_ids must be [tokens, topk], got shape {list(expert_ids.shape)}")
-    if expert_ids.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
-        raise ValueError(f"{who}: expert_ids must be an integer tensor, got dtype {expert_ids.dtype}")
     if expert_ids.device.type != "cpu":
         raise ValueError(f"{who}: expert_ids must be on the CPU on this path, got device {expert_ids.device}")
-    if expert_ids.numel():
-        wide = expert_ids.to(torch.int64)
-        bad = (wide < -1) | (wide >= num_experts)
-        if bool(bad.any()):
-            t, k = (int(v) for v in bad.nonzero()[0])
-            raise ValueError(f"{who}: expert id {int(wide[t, k])} at token {t}, k {k} is outside [0, {num_experts}) "
-                             f"(-1 = no route)")
-
-
-def _local_counts(expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    flat = expert_ids.reshape(-1).to(torch.int64)
-    return torch.bincount(flat[flat >= 0], minlength=num_experts)
+    if expert_ids.dtype not in (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"{who}: expert_ids must be an integer tensor, got dtype {expert_ids.dtype}")
+    T, K = expert_ids.shape
+    if K == 0:
+        raise ValueError(f"{who}: expert_ids has top-k 0")
+    try:
+        totals, _ = _core.count_loads(expert_ids.reshape(T, 1, K), None, int(num_experts), None, 0, None, None)
+    except ValueError as e:  # the ids are [T, 1, K] here: drop the trace-layer index from the message
+        raise ValueError(f"{who}: {str(e).replace('count_loads: ', '').replace(', layer 0, k ', ', k ')}") from None
+    return np.asarray(totals).reshape(-1)
 
 
 def gather_source_loads(
@@ -121,7 +119,11 @@ def gather_source_loads(
     nf = len(flags)
     mine = torch.zeros(num_experts + 1 + nf, dtype=torch.int64)
     if error is None and expert_ids is not None:
-        mine[:num_experts] = _local_counts(expert_ids, num_experts)
+        try:
+            mine[:num_experts] = torch.from_numpy(local_counts(expert_ids, num_experts,
+                                                               f"{what}: rank {group_rank(group)}"))
+        except ValueError as e:
+            error = str(e)
     mine[num_experts] = 0 if error is None else 1
     if nf:
         mine[num_experts + 1:] = torch.tensor([int(f) for f in flags], dtype=torch.int64)
@@ -205,7 +207,9 @@ def local_layout(
     check_plan(plan, layer, G, who)
     if not 0 <= rank < G:
         raise ValueError(f"{who}: rank {rank} outside [0, {G})")
-    check_ids(expert_ids, E, who)
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2:
+        raise ValueError(f"{who}: expert_ids must be a [tokens, topk] torch.Tensor, got "
+                         f"{list(getattr(expert_ids, 'shape', [])) or type(expert_ids).__name__}")
     loads = np.ascontiguousarray(np.asarray(source_loads), dtype=np.int64)
     if loads.shape != (E, G):
         raise ValueError(f"{who}: source_loads must be [experts, ranks] = [{E}, {G}], got {list(loads.shape)}")
@@ -214,40 +218,25 @@ def local_layout(
     except ValueError as e:
         raise ValueError(f"{who}: plan layer {layer}: {e} (is this the plan of this layer and micro-step?)") from None
     T, K = expert_ids.shape
-    column = np.ascontiguousarray(split[:, rank])
     try:
-        slots_np, order_np = plan.dispatch(int(layer), expert_ids.reshape(T, 1, K), column)
+        d = plan.dispatch(int(layer), expert_ids.reshape(T, 1, K), split, int(rank))
     except ValueError as e:
-        raise ValueError(f"{who}: rank {rank}, plan layer {layer}: {e}") from None
-    slots = torch.from_numpy(slots_np)
-    order = torch.from_numpy(order_np)
-    input_splits = column.reshape(G, S).sum(axis=1)
-    mine = split[rank * S:(rank + 1) * S]  # [S, G] rows this rank's slots take from each source
-    output_splits = mine.sum(axis=0)
-    # Received rows: source-major, slot order inside a source. Grouped: slot-major, source order inside a slot.
-    recv_base = np.concatenate(([0], np.cumsum(output_splits)[:-1]))
-    within = np.cumsum(mine, axis=0) - mine  # [S, G] offset of slot j inside source s's chunk
-    starts = (recv_base[None, :] + within).reshape(-1)  # (j, s) order
-    lengths = mine.reshape(-1)
-    total = int(lengths.sum())
-    group_base = np.concatenate(([0], np.cumsum(lengths)[:-1]))
-    perm = np.repeat(starts - group_base, lengths) + np.arange(total, dtype=np.int64)
-    inverse = np.empty_like(perm)
-    inverse[perm] = np.arange(total, dtype=np.int64)
+        msg = str(e).replace("map_tokens: layer 0: ", "").replace(", layer 0, k ", ", k ")
+        raise ValueError(f"{who}: rank {rank}, plan layer {layer}: {msg}") from None
     return DispatchLayout(
         rank=rank,
         world=G,
         layer=int(layer),
         num_experts=E,
         slots_per_rank=S,
-        slots=slots,
-        order=order,
-        send_tokens=torch.div(order, K, rounding_mode="floor"),
-        input_splits=[int(v) for v in input_splits],
-        output_splits=[int(v) for v in output_splits],
-        recv_perm=torch.from_numpy(perm.astype(np.int64, copy=False)),
-        recv_inverse=torch.from_numpy(inverse),
-        slot_counts=[int(v) for v in mine.sum(axis=1)],
+        slots=torch.from_numpy(d["slots"]),
+        order=torch.from_numpy(d["order"]),
+        send_tokens=torch.from_numpy(d["send_tokens"]),
+        input_splits=d["input_splits"].tolist(),
+        output_splits=d["output_splits"].tolist(),
+        recv_perm=torch.from_numpy(d["recv_perm"]),
+        recv_inverse=torch.from_numpy(d["recv_inverse"]),
+        slot_counts=d["slot_counts"].tolist(),
         source_split=split,
         flags=np.zeros((G, 0), np.int64) if flags is None else flags,
     )
@@ -278,11 +267,6 @@ def dispatch_layout(
     rank = group_rank(group)
     if source_loads is not None and not flags and error is None:
         return local_layout(plan, layer, expert_ids, source_loads, rank)
-    if error is None:
-        try:
-            check_ids(expert_ids, plan.num_experts, f"{who}: rank {rank}")
-        except ValueError as e:
-            error = str(e)
     loads, got_flags = gather_source_loads(expert_ids, plan.num_experts, group=group, flags=flags, error=error,
                                            timeout=timeout, what=f"{who} (layer {layer})")
     if source_loads is not None:

@@ -35,7 +35,7 @@ from torch import nn
 
 import foremoe
 
-from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_ids, check_plan, dispatch_layout
+from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
 from .distributed import gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
 
 __all__ = [
@@ -491,11 +491,6 @@ def balanced_moe(
     error = _input_error(x, expert_ids, routing_weights, storage, hidden)
     flags = (int(storage.owners_changed()),)
     if plan is None:  # plain expert parallelism: every expert on its owner, no replica
-        if error is None:
-            try:
-                check_ids(expert_ids, storage.num_experts, f"balanced_moe: rank {storage.rank}")
-            except ValueError as e:
-                error = str(e)
         loads, got = gather_source_loads(expert_ids if error is None else None, storage.num_experts, group=group,
                                          flags=flags, error=error, timeout=timeout, what="balanced_moe")
         plan, layer = storage.owner_plan(loads.sum(axis=1)), 0
