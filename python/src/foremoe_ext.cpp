@@ -11,6 +11,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -546,6 +547,130 @@ nb::dict plan_dispatch(const PyPlan &p, int layer, const RoIds &ids, const RoLay
   return out;
 }
 
+using RoI32 = nb::ndarray<nb::ro, const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using RwRows = nb::ndarray<std::int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using RoFlags = nb::ndarray<nb::ro, const std::uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+/// `replica_sync`: the bookkeeping of foremoe.torch's `ExpertStorage` for one layer plan, the same on every rank.
+/// `owners` `[E]` owner rank of every expert; `resident` `[G, S]` the expert in each storage row of every rank (-1
+/// free; rows below a rank's owned count are its owner rows), updated in place to the plan's replicas: a replica
+/// already resident stays (unless its owner's weights `changed`), the others take the lowest free rows in expert
+/// order. Returns `moves` (the count, all ranks), `my_moves` `[n, 5]` (tag, expert, source, destination,
+/// destination row) of those naming `rank`, sorted by expert then destination; `reused`; `rows` `[S]` the storage
+/// row of each of `rank`'s plan slots (-1 empty); `grads` `[m, 4]` (expert, holder, holder row, tag) of the replica
+/// gradient transfers naming `rank` (replicas given tokens, sorted by expert then holder).
+nb::dict replica_sync(const PyPlan &p, int layer, const RoI32 &owners, RwRows resident, const RoFlags &changed,
+                      int rank) {
+  const fm::LayerPlan &lp = layer_plan(p, layer, "replica_sync");
+  const int G = p.G, S = p.S, E = p.E;
+  require(static_cast<int>(owners.shape(0)) == E, "replica_sync: ", owners.shape(0), " owners for ", E, " experts");
+  require(static_cast<int>(resident.shape(0)) == G && static_cast<int>(resident.shape(1)) == S,
+          "replica_sync: resident rows are [", resident.shape(0), ", ", resident.shape(1), "], expected [", G, ", ", S,
+          "]");
+  require(static_cast<int>(changed.shape(0)) == G, "replica_sync: ", changed.shape(0), " flags for ", G, " ranks");
+  require(rank >= 0 && rank < G, "replica_sync: rank ", rank, " outside [0, ", G, ")");
+  const std::int32_t *own = owners.data();
+  const std::int32_t *plan_owner = p.owner_gpu.data() + static_cast<std::size_t>(layer) * E;
+  const auto place = lp.placement.phys_to_log();
+  std::int64_t *res = resident.data();
+  std::vector<std::int64_t> moves, grads, rows(static_cast<std::size_t>(S), -1);
+  std::int64_t num_moves = 0, reused = 0;
+  {
+    nb::gil_scoped_release nogil;
+    std::vector<int> num_owned(static_cast<std::size_t>(G), 0), own_row(static_cast<std::size_t>(E), 0);
+    for (int e = 0; e < E; ++e) {
+      require(own[e] >= 0 && own[e] < G, "replica_sync: expert ", e, " has owner rank ", own[e]);
+      require(plan_owner[e] == own[e], "ExpertStorage: plan layer ", layer, " makes GPU ", plan_owner[e],
+              " the owner of expert ", e, ", the storage rank ", own[e],
+              " (plan with owners=... the trainer's sharding)");
+      own_row[e] = num_owned[own[e]]++;
+    }
+    std::vector<char> want(static_cast<std::size_t>(G) * E, 0);
+    for (int g = 0; g < G; ++g) {
+      int owner_copies = 0, replicas = 0;
+      for (int j = 0; j < S; ++j) {
+        const std::int32_t e = place[static_cast<std::size_t>(g) * S + j];
+        if (e < 0) continue;
+        if (own[e] == g) {
+          ++owner_copies;
+        } else {
+          want[static_cast<std::size_t>(g) * E + e] = 1;
+          ++replicas;
+        }
+      }
+      if (owner_copies != num_owned[g]) { // one copy of an expert per GPU: equal counts mean all owners are there
+        for (int e = 0; e < E; ++e)
+          if (own[e] == g &&
+              std::find(place.begin() + g * S, place.begin() + (g + 1) * S, e) == place.begin() + (g + 1) * S)
+            fail("ExpertStorage: plan layer ", layer, " does not keep rank ", g, "'s owned expert ", e, " on rank ", g);
+      }
+      require(replicas <= S - num_owned[g], "ExpertStorage: plan layer ", layer, " puts ", replicas,
+              " replicas on rank ", g, ", which has ", S - num_owned[g], " spare slots");
+    }
+    struct MoveRow {
+      std::int64_t e, src, dst, row;
+    };
+    std::vector<MoveRow> all;
+    std::vector<char> kept(static_cast<std::size_t>(E));
+    for (int g = 0; g < G; ++g) {
+      std::int64_t *rr = res + static_cast<std::size_t>(g) * S;
+      std::fill(kept.begin(), kept.end(), 0);
+      for (int j = num_owned[g]; j < S; ++j) {
+        const std::int64_t e = rr[j];
+        if (e >= 0 && e < E && want[static_cast<std::size_t>(g) * E + e] && !changed.data()[own[e]]) {
+          kept[e] = 1;
+          ++reused;
+        } else {
+          rr[j] = -1;
+        }
+      }
+      for (int j = 0; j < num_owned[g]; ++j)
+        rr[j] = -1;
+      int free_row = num_owned[g];
+      for (int e = 0; e < E; ++e) {
+        if (!want[static_cast<std::size_t>(g) * E + e] || kept[e]) continue;
+        while (rr[free_row] >= 0)
+          ++free_row;
+        rr[free_row] = e;
+        all.push_back({e, own[e], g, free_row});
+      }
+    }
+    std::sort(all.begin(), all.end(),
+              [](const MoveRow &a, const MoveRow &b) { return a.e != b.e ? a.e < b.e : a.dst < b.dst; });
+    num_moves = static_cast<std::int64_t>(all.size());
+    for (std::size_t i = 0; i < all.size(); ++i)
+      if (all[i].src == rank || all[i].dst == rank)
+        moves.insert(moves.end(), {static_cast<std::int64_t>(i), all[i].e, all[i].src, all[i].dst, all[i].row});
+    auto row_of = [&](int g, std::int32_t e) -> std::int64_t {
+      if (own[e] == g) return own_row[e];
+      const std::int64_t *rr = res + static_cast<std::size_t>(g) * S;
+      return std::find(rr, rr + S, e) - rr;
+    };
+    for (int j = 0; j < S; ++j)
+      if (const std::int32_t e = place[static_cast<std::size_t>(rank) * S + j]; e >= 0) rows[j] = row_of(rank, e);
+    std::vector<MoveRow> gr; // replica gradients: (expert, holder, holder row)
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < S; ++j) {
+        const std::size_t q = static_cast<std::size_t>(g) * S + j;
+        const std::int32_t e = place[q];
+        if (e >= 0 && own[e] != g && lp.slot_tokens[q] > 0) gr.push_back({e, g, 0, row_of(g, e)});
+      }
+    std::sort(gr.begin(), gr.end(),
+              [](const MoveRow &a, const MoveRow &b) { return a.e != b.e ? a.e < b.e : a.src < b.src; });
+    for (std::size_t i = 0; i < gr.size(); ++i)
+      if (gr[i].src == rank || own[gr[i].e] == rank)
+        grads.insert(grads.end(), {gr[i].e, gr[i].src, gr[i].row, static_cast<std::int64_t>(i)});
+  }
+  nb::dict out;
+  out["moves"] = num_moves;
+  out["reused"] = reused;
+  const std::size_t nm = moves.size() / 5, ng = grads.size() / 4;
+  out["my_moves"] = owned_array(std::move(moves), {nm, 5});
+  out["rows"] = owned_array(std::move(rows), {static_cast<std::size_t>(S)});
+  out["grads"] = owned_array(std::move(grads), {ng, 4});
+  return out;
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Synthetic traces: keyword arguments (JSON text of `synthetic_settings_schema()` keys, the flags of `foremoe
 // trace gen`) read by the same reader as the program, messages naming `where` ("synthetic_trace.topk").
@@ -834,6 +959,7 @@ NB_MODULE(_core, m) {
         return PyPlacement{topo, num_experts, fm::config::read_placement(j, source, topo, num_layers, num_experts)};
       },
       "text"_a, "source"_a, "topology"_a, "num_layers"_a, "num_experts"_a);
+  m.def("replica_sync", &replica_sync, "plan"_a, "layer"_a, "owners"_a, "resident"_a, "changed"_a, "rank"_a);
   m.def("synthetic_trace", &synthetic_trace, "config"_a);
   m.def("synthetic_loads", &synthetic_loads, "config"_a, "by_source"_a);
 }

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import foremoe
+from foremoe import _core
 
 from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
 from .distributed import gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
@@ -120,11 +121,6 @@ class ExpertStorage:
         # Storage rows of every rank, tracked identically on every rank: the expert of each replica row, -1 for a
         # free row (and for the owner rows, which hold the owned experts in `owned` order).
         self.resident_rows = np.full((world, self.slots), -1, dtype=np.int64)
-        # Storage row of expert e on rank g (owner rows and resident replicas), -1 where g holds no copy.
-        self.row_of = np.full((world, self.num_experts), -1, dtype=np.int64)
-        for g in range(world):
-            self.row_of[g, self.owned[g]] = np.arange(self.owned[g].size)
-        self._owner_row_of = self.row_of.copy()
         self.row_generation = np.zeros(self.slots, dtype=np.int64)  # bumped when a row of this rank is rewritten
         self._versions = self._param_versions()
         self._ptrs = self._param_ptrs()
@@ -199,7 +195,8 @@ class ExpertStorage:
         return self._owner_planner.plan(np.asarray(loads, dtype=np.int64)[None], owners=self.owners)
 
     def check_plan(self, plan: "foremoe.Plan", layer: int) -> np.ndarray:
-        """Checks that ``plan``'s layer ``layer`` fits this storage; returns its ``[G, S]`` placement."""
+        """Checks that ``plan``'s layer ``layer`` fits this storage (ranks, slots, experts, owners; that it keeps
+        every owned expert on its owner is checked by :meth:`bookkeep`); returns its ``[G, S]`` placement."""
         if plan.num_gpus != self.world:
             raise ValueError(f"ExpertStorage: the plan is for {plan.num_gpus} ranks, the storage for {self.world}")
         if plan.slots != self.slots:
@@ -213,84 +210,40 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: plan layer {layer} makes GPU {int(owner[e])} the owner of expert {e}, "
                              f"the storage rank {int(self.owners[e])} (plan with owners=... the trainer's "
                              f"sharding)")
-        place = np.asarray(plan.gpu_slots[layer], dtype=np.int64)
-        own_here = (place >= 0) & (self.owners[np.maximum(place, 0)] == np.arange(self.world)[:, None])
-        short = np.flatnonzero(own_here.sum(axis=1) != self.num_owned_by)
-        if short.size:  # a GPU holds at most one copy of an expert, so equal counts mean all owners are there
-            g = int(short[0])
-            missing = sorted(set(self.owned[g].tolist()) - set(place[g].tolist()))
-            raise ValueError(f"ExpertStorage: plan layer {layer} does not keep rank {g}'s owned expert "
-                             f"{missing[0]} on rank {g}")
-        return place
+        return np.asarray(plan.gpu_slots[layer])
+
+    def bookkeep(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int]) -> Dict[str, Any]:
+        """The bookkeeping of :meth:`sync` without the transfers (C++, the same on every rank): updates the
+        tracked rows of every rank to the plan's replicas and returns ``moves`` (count), ``my_moves`` ``[n, 5]``
+        (tag, expert, source, destination, row) naming this rank, ``reused``, ``rows`` ``[S]`` (storage row of
+        each of this rank's plan slots, -1 empty) and ``grads`` ``[m, 4]`` (expert, holder, holder row, tag) of
+        the replica gradient transfers naming this rank. A replica is reused when its rank holds it already and
+        its owner is not in ``changed`` (ranks whose owner weights changed since the last sync)."""
+        flags = np.zeros(self.world, dtype=np.uint8)
+        flags[np.asarray(list(changed), dtype=np.int64)] = 1
+        out = _core.replica_sync(plan, int(layer), self.owners, self.resident_rows, flags, self.rank)
+        out["changed"] = tuple(int(g) for g in np.flatnonzero(flags))
+        return out
 
     def sync(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int], *, group: Any = None,
-             timeout: float = DEFAULT_TIMEOUT) -> Tuple[np.ndarray, SyncStats]:
-        """Brings this rank's replica rows to ``plan``'s layer ``layer``: returns the storage row of each of
-        this rank's plan slots (``[S]``, -1 for an empty slot) and what moved. ``changed`` lists the ranks whose
-        owner weights changed since the last sync (their replicas are re-sent). Every rank calls it with the
-        same arguments; the moves go over ``batch_isend_irecv`` and are waited for with ``timeout``."""
-        place = self.check_plan(plan, layer)
-        changed_mask = np.zeros(self.world, dtype=bool)
-        changed_mask[np.asarray(list(changed), dtype=np.int64)] = True
-        moves, reused = self.plan_moves(place, changed_mask, layer)
-        self._move(moves, group, timeout, layer)
-        stats = SyncStats(int(moves.shape[0]), int(moves.shape[0]) * self.expert_bytes, reused,
-                          tuple(int(g) for g in np.flatnonzero(changed_mask)))
-        self.last_sync = stats
+             timeout: float = DEFAULT_TIMEOUT) -> Dict[str, Any]:
+        """Brings this rank's replica rows to ``plan``'s layer ``layer`` (:meth:`bookkeep`, then the moves over
+        ``batch_isend_irecv`` from the owners, waited for with ``timeout``). Every rank calls it with the same
+        arguments. Returns :meth:`bookkeep`'s result."""
+        self.check_plan(plan, layer)
+        out = self.bookkeep(plan, layer, changed)
+        self._move(out["my_moves"], group, timeout, layer)
+        self.last_sync = SyncStats(int(out["moves"]), int(out["moves"]) * self.expert_bytes, int(out["reused"]),
+                                   out["changed"])
         self._versions = self._param_versions()
         self._invalid = False
-        mine = place[self.rank]
-        rows = np.where(mine >= 0, self.row_of[self.rank, np.maximum(mine, 0)], -1)
-        return rows, stats
+        return out
 
-    def plan_moves(self, place: np.ndarray, changed: np.ndarray, layer: int = 0) -> Tuple[np.ndarray, int]:
-        """The bookkeeping of :meth:`sync` without the transfers: updates the tracked rows of every rank to the
-        ``[G, S]`` placement ``place`` and returns the moves ``[N, 4]`` (expert, source rank, destination rank,
-        destination row; sorted by expert, then destination) and the number of replicas reused. A replica is
-        reused when its rank already holds it and its owner (``changed[owner]`` false) did not change."""
-        G, S, E = self.world, self.slots, self.num_experts
-        ranks = np.arange(G)[:, None]
-        valid = place >= 0
-        pe = np.maximum(place, 0)
-        rep = valid & (self.owners[pe] != ranks)
-        want = np.zeros((G, E), dtype=bool)
-        gi, ji = np.nonzero(rep)
-        want[gi, place[gi, ji]] = True
-        spare = S - self.num_owned_by
-        over = np.flatnonzero(want.sum(axis=1) > spare)
-        if over.size:
-            g = int(over[0])
-            raise ValueError(f"ExpertStorage: plan layer {layer} puts {int(want[g].sum())} replicas on rank {g}, "
-                             f"which has {int(spare[g])} spare slots")
-        res = self.resident_rows
-        held = res >= 0
-        re = np.maximum(res, 0)
-        keep = held & want[ranks, re] & ~changed[self.owners[re]]
-        new_res = np.where(keep, res, -1)
-        kept = np.zeros((G, E), dtype=bool)
-        gk, rk = np.nonzero(keep)
-        kept[gk, res[gk, rk]] = True
-        gn, en = np.nonzero(want & ~kept)  # by rank, then expert
-        free = ~keep & (np.arange(S)[None, :] >= self.num_owned_by[:, None])
-        gf, rf = np.nonzero(free)  # by rank, then row
-        need_start = np.concatenate(([0], np.cumsum(np.bincount(gn, minlength=G))[:-1]))
-        free_start = np.concatenate(([0], np.cumsum(np.bincount(gf, minlength=G))[:-1]))
-        rows_new = rf[free_start[gn] + np.arange(gn.size) - need_start[gn]]
-        new_res[gn, rows_new] = en
-        self.resident_rows = new_res
-        self.row_of = self._owner_row_of.copy()
-        gr, rr = np.nonzero(new_res >= 0)
-        self.row_of[gr, new_res[gr, rr]] = rr
-        moves = np.stack([en, self.owners[en], gn, rows_new], axis=1).astype(np.int64)
-        return moves[np.lexsort((gn, en))], int(keep.sum())
-
-    def _move(self, moves: np.ndarray, group: Any, timeout: float, layer: int) -> None:
+    def _move(self, my_moves: np.ndarray, group: Any, timeout: float, layer: int) -> None:
         ops = []
         nk = len(self.names)
-        r = self.rank
-        for i in np.flatnonzero((moves[:, 1] == r) | (moves[:, 2] == r)).tolist():
-            e, src, dst, row = (int(v) for v in moves[i])
-            if dst == r:
+        for i, e, src, dst, row in my_moves.tolist():
+            if dst == self.rank:
                 self.row_generation[row] += 1
             for k, name in enumerate(self.names):
                 t = self.storage[name]
@@ -331,25 +284,15 @@ def _combine(y_routes: torch.Tensor, routing_weights: torch.Tensor, T: int, K: i
 class _Run:
     """What one layer call's expert compute and its backward need."""
 
-    def __init__(self, storage: ExpertStorage, expert_fn: ExpertFn, rows: np.ndarray, layout: DispatchLayout,
-                 plan: "foremoe.Plan", layer: int, group: Any, timeout: float):
-        self.storage, self.expert_fn, self.rows, self.layout = storage, expert_fn, rows, layout
+    def __init__(self, storage: ExpertStorage, expert_fn: ExpertFn, book: Mapping[str, Any], layout: DispatchLayout,
+                 layer: int, group: Any, timeout: float):
+        self.storage, self.expert_fn, self.layout = storage, expert_fn, layout
         self.group, self.timeout, self.layer = group, timeout, layer
-        place = np.asarray(plan.gpu_slots[layer], dtype=np.int64)
-        taken = np.asarray(plan.slot_tokens[layer])
-        # Replica gradient transfers of this layer, the same on every rank: (expert, holder rank, holder row) of
-        # every replica given tokens, sorted by expert, then holder. Only the rows naming this rank are kept.
-        ranks = np.arange(storage.world)[:, None]
-        pe = np.maximum(place, 0)
-        gi, ji = np.nonzero((place >= 0) & (storage.owners[pe] != ranks) & (taken > 0))
-        ei = place[gi, ji]
-        t = np.stack([ei, gi, storage.row_of[gi, ei], np.zeros_like(ei)], axis=1)
-        t = t[np.lexsort((gi, ei))]
-        t[:, 3] = np.arange(t.shape[0])  # its index: the transfer's tag
-        mine = (t[:, 1] == storage.rank) | (storage.owners[t[:, 0]] == storage.rank)
-        self.grad_transfers = [tuple(int(v) for v in row) for row in t[mine]]
+        self.rows = book["rows"]
+        # (expert, holder rank, holder row, tag) of the replica gradient transfers naming this rank.
+        self.grad_transfers = book["grads"].tolist()
         self.generations = storage.row_generation.copy()
-        self.replica_slots = [j for j in np.flatnonzero(rows >= storage.num_owned).tolist()]
+        self.replica_slots = np.flatnonzero(self.rows >= storage.num_owned).tolist()
         self.need_grad = True
 
 
@@ -501,8 +444,8 @@ def balanced_moe(
         layout = dispatch_layout(plan, layer, expert_ids if error is None else None, group=group, flags=flags,
                                  timeout=timeout, error=error)
     changed = [g for g in range(G) if layout.flags[g, 0]]
-    rows, _ = storage.sync(plan, layer, changed, group=group, timeout=timeout)
-    run = _Run(storage, expert_fn, rows, layout, plan, layer, group, timeout)
+    book = storage.sync(plan, layer, changed, group=group, timeout=timeout)
+    run = _Run(storage, expert_fn, book, layout, layer, group, timeout)
     run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
                                                                          for p in storage.params.values()))
     T, K = expert_ids.shape
