@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs the Debian packages ForeMoE builds with, only those missing.
 # Idempotent and silent when everything is present. `--ci` adds what CI's
-# fuzzer and sanitizer runs need (clang with its runtime) and the lint tools
-# (clang-tidy-14, clang-format-14; scripts/lint.sh).
+# fuzzer and sanitizer runs need (clang with its runtime), the lint tools
+# (clang-tidy-14, clang-format-14; scripts/lint.sh) and what the foremoe.torch
+# tests run on (Debian's CPU PyTorch with gloo, a venv over it, headers to
+# build the extension for that interpreter).
 set -euo pipefail
 
 pkgs=(cmake ninja-build g++ doctest-dev libbenchmark-dev)
 if [[ "${1:-}" == "--ci" ]]; then
-  pkgs+=(clang libclang-rt-14-dev clang-tidy-14 clang-format-14)
+  pkgs+=(clang libclang-rt-14-dev clang-tidy-14 clang-format-14 python3-torch python3-venv python3-dev)
 fi
 
 missing=()

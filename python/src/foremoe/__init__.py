@@ -303,6 +303,7 @@ class Planner:
         *,
         previous_loads: Any = None,
         stage: str = "update",
+        owners: Any = None,
     ) -> Union[Plan, List[Plan]]:
         """Plans one micro-step (``loads`` ``[L, E]``) or the micro-steps of one RL step (``[M, L, E]``).
 
@@ -312,6 +313,9 @@ class Planner:
         ``[L, G, S]`` array of expert ids, -1 empty), or none.
         ``previous_loads`` (``[L, E]`` or ``[M, L, E]``) is the history
         ``eplb`` plans from. ``stage`` is ``update`` or ``recompute``.
+        ``owners`` (``[L, E]`` or ``[E]`` for every layer: the owner GPU of every
+        expert, e.g. a trainer's expert-parallel sharding) fixes the owners
+        instead of planning them from the step totals (two-level strategies).
 
         Returns a :class:`Plan` for ``[L, E]`` loads, a list of them for ``[M, L, E]``.
         """
@@ -329,7 +333,15 @@ class Planner:
             if prev.ndim != 2:
                 raise ValueError(f"plan: previous_loads must be [L, E] or [M, L, E], got shape {prev.shape}")
         res = _as_resident(resident, self.topology, a.shape[2])
-        plans = self._core.plan_step(a, res, prev, str(stage))
+        own = None
+        if owners is not None:
+            o = np.asarray(owners)
+            if o.dtype.kind not in "iu":
+                raise ValueError(f"plan: owners must hold integer GPU indices, got dtype {o.dtype}")
+            if o.ndim == 1:
+                o = np.broadcast_to(o, (a.shape[1],) + o.shape)
+            own = np.ascontiguousarray(o, dtype=np.int32)
+        plans = self._core.plan_step(a, res, prev, str(stage), own)
         return plans[0] if single else plans
 
     def __repr__(self) -> str:

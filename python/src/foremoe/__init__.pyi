@@ -65,6 +65,7 @@ class Planner:
         *,
         previous_loads: Any = None,
         stage: str = "update",
+        owners: Any = None,
     ) -> Union[Plan, List[Plan]]:
         """[L, E] loads -> Plan; [M, L, E] -> list of Plans (one per micro-step)."""
 

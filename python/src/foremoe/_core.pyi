@@ -110,6 +110,14 @@ class Plan:
     def num_moves(self) -> int: ...
     def map_tokens(self, routed_experts: Any, layer_map: Optional[Sequence[int]] = None) -> npt.NDArray[np.int32]:
         """[T, L_trace, K] physical slot (gpu * slots + slot) of every routed id; -1 for no route and dense layers."""
+    def source_split(self, layer: int, source_loads: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """[G * S, G] tokens each physical slot takes from each source rank, from the layer's [E, G] per-source
+        loads (a copy on the source's rank first, then on its node, then anywhere)."""
+    def dispatch(self, layer: int, routed_experts: Any, split: npt.NDArray[np.int64], rank: int) -> Dict[str, Any]:
+        """Rank `rank`'s [T, 1, K] ids through the layer's placement with its column of the [G * S, G] split:
+        slots [T, K] int32 (-1 = no route), order / send_tokens (routes sorted by slot: the send order),
+        input_splits / output_splits [G], slot_counts [S], recv_perm / recv_inverse (received rows grouped by
+        local slot)."""
     def transfers(
         self,
         resident: Optional[Placement] = None,
@@ -137,6 +145,7 @@ class Planner:
         resident: Optional[Placement],
         previous_loads: Optional[npt.NDArray[np.int64]],
         stage: str,
+        owners: Optional[npt.NDArray[np.int32]] = None,
     ) -> List[Plan]: ...
     def _bench_cpp_plan(self, loads: npt.NDArray[np.int64], resident: Optional[Placement], iters: int) -> float: ...
 

@@ -1,0 +1,544 @@
+"""The balanced MoE layer: expert slot storage, weight moves, dispatch, expert compute and gradient reduction.
+
+Per MoE layer and rank, :class:`ExpertStorage` holds one contiguous tensor per weight kind, ``[slots, ...]``:
+the rank's owned experts first (ascending expert id; these rows *are* the trainer's parameters, as views),
+then the spare rows the plans' replicas go to (plain tensors: never parameters, never in a ``state_dict``,
+never seen by an optimizer or DDP).
+
+:func:`balanced_moe` (and the module :class:`BalancedMoE` around a plain experts module with weights
+``[E, ...]``) runs one layer of one micro-step under that micro-step's :class:`foremoe.Plan`:
+
+1. the per-rank expert counts are gathered (one small ``all_gather`` that also carries every rank's input
+   check and whether its owner weights changed since the last sync);
+2. replicas the plan wants and the rank does not hold (or holds stale) are sent from their owners with
+   ``batch_isend_irecv`` on the trainer's process group; resident replicas are reused without a move;
+3. tokens go to physical slots with the plan's exact split (:mod:`foremoe.torch.distributed`), are exchanged
+   with ``all_to_all_single`` and computed slot by slot on the local slots, then sent back and combined with the
+   routing weights.
+
+The backward sends the gradients back the same way, and every replica's weight gradient is sent to the owner
+and added to the owner's gradient (its ``.grad``, or whatever the trainer's gradient hooks accumulate into)
+in a fixed order (owner's own first, then the replicas in ascending rank order) before autograd hands it on,
+all or nothing: a failed or late transfer raises and no gradient of that layer reaches the parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import foremoe
+from foremoe import _core
+
+from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
+from .distributed import gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
+
+__all__ = [
+    "BalancedMoE",
+    "ExpertStorage",
+    "SwiGLUExperts",
+    "SyncStats",
+    "balanced_moe",
+    "contiguous_owners",
+    "reference_moe",
+]
+
+ExpertFn = Callable[..., torch.Tensor]
+
+
+def contiguous_owners(num_experts: int, world: int) -> np.ndarray:
+    """Megatron's expert-parallel sharding: rank ``g`` owns experts ``[g * E / G, (g + 1) * E / G)``."""
+    if world <= 0 or num_experts % world:
+        raise ValueError(f"contiguous_owners: {num_experts} experts do not split evenly over {world} ranks")
+    return np.repeat(np.arange(world, dtype=np.int32), num_experts // world)
+
+
+@dataclass
+class SyncStats:
+    """What one layer's replica sync did (the same numbers on every rank)."""
+
+    moves: int  # replicas sent, all ranks
+    bytes_moved: int  # their bytes, all ranks
+    reused: int  # replicas the plan wants that were already resident and current
+    refreshed_owners: Tuple[int, ...]  # ranks whose owner weights changed since the last sync
+
+
+class ExpertStorage:
+    """One MoE layer's expert slots on this rank (see the module docstring).
+
+    Args:
+        weights: this rank's owned experts, ``{kind: [n_owned, ...]}`` (ascending expert id), any float dtype.
+        owners: ``[E]`` owner rank of every expert (the same on every rank).
+        slots: rows per weight kind (the plans' slots per rank): owned experts plus spare replica rows.
+        rank, world: this rank and the group size.
+    """
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int, world: int):
+        own = np.ascontiguousarray(np.asarray(owners), dtype=np.int32)
+        if own.ndim != 1 or own.size == 0:
+            raise ValueError(f"ExpertStorage: owners must be [experts], got shape {list(own.shape)}")
+        if own.min() < 0 or own.max() >= world:
+            bad = int(np.flatnonzero((own < 0) | (own >= world))[0])
+            raise ValueError(f"ExpertStorage: expert {bad} has owner rank {int(own[bad])}, outside [0, {world})")
+        if not 0 <= rank < world:
+            raise ValueError(f"ExpertStorage: rank {rank} outside [0, {world})")
+        self.num_experts = int(own.size)
+        self.rank, self.world, self.slots = int(rank), int(world), int(slots)
+        self.owners = own
+        self.owned = [np.flatnonzero(own == g).astype(np.int64) for g in range(world)]
+        self.own_row = np.zeros(self.num_experts, dtype=np.int64)
+        for g in range(world):
+            self.own_row[self.owned[g]] = np.arange(self.owned[g].size)
+        busiest = int(max(o.size for o in self.owned))
+        if busiest > slots:
+            g = int(np.argmax([o.size for o in self.owned]))
+            raise ValueError(f"ExpertStorage: rank {g} owns {busiest} experts but has only {slots} slots")
+        n_own = int(self.owned[rank].size)
+        if not weights:
+            raise ValueError("ExpertStorage: no weights")
+        self.names: Tuple[str, ...] = tuple(weights)
+        self.storage: Dict[str, torch.Tensor] = {}
+        self.params: Dict[str, nn.Parameter] = {}
+        for name, w in weights.items():
+            if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+                raise ValueError(f"ExpertStorage: weight {name!r} must be a float tensor")
+            if w.dim() < 1 or w.shape[0] != n_own:
+                raise ValueError(f"ExpertStorage: weight {name!r} is {list(w.shape)}, expected [{n_own}, ...] "
+                                 f"(the {n_own} experts rank {rank} owns)")
+            buf = torch.zeros((self.slots,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
+            with torch.no_grad():
+                buf[:n_own].copy_(w.detach())
+            self.storage[name] = buf
+            self.params[name] = nn.Parameter(buf[:n_own])
+        self.expert_bytes = sum(int(t[0].numel()) * t.element_size() for t in self.storage.values())
+        self.num_owned_by = np.array([o.size for o in self.owned], dtype=np.int64)
+        # Storage rows of every rank, tracked identically on every rank: the expert of each replica row, -1 for a
+        # free row (and for the owner rows, which hold the owned experts in `owned` order).
+        self.resident_rows = np.full((world, self.slots), -1, dtype=np.int64)
+        self.row_generation = np.zeros(self.slots, dtype=np.int64)  # bumped when a row of this rank is rewritten
+        self._versions = self._param_versions()
+        self._ptrs = self._param_ptrs()
+        self._invalid = False
+        self.last_sync: Optional[SyncStats] = None
+
+    @classmethod
+    def from_full(cls, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int,
+                  world: int) -> "ExpertStorage":
+        """Storage from the weights of all experts ``{kind: [E, ...]}``: this rank keeps its owned rows."""
+        own = np.asarray(owners)
+        mine = torch.from_numpy(np.flatnonzero(own == rank).astype(np.int64))
+        picked = {}
+        for name, w in weights.items():
+            if w.dim() < 1 or w.shape[0] != own.size:
+                raise ValueError(f"ExpertStorage: weight {name!r} is {list(w.shape)}, expected [{own.size}, ...]")
+            picked[name] = w.detach().index_select(0, mine.to(w.device))
+        return cls(picked, owners, slots, rank=rank, world=world)
+
+    # -- views ----------------------------------------------------------------------------------------------
+
+    @property
+    def num_owned(self) -> int:
+        return int(self.owned[self.rank].size)
+
+    @property
+    def owned_experts(self) -> List[int]:
+        """The experts this rank owns, in row order."""
+        return [int(e) for e in self.owned[self.rank]]
+
+    def replicas(self, name: str) -> torch.Tensor:
+        """The spare replica rows of weight kind ``name`` (a view, not a parameter)."""
+        return self.storage[name][self.num_owned:]
+
+    def replica_experts(self) -> Dict[int, int]:
+        """Replicas resident on this rank: expert -> storage row."""
+        rows = np.flatnonzero(self.resident_rows[self.rank] >= 0)
+        return {int(self.resident_rows[self.rank, r]): int(r) for r in rows}
+
+    # -- staleness --------------------------------------------------------------------------------------------
+
+    def _param_versions(self) -> List[int]:
+        return [int(p._version) for p in self.params.values()]
+
+    def _param_ptrs(self) -> List[int]:
+        return [int(p.data_ptr()) for p in self.params.values()]
+
+    def invalidate(self) -> None:
+        """Marks this rank's owner weights as changed: every replica of them is re-sent at the next sync. Only
+        needed when the weights change without an in-place update of the parameters (``p.data = ...``,
+        a load through ``.data``); the optimizer's in-place steps are detected on their own."""
+        self._invalid = True
+
+    def check_aliasing(self) -> None:
+        """Raises when an owner parameter no longer shares the slot storage (its ``.data`` was replaced)."""
+        for (name, p), ptr in zip(self.params.items(), self._ptrs):
+            if int(p.data_ptr()) != ptr or p.shape[0] != self.num_owned:
+                raise ValueError(f"ExpertStorage: owner parameter {name!r} no longer aliases the slot storage "
+                                 f"(its .data was replaced); update it in place instead")
+
+    def owners_changed(self) -> bool:
+        """Whether this rank's owner weights changed since the last sync (in-place updates or :meth:`invalidate`)."""
+        return self._invalid or self._param_versions() != self._versions
+
+    # -- plan checks and sync -----------------------------------------------------------------------------------
+
+    def owner_plan(self, loads: Any) -> "foremoe.Plan":
+        """The one-layer plan of plain expert parallelism for ``[E]`` loads: owners only, no replica."""
+        if getattr(self, "_owner_planner", None) is None:
+            topo = foremoe.Topology(1, self.world, self.slots)
+            self._owner_planner = foremoe.Planner(topo, move_budget=0, threads=1)
+        return self._owner_planner.plan(np.asarray(loads, dtype=np.int64)[None], owners=self.owners)
+
+    def check_plan(self, plan: "foremoe.Plan", layer: int) -> np.ndarray:
+        """Checks that ``plan``'s layer ``layer`` fits this storage (ranks, slots, experts, owners; that it keeps
+        every owned expert on its owner is checked by :meth:`bookkeep`); returns its ``[G, S]`` placement."""
+        if plan.num_gpus != self.world:
+            raise ValueError(f"ExpertStorage: the plan is for {plan.num_gpus} ranks, the storage for {self.world}")
+        if plan.slots != self.slots:
+            raise ValueError(f"ExpertStorage: the plan has {plan.slots} slots per rank, the storage {self.slots}")
+        if plan.num_experts != self.num_experts:
+            raise ValueError(f"ExpertStorage: the plan has {plan.num_experts} experts, the storage "
+                             f"{self.num_experts}")
+        owner = plan.owner_gpu[layer]
+        if not np.array_equal(owner, self.owners):
+            e = int(np.flatnonzero(owner != self.owners)[0])
+            raise ValueError(f"ExpertStorage: plan layer {layer} makes GPU {int(owner[e])} the owner of expert {e}, "
+                             f"the storage rank {int(self.owners[e])} (plan with owners=... the trainer's "
+                             f"sharding)")
+        return np.asarray(plan.gpu_slots[layer])
+
+    def bookkeep(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int]) -> Dict[str, Any]:
+        """The bookkeeping of :meth:`sync` without the transfers (C++, the same on every rank): updates the
+        tracked rows of every rank to the plan's replicas and returns ``moves`` (count), ``my_moves`` ``[n, 5]``
+        (tag, expert, source, destination, row) naming this rank, ``reused``, ``rows`` ``[S]`` (storage row of
+        each of this rank's plan slots, -1 empty) and ``grads`` ``[m, 4]`` (expert, holder, holder row, tag) of
+        the replica gradient transfers naming this rank. A replica is reused when its rank holds it already and
+        its owner is not in ``changed`` (ranks whose owner weights changed since the last sync)."""
+        flags = np.zeros(self.world, dtype=np.uint8)
+        flags[np.asarray(list(changed), dtype=np.int64)] = 1
+        out = _core.replica_sync(plan, int(layer), self.owners, self.resident_rows, flags, self.rank)
+        out["changed"] = tuple(int(g) for g in np.flatnonzero(flags))
+        return out
+
+    def sync(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int], *, group: Any = None,
+             timeout: float = DEFAULT_TIMEOUT) -> Dict[str, Any]:
+        """Brings this rank's replica rows to ``plan``'s layer ``layer`` (:meth:`bookkeep`, then the moves over
+        ``batch_isend_irecv`` from the owners, waited for with ``timeout``). Every rank calls it with the same
+        arguments. Returns :meth:`bookkeep`'s result."""
+        self.check_plan(plan, layer)
+        out = self.bookkeep(plan, layer, changed)
+        self._move(out["my_moves"], group, timeout, layer)
+        self.last_sync = SyncStats(int(out["moves"]), int(out["moves"]) * self.expert_bytes, int(out["reused"]),
+                                   out["changed"])
+        self._versions = self._param_versions()
+        self._invalid = False
+        return out
+
+    def _move(self, my_moves: np.ndarray, group: Any, timeout: float, layer: int) -> None:
+        ops = []
+        nk = len(self.names)
+        for i, e, src, dst, row in my_moves.tolist():
+            if dst == self.rank:
+                self.row_generation[row] += 1
+            for k, name in enumerate(self.names):
+                t = self.storage[name]
+                if src == self.rank:
+                    ops.append(dist.P2POp(dist.isend, t[int(self.own_row[e])], global_rank(group, dst), group,
+                                          i * nk + k))
+                elif dst == self.rank:
+                    ops.append(dist.P2POp(dist.irecv, t[row], global_rank(group, src), group, i * nk + k))
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                wait(w, timeout, f"replica weight moves of layer {layer}")
+
+
+def reference_moe(x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
+                  weights: Mapping[str, torch.Tensor], expert_fn: ExpertFn) -> torch.Tensor:
+    """The plain single-process MoE layer without replication: ``out[t] = sum_k w[t, k] * f(x[t]; W[ids[t, k]])``
+    with ``weights`` ``{kind: [E, ...]}`` (the reference the balanced layer equals)."""
+    T, K = expert_ids.shape
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    tok = torch.arange(T * K, device=x.device) // K
+    rows = []
+    pos = []
+    ws = list(weights.values())
+    for e in torch.unique(flat[flat >= 0]).tolist():
+        idx = (flat == e).nonzero().reshape(-1)
+        rows.append(expert_fn(x.index_select(0, tok[idx]), *[w[e] for w in ws]))
+        pos.append(idx)
+    y = x.new_zeros((T * K, x.shape[1]))
+    if rows:
+        y = y.index_copy(0, torch.cat(pos), torch.cat(rows))
+    return _combine(y, routing_weights, T, K)
+
+
+def _combine(y_routes: torch.Tensor, routing_weights: torch.Tensor, T: int, K: int) -> torch.Tensor:
+    return (routing_weights.to(y_routes.dtype).unsqueeze(-1) * y_routes.view(T, K, -1)).sum(dim=1)
+
+
+class _Run:
+    """What one layer call's expert compute and its backward need."""
+
+    def __init__(self, storage: ExpertStorage, expert_fn: ExpertFn, book: Mapping[str, Any], layout: DispatchLayout,
+                 layer: int, group: Any, timeout: float):
+        self.storage, self.expert_fn, self.layout = storage, expert_fn, layout
+        self.group, self.timeout, self.layer = group, timeout, layer
+        self.rows = book["rows"]
+        # (expert, holder rank, holder row, tag) of the replica gradient transfers naming this rank.
+        self.grad_transfers = book["grads"].tolist()
+        self.generations = storage.row_generation.copy()
+        self.replica_slots = np.flatnonzero(self.rows >= storage.num_owned).tolist()
+        self.need_grad = True
+
+
+class _SlotExperts(torch.autograd.Function):
+    """Expert compute on this rank's slots, with the replica gradients reduced into the owners in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, run: _Run, *owner_params: torch.Tensor) -> torch.Tensor:
+        st = run.storage
+        counts = run.layout.slot_counts
+        need = run.need_grad
+        with torch.enable_grad() if need else torch.no_grad():
+            xd = x.detach().requires_grad_(True)
+            od = [p.detach().requires_grad_(True) for p in owner_params]
+            rep = {j: [st.storage[n][int(run.rows[j])].detach().requires_grad_(True) for n in st.names]
+                   for j in run.replica_slots if counts[j] > 0}
+            outs = []
+            off = 0
+            for j, n in enumerate(counts):
+                if n == 0:
+                    continue
+                row = int(run.rows[j])
+                ws = [w[row] for w in od] if row < st.num_owned else rep[j]
+                outs.append(run.expert_fn(xd[off:off + n], *ws))
+                off += n
+            y = torch.cat(outs) if outs else x.new_zeros((0,) + tuple(x.shape[1:]))
+        ctx.run = run
+        ctx.inner = (xd, od, rep, y) if need else None
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx: Any, gy: torch.Tensor) -> Tuple[Any, ...]:
+        run: _Run = ctx.run
+        st = run.storage
+        if ctx.inner is None:
+            raise RuntimeError("foremoe.torch: backward of a balanced MoE layer that ran without autograd")
+        for j in run.replica_slots:
+            row = int(run.rows[j])
+            if st.row_generation[row] != run.generations[row]:
+                raise RuntimeError(f"foremoe.torch: layer {run.layer}: replica row {row} was rewritten by a later "
+                                   f"micro-step before this micro-step's backward")
+        xd, od, rep, y = ctx.inner
+        rep_slots = sorted(rep)
+        leaves = [xd] + od + [t for j in rep_slots for t in rep[j]]
+        if y.requires_grad:
+            grads = list(torch.autograd.grad(y, leaves, gy, allow_unused=True))
+        else:
+            grads = [None] * len(leaves)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+        nk = len(st.names)
+        gx, go = grads[0], grads[1:1 + nk]
+        rep_grad = {j: grads[1 + nk + i * nk:1 + nk + (i + 1) * nk] for i, j in enumerate(rep_slots)}
+        row_slot = {int(run.rows[j]): j for j in rep_slots}
+        go = _reduce_replica_grads(run, go, rep_grad, row_slot)
+        ctx.inner = None
+        return (gx, None, *go)
+
+
+def _reduce_replica_grads(run: _Run, go: List[torch.Tensor], rep_grad: Dict[int, List[torch.Tensor]],
+                          row_slot: Dict[int, int]) -> List[torch.Tensor]:
+    st = run.storage
+    r, nk = st.rank, len(st.names)
+    ops = []
+    received: List[Tuple[int, int, List[torch.Tensor]]] = []  # (expert, holder, grads)
+    for e, g, row, i in run.grad_transfers:
+        owner = int(st.owners[e])
+        if g == r:
+            for k in range(nk):
+                ops.append(dist.P2POp(dist.isend, rep_grad[row_slot[row]][k].contiguous(),
+                                      global_rank(run.group, owner), run.group, i * nk + k))
+        elif owner == r:
+            bufs = [torch.empty_like(go[k][0]) for k in range(nk)]
+            for k in range(nk):
+                ops.append(dist.P2POp(dist.irecv, bufs[k], global_rank(run.group, g), run.group, i * nk + k))
+            received.append((e, g, bufs))
+    if ops:
+        for w in dist.batch_isend_irecv(ops):
+            wait(w, run.timeout, f"replica gradient reduction of layer {run.layer}")
+    if not received:
+        return go
+    go = [t.clone() for t in go]
+    for e, _g, bufs in received:  # ascending (expert, holder rank): a fixed order
+        row = int(st.own_row[e])
+        for k in range(nk):
+            go[k][row] += bufs[k]
+    return go
+
+
+def _input_error(x: Any, expert_ids: Any, routing_weights: Any, storage: ExpertStorage,
+                 hidden: Optional[int]) -> Optional[str]:
+    who = f"balanced_moe: rank {storage.rank}"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():
+        return f"{who}: x must be a [tokens, hidden] float tensor, got {getattr(x, 'shape', type(x).__name__)}"
+    if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2:
+        return f"{who}: expert_ids must be [tokens, topk], got {getattr(expert_ids, 'shape', type(expert_ids).__name__)}"
+    if expert_ids.shape[0] != x.shape[0]:
+        return f"{who}: expert_ids has {expert_ids.shape[0]} tokens, x has {x.shape[0]}"
+    if not isinstance(routing_weights, torch.Tensor) or tuple(routing_weights.shape) != tuple(expert_ids.shape):
+        return (f"{who}: routing_weights must be {list(expert_ids.shape)} like expert_ids, got "
+                f"{list(getattr(routing_weights, 'shape', []))}")
+    if not routing_weights.is_floating_point():
+        return f"{who}: routing_weights must be a float tensor, got dtype {routing_weights.dtype}"
+    if hidden is not None and x.shape[1] != hidden:
+        return f"{who}: x has hidden size {x.shape[1]}, the experts take {hidden}"
+    if x.dtype != storage.storage[storage.names[0]].dtype:
+        return f"{who}: x is {x.dtype}, the expert weights {storage.storage[storage.names[0]].dtype}"
+    return None
+
+
+def balanced_moe(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    routing_weights: torch.Tensor,
+    plan: Optional["foremoe.Plan"],
+    storage: ExpertStorage,
+    expert_fn: ExpertFn,
+    *,
+    layer: int = 0,
+    group: Any = None,
+    hidden: Optional[int] = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> torch.Tensor:
+    """One MoE layer of one micro-step under ``plan`` (its layer ``layer``), functional form.
+
+    ``x`` ``[T, H]`` this rank's tokens, ``expert_ids`` ``[T, K]`` logical ids (-1 = no route),
+    ``routing_weights`` ``[T, K]``; ``storage`` this layer's :class:`ExpertStorage`; ``expert_fn(x, *w)`` one
+    expert's math on its rows with its weights in ``storage.names`` order. Every rank of ``group`` calls it.
+    Returns ``[T, H]``: ``sum_k routing_weights[t, k] * expert_fn(x[t], W[expert_ids[t, k]])``.
+    ``plan=None`` runs plain expert parallelism (every expert on its owner, no replica): the run without
+    ForeMoE, and a rollout's forward before any routing is known.
+    """
+    G = group_size(group)
+    if G != storage.world:
+        raise ValueError(f"balanced_moe: the process group has {G} ranks, the storage was made for {storage.world}")
+    if group_rank(group) != storage.rank:
+        raise ValueError(f"balanced_moe: this process is rank {group_rank(group)} of the group, the storage "
+                         f"belongs to rank {storage.rank}")
+    storage.check_aliasing()
+    error = _input_error(x, expert_ids, routing_weights, storage, hidden)
+    flags = (int(storage.owners_changed()),)
+    if plan is None:  # plain expert parallelism: every expert on its owner, no replica
+        loads, got = gather_source_loads(expert_ids if error is None else None, storage.num_experts, group=group,
+                                         flags=flags, error=error, timeout=timeout, what="balanced_moe")
+        plan, layer = storage.owner_plan(loads.sum(axis=1)), 0
+        layout = local_layout(plan, 0, expert_ids, loads, storage.rank, flags=got)
+    else:
+        check_plan(plan, layer, G, "balanced_moe")
+        storage.check_plan(plan, layer)
+        layout = dispatch_layout(plan, layer, expert_ids if error is None else None, group=group, flags=flags,
+                                 timeout=timeout, error=error)
+    changed = [g for g in range(G) if layout.flags[g, 0]]
+    book = storage.sync(plan, layer, changed, group=group, timeout=timeout)
+    run = _Run(storage, expert_fn, book, layout, layer, group, timeout)
+    run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
+                                                                         for p in storage.params.values()))
+    T, K = expert_ids.shape
+    send = x.index_select(0, layout.send_tokens)
+    recv = all_to_all(send, layout.output_splits, layout.input_splits, group=group, timeout=timeout)
+    grouped = recv.index_select(0, layout.recv_perm)
+    y = _SlotExperts.apply(grouped, run, *storage.params.values())
+    y_recv = y.index_select(0, layout.recv_inverse)
+    back = all_to_all(y_recv, layout.input_splits, layout.output_splits, group=group, timeout=timeout)
+    y_routes = x.new_zeros((T * K, back.shape[1])).index_copy(0, layout.order, back)
+    return _combine(y_routes, routing_weights, T, K)
+
+
+class SwiGLUExperts(nn.Module):
+    """A plain experts module: ``E`` SwiGLU experts, ``w_gate``/``w_up`` ``[E, H, F]``, ``w_down`` ``[E, F, H]``
+    (the form :class:`BalancedMoE` wraps). Its own ``forward`` is the single-process layer."""
+
+    weight_names = ("w_gate", "w_up", "w_down")
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int, *, dtype: torch.dtype = torch.float32,
+                 generator: Optional[torch.Generator] = None):
+        super().__init__()
+        self.num_experts, self.hidden, self.ffn = num_experts, hidden, ffn
+
+        def init(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.randn(*shape, generator=generator, dtype=dtype) / shape[-2] ** 0.5)
+
+        self.w_gate = init(num_experts, hidden, ffn)
+        self.w_up = init(num_experts, hidden, ffn)
+        self.w_down = init(num_experts, ffn, hidden)
+
+    @staticmethod
+    def expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        return (F.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor) -> torch.Tensor:
+        return reference_moe(x, expert_ids, routing_weights,
+                             {n: getattr(self, n) for n in self.weight_names}, self.expert)
+
+
+class BalancedMoE(nn.Module):
+    """A plain experts module (weights ``[E, ...]``, an ``expert(x, *w)`` function) run across the ranks of
+    ``group`` under per-micro-step plans.
+
+    On construction each rank keeps the rows of the experts it owns (``owners``, default
+    :func:`contiguous_owners`) in an :class:`ExpertStorage` of ``slots`` rows and puts the owner rows back into
+    ``experts`` as its parameters (``[n_owned, ...]``, views of the storage): ``module.parameters()`` is what the
+    optimizer and DDP see, the replica rows never are. Plans must keep these owners:
+    ``foremoe.Planner(...).plan(loads, owners=module.owners)``.
+
+    ``forward(x [T, H], expert_ids [T, K], routing_weights [T, K], plan)`` -> ``[T, H]``; ``plan=None`` is plain
+    expert parallelism (no replica).
+    """
+
+    def __init__(self, experts: nn.Module, slots: int, *, group: Any = None, owners: Any = None, layer: int = 0,
+                 expert_fn: Optional[ExpertFn] = None, weight_names: Optional[Sequence[str]] = None,
+                 timeout: float = DEFAULT_TIMEOUT):
+        super().__init__()
+        names = tuple(weight_names or getattr(experts, "weight_names", ()) or
+                      [n for n, _ in experts.named_parameters(recurse=False)])
+        if not names:
+            raise ValueError("BalancedMoE: the experts module has no weights")
+        full = {n: getattr(experts, n) for n in names}
+        E = int(full[names[0]].shape[0])
+        for n, w in full.items():
+            if not isinstance(w, torch.Tensor) or w.dim() < 1 or w.shape[0] != E:
+                raise ValueError(f"BalancedMoE: weight {n!r} is {list(getattr(w, 'shape', []))}, expected [{E}, ...]")
+        fn = expert_fn or getattr(experts, "expert", None)
+        if fn is None:
+            raise ValueError("BalancedMoE: pass expert_fn or give the experts module an expert(x, *weights) method")
+        G, r = group_size(group), group_rank(group)
+        own = contiguous_owners(E, G) if owners is None else np.asarray(owners, dtype=np.int32)
+        if own.shape != (E,):
+            raise ValueError(f"BalancedMoE: owners must be [{E}], got shape {list(own.shape)}")
+        self.storage = ExpertStorage.from_full(full, own, slots, rank=r, world=G)
+        for n in names:
+            delattr(experts, n)
+            experts.register_parameter(n, self.storage.params[n])
+        self.experts = experts
+        self.expert_fn = fn
+        self.group, self.layer, self.timeout = group, int(layer), float(timeout)
+        self.hidden = getattr(experts, "hidden", None)
+
+    @property
+    def owners(self) -> np.ndarray:
+        """``[E]`` owner rank of every expert (what the plans must keep)."""
+        return self.storage.owners
+
+    @property
+    def last_sync(self) -> Optional[SyncStats]:
+        return self.storage.last_sync
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
+                plan: Optional["foremoe.Plan"]) -> torch.Tensor:
+        return balanced_moe(x, expert_ids, routing_weights, plan, self.storage, self.expert_fn, layer=self.layer,
+                            group=self.group, hidden=self.hidden, timeout=self.timeout)

@@ -1,0 +1,267 @@
+"""Shared by the foremoe.torch tests: a tiny seeded MoE training run, once across processes over gloo with the
+balanced layer and once in one process without replication (the reference), plus the process launcher.
+
+Not a test module (no ``test_`` prefix): the spawned ranks import it by name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import foremoe
+import foremoe.torch as ft
+
+
+@dataclass(frozen=True)
+class Case:
+    world: int = 2
+    experts: int = 16
+    topk: int = 2
+    hidden: int = 32
+    ffn: int = 48
+    spare: int = 3  # replica slots per rank beyond the owned experts
+    nodes: int = 1
+    steps: int = 3  # RL steps (optimizer steps)
+    micro: int = 3  # micro-steps per RL step (gradient accumulation)
+    tokens: int = 40  # mean tokens per rank and micro-step
+    dtype: str = "float64"
+    seed: int = 1
+    skew: float = 2.0
+    plain: Tuple[Tuple[int, int], ...] = ()  # (step, micro-step) run as plain expert parallelism (plan=None)
+
+    @property
+    def slots(self) -> int:
+        return self.experts // self.world + self.spare
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def make_data(case: Case) -> List[List[List[Dict[str, torch.Tensor]]]]:
+    """``data[step][micro][rank]``: x, ids, routing logits and the loss target of every rank's tokens."""
+    g = torch.Generator().manual_seed(case.seed + 1000)
+    rng = np.random.default_rng(case.seed)
+    dt = case.torch_dtype
+    out = []
+    for _s in range(case.steps):
+        step = []
+        for _m in range(case.micro):
+            # A new skewed expert popularity every micro-step, so every plan differs.
+            pop = np.exp(case.skew * rng.standard_normal(case.experts))
+            pop = torch.from_numpy(pop / pop.sum())
+            ranks = []
+            for r in range(case.world):
+                T = int(rng.integers(case.tokens // 2, case.tokens * 3 // 2 + 1)) if r else case.tokens
+                ids = torch.multinomial(pop.expand(T, -1), case.topk, replacement=False, generator=g)
+                drop = torch.rand(T, case.topk, generator=g) < 0.05
+                ids[drop] = -1
+                ranks.append(dict(
+                    x=torch.randn(T, case.hidden, generator=g, dtype=dt),
+                    ids=ids,
+                    logits=torch.randn(T, case.topk, generator=g, dtype=dt),
+                    target=torch.randn(T, case.hidden, generator=g, dtype=dt),
+                ))
+            step.append(ranks)
+        out.append(step)
+    return out
+
+
+def make_experts(case: Case) -> ft.SwiGLUExperts:
+    g = torch.Generator().manual_seed(case.seed)
+    return ft.SwiGLUExperts(case.experts, case.hidden, case.ffn, dtype=case.torch_dtype, generator=g)
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def step_loads(case: Case, step: List[List[Dict[str, torch.Tensor]]]) -> np.ndarray:
+    """``[M, 1, E]`` loads of one RL step (what router replay hands the planner ahead of the step)."""
+    loads = np.zeros((case.micro, 1, case.experts), dtype=np.int64)
+    for m, ranks in enumerate(step):
+        ids = torch.cat([d["ids"] for d in ranks]).reshape(-1)
+        loads[m, 0] = torch.bincount(ids[ids >= 0], minlength=case.experts).numpy()
+    return loads
+
+
+def reference(case: Case) -> Dict[str, Any]:
+    """The same training in one process, without replication: per micro-step outputs and input gradients of
+    every rank's tokens, accumulated weight gradients, and the weights after every optimizer step."""
+    data = make_data(case)
+    experts = make_experts(case)
+    opt = make_optimizer(experts.parameters())
+    rec: Dict[str, Any] = {"out": [], "x_grad": [], "w_grad": [], "grads": [], "params": []}
+    for step in data:
+        for ranks in step:
+            x = torch.cat([d["x"] for d in ranks]).requires_grad_(True)
+            logits = torch.cat([d["logits"] for d in ranks]).requires_grad_(True)
+            w = torch.softmax(logits, dim=-1)
+            ids = torch.cat([d["ids"] for d in ranks])
+            out = experts(x, ids, w)
+            (out * torch.cat([d["target"] for d in ranks])).sum().backward()
+            sizes = [d["x"].shape[0] for d in ranks]
+            rec["out"].append(out.detach().split(sizes))
+            rec["x_grad"].append(x.grad.split(sizes))
+            rec["w_grad"].append(logits.grad.split(sizes))
+            rec["grads"].append({n: p.grad.clone() for n, p in experts.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec["params"].append({n: p.detach().clone() for n, p in experts.named_parameters()})
+    return rec
+
+
+def init_group(rank: int, world: int, tmp: str, timeout_s: float = 60.0) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def train_rank(rank: int, case: Case, tmp: str) -> None:
+    """One rank of the balanced run; writes what it saw to ``tmp/rank{rank}.pt``."""
+    init_group(rank, case.world, tmp)
+    data = make_data(case)
+    layer = ft.BalancedMoE(make_experts(case), case.slots, timeout=60.0)
+    opt = make_optimizer(layer.parameters())
+    planner = foremoe.Planner(foremoe.Topology(case.nodes, case.world // case.nodes, case.slots))
+    rec: Dict[str, Any] = {"out": [], "x_grad": [], "w_grad": [], "grads": [], "params": [], "sync": [],
+                           "owned": layer.storage.owned_experts, "names": list(layer.storage.names),
+                           "param_names": [n for n, _ in layer.named_parameters()], "replica_tokens": 0}
+    for s, step in enumerate(data):
+        plans = planner.plan(step_loads(case, step), owners=layer.owners)
+        for m, ranks in enumerate(step):
+            d = ranks[rank]
+            x = d["x"].clone().requires_grad_(True)
+            logits = d["logits"].clone().requires_grad_(True)
+            plan = None if (s, m) in case.plain else plans[m]
+            out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
+            (out * d["target"]).sum().backward()
+            rec["out"].append(out.detach())
+            rec["x_grad"].append(x.grad)
+            rec["w_grad"].append(logits.grad)
+            rec["grads"].append({n: p.grad.clone() for n, p in layer.storage.params.items()})
+            rec["sync"].append(asdict(layer.last_sync))
+            if plan is not None:
+                taken, place = np.asarray(plan.slot_tokens[0]), np.asarray(plan.gpu_slots[0])
+                rec["replica_tokens"] += int(sum(taken[g, j] for g in range(case.world) for j in range(case.slots)
+                                                 if place[g, j] >= 0 and layer.owners[place[g, j]] != g))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        rec["params"].append({n: p.detach().clone() for n, p in layer.storage.params.items()})
+    torch.save(rec, f"{tmp}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _entry(rank: int, fn: Callable[..., None], args: tuple, tmp: str) -> None:
+    try:
+        fn(rank, *args)
+    except BaseException:
+        Path(f"{tmp}/error{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def run_ranks(fn: Callable[..., None], world: int, args: tuple, tmp: str, timeout: float = 240.0) -> None:
+    """Runs ``fn(rank, *args)`` in ``world`` spawned processes; raises with a rank's traceback when one fails
+    and kills them all when they take longer than ``timeout`` seconds."""
+    os.makedirs(tmp, exist_ok=True)
+    ctx = mp.start_processes(_entry, args=(fn, args, tmp), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not finish within {timeout:g} s")
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        errs = sorted(Path(tmp).glob("error*.txt"))
+        raise RuntimeError("a rank failed:\n" + "\n".join(p.read_text() for p in errs)) from e
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
+def _catch(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def bad_input_rank(rank: int, tmp: str) -> None:
+    """Runs each bad input of the error test on both ranks of a 2-rank group, then a good call (the group is
+    still usable after every error); writes ``{case: message}`` to ``tmp/rank{rank}.pt``."""
+    case = Case(world=2, experts=16, topk=2, hidden=32, ffn=32, steps=1, micro=2, dtype="float64", seed=7)
+    init_group(rank, 2, tmp)
+    data = make_data(case)[0]
+    experts = make_experts(case)
+    full = {n: getattr(experts, n).detach().clone() for n in experts.weight_names}
+    layer = ft.BalancedMoE(experts, case.slots, timeout=30.0)
+    topo = foremoe.Topology(1, 2, case.slots)
+    loads = step_loads(case, data)
+    plans = foremoe.Planner(topo).plan(loads, owners=layer.owners)
+    d = data[0][rank]
+    w = torch.softmax(d["logits"], dim=-1)
+    out: Dict[str, str] = {}
+
+    def call(x=d["x"], ids=d["ids"], weights=w, plan=plans[0], module=layer):
+        return module(x, ids, weights, plan)
+
+    bad = d["ids"].clone()
+    bad[3, 1] = 99
+    out["id_out_of_range"] = _catch(lambda: call(ids=bad if rank == 1 else d["ids"]))
+    out["weights_shape"] = _catch(lambda: call(weights=torch.ones(w.shape[0], 3, dtype=w.dtype) if rank == 0 else w))
+    out["x_tokens"] = _catch(lambda: call(x=torch.cat([d["x"], d["x"][:1]]) if rank == 1 else d["x"]))
+    out["hidden"] = _catch(lambda: call(x=d["x"][:, :31] if rank == 0 else d["x"]))
+    out["plan_other_micro_step"] = _catch(lambda: call(plan=plans[1]))
+    # A two-layer plan whose layer 1 has other loads: the module of layer 1 fed layer 0's routing.
+    two = np.concatenate([loads[:1], loads[1:2]], axis=1)  # [1, 2, E]
+    plan2 = foremoe.Planner(topo).plan(two, owners=np.stack([layer.owners] * 2))[0]
+    layer1 = ft.BalancedMoE(make_experts(case), case.slots, layer=1, timeout=30.0)
+    out["plan_other_layer"] = _catch(lambda: call(plan=plan2, module=layer1))
+    layer3 = ft.BalancedMoE(make_experts(case), case.slots, layer=3, timeout=30.0)
+    out["layer_out_of_range"] = _catch(lambda: call(plan=plan2, module=layer3))
+    rotated = (layer.owners + 1) % 2
+    out["plan_other_owners"] = _catch(lambda: call(plan=foremoe.Planner(topo).plan(loads[0], owners=rotated)))
+    sub = dist.new_group([0])
+    if rank == 0:
+        out["group_wrong_size"] = _catch(lambda: ft.balanced_moe(d["x"], d["ids"], w, plans[0], layer.storage,
+                                                                 layer.expert_fn, group=sub))
+        small = ft.BalancedMoE(make_experts(case), case.slots * 2, group=sub, timeout=30.0)
+        out["plan_for_other_group"] = _catch(lambda: call(module=small))
+    # Still usable: a good call equals the single-process layer on this rank's tokens.
+    got = call()
+    want = ft.reference_moe(d["x"], d["ids"], w, full, experts.expert)
+    out["good_after_errors"] = "equal" if torch.allclose(got, want, rtol=1e-12, atol=1e-12) else "differs"
+    torch.save(out, f"{tmp}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def timeout_rank(rank: int, tmp: str) -> None:
+    """Rank 1 never calls the layer: rank 0's call must fail within its timeout instead of hanging."""
+    case = Case(world=2, experts=16, topk=2, hidden=32, ffn=32, steps=1, micro=1, seed=8)
+    init_group(rank, 2, tmp)
+    data = make_data(case)[0]
+    layer = ft.BalancedMoE(make_experts(case), case.slots, timeout=1.5)
+    plan = foremoe.Planner(foremoe.Topology(1, 2, case.slots)).plan(step_loads(case, data)[0], owners=layer.owners)
+    dist.barrier()
+    if rank == 0:
+        d = data[0][0]
+        start = time.monotonic()
+        msg = _catch(lambda: layer(d["x"], d["ids"], torch.softmax(d["logits"], dim=-1), plan))
+        torch.save({"message": msg, "seconds": time.monotonic() - start}, f"{tmp}/rank0.pt")
+    else:
+        time.sleep(4.0)
+    os._exit(0)  # the group holds rank 0's abandoned collective: leave without tearing it down
