@@ -1,13 +1,15 @@
 // Synthetic GRPO generator throughput: routed ids per second and prompts per second of generate_loads (the
 // counting path `foremoe simulate` uses) and generate_trace (ids stored), on the Qwen3-30B-A3B shape (48 layers x
 // 128 experts, top-8) with simulate's default lengths and 64 ranks, over 1 RL step of 32 prompts x 8 responses.
-// The argument is the thread count (the output does not depend on it).
+// The argument is the thread count (the output does not depend on it). The context records the stream version
+// (foremoe::synthetic_stream_version), since each version draws the same model from other random bits.
 //
 //   bench_synthetic --benchmark_format=json --benchmark_out=synthetic.json
 
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
+#include <string>
 
 #include "foremoe/trace/synthetic.hpp"
 
@@ -62,4 +64,11 @@ BENCHMARK(BM_generate_trace)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->Use
 
 } // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char **argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::AddCustomContext("synthetic_stream_version", std::to_string(foremoe::synthetic_stream_version));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -51,6 +51,18 @@ SyntheticConfig random_config(std::uint64_t seed) {
   return c;
 }
 
+/// One RL step of `prompts` x `responses` sequences on the given MoE shape; the rest defaults.
+SyntheticConfig one_step(int layers, int experts, int topk, int prompts, int responses) {
+  SyntheticConfig c;
+  c.num_layers = layers;
+  c.num_experts = experts;
+  c.topk = topk;
+  c.num_steps = 1;
+  c.prompts_per_step = prompts;
+  c.responses_per_prompt = responses;
+  return c;
+}
+
 int num_seeds(int base) { return base * foremoe_test::seed_multiplier(); }
 
 std::int16_t id_at(const SyntheticTrace &t, std::int64_t token, int layer, int k) {
@@ -312,14 +324,76 @@ TEST_CASE("synthetic: offsets are consistent and micro-batches respect the budge
   }
 }
 
+TEST_CASE("synthetic: every slot keeps its expert with probability persistence (stream 2 drop masks)") {
+  // Near-uniform routing over many experts, so that a re-draw almost never returns the dropped expert: the
+  // fraction of (token, slot) pairs whose expert equals the previous token's is then the persistence, for every
+  // slot, in full groups of 8 slots and in the last partial group alike.
+  for (const int topk : {3, 8, 11}) {
+    for (const double persistence : {0.0, 0.3, 0.6, 0.9}) {
+      SyntheticConfig c = one_step(2, 2000, topk, 4, 2);
+      c.seed = 77 + static_cast<std::uint64_t>(topk);
+      c.prompt_length = {400.0, 0.0, 400, 400};
+      c.response_length = {400.0, 0.0, 400, 400};
+      c.skew = 0.0;
+      c.skew_layer_sigma = 0.0;
+      c.topic_concentration = 1000.0;
+      c.persistence = persistence;
+      c.num_gpus = 1;
+      c.microbatch_tokens_per_gpu = 1 << 20;
+      INFO("topk ", topk, " persistence ", persistence);
+      const SyntheticTrace t = generate_trace(c);
+      std::vector<double> kept(static_cast<std::size_t>(topk), 0.0);
+      double pairs = 0;
+      for (std::size_t s = 0; s + 1 < t.sequence_offsets.size(); ++s)
+        for (std::int64_t tok = t.sequence_offsets[s] + 1; tok < t.sequence_offsets[s + 1]; ++tok) {
+          for (int l = 0; l < c.num_layers; ++l)
+            for (int k = 0; k < topk; ++k)
+              kept[static_cast<std::size_t>(k)] += id_at(t, tok, l, k) == id_at(t, tok - 1, l, k) ? 1.0 : 0.0;
+          pairs += c.num_layers;
+        }
+      for (int k = 0; k < topk; ++k) {
+        const double rate = kept[static_cast<std::size_t>(k)] / pairs;
+        // Binomial standard error is at most 0.5 / sqrt(pairs) ~ 0.006 here; a re-draw repeats with p ~ 1/2000.
+        CHECK_MESSAGE(std::fabs(rate - persistence) < 0.03, "slot ", k, " keeps at ", rate);
+      }
+    }
+  }
+}
+
+TEST_CASE("synthetic: alias tables padded to a power of two follow their weights") {
+  detail::Xoshiro256 rng(11);
+  for (const int n : {1, 3, 5, 100, 129}) {
+    std::vector<double> w(static_cast<std::size_t>(n));
+    for (auto &x : w)
+      x = rng.uniform() < 0.2 ? 0.0 : rng.uniform();
+    w[0] += 0.5; // a positive sum
+    double sum = 0;
+    for (double x : w)
+      sum += x;
+    detail::AliasTable table;
+    table.build(w.data(), n);
+    std::vector<double> counts(static_cast<std::size_t>(n), 0.0);
+    const int draws = 400000;
+    bool in_range = true;
+    for (int i = 0; i < draws && in_range; ++i) {
+      const int e = table.sample_bits(static_cast<std::uint32_t>(rng.next()));
+      in_range = e >= 0 && e < n;
+      if (in_range) counts[static_cast<std::size_t>(e)] += 1;
+    }
+    REQUIRE(in_range);
+    for (int e = 0; e < n; ++e) {
+      const double p = w[static_cast<std::size_t>(e)] / sum;
+      INFO("n ", n, " expert ", e, " weight ", p);
+      if (p == 0)
+        CHECK(counts[static_cast<std::size_t>(e)] == 0);
+      else
+        CHECK(std::fabs(counts[static_cast<std::size_t>(e)] / draws - p) < 5 * std::sqrt(p / draws) + 1e-4);
+    }
+  }
+}
+
 TEST_CASE("synthetic: responses of one prompt repeat its prompt routes") {
-  SyntheticConfig c;
-  c.num_layers = 3;
-  c.num_experts = 32;
-  c.topk = 4;
-  c.num_steps = 1;
-  c.prompts_per_step = 6;
-  c.responses_per_prompt = 3;
+  SyntheticConfig c = one_step(3, 32, 4, 6, 3);
   c.prompt_length = {24.0, 0.0, 24, 24};
   c.response_length = {40.0, 0.5, 8, 120};
   c.num_gpus = 2;
