@@ -487,7 +487,7 @@ private:
         std::int32_t top = -1;
         for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
           if (top < 0 || remaining_[own_list_[j]] > remaining_[top]) top = own_list_[j];
-        if (resident_first_ == 2)
+        if (resident_first_ == 2) [[unlikely]]
           // Resident pieces first: the largest piece any resident copy of g's experts can take (no move).
           for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) {
             const std::int32_t e = own_list_[j];
@@ -581,7 +581,7 @@ private:
       const std::int32_t h = res_gpu_[k];
       if (room_[h] >= need && eligible(h, e)) return h;
     }
-    if (resident_first_ > 0) {
+    if (resident_first_ > 0) [[unlikely]] {
       // Resident-first variants: a resident holder takes what its room allows (the largest room; ties: lowest
       // GPU) before any new copy is considered.
       std::int32_t best = -1;
@@ -739,42 +739,59 @@ private:
     // `layout_gpu_slots` does: an expert the resident placement holds on the GPU keeps that slot, the others fill
     // the free slots in order. `want_pos_[e]` is e's index in the GPU's list (-1 elsewhere, reset per GPU).
     want_pos_.resize(static_cast<std::size_t>(num_experts_), -1);
+    want_.resize(static_cast<std::size_t>(slots_));
+    slot_of_.resize(static_cast<std::size_t>(slots_));
+    // With few slots a direct search of the GPU's list is cheaper than maintaining the index map.
+    const bool use_map = slots_ > 4;
     for (int g = 0; g < num_gpus_; ++g) {
-      want_.assign(own_by_id_.begin() + own_off_[g], own_by_id_.begin() + own_off_[g + 1]);
-      const int num_owned = static_cast<int>(want_.size());
-      for (int j = 0; j < s.cnt[g]; ++j)
-        want_.push_back(s.rep[g * slots_ + j]);
-      const int n = static_cast<int>(want_.size());
+      const int num_owned = own_off_[g + 1] - own_off_[g];
+      const int n = num_owned + s.cnt[g];
       detail::require(n <= slots_, "layout_slots: GPU ", g, " gets ", n, " experts but has ", slots_, " slots");
-      for (int i = 0; i < n; ++i)
-        want_pos_[want_[i]] = i;
-      slot_of_.assign(static_cast<std::size_t>(n), -1);
+      std::int32_t *want = want_.data();
+      std::int32_t *slot_of = slot_of_.data();
+      std::copy_n(own_by_id_.begin() + own_off_[g], num_owned, want);
+      std::copy_n(s.rep.begin() + static_cast<std::ptrdiff_t>(g) * slots_, s.cnt[g], want + num_owned);
+      std::fill_n(slot_of, n, -1);
       std::int32_t *out = &plan.placement.slot(g, 0);
-      if (resident != nullptr)
-        for (int j = 0; j < slots_; ++j)
-          if (const std::int32_t e = resident->slot(g, j); e >= 0 && e < num_experts_)
-            if (const int i = want_pos_[e]; i >= 0 && slot_of_[i] < 0) {
-              out[j] = e;
-              slot_of_[i] = j;
-            }
+      if (resident != nullptr) {
+        if (use_map)
+          for (int i = 0; i < n; ++i)
+            want_pos_[want[i]] = i;
+        for (int j = 0; j < slots_; ++j) {
+          const std::int32_t e = resident->slot(g, j);
+          if (e < 0 || e >= num_experts_) continue;
+          int i = -1;
+          if (use_map) {
+            i = want_pos_[e];
+          } else {
+            for (int k = 0; k < n && i < 0; ++k)
+              if (want[k] == e) i = k;
+          }
+          if (i >= 0 && slot_of[i] < 0) {
+            out[j] = e;
+            slot_of[i] = j;
+          }
+        }
+        if (use_map)
+          for (int i = 0; i < n; ++i)
+            want_pos_[want[i]] = -1;
+      }
       for (int i = 0, j = 0; i < n; ++i) {
-        if (slot_of_[i] >= 0) continue;
+        if (slot_of[i] >= 0) continue;
         while (out[j] != empty_slot)
           ++j;
-        out[j] = want_[i];
-        slot_of_[i] = j;
+        out[j] = want[i];
+        slot_of[i] = j;
       }
       if (construction_split) {
         std::int64_t gpu_load = 0;
         for (int i = 0; i < n; ++i) {
-          const std::int64_t t = i < num_owned ? owner_tokens_[want_[i]] : s.amt[g * slots_ + (i - num_owned)];
-          plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + slot_of_[i]] = t;
+          const std::int64_t t = i < num_owned ? owner_tokens_[want[i]] : s.amt[g * slots_ + (i - num_owned)];
+          plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + slot_of[i]] = t;
           gpu_load += t;
         }
         plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
       }
-      for (int i = 0; i < n; ++i)
-        want_pos_[want_[i]] = -1;
     }
     if (!construction_split) {
       for (int g = 0; g < num_gpus_; ++g)
