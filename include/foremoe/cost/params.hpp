@@ -5,6 +5,8 @@
 /// TFLOP/s, TB/s; 1 GB = 1e9 bytes) to match `LinkBandwidths`.
 
 #include <cmath>
+#include <cstdint>
+#include <string_view>
 
 #include "foremoe/core/error.hpp"
 
@@ -73,17 +75,53 @@ struct DenseParams {
   }
 };
 
+/// How dispatch and combine are timed (see `comm.hpp`).
+enum class A2aModel : std::uint8_t {
+  /// DeepEP-style: a token crosses to each remote node that holds one of its experts once (over the
+  /// sending GPU's NIC, to the GPU of the same local index), then fans out over NVLink; per-GPU
+  /// deduplication inside a node; latency per peer message.
+  hierarchical,
+  /// The earlier per-GPU model: every received token-expert row comes evenly from every GPU, no
+  /// deduplication, no per-message latency.
+  flat,
+};
+
+[[nodiscard]] inline const char *to_string(A2aModel m) noexcept {
+  return m == A2aModel::flat ? "flat" : "hierarchical";
+}
+
+/// Parses "hierarchical" or "flat"; throws `Error` naming the value.
+[[nodiscard]] inline A2aModel parse_a2a_model(std::string_view s) {
+  if (s == "hierarchical") return A2aModel::hierarchical;
+  if (s == "flat") return A2aModel::flat;
+  detail::fail("unknown all-to-all model '", s, "' (expected hierarchical or flat)");
+}
+
 /// All-to-all dispatch and combine. Intra-node traffic rides NVLink, inter-node traffic the GPU's NIC;
-/// both run concurrently. Defaults: NVLink fit on shared/data/h200-nccl.csv (alltoall, 8 GPUs, bus
-/// bandwidth); inter-node = 400 Gb/s = 50 GB/s line rate at ~80% achieved.
+/// both run concurrently (DeepEP pipelines RDMA and NVLink forwarding).
+///
+/// Sources. NVLink: `fit_nccl_all_to_all` on shared/data/h200-nccl.csv (all 126 alltoall rows: 2, 4 and 8
+/// H200 GPUs of one node, NCCL 2.29.2: t = latency + per_message * (n - 1) + S (n - 1) / n / bw; see
+/// tests/test_cost.cpp: median relative error 15%, p90 30%; the 8-GPU rows held out of a 2 + 4 GPU fit:
+/// median 15%, p90 31%). NIC: the table has no inter-node rows,
+/// so the bandwidth is DeepEP's published figure (deepseek-ai/DeepEP README, "Normal kernels with NVLink
+/// and RDMA forwarding": H800 with one CX7 400 Gb/s NIC per GPU, internode dispatch/combine bottleneck RDMA
+/// bandwidth 43/43 GB/s at EP 16, 58/57 at EP 32, 51/50 at EP 64; mean 50 GB/s, counted on deduplicated
+/// token bytes exactly as `hierarchical` counts them). The inter-node latencies are assumptions (no
+/// measurement at hand): 20 us fixed (an RDMA round trip plus proxy/signal) and the NVLink fit's per-peer
+/// cost per remote node.
 struct AllToAllParams {
-  double intra_gb_per_s = 275.0;  ///< per-GPU NVLink bandwidth achieved by NCCL alltoall (fit, busbw, 8 GPUs)
-  double inter_gb_per_s = 40.0;   ///< per-GPU NIC bandwidth achieved across nodes
-  double intra_latency_us = 10.0; ///< fixed cost of an intra-node exchange (fit alpha, 8 GPUs: 9.7 us)
-  double inter_latency_us = 20.0; ///< fixed cost of an inter-node exchange (IB RDMA + proxy)
-  double per_message_us = 0.0;    ///< extra cost per non-empty peer message (beyond the fixed cost)
+  A2aModel model = A2aModel::hierarchical;
+  double intra_gb_per_s = 268.0;      ///< per-GPU NVLink bandwidth achieved by NCCL alltoall (fit: 267.9 GB/s)
+  double inter_gb_per_s = 50.0;       ///< per-GPU NIC bandwidth (DeepEP internode normal kernels, mean of 6 figures)
+  double intra_latency_us = 7.6;      ///< fixed cost of an intra-node exchange (fit: 7.65 us)
+  double inter_latency_us = 20.0;     ///< fixed cost of an inter-node exchange (assumption)
+  double per_message_us = 0.27;       ///< per NVLink peer with traffic (fit: 0.272 us per peer); flat: unused
+  double inter_per_message_us = 0.27; ///< per remote node with traffic (assumption: the NVLink fit); flat: unused
 
   void validate() const {
+    detail::require(model == A2aModel::hierarchical || model == A2aModel::flat, "CostParams.a2a: unknown model ",
+                    static_cast<int>(model));
     detail::require(std::isfinite(intra_gb_per_s) && intra_gb_per_s > 0,
                     "CostParams.a2a: intra_gb_per_s must be positive and finite, got ", intra_gb_per_s);
     detail::require(std::isfinite(inter_gb_per_s) && inter_gb_per_s > 0,
@@ -94,6 +132,8 @@ struct AllToAllParams {
                     "CostParams.a2a: inter_latency_us must be >= 0, got ", inter_latency_us);
     detail::require(std::isfinite(per_message_us) && per_message_us >= 0,
                     "CostParams.a2a: per_message_us must be >= 0, got ", per_message_us);
+    detail::require(std::isfinite(inter_per_message_us) && inter_per_message_us >= 0,
+                    "CostParams.a2a: inter_per_message_us must be >= 0, got ", inter_per_message_us);
   }
 };
 

@@ -186,40 +186,6 @@ struct LayerTiming {
   bool host_moves = false; ///< some move read the host mirror
 };
 
-/// All-to-all seconds with every GPU's received tokens spread evenly over all source ranks (the tokens of a
-/// micro-step are data-parallel, so each rank holds 1/G of every expert's tokens); O(G) instead of a G x G
-/// matrix, so that 1024-GPU runs stay cheap.
-[[nodiscard]] inline double uniform_a2a_seconds(const AllToAllParams &p, std::span<const double> recv_tokens,
-                                                int gpus_per_node, double row_bytes) {
-  const int G = static_cast<int>(recv_tokens.size());
-  const int num_nodes = G / gpus_per_node;
-  double total = 0;
-  std::vector<double> node_total(static_cast<std::size_t>(num_nodes), 0.0);
-  for (int g = 0; g < G; ++g) {
-    total += recv_tokens[g];
-    node_total[g / gpus_per_node] += recv_tokens[g];
-  }
-  double worst = 0;
-  for (int g = 0; g < G; ++g) {
-    const double r = recv_tokens[g] / G, node = node_total[g / gpus_per_node] / G;
-    // Receive: from the other GPUs of the node and from the other nodes.
-    const double recv_intra = r * (gpus_per_node - 1), recv_inter = r * (G - gpus_per_node);
-    // Send: this rank's share of what the node's other GPUs and the other nodes receive.
-    const double send_intra = node - r, send_inter = total / G - node;
-    double t = 0;
-    const double intra = std::max(recv_intra, send_intra) * row_bytes,
-                 inter = std::max(recv_inter, send_inter) * row_bytes;
-    if (intra > 0) t = std::max(t, p.intra_latency_us * 1e-6 + intra / (p.intra_gb_per_s * 1e9));
-    if (inter > 0) t = std::max(t, p.inter_latency_us * 1e-6 + inter / (p.inter_gb_per_s * 1e9));
-    worst = std::max(worst, t);
-  }
-  return worst;
-}
-
-} // namespace detail
-
-namespace detail {
-
 /// What one EP group did in one RL step.
 struct GroupStep {
   double recompute = 0, update = 0, extra = 0, stall = 0, mirror = 0, moved = 0, grad = 0, planner = 0;
@@ -313,7 +279,11 @@ struct GroupStep {
       bwd_expert = std::max(bwd_expert, compute.backward_seconds(gpu_tokens[g], gpu_experts[g]));
     }
     const double attn = cfg.cost.dense.launch_us * 1e-6 + cfg.cost.dense.per_token_us * 1e-6 * tokens / G;
-    const double a2a = uniform_a2a_seconds(cfg.cost.a2a, gpu_tokens, topo.gpus_per_node, row_bytes);
+    // Dispatch (= combine): hierarchical from the slots' experts and rows, `ideal` from its lower bound.
+    const double a2a = layer_a2a_seconds(
+        cfg.cost.a2a, lp != nullptr ? lp->placement.phys_to_log() : std::span<const std::int32_t>{},
+        lp != nullptr ? std::span<const std::int64_t>(lp->slot_tokens) : std::span<const std::int64_t>{}, gpu_tokens, S,
+        topo.gpus_per_node, E, tokens, row_bytes);
     t.forward = attn + a2a + fwd_expert + a2a;
     t.expert = fwd_expert;
     t.a2a = 2 * a2a;
