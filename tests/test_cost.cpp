@@ -193,6 +193,77 @@ TEST_CASE("expert compute: monotone in tokens, backward = factor x forward") {
   CHECK(m.backward_seconds(1000, 8) == doctest::Approx(3.0 * m.forward_seconds(1000, 8)));
 }
 
+TEST_CASE("expert compute from per-expert counts: padding, even spread, what a replica saves") {
+  ExpertGemmParams p;
+  p.tile_m = 64;
+  const ExpertShape shape{2048, 768, 3, WeightDtype::bf16};
+  // Even counts give the even-spread time; padding rounds every active expert up to 64 rows.
+  const std::vector<double> even{100, 100, 100, 100};
+  CHECK(expert_gemm_seconds(p, shape, even) == doctest::Approx(expert_gemm_seconds(p, shape, 400.0, 4)));
+  CHECK(padded_rows(100, 64) == 128);
+  CHECK(padded_rows(128, 64) == 128);
+  CHECK(padded_rows(3, 0) == 3);
+  ExpertGemmParams flat = p;
+  flat.tile_m = 0;
+  const std::vector<double> tiny{1, 1, 1, 1};
+  // Tiny counts: 4 x 64 padded rows instead of 4 (small-M inefficiency), exactly 252 rows of math more.
+  const double fpt = shape.flops_per_token();
+  CHECK(expert_gemm_seconds(p, shape, tiny) - expert_gemm_seconds(flat, shape, tiny) ==
+        doctest::Approx(252 * fpt / (peak_flops(p, shape.dtype) * p.compute_efficiency)));
+  // Idle experts cost nothing; more tokens on any expert never cost less (random counts, property).
+  std::mt19937_64 rng(5);
+  const ExpertComputeModel m(p, shape, 2.0);
+  for (int r = 0; r < 200 * foremoe_test::seed_multiplier(); ++r) {
+    std::vector<double> c(1 + rng() % 8);
+    for (auto &v : c)
+      v = static_cast<double>(rng() % 3 == 0 ? 0 : rng() % 3000);
+    std::vector<double> with_idle = c;
+    with_idle.push_back(0);
+    CHECK(m.forward_seconds(with_idle) == m.forward_seconds(c));
+    auto more = c;
+    more[rng() % more.size()] += 1 + static_cast<double>(rng() % 100);
+    CHECK(m.forward_seconds(more) >= m.forward_seconds(c));
+    CHECK(m.backward_seconds(c) == doctest::Approx(2.0 * m.forward_seconds(c)));
+    // A replica never saves more than the source GPU's whole time, and moving nothing saves nothing.
+    const std::size_t slot = rng() % c.size();
+    const std::vector<double> dst{static_cast<double>(rng() % 3000)};
+    CHECK(m.replica_saving_seconds(c, slot, 0, dst) <= 1e-15);
+    CHECK(m.replica_saving_seconds(c, slot, c[slot] / 2, dst) <= 3 * m.forward_seconds(c) + 1e-15);
+  }
+  // A hot GPU (4000 tokens on one expert) next to an idle one: moving half saves time; moving 10 tokens of a
+  // cold expert onto a busy GPU costs time (weight streaming and the per-expert cost of one more expert).
+  const std::vector<double> hot{4000, 100}, idle{};
+  CHECK(m.replica_saving_seconds(hot, 0, 2000, idle) > 0);
+  CHECK(m.replica_saving_seconds(hot, 0, 2000, idle, false) ==
+        doctest::Approx(m.replica_saving_seconds(hot, 0, 2000, idle) / 3));
+  const std::vector<double> busy{4000};
+  CHECK(m.replica_saving_seconds(std::vector<double>{10, 5}, 0, 10, busy) < 0);
+  CHECK(error_of([&] { (void)m.replica_saving_seconds(hot, 2, 1, idle); }).find("slot 2 of 2") != std::string::npos);
+  CHECK(error_of([&] { (void)m.replica_saving_seconds(hot, 1, 200, idle); }).find("moved 200") != std::string::npos);
+}
+
+TEST_CASE("power-law rank 0 counts follow the published generator's shape") {
+  for (int ep : {1, 4, 16})
+    for (long long tokens : {4LL, 256LL, 16384LL})
+      for (double alpha : {1.01, 1.2}) {
+        const auto c = power_law_rank0_counts(tokens, 128, 8, ep, alpha);
+        CAPTURE(ep);
+        CAPTURE(tokens);
+        REQUIRE(c.size() == std::size_t(128 / ep));
+        double sum = 0;
+        for (std::size_t i = 0; i < c.size(); ++i) {
+          sum += c[i];
+          if (i > 0) CHECK(c[i] <= c[i - 1]); // sorted descending
+        }
+        // Rank 0 is the most loaded rank: at least its even share, at most every assignment.
+        CHECK(sum >= tokens * 8.0 / ep - 1e-9);
+        CHECK(sum <= tokens * 8.0 + 1e-9);
+        CHECK(power_law_rank0_counts(tokens, 128, 8, ep, alpha) == c); // deterministic
+      }
+  CHECK(error_of([] { (void)power_law_rank0_counts(16, 128, 8, 3, 1.2); }).find("ep 3") != std::string::npos);
+  CHECK(error_of([] { (void)power_law_rank0_counts(16, 128, 8, 4, 1.0); }).find("got 1") != std::string::npos);
+}
+
 TEST_CASE("expert compute fit recovers known parameters on synthetic data") {
   for (bool overlap : {false, true}) {
     ExpertGemmParams truth;
@@ -470,6 +541,18 @@ TEST_CASE("CSV readers: bad input names the line") {
     CHECK(s[1].seconds == doctest::Approx(0.25e-3));
     CHECK(s[1].line == 4);
   }
+  {
+    std::istringstream in(head + "bfloat16,32,2048,768,8,128,1,4,power_law_1.2,0.3\n"
+                                 "bfloat16,32,2048,768,8,128,1,4,zipf,0.3\n");
+    CHECK(error_of([&] {
+            (void)read_moe_latency_csv(in, "t.csv", true);
+          }).find("t.csv:3: unknown distribution 'zipf'") != std::string::npos);
+    std::istringstream ok(head + "bfloat16,32,2048,768,8,128,1,4,power_law_1.2,0.3\n");
+    const auto s = read_moe_latency_csv(ok, "t.csv", true);
+    REQUIRE(s.size() == 1);
+    CHECK(s[0].counts == power_law_rank0_counts(32, 128, 8, 4, 1.2));
+    CHECK(s[0].tokens >= 32 * 8 / 4.0);
+  }
   auto bad = [&](const std::string &body) {
     std::istringstream in(head + "bfloat16,16,2048,768,8,128,1,1,balanced,0.3\n" + body);
     return error_of([&] { (void)read_moe_latency_csv(in, "t.csv"); });
@@ -495,7 +578,9 @@ TEST_CASE("real H200 data: expert GEMM and NCCL alltoall fits") {
   const auto latency_csv = foremoe_test::data_path("h200-moe-latency.csv");
   const auto nccl_csv = foremoe_test::data_path("h200-nccl.csv");
   if (latency_csv.empty() || nccl_csv.empty()) return;
-  const std::vector<ExpertComputeSample> all = read_moe_latency_csv(latency_csv.string());
+  // All rows: balanced and power-law (rank 0's counts: the expectation of the published generator).
+  const std::vector<ExpertComputeSample> all = read_moe_latency_csv(latency_csv.string(), true);
+  CHECK(all.size() == 7209);
   REQUIRE(!all.empty());
   // Per (hidden, dtype); hold out every 4th (tp, ep) pair in sorted order.
   std::map<std::pair<int, int>, std::vector<ExpertComputeSample>> groups;
@@ -515,17 +600,43 @@ TEST_CASE("real H200 data: expert GEMM and NCCL alltoall fits") {
     const auto fit = fit_expert_compute(train);
     const auto test_err = expert_compute_errors(fit.params, test);
     const auto &fp = fit.params;
+    std::vector<double> test_balanced, test_power;
+    for (std::size_t j = 0; j < test.size(); ++j)
+      (test[j].counts.empty() ? test_balanced : test_power).push_back(test_err[j]);
     const std::string name =
         "H" + std::to_string(key.first) + " " + std::string(to_string(static_cast<WeightDtype>(key.second)));
     MESSAGE(name, ": ", train.size(), " train rows (", pairs.size() - held.size(), " tp x ep pairs), ", test.size(),
             " held out (", held.size(), " pairs); launch ", fp.launch_us, " us, per expert ", fp.per_expert_us,
             " us, scan ", fp.scan_ps_per_element, " ps/elem, hbm eff ", fp.hbm_efficiency, ", compute eff ",
-            fp.compute_efficiency, ", n_half ", fp.n_half, ", ", (fp.overlap ? "max" : "sum"),
+            fp.compute_efficiency, ", n_half ", fp.n_half, ", tile ", fp.tile_m, ", ", (fp.overlap ? "max" : "sum"),
             "; rel err train median ", fit.median(), " p90 ", fit.p90(), ", held-out median ",
-            detail::quantile(test_err, 0.5), " p90 ", detail::quantile(test_err, 0.9));
+            detail::quantile(test_err, 0.5), " p90 ", detail::quantile(test_err, 0.9), " (balanced ",
+            test_balanced.size(), " rows: median ", detail::quantile(test_balanced, 0.5), " p90 ",
+            detail::quantile(test_balanced, 0.9), "; power-law ", test_power.size(), " rows: median ",
+            detail::quantile(test_power, 0.5), " p90 ", detail::quantile(test_power, 0.9), ")");
     CHECK(fit.median() < 0.25);
     CHECK(detail::quantile(test_err, 0.5) < 0.25);
     CHECK(detail::quantile(test_err, 0.9) < 0.6);
+    CHECK(detail::quantile(test_power, 0.5) < 0.2);
+    CHECK(detail::quantile(test_power, 0.9) < 0.4);
+    if (key == std::pair<int, int>{2048, static_cast<int>(WeightDtype::bf16)}) {
+      // The defaults (params.hpp) are this shape's fit on all its rows.
+      const auto whole = fit_expert_compute(samples);
+      const auto &w = whole.params;
+      MESSAGE("defaults' fit, H2048 bf16, all ", samples.size(), " rows: launch ", w.launch_us, " us, per expert ",
+              w.per_expert_us, " us, scan ", w.scan_ps_per_element, " ps/elem, hbm eff ", w.hbm_efficiency,
+              ", compute eff ", w.compute_efficiency, ", n_half ", w.n_half, ", tile ", w.tile_m, ", ",
+              (w.overlap ? "max" : "sum"), "; rel err median ", whole.median(), " p90 ", whole.p90());
+      const ExpertGemmParams d;
+      CHECK(d.launch_us == doctest::Approx(w.launch_us).epsilon(0.02));
+      CHECK(d.per_expert_us == doctest::Approx(w.per_expert_us).epsilon(0.05));
+      CHECK(d.scan_ps_per_element == doctest::Approx(w.scan_ps_per_element).epsilon(0.02));
+      CHECK(d.hbm_efficiency == doctest::Approx(w.hbm_efficiency).epsilon(0.02));
+      CHECK(d.compute_efficiency == doctest::Approx(w.compute_efficiency).epsilon(0.02));
+      CHECK(d.tile_m == w.tile_m);
+      CHECK(d.n_half == w.n_half);
+      CHECK(d.overlap == w.overlap);
+    }
   }
 
   const std::vector<NcclSample> nccl = read_nccl_csv(nccl_csv.string());

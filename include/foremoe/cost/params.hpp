@@ -16,29 +16,38 @@ inline namespace v0 {
 /// Grouped expert GEMM on one GPU (see `expert_compute.hpp` for the formula):
 /// `t = launch + per_expert * active + scan * scanned_rows * hidden
 ///      + max(active * expert_bytes / (hbm * hbm_eff),
-///            tokens * flops_per_token / (peak(dtype) * compute_eff * eff(n)))`,
-/// `eff(n) = n / (n + n_half)`, `n` = tokens per active expert (`+` instead of `max` when `overlap` is false).
+///            (sum_e pad(n_e) + n_half * active) * flops_per_token / (peak(dtype) * compute_eff))`,
+/// `n_e` the tokens of active expert e, `pad(n)` = n rounded up to a multiple of `tile_m` (`+` instead of
+/// `max` when `overlap` is false).
 /// Efficiencies, launch, per-expert and scan terms are the fit on the measured SGLang fused-MoE latencies
-/// (shared/data/h200-moe-latency.csv, Qwen3-30B-A3B shape, bf16, all balanced rows; see tests/test_cost.cpp:
-/// median relative error 12.6%, p90 25%); peaks are datasheet figures.
+/// (shared/data/h200-moe-latency.csv, Qwen3-30B-A3B shape, bf16, all 3,078 rows: balanced and power-law, the
+/// latter with rank 0's expected per-expert counts from `power_law_rank0_counts`; median relative error
+/// 12.3%, p90 25.5%; with 9 of 38 (tp, ep) pairs held out: held-out median 12.8%, p90 28.8%, see
+/// tests/test_cost.cpp); the fit's grids chose the sum form, n_half 0 and no tile padding, so a GPU's
+/// small-batch penalty is its per-active-expert weight streaming and per-expert time. Peaks are datasheet
+/// figures.
 struct ExpertGemmParams {
-  double peak_tflops_bf16 = 989.0;  ///< H200 SXM dense bf16/fp16 tensor peak (NVIDIA datasheet)
-  double peak_tflops_fp8 = 1979.0;  ///< H200 SXM dense fp8 tensor peak (datasheet); fp32 uses bf16 / 2 (TF32)
-  double hbm_tb_per_s = 4.8;        ///< H200 HBM3e bandwidth (datasheet)
-  double compute_efficiency = 0.78; ///< achieved fraction of the tensor peak at large token counts (fit)
-  double hbm_efficiency = 0.93;     ///< achieved fraction of HBM bandwidth streaming expert weights (fit)
-  double launch_us = 26.0;          ///< fixed time of one grouped-GEMM call (kernel launches, routing) (fit)
-  double per_expert_us = 0.12;      ///< fixed time per active expert (tile scheduling) (fit)
+  double peak_tflops_bf16 = 989.0;   ///< H200 SXM dense bf16/fp16 tensor peak (NVIDIA datasheet)
+  double peak_tflops_fp8 = 1979.0;   ///< H200 SXM dense fp8 tensor peak (datasheet); fp32 uses bf16 / 2 (TF32)
+  double hbm_tb_per_s = 4.8;         ///< H200 HBM3e bandwidth (datasheet)
+  double compute_efficiency = 0.577; ///< achieved fraction of the tensor peak at large token counts (fit)
+  double hbm_efficiency = 0.996;     ///< achieved fraction of HBM bandwidth streaming expert weights (fit)
+  double launch_us = 25.8;           ///< fixed time of one grouped-GEMM call (kernel launches, routing) (fit)
+  double per_expert_us = 0.147;      ///< fixed time per active expert (tile scheduling) (fit)
   /// Time per hidden element of every token-expert row the kernel scans, in picoseconds (routing, gather,
   /// top-k weighted sum); SGLang's Triton EP path visits the rows routed to non-local experts too, which
   /// is how the fit separates it. (fit)
-  double scan_ps_per_element = 2.2;
+  double scan_ps_per_element = 2.22;
   /// true: weight streaming and math overlap (`max`), false: they add (`+`). (chosen by the fit)
   bool overlap = false;
   /// Tokens per expert at which the GEMM reaches half its large-batch efficiency. Its penalty,
   /// n_half * flops_per_token per active expert, has the same form as weight streaming, so a fit on one
   /// dtype cannot tell them apart; kept 0 by default (folded into `hbm_efficiency`).
   double n_half = 0.0;
+  /// Rows per tile of the grouped GEMM: every expert's token count is padded up to a multiple of it (SGLang's
+  /// fused MoE aligns each expert's rows to BLOCK_SIZE_M, `moe_align_block_size`), the small-M inefficiency of
+  /// a GPU whose experts get few tokens each. 0: no padding. (the fit tried 0, 16, 32, 64, 128 and chose 0)
+  double tile_m = 0.0;
 
   void validate() const {
     auto pos = [](double v, const char *name) {
@@ -56,6 +65,7 @@ struct ExpertGemmParams {
     nonneg(per_expert_us, "per_expert_us");
     nonneg(n_half, "n_half");
     nonneg(scan_ps_per_element, "scan_ps_per_element");
+    nonneg(tile_m, "tile_m");
   }
 };
 

@@ -274,9 +274,19 @@ struct GroupStep {
     }
     min_experts = std::min(min_experts, *std::min_element(gpu_experts.begin(), gpu_experts.end()));
     double fwd_expert = 0, bwd_expert = 0;
+    std::vector<double> counts(static_cast<std::size_t>(S));
     for (int g = 0; g < G; ++g) {
-      fwd_expert = std::max(fwd_expert, compute.forward_seconds(gpu_tokens[g], gpu_experts[g]));
-      bwd_expert = std::max(bwd_expert, compute.backward_seconds(gpu_tokens[g], gpu_experts[g]));
+      // From the GPU's per-slot token counts under a plan; `ideal` spreads its tokens evenly.
+      double fwd = 0;
+      if (lp != nullptr) {
+        for (int s = 0; s < S; ++s)
+          counts[s] = static_cast<double>(lp->slot_tokens[static_cast<std::size_t>(g) * S + s]);
+        fwd = compute.forward_seconds(counts);
+      } else {
+        fwd = compute.forward_seconds(gpu_tokens[g], gpu_experts[g]);
+      }
+      fwd_expert = std::max(fwd_expert, fwd);
+      bwd_expert = std::max(bwd_expert, compute.backward_factor() * fwd);
     }
     const double attn = cfg.cost.dense.launch_us * 1e-6 + cfg.cost.dense.per_token_us * 1e-6 * tokens / G;
     // Dispatch (= combine): hierarchical from the slots' experts and rows, `ideal` from its lower bound.
