@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <fstream>
 #include <istream>
+#include <limits>
 #include <span>
 #include <string>
 #include <utility>
@@ -274,6 +275,51 @@ struct A2aHits {
                                            : a2a_hits_from_slots(slot_expert, slot_rows, slots_per_gpu, gpus_per_node,
                                                                  num_experts, tokens);
   return hierarchical_a2a_seconds(p, hits, tokens, gpus_per_node, row_bytes);
+}
+
+/// The largest lateness `finish - deadline` (0 when none is late) of jobs on one link served by preemptive
+/// earliest-deadline-first: job j is released at `release[j]`, needs `work[j]` seconds of the link and is due
+/// at `deadline[j]`. Preemptive EDF minimises the largest lateness on one link with release times (Horn, 1974),
+/// so this is what the link cannot avoid. Jobs with no work are ignored. Throws `Error` for inconsistent sizes
+/// or negative or non-finite values.
+[[nodiscard]] inline double edf_max_lateness(std::span<const double> release, std::span<const double> deadline,
+                                             std::span<const double> work) {
+  const std::size_t n = work.size();
+  detail::require(release.size() == n && deadline.size() == n, "edf_max_lateness: ", release.size(), " releases, ",
+                  deadline.size(), " deadlines and ", n, " jobs");
+  std::vector<std::size_t> order;
+  for (std::size_t j = 0; j < n; ++j) {
+    detail::require(std::isfinite(release[j]) && std::isfinite(deadline[j]) && std::isfinite(work[j]) && work[j] >= 0,
+                    "edf_max_lateness: job ", j, " has release ", release[j], ", deadline ", deadline[j], ", work ",
+                    work[j]);
+    if (work[j] > 0) order.push_back(j);
+  }
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return release[a] < release[b]; });
+  std::vector<double> left(work.begin(), work.end());
+  std::vector<std::size_t> ready; // released, unfinished
+  double t = order.empty() ? 0.0 : release[order.front()], worst = 0;
+  std::size_t next = 0;
+  while (next < order.size() || !ready.empty()) {
+    while (next < order.size() && release[order[next]] <= t)
+      ready.push_back(order[next++]);
+    if (ready.empty()) {
+      t = release[order[next]];
+      continue;
+    }
+    auto it = std::min_element(ready.begin(), ready.end(),
+                               [&](std::size_t a, std::size_t b) { return deadline[a] < deadline[b]; });
+    const std::size_t j = *it;
+    const double until = next < order.size() ? release[order[next]] : std::numeric_limits<double>::infinity();
+    if (t + left[j] <= until) {
+      t += left[j];
+      worst = std::max(worst, t - deadline[j]);
+      ready.erase(it);
+    } else {
+      left[j] -= until - t;
+      t = until;
+    }
+  }
+  return worst;
 }
 
 /// The path an expert move takes.

@@ -12,7 +12,8 @@
 /// `m` may be written once its slot's last use in micro-step `m - 1` is over
 /// (end of that layer's backward, or forward in recompute) and must land before
 /// layer `l`'s forward in `m`; with double buffering it may start one micro-step
-/// earlier. What does not fit its window is stall time. In the update stage
+/// earlier. A GPU's moves and gradient returns of all layers queue on one link (earliest deadline first,
+/// `edf_max_lateness`); the largest lateness is stall time. In the update stage
 /// each replica's gradient returns to its owner on the GPU-direct path in the
 /// same window, before the slot is reused.
 ///
@@ -443,6 +444,9 @@ struct GroupStep {
         std::vector<double> fwd_prefix(static_cast<std::size_t>(L) + 1, 0.0);
         for (int l = 0; l < L; ++l)
           fwd_prefix[l + 1] = fwd_prefix[l] + cur[l].forward;
+        // Each GPU's link serves the moves and gradient returns of all layers (one queue, earliest deadline
+        // first): layer l's are released when its slot is free, `window` before its forward at fwd_prefix[l].
+        std::vector<double> release(static_cast<std::size_t>(L)), work(static_cast<std::size_t>(L) * G);
         for (int l = 0; l < L; ++l) {
           double window = fwd_prefix[l];
           if (!prev_t.empty()) {
@@ -456,11 +460,16 @@ struct GroupStep {
               for (int k = 0; k < L; ++k)
                 window += prev_t[k].forward + prev_t[k].backward;
           }
-          double need = 0;
+          release[l] = fwd_prefix[l] - window;
           for (int g = 0; g < G; ++g)
-            need = std::max(need, cur[l].move_demand[g] + cur[l].grad_demand[g]);
-          stall += std::max(0.0, need - window);
+            work[static_cast<std::size_t>(g) * L + l] = cur[l].move_demand[g] + cur[l].grad_demand[g];
         }
+        // A late layer delays the rest of the micro-step (and the later deadlines) by its lateness, so the
+        // stall is the largest lateness of any GPU's queue.
+        for (int g = 0; g < G; ++g)
+          stall = std::max(stall,
+                           edf_max_lateness(release, std::span<const double>(fwd_prefix).first(L),
+                                            std::span<const double>(work).subspan(static_cast<std::size_t>(g) * L, L)));
         std::vector<double> layer_times(static_cast<std::size_t>(L));
         SimBreakdown parts;
         for (int l = 0; l < L; ++l) {
