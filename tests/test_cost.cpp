@@ -550,6 +550,19 @@ TEST_CASE("link queue: moves of all layers share one link (earliest deadline fir
         }).find("work -1") != std::string::npos);
 }
 
+TEST_CASE("shared links: moves share the link fairly with the all-to-all") {
+  // The all-to-all runs 40% of the time; while it runs the moves get half the link: 1 s of moves needs
+  // 1 / (1 - 0.2) = 1.25 s. No all-to-all: unchanged; always busy: twice as long.
+  CHECK(shared_link_seconds(1.0, 0.4) == doctest::Approx(1.25));
+  CHECK(shared_link_seconds(1.0, 0.0) == 1.0);
+  CHECK(shared_link_seconds(3.0, 1.0) == doctest::Approx(6.0));
+  CHECK(shared_link_seconds(0.0, 0.7) == 0.0);
+  for (double share = 0; share < 1; share += 0.125)
+    CHECK(shared_link_seconds(2.0, share + 0.125) >= shared_link_seconds(2.0, share));
+  CHECK(error_of([] { (void)shared_link_seconds(1, 1.5); }).find("got 1.5") != std::string::npos);
+  CHECK(error_of([] { (void)shared_link_seconds(-1, 0.5); }).find("got -1") != std::string::npos);
+}
+
 TEST_CASE("moves and gradient reduction") {
   const CostParams p;
   const double bytes = static_cast<double>(qwen3_30b_a3b().bytes_per_expert());

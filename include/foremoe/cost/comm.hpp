@@ -322,6 +322,19 @@ struct A2aHits {
   return worst;
 }
 
+/// Link time of `work` seconds of moves (alone on the link) on a link that the all-to-all also uses for the
+/// fraction `a2a_share` of the time: while both run they share it fairly (each gets half), and the
+/// all-to-all's share is taken as spread evenly over the window, so the moves need
+/// `work / (1 - a2a_share / 2)`. DeepEP's dispatch and combine keep NVLink and the NIC (and the PCIe switch
+/// the NIC shares with host-mirror reads on H200 nodes) busy together, so one share applies to every path.
+/// Throws `Error` for a share outside [0, 1] or negative work.
+[[nodiscard]] inline double shared_link_seconds(double work, double a2a_share) {
+  detail::require(work >= 0 && std::isfinite(work), "shared_link_seconds: work must be >= 0, got ", work);
+  detail::require(a2a_share >= 0 && a2a_share <= 1, "shared_link_seconds: a2a_share must be in [0, 1], got ",
+                  a2a_share);
+  return work / (1 - a2a_share / 2);
+}
+
 /// The path an expert move takes.
 enum class MovePath : std::uint8_t { gpu_intra, gpu_inter, host };
 

@@ -13,7 +13,8 @@
 /// (end of that layer's backward, or forward in recompute) and must land before
 /// layer `l`'s forward in `m`; with double buffering it may start one micro-step
 /// earlier. A GPU's moves and gradient returns of all layers queue on one link (earliest deadline first,
-/// `edf_max_lateness`); the largest lateness is stall time. In the update stage
+/// `edf_max_lateness`), sharing it fairly with the all-to-all (`shared_link_seconds`); the largest lateness
+/// is stall time. In the update stage
 /// each replica's gradient returns to its owner on the GPU-direct path in the
 /// same window, before the slot is reused.
 ///
@@ -446,6 +447,13 @@ struct GroupStep {
           fwd_prefix[l + 1] = fwd_prefix[l] + cur[l].forward;
         // Each GPU's link serves the moves and gradient returns of all layers (one queue, earliest deadline
         // first): layer l's are released when its slot is free, `window` before its forward at fwd_prefix[l].
+        // The all-to-all's share of the micro-step's time: moves share NVLink, the NIC and PCIe with it.
+        double a2a_time = 0, layer_time = 0;
+        for (const LayerTiming &lt : cur) {
+          a2a_time += lt.a2a;
+          layer_time += lt.forward + lt.backward;
+        }
+        const double a2a_share = layer_time > 0 ? std::min(1.0, a2a_time / layer_time) : 0.0;
         std::vector<double> release(static_cast<std::size_t>(L)), work(static_cast<std::size_t>(L) * G);
         for (int l = 0; l < L; ++l) {
           double window = fwd_prefix[l];
@@ -462,7 +470,8 @@ struct GroupStep {
           }
           release[l] = fwd_prefix[l] - window;
           for (int g = 0; g < G; ++g)
-            work[static_cast<std::size_t>(g) * L + l] = cur[l].move_demand[g] + cur[l].grad_demand[g];
+            work[static_cast<std::size_t>(g) * L + l] =
+                shared_link_seconds(cur[l].move_demand[g] + cur[l].grad_demand[g], a2a_share);
         }
         // A late layer delays the rest of the micro-step (and the later deadlines) by its lateness, so the
         // stall is the largest lateness of any GPU's queue.
