@@ -185,11 +185,30 @@ TEST_CASE("schema: every key of every schema accepts its default, refuses a wron
   walk_schema(config::synthetic_settings_schema());
 }
 
-TEST_CASE("schema: the simulate config covers the 18 cost keys, every section, and reads its own output") {
+TEST_CASE("schema: the simulate config covers the 21 cost keys, every section, and reads its own output") {
   int cost_keys = 0;
   for (const auto &o : config::simulate_schema().options())
     cost_keys += o.key.starts_with("cost.");
-  CHECK(cost_keys == 18);
+  CHECK(cost_keys == 21);
+  {
+    // The all-to-all model: hierarchical by default, flat on request, anything else refused by name.
+    CHECK(config::SimulateSettings{}.sim.cost.a2a.model == fm::A2aModel::hierarchical);
+    json::Value doc = json::Object{};
+    doc["cost"]["a2a_model"] = "flat";
+    doc["cost"]["a2a_inter_per_message_us"] = 3.5;
+    const config::Schema<config::SimulateSettings>::Layer l[] = {{&doc, "config"}};
+    const config::SimulateSettings s = config::simulate_settings(l);
+    CHECK(s.sim.cost.a2a.model == fm::A2aModel::flat);
+    CHECK(s.sim.cost.a2a.inter_per_message_us == 3.5);
+    doc["cost"]["a2a_model"] = "mesh";
+    std::string msg;
+    try {
+      (void)config::simulate_settings(l);
+    } catch (const fm::Error &e) {
+      msg = e.what();
+    }
+    CHECK(msg.find("config.cost.a2a_model: must be one of hierarchical, flat, got 'mesh'") != std::string::npos);
+  }
   for (const char *preset : {"qwen3-30b-a3b", "deepseek-v3"}) {
     json::Value p = json::Object{};
     p["preset"] = preset;
@@ -251,6 +270,7 @@ TEST_CASE("schema: the generator's options are one schema; simulate's batch sect
   int batch = 0;
   for (const auto &o : config::simulate_schema().options()) {
     if (!o.key.starts_with("batch.")) continue;
+    if (o.key == "batch.workload") continue; // simulate's choice of generator, not a generator option
     const auto &g = syn.key(o.key.substr(6));
     CHECK(o.flag == g.flag);
     if (o.key == "batch.steps") // simulate counts its steps; the warm-up ones come in front

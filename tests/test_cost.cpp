@@ -46,6 +46,18 @@ double weighted_residual(const std::vector<double> &a, const std::vector<double>
   return res;
 }
 
+/// NVLink 100 GB/s + 10 us, NIC 10 GB/s + 20 us, and the given per-message costs (us).
+AllToAllParams a2a_params(double per_message_us, double inter_per_message_us) {
+  AllToAllParams p;
+  p.intra_gb_per_s = 100;
+  p.inter_gb_per_s = 10;
+  p.intra_latency_us = 10;
+  p.inter_latency_us = 20;
+  p.per_message_us = per_message_us;
+  p.inter_per_message_us = inter_per_message_us;
+  return p;
+}
+
 } // namespace
 
 TEST_CASE("nonneg least squares: a known instance where dropping the most negative coefficient fails") {
@@ -181,6 +193,77 @@ TEST_CASE("expert compute: monotone in tokens, backward = factor x forward") {
   CHECK(m.backward_seconds(1000, 8) == doctest::Approx(3.0 * m.forward_seconds(1000, 8)));
 }
 
+TEST_CASE("expert compute from per-expert counts: padding, even spread, what a replica saves") {
+  ExpertGemmParams p;
+  p.tile_m = 64;
+  const ExpertShape shape{2048, 768, 3, WeightDtype::bf16};
+  // Even counts give the even-spread time; padding rounds every active expert up to 64 rows.
+  const std::vector<double> even{100, 100, 100, 100};
+  CHECK(expert_gemm_seconds(p, shape, even) == doctest::Approx(expert_gemm_seconds(p, shape, 400.0, 4)));
+  CHECK(padded_rows(100, 64) == 128);
+  CHECK(padded_rows(128, 64) == 128);
+  CHECK(padded_rows(3, 0) == 3);
+  ExpertGemmParams flat = p;
+  flat.tile_m = 0;
+  const std::vector<double> tiny{1, 1, 1, 1};
+  // Tiny counts: 4 x 64 padded rows instead of 4 (small-M inefficiency), exactly 252 rows of math more.
+  const double fpt = shape.flops_per_token();
+  CHECK(expert_gemm_seconds(p, shape, tiny) - expert_gemm_seconds(flat, shape, tiny) ==
+        doctest::Approx(252 * fpt / (peak_flops(p, shape.dtype) * p.compute_efficiency)));
+  // Idle experts cost nothing; more tokens on any expert never cost less (random counts, property).
+  std::mt19937_64 rng(5);
+  const ExpertComputeModel m(p, shape, 2.0);
+  for (int r = 0; r < 200 * foremoe_test::seed_multiplier(); ++r) {
+    std::vector<double> c(1 + rng() % 8);
+    for (auto &v : c)
+      v = static_cast<double>(rng() % 3 == 0 ? 0 : rng() % 3000);
+    std::vector<double> with_idle = c;
+    with_idle.push_back(0);
+    CHECK(m.forward_seconds(with_idle) == m.forward_seconds(c));
+    auto more = c;
+    more[rng() % more.size()] += 1 + static_cast<double>(rng() % 100);
+    CHECK(m.forward_seconds(more) >= m.forward_seconds(c));
+    CHECK(m.backward_seconds(c) == doctest::Approx(2.0 * m.forward_seconds(c)));
+    // A replica never saves more than the source GPU's whole time, and moving nothing saves nothing.
+    const std::size_t slot = rng() % c.size();
+    const std::vector<double> dst{static_cast<double>(rng() % 3000)};
+    CHECK(m.replica_saving_seconds(c, slot, 0, dst) <= 1e-15);
+    CHECK(m.replica_saving_seconds(c, slot, c[slot] / 2, dst) <= 3 * m.forward_seconds(c) + 1e-15);
+  }
+  // A hot GPU (4000 tokens on one expert) next to an idle one: moving half saves time; moving 10 tokens of a
+  // cold expert onto a busy GPU costs time (weight streaming and the per-expert cost of one more expert).
+  const std::vector<double> hot{4000, 100}, idle{};
+  CHECK(m.replica_saving_seconds(hot, 0, 2000, idle) > 0);
+  CHECK(m.replica_saving_seconds(hot, 0, 2000, idle, false) ==
+        doctest::Approx(m.replica_saving_seconds(hot, 0, 2000, idle) / 3));
+  const std::vector<double> busy{4000};
+  CHECK(m.replica_saving_seconds(std::vector<double>{10, 5}, 0, 10, busy) < 0);
+  CHECK(error_of([&] { (void)m.replica_saving_seconds(hot, 2, 1, idle); }).find("slot 2 of 2") != std::string::npos);
+  CHECK(error_of([&] { (void)m.replica_saving_seconds(hot, 1, 200, idle); }).find("moved 200") != std::string::npos);
+}
+
+TEST_CASE("power-law rank 0 counts follow the published generator's shape") {
+  for (int ep : {1, 4, 16})
+    for (long long tokens : {4LL, 256LL, 16384LL})
+      for (double alpha : {1.01, 1.2}) {
+        const auto c = power_law_rank0_counts(tokens, 128, 8, ep, alpha);
+        CAPTURE(ep);
+        CAPTURE(tokens);
+        REQUIRE(c.size() == std::size_t(128 / ep));
+        double sum = 0;
+        for (std::size_t i = 0; i < c.size(); ++i) {
+          sum += c[i];
+          if (i > 0) CHECK(c[i] <= c[i - 1]); // sorted descending
+        }
+        // Rank 0 is the most loaded rank: at least its even share, at most every assignment.
+        CHECK(sum >= tokens * 8.0 / ep - 1e-9);
+        CHECK(sum <= tokens * 8.0 + 1e-9);
+        CHECK(power_law_rank0_counts(tokens, 128, 8, ep, alpha) == c); // deterministic
+      }
+  CHECK(error_of([] { (void)power_law_rank0_counts(16, 128, 8, 3, 1.2); }).find("ep 3") != std::string::npos);
+  CHECK(error_of([] { (void)power_law_rank0_counts(16, 128, 8, 4, 1.0); }).find("got 1") != std::string::npos);
+}
+
 TEST_CASE("expert compute fit recovers known parameters on synthetic data") {
   for (bool overlap : {false, true}) {
     ExpertGemmParams truth;
@@ -219,11 +302,7 @@ TEST_CASE("expert compute fit recovers known parameters on synthetic data") {
 }
 
 TEST_CASE("all-to-all: hand-computed and symmetric cases") {
-  AllToAllParams p;
-  p.intra_gb_per_s = 100;
-  p.inter_gb_per_s = 10;
-  p.intra_latency_us = 10;
-  p.inter_latency_us = 20;
+  const AllToAllParams p = a2a_params(0, 0);
   const int n = 4;
   std::vector<double> m(n * n, 0.0);
   // One node of 4: every GPU sends 1000 rows to every other one.
@@ -255,6 +334,233 @@ TEST_CASE("all-to-all: hand-computed and symmetric cases") {
   CHECK(all_to_all_seconds(p, more, n, 2, 1024, 2) >= all_to_all_seconds(p, m, n, 2, 1024, 2));
   CHECK(error_of([&] { (void)all_to_all_seconds(p, std::vector<double>(3), n, 4, 1024, 2); }).find("expected 4 x 4") !=
         std::string::npos);
+}
+
+TEST_CASE("hierarchical all-to-all: a hand-computed two-node case") {
+  // 2 nodes x 2 GPUs, one slot each: GPU g holds expert g. 1000 tokens, top-2, so 2000 rows:
+  // e0 900, e1 100, e2 500, e3 500 -> pi = 0.9, 0.1, 0.5, 0.5.
+  //   GPU hits q = pi; node hits h0 = 1 - 0.1 * 0.9 = 0.91, h1 = 1 - 0.5 * 0.5 = 0.75.
+  //   T_s = 1000 / 4 = 250 tokens per rank.
+  //   NIC (tokens): node 0 GPUs send 250 h1 = 187.5, receive (N-1) 250 h0 = 227.5;
+  //                 node 1 GPUs send 250 h0 = 227.5, receive 250 h1 = 187.5  -> worst 227.5.
+  //   NVLink (tokens): GPU 0 sends 1000/2 q1 = 50, receives 1000 q0 / 2 = 450; GPU 1 sends 450, receives 50;
+  //                    GPUs 2, 3 send and receive 250                           -> worst 450.
+  //   Row bytes 1000; NIC 10 GB/s, 20 us + 2 us x 1 remote node: 22 us + 227.5 kB / 10 GB/s = 44.75 us.
+  //   NVLink 100 GB/s, 10 us + 1 us x 1 peer: 11 us + 450 kB / 100 GB/s = 15.5 us.   -> 44.75 us.
+  AllToAllParams p = a2a_params(1, 2);
+  const std::vector<std::int32_t> experts{0, 1, 2, 3};
+  const std::vector<std::int64_t> rows{900, 100, 500, 500};
+  const A2aHits h = a2a_hits_from_slots(experts, rows, 1, 2, 4, 1000);
+  REQUIRE(h.gpu.size() == 4);
+  REQUIRE(h.node.size() == 2);
+  CHECK(h.gpu[0] == doctest::Approx(0.9));
+  CHECK(h.gpu[1] == doctest::Approx(0.1));
+  CHECK(h.node[0] == doctest::Approx(0.91));
+  CHECK(h.node[1] == doctest::Approx(0.75));
+  CHECK(hierarchical_a2a_seconds(p, h, 1000, 2, 1000) == doctest::Approx(44.75e-6).epsilon(1e-12));
+  const std::vector<double> gpu_rows{900, 100, 500, 500};
+  CHECK(layer_a2a_seconds(p, experts, rows, gpu_rows, 1, 2, 4, 1000, 1000) == doctest::Approx(44.75e-6));
+  // The flat model on the same rows: GPU 0 receives 900 (4 - 2) / 4 = 450 rows over its NIC: 20 us + 45 us.
+  p.model = A2aModel::flat;
+  CHECK(layer_a2a_seconds(p, experts, rows, gpu_rows, 1, 2, 4, 1000, 1000) == doctest::Approx(65e-6));
+  p.model = A2aModel::hierarchical;
+  // One node: no NIC; the same NVLink volumes as before, now 3 peers: GPU 0 receives 1000 0.9 3/4 = 675 tokens,
+  // GPU 3 sends 1000/4 (0.9 + 0.1 + 0.5) = 375: 10 us + 3 us + 6.75 us.
+  const A2aHits one = a2a_hits_from_slots(experts, rows, 1, 4, 4, 1000);
+  CHECK(hierarchical_a2a_seconds(p, one, 1000, 4, 1000) == doctest::Approx(19.75e-6));
+  // Bad input names the value.
+  CHECK(error_of([&] { (void)a2a_hits_from_slots(experts, rows, 1, 3, 4, 1000); }).find("whole nodes of 3") !=
+        std::string::npos);
+  CHECK(error_of([&] { (void)a2a_hits_from_slots(experts, rows, 1, 2, 4, 0); }).find("got 0") != std::string::npos);
+  const std::vector<std::int32_t> bad_expert{0, 1, 2, 7};
+  CHECK(error_of([&] { (void)a2a_hits_from_slots(bad_expert, rows, 1, 2, 4, 1000); }).find("expert 7 of 4") !=
+        std::string::npos);
+  CHECK(parse_a2a_model("flat") == A2aModel::flat);
+  CHECK(error_of([] { (void)parse_a2a_model("mesh"); }).find("'mesh'") != std::string::npos);
+}
+
+TEST_CASE("hierarchical all-to-all: deduplication per node and GPU, extra volume from split replicas") {
+  AllToAllParams p;
+  p.intra_latency_us = p.inter_latency_us = p.per_message_us = p.inter_per_message_us = 0;
+  p.intra_gb_per_s = 1e6; // NIC-bound
+  // 2 nodes x 1 GPU, 2 slots per GPU, 4 experts, top-2, 1000 tokens, every expert 500 rows.
+  const std::vector<std::int64_t> rows{500, 500, 500, 500};
+  // Experts 0 and 1 on GPU 0: a token picking both crosses once; h1 = 1 - 0.5^2 = 0.75 < 2 x 0.5.
+  const std::vector<std::int32_t> packed{0, 1, 2, 3};
+  const A2aHits h = a2a_hits_from_slots(packed, rows, 2, 1, 4, 1000);
+  CHECK(h.node[1] == doctest::Approx(0.75));
+  // Node 0 receives 500 T_s h0 = 375 tokens (1000 rows x 4 kB would be 500 tokens without deduplication).
+  CHECK(hierarchical_a2a_seconds(p, h, 1000, 1, 4096) == doctest::Approx(375 * 4096 / 50e9));
+  // Expert 0's copies split over both nodes (250 rows each, in the slots of experts 1 and 3 on the other node):
+  // a token goes to one copy, so node 0 now holds 0.25 + 0.5 of expert 0 and 1 -> more tokens cross.
+  const std::vector<std::int32_t> split{0, 1, 0, 2};
+  const std::vector<std::int64_t> split_rows{250, 500, 250, 1000};
+  const A2aHits s = a2a_hits_from_slots(split, split_rows, 2, 1, 4, 1000);
+  CHECK(s.node[0] == doctest::Approx(1 - 0.75 * 0.5));
+  CHECK(s.node[1] == doctest::Approx(1.0)); // expert 2 with pi = 1: every token
+  // Copies of one expert on one GPU add up (mutually exclusive), and pi is capped at 1.
+  const std::vector<std::int32_t> twice{0, 0};
+  const std::vector<std::int64_t> twice_rows{700, 700};
+  CHECK(a2a_hits_from_slots(twice, twice_rows, 2, 1, 1, 1000).gpu[0] == 1.0);
+}
+
+TEST_CASE("hierarchical all-to-all: properties on random instances") {
+  std::mt19937_64 rng(12);
+  const int rounds = 200 * foremoe_test::seed_multiplier();
+  for (int r = 0; r < rounds; ++r) {
+    const int P = 1 + static_cast<int>(rng() % 4), N = 1 + static_cast<int>(rng() % 4), G = N * P;
+    const int S = 1 + static_cast<int>(rng() % 3), E = G + static_cast<int>(rng() % (G * S - G + 1));
+    const int k = 1 + static_cast<int>(rng() % std::min(E, 4));
+    const double tokens = 100 + static_cast<double>(rng() % 1000);
+    // Every expert once as an owner, the rest of the slots random experts or empty; each expert's k-share of
+    // the tokens (at most every token) split over its copies at random.
+    std::vector<std::int32_t> slot(static_cast<std::size_t>(G * S), -1);
+    std::vector<int> perm(static_cast<std::size_t>(G * S));
+    for (int i = 0; i < G * S; ++i)
+      perm[i] = i;
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int e = 0; e < E; ++e)
+      slot[perm[e]] = e;
+    for (int i = E; i < G * S; ++i)
+      if (rng() % 2) slot[perm[i]] = static_cast<std::int32_t>(rng() % E);
+    std::vector<double> weight(static_cast<std::size_t>(E));
+    double wsum = 0;
+    for (auto &w : weight)
+      wsum += (w = 0.05 + std::uniform_real_distribution<double>(0, 1)(rng));
+    std::vector<double> expert_rows(static_cast<std::size_t>(E));
+    double left = k * tokens;
+    for (int e = 0; e < E; ++e)
+      expert_rows[e] = std::min(tokens, k * tokens * weight[e] / wsum);
+    std::vector<double> cut(static_cast<std::size_t>(G * S), 0.0), per_expert(static_cast<std::size_t>(E), 0.0);
+    for (int i = 0; i < G * S; ++i)
+      if (slot[i] >= 0) per_expert[slot[i]] += (cut[i] = 0.1 + std::uniform_real_distribution<double>(0, 1)(rng));
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(G * S), 0);
+    std::vector<double> gpu_rows(static_cast<std::size_t>(G), 0.0);
+    for (int i = 0; i < G * S; ++i)
+      if (slot[i] >= 0) {
+        rows[i] = static_cast<std::int64_t>(std::floor(expert_rows[slot[i]] * cut[i] / per_expert[slot[i]]));
+        gpu_rows[i / S] += static_cast<double>(rows[i]);
+      }
+    (void)left;
+    AllToAllParams p;
+    p.intra_gb_per_s = 50 + static_cast<double>(rng() % 400);
+    p.inter_gb_per_s = 5 + static_cast<double>(rng() % 100);
+    const double rb = 1024;
+    const double t = layer_a2a_seconds(p, slot, rows, gpu_rows, S, P, E, tokens, rb);
+    CAPTURE(r);
+    CHECK(t >= 0);
+    const A2aHits h = a2a_hits_from_slots(slot, rows, S, P, E, tokens);
+    for (std::size_t g = 0; g < h.gpu.size(); ++g) {
+      CHECK(h.gpu[g] >= 0);
+      CHECK(h.gpu[g] <= h.node[g / P] + 1e-12);       // a GPU is hit only if its node is
+      CHECK(h.gpu[g] * tokens <= gpu_rows[g] + 1e-9); // at most one token per row
+    }
+    // More bandwidth is never slower, for either model and link class.
+    for (A2aModel m : {A2aModel::hierarchical, A2aModel::flat}) {
+      AllToAllParams base = p, fast = p;
+      base.model = fast.model = m;
+      fast.intra_gb_per_s *= 1.5;
+      const double t0 = layer_a2a_seconds(base, slot, rows, gpu_rows, S, P, E, tokens, rb);
+      CHECK(layer_a2a_seconds(fast, slot, rows, gpu_rows, S, P, E, tokens, rb) <= t0);
+      fast.inter_gb_per_s *= 1.5;
+      CHECK(layer_a2a_seconds(fast, slot, rows, gpu_rows, S, P, E, tokens, rb) <= t0);
+    }
+    // The physical limit (`ideal`: the same rows spread evenly over the GPUs, hit probabilities from the bound)
+    // is never slower than this placement.
+    double total = 0;
+    for (double v : gpu_rows)
+      total += v;
+    const std::vector<double> even(static_cast<std::size_t>(G), total / G);
+    CHECK(layer_a2a_seconds(p, {}, {}, even, S, P, E, tokens, rb) <= t * (1 + 1e-12));
+    // Zero latencies: the NIC volume never exceeds the flat model's (deduplication only removes rows).
+    AllToAllParams bw_only = p;
+    bw_only.intra_latency_us = bw_only.inter_latency_us = bw_only.per_message_us = bw_only.inter_per_message_us = 0;
+    bw_only.intra_gb_per_s = 1e9;
+    AllToAllParams flat = bw_only;
+    flat.model = A2aModel::flat;
+    CHECK(layer_a2a_seconds(bw_only, slot, rows, gpu_rows, S, P, E, tokens, rb) <=
+          layer_a2a_seconds(flat, slot, rows, gpu_rows, S, P, E, tokens, rb) * (1 + 1e-12) + 1e-15);
+  }
+}
+
+TEST_CASE("NVLink all-to-all fit recovers known parameters") {
+  std::vector<NcclSample> s;
+  for (int n : {2, 4, 8})
+    for (double b = 512; b <= 1 << 29; b *= 4)
+      s.push_back({"alltoall", n, b, 6e-6 + 0.5e-6 * (n - 1) + b * (n - 1) / n / 280e9, 0});
+  s.push_back({"all_gather", 8, 4096, 1.0, 0});
+  const auto f = fit_nccl_all_to_all(s);
+  CHECK(f.latency_s == doctest::Approx(6e-6).epsilon(1e-6));
+  CHECK(f.per_peer_s == doctest::Approx(0.5e-6).epsilon(1e-6));
+  CHECK(f.bytes_per_s == doctest::Approx(280e9).epsilon(1e-6));
+  CHECK(f.rel_error.size() == s.size() - 1);
+  CHECK(f.p90() < 1e-9);
+  const std::vector<int> none{16};
+  CHECK(error_of([&] { (void)fit_nccl_all_to_all(s, none); }).find("got 0") != std::string::npos);
+}
+
+TEST_CASE("link queue: moves of all layers share one link (earliest deadline first)") {
+  // Two layers, each 3 s of moves, released at -4 and -1, due at 0 and 2. Alone each fits its window (4 s,
+  // 3 s); on one link: layer 0 runs -4..-1, layer 1 runs -1..2: on time. With 4 s each: layer 0 -4..0,
+  // layer 1 0..4, late by 2 (a per-layer check would see each 4 s job in a 4 s / 3 s window: 0 + 1).
+  const std::vector<double> rel{-4, -1}, due{0, 2};
+  CHECK(edf_max_lateness(rel, due, std::vector<double>{3, 3}) == doctest::Approx(0.0));
+  CHECK(edf_max_lateness(rel, due, std::vector<double>{4, 4}) == doctest::Approx(2.0));
+  // Preemption: a later-released job with an earlier deadline runs first. Job 0 (released 0, due 10, 5 s) is
+  // interrupted at 1 by job 1 (due 3, 2 s): job 1 ends at 3, job 0 at 7; nobody is late.
+  CHECK(edf_max_lateness(std::vector<double>{0, 1}, std::vector<double>{10, 3}, std::vector<double>{5, 2}) ==
+        doctest::Approx(0.0));
+  CHECK(edf_max_lateness(std::vector<double>{0, 1}, std::vector<double>{10, 2}, std::vector<double>{5, 2}) ==
+        doctest::Approx(1.0));
+  // Idle gaps: a job released later than the link is free starts at its release.
+  CHECK(edf_max_lateness(std::vector<double>{0, 10}, std::vector<double>{1, 11}, std::vector<double>{1, 2}) ==
+        doctest::Approx(1.0));
+  CHECK(edf_max_lateness(std::vector<double>{}, std::vector<double>{}, std::vector<double>{}) == 0.0);
+  // Properties on random instances: never below any job's own lateness alone, never above the serial bound
+  // (the link never idles after the last release, so all work ends by then + the total), and more work is
+  // never earlier (preemptive EDF is optimal, so its lateness is monotone in the work).
+  std::mt19937_64 rng(3);
+  std::uniform_real_distribution<double> u(0, 1);
+  for (int r = 0; r < 300 * foremoe_test::seed_multiplier(); ++r) {
+    const std::size_t n = 1 + rng() % 8;
+    std::vector<double> rl(n), dl(n), w(n);
+    double total = 0, latest = -1e30, alone = 0;
+    for (std::size_t j = 0; j < n; ++j) {
+      rl[j] = -5 * u(rng);
+      dl[j] = 5 * u(rng);
+      w[j] = rng() % 4 == 0 ? 0.0 : 4 * u(rng);
+      total += w[j];
+      if (w[j] > 0) {
+        latest = std::max(latest, rl[j]);
+        alone = std::max(alone, rl[j] + w[j] - dl[j]);
+      }
+    }
+    const double late = edf_max_lateness(rl, dl, w);
+    CHECK(late >= alone - 1e-12);
+    double min_due = 1e30;
+    for (std::size_t j = 0; j < n; ++j)
+      if (w[j] > 0) min_due = std::min(min_due, dl[j]);
+    if (total > 0) CHECK(late <= std::max(0.0, latest + total - min_due) + 1e-12);
+    auto more = w;
+    more[rng() % n] += u(rng);
+    CHECK(edf_max_lateness(rl, dl, more) >= late - 1e-12);
+  }
+  CHECK(error_of([] {
+          (void)edf_max_lateness(std::vector<double>{0}, std::vector<double>{1}, std::vector<double>{-1});
+        }).find("work -1") != std::string::npos);
+}
+
+TEST_CASE("shared links: moves share the link fairly with the all-to-all") {
+  // The all-to-all runs 40% of the time; while it runs the moves get half the link: 1 s of moves needs
+  // 1 / (1 - 0.2) = 1.25 s. No all-to-all: unchanged; always busy: twice as long.
+  CHECK(shared_link_seconds(1.0, 0.4) == doctest::Approx(1.25));
+  CHECK(shared_link_seconds(1.0, 0.0) == 1.0);
+  CHECK(shared_link_seconds(3.0, 1.0) == doctest::Approx(6.0));
+  CHECK(shared_link_seconds(0.0, 0.7) == 0.0);
+  for (double share = 0; share < 1; share += 0.125)
+    CHECK(shared_link_seconds(2.0, share + 0.125) >= shared_link_seconds(2.0, share));
+  CHECK(error_of([] { (void)shared_link_seconds(1, 1.5); }).find("got 1.5") != std::string::npos);
+  CHECK(error_of([] { (void)shared_link_seconds(-1, 0.5); }).find("got -1") != std::string::npos);
 }
 
 TEST_CASE("moves and gradient reduction") {
@@ -299,6 +605,18 @@ TEST_CASE("CSV readers: bad input names the line") {
     CHECK(s[1].seconds == doctest::Approx(0.25e-3));
     CHECK(s[1].line == 4);
   }
+  {
+    std::istringstream in(head + "bfloat16,32,2048,768,8,128,1,4,power_law_1.2,0.3\n"
+                                 "bfloat16,32,2048,768,8,128,1,4,zipf,0.3\n");
+    CHECK(error_of([&] {
+            (void)read_moe_latency_csv(in, "t.csv", true);
+          }).find("t.csv:3: unknown distribution 'zipf'") != std::string::npos);
+    std::istringstream ok(head + "bfloat16,32,2048,768,8,128,1,4,power_law_1.2,0.3\n");
+    const auto s = read_moe_latency_csv(ok, "t.csv", true);
+    REQUIRE(s.size() == 1);
+    CHECK(s[0].counts == power_law_rank0_counts(32, 128, 8, 4, 1.2));
+    CHECK(s[0].tokens >= 32 * 8 / 4.0);
+  }
   auto bad = [&](const std::string &body) {
     std::istringstream in(head + "bfloat16,16,2048,768,8,128,1,1,balanced,0.3\n" + body);
     return error_of([&] { (void)read_moe_latency_csv(in, "t.csv"); });
@@ -324,7 +642,9 @@ TEST_CASE("real H200 data: expert GEMM and NCCL alltoall fits") {
   const auto latency_csv = foremoe_test::data_path("h200-moe-latency.csv");
   const auto nccl_csv = foremoe_test::data_path("h200-nccl.csv");
   if (latency_csv.empty() || nccl_csv.empty()) return;
-  const std::vector<ExpertComputeSample> all = read_moe_latency_csv(latency_csv.string());
+  // All rows: balanced and power-law (rank 0's counts: the expectation of the published generator).
+  const std::vector<ExpertComputeSample> all = read_moe_latency_csv(latency_csv.string(), true);
+  CHECK(all.size() == 7209);
   REQUIRE(!all.empty());
   // Per (hidden, dtype); hold out every 4th (tp, ep) pair in sorted order.
   std::map<std::pair<int, int>, std::vector<ExpertComputeSample>> groups;
@@ -344,20 +664,67 @@ TEST_CASE("real H200 data: expert GEMM and NCCL alltoall fits") {
     const auto fit = fit_expert_compute(train);
     const auto test_err = expert_compute_errors(fit.params, test);
     const auto &fp = fit.params;
+    std::vector<double> test_balanced, test_power;
+    for (std::size_t j = 0; j < test.size(); ++j)
+      (test[j].counts.empty() ? test_balanced : test_power).push_back(test_err[j]);
     const std::string name =
         "H" + std::to_string(key.first) + " " + std::string(to_string(static_cast<WeightDtype>(key.second)));
     MESSAGE(name, ": ", train.size(), " train rows (", pairs.size() - held.size(), " tp x ep pairs), ", test.size(),
             " held out (", held.size(), " pairs); launch ", fp.launch_us, " us, per expert ", fp.per_expert_us,
             " us, scan ", fp.scan_ps_per_element, " ps/elem, hbm eff ", fp.hbm_efficiency, ", compute eff ",
-            fp.compute_efficiency, ", n_half ", fp.n_half, ", ", (fp.overlap ? "max" : "sum"),
+            fp.compute_efficiency, ", n_half ", fp.n_half, ", tile ", fp.tile_m, ", ", (fp.overlap ? "max" : "sum"),
             "; rel err train median ", fit.median(), " p90 ", fit.p90(), ", held-out median ",
-            detail::quantile(test_err, 0.5), " p90 ", detail::quantile(test_err, 0.9));
+            detail::quantile(test_err, 0.5), " p90 ", detail::quantile(test_err, 0.9), " (balanced ",
+            test_balanced.size(), " rows: median ", detail::quantile(test_balanced, 0.5), " p90 ",
+            detail::quantile(test_balanced, 0.9), "; power-law ", test_power.size(), " rows: median ",
+            detail::quantile(test_power, 0.5), " p90 ", detail::quantile(test_power, 0.9), ")");
     CHECK(fit.median() < 0.25);
     CHECK(detail::quantile(test_err, 0.5) < 0.25);
     CHECK(detail::quantile(test_err, 0.9) < 0.6);
+    CHECK(detail::quantile(test_power, 0.5) < 0.2);
+    CHECK(detail::quantile(test_power, 0.9) < 0.4);
+    if (key == std::pair<int, int>{2048, static_cast<int>(WeightDtype::bf16)}) {
+      // The defaults (params.hpp) are this shape's fit on all its rows.
+      const auto whole = fit_expert_compute(samples);
+      const auto &w = whole.params;
+      MESSAGE("defaults' fit, H2048 bf16, all ", samples.size(), " rows: launch ", w.launch_us, " us, per expert ",
+              w.per_expert_us, " us, scan ", w.scan_ps_per_element, " ps/elem, hbm eff ", w.hbm_efficiency,
+              ", compute eff ", w.compute_efficiency, ", n_half ", w.n_half, ", tile ", w.tile_m, ", ",
+              (w.overlap ? "max" : "sum"), "; rel err median ", whole.median(), " p90 ", whole.p90());
+      const ExpertGemmParams d;
+      CHECK(d.launch_us == doctest::Approx(w.launch_us).epsilon(0.02));
+      CHECK(d.per_expert_us == doctest::Approx(w.per_expert_us).epsilon(0.05));
+      CHECK(d.scan_ps_per_element == doctest::Approx(w.scan_ps_per_element).epsilon(0.02));
+      CHECK(d.hbm_efficiency == doctest::Approx(w.hbm_efficiency).epsilon(0.02));
+      CHECK(d.compute_efficiency == doctest::Approx(w.compute_efficiency).epsilon(0.02));
+      CHECK(d.tile_m == w.tile_m);
+      CHECK(d.n_half == w.n_half);
+      CHECK(d.overlap == w.overlap);
+    }
   }
 
   const std::vector<NcclSample> nccl = read_nccl_csv(nccl_csv.string());
+  {
+    // The NVLink all-to-all defaults are this fit (params.hpp); held out: the 8-GPU rows from a 2 + 4 GPU fit.
+    const auto f = fit_nccl_all_to_all(nccl);
+    const std::vector<int> small{2, 4}, eight{8};
+    const auto part = fit_nccl_all_to_all(nccl, small);
+    std::vector<double> held;
+    for (const auto &s : nccl)
+      if (s.op == "alltoall" && s.num_gpus == 8)
+        held.push_back(std::abs(part.seconds(8, s.bytes) - s.seconds) / s.seconds);
+    MESSAGE("nccl alltoall fit (2, 4, 8 GPUs, ", f.rel_error.size(), " rows): latency ", f.latency_s * 1e6,
+            " us, per peer ", f.per_peer_s * 1e6, " us, ", f.bytes_per_s / 1e9, " GB/s per GPU; rel err median ",
+            f.median(), " p90 ", f.p90(), "; 8 GPUs held out of a 2 + 4 fit: median ", detail::quantile(held, 0.5),
+            " p90 ", detail::quantile(held, 0.9));
+    const AllToAllParams d;
+    CHECK(d.intra_gb_per_s == doctest::Approx(f.bytes_per_s / 1e9).epsilon(0.02));
+    CHECK(d.intra_latency_us == doctest::Approx(f.latency_s * 1e6).epsilon(0.05));
+    CHECK(d.per_message_us == doctest::Approx(f.per_peer_s * 1e6).epsilon(0.1));
+    CHECK(f.median() < 0.2);
+    CHECK(detail::quantile(held, 0.5) < 0.25);
+    CHECK(detail::quantile(held, 0.9) < 0.5);
+  }
   for (int g : {2, 4, 8}) {
     const auto f = fit_alpha_beta(nccl, "alltoall", g);
     const double bus = f.beta_bytes_per_s * (g - 1) / g / 1e9;

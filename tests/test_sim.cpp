@@ -165,41 +165,48 @@ TEST_CASE("simulate: strategies are the registered ones plus ideal") {
 }
 
 TEST_CASE("simulate: a hand-computed tiny case (2 GPUs, 2 experts, one layer, static)") {
-  SimConfig cfg;
-  cfg.model = ModelSpec{1, 2, 1, 1024, 512, WeightDtype::bf16};
-  cfg.topo = Topology{1, 2, 1};
-  cfg.recompute_passes = 1;
-  cfg.warmup_steps = 0;         // one step, counted
-  cfg.dense_from_shape = false; // the constant per-token dense time (the shape's is checked below)
-  // Two micro-steps: expert loads (300, 100) then (50, 150); top-1, so tokens = assignments.
-  LoadTensor loads(2, 1, 2);
-  loads.at(0, 0, 0) = 300;
-  loads.at(0, 0, 1) = 100;
-  loads.at(1, 0, 0) = 50;
-  loads.at(1, 0, 1) = 150;
-  const std::vector<SimStrategy> st{parse_sim_strategy("static")};
-  const auto r = simulate(cfg, loads, {}, st);
-  const CostParams &c = cfg.cost;
-  const ExpertComputeModel ec(c, ExpertShape::from(cfg.model));
-  const double row = 1024.0 * 2;
-  // Uniform sources: GPU g receives half of its load from the other GPU and sends half of the other's.
-  auto a2a = [&](double g0, double g1) {
-    const double bytes = std::max(g0, g1) / 2 * row;
-    return c.a2a.intra_latency_us * 1e-6 + bytes / (c.a2a.intra_gb_per_s * 1e9);
-  };
-  auto attn = [&](double tokens) { return c.dense.launch_us * 1e-6 + c.dense.per_token_us * 1e-6 * tokens / 2; };
-  auto fwd = [&](double g0, double g1, double tokens) {
-    return attn(tokens) + 2 * a2a(g0, g1) + std::max(ec.forward_seconds(g0, 1), ec.forward_seconds(g1, 1));
-  };
-  auto bwd = [&](double g0, double g1, double tokens) {
-    return c.backward_factor * attn(tokens) + 2 * a2a(g0, g1) +
-           std::max(ec.backward_seconds(g0, 1), ec.backward_seconds(g1, 1));
-  };
-  const double recompute = fwd(300, 100, 400) + fwd(50, 150, 200);
-  const double update = recompute + bwd(300, 100, 400) + bwd(50, 150, 200);
-  CHECK(r[0].recompute_seconds == doctest::Approx(recompute).epsilon(1e-12));
-  CHECK(r[0].update_seconds == doctest::Approx(update).epsilon(1e-12));
-  CHECK(r[0].imbalance_median == doctest::Approx(1.5)); // (300, 100): 300 / 200 and (50, 150): 150 / 100
+  for (const A2aModel model : {A2aModel::flat, A2aModel::hierarchical}) {
+    CAPTURE(to_string(model));
+    SimConfig cfg;
+    cfg.cost.a2a.model = model;
+    cfg.model = ModelSpec{1, 2, 1, 1024, 512, WeightDtype::bf16};
+    cfg.topo = Topology{1, 2, 1};
+    cfg.recompute_passes = 1;
+    cfg.warmup_steps = 0;         // one step, counted
+    cfg.dense_from_shape = false; // the constant per-token dense time (the shape's is checked below)
+    // Two micro-steps: expert loads (300, 100) then (50, 150); top-1, so tokens = assignments.
+    LoadTensor loads(2, 1, 2);
+    loads.at(0, 0, 0) = 300;
+    loads.at(0, 0, 1) = 100;
+    loads.at(1, 0, 0) = 50;
+    loads.at(1, 0, 1) = 150;
+    const std::vector<SimStrategy> st{parse_sim_strategy("static")};
+    const auto r = simulate(cfg, loads, {}, st);
+    const CostParams &c = cfg.cost;
+    const ExpertComputeModel ec(c, ExpertShape::from(cfg.model));
+    const double row = 1024.0 * 2;
+    // Uniform sources: GPU g receives half of its load from the other GPU and sends half of the other's. Top-1
+    // on one node: the hierarchical model moves the same rows (tokens q_g (P - 1) / P = load_g / 2), plus the
+    // cost of its one peer message.
+    auto a2a = [&](double g0, double g1) {
+      const double bytes = std::max(g0, g1) / 2 * row;
+      return c.a2a.intra_latency_us * 1e-6 + (model == A2aModel::hierarchical ? c.a2a.per_message_us * 1e-6 : 0.0) +
+             bytes / (c.a2a.intra_gb_per_s * 1e9);
+    };
+    auto attn = [&](double tokens) { return c.dense.launch_us * 1e-6 + c.dense.per_token_us * 1e-6 * tokens / 2; };
+    auto fwd = [&](double g0, double g1, double tokens) {
+      return attn(tokens) + 2 * a2a(g0, g1) + std::max(ec.forward_seconds(g0, 1), ec.forward_seconds(g1, 1));
+    };
+    auto bwd = [&](double g0, double g1, double tokens) {
+      return c.backward_factor * attn(tokens) + 2 * a2a(g0, g1) +
+             std::max(ec.backward_seconds(g0, 1), ec.backward_seconds(g1, 1));
+    };
+    const double recompute = fwd(300, 100, 400) + fwd(50, 150, 200);
+    const double update = recompute + bwd(300, 100, 400) + bwd(50, 150, 200);
+    CHECK(r[0].recompute_seconds == doctest::Approx(recompute).epsilon(1e-12));
+    CHECK(r[0].update_seconds == doctest::Approx(update).epsilon(1e-12));
+    CHECK(r[0].imbalance_median == doctest::Approx(1.5)); // (300, 100): 300 / 200 and (50, 150): 150 / 100
+  }
 }
 
 TEST_CASE("simulate: more bandwidth is never slower (property)") {

@@ -89,7 +89,9 @@ def test_bad_strategy_and_loads():
 
 def test_simulate_config_round_trip():
     full = foremoe.simulate_config(CFG)
-    assert full["model"]["layers"] == 4 and len(full["cost"]) == 18
+    cost_keys = {o["key"].split(".", 1)[1] for o in foremoe.options("simulate") if o["key"].startswith("cost.")}
+    assert full["model"]["layers"] == 4 and set(full["cost"]) == cost_keys
+    assert full["cost"]["a2a_model"] == "hierarchical"
     assert foremoe.simulate_config(full) == full
     assert strip(foremoe.simulate(full, strategies="static,foremoe")) == strip(
         foremoe.simulate(CFG, strategies="static,foremoe"))

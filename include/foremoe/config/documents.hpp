@@ -404,7 +404,12 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
     out << "\n";
   }
   const std::int64_t warm = doc.find("warmup_steps")->as_integer(), every = doc.find("eplb_interval")->as_integer();
-  out << "model: per-GPU uniform all-to-all, grouped-GEMM fit, move windows (docs/simulator.md); warm-up: " << warm
+  const json::Value *a2a = doc.find("config") != nullptr && doc.find("config")->find("cost") != nullptr
+                               ? doc.find("config")->find("cost")->find("a2a_model")
+                               : nullptr;
+  const bool flat = a2a != nullptr && a2a->is_string() && a2a->as_string() == "flat";
+  out << "model: " << (flat ? "per-GPU uniform (flat)" : "hierarchical (DeepEP-style, per-node dedup)")
+      << " all-to-all, grouped-GEMM fit, move windows (docs/simulator.md); warm-up: " << warm
       << (warm == 1 ? " RL step" : " RL steps") << " simulated and not counted; eplb rebalances every " << every
       << (every == 1 ? " step" : " steps") << "\n";
   return out.str();

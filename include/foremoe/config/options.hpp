@@ -566,7 +566,7 @@ struct SimulateSettings {
         "sim.gpu_memory_gb", 1e-3, 1e6,
         "GPU memory in GB (H200: 141); a strategy whose peak per-GPU memory exceeds it is an error",
         [](auto &x) -> auto & { return x.sim.gpu_memory_gb; }));
-    // cost: the 18 cost-model parameters that a config may set
+    // cost: the cost-model parameters that a config may set
     auto cost = [&](const char *key, double lo, double hi, const char *help, auto field) {
       o.push_back(number<S>(std::string("cost.") + key, lo, hi, help, field));
     };
@@ -591,6 +591,13 @@ struct SimulateSettings {
     cost(
         "gemm_hbm_efficiency", 1e-6, 1, "achieved fraction of HBM bandwidth",
         [](auto &x) -> auto & { return x.sim.cost.gemm.hbm_efficiency; });
+    o.push_back(choice<S>(
+        "cost.a2a_model", {"hierarchical", "flat"},
+        "all-to-all model: hierarchical (DeepEP-style: a token crosses to a remote node once, then fans out over "
+        "NVLink; per-GPU deduplication; latency per message) or flat (every GPU's rows come evenly from all GPUs)",
+        [](const S &x) { return to_string(x.sim.cost.a2a.model); },
+        [](S &x, const std::string &v) { x.sim.cost.a2a.model = parse_a2a_model(v); }));
+    o.back().metavar = "MODEL";
     cost(
         "a2a_intra_gb_per_s", min_gb_per_s, max_gb_per_s, "all-to-all NVLink GB/s per GPU",
         [](auto &x) -> auto & { return x.sim.cost.a2a.intra_gb_per_s; });
@@ -603,6 +610,12 @@ struct SimulateSettings {
     cost(
         "a2a_inter_latency_us", 0, max_us, "fixed us of an inter-node exchange",
         [](auto &x) -> auto & { return x.sim.cost.a2a.inter_latency_us; });
+    cost(
+        "a2a_per_message_us", 0, max_us, "hierarchical all-to-all: us per NVLink peer with traffic",
+        [](auto &x) -> auto & { return x.sim.cost.a2a.per_message_us; });
+    cost(
+        "a2a_inter_per_message_us", 0, max_us, "hierarchical all-to-all: us per remote node with traffic",
+        [](auto &x) -> auto & { return x.sim.cost.a2a.inter_per_message_us; });
     cost(
         "move_intra_gb_per_s", min_gb_per_s, max_gb_per_s, "expert move GB/s inside a node",
         [](auto &x) -> auto & { return x.sim.cost.move.gpu_intra.gb_per_s; });

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <fstream>
 #include <istream>
+#include <limits>
 #include <span>
 #include <string>
 #include <utility>
@@ -25,7 +26,8 @@ inline namespace v0 {
 /// Seconds of one all-to-all given `tokens`, a row-major `num_gpus x num_gpus` matrix: `tokens[s * n + d]`
 /// tokens (token-expert rows) go from rank `s` to GPU `d`; the diagonal stays local and is free. Each row
 /// carries `hidden * bytes_per_element` bytes. GPUs `g / gpus_per_node` share a node. Per GPU and link class
-/// (NVLink inside the node, NIC across nodes): `latency + per_message * messages + max(send, recv) / bw`;
+/// (NVLink inside the node, NIC across nodes): `latency + per_message * messages + max(send, recv) / bw`
+/// (`per_message_us` inside a node, `inter_per_message_us` across);
 /// the two classes run concurrently and the collective ends with the slowest GPU. Combine is the same
 /// exchange transposed, so it costs the same. Throws `Error` for a non-square matrix, a negative count or
 /// non-positive sizes.
@@ -54,6 +56,7 @@ inline namespace v0 {
     }
   const double bw[2] = {p.intra_gb_per_s * 1e9, p.inter_gb_per_s * 1e9};
   const double lat[2] = {p.intra_latency_us * 1e-6, p.inter_latency_us * 1e-6};
+  const double per_msg[2] = {p.per_message_us * 1e-6, p.inter_per_message_us * 1e-6};
   double worst = 0;
   for (std::size_t g = 0; g < n; ++g) {
     double gpu = 0;
@@ -61,7 +64,7 @@ inline namespace v0 {
       const double bytes = std::max(send[2 * g + c], recv[2 * g + c]);
       if (bytes == 0) continue;
       const double msgs = std::max(msgs_out[2 * g + c], msgs_in[2 * g + c]);
-      gpu = std::max(gpu, lat[c] + p.per_message_us * 1e-6 * msgs + bytes / bw[c]);
+      gpu = std::max(gpu, lat[c] + per_msg[c] * msgs + bytes / bw[c]);
     }
     worst = std::max(worst, gpu);
   }
@@ -85,6 +88,251 @@ inline namespace v0 {
     for (std::size_t d = 0; d < n; ++d)
       tr[d * n + s] = tokens[s * n + d];
   return all_to_all_seconds(p, tr, num_gpus, gpus_per_node, hidden, bytes_per_element);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The all-to-all of one layer from per-slot token counts (what the simulator knows).
+//
+// The simulator has, per layer and micro-step, the token-expert rows each physical expert slot receives, not
+// which token went where. Dispatch volume after deduplication depends on how many distinct GPUs and nodes a
+// token's top-k experts land on, so it is estimated: a token selects each slot c independently with
+// probability pi_c = rows_c / tokens, except that the copies of one expert are mutually exclusive (a token
+// goes to one copy); hence the probability that a token sends nothing to a set X of GPUs (a GPU, or a node)
+// is prod over experts e of (1 - sum of pi_c over e's copies in X). This independence approximation
+// ignores co-activation (experts that tend to be picked together) and the router's node limit
+// (DeepSeek-V3 sends a token to at most 4 nodes); both would lower the volume further.
+
+/// Per GPU and node: the probability that one token sends at least one row there.
+struct A2aHits {
+  std::vector<double> gpu;  ///< `[num_gpus]`: q_g
+  std::vector<double> node; ///< `[num_nodes]`: h_b
+};
+
+/// Hit probabilities of one layer: `slot_expert[g * slots_per_gpu + s]` is the logical expert of GPU g's slot
+/// s (negative: empty), `slot_rows` the token-expert rows it receives, `tokens` the tokens of the micro-step
+/// (before routing). Throws `Error` for inconsistent sizes, negative rows or non-positive tokens.
+[[nodiscard]] inline A2aHits a2a_hits_from_slots(std::span<const std::int32_t> slot_expert,
+                                                 std::span<const std::int64_t> slot_rows, int slots_per_gpu,
+                                                 int gpus_per_node, int num_experts, double tokens) {
+  detail::require(slots_per_gpu > 0 && gpus_per_node > 0 && num_experts > 0,
+                  "a2a_hits_from_slots: slots, gpus_per_node and experts must be positive");
+  detail::require(slot_expert.size() == slot_rows.size() && slot_expert.size() % slots_per_gpu == 0,
+                  "a2a_hits_from_slots: ", slot_expert.size(), " slot experts and ", slot_rows.size(),
+                  " slot rows for ", slots_per_gpu, " slots per GPU");
+  const int G = static_cast<int>(slot_expert.size()) / slots_per_gpu;
+  detail::require(G % gpus_per_node == 0, "a2a_hits_from_slots: ", G, " GPUs are not whole nodes of ", gpus_per_node);
+  detail::require(tokens > 0 && std::isfinite(tokens), "a2a_hits_from_slots: tokens must be positive, got ", tokens);
+  const int N = G / gpus_per_node;
+  A2aHits h;
+  h.gpu.assign(static_cast<std::size_t>(G), 0.0);
+  h.node.assign(static_cast<std::size_t>(N), 0.0);
+  std::vector<double> share(static_cast<std::size_t>(num_experts), 0.0); // sum of pi over copies in the set
+  std::vector<std::int32_t> touched;
+  auto miss_of = [&](int g0, int g1) { // GPUs [g0, g1)
+    touched.clear();
+    for (int p = g0 * slots_per_gpu; p < g1 * slots_per_gpu; ++p) {
+      const std::int32_t e = slot_expert[p];
+      detail::require(slot_rows[p] >= 0, "a2a_hits_from_slots: slot ", p, " has ", slot_rows[p], " rows");
+      if (e < 0 || slot_rows[p] == 0) continue;
+      detail::require(e < num_experts, "a2a_hits_from_slots: slot ", p, " holds expert ", e, " of ", num_experts);
+      if (share[e] == 0) touched.push_back(e);
+      share[e] += static_cast<double>(slot_rows[p]) / tokens;
+    }
+    double miss = 1;
+    for (std::int32_t e : touched) {
+      miss *= std::max(0.0, 1.0 - std::min(1.0, share[e]));
+      share[e] = 0;
+    }
+    return 1.0 - miss;
+  };
+  for (int g = 0; g < G; ++g)
+    h.gpu[g] = miss_of(g, g + 1);
+  for (int b = 0; b < N; ++b)
+    h.node[b] = miss_of(b * gpus_per_node, (b + 1) * gpus_per_node);
+  return h;
+}
+
+/// The fewest distinct tokens any placement can give GPUs receiving `gpu_rows` rows: each GPU's (and node's)
+/// rows spread evenly over all `num_experts` experts, q = 1 - (1 - rows / (tokens E))^E. Since log(1 - x) is
+/// concave, no placement with at most E distinct experts on a GPU or node gives it a lower hit probability
+/// for the same rows; `ideal` uses this bound.
+[[nodiscard]] inline A2aHits a2a_hits_spread(std::span<const double> gpu_rows, int gpus_per_node, int num_experts,
+                                             double tokens) {
+  detail::require(gpus_per_node > 0 && num_experts > 0 && gpu_rows.size() % gpus_per_node == 0,
+                  "a2a_hits_spread: ", gpu_rows.size(), " GPUs are not whole nodes of ", gpus_per_node);
+  detail::require(tokens > 0 && std::isfinite(tokens), "a2a_hits_spread: tokens must be positive, got ", tokens);
+  const double E = num_experts;
+  auto hit = [&](double rows) {
+    return rows <= 0 ? 0.0 : 1.0 - std::pow(std::max(0.0, 1.0 - std::min(E, rows / tokens) / E), E);
+  };
+  A2aHits h;
+  const std::size_t G = gpu_rows.size(), P = static_cast<std::size_t>(gpus_per_node);
+  for (std::size_t b = 0; b < G / P; ++b) {
+    double node = 0;
+    for (std::size_t g = b * P; g < (b + 1) * P; ++g) {
+      h.gpu.push_back(hit(gpu_rows[g]));
+      node += gpu_rows[g];
+    }
+    h.node.push_back(hit(node));
+  }
+  return h;
+}
+
+/// DeepEP-style dispatch seconds of one layer (combine is the same exchange reversed, with the partial sums
+/// reduced at the forwarding GPU, so it costs the same). `tokens` of the micro-step are spread evenly over
+/// the G = N P ranks (data parallel), T_s = tokens / G each. A token of rank (a, i) that hits remote node b
+/// crosses once, from its rank's NIC to GPU (b, i), which forwards it over NVLink to the hit GPUs of b; a
+/// token crosses to a local GPU once however many of its experts that GPU holds. Expected volumes in tokens
+/// (rows of `row_bytes` bytes) for GPU g = (b, i):
+///   NIC   send  T_s sum_{b' != b} h_b'        receive  (N - 1) T_s h_b
+///   NVLink send (tokens / P) sum_{j in b, j != g} q_j (own tokens and forwarded ones)
+///          receive tokens q_g (P - 1) / P
+/// Per link class: latency + per_message x peers with traffic (the larger of sent-to and received-from) +
+/// max(send, receive) / bandwidth; the classes overlap (`max`), and the layer ends with the slowest GPU.
+[[nodiscard]] inline double hierarchical_a2a_seconds(const AllToAllParams &p, const A2aHits &hits, double tokens,
+                                                     int gpus_per_node, double row_bytes) {
+  const auto G = static_cast<int>(hits.gpu.size()), P = gpus_per_node;
+  detail::require(P > 0 && G % P == 0 && static_cast<int>(hits.node.size()) * P == G, "hierarchical_a2a_seconds: ", G,
+                  " GPU and ", hits.node.size(), " node hit probabilities for ", gpus_per_node, " GPUs per node");
+  detail::require(tokens >= 0 && row_bytes > 0, "hierarchical_a2a_seconds: tokens must be >= 0 and row bytes > 0");
+  if (G == 0 || tokens == 0) return 0.0;
+  const int N = G / P;
+  const double ts = tokens / G;
+  double node_sum = 0;
+  int nodes_hit = 0;
+  for (double h : hits.node) {
+    node_sum += h;
+    nodes_hit += h > 0;
+  }
+  auto part = [&](double lat_us, double msg_us, double msgs, double bytes, double gb_per_s) {
+    return bytes > 0 ? lat_us * 1e-6 + msg_us * 1e-6 * msgs + bytes / (gb_per_s * 1e9) : 0.0;
+  };
+  double worst = 0;
+  for (int b = 0; b < N; ++b) {
+    const double hb = hits.node[b];
+    const double nic_send = ts * (node_sum - hb), nic_recv = (N - 1) * ts * hb;
+    const double nic_msgs = std::max<double>(nodes_hit - (hb > 0), hb > 0 ? N - 1 : 0);
+    double local_sum = 0;
+    int local_hit = 0;
+    for (int g = b * P; g < (b + 1) * P; ++g) {
+      local_sum += hits.gpu[g];
+      local_hit += hits.gpu[g] > 0;
+    }
+    const double nic = part(p.inter_latency_us, p.inter_per_message_us, nic_msgs,
+                            std::max(nic_send, nic_recv) * row_bytes, p.inter_gb_per_s);
+    for (int g = b * P; g < (b + 1) * P; ++g) {
+      const double q = hits.gpu[g];
+      const double nvl_send = tokens / P * (local_sum - q), nvl_recv = tokens * q * (P - 1) / P;
+      const double nvl_msgs = std::max<double>(local_hit - (q > 0), q > 0 ? P - 1 : 0);
+      const double nvl = part(p.intra_latency_us, p.per_message_us, nvl_msgs, std::max(nvl_send, nvl_recv) * row_bytes,
+                              p.intra_gb_per_s);
+      worst = std::max({worst, nic, nvl});
+    }
+  }
+  return worst;
+}
+
+/// The earlier per-GPU model (`A2aModel::flat`): every GPU's received token-expert rows `recv_rows` come
+/// evenly from all G ranks (the tokens of a micro-step are data-parallel, so each rank holds 1/G of every
+/// expert's tokens), no deduplication; per GPU and class `latency + max(send, recv) / bw`. O(G).
+[[nodiscard]] inline double flat_a2a_seconds(const AllToAllParams &p, std::span<const double> recv_rows,
+                                             int gpus_per_node, double row_bytes) {
+  const int G = static_cast<int>(recv_rows.size());
+  const int num_nodes = G / gpus_per_node;
+  double total = 0;
+  std::vector<double> node_total(static_cast<std::size_t>(num_nodes), 0.0);
+  for (int g = 0; g < G; ++g) {
+    total += recv_rows[g];
+    node_total[g / gpus_per_node] += recv_rows[g];
+  }
+  double worst = 0;
+  for (int g = 0; g < G; ++g) {
+    const double r = recv_rows[g] / G, node = node_total[g / gpus_per_node] / G;
+    // Receive: from the other GPUs of the node and from the other nodes.
+    const double recv_intra = r * (gpus_per_node - 1), recv_inter = r * (G - gpus_per_node);
+    // Send: this rank's share of what the node's other GPUs and the other nodes receive.
+    const double send_intra = node - r, send_inter = total / G - node;
+    double t = 0;
+    const double intra = std::max(recv_intra, send_intra) * row_bytes,
+                 inter = std::max(recv_inter, send_inter) * row_bytes;
+    if (intra > 0) t = std::max(t, p.intra_latency_us * 1e-6 + intra / (p.intra_gb_per_s * 1e9));
+    if (inter > 0) t = std::max(t, p.inter_latency_us * 1e-6 + inter / (p.inter_gb_per_s * 1e9));
+    worst = std::max(worst, t);
+  }
+  return worst;
+}
+
+/// One layer's dispatch (= combine) seconds under `p.model`. `slot_expert`/`slot_rows` as in
+/// `a2a_hits_from_slots`; empty spans mean the physical limit (`ideal`): `gpu_rows` per GPU with hit
+/// probabilities from `a2a_hits_spread`. `gpu_rows` are the rows each GPU receives (the flat model's input).
+[[nodiscard]] inline double layer_a2a_seconds(const AllToAllParams &p, std::span<const std::int32_t> slot_expert,
+                                              std::span<const std::int64_t> slot_rows, std::span<const double> gpu_rows,
+                                              int slots_per_gpu, int gpus_per_node, int num_experts, double tokens,
+                                              double row_bytes) {
+  if (p.model == A2aModel::flat) return flat_a2a_seconds(p, gpu_rows, gpus_per_node, row_bytes);
+  if (tokens <= 0) return 0.0;
+  const A2aHits hits = slot_expert.empty() ? a2a_hits_spread(gpu_rows, gpus_per_node, num_experts, tokens)
+                                           : a2a_hits_from_slots(slot_expert, slot_rows, slots_per_gpu, gpus_per_node,
+                                                                 num_experts, tokens);
+  return hierarchical_a2a_seconds(p, hits, tokens, gpus_per_node, row_bytes);
+}
+
+/// The largest lateness `finish - deadline` (0 when none is late) of jobs on one link served by preemptive
+/// earliest-deadline-first: job j is released at `release[j]`, needs `work[j]` seconds of the link and is due
+/// at `deadline[j]`. Preemptive EDF minimises the largest lateness on one link with release times (Horn, 1974),
+/// so this is what the link cannot avoid. Jobs with no work are ignored. Throws `Error` for inconsistent sizes
+/// or negative or non-finite values.
+[[nodiscard]] inline double edf_max_lateness(std::span<const double> release, std::span<const double> deadline,
+                                             std::span<const double> work) {
+  const std::size_t n = work.size();
+  detail::require(release.size() == n && deadline.size() == n, "edf_max_lateness: ", release.size(), " releases, ",
+                  deadline.size(), " deadlines and ", n, " jobs");
+  std::vector<std::size_t> order;
+  for (std::size_t j = 0; j < n; ++j) {
+    detail::require(std::isfinite(release[j]) && std::isfinite(deadline[j]) && std::isfinite(work[j]) && work[j] >= 0,
+                    "edf_max_lateness: job ", j, " has release ", release[j], ", deadline ", deadline[j], ", work ",
+                    work[j]);
+    if (work[j] > 0) order.push_back(j);
+  }
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return release[a] < release[b]; });
+  std::vector<double> left(work.begin(), work.end());
+  std::vector<std::size_t> ready; // released, unfinished
+  double t = order.empty() ? 0.0 : release[order.front()], worst = 0;
+  std::size_t next = 0;
+  while (next < order.size() || !ready.empty()) {
+    while (next < order.size() && release[order[next]] <= t)
+      ready.push_back(order[next++]);
+    if (ready.empty()) {
+      t = release[order[next]];
+      continue;
+    }
+    auto it = std::min_element(ready.begin(), ready.end(),
+                               [&](std::size_t a, std::size_t b) { return deadline[a] < deadline[b]; });
+    const std::size_t j = *it;
+    const double until = next < order.size() ? release[order[next]] : std::numeric_limits<double>::infinity();
+    if (t + left[j] <= until) {
+      t += left[j];
+      worst = std::max(worst, t - deadline[j]);
+      ready.erase(it);
+    } else {
+      left[j] -= until - t;
+      t = until;
+    }
+  }
+  return worst;
+}
+
+/// Link time of `work` seconds of moves (alone on the link) on a link that the all-to-all also uses for the
+/// fraction `a2a_share` of the time: while both run they share it fairly (each gets half), and the
+/// all-to-all's share is taken as spread evenly over the window, so the moves need
+/// `work / (1 - a2a_share / 2)`. DeepEP's dispatch and combine keep NVLink and the NIC (and the PCIe switch
+/// the NIC shares with host-mirror reads on H200 nodes) busy together, so one share applies to every path.
+/// Throws `Error` for a share outside [0, 1] or negative work.
+[[nodiscard]] inline double shared_link_seconds(double work, double a2a_share) {
+  detail::require(work >= 0 && std::isfinite(work), "shared_link_seconds: work must be >= 0, got ", work);
+  detail::require(a2a_share >= 0 && a2a_share <= 1, "shared_link_seconds: a2a_share must be in [0, 1], got ",
+                  a2a_share);
+  return work / (1 - a2a_share / 2);
 }
 
 /// The path an expert move takes.
@@ -162,6 +410,46 @@ struct AlphaBetaFit {
   f.beta_bytes_per_s = x[1] > 0 ? 1.0 / x[1] : 1e30;
   for (const auto *s : used)
     f.rel_error.push_back(std::abs(f.seconds(s->bytes) - s->seconds) / s->seconds);
+  return f;
+}
+
+/// The NVLink all-to-all parameters fitted on nccl-tests `alltoall` rows of one node: t = latency +
+/// per_peer (n - 1) + S (n - 1) / n / bw (each GPU sends S (n - 1) / n bytes to n - 1 peers), non-negative
+/// least squares on relative error. `gpus` restricts the rows to those GPU counts (empty: all).
+struct NcclAllToAllFit {
+  double latency_s = 0, per_peer_s = 0, bytes_per_s = 0;
+  std::vector<double> rel_error;
+  [[nodiscard]] double seconds(int n, double bytes) const noexcept {
+    return latency_s + per_peer_s * (n - 1) + bytes * (n - 1) / n / bytes_per_s;
+  }
+  [[nodiscard]] double median() const { return detail::quantile(rel_error, 0.5); }
+  [[nodiscard]] double p90() const { return detail::quantile(rel_error, 0.9); }
+};
+
+/// Fits `NcclAllToAllFit` on the `alltoall` samples with `num_gpus` in `gpus` (all when empty). Throws
+/// `Error` for fewer than 3 such samples.
+[[nodiscard]] inline NcclAllToAllFit fit_nccl_all_to_all(std::span<const NcclSample> samples,
+                                                         std::span<const int> gpus = {}) {
+  std::vector<double> a, b, w;
+  std::vector<const NcclSample *> used;
+  for (const auto &s : samples) {
+    if (s.op != "alltoall" || s.num_gpus < 2) continue;
+    if (!gpus.empty() && std::find(gpus.begin(), gpus.end(), s.num_gpus) == gpus.end()) continue;
+    detail::require(s.seconds > 0 && s.bytes > 0, "fit_nccl_all_to_all: line ", s.line, ": non-positive time or size");
+    const double n = s.num_gpus;
+    a.insert(a.end(), {1.0, n - 1, s.bytes * (n - 1) / n});
+    b.push_back(s.seconds);
+    w.push_back(1.0 / s.seconds);
+    used.push_back(&s);
+  }
+  detail::require(b.size() >= 3, "fit_nccl_all_to_all: need 3 alltoall samples, got ", b.size());
+  const auto x = detail::nonneg_least_squares(a, b, w, 3);
+  NcclAllToAllFit f;
+  f.latency_s = x[0];
+  f.per_peer_s = x[1];
+  f.bytes_per_s = x[2] > 0 ? 1.0 / x[2] : 1e30;
+  for (const auto *s : used)
+    f.rel_error.push_back(std::abs(f.seconds(s->num_gpus, s->bytes) - s->seconds) / s->seconds);
   return f;
 }
 

@@ -12,7 +12,9 @@
 /// `m` may be written once its slot's last use in micro-step `m - 1` is over
 /// (end of that layer's backward, or forward in recompute) and must land before
 /// layer `l`'s forward in `m`; with double buffering it may start one micro-step
-/// earlier. What does not fit its window is stall time. In the update stage
+/// earlier. A GPU's moves and gradient returns of all layers queue on one link (earliest deadline first,
+/// `edf_max_lateness`), sharing it fairly with the all-to-all (`shared_link_seconds`); the largest lateness
+/// is stall time. In the update stage
 /// each replica's gradient returns to its owner on the GPU-direct path in the
 /// same window, before the slot is reused.
 ///
@@ -258,40 +260,6 @@ struct LayerTiming {
   bool host_moves = false; ///< some move read the host mirror
 };
 
-/// All-to-all seconds with every GPU's received tokens spread evenly over all source ranks (the tokens of a
-/// micro-step are data-parallel, so each rank holds 1/G of every expert's tokens); O(G) instead of a G x G
-/// matrix, so that 1024-GPU runs stay cheap.
-[[nodiscard]] inline double uniform_a2a_seconds(const AllToAllParams &p, std::span<const double> recv_tokens,
-                                                int gpus_per_node, double row_bytes) {
-  const int G = static_cast<int>(recv_tokens.size());
-  const int num_nodes = G / gpus_per_node;
-  double total = 0;
-  std::vector<double> node_total(static_cast<std::size_t>(num_nodes), 0.0);
-  for (int g = 0; g < G; ++g) {
-    total += recv_tokens[g];
-    node_total[g / gpus_per_node] += recv_tokens[g];
-  }
-  double worst = 0;
-  for (int g = 0; g < G; ++g) {
-    const double r = recv_tokens[g] / G, node = node_total[g / gpus_per_node] / G;
-    // Receive: from the other GPUs of the node and from the other nodes.
-    const double recv_intra = r * (gpus_per_node - 1), recv_inter = r * (G - gpus_per_node);
-    // Send: this rank's share of what the node's other GPUs and the other nodes receive.
-    const double send_intra = node - r, send_inter = total / G - node;
-    double t = 0;
-    const double intra = std::max(recv_intra, send_intra) * row_bytes,
-                 inter = std::max(recv_inter, send_inter) * row_bytes;
-    if (intra > 0) t = std::max(t, p.intra_latency_us * 1e-6 + intra / (p.intra_gb_per_s * 1e9));
-    if (inter > 0) t = std::max(t, p.inter_latency_us * 1e-6 + inter / (p.inter_gb_per_s * 1e9));
-    worst = std::max(worst, t);
-  }
-  return worst;
-}
-
-} // namespace detail
-
-namespace detail {
-
 /// What one EP group did in one RL step.
 struct GroupStep {
   double recompute = 0, update = 0, extra = 0, stall = 0, mirror = 0, moved = 0, grad = 0, planner = 0;
@@ -441,12 +409,26 @@ struct GroupStep {
     }
     min_experts = std::min(min_experts, *std::min_element(gpu_experts.begin(), gpu_experts.end()));
     double fwd_expert = 0, bwd_expert = 0;
+    std::vector<double> counts(static_cast<std::size_t>(S));
     for (int g = 0; g < G; ++g) {
-      fwd_expert = std::max(fwd_expert, compute.forward_seconds(gpu_tokens[g], gpu_experts[g]));
-      bwd_expert = std::max(bwd_expert, compute.backward_seconds(gpu_tokens[g], gpu_experts[g]));
+      // From the GPU's per-slot token counts under a plan; `ideal` spreads its tokens evenly.
+      double fwd = 0;
+      if (lp != nullptr) {
+        for (int s = 0; s < S; ++s)
+          counts[s] = static_cast<double>(lp->slot_tokens[static_cast<std::size_t>(g) * S + s]);
+        fwd = compute.forward_seconds(counts);
+      } else {
+        fwd = compute.forward_seconds(gpu_tokens[g], gpu_experts[g]);
+      }
+      fwd_expert = std::max(fwd_expert, fwd);
+      bwd_expert = std::max(bwd_expert, compute.backward_factor() * fwd);
     }
     const double attn = cfg.dense_forward_seconds(tokens / G);
-    const double a2a = uniform_a2a_seconds(cfg.cost.a2a, gpu_tokens, topo.gpus_per_node, row_bytes);
+    // Dispatch (= combine): hierarchical from the slots' experts and rows, `ideal` from its lower bound.
+    const double a2a = layer_a2a_seconds(
+        cfg.cost.a2a, lp != nullptr ? lp->placement.phys_to_log() : std::span<const std::int32_t>{},
+        lp != nullptr ? std::span<const std::int64_t>(lp->slot_tokens) : std::span<const std::int64_t>{}, gpu_tokens, S,
+        topo.gpus_per_node, E, tokens, row_bytes);
     t.forward = attn + a2a + fwd_expert + a2a;
     t.expert = fwd_expert;
     t.a2a = 2 * a2a;
@@ -590,6 +572,16 @@ struct GroupStep {
         std::vector<double> fwd_prefix(static_cast<std::size_t>(L) + 1, 0.0);
         for (int l = 0; l < L; ++l)
           fwd_prefix[l + 1] = fwd_prefix[l] + cur[l].forward;
+        // Each GPU's link serves the moves and gradient returns of all layers (one queue, earliest deadline
+        // first): layer l's are released when its slot is free, `window` before its forward at fwd_prefix[l].
+        // The all-to-all's share of the micro-step's time: moves share NVLink, the NIC and PCIe with it.
+        double a2a_time = 0, layer_time = 0;
+        for (const LayerTiming &lt : cur) {
+          a2a_time += lt.a2a;
+          layer_time += lt.forward + lt.backward;
+        }
+        const double a2a_share = layer_time > 0 ? std::min(1.0, a2a_time / layer_time) : 0.0;
+        std::vector<double> release(static_cast<std::size_t>(L)), work(static_cast<std::size_t>(L) * G);
         for (int l = 0; l < L; ++l) {
           double window = fwd_prefix[l];
           if (!prev_t.empty()) {
@@ -603,11 +595,17 @@ struct GroupStep {
               for (int k = 0; k < L; ++k)
                 window += prev_t[k].forward + prev_t[k].backward;
           }
-          double need = 0;
+          release[l] = fwd_prefix[l] - window;
           for (int g = 0; g < G; ++g)
-            need = std::max(need, cur[l].move_demand[g] + cur[l].grad_demand[g]);
-          stall += std::max(0.0, need - window);
+            work[static_cast<std::size_t>(g) * L + l] =
+                shared_link_seconds(cur[l].move_demand[g] + cur[l].grad_demand[g], a2a_share);
         }
+        // A late layer delays the rest of the micro-step (and the later deadlines) by its lateness, so the
+        // stall is the largest lateness of any GPU's queue.
+        for (int g = 0; g < G; ++g)
+          stall = std::max(stall,
+                           edf_max_lateness(release, std::span<const double>(fwd_prefix).first(L),
+                                            std::span<const double>(work).subspan(static_cast<std::size_t>(g) * L, L)));
         std::vector<double> layer_times(static_cast<std::size_t>(L));
         SimBreakdown parts;
         for (int l = 0; l < L; ++l) {
