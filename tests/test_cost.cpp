@@ -256,8 +256,8 @@ TEST_CASE("power-law rank 0 counts follow the published generator's shape") {
           if (i > 0) CHECK(c[i] <= c[i - 1]); // sorted descending
         }
         // Rank 0 is the most loaded rank: at least its even share, at most every assignment.
-        CHECK(sum >= tokens * 8.0 / ep - 1e-9);
-        CHECK(sum <= tokens * 8.0 + 1e-9);
+        CHECK(sum >= static_cast<double>(tokens) * 8.0 / ep - 1e-9);
+        CHECK(sum <= static_cast<double>(tokens) * 8.0 + 1e-9);
         CHECK(power_law_rank0_counts(tokens, 128, 8, ep, alpha) == c); // deterministic
       }
   CHECK(error_of([] { (void)power_law_rank0_counts(16, 128, 8, 3, 1.2); }).find("ep 3") != std::string::npos);

@@ -336,13 +336,17 @@ struct GroupStep {
 
   // Adds to `demand` (per GPU) the seconds of returning the gradients of the replicas in `pl` to their owners
   // (GPU-direct); returns their bytes.
-  auto grad_demand_of = [&](const LayerPlacement &pl, std::span<const std::int32_t> owner_gpu,
+  // A replica that ran no token in that micro-step has no gradient to return (a resident copy kept idle in its
+  // slot costs nothing).
+  auto grad_demand_of = [&](const LayerPlan &plan, std::span<const std::int32_t> owner_gpu,
                             std::vector<double> &demand) {
+    const LayerPlacement &pl = plan.placement;
     double bytes = 0;
     for (int g = 0; g < G; ++g)
       for (int s = 0; s < S; ++s) {
         const std::int32_t e = pl.slot(g, s);
         if (e == empty_slot || owner_gpu[e] == g) continue;
+        if (!plan.slot_tokens.empty() && plan.slot_tokens[static_cast<std::size_t>(g) * S + s] == 0) continue;
         const int owner = owner_gpu[e];
         const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::gpu_intra : MovePath::gpu_inter;
         demand[g] += grad_reduce_seconds(cost, path, expert_bytes);
@@ -391,7 +395,7 @@ struct GroupStep {
 
   // Times one layer under a plan (or perfectly balanced when `lp` is null).
   auto time_layer = [&](const LayerPlan *lp, std::span<const std::int64_t> expert_loads, double tokens,
-                        const LayerPlacement *prev, bool update, int &min_experts) {
+                        const LayerPlan *prev, bool update, int &min_experts) {
     LayerTiming t;
     std::vector<double> gpu_tokens(static_cast<std::size_t>(G), 0.0);
     std::vector<int> gpu_experts(static_cast<std::size_t>(G), 0);
@@ -558,7 +562,7 @@ struct GroupStep {
         std::vector<LayerTiming> cur(static_cast<std::size_t>(L));
         for (int l = 0; l < L; ++l) {
           const LayerPlan *lp = strat.ideal ? nullptr : &sp.micro_steps[m][l];
-          const LayerPlacement *prev = prev_plans != nullptr ? &(*prev_plans)[l].placement : nullptr;
+          const LayerPlan *prev = prev_plans != nullptr ? &(*prev_plans)[l] : nullptr;
           cur[l] = time_layer(lp, step.layer(m, l), tokens, prev, update, rec.min_experts);
           if (lp != nullptr) rec.imbalance.push_back(lp->imbalance());
           rec.moved += cur[l].moved_bytes;
@@ -637,7 +641,7 @@ struct GroupStep {
         double tail = 0;
         std::vector<std::vector<double>> demand(static_cast<std::size_t>(L), std::vector<double>(G, 0.0));
         for (int l = 0; l < L; ++l)
-          rec.grad += grad_demand_of((*prev_plans)[l].placement, (*prev_plans)[l].owner_gpu, demand[l]);
+          rec.grad += grad_demand_of((*prev_plans)[l], (*prev_plans)[l].owner_gpu, demand[l]);
         for (int g = 0; g < G; ++g) {
           double ready = 0, finish = 0;
           for (int l = L - 1; l >= 0; --l) {
