@@ -115,10 +115,13 @@ TEST_CASE("generate_peer_loads: realised loads hit the target on random seeds, k
       }
     // Deterministic for a seed; another seed routes differently.
     const LoadTensor again = generate_peer_loads(parse_workload("moonep:" + std::to_string(V)), b, gpus);
+    REQUIRE(again.totals().size() == mo.totals().size());
     CHECK(std::equal(again.totals().begin(), again.totals().end(), mo.totals().begin()));
     const LoadTensor other =
         generate_peer_loads(parse_workload("moonep:" + std::to_string(V)), small_batch(seed + 1, experts, gpus), gpus);
-    CHECK_FALSE(std::equal(other.totals().begin(), other.totals().end(), mo.totals().begin()));
+    // Another seed may also cut another number of micro-steps: compare sizes before contents.
+    CHECK_FALSE((other.totals().size() == mo.totals().size() &&
+                 std::equal(other.totals().begin(), other.totals().end(), mo.totals().begin())));
   }
 }
 
