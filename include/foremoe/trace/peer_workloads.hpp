@@ -217,9 +217,11 @@ inline constexpr std::uint64_t tag_peer_ultraep = 101, tag_peer_moonep = 102;
     double norm = 0;
     for (int j = 1; j <= n; ++j)
       norm += std::pow(static_cast<double>(j), -4.0);
-    for (int j = 0; j < n; ++j)
-      out[static_cast<std::size_t>(first + inner[j])] =
-          rank_w[order[r]] * std::pow(static_cast<double>(j + 1), -4.0) / norm;
+    for (int j = 0; j < n; ++j) {
+      const int e = first + inner[static_cast<std::size_t>(j)];
+      out[static_cast<std::size_t>(e)] = rank_w[static_cast<std::size_t>(order[static_cast<std::size_t>(r)])] *
+                                         std::pow(static_cast<double>(j + 1), -4.0) / norm;
+    }
   }
   return out;
 }
