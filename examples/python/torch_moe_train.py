@@ -1,12 +1,14 @@
 """A small MoE model trained on the CPU by 4 processes over gloo, with ForeMoE and without it.
 
 Each RL step: a "rollout" forward (plain expert parallelism, no grad) records every token's top-k experts per
-layer; router replay then hands those ids to the planner, which plans every micro-step of the update ahead;
-the update replays them (same experts, routing weights recomputed by the current router) with gradient
-accumulation over the micro-steps and one optimizer step. The same training runs a second time without
-ForeMoE (plain expert parallelism, ``plan=None``): the losses match, and per micro-step the example prints the
-slowest rank's share of the expert work (max / mean tokens per rank) without and with ForeMoE and the bytes of
-replica weights moved.
+layer. Router replay then hands those ids to a ``foremoe.torch.ReplayDriver``, which counts the loads of every
+micro-step and layer, sums them over the ranks and plans every micro-step of the step in a background thread
+while the passes run. The recompute pass (forward only, as for the old policy's log-probs) and the update pass
+(forward + backward with gradient accumulation, one optimizer step) replay the recorded experts (routing weights
+recomputed by the current router) under the same plan per micro-step. The same training runs a second time
+without ForeMoE (plain expert parallelism, ``plan=None``): the losses match, and per micro-step the example prints
+the slowest rank's share of the expert work (max / mean tokens per rank) without and with ForeMoE and the bytes of
+replica weights moved (at the recompute pass; the update pass reuses them).
 
 Run: python examples/python/torch_moe_train.py     (needs torch with gloo; about 10 s)
 """
@@ -91,28 +93,46 @@ def train(rank: int, use_foremoe: bool, log: list) -> list:
     planner = foremoe.Planner(foremoe.Topology(2, WORLD // 2, SLOTS))
     owners = model.blocks[0].moe.owners
     losses = []
+    resident = None
     for step in range(STEPS):
         # Rollout: forward without grad, plain expert parallelism; record the routing.
         with torch.no_grad():
             routed = [model(batch(step, m, rank)[0])[1] for m in range(MICRO)]
-        # Router replay: the loads of every micro-step and layer, known before the update runs.
-        mine = torch.stack([torch.stack([torch.bincount(r[:, l].reshape(-1), minlength=EXPERTS)
-                                         for l in range(LAYERS)]) for r in routed])
-        dist.all_reduce(mine)
-        loads = mine.numpy()  # [M, L, E]
-        plans = planner.plan(loads, owners=np.stack([owners] * LAYERS)) if use_foremoe else [None] * MICRO
+        driver = None
+        if use_foremoe:
+            # Router replay: this rank's recorded ids [T, L, K] of the step with the micro-batch boundaries; the
+            # driver sums the loads over the ranks and plans every micro-step ahead, in a background thread.
+            driver = ft.ReplayDriver.from_ids(planner, torch.cat(routed), np.arange(MICRO + 1) * TOKENS,
+                                              num_experts=EXPERTS, owners=owners, resident=resident,
+                                              num_layers=LAYERS, group=dist.group.WORLD)
+            loads = driver.loads  # [M, L, E], known before the stage runs
+
+        def plan(m):
+            return driver.plan(m) if driver is not None else None  # one plan object per micro-step
+
+        # Recompute: forward only, every micro-step under its plan (this is where the replicas move in).
+        recomputed, moved = [], []
+        with torch.no_grad():
+            for m in range(MICRO):
+                recomputed.append(model(batch(step, m, rank)[0], ids=routed[m], plans=plan(m))[0])
+                moved.append(sum(b.moe.last_sync.bytes_moved for b in model.blocks) if use_foremoe else 0)
+        # Update: the same micro-steps with gradients, under the same plans (resident replicas reused).
         for m in range(MICRO):
             x, target = batch(step, m, rank)
-            out, _ = model(x, ids=routed[m], plans=plans[m])
+            out, _ = model(x, ids=routed[m], plans=plan(m))
+            if not torch.equal(out.detach(), recomputed[m]):
+                sys.exit(f"step {step} micro-step {m}: the update forward differs from the recompute forward")
             loss = ((out - target) ** 2).mean() / MICRO
             loss.backward()
             total = loss.detach().clone()
             dist.all_reduce(total)
             losses.append(float(total) / WORLD * MICRO)  # the micro-batch mean squared error
             if use_foremoe:
-                moved = sum(b.moe.last_sync.bytes_moved for b in model.blocks)
-                after = float(np.mean(plans[m].max_gpu_load / (loads[m].sum(axis=1) / WORLD)))
-                log.append((step, m, gpu_load_ratio(loads[m], owners), after, moved, losses[-1]))
+                after = float(np.mean(plan(m).max_gpu_load / (loads[m].sum(axis=1) / WORLD)))
+                log.append((step, m, gpu_load_ratio(loads[m], owners), after, moved[m], losses[-1]))
+        if driver is not None:
+            resident = driver.last_plan  # the next step starts from this placement
+            driver.close()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses

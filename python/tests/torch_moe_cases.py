@@ -147,18 +147,35 @@ def train_rank(rank: int, case: Case, tmp: str) -> None:
             plan = None if (s, m) in case.plain else plans[m]
             out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
             (out * d["target"]).sum().backward()
-            rec["out"].append(out.detach())
-            rec["x_grad"].append(x.grad)
-            rec["w_grad"].append(logits.grad)
-            rec["grads"].append({n: p.grad.clone() for n, p in layer.storage.params.items()})
+            record_micro_step(rec, layer, out, x, logits)
             rec["sync"].append(asdict(layer.last_sync))
             if plan is not None:
                 taken, place = np.asarray(plan.slot_tokens[0]), np.asarray(plan.gpu_slots[0])
                 rec["replica_tokens"] += int(sum(taken[g, j] for g in range(case.world) for j in range(case.slots)
                                                  if place[g, j] >= 0 and layer.owners[place[g, j]] != g))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        rec["params"].append({n: p.detach().clone() for n, p in layer.storage.params.items()})
+        optimizer_step(rec, opt, layer)
+    save_and_leave(rec, tmp, rank)
+
+
+def record_micro_step(rec: Dict[str, Any], layer: ft.BalancedMoE, out: torch.Tensor, x: torch.Tensor,
+                      logits: torch.Tensor) -> None:
+    """What the equivalence tests compare after a micro-step's backward: output, input and routing gradients and
+    the owner weights' accumulated gradients."""
+    rec["out"].append(out.detach())
+    rec["x_grad"].append(x.grad)
+    rec["w_grad"].append(logits.grad)
+    rec["grads"].append({n: p.grad.clone() for n, p in layer.storage.params.items()})
+
+
+def optimizer_step(rec: Dict[str, Any], opt: torch.optim.Optimizer, layer: ft.BalancedMoE) -> None:
+    """One optimizer step; records the owner weights after it."""
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    rec["params"].append({n: p.detach().clone() for n, p in layer.storage.params.items()})
+
+
+def save_and_leave(rec: Dict[str, Any], tmp: str, rank: int) -> None:
+    """Writes what the rank saw to ``tmp/rank{rank}.pt`` and leaves the group."""
     torch.save(rec, f"{tmp}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -244,9 +261,7 @@ def bad_input_rank(rank: int, tmp: str) -> None:
     got = call()
     want = ft.reference_moe(d["x"], d["ids"], w, full, experts.expert)
     out["good_after_errors"] = "equal" if torch.allclose(got, want, rtol=1e-12, atol=1e-12) else "differs"
-    torch.save(out, f"{tmp}/rank{rank}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    save_and_leave(out, tmp, rank)
 
 
 def timeout_rank(rank: int, tmp: str) -> None:

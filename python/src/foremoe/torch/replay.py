@@ -1,0 +1,632 @@
+"""The router replay driver: a stage's recorded routing in, one plan per micro-step out, planned ahead.
+
+With routing replay, the recompute and update stages reuse the expert choices the rollout recorded, so the
+loads of every micro-step are known before the stage runs. :class:`ReplayDriver` takes them in the shapes
+trainers hand over, counts them, and plans every micro-step of the stage with a :class:`foremoe.Planner` in a
+background thread while the trainer executes the earlier micro-steps:
+
+- verl: ``routed_experts`` ``[bs, seq, L, K]`` with its ``attention_mask`` ``[bs, seq]`` (prompts are left
+  padded and the padded positions hold expert 0, so the mask decides what counts), micro-batches as a number
+  of samples each or as lists of sample indices (dynamic batch sizing): :func:`loads_from_verl`;
+- Megatron-core: per MoE layer one ``[T, K]`` tensor (what ``RouterReplay.set_replay_data`` takes), for the
+  whole stage with token offsets, or one such list per micro-batch: :func:`loads_from_megatron`;
+- slime: per micro-batch a list of per-sample ``[len, L, K]`` arrays (or sample indices into a list of them):
+  :func:`loads_from_slime`;
+- plain ``[T, L, K]`` ids with token offsets: :func:`loads_from_ids`.
+
+Every form becomes the ``[M, L, E]`` load tensor (CPU counting in C++, in place; ids on a GPU are counted there
+when a device counter is bound, see :func:`loads_from_ids`). With ``group``, the ranks' loads are summed over the
+process group first (in the caller's thread: collectives never run in the background thread), so every rank plans
+the same placement.
+
+**One placement per micro-step.** The driver plans each micro-step once and keeps the :class:`foremoe.Plan`:
+:meth:`ReplayDriver.plan` returns the *same* object for every call with the same micro-step, so the recompute
+forward, the update forward and the update backward (which keeps the plan its forward ran with, and re-asks the
+driver if activations are recomputed) all see one placement. A plan's arrays are read-only views. The plan is what
+:func:`foremoe.torch.balanced_moe` and :class:`foremoe.torch.BalancedMoE` take for every MoE layer of the
+micro-step (the layer picks its own ``layer`` index).
+
+**Weight moves** are issued by the layer when it runs (:meth:`foremoe.torch.ExpertStorage.sync` inside
+:func:`~foremoe.torch.balanced_moe`): the slot storage has one buffer per slot, and a replica row of micro-step
+``m`` stays in use until that micro-step's backward, so the next micro-step's moves cannot land earlier without a
+second buffer. The driver does not prefetch them.
+
+**Never a hang.** Every wait has a deadline (``timeout``); an exception in the planning thread is re-raised in the
+caller by the :meth:`~ReplayDriver.plan` call that needs it, as :class:`ReplayError` naming the micro-step and
+chained to the original; :meth:`~ReplayDriver.close` (or leaving a ``with`` block) stops the thread and joins it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterator, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import foremoe
+
+from .distributed import DEFAULT_TIMEOUT, group_rank, group_size, wait
+
+__all__ = [
+    "ReplayDriver",
+    "ReplayError",
+    "loads_from_ids",
+    "loads_from_megatron",
+    "loads_from_slime",
+    "loads_from_verl",
+]
+
+#: A device load counter: ``counter(ids [T, L, K] on the device, microbatch_offsets, *, num_experts, layer_map,
+#: mask)`` -> ``[M, L, E]`` (NumPy or a tensor), the contract of :func:`foremoe.count_loads`.
+Counter = Callable[..., Any]
+
+
+class ReplayError(RuntimeError):
+    """Planning a micro-step in the driver's background thread failed (the original exception is the cause)."""
+
+
+# -- counting ------------------------------------------------------------------------------------------------------
+
+
+def _device_counter() -> Optional[Counter]:
+    """The bound device ``count_loads`` (the transfer engine's binding), when this build has one."""
+    try:
+        from . import engine  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    fn = getattr(engine, "count_loads", None)
+    return fn if callable(fn) else None
+
+
+def _on_device(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type != "cpu"
+
+
+def _count(ids: Any, offsets: Any, num_experts: int, layer_map: Any, mask: Any, counter: Optional[Counter],
+           who: str) -> np.ndarray:
+    """``[M, L, E]`` int64 loads of ``[T, L, K]`` ids: on the device with a device counter, else on the CPU."""
+    if _on_device(ids):
+        fn = counter or _device_counter()
+        if fn is not None:
+            out = fn(ids, offsets, num_experts=int(num_experts), layer_map=layer_map, mask=mask)
+            out = out.cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
+            return np.ascontiguousarray(out, dtype=np.int64)
+        ids = ids.cpu()  # no device counter in this build: one copy to the host
+    if isinstance(mask, torch.Tensor):
+        mask = mask.cpu()
+    try:
+        return foremoe.count_loads(ids, offsets, num_experts=int(num_experts), layer_map=layer_map, mask=mask)
+    except ValueError as e:
+        raise ValueError(f"{who}: {e}") from None
+
+
+def _array(x: Any, who: str, what: str) -> Any:
+    """A tensor or an array as it is (read in place), anything else as a NumPy array."""
+    if isinstance(x, (torch.Tensor, np.ndarray)):
+        return x
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{who}: {what} is not an array: {e}") from None
+
+
+def _check_ids(ids: Any, ndim: int, who: str, what: str) -> None:
+    if ids.ndim != ndim:
+        raise ValueError(f"{who}: {what} must have {ndim} dimensions, got shape {list(ids.shape)}")
+    dt = ids.dtype
+    integer = (not dt.is_floating_point and not dt.is_complex and dt != torch.bool) if isinstance(dt, torch.dtype) \
+        else np.dtype(dt).kind in "iu"
+    if not integer:
+        raise ValueError(f"{who}: {what} must hold integer expert ids, got dtype {dt}")
+
+
+def _token_offsets(offsets: Any, total: int, who: str) -> Optional[np.ndarray]:
+    """``[M + 1]`` int64 token offsets from 0 to ``total``, non-decreasing; ``None`` is one micro-step."""
+    if offsets is None:
+        return None
+    a = np.asarray(offsets.cpu() if isinstance(offsets, torch.Tensor) else offsets)
+    if a.ndim != 1 or a.size < 2 or (a.size and a.dtype.kind not in "iu"):
+        raise ValueError(f"{who}: microbatch_offsets must be [micro_steps + 1] integers, got shape {list(a.shape)}, "
+                         f"dtype {a.dtype}")
+    a = a.astype(np.int64)
+    if a[0] != 0 or a[-1] != total:
+        raise ValueError(f"{who}: microbatch_offsets must run from 0 to the {total} tokens of the trace, got "
+                         f"{int(a[0])} .. {int(a[-1])}")
+    bad = np.flatnonzero(np.diff(a) < 0)
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"{who}: microbatch_offsets decrease at micro-step {i}: {int(a[i])} > {int(a[i + 1])}")
+    return a
+
+
+def _groups(micro_batches: Any, n: int, who: str, unit: str) -> List[np.ndarray]:
+    """Index lists of the micro-batches over ``n`` items: ``None`` (one), an int (consecutive runs of that many) or
+    lists of indices; every item in exactly one micro-batch."""
+    if micro_batches is None:
+        return [np.arange(n, dtype=np.int64)]
+    if isinstance(micro_batches, (int, np.integer)):
+        size = int(micro_batches)
+        if size <= 0:
+            raise ValueError(f"{who}: micro-batch size must be positive, got {size}")
+        return [np.arange(i, min(i + size, n), dtype=np.int64) for i in range(0, n, size)] or [np.zeros(0, np.int64)]
+    groups = []
+    seen = np.full(n, -1, dtype=np.int64)
+    for m, idx in enumerate(micro_batches):
+        a = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx).reshape(-1)
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(f"{who}: micro-batch {m} must list {unit} indices, got dtype {a.dtype}")
+        a = a.astype(np.int64)
+        out = a[(a < 0) | (a >= n)]
+        if out.size:
+            raise ValueError(f"{who}: micro-batch {m} names {unit} {int(out[0])}, outside [0, {n})")
+        for i in a.tolist():
+            if seen[i] >= 0:
+                raise ValueError(f"{who}: {unit} {i} is in micro-batch {int(seen[i])} and micro-batch {m}")
+            seen[i] = m
+        groups.append(a)
+    if not groups:
+        raise ValueError(f"{who}: no micro-batch")
+    missing = np.flatnonzero(seen < 0)
+    if missing.size:
+        raise ValueError(f"{who}: {unit} {int(missing[0])} is in no micro-batch (the micro-batches must cover the "
+                         f"{n} {unit}s of the stage)")
+    return groups
+
+
+def _sum_groups(per_item: np.ndarray, groups: List[np.ndarray]) -> np.ndarray:
+    """``[M, L, E]``: the per-item ``[N, L, E]`` loads summed over each micro-batch's items, in a fixed order."""
+    out = np.zeros((len(groups),) + per_item.shape[1:], dtype=np.int64)
+    for m, g in enumerate(groups):
+        if g.size:
+            out[m] = per_item[g].sum(axis=0)
+    return out
+
+
+def loads_from_ids(
+    routed_experts: Any,
+    microbatch_offsets: Any = None,
+    *,
+    num_experts: int,
+    layer_map: Optional[Sequence[int]] = None,
+    mask: Any = None,
+    counter: Optional[Counter] = None,
+) -> np.ndarray:
+    """``[M, L, E]`` loads of ``[T, L, K]`` ids (tokens in execution order, -1 = no route) cut at the ``[M + 1]``
+    token ``microbatch_offsets`` (0 .. T; ``None``: one micro-step). ``layer_map`` maps trace layers to MoE layers
+    (-1: a dense layer, ignored); ``mask`` ``[T]`` (0 = padding, not counted).
+
+    NumPy arrays and CPU tensors are counted in place in C++. Ids on a GPU are counted there by ``counter`` (or the
+    device ``count_loads`` of :mod:`foremoe.torch.engine` when this build binds one, with the arguments of
+    :func:`foremoe.count_loads`); otherwise they are copied to the host once."""
+    who = "loads_from_ids"
+    ids = _array(routed_experts, who, "routed_experts")
+    _check_ids(ids, 3, who, "routed_experts [tokens, layers, topk]")
+    if mask is not None:
+        m = _array(mask, who, "mask")
+        if tuple(m.shape) != (ids.shape[0],):
+            raise ValueError(f"{who}: mask must be [{ids.shape[0]}] (one per token), got {list(m.shape)}")
+    off = _token_offsets(microbatch_offsets, int(ids.shape[0]), who)
+    return _count(ids, off, num_experts, layer_map, mask, counter, who)
+
+
+def loads_from_verl(
+    routed_experts: Any,
+    attention_mask: Any,
+    micro_batches: Any = None,
+    *,
+    num_experts: int,
+    layer_map: Optional[Sequence[int]] = None,
+    counter: Optional[Counter] = None,
+) -> np.ndarray:
+    """``[M, L, E]`` loads of verl's padded batch: ``routed_experts`` ``[bs, seq, L, K]`` and ``attention_mask``
+    ``[bs, seq]`` (bool or integer; 0 = padding, which holds expert 0 and is not counted). ``micro_batches``:
+    ``None`` (one), the samples per micro-batch (consecutive rows, as a fixed micro-batch size splits them) or one
+    list of sample indices per micro-batch in execution order (dynamic batch sizing); every sample in exactly one.
+
+    Each sample is counted in place (one C++ pass over the whole batch), then summed per micro-batch."""
+    who = "loads_from_verl"
+    ids = _array(routed_experts, who, "routed_experts")
+    _check_ids(ids, 4, who, "routed_experts [batch, seq, layers, topk]")
+    if attention_mask is None:
+        raise ValueError(f"{who}: attention_mask is required (verl's padded positions hold expert 0)")
+    mask = _array(attention_mask, who, "attention_mask")
+    if tuple(mask.shape) != tuple(ids.shape[:2]):
+        raise ValueError(f"{who}: attention_mask must be {list(ids.shape[:2])} to match routed_experts "
+                         f"{list(ids.shape)}, got {list(mask.shape)}")
+    bs, seq = int(ids.shape[0]), int(ids.shape[1])
+    groups = _groups(micro_batches, bs, who, "sample")
+    flat = ids.reshape(bs * seq, ids.shape[2], ids.shape[3])
+    per_sample = _count(flat, np.arange(bs + 1, dtype=np.int64) * seq, num_experts, layer_map,
+                        mask.reshape(-1) if isinstance(mask, (torch.Tensor, np.ndarray)) else mask, counter, who)
+    return _sum_groups(per_sample, groups)
+
+
+def loads_from_megatron(
+    per_layer: Sequence[Any],
+    microbatch_offsets: Any = None,
+    *,
+    num_experts: int,
+    counter: Optional[Counter] = None,
+) -> np.ndarray:
+    """``[M, L, E]`` loads of Megatron-core's per-layer top-k indices (what ``RouterReplay.set_replay_data``
+    takes and ``RouterReplay.get_recorded_data`` returns): either one ``[T, K]`` tensor per MoE layer for the whole
+    stage with ``[M + 1]`` token ``microbatch_offsets``, or a list with one such per-layer list per micro-batch
+    (``microbatch_offsets`` then left out). Each layer is counted in place."""
+    who = "loads_from_megatron"
+    if not isinstance(per_layer, (list, tuple)) or not per_layer:
+        raise ValueError(f"{who}: per_layer must be a non-empty list of [tokens, topk] tensors (one per MoE layer)")
+    if isinstance(per_layer[0], (list, tuple)):  # one per-layer list per micro-batch
+        if microbatch_offsets is not None:
+            raise ValueError(f"{who}: per-micro-batch lists carry their own boundaries; leave microbatch_offsets out")
+        parts = []
+        for m, layers in enumerate(per_layer):
+            if not isinstance(layers, (list, tuple)):
+                raise ValueError(f"{who}: micro-batch {m} must be a list of per-layer tensors, got "
+                                 f"{type(layers).__name__}")
+            if len(layers) != len(per_layer[0]):
+                raise ValueError(f"{who}: micro-batch {m} has {len(layers)} MoE layers, micro-batch 0 has "
+                                 f"{len(per_layer[0])}")
+            try:
+                parts.append(loads_from_megatron(list(layers), None, num_experts=num_experts, counter=counter))
+            except ValueError as e:
+                raise ValueError(f"{who}: micro-batch {m}: {str(e).replace(who + ': ', '')}") from None
+        return np.concatenate(parts)
+    layers = [_array(t, who, f"layer {l}") for l, t in enumerate(per_layer)]
+    T, K = None, None
+    for l, t in enumerate(layers):
+        _check_ids(t, 2, who, f"layer {l}'s indices [tokens, topk]")
+        if T is None:
+            T, K = int(t.shape[0]), int(t.shape[1])
+        elif tuple(t.shape) != (T, K):
+            raise ValueError(f"{who}: layer {l} has indices {list(t.shape)}, layer 0 {[T, K]} (every MoE layer "
+                             f"routes the same tokens)")
+    off = _token_offsets(microbatch_offsets, T, who)
+    out = []
+    for l, t in enumerate(layers):
+        try:
+            out.append(_count(t.reshape(T, 1, K), off, num_experts, None, None, counter, who))
+        except ValueError as e:
+            raise ValueError(str(e).replace(", layer 0, ", f", layer {l}, ")) from None
+    return np.ascontiguousarray(np.concatenate(out, axis=1))
+
+
+def loads_from_slime(
+    micro_batches: Sequence[Sequence[Any]],
+    *,
+    num_experts: int,
+    samples: Optional[Sequence[Any]] = None,
+    layer_map: Optional[Sequence[int]] = None,
+    counter: Optional[Counter] = None,
+) -> np.ndarray:
+    """``[M, L, E]`` loads of slime's per-sample ``rollout_routed_experts`` ``[len, L, K]``: ``micro_batches`` is
+    one list per micro-batch of the samples' arrays (or dicts holding ``rollout_routed_experts``), or, with
+    ``samples``, of indices into ``samples`` (every sample in exactly one micro-batch). Each sample is counted in
+    place."""
+    who = "loads_from_slime"
+    if samples is not None:
+        groups = _groups(micro_batches, len(samples), who, "sample")
+        micro_batches = [[samples[int(i)] for i in g] for g in groups]
+    if not isinstance(micro_batches, (list, tuple)) or not micro_batches:
+        raise ValueError(f"{who}: micro_batches must be a non-empty list of per-sample lists")
+    shape = None
+    out = []
+    for m, mb in enumerate(micro_batches):
+        if not isinstance(mb, (list, tuple)):
+            raise ValueError(f"{who}: micro-batch {m} must be a list of samples, got {type(mb).__name__}")
+        acc = None
+        for i, s in enumerate(mb):
+            if isinstance(s, dict):
+                if "rollout_routed_experts" not in s:
+                    raise ValueError(f"{who}: micro-batch {m}, sample {i}: no rollout_routed_experts")
+                s = s["rollout_routed_experts"]
+            a = _array(s, who, f"micro-batch {m}, sample {i}")
+            _check_ids(a, 3, who, f"micro-batch {m}, sample {i} [len, layers, topk]")
+            if shape is None:
+                shape = tuple(a.shape[1:])
+            elif tuple(a.shape[1:]) != shape:
+                raise ValueError(f"{who}: micro-batch {m}, sample {i} has [layers, topk] {list(a.shape[1:])}, the "
+                                 f"first sample {list(shape)}")
+            c = _count(a, None, num_experts, layer_map, None, counter, f"{who}: micro-batch {m}, sample {i}")
+            acc = c if acc is None else acc + c
+        out.append(acc)
+    if shape is None:
+        raise ValueError(f"{who}: no sample in any micro-batch (the layer count is unknown)")
+    zero = np.zeros_like(next(a for a in out if a is not None))
+    return np.concatenate([zero if a is None else a for a in out])
+
+
+# -- the driver -------------------------------------------------------------------------------------------------------
+
+# One planner object is not safe for concurrent calls: drivers sharing a planner take turns.
+_PLANNER_LOCKS: "weakref.WeakKeyDictionary[Any, threading.Lock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _planner_lock(planner: Any) -> threading.Lock:
+    with _LOCKS_GUARD:
+        try:
+            lock = _PLANNER_LOCKS.get(planner)
+            if lock is None:
+                lock = _PLANNER_LOCKS[planner] = threading.Lock()
+        except TypeError:  # not weak-referenceable: a lock of its own
+            lock = threading.Lock()
+        return lock
+
+
+def _sum_over_group(loads: np.ndarray, group: Any, timeout: float) -> np.ndarray:
+    """The loads summed over the ranks of ``group``; the ranks must agree on the shape (checked first)."""
+    G = group_size(group)
+    if G == 1:
+        return loads
+    who = f"ReplayDriver: rank {group_rank(group)}"
+    shape = torch.tensor(list(loads.shape), dtype=torch.int64)
+    shapes = [torch.empty_like(shape) for _ in range(G)]
+    wait(dist.all_gather(shapes, shape, group=group, async_op=True), timeout, "ReplayDriver: all_gather of shapes")
+    for r, s in enumerate(shapes):
+        if not torch.equal(s, shape):
+            raise ValueError(f"{who}: rank {r} has loads of shape {s.tolist()} [micro_steps, layers, experts], this "
+                             f"rank {shape.tolist()} (every rank must replay the same micro-steps)")
+    t = torch.from_numpy(np.ascontiguousarray(loads, dtype=np.int64)).clone()
+    wait(dist.all_reduce(t, group=group, async_op=True), timeout, "ReplayDriver: all_reduce of the loads")
+    return t.numpy()
+
+
+class ReplayDriver:
+    """Plans every micro-step of one stage ahead, in a background thread, and hands out one plan per micro-step.
+
+    Args:
+        planner: a :class:`foremoe.Planner` (used only by this driver's thread while it plans; drivers sharing it
+            take turns).
+        loads: ``[M, L, E]`` loads of the stage (see the ``loads_from_*`` functions and the ``from_*``
+            constructors, which count them from the recorded routing).
+        owners: ``[E]`` or ``[L, E]`` owner rank of every expert (e.g. ``BalancedMoE.owners``; the balanced layer
+            requires its owners). With owners, each micro-step is planned on its own as soon as the previous one
+            is done, and :meth:`plan` returns it then. Without, the owners come from the stage's total (two-level
+            strategies) and the whole stage is planned in one call.
+        resident: the placement before the stage (a :class:`foremoe.Plan`, e.g. the previous stage's
+            :attr:`last_plan`, a :class:`foremoe.Placement` or a ``[L, G, S]`` array); ``None``: none.
+        stage: ``"update"`` or ``"recompute"`` (the planner's cost of a replica: the update stage also returns its
+            gradient).
+        num_layers: the model's MoE layer count; the loads must have as many layers (else ``ValueError`` naming
+            both).
+        group: a ``torch.distributed`` process group: each rank's loads (of its own tokens) are summed over it before
+            planning, so every rank plans the same (one ``all_gather`` of the shape and one ``all_reduce``, in the
+            constructor, every rank calling it). ``None``: ``loads`` are already the stage's totals.
+        timeout: seconds a :meth:`plan` call, a collective or :meth:`close` waits at most.
+        start: start planning now (else at :meth:`start`).
+    """
+
+    def __init__(self, planner: Any, loads: Any, *, owners: Any = None, resident: Any = None, stage: str = "update",
+                 num_layers: Optional[int] = None, group: Any = None, timeout: float = DEFAULT_TIMEOUT,
+                 start: bool = True):
+        if not callable(getattr(planner, "plan", None)):
+            raise ValueError(f"ReplayDriver: planner must be a foremoe.Planner, got {type(planner).__name__}")
+        if stage not in ("update", "recompute"):
+            raise ValueError(f"ReplayDriver: stage must be 'update' or 'recompute', got {stage!r}")
+        if not timeout > 0:
+            raise ValueError(f"ReplayDriver: timeout must be positive, got {timeout}")
+        a = np.asarray(loads)
+        if a.ndim != 3 or a.shape[0] == 0:
+            raise ValueError(f"ReplayDriver: loads must be [micro_steps, layers, experts] with at least one micro-step, "
+                             f"got shape {list(a.shape)}")
+        if a.size and a.dtype.kind not in "iu":
+            raise ValueError(f"ReplayDriver: loads must hold integer counts, got dtype {a.dtype}")
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        if a.size and a.min() < 0:
+            raise ValueError(f"ReplayDriver: negative load {int(a.min())} at "
+                             f"[micro_step, layer, expert] {np.argwhere(a < 0)[0].tolist()}")
+        if num_layers is not None and int(num_layers) != a.shape[1]:
+            raise ValueError(f"ReplayDriver: the recorded routing has {a.shape[1]} MoE layers, the model "
+                             f"{int(num_layers)} (pass layer_map to drop dense layers from the trace)")
+        self.timeout = float(timeout)
+        self.loads = _sum_over_group(a, group, self.timeout) if group is not None else a
+        self.loads.setflags(write=False)
+        self.stage = stage
+        self.planner = planner
+        self.owners = None
+        if owners is not None:
+            o = np.asarray(owners)
+            if o.dtype.kind not in "iu" or o.shape not in ((a.shape[2],), a.shape[1:]):
+                raise ValueError(f"ReplayDriver: owners must be [{a.shape[2]}] or {list(a.shape[1:])} integer ranks, "
+                                 f"got shape {list(o.shape)}, dtype {o.dtype}")
+            self.owners = np.ascontiguousarray(np.broadcast_to(o, a.shape[1:]), dtype=np.int32)
+        self.resident = resident
+        self._plans: List[Any] = [None] * self.num_micro_steps
+        self._error: Optional[BaseException] = None
+        self._failed_at = -1
+        self._stop = threading.Event()
+        self._cond = threading.Condition()
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+        self.planner_seconds = 0.0  # wall time the thread spent planning
+        if start:
+            self.start()
+
+    # -- constructors from the trainers' shapes ------------------------------------------------------------------
+
+    @classmethod
+    def from_ids(cls, planner: Any, routed_experts: Any, microbatch_offsets: Any = None, *, num_experts: int,
+                 layer_map: Optional[Sequence[int]] = None, mask: Any = None, counter: Optional[Counter] = None,
+                 **driver: Any) -> "ReplayDriver":
+        """A driver over ``[T, L, K]`` ids (:func:`loads_from_ids`); ``driver`` are the constructor's keywords."""
+        return cls(planner, loads_from_ids(routed_experts, microbatch_offsets, num_experts=num_experts,
+                                           layer_map=layer_map, mask=mask, counter=counter), **driver)
+
+    @classmethod
+    def from_verl(cls, planner: Any, routed_experts: Any, attention_mask: Any, micro_batches: Any = None, *,
+                  num_experts: int, layer_map: Optional[Sequence[int]] = None, counter: Optional[Counter] = None,
+                  **driver: Any) -> "ReplayDriver":
+        """A driver over verl's ``routed_experts`` + ``attention_mask`` (:func:`loads_from_verl`)."""
+        return cls(planner, loads_from_verl(routed_experts, attention_mask, micro_batches, num_experts=num_experts,
+                                            layer_map=layer_map, counter=counter), **driver)
+
+    @classmethod
+    def from_megatron(cls, planner: Any, per_layer: Sequence[Any], microbatch_offsets: Any = None, *,
+                      num_experts: int, counter: Optional[Counter] = None, **driver: Any) -> "ReplayDriver":
+        """A driver over Megatron-core's per-layer ``[T, K]`` indices (:func:`loads_from_megatron`)."""
+        return cls(planner, loads_from_megatron(per_layer, microbatch_offsets, num_experts=num_experts,
+                                                counter=counter), **driver)
+
+    @classmethod
+    def from_slime(cls, planner: Any, micro_batches: Sequence[Sequence[Any]], *, num_experts: int,
+                   samples: Optional[Sequence[Any]] = None, layer_map: Optional[Sequence[int]] = None,
+                   counter: Optional[Counter] = None, **driver: Any) -> "ReplayDriver":
+        """A driver over slime's per-micro-batch sample lists (:func:`loads_from_slime`)."""
+        return cls(planner, loads_from_slime(micro_batches, num_experts=num_experts, samples=samples,
+                                             layer_map=layer_map, counter=counter), **driver)
+
+    # -- shape ----------------------------------------------------------------------------------------------------
+
+    @property
+    def num_micro_steps(self) -> int:
+        return int(self.loads.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.loads.shape[1])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.loads.shape[2])
+
+    def __len__(self) -> int:
+        return self.num_micro_steps
+
+    @property
+    def running(self) -> bool:
+        """Whether the planning thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the thread ------------------------------------------------------------------------------------------------
+
+    def start(self) -> "ReplayDriver":
+        """Starts the planning thread (once)."""
+        if self._closed:
+            raise RuntimeError("ReplayDriver: start after close")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"foremoe-replay-{self.stage}", daemon=True)
+            self._thread.start()
+        return self
+
+    def _publish(self, m: int, plans: Sequence[Any]) -> None:
+        with self._cond:
+            for i, p in enumerate(plans):
+                self._plans[m + i] = p
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        m = 0
+        lock = _planner_lock(self.planner)
+        t0 = time.perf_counter()
+        try:
+            if self.owners is None:  # owners from the stage total: the whole stage in one call
+                with lock:
+                    plans = self.planner.plan(self.loads, resident=self.resident, stage=self.stage)
+                if len(plans) != self.num_micro_steps:
+                    raise RuntimeError(f"the planner returned {len(plans)} plans for {self.num_micro_steps} "
+                                       f"micro-steps")
+                self._publish(0, plans)
+            else:  # each micro-step from the previous one's placement, published as soon as it is planned
+                prev = self.resident
+                for m in range(self.num_micro_steps):
+                    if self._stop.is_set():
+                        return
+                    with lock:
+                        p = self.planner.plan(self.loads[m], resident=prev, stage=self.stage, owners=self.owners)
+                    self._publish(m, [p])
+                    prev = p
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by plan()
+            with self._cond:
+                self._error, self._failed_at = e, m
+                self._cond.notify_all()
+        finally:
+            self.planner_seconds = time.perf_counter() - t0
+
+    # -- what the trainer calls -------------------------------------------------------------------------------------
+
+    def plan(self, micro_step: int, *, layer: Optional[int] = None, timeout: Optional[float] = None) -> Any:
+        """The :class:`foremoe.Plan` of micro-step ``micro_step`` (every MoE layer), waiting at most ``timeout``
+        seconds (default: the driver's) for the thread to plan it. The same object on every call: hand it to every
+        pass of the micro-step (recompute forward, update forward, recomputation in the update backward).
+        ``layer`` (optional) checks that the plan has that MoE layer.
+
+        Raises ``ValueError`` for a micro-step or layer outside the stage, :class:`ReplayError` when planning it
+        failed (chained to the planner's exception), ``TimeoutError`` when it is not planned in time, and
+        ``RuntimeError`` after :meth:`close` for a micro-step that was not planned."""
+        if isinstance(micro_step, bool) or not isinstance(micro_step, (int, np.integer)):
+            raise ValueError(f"ReplayDriver.plan: micro_step must be an int, got {type(micro_step).__name__}")
+        m = int(micro_step)
+        if not 0 <= m < self.num_micro_steps:
+            raise ValueError(f"ReplayDriver.plan: micro-step {m} outside the {self.stage} stage's "
+                             f"[0, {self.num_micro_steps}) micro-steps")
+        if layer is not None and not 0 <= int(layer) < self.num_layers:
+            raise ValueError(f"ReplayDriver.plan: layer {int(layer)} outside the recorded routing's "
+                             f"[0, {self.num_layers}) MoE layers")
+        limit = self.timeout if timeout is None else float(timeout)
+        deadline = time.monotonic() + limit
+        with self._cond:
+            while self._plans[m] is None:
+                if self._error is not None and m >= self._failed_at:
+                    e = self._error
+                    raise ReplayError(f"ReplayDriver: planning micro-step {self._failed_at} of the {self.stage} stage "
+                                      f"failed in the planning thread: {type(e).__name__}: {e}") from e
+                if self._closed or (self._thread is not None and not self._thread.is_alive()):
+                    raise RuntimeError(f"ReplayDriver: micro-step {m} was not planned: the driver was closed")
+                if self._thread is None:
+                    raise RuntimeError("ReplayDriver: plan() before start()")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"ReplayDriver: micro-step {m} of the {self.stage} stage was not planned "
+                                       f"within {limit:g} s")
+                self._cond.wait(left)
+            return self._plans[m]
+
+    def __iter__(self) -> Iterator[Any]:
+        """The plans of the micro-steps in order (each waited for as :meth:`plan` does)."""
+        for m in range(self.num_micro_steps):
+            yield self.plan(m)
+
+    @property
+    def last_plan(self) -> Any:
+        """The last micro-step's plan: the resident placement of the next stage."""
+        return self.plan(self.num_micro_steps - 1)
+
+    def ready(self, micro_step: int) -> bool:
+        """Whether micro-step ``micro_step`` is planned (never waits)."""
+        return self._plans[int(micro_step)] is not None
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Stops planning after the micro-step in progress and joins the thread (at most ``timeout`` seconds,
+        default the driver's; ``RuntimeError`` when it does not end by then). Plans already made stay available."""
+        self._stop.set()
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            limit = self.timeout if timeout is None else float(timeout)
+            t.join(limit)
+            if t.is_alive():
+                raise RuntimeError(f"ReplayDriver: the planning thread did not stop within {limit:g} s (a planner "
+                                   f"call still running)")
+
+    def __enter__(self) -> "ReplayDriver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self._stop.set()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __repr__(self) -> str:
+        done = sum(p is not None for p in self._plans)
+        return (f"ReplayDriver(stage={self.stage!r}, micro_steps={self.num_micro_steps}, layers={self.num_layers}, "
+                f"experts={self.num_experts}, planned={done})")
