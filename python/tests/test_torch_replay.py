@@ -376,7 +376,7 @@ def test_micro_step_or_layer_outside_the_stage():
             d.plan(1.0)
 
 
-# -- across processes: recompute and update replayed through the balanced layer -----------------------------------------
+# -- across processes: recompute and update replayed through the balanced layer ----------------------------------------
 
 if torch.distributed.is_available() and torch.distributed.is_gloo_available():
     import torch_moe_cases as tc  # noqa: E402
@@ -407,6 +407,15 @@ def replay_rank(rank, case, tmp):
         rec["shape_error"] = "no error"
     except ValueError as e:
         rec["shape_error"] = str(e)
+    # An id out of range on rank 1 only: rank 1 names it, rank 0 names rank 1 (nobody waits for the other).
+    ids = data[0][0][rank]["ids"].clone()
+    if rank == 1:
+        ids[2, 1] = 99
+    try:
+        ft.ReplayDriver.from_megatron(planner, [ids], num_experts=E, group=world, timeout=30.0)
+        rec["id_error"] = "no error"
+    except ValueError as e:
+        rec["id_error"] = str(e)
     resident = None
     for s, step in enumerate(data):
         mine = [step[m][rank]["ids"] for m in range(case.micro)]
@@ -466,6 +475,8 @@ def test_replayed_training_equals_reference(tmp_path):
     for r, rec in enumerate(ranks):
         other = 1 - r
         assert f"rank {other} has loads of shape [{other + 2}, 1, 16]" in rec["shape_error"], rec["shape_error"]
+        want = "expert id 99 at token 2, layer 0, k 1" if r == 1 else "rank 1 of the group rejected its routing"
+        assert want in rec["id_error"], rec["id_error"]
         assert rec["loads_equal"] == [True] * case.steps  # every form, summed over the ranks
         assert rec["one_plan"] == [True] * (case.steps * case.micro)
         owned = torch.tensor(rec["owned"])

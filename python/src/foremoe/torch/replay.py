@@ -357,22 +357,56 @@ def _planner_lock(planner: Any) -> threading.Lock:
         return lock
 
 
-def _sum_over_group(loads: np.ndarray, group: Any, timeout: float) -> np.ndarray:
-    """The loads summed over the ranks of ``group``; the ranks must agree on the shape (checked first)."""
+def _sum_over_group(loads: Optional[np.ndarray], group: Any, timeout: float,
+                    error: Optional[str] = None) -> np.ndarray:
+    """The loads summed over the ranks of ``group``. The ranks first gather their shapes and whether their input was
+    good (``error``: this rank's message), so a bad input or a disagreeing shape on one rank fails every rank with a
+    clear error instead of leaving the others waiting."""
     G = group_size(group)
     if G == 1:
+        if error is not None:
+            raise ValueError(error) from None
         return loads
     who = f"ReplayDriver: rank {group_rank(group)}"
-    shape = torch.tensor(list(loads.shape), dtype=torch.int64)
-    shapes = [torch.empty_like(shape) for _ in range(G)]
-    wait(dist.all_gather(shapes, shape, group=group, async_op=True), timeout, "ReplayDriver: all_gather of shapes")
-    for r, s in enumerate(shapes):
-        if not torch.equal(s, shape):
-            raise ValueError(f"{who}: rank {r} has loads of shape {s.tolist()} [micro_steps, layers, experts], this "
-                             f"rank {shape.tolist()} (every rank must replay the same micro-steps)")
+    mine = torch.tensor(([0, 0, 0, 1] if error is not None else list(loads.shape) + [0]), dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(G)]
+    wait(dist.all_gather(rows, mine, group=group, async_op=True), timeout, "ReplayDriver: all_gather of shapes")
+    if error is not None:
+        raise ValueError(error) from None
+    for r, row in enumerate(rows):
+        if int(row[3]):
+            raise ValueError(f"{who}: rank {r} of the group rejected its routing (its error names the value)")
+    for r, row in enumerate(rows):
+        if not torch.equal(row, mine):
+            raise ValueError(f"{who}: rank {r} has loads of shape {row[:3].tolist()} [micro_steps, layers, "
+                             f"experts], this rank {mine[:3].tolist()} (every rank must replay the same micro-steps)")
     t = torch.from_numpy(np.ascontiguousarray(loads, dtype=np.int64)).clone()
     wait(dist.all_reduce(t, group=group, async_op=True), timeout, "ReplayDriver: all_reduce of the loads")
     return t.numpy()
+
+
+def _checked_loads(loads: Any, num_layers: Optional[int], owners: Any) -> Any:
+    """``([M, L, E] int64 loads, [L, E] int32 owners or None)``, or ``ValueError`` naming what is wrong."""
+    a = np.asarray(loads)
+    if a.ndim != 3 or a.shape[0] == 0:
+        raise ValueError(f"ReplayDriver: loads must be [micro_steps, layers, experts] with at least one micro-step, "
+                         f"got shape {list(a.shape)}")
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"ReplayDriver: loads must hold integer counts, got dtype {a.dtype}")
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    if a.size and a.min() < 0:
+        raise ValueError(f"ReplayDriver: negative load {int(a.min())} at "
+                         f"[micro_step, layer, expert] {np.argwhere(a < 0)[0].tolist()}")
+    if num_layers is not None and int(num_layers) != a.shape[1]:
+        raise ValueError(f"ReplayDriver: the recorded routing has {a.shape[1]} MoE layers, the model "
+                         f"{int(num_layers)} (pass layer_map to drop dense layers from the trace)")
+    if owners is None:
+        return a, None
+    o = np.asarray(owners)
+    if o.dtype.kind not in "iu" or o.shape not in ((a.shape[2],), a.shape[1:]):
+        raise ValueError(f"ReplayDriver: owners must be [{a.shape[2]}] or {list(a.shape[1:])} integer ranks, "
+                         f"got shape {list(o.shape)}, dtype {o.dtype}")
+    return a, np.ascontiguousarray(np.broadcast_to(o, a.shape[1:]), dtype=np.int32)
 
 
 class ReplayDriver:
@@ -409,31 +443,18 @@ class ReplayDriver:
             raise ValueError(f"ReplayDriver: stage must be 'update' or 'recompute', got {stage!r}")
         if not timeout > 0:
             raise ValueError(f"ReplayDriver: timeout must be positive, got {timeout}")
-        a = np.asarray(loads)
-        if a.ndim != 3 or a.shape[0] == 0:
-            raise ValueError(f"ReplayDriver: loads must be [micro_steps, layers, experts] with at least one micro-step, "
-                             f"got shape {list(a.shape)}")
-        if a.size and a.dtype.kind not in "iu":
-            raise ValueError(f"ReplayDriver: loads must hold integer counts, got dtype {a.dtype}")
-        a = np.ascontiguousarray(a, dtype=np.int64)
-        if a.size and a.min() < 0:
-            raise ValueError(f"ReplayDriver: negative load {int(a.min())} at "
-                             f"[micro_step, layer, expert] {np.argwhere(a < 0)[0].tolist()}")
-        if num_layers is not None and int(num_layers) != a.shape[1]:
-            raise ValueError(f"ReplayDriver: the recorded routing has {a.shape[1]} MoE layers, the model "
-                             f"{int(num_layers)} (pass layer_map to drop dense layers from the trace)")
         self.timeout = float(timeout)
+        try:
+            a, self.owners = _checked_loads(loads, num_layers, owners)
+        except ValueError as e:
+            if group is None:
+                raise
+            _sum_over_group(None, group, self.timeout, str(e))  # fails every rank
+            raise
         self.loads = _sum_over_group(a, group, self.timeout) if group is not None else a
         self.loads.setflags(write=False)
         self.stage = stage
         self.planner = planner
-        self.owners = None
-        if owners is not None:
-            o = np.asarray(owners)
-            if o.dtype.kind not in "iu" or o.shape not in ((a.shape[2],), a.shape[1:]):
-                raise ValueError(f"ReplayDriver: owners must be [{a.shape[2]}] or {list(a.shape[1:])} integer ranks, "
-                                 f"got shape {list(o.shape)}, dtype {o.dtype}")
-            self.owners = np.ascontiguousarray(np.broadcast_to(o, a.shape[1:]), dtype=np.int32)
         self.resident = resident
         self._plans: List[Any] = [None] * self.num_micro_steps
         self._error: Optional[BaseException] = None
@@ -452,32 +473,45 @@ class ReplayDriver:
     def from_ids(cls, planner: Any, routed_experts: Any, microbatch_offsets: Any = None, *, num_experts: int,
                  layer_map: Optional[Sequence[int]] = None, mask: Any = None, counter: Optional[Counter] = None,
                  **driver: Any) -> "ReplayDriver":
-        """A driver over ``[T, L, K]`` ids (:func:`loads_from_ids`); ``driver`` are the constructor's keywords."""
-        return cls(planner, loads_from_ids(routed_experts, microbatch_offsets, num_experts=num_experts,
-                                           layer_map=layer_map, mask=mask, counter=counter), **driver)
+        """A driver over ``[T, L, K]`` ids (:func:`loads_from_ids`); ``driver`` are the constructor's keywords. With
+        ``group``, a bad input on one rank (an id out of range, ...) fails every rank, this one naming the value."""
+        return cls._counted(planner, lambda: loads_from_ids(routed_experts, microbatch_offsets, num_experts=num_experts,
+                                                            layer_map=layer_map, mask=mask, counter=counter), driver)
 
     @classmethod
     def from_verl(cls, planner: Any, routed_experts: Any, attention_mask: Any, micro_batches: Any = None, *,
                   num_experts: int, layer_map: Optional[Sequence[int]] = None, counter: Optional[Counter] = None,
                   **driver: Any) -> "ReplayDriver":
         """A driver over verl's ``routed_experts`` + ``attention_mask`` (:func:`loads_from_verl`)."""
-        return cls(planner, loads_from_verl(routed_experts, attention_mask, micro_batches, num_experts=num_experts,
-                                            layer_map=layer_map, counter=counter), **driver)
+        return cls._counted(planner, lambda: loads_from_verl(routed_experts, attention_mask, micro_batches,
+                                                             num_experts=num_experts, layer_map=layer_map,
+                                                             counter=counter), driver)
 
     @classmethod
     def from_megatron(cls, planner: Any, per_layer: Sequence[Any], microbatch_offsets: Any = None, *,
                       num_experts: int, counter: Optional[Counter] = None, **driver: Any) -> "ReplayDriver":
         """A driver over Megatron-core's per-layer ``[T, K]`` indices (:func:`loads_from_megatron`)."""
-        return cls(planner, loads_from_megatron(per_layer, microbatch_offsets, num_experts=num_experts,
-                                                counter=counter), **driver)
+        return cls._counted(planner, lambda: loads_from_megatron(per_layer, microbatch_offsets, num_experts=num_experts,
+                                                                 counter=counter), driver)
 
     @classmethod
     def from_slime(cls, planner: Any, micro_batches: Sequence[Sequence[Any]], *, num_experts: int,
                    samples: Optional[Sequence[Any]] = None, layer_map: Optional[Sequence[int]] = None,
                    counter: Optional[Counter] = None, **driver: Any) -> "ReplayDriver":
         """A driver over slime's per-micro-batch sample lists (:func:`loads_from_slime`)."""
-        return cls(planner, loads_from_slime(micro_batches, num_experts=num_experts, samples=samples,
-                                             layer_map=layer_map, counter=counter), **driver)
+        return cls._counted(planner, lambda: loads_from_slime(micro_batches, num_experts=num_experts, samples=samples,
+                                                              layer_map=layer_map, counter=counter), driver)
+
+    @classmethod
+    def _counted(cls, planner: Any, count: Callable[[], np.ndarray], driver: Any) -> "ReplayDriver":
+        try:
+            loads = count()
+        except ValueError as e:
+            if driver.get("group") is None:
+                raise
+            _sum_over_group(None, driver["group"], float(driver.get("timeout", DEFAULT_TIMEOUT)), str(e))
+            raise
+        return cls(planner, loads, **driver)
 
     # -- shape ----------------------------------------------------------------------------------------------------
 
