@@ -181,7 +181,7 @@ def _gpu_load_figure(doc: Mapping[str, Any], path: Path) -> Path:
     gpus, micro = next(iter(rel.values())).shape
     height = min(3.2, 0.9 + 0.035 * gpus)
     fig, axes = plt.subplots(len(names) + 1, 1, figsize=(max(8.0, 3.0 + 0.09 * micro), height * len(names) + 2.4),
-                             sharex=True, gridspec_kw={"height_ratios": [height] * len(names) + [2.0]})
+                             sharex=True, gridspec_kw={"height_ratios": [height] * len(names) + [2.0]}, layout="constrained")
     im = None
     for ax, n in zip(axes, names):
         im = ax.imshow(rel[n], aspect="auto", interpolation="nearest", cmap="RdBu_r", norm=norm,
@@ -195,9 +195,11 @@ def _gpu_load_figure(doc: Mapping[str, Any], path: Path) -> Path:
     line.set_ylabel(f"layer {layer}\nmax/mean")
     line.set_xlabel("simulated micro-step (per RL step: recompute pass(es), then update)")
     line.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
-    line.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="strategy", title_fontsize=8)
+    peak = max(float(r.max(axis=0).max()) for r in rel.values())
+    line.set_ylim(min(0.95, line.get_ylim()[0]), 1.0 + (peak - 1.0) * 1.45 + 0.05)  # room for the legend
+    line.legend(fontsize=8, loc="upper right", ncol=len(names), title="strategy", title_fontsize=8)
     line.grid(alpha=0.3)
-    cbar = fig.colorbar(im, ax=list(axes[:-1]), fraction=0.03, pad=0.015)
+    cbar = fig.colorbar(im, ax=list(axes[:-1]), fraction=0.03, pad=0.01, aspect=40)
     cbar.set_label("GPU load / mean GPU load\n(1 = balanced; red = overloaded)", fontsize=8)
     note = ", GPUs of the slowest EP group" if doc.get("num_ep_groups", 1) > 1 else ""
     axes[0].set_title(f"Per-GPU token load of MoE layer {layer} over the micro-steps{note}\n" + _simulate_title(doc),
@@ -229,12 +231,12 @@ def _imbalance_figure(doc: Mapping[str, Any], path: Path) -> Path:
     for y, d, r in zip(pos, data, rows):
         if d.size:
             ax.plot([d.max()], [y], marker="x", color="#C44E52", ms=5)
-        ax.text(hi * 1.02, y, f"median {r['imbalance_median']:.3f}, p99 {r['imbalance_p99']:.3f}", va="center",
-                fontsize=8)
+        ax.text(1.01, y, f"median {r['imbalance_median']:.3f}\np99 {r['imbalance_p99']:.3f}", va="center",
+                fontsize=8, transform=ax.get_yaxis_transform())  # beside the axes, as in the table
     ax.set_yticks(pos)
     ax.set_yticklabels([r["strategy"] for r in rows])
     ax.axvline(1.0, color="black", lw=0.6, ls=":")
-    ax.set_xlim(min(0.98, min(float(d.min()) for d in data if d.size) - 0.02), hi * 1.3)
+    ax.set_xlim(min(0.98, min(float(d.min()) for d in data if d.size) - 0.02), hi * 1.05)
     ax.set_xlabel("layer max/mean GPU load (1 = perfectly balanced), every simulated micro-step and layer")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title("Distribution of per-layer imbalance (box: quartiles; whiskers: 1st-99th percentile; x: max)\n"
