@@ -88,12 +88,14 @@ expect 1 "offsets|microbatch" -- "$bin" trace stats "$work/ids.npy" --microbatch
 
 # Scriptable simulate output: --json - is JSON on stdout, CSV has one column count, bad paths fail before work.
 if command -v python3 >/dev/null; then
-  "$bin" simulate --prompts 8 --steps 1 --quiet --json - 2>/dev/null | python3 -c 'import json,sys; d=json.load(sys.stdin); assert "config" in d and "axes" in d and "breakdown" in d["strategies"][0]' \
+  "$bin" simulate --prompts 8 --steps 1 --quiet --json - 2>/dev/null | python3 -c 'import json,sys; d=json.load(sys.stdin); assert "config" in d and "axes" in d and "breakdown" in d["strategies"][0] and all(k in d["axes"] for k in ("strategies[].micro_step_layer_imbalance", "strategies[].micro_step_gpu_load"))' \
     && passed=$((passed + 1)) || { echo "FAIL: simulate --json - is not JSON with config, axes, breakdown"; failed=$((failed + 1)); }
   "$bin" simulate --prompts 8 --steps 1 --quiet --csv 2>/dev/null | python3 -c 'import csv,sys; r=list(csv.reader(sys.stdin)); assert r[0][0]=="strategy" and len(r)>2 and len(set(map(len,r)))==1' \
     && passed=$((passed + 1)) || { echo "FAIL: simulate --csv is not CSV with a constant column count"; failed=$((failed + 1)); }
 fi
 expect 2 "folder '/nonexistent-dir' does not exist" -- "$bin" simulate --json /nonexistent-dir/out.json
+# Pictures are drawn by the Python package; the program names it instead of drawing.
+expect 2 "python -m foremoe simulate --plot" -- "$bin" simulate --plot "$work/pictures"
 
 # foremoe plan: one micro-step [L, E] from the first micro-step of the loads
 expect 0 "wrote" -- "$bin" trace gen "${shape[@]}" --steps 1 --microbatch-tokens 1024 --loads "$work/step.npy"

@@ -41,11 +41,14 @@ Command make_plan() {
       {"no-mirror", "", "the nodes have no pinned host mirror (GPU-direct sources only)", ""},
       {"mode", "MODE", "gone: free mode is --strategy foremoe-free, foremoe is two-level", ""},
   };
+  for (auto &o : plot_options("plan"))
+    c.options.push_back(std::move(o));
   for (auto &o : schema_specs(config::plan_schema())) {
     if (o.name == "strategy") o.help += "; all (side by side, no --out); list (the registered strategies)";
     c.options.push_back(std::move(o));
   }
   c.run = [](const Args &a, std::ostream &out, std::ostream &) {
+    refuse_plot(a, "plan");
     if (a.str("strategy") == "list") {
       for (const StrategyInfo *s : strategies()) {
         out << "  " << std::left << std::setw(14) << s->name << s->help << "\n";
@@ -71,8 +74,8 @@ Command make_plan() {
         throw UsageError{"--placement-format is for --out-placement"};
     }
     const bool all = a.str("strategy") == "all";
-    if (all && (a.has("out") || a.has("out-placement")))
-      throw UsageError{"--strategy all prints a comparison; --out and --out-placement need one strategy"};
+    if (all && (a.has("out") || a.has("out-placement") || a.has("plot-document")))
+      throw UsageError{"--strategy all prints a comparison; --out, --out-placement and --plot need one strategy"};
     const json::Value flags = all ? schema_overrides(config::plan_schema(), a, {"planner.strategy"})
                                   : schema_overrides(config::plan_schema(), a);
     config::PlanSettings settings;
@@ -174,11 +177,12 @@ Command make_plan() {
           path_bytes[p] += tp.path_bytes[p];
       }
     }
-    if (a.has("out")) {
+    if (a.has("out") || a.has("plot-document")) {
       const config::PlanHeader h{opts.strategy, topo, loads.num_layers(), loads.num_experts(), sp.planner_seconds};
-      config::write_text(a.str("out"),
-                         json::dump(config::plan_document(h, sp.micro_steps, transfers ? &transfer_plans : nullptr)) +
-                             "\n");
+      const std::string text =
+          json::dump(config::plan_document(h, sp.micro_steps, transfers ? &transfer_plans : nullptr)) + "\n";
+      if (a.has("out")) config::write_text(a.str("out"), text);
+      if (a.has("plot-document")) config::write_text(a.str("plot-document"), text);
     }
     if (a.has("out-placement") && placement_format == "foremoe") {
       config::write_text(a.str("out-placement"),

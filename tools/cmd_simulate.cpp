@@ -34,9 +34,12 @@ Command make_simulate() {
       {"csv", "", "print the table as CSV (header first; the summary line goes to stderr)", ""},
       quiet_option(),
   };
+  for (auto &o : plot_options("simulate"))
+    c.options.push_back(std::move(o));
   for (auto &o : schema_specs(config::simulate_schema()))
     c.options.push_back(std::move(o));
   c.run = [](const Args &a, std::ostream &out, std::ostream &err) {
+    refuse_plot(a, "simulate");
     const json::Value cli = schema_overrides(config::simulate_schema(), a);
     json::Value file;
     std::vector<config::Schema<config::SimulateSettings>::Layer> layers;
@@ -91,6 +94,7 @@ Command make_simulate() {
       out << json::dump(doc) << "\n";
     else if (a.has("json"))
       config::write_text(a.str("json"), json::dump(doc) + "\n");
+    if (a.has("plot-document")) config::write_text(a.str("plot-document"), json::dump(doc) + "\n");
     return 0;
   };
   return c;

@@ -148,6 +148,14 @@ private:
 /// The `--quiet` option every long-running command takes.
 [[nodiscard]] OptionSpec quiet_option();
 
+/// The `--plot` options of `plan` or `simulate` (`what`: "plan" or "simulate"). Pictures are drawn by the Python
+/// package (`python -m foremoe`, with matplotlib), which takes these options off before running the program; they
+/// are listed here so that both front ends show them, and `refuse_plot` rejects them in the compiled program.
+[[nodiscard]] std::vector<OptionSpec> plot_options(std::string_view what);
+
+/// Throws a `UsageError` saying where `--plot` works when any plot option was given.
+void refuse_plot(const Args &a, std::string_view what);
+
 std::vector<Command> &command_table();
 bool register_command(Command c);
 void print_command_help(std::ostream &os, const Command &c);

@@ -153,6 +153,29 @@ OptionSpec quiet_option() {
   return {"quiet", "", "no progress (shown only on a terminal, for work over ~2 s) and no timing line on stderr"};
 }
 
+std::vector<OptionSpec> plot_options(std::string_view what) {
+  const std::string where = "python -m foremoe only, with matplotlib (pip install ./python[plot]): ";
+  // Hidden: where the Python front end has the results document written for drawing (results as --json or
+  // PLAN.json as --out write them), so that the user's own outputs and stdout stay as they are.
+  OptionSpec document{"plot-document", "FILE.json", "", "", "", true};
+  if (what == "simulate")
+    return {{"plot", "DIR",
+             where + "write PNGs of the step-time breakdown, the per-GPU load of layer --gpu-load-layer over the "
+                     "micro-steps and the layer max/mean distribution, per strategy, to DIR"},
+            document};
+  return {{"plot", "FILE.png", where + "draw one micro-step and layer's placement (GPUs x slots, tokens)"},
+          {"plot-micro-step", "M", "the micro-step --plot draws (default: the most imbalanced micro-step and layer)"},
+          {"plot-layer", "L", "the layer --plot draws (default: the most imbalanced micro-step and layer)"},
+          document};
+}
+
+void refuse_plot(const Args &a, std::string_view what) {
+  for (const OptionSpec &o : plot_options(what))
+    if (!o.hidden && a.has(o.name))
+      throw UsageError{"--" + o.name + " is drawn by the Python package: run python -m foremoe " + std::string(what) +
+                       " --plot ... (pip install ./python[plot])"};
+}
+
 void print_command_help(std::ostream &os, const Command &c) {
   std::string words;
   for (const auto &w : c.words)

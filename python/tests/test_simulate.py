@@ -35,6 +35,32 @@ def test_simulate_keys_and_values():
     assert all(s["step_seconds"] > 0 for s in r["strategies"])
 
 
+def test_per_gpu_loads_and_layer_imbalance():
+    """micro_step_gpu_load [micro-step, gpu] of layer gpu_load_layer and micro_step_layer_imbalance [micro-step,
+    layer]: the same tokens under every strategy, and each row's max/mean is that layer's imbalance."""
+    r = foremoe.simulate(dict(seeded(4), sim={"gpu_load_layer": 2}))
+    assert r["gpu_load_layer"] == 2 and r["config"]["sim"]["gpu_load_layer"] == 2
+    assert r["axes"]["strategies[].micro_step_gpu_load"] == ["simulated_micro_step", "gpu"]
+    assert r["axes"]["strategies[].micro_step_layer_imbalance"] == ["simulated_micro_step", "layer"]
+    totals = None
+    for s in r["strategies"]:
+        loads = np.asarray(s["micro_step_gpu_load"], dtype=float)
+        imb = np.asarray(s["micro_step_layer_imbalance"])
+        assert loads.shape == (len(s["micro_step_layer_seconds"]), r["ep_size"])
+        assert imb.shape == np.asarray(s["micro_step_layer_seconds"]).shape
+        totals = loads.sum(axis=1) if totals is None else totals
+        np.testing.assert_allclose(loads.sum(axis=1), totals)  # every strategy places the same tokens
+        np.testing.assert_allclose(loads.max(axis=1) / loads.mean(axis=1), imb[:, 2], rtol=1e-9)
+        assert np.all(imb >= 1 - 1e-12)
+        v = np.sort(imb.ravel())  # the table's figures are nearest-rank quantiles of these (one EP group)
+        assert v[int(np.ceil(0.5 * v.size)) - 1] == pytest.approx(s["imbalance_median"], rel=1e-12)
+        assert v[int(np.ceil(0.99 * v.size)) - 1] == pytest.approx(s["imbalance_p99"], rel=1e-12)
+    static = np.asarray(r["strategies"][[s["strategy"] for s in r["strategies"]].index("static")]["micro_step_gpu_load"])
+    assert static.std(axis=1).max() > 0  # the synthetic batch is skewed: static is not balanced
+    with pytest.raises(ValueError, match="gpu_load_layer 4"):
+        foremoe.simulate(dict(seeded(4), sim={"gpu_load_layer": 4}))
+
+
 def test_simulate_matches_cli(cli, tmp_path):
     cfg = tmp_path / "cfg.json"
     cfg.write_text(json.dumps(CFG))

@@ -262,6 +262,7 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   j["num_micro_steps"] = num_micro_steps;
   j["warmup_steps"] = s.sim.warmup_steps; // simulated before them, not counted
   j["eplb_interval"] = s.sim.eplb_interval;
+  j["gpu_load_layer"] = s.sim.gpu_load_layer;
   j["workload"] = s.workload;
   j["rollout_seconds"] = s.sim.rollout_seconds;
   j["gpu_memory_gb"] = s.sim.gpu_memory_gb;
@@ -309,6 +310,8 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
       micro.push_back(breakdown_json(b));
     d["micro_steps"] = std::move(micro);
     d["micro_step_layer_seconds"] = r.layer_seconds;
+    d["micro_step_layer_imbalance"] = r.layer_imbalance;
+    d["micro_step_gpu_load"] = r.gpu_loads;
     list.push_back(std::move(d));
   }
   j["strategies"] = std::move(list);
@@ -317,12 +320,16 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   axes["strategies[].steps"] = json::Array{"rl_step"};
   axes["strategies[].micro_steps"] = json::Array{"simulated_micro_step"};
   axes["strategies[].micro_step_layer_seconds"] = json::Array{"simulated_micro_step", "layer"};
+  axes["strategies[].micro_step_layer_imbalance"] = json::Array{"simulated_micro_step", "layer"};
+  axes["strategies[].micro_step_gpu_load"] = json::Array{"simulated_micro_step", "gpu"};
   j["axes"] = std::move(axes);
   j["notes"] =
       json::Value("simulated micro-steps run per RL step: the recompute passes' micro-steps, then the update pass's; "
                   "breakdown fields are seconds and add up to step_seconds (per RL step); every figure covers the "
                   "num_steps counted steps, after warmup_steps steps that were simulated and dropped; with several EP "
-                  "groups (data-parallel copies) a step's times are those of its slowest group, volumes the sum");
+                  "groups (data-parallel copies) a step's times are those of its slowest group, volumes the sum; "
+                  "micro_step_layer_imbalance is each layer's max/mean GPU load and micro_step_gpu_load the tokens "
+                  "per GPU (of the EP group) in layer gpu_load_layer, both of that slowest group");
   return j;
 }
 

@@ -507,6 +507,10 @@ struct SimulateSettings {
         "eplb rebalances every N RL steps from the loads seen since its last rebalance",
         [](auto &x) -> auto & { return x.sim.eplb_interval; }));
     o.push_back(integer<S>(
+        "sim.gpu_load_layer", 0, 4095,
+        "the MoE layer whose per-GPU loads per micro-step the results hold (micro_step_gpu_load)",
+        [](auto &x) -> auto & { return x.sim.gpu_load_layer; }));
+    o.push_back(integer<S>(
         "sim.minibatches_per_step", 1, 1 << 16, "optimizer steps per RL step",
         [](auto &x) -> auto & { return x.sim.minibatches_per_step; }));
     o.push_back(number<S>(

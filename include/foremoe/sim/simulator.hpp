@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <span>
 #include <string>
 #include <string_view>
@@ -95,8 +96,9 @@ struct SimConfig {
   bool cost_gate = false;
   /// RL steps at the start that are planned and simulated but not counted (EPLB's cold start, first residents).
   int warmup_steps = 1;
-  int eplb_interval = 1; ///< `eplb` rebalances every N RL steps from the loads accumulated since its last rebalance
-  int ep_size = 0;       ///< GPUs per EP group (0: `default_ep_size`); the cluster is data-parallel copies of it
+  int eplb_interval = 1;  ///< `eplb` rebalances every N RL steps from the loads accumulated since its last rebalance
+  int ep_size = 0;        ///< GPUs per EP group (0: `default_ep_size`); the cluster is data-parallel copies of it
+  int gpu_load_layer = 0; ///< the MoE layer whose per-GPU loads `SimResult::gpu_loads` records
   /// Dtype of the expert gradients (replica gradient returns, gradient buffers). fp32 by default: mixed-precision
   /// training keeps fp32 main gradients (Megatron-LM accumulates into fp32 `main_grad`; Micikevicius et al. 2018,
   /// "Mixed Precision Training"), so gradient bytes are 2x bf16 weight bytes. Replaces `cost.grad.grad_bytes_factor`
@@ -150,6 +152,8 @@ struct SimConfig {
     ep_group_topology(topo, ep).validate(model.num_experts);
     detail::require(warmup_steps >= 0, "SimConfig: warmup_steps must be >= 0, got ", warmup_steps);
     detail::require(eplb_interval >= 1, "SimConfig: eplb_interval must be >= 1, got ", eplb_interval);
+    detail::require(gpu_load_layer >= 0 && gpu_load_layer < model.num_layers, "SimConfig: gpu_load_layer ",
+                    gpu_load_layer, " is not a layer of the model (0 .. ", model.num_layers - 1, ")");
     detail::require(recompute_passes >= 0, "SimConfig: recompute_passes must be >= 0, got ", recompute_passes);
     detail::require(minibatches_per_step >= 1, "SimConfig: minibatches_per_step must be >= 1, got ",
                     minibatches_per_step);
@@ -243,6 +247,10 @@ struct SimResult {
   /// Per counted micro-step (recompute then update, per counted step), of the step's slowest EP group: layer
   /// forward(+backward) times.
   std::vector<std::vector<double>> layer_seconds;
+  /// The same rows: each layer's max/mean GPU load (1 for `ideal`).
+  std::vector<std::vector<double>> layer_imbalance;
+  /// The same rows: tokens per GPU of its EP group in layer `SimConfig::gpu_load_layer` (`ideal`: the even split).
+  std::vector<std::vector<double>> gpu_loads;
   SimBreakdown breakdown;                    ///< mean per counted RL step; its total is `step_seconds`
   std::vector<SimBreakdown> step_breakdown;  ///< per counted RL step (its slowest EP group)
   std::vector<SimBreakdown> micro_breakdown; ///< per counted micro-step (the rows of `layer_seconds`)
@@ -269,7 +277,8 @@ struct GroupStep {
   SimBreakdown parts;
   std::vector<SimBreakdown> micro;
   std::vector<std::vector<double>> layers;
-  std::vector<double> imbalance;
+  std::vector<std::vector<double>> imbalance; ///< per micro-step, per layer
+  std::vector<std::vector<double>> gpu_loads; ///< per micro-step, per GPU: layer `SimConfig::gpu_load_layer`
   [[nodiscard]] double seconds() const noexcept { return recompute + update + extra; }
 };
 
@@ -560,11 +569,23 @@ struct GroupStep {
       for (int m = 0; m < M; ++m) {
         const double tokens = tokens_of(m0 + m);
         std::vector<LayerTiming> cur(static_cast<std::size_t>(L));
+        std::vector<double> &imbalance = rec.imbalance.emplace_back(static_cast<std::size_t>(L), 1.0);
         for (int l = 0; l < L; ++l) {
           const LayerPlan *lp = strat.ideal ? nullptr : &sp.micro_steps[m][l];
           const LayerPlan *prev = prev_plans != nullptr ? &(*prev_plans)[l] : nullptr;
           cur[l] = time_layer(lp, step.layer(m, l), tokens, prev, update, rec.min_experts);
-          if (lp != nullptr) rec.imbalance.push_back(lp->imbalance());
+          if (lp != nullptr) imbalance[l] = lp->imbalance();
+          if (l == cfg.gpu_load_layer) {
+            std::vector<double> &per_gpu = rec.gpu_loads.emplace_back();
+            if (lp != nullptr) {
+              for (const std::int64_t t : lp->gpu_loads())
+                per_gpu.push_back(static_cast<double>(t));
+            } else {
+              const auto layer = step.layer(m, l);
+              per_gpu.assign(static_cast<std::size_t>(G),
+                             static_cast<double>(std::accumulate(layer.begin(), layer.end(), std::int64_t{0})) / G);
+            }
+          }
           rec.moved += cur[l].moved_bytes;
           used_mirror = used_mirror || cur[l].host_moves;
           rec.grad += cur[l].grad_bytes;
@@ -765,13 +786,16 @@ struct GroupStep {
       res.breakdown += w.parts;
       res.micro_breakdown.insert(res.micro_breakdown.end(), w.micro.begin(), w.micro.end());
       res.layer_seconds.insert(res.layer_seconds.end(), w.layers.begin(), w.layers.end());
+      res.layer_imbalance.insert(res.layer_imbalance.end(), w.imbalance.begin(), w.imbalance.end());
+      res.gpu_loads.insert(res.gpu_loads.end(), w.gpu_loads.begin(), w.gpu_loads.end());
       for (int i = 0; i < num_groups; ++i) {
         const detail::GroupStep &g = runs[i][s];
         total_moved += g.moved; // volumes: the whole cluster
         total_grad += g.grad;
         res.planner_seconds += g.planner;
         res.min_experts_per_gpu = std::min(res.min_experts_per_gpu, g.min_experts);
-        imbalance.insert(imbalance.end(), g.imbalance.begin(), g.imbalance.end());
+        for (const std::vector<double> &row : g.imbalance)
+          imbalance.insert(imbalance.end(), row.begin(), row.end());
       }
     }
     const BalanceStats balance = balance_stats(std::move(imbalance));
