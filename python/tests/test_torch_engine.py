@@ -19,8 +19,8 @@ FILL = 0xEE  # bytes of slots nothing was written to yet
 
 
 def byte_view(t):
-    """The bytes of contiguous tensor `t` as a read-only NumPy array sharing its memory."""
-    return np.from_dlpack(t.view(torch.uint8))
+    """The bytes of contiguous tensor `t` as a read-only NumPy array (sharing its memory when on the CPU)."""
+    return np.from_dlpack(t.view(torch.uint8).cpu())
 
 
 def write_bytes(t, index, data):
@@ -33,7 +33,7 @@ class Cluster:
     engine, plus the NumPy reference of what every slot must hold."""
 
     def __init__(self, topo, num_layers, num_experts, dtype, row_elems, *, seed=0, tensors=None, num_buffers=1,
-                 **options):
+                 device="cpu", **options):
         self.topo, self.L, self.E, self.num_buffers = topo, num_layers, num_experts, num_buffers
         itemsize = torch.empty((), dtype=dtype).element_size()
         self.row_bytes = row_elems * itemsize
@@ -42,9 +42,11 @@ class Cluster:
         G, S = topo.num_gpus, topo.slots
         self.mirror_ref = rng.integers(0, 256, (num_layers, num_experts, self.row_bytes), dtype=np.uint8)
         buf = (num_buffers,) if num_buffers == 2 else ()
-        self.slots = [[torch.empty(buf + (S, row_elems), dtype=dtype) for _ in range(G)] for _ in range(num_layers)]
-        self.mirrors = [[torch.empty((num_experts, row_elems), dtype=dtype) for _ in range(topo.nodes)]
-                        for _ in range(num_layers)]
+        self.slots = [[torch.empty(buf + (S, row_elems), dtype=dtype, device=device) for _ in range(G)]
+                      for _ in range(num_layers)]
+        pinned = device != "cpu"
+        self.mirrors = [[torch.empty((num_experts, row_elems), dtype=dtype, pin_memory=pinned)
+                         for _ in range(topo.nodes)] for _ in range(num_layers)]
         for layer in range(num_layers):
             for g in range(G):
                 self.slots[layer][g].view(torch.uint8).fill_(FILL)
@@ -303,6 +305,8 @@ def test_bad_input_is_refused_with_a_clear_message():
         eng.submit([[9, -1, 0, 0]], 0)
     with pytest.raises(ValueError, match=r"dst_slot 2\) is outside"):
         eng.submit([[1, -1, 0, 2]], 0)
+    with pytest.raises(ValueError, match="outside int32"):
+        eng.submit(np.array([[1 << 33, -1, 0, 0]]), 0)
     with pytest.raises(ValueError, match=r"\[N, 4\]"):
         eng.submit([[1, -1, 0]], 0)
     with pytest.raises(ValueError, match="layer 3 outside"):
@@ -376,3 +380,47 @@ def test_workspace_enqueues_and_reports_at_check():
     assert ws.check() is True  # the records were reused
     with pytest.raises(TypeError, match="Workspace"):
         fe.count_loads(ids, num_experts=4, workspace=object())
+
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fe.runtime_build_info()["cuda_compiled"]),
+    reason="needs a GPU and the extension built with FOREMOE_PYTHON_CUDA=ON")
+
+
+@needs_cuda
+def test_cuda_backend_moves_streams_events_and_counting():
+    rng = np.random.default_rng(21)
+    topo = foremoe.Topology(1, 4, 3)
+    L, E = 2, 8
+    plans = foremoe.Planner(topo).plan(skewed_loads(rng, 3, L, E))
+    c = Cluster(topo, L, E, torch.bfloat16, 4096, seed=21, device="cuda", backend="cuda",
+                cuda_device_of_gpu=[0] * topo.num_gpus, verify=True)
+    for layer in range(L):
+        c.place(layer, initial_placement(plans[0], layer))
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream()
+    for plan in plans:
+        for layer in range(L):
+            free = torch.cuda.Event()
+            free.record(stream)
+            t = c.engine.submit(plan, layer, slots_free=free)
+            t.enqueue_wait(stream)  # the stream waits on the device
+            t.wait(timeout=30.0)
+            moves = np.asarray(plan.moves)
+            for _, e, _, g, s in moves[moves[:, 0] == layer]:
+                c.put(layer, int(g), int(s), int(e), ref_only=True)
+            assert np.array_equal(c.bytes(layer), c.ref[layer])
+    with pytest.raises(ValueError, match="must be on CUDA device 0"):
+        c.engine.register_slots(0, 0, torch.zeros(3, 4096, dtype=torch.bfloat16))
+
+    T, K = 500, 2
+    ids = torch.from_dlpack(rng.integers(0, E, (T, L, K)).astype(np.int32))
+    ws = fe.Workspace("cuda")
+    got = fe.count_loads(ids.cuda(), [0, 200, 500], num_experts=E, workspace=ws)
+    assert ws.check(timeout=10.0)
+    assert torch.equal(got.cpu(), fe.count_loads(ids, [0, 200, 500], num_experts=E))
+    loads = fe.count_loads(ids, num_experts=E)[0]
+    plan = foremoe.Planner(topo).plan(np.from_dlpack(loads))
+    for layer in range(L):
+        assert torch.equal(fe.map_tokens(plan, layer, ids.cuda(), workspace=ws).cpu(), fe.map_tokens(plan, layer, ids))
+    assert ws.check(timeout=10.0)

@@ -176,6 +176,8 @@ def _int_array(x: Any, what: str) -> np.ndarray:
     a = np.asarray(x)
     if a.size and a.dtype.kind not in "iu":
         raise ValueError(f"{what} must hold integers, got dtype {a.dtype}")
+    if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{what} holds {a.max() if a.max() > 0 else a.min()}, outside int32")
     return np.ascontiguousarray(a, dtype=np.int32)
 
 
