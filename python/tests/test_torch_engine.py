@@ -424,3 +424,19 @@ def test_cuda_backend_moves_streams_events_and_counting():
     for layer in range(L):
         assert torch.equal(fe.map_tokens(plan, layer, ids.cuda(), workspace=ws).cpu(), fe.map_tokens(plan, layer, ids))
     assert ws.check(timeout=10.0)
+
+
+def test_registered_memory_lives_as_long_as_the_engine():
+    import gc
+    import weakref
+
+    eng = fe.TransferEngine(topology=foremoe.Topology(1, 1, 2), num_layers=1, num_experts=2, expert_bytes=64)
+    slots = np.zeros((2, 64), dtype=np.uint8)  # NumPy arrays work too on the host backend (and take weak refs)
+    alive = weakref.ref(slots)
+    eng.register_slots(0, 0, slots)
+    del slots
+    gc.collect()
+    assert alive() is not None, "the engine let go of memory it may still write"
+    del eng
+    gc.collect()
+    assert alive() is None, "the engine kept the memory after it was destroyed"
