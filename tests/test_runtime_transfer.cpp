@@ -286,6 +286,24 @@ TEST_CASE("gates: nothing is written before slots are free, and deadlines fire")
   CHECK(c.holds_bytes(0, 1, 0, 0, 2));
 }
 
+TEST_CASE("a batch keeps its host events: the caller may drop one after submit") {
+  Cluster c = small_cluster();
+  const std::vector<Move> moves{{0, 0, 1, 1}};
+  rt::Ticket t;
+  {
+    auto ev = std::make_unique<rt::HostEvent>(); // never set, gone before the engine looks at it
+    rt::MoveBatch mb;
+    mb.moves = moves;
+    mb.slots_free.host = ev.get();
+    mb.timeout = 50ms;
+    REQUIRE(c.engine->submit(mb, t).ok());
+  }
+  CHECK(t.wait_for(10s).code() == rt::StatusCode::timed_out);
+  CHECK(t.state() == rt::TicketState::timed_out);
+  CHECK(c.engine->valid_expert(0, 1, 1) == 3);
+  CHECK(c.holds_bytes(0, 1, 1, 0, 3));
+}
+
 TEST_CASE("a later batch on the same slot waits for the earlier one") {
   Cluster c = small_cluster();
   rt::HostEvent open;

@@ -18,6 +18,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -160,7 +161,9 @@ struct TicketImpl {
   std::atomic<bool> abort_requested{false};
   clock::time_point t0, deadline;
   Gate gates[2];
-  std::shared_ptr<HostEvent::State> host_events[2]; // keep the caller's host events alive
+  // Copies of the caller's host events (sharing their state): the gates point here, so a caller may drop its
+  // HostEvent once the batch is submitted.
+  std::optional<HostEvent> host_events[2];
   bool gated = false, draining = false, host_mirror = false;
   StatusCode drain_reason = StatusCode::ok;
   int dst_buffer = 0;

@@ -221,7 +221,7 @@ Status EngineImpl::finish_submit(std::shared_ptr<TicketImpl> &t, std::chrono::mi
   if (stopping_) return {StatusCode::aborted, "submit: the engine is shutting down"};
   for (int i = 0; i < 2; ++i) {
     t->gates[i] = gates[i];
-    if (gates[i].host != nullptr) t->host_events[i] = gates[i].host->state();
+    if (gates[i].host != nullptr) t->gates[i].host = &t->host_events[i].emplace(*gates[i].host);
   }
   t->pool = pool_;
   if (Status st = pool_->take_flag(t->flag, t->flag_value); !st.ok()) return st;

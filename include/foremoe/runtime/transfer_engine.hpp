@@ -60,7 +60,7 @@ private:
   std::shared_ptr<State> state_;
 };
 struct Gate {
-  const HostEvent *host = nullptr; ///< host backend
+  const HostEvent *host = nullptr; ///< host backend; read at submit (the batch keeps a copy sharing its flag)
   void *cuda_event = nullptr;      ///< CUDA backend: a `cudaEvent_t` on the device that writes or reads the memory
 };
 

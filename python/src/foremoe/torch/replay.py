@@ -79,7 +79,20 @@ def _device_counter() -> Optional[Counter]:
     except ImportError:
         return None
     fn = getattr(engine, "count_loads", None)
-    return fn if callable(fn) else None
+    if not callable(fn) or not engine.runtime_build_info().get("cuda_compiled", False):
+        return None  # a CPU-only runtime cannot count CUDA tensors
+
+    def count(ids: Any, offsets: Any, *, num_experts: int, layer_map: Any, mask: Any) -> Any:
+        # The runtime's counter has no mask: masked-out tokens become "no route" (-1) on the device first.
+        if mask is not None:
+            keep = torch.as_tensor(mask, device=ids.device).to(torch.bool).reshape(-1)
+            if keep.numel() != ids.shape[0]:
+                raise ValueError(f"mask has {keep.numel()} entries for {ids.shape[0]} tokens")
+            ids = ids.masked_fill(~keep.view(-1, 1, 1), -1)
+        lmap = None if layer_map is None else np.asarray(layer_map).reshape(-1).tolist()
+        return fn(ids, offsets, num_experts=num_experts, layer_map=lmap)
+
+    return count
 
 
 def _on_device(x: Any) -> bool:

@@ -1,0 +1,433 @@
+"""The runtime's transfer engine on torch tensors, without copies.
+
+A :class:`TransferEngine` executes one layer's weight moves (from a :class:`foremoe.Plan`) into expert slot
+storage that the trainer owns: CPU tensors with the ``host`` backend, CUDA tensors with the ``cuda`` backend (when
+the extension was built with ``FOREMOE_PYTHON_CUDA=ON``). Tensors are registered by address through DLPack and
+never copied; the engine keeps them alive until it is destroyed. Each submitted batch gives a :class:`Ticket`
+(``poll``, ``wait(timeout)``, ``abort``, ``enqueue_wait(stream)``, ``telemetry``); every wait has a deadline.
+
+Options are the C++ ``EngineOptions`` fields (``EngineOptions.fields()``), given as keywords::
+
+    eng = TransferEngine(topology=foremoe.Topology(1, 4, 3), num_layers=2, num_experts=8,
+                         expert_bytes=slots.shape[-1] * slots.element_size())
+    eng.register_slots(layer, gpu, slots)        # [slots, ...] (or [2, slots, ...] double-buffered)
+    eng.register_mirror(layer, node, mirror)     # [experts, ...]
+    eng.set_resident(layer, placement)           # what the slots hold now
+    eng.submit(plan, layer).wait(timeout=10.0)   # the plan's moves of that layer
+
+A batch that ends without every move landing raises :class:`TransferError` (``code``: ``device_error``,
+``timed_out`` or ``aborted``); a slot the engine calls valid (:meth:`TransferEngine.resident`) always holds its
+expert's exact bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .. import _core
+from .._core import EngineOptions, FaultSchedule, HostEvent
+
+__all__ = [
+    "EngineOptions",
+    "FaultSchedule",
+    "HostEvent",
+    "Ticket",
+    "TransferEngine",
+    "TransferError",
+    "Workspace",
+    "count_loads",
+    "map_tokens",
+    "runtime_build_info",
+]
+
+#: Seconds a batch may run before it ends ``timed_out`` (``submit``), and a ``wait`` blocks at most (``wait``).
+DEFAULT_TIMEOUT = 10.0
+
+
+def runtime_build_info() -> Dict[str, Any]:
+    """How the runtime inside ``foremoe._core`` was built: ``cuda_compiled``, ``nccl_compiled``, ``num_devices``."""
+    return _core.runtime_build_info()
+
+
+class TransferError(RuntimeError):
+    """A batch ended without every move landing.
+
+    ``code`` is the runtime's status (``device_error``: a copy failed on every attempt; ``timed_out``: the batch's
+    own deadline passed; ``aborted``); ``state`` the ticket's final state. Slots whose move did not land are not
+    valid (:meth:`TransferEngine.resident`); the others hold their expert's exact bytes.
+    """
+
+    def __init__(self, code: str, message: str, state: str) -> None:
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+        self.state = state
+
+
+def _raise_status(code: str, message: str, state: str) -> None:
+    if code == "ok":
+        return
+    if code == "invalid_argument":
+        raise ValueError(message)
+    raise TransferError(code, message, state)
+
+
+class Ticket:
+    """One submitted batch. ``state`` is ``pending``, ``done``, ``failed``, ``timed_out`` or ``aborted``."""
+
+    __slots__ = ("_t",)
+
+    def __init__(self, core_ticket: Any) -> None:
+        self._t = core_ticket
+
+    @property
+    def state(self) -> str:
+        return self._t.state
+
+    def poll(self) -> bool:
+        """False while the batch runs, True when every move landed; raises :class:`TransferError` if it failed."""
+        code, message = self._t.status()
+        if code == "in_progress":
+            return False
+        _raise_status(code, message, self._t.state)
+        return True
+
+    def wait(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Blocks until the batch ends, at most ``timeout`` seconds.
+
+        Raises :class:`TimeoutError` if the batch still runs then (it keeps running: wait again or :meth:`abort`),
+        :class:`TransferError` if it ended without every move landing.
+        """
+        code, message = self._t.wait(float(timeout))
+        if code == "timed_out":
+            code, message = self._t.status()  # the wait's deadline, or the batch's own?
+            if code == "in_progress":
+                raise TimeoutError(f"wait: the batch is still running after {timeout} s (it keeps running: wait "
+                                   "again or abort())")
+        _raise_status(code, message, self._t.state)
+
+    def abort(self) -> None:
+        """Stops issuing copies; the batch ends ``aborted`` (moves that did not land leave their slots invalid)."""
+        self._t.abort()
+
+    def enqueue_wait(self, stream: Any = None) -> None:
+        """CUDA backend: makes ``stream`` (a ``torch.cuda.Stream``, a raw ``cudaStream_t`` int, or None for the
+        current stream) wait for the end of the batch without blocking the host. The stream is released also when
+        the batch fails; check :meth:`poll` afterwards."""
+        if self._t.backend != "cuda":
+            raise RuntimeError("enqueue_wait: the engine runs the host backend, which has no streams (use wait() or "
+                               "poll(), or create the engine with backend='cuda')")
+        if stream is None:
+            stream = torch.cuda.current_stream()
+        handle = stream if isinstance(stream, int) else getattr(stream, "cuda_stream", None)
+        if not isinstance(handle, int):
+            raise TypeError(f"enqueue_wait: stream must be a torch.cuda.Stream or an int handle, got "
+                            f"{type(stream).__name__}")
+        code, message = self._t.enqueue_wait(handle)
+        _raise_status(code, message, self._t.state)
+
+    def telemetry(self) -> List[Dict[str, Any]]:
+        """Per move: ``path``, ``num_bytes``, ``start_seconds``/``end_seconds`` since submit, ``gb_per_s``,
+        ``num_chunks``, ``attempts`` (more than ``num_chunks``: retried), ``ok``, ``verified``."""
+        return self._t.telemetry()
+
+    def __repr__(self) -> str:
+        return f"Ticket(state={self.state!r})"
+
+
+def _borrow(t: Any, what: str, device: str) -> Any:
+    """``t`` as an object DLPack reads in place (a tensor that requires grad is detached, which shares memory)."""
+    if isinstance(t, np.ndarray):
+        if device != "cpu":
+            raise ValueError(f"{what} must be a CUDA tensor (CUDA backend), got a NumPy array")
+        return t
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != device:
+        raise ValueError(f"{what} must be a {device} tensor ({'host' if device == 'cpu' else 'CUDA'} backend), "
+                         f"got a tensor on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{what} must be contiguous (shape {tuple(t.shape)}, strides {t.stride()}): registering a "
+                         "copy would leave the engine writing memory nobody reads; pass .contiguous() and keep it")
+    return t.detach() if t.requires_grad else t
+
+
+def _gate(g: Any, name: str) -> Any:
+    if g is None or isinstance(g, (HostEvent, int)):
+        return g
+    handle = getattr(g, "cuda_event", None)  # torch.cuda.Event
+    if isinstance(handle, int):
+        if handle == 0:
+            raise ValueError(f"submit: {name} is a torch.cuda.Event that was never recorded")
+        return handle
+    raise TypeError(f"submit: {name} must be None, a HostEvent or a torch.cuda.Event, got {type(g).__name__}")
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    # Through DLPack, not Tensor.numpy(): a torch built against NumPy 1.x cannot hand arrays to NumPy 2.
+    return np.from_dlpack(t.detach().cpu().contiguous())
+
+
+def _int_array(x: Any, what: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = _numpy(x)
+    a = np.asarray(x)
+    if a.size and a.dtype.kind not in "iu":
+        raise ValueError(f"{what} must hold integers, got dtype {a.dtype}")
+    if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{what} holds {a.max() if a.max() > 0 else a.min()}, outside int32")
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+class TransferEngine:
+    """The runtime's transfer engine over torch tensors (see the module's documentation).
+
+    Args:
+        options: an :class:`EngineOptions`, or None to build one from ``fields``.
+        **fields: ``EngineOptions`` fields (``EngineOptions.fields()``): ``topology``, ``num_layers``,
+            ``num_experts``, ``expert_bytes`` or ``tensors``, ``backend`` (``host``/``cuda``), ``verify``,
+            ``max_attempts``, ``faults`` (a :class:`FaultSchedule`: the seeded fault injector), ...
+    """
+
+    def __init__(self, options: Optional[EngineOptions] = None, **fields: Any) -> None:
+        if options is None:
+            options = EngineOptions(**fields)
+        elif fields:
+            raise ValueError(f"TransferEngine: give options or fields, not both (got {sorted(fields)})")
+        self._e = _core.TransferEngine(options)
+        self._device = "cuda" if options.backend == "cuda" else "cpu"
+        # Gate objects of running batches: the engine reads a torch.cuda.Event's handle until the batch starts,
+        # so the event must outlive that even if the caller drops it (host events are kept by the engine itself).
+        self._gates: List[Any] = []
+
+    @property
+    def options(self) -> EngineOptions:
+        return self._e.options
+
+    @property
+    def backend(self) -> str:
+        return self._e.options.backend
+
+    # -- registration -------------------------------------------------------------------------------------------
+
+    def register_slots(self, layer: int, gpu: int, slots: Any, *, num_buffers: int = 1) -> None:
+        """GPU ``gpu``'s expert slots of ``layer``: a contiguous tensor ``[slots, ...]`` (``[2, slots, ...]`` with
+        ``num_buffers=2``), one row per slot holding an expert's ``tensors``. Any dtype: moves copy bytes."""
+        what = f"register_slots: layer {layer} GPU {gpu} slots"
+        self._e.register_slots(int(layer), int(gpu), _borrow(slots, what, self._device), int(num_buffers))
+
+    def register_mirror(self, layer: int, node: int, mirror: Any) -> None:
+        """Node ``node``'s host mirror of ``layer``: a contiguous CPU tensor ``[experts, ...]`` (pinned for CUDA)."""
+        self._e.register_mirror(int(layer), int(node), _borrow(mirror, f"register_mirror: layer {layer} node {node} "
+                                                                       "mirror", "cpu"))
+
+    def register_grads(self, layer: int, gpu: int, grads: Any, grad_bytes: Optional[int] = None) -> None:
+        """GPU ``gpu``'s float32 gradient slots of ``layer`` ``[slots, ...]`` (for :meth:`submit_reduce`); an
+        expert's gradient is its row's first ``grad_bytes`` bytes (default: the whole row)."""
+        what = f"register_grads: layer {layer} GPU {gpu} gradients"
+        self._e.register_grads(int(layer), int(gpu), _borrow(grads, what, self._device), grad_bytes)
+
+    def set_resident(self, layer: int, placement: Any) -> None:
+        """Declares what the slots of ``layer`` validly hold now: a :class:`foremoe.Placement` or :class:`foremoe.Plan`
+        (its layer ``layer``) or a ``[gpus, slots]`` array of expert ids (-1 empty)."""
+        if isinstance(placement, (_core.Placement, _core.Plan)):
+            placement = placement.gpu_slots[layer]
+        self._e.set_resident(int(layer), _int_array(placement, f"set_resident: layer {layer} placement"))
+
+    def resident(self, layer: int) -> np.ndarray:
+        """``[gpus, slots]``: the expert each slot of ``layer`` validly holds (-1: none, e.g. after a failed move)."""
+        return self._e.resident(int(layer))
+
+    # -- batches ------------------------------------------------------------------------------------------------
+
+    def submit(
+        self,
+        moves: Any,
+        layer: int,
+        *,
+        plan_layer: Optional[int] = None,
+        sources_ready: Any = None,
+        slots_free: Any = None,
+        dst_buffer: int = 0,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> Ticket:
+        """Starts the moves of ``layer``: a :class:`foremoe.Plan` (its moves of ``plan_layer``, default ``layer``)
+        or an ``[N, 4]`` integer array of (expert, src_gpu, dst_gpu, dst_slot) rows.
+
+        ``sources_ready`` and ``slots_free`` gate the batch (a :class:`HostEvent` on the host backend, a recorded
+        ``torch.cuda.Event`` on the CUDA backend); ``dst_buffer`` picks the buffer of double-buffered slots; the
+        batch ends ``timed_out`` after ``timeout`` seconds.
+        """
+        layer = int(layer)
+        if isinstance(moves, _core.Plan):
+            moves = self._plan_moves(moves, layer if plan_layer is None else int(plan_layer))
+        elif plan_layer is not None:
+            raise ValueError("submit: plan_layer needs a foremoe.Plan")
+        m = _int_array(moves, f"submit: layer {layer} moves")
+        if m.size == 0:
+            m = m.reshape(0, 4)
+        if m.ndim != 2 or m.shape[1] != 4:
+            raise ValueError(f"submit: moves must be a foremoe.Plan or [N, 4] (expert, src_gpu, dst_gpu, dst_slot), "
+                             f"got shape {m.shape}")
+        t = self._e.submit(layer, m, _gate(sources_ready, "sources_ready"), _gate(slots_free, "slots_free"),
+                           int(dst_buffer), float(timeout))
+        return self._ticket(t, sources_ready, slots_free)
+
+    def submit_reduce(self, layer: int, owner_gpu: Any, *, grads_ready: Any = None,
+                      timeout: float = DEFAULT_TIMEOUT) -> Ticket:
+        """Adds every replica's gradient of ``layer`` into its owner's (``owner_gpu``: ``[experts]``, e.g.
+        ``plan.owner_gpu[layer]``), in a fixed order."""
+        t = self._e.submit_reduce(int(layer), _int_array(owner_gpu, "submit_reduce: owner_gpu"),
+                                  _gate(grads_ready, "grads_ready"), float(timeout))
+        return self._ticket(t, grads_ready)
+
+    def _ticket(self, t: Any, *gates: Any) -> Ticket:
+        self._gates = [(u, g) for u, g in self._gates if u.state == "pending"]
+        held = tuple(g for g in gates if g is not None and not isinstance(g, (int, HostEvent)))
+        if held:
+            self._gates.append((t, held))
+        return Ticket(t)
+
+    def _plan_moves(self, plan: Any, plan_layer: int) -> np.ndarray:
+        o = self._e.options
+        topo = o.topology
+        if (plan.num_gpus, plan.slots, plan.num_experts) != (topo.num_gpus, topo.slots, o.num_experts):
+            raise ValueError(f"submit: the plan is {plan.num_gpus} GPUs x {plan.slots} slots x {plan.num_experts} "
+                             f"experts, the engine {topo.num_gpus} x {topo.slots} x {o.num_experts}")
+        if not 0 <= plan_layer < plan.num_layers:
+            raise ValueError(f"submit: plan layer {plan_layer} outside [0, {plan.num_layers})")
+        mv = np.asarray(plan.moves)
+        return mv[mv[:, 0] == plan_layer, 1:]
+
+    # -- queries ------------------------------------------------------------------------------------------------
+
+    def valid_expert(self, layer: int, gpu: int, slot: int) -> int:
+        return self._e.valid_expert(int(layer), int(gpu), int(slot))
+
+    def last_plan(self, layer: int) -> Dict[str, Any]:
+        """Transfer plan of the last batch of ``layer``: chunks, rounds, estimated seconds, bytes per path."""
+        return self._e.last_plan(int(layer))
+
+    def stats(self) -> Dict[str, int]:
+        """``allocations`` (transport resources created so far) and ``batches`` submitted."""
+        return self._e.stats()
+
+    def __repr__(self) -> str:
+        o = self._e.options
+        t = o.topology
+        return (f"TransferEngine(backend={o.backend!r}, Topology({t.nodes}, {t.gpus_per_node}, {t.slots}), "
+                f"num_layers={o.num_layers}, num_experts={o.num_experts}, expert_bytes={o.expert_bytes})")
+
+
+# -- the runtime's counting and token mapping on tensors ------------------------------------------------------------
+
+_TIMEOUT_MS = 60000
+
+
+def _stream_of(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream if t.device.type == "cuda" else 0
+
+
+def _workspace(w: Optional[Workspace]) -> Any:
+    if w is not None and not isinstance(w, Workspace):
+        raise TypeError(f"workspace must be a foremoe.torch.engine.Workspace, got {type(w).__name__}")
+    return None if w is None else w._w
+
+
+def _host_i64(x: Any, what: str) -> Optional[np.ndarray]:
+    if x is None:
+        return None
+    if isinstance(x, torch.Tensor):
+        x = _numpy(x)
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        raise ValueError(f"{what} must hold integers, got dtype {a.dtype}")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+class Workspace:
+    """Reused state of :func:`count_loads` and :func:`map_tokens` on one stream of ``device`` (``cpu`` or
+    ``cuda``). Given one, those calls only enqueue their work (no host synchronisation on the CUDA path) and report
+    bad ids or counts at :meth:`check`. One thread and one stream per workspace."""
+
+    def __init__(self, device: Union[str, torch.device] = "cpu") -> None:
+        kind = torch.device(device).type
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"Workspace: device must be cpu or cuda, got {device}")
+        self._w = _core.Workspace("cuda" if kind == "cuda" else "host")
+
+    @property
+    def allocations(self) -> int:
+        """Scratch, staging and event allocations so far (a steady state adds none)."""
+        return self._w.allocations
+
+    def check(self, timeout: float = 0.0) -> bool:
+        """False while enqueued calls still run after waiting ``timeout`` seconds; True when they all succeeded;
+        raises ``ValueError`` naming the first bad id or count, ``RuntimeError`` for a device failure."""
+        code, message = self._w.check(int(round(float(timeout) * 1000)))
+        if code == "in_progress":
+            return False
+        _raise_status(code, message, "")
+        return True
+
+
+def count_loads(
+    routed_experts: torch.Tensor,
+    microbatch_offsets: Any = None,
+    *,
+    num_experts: int,
+    layer_map: Optional[Sequence[int]] = None,
+    out: Optional[torch.Tensor] = None,
+    threads: int = 1,
+    workspace: Optional[Workspace] = None,
+) -> torch.Tensor:
+    """The runtime's load counting on a ``[tokens, layers, topk]`` integer tensor, on the tensor's device (CPU:
+    host backend; CUDA: on the current stream, CUDA build only). Returns (or fills ``out``) int64
+    ``[micro_steps, moe_layers, experts]``. Without ``workspace`` the call checks the ids before it returns
+    (on CUDA it waits for the stream); with one it only enqueues, and ``workspace.check()`` reports."""
+    device = routed_experts.device.type
+    ids = _borrow(routed_experts, "count_loads: routed_experts", device)
+    offs = _host_i64(microbatch_offsets, "count_loads: microbatch_offsets")
+    if ids.dim() != 3:
+        raise ValueError(f"count_loads: routed_experts must be [tokens, layers, topk], got shape {tuple(ids.shape)}")
+    num_micro = 1 if offs is None else max(len(offs) - 1, 0)
+    lmap = None if layer_map is None else [int(v) for v in layer_map]
+    num_moe = ids.shape[1] if lmap is None else max([v + 1 for v in lmap] + [0])
+    if out is None:
+        out = torch.empty((num_micro, num_moe, int(num_experts)), dtype=torch.int64, device=routed_experts.device)
+    _core.runtime_count_loads(ids, _borrow(out, "count_loads: out", device), int(num_experts), offs, lmap,
+                              int(threads), _stream_of(ids), _TIMEOUT_MS, _workspace(workspace))
+    return out
+
+
+def map_tokens(
+    plan: Any,
+    layer: int,
+    routed_experts: torch.Tensor,
+    *,
+    trace_layer: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
+    workspace: Optional[Workspace] = None,
+) -> torch.Tensor:
+    """The runtime's token mapping: the physical slot (``gpu * slots + slot``) of every routed id of
+    ``routed_experts[:, trace_layer]`` (default ``layer``) under ``plan``'s split of MoE layer ``layer``; int32
+    ``[tokens, topk]``, -1 for no route. On the tensor's device, with or without ``workspace`` as
+    :func:`count_loads`."""
+    if not isinstance(plan, _core.Plan):
+        raise TypeError(f"map_tokens: plan must be a foremoe.Plan, got {type(plan).__name__}")
+    if not 0 <= int(layer) < plan.num_layers:
+        raise ValueError(f"map_tokens: layer {layer} outside [0, {plan.num_layers})")
+    device = routed_experts.device.type
+    ids = _borrow(routed_experts, "map_tokens: routed_experts", device)
+    if ids.dim() != 3:
+        raise ValueError(f"map_tokens: routed_experts must be [tokens, layers, topk], got shape {tuple(ids.shape)}")
+    if out is None:
+        out = torch.empty((ids.shape[0], ids.shape[2]), dtype=torch.int32, device=routed_experts.device)
+    slot_expert = np.ascontiguousarray(plan.phys_to_log[layer])
+    slot_tokens = np.ascontiguousarray(plan.slot_tokens[layer]).reshape(-1)
+    _core.runtime_map_tokens(ids, _borrow(out, "map_tokens: out", device),
+                             int(layer if trace_layer is None else trace_layer), plan.num_experts, slot_expert,
+                             slot_tokens, 1, None, _stream_of(ids), _TIMEOUT_MS, _workspace(workspace))
+    return out
