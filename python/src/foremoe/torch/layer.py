@@ -16,6 +16,13 @@ never seen by an optimizer or DDP).
    with ``all_to_all_single`` and computed slot by slot on the local slots, then sent back and combined with the
    routing weights.
 
+Moves are verified and can fall back to a host mirror: every received replica row comes with the sender's exact
+checksum of its bytes (:func:`foremoe.torch.moves.row_checksum`) and lands in a staging buffer first; a row that is
+dropped, late, or fails its checksum is copied from this rank's host mirror (``mirror=True``, refreshed by the
+trainer after each optimizer step with :meth:`ExpertStorage.refresh_mirror`), and without a fresh mirror every rank
+raises (a gathered flag): a wrong replica is never used. ``faults`` (a :class:`foremoe.FaultSchedule`) injects
+faults into the received moves, replayably, for tests and drills.
+
 The backward sends the gradients back the same way, and every replica's weight gradient is sent to the owner
 and added to the owner's gradient (its ``.grad``, or whatever the trainer's gradient hooks accumulate into)
 in a fixed order (owner's own first, then the replicas in ascending rank order) before autograd hands it on,
@@ -24,6 +31,7 @@ all or nothing: a failed or late transfer raises and no gradient of that layer r
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -38,6 +46,7 @@ from foremoe import _core
 
 from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
 from .distributed import gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
+from .moves import HostMirror, corrupt_, injected_fault, row_checksum
 
 __all__ = [
     "BalancedMoE",
@@ -67,6 +76,9 @@ class SyncStats:
     bytes_moved: int  # their bytes, all ranks
     reused: int  # replicas the plan wants that were already resident and current
     refreshed_owners: Tuple[int, ...]  # ranks whose owner weights changed since the last sync
+    faults: int = 0  # received moves the fault injector dropped, corrupted or made late, all ranks
+    verify_failures: int = 0  # received rows whose checksum did not match, all ranks
+    fallbacks: int = 0  # failed moves replaced by a copy from the receiver's host mirror, all ranks
 
 
 class ExpertStorage:
@@ -77,9 +89,19 @@ class ExpertStorage:
         owners: ``[E]`` owner rank of every expert (the same on every rank).
         slots: rows per weight kind (the plans' slots per rank): owned experts plus spare replica rows.
         rank, world: this rank and the group size.
+        mirror: keep a host mirror of all experts' weights of the layer (:class:`foremoe.torch.moves.HostMirror`;
+            pinned when the weights are on CUDA), gathered here from the owners over ``group`` (every rank
+            constructs at once; :meth:`from_full` fills it without a collective). Failed moves fall back to it.
+            Call :meth:`refresh_mirror` after each optimizer step: a mirror older than the owner weights is an
+            error at the next sync, never used.
+        verify: send an exact checksum with every replica move and check it on arrival (default on).
+        faults: a :class:`foremoe.FaultSchedule` whose ``seed``, ``fail_probability``, ``corrupt_probability``
+            and ``delay_probability``/``delay_us`` act on the received moves (:func:`moves.injected_fault`).
     """
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int, world: int):
+    def __init__(self, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int, world: int,
+                 mirror: bool = False, group: Any = None, verify: bool = True, faults: Any = None,
+                 timeout: float = DEFAULT_TIMEOUT, _full: Optional[Mapping[str, torch.Tensor]] = None):
         own = np.ascontiguousarray(np.asarray(owners), dtype=np.int32)
         if own.ndim != 1 or own.size == 0:
             raise ValueError(f"ExpertStorage: owners must be [experts], got shape {list(own.shape)}")
@@ -126,11 +148,19 @@ class ExpertStorage:
         self._ptrs = self._param_ptrs()
         self._invalid = False
         self.last_sync: Optional[SyncStats] = None
+        self.verify, self.faults = bool(verify), faults
+        self.num_syncs = 0  # syncs so far (the same on every rank): the fault injector's micro-step key
+        self.mirror: Optional[HostMirror] = HostMirror(self) if mirror else None
+        if self.mirror is not None and _full is not None:
+            self.mirror.fill(_full, self)
+        elif self.mirror is not None:
+            self.mirror.refresh(self, group, timeout)
 
     @classmethod
     def from_full(cls, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int,
-                  world: int) -> "ExpertStorage":
-        """Storage from the weights of all experts ``{kind: [E, ...]}``: this rank keeps its owned rows."""
+                  world: int, mirror: bool = False, **options: Any) -> "ExpertStorage":
+        """Storage from the weights of all experts ``{kind: [E, ...]}``: this rank keeps its owned rows (and, with
+        ``mirror``, all of them in its host mirror, without a collective). ``options``: the constructor's."""
         own = np.asarray(owners)
         mine = torch.from_numpy(np.flatnonzero(own == rank).astype(np.int64))
         picked = {}
@@ -138,7 +168,7 @@ class ExpertStorage:
             if w.dim() < 1 or w.shape[0] != own.size:
                 raise ValueError(f"ExpertStorage: weight {name!r} is {list(w.shape)}, expected [{own.size}, ...]")
             picked[name] = w.detach().index_select(0, mine.to(w.device))
-        return cls(picked, owners, slots, rank=rank, world=world)
+        return cls(picked, owners, slots, rank=rank, world=world, mirror=mirror, _full=weights, **options)
 
     # -- views ----------------------------------------------------------------------------------------------
 
@@ -173,6 +203,27 @@ class ExpertStorage:
         needed when the weights change without an in-place update of the parameters (``p.data = ...``,
         a load through ``.data``); the optimizer's in-place steps are detected on their own."""
         self._invalid = True
+        if self.mirror is not None:
+            self.mirror.invalid = True
+
+    def mirror_stale(self) -> bool:
+        """Whether this rank has a host mirror older than its owner weights (False without a mirror)."""
+        return self.mirror is not None and self.mirror.stale(self)
+
+    def refresh_mirror(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Refreshes the host mirror from every owner's current weights (every rank of ``group`` calls it, after
+        each optimizer step): :meth:`moves.HostMirror.refresh`, about the layer's whole weights received per rank."""
+        if self.mirror is None:
+            raise ValueError("refresh_mirror: this ExpertStorage has no host mirror (construct it with mirror=True)")
+        self.mirror.refresh(self, group, timeout)
+
+    def check_mirrors(self, stale: Sequence[int]) -> None:
+        """Raises ``RuntimeError`` when ``stale`` (ranks whose host mirror is older than their owner weights,
+        gathered so that every rank raises together) is not empty."""
+        if len(stale):
+            raise RuntimeError(f"foremoe.torch: the host mirror of rank(s) {list(stale)} is older than the owner "
+                               f"weights (an optimizer step without refresh_mirror()): call refresh_mirror() on "
+                               f"every rank after each optimizer step")
 
     def check_aliasing(self) -> None:
         """Raises when an owner parameter no longer shares the slot storage (its ``.data`` was replaced)."""
@@ -226,35 +277,96 @@ class ExpertStorage:
         return out
 
     def sync(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int], *, group: Any = None,
-             timeout: float = DEFAULT_TIMEOUT) -> Dict[str, Any]:
+             timeout: float = DEFAULT_TIMEOUT, stale_mirrors: Sequence[int] = ()) -> Dict[str, Any]:
         """Brings this rank's replica rows to ``plan``'s layer ``layer`` (:meth:`bookkeep`, then the moves over
-        ``batch_isend_irecv`` from the owners, waited for with ``timeout``). Every rank calls it with the same
-        arguments. Returns :meth:`bookkeep`'s result."""
+        ``batch_isend_irecv`` from the owners, every wait within ``timeout``, each received row verified and, when
+        it failed, replaced from the host mirror; see the module docstring). Every rank calls it with the same
+        arguments; ``stale_mirrors``: ranks whose mirror is stale (gathered; :meth:`check_mirrors`). When a failed
+        move cannot be replaced, every rank raises ``RuntimeError`` and every replica is re-sent at the next sync.
+        Returns :meth:`bookkeep`'s result."""
         self.check_plan(plan, layer)
+        self.check_mirrors(stale_mirrors)
         out = self.bookkeep(plan, layer, changed)
-        self._move(out["my_moves"], group, timeout, layer)
+        self.num_syncs += 1
+        counts = self._move(out["my_moves"], group, timeout, layer, int(out["moves"]))
         self.last_sync = SyncStats(int(out["moves"]), int(out["moves"]) * self.expert_bytes, int(out["reused"]),
-                                   out["changed"])
+                                   out["changed"], *counts)
         self._versions = self._param_versions()
         self._invalid = False
         return out
 
-    def _move(self, my_moves: np.ndarray, group: Any, timeout: float, layer: int) -> None:
+    def _move(self, my_moves: np.ndarray, group: Any, timeout: float, layer: int, total: int) -> Tuple[int, ...]:
+        """The moves naming this rank; returns (faults, verify_failures, fallbacks) over all ranks."""
+        if total == 0:
+            return (0, 0, 0)
         ops = []
-        nk = len(self.names)
+        nk, tags = len(self.names), len(self.names) + 1
+        recvs = []  # (tag, expert, source, row, staged rows, sender's checksums)
         for i, e, src, dst, row in my_moves.tolist():
-            if dst == self.rank:
+            if src == self.rank:
+                peer = global_rank(group, dst)
+                rows = [self.storage[n][int(self.own_row[e])] for n in self.names]
+                if self.verify:
+                    rows.append(torch.stack([row_checksum(t) for t in rows]))
+            elif dst == self.rank:
                 self.row_generation[row] += 1
-            for k, name in enumerate(self.names):
-                t = self.storage[name]
-                if src == self.rank:
-                    ops.append(dist.P2POp(dist.isend, t[int(self.own_row[e])], global_rank(group, dst), group,
-                                          i * nk + k))
-                elif dst == self.rank:
-                    ops.append(dist.P2POp(dist.irecv, t[row], global_rank(group, src), group, i * nk + k))
+                peer = global_rank(group, src)
+                rows = [torch.empty_like(self.storage[n][row]) for n in self.names]
+                if self.verify:
+                    rows.append(torch.empty(nk, dtype=torch.int64, device=rows[0].device))
+                recvs.append((i, e, src, row, rows))
+            else:
+                continue
+            op = dist.isend if src == self.rank else dist.irecv
+            ops.extend(dist.P2POp(op, t, peer, group, i * tags + k) for k, t in enumerate(rows))
+        lost = None  # a failed or late wait: this rank's received rows are not trusted
         if ops:
+            deadline = time.monotonic() + timeout
             for w in dist.batch_isend_irecv(ops):
-                wait(w, timeout, f"replica weight moves of layer {layer}")
+                try:
+                    wait(w, max(deadline - time.monotonic(), 1e-3), f"replica weight moves of layer {layer}")
+                except RuntimeError as exc:
+                    lost = lost or str(exc)
+        faults = bad = fallbacks = 0
+        error = None
+        for i, e, src, row, rows in recvs:
+            why = None if lost is None else f"did not land ({lost})"
+            if why is None:
+                fault = injected_fault(self.faults, self.num_syncs, layer, i, timeout)
+                faults += fault is not None
+                if fault == "corrupted":
+                    corrupt_(rows[:nk])
+                elif fault is not None:
+                    why = f"was {fault} (fault injector)"
+            if why is None and self.verify and not torch.equal(torch.stack([row_checksum(t) for t in rows[:nk]]),
+                                                               rows[nk]):
+                bad += 1
+                why = "failed its checksum"
+            if why is None:
+                for name, t in zip(self.names, rows):
+                    self.storage[name].data[row].copy_(t)
+            elif self.mirror is not None and not self.mirror_stale():
+                self.mirror.copy_into(self, e, row)
+                fallbacks += 1
+            elif error is None:
+                fix = ("fresh host mirror to fall back to (call refresh_mirror() after each optimizer step)"
+                       if self.mirror is not None else "host mirror to fall back to (ExpertStorage(..., mirror=True))")
+                error = (f"foremoe.torch: layer {layer}: the replica move of expert {e} from rank {src} to rank "
+                         f"{self.rank} {why}, and rank {self.rank} has no {fix}; no replica of this sync is used")
+        mine = torch.tensor([int(error is not None), faults, bad, fallbacks], dtype=torch.int64)
+        if self.world > 1:
+            parts = [torch.empty_like(mine) for _ in range(self.world)]
+            wait(dist.all_gather(parts, mine, group=group, async_op=True), timeout,
+                 f"replica move status of layer {layer}")
+            mine = torch.stack(parts)
+        status = mine.reshape(-1, 4)
+        failed = torch.nonzero(status[:, 0]).reshape(-1).tolist()
+        if failed:
+            self.resident_rows.fill(-1)  # every rank forgets every replica: all are re-sent at the next sync
+            raise RuntimeError(error or f"foremoe.torch: layer {layer}: a replica move to rank {failed[0]} failed "
+                                        f"and could not be replaced (its error names the move); no replica of this "
+                                        f"sync is used")
+        return tuple(int(v) for v in status[:, 1:].sum(dim=0).tolist())
 
 
 def reference_moe(x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
@@ -432,7 +544,7 @@ def balanced_moe(
                          f"belongs to rank {storage.rank}")
     storage.check_aliasing()
     error = _input_error(x, expert_ids, routing_weights, storage, hidden)
-    flags = (int(storage.owners_changed()),)
+    flags = (int(storage.owners_changed()), int(storage.mirror_stale()))
     if plan is None:  # plain expert parallelism: every expert on its owner, no replica
         loads, got = gather_source_loads(expert_ids if error is None else None, storage.num_experts, group=group,
                                          flags=flags, error=error, timeout=timeout, what="balanced_moe")
@@ -444,7 +556,8 @@ def balanced_moe(
         layout = dispatch_layout(plan, layer, expert_ids if error is None else None, group=group, flags=flags,
                                  timeout=timeout, error=error)
     changed = [g for g in range(G) if layout.flags[g, 0]]
-    book = storage.sync(plan, layer, changed, group=group, timeout=timeout)
+    stale = [g for g in range(G) if layout.flags[g, 1]]
+    book = storage.sync(plan, layer, changed, group=group, timeout=timeout, stale_mirrors=stale)
     run = _Run(storage, expert_fn, book, layout, layer, group, timeout)
     run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
                                                                          for p in storage.params.values()))
@@ -498,11 +611,15 @@ class BalancedMoE(nn.Module):
 
     ``forward(x [T, H], expert_ids [T, K], routing_weights [T, K], plan)`` -> ``[T, H]``; ``plan=None`` is plain
     expert parallelism (no replica).
+
+    ``mirror``, ``verify``, ``faults``: :class:`ExpertStorage`'s (the mirror is filled from ``experts``' full
+    weights; it is not a parameter, a buffer or in the ``state_dict``). With ``mirror=True`` call
+    :meth:`refresh_mirror` on every rank after each optimizer step.
     """
 
     def __init__(self, experts: nn.Module, slots: int, *, group: Any = None, owners: Any = None, layer: int = 0,
                  expert_fn: Optional[ExpertFn] = None, weight_names: Optional[Sequence[str]] = None,
-                 timeout: float = DEFAULT_TIMEOUT):
+                 timeout: float = DEFAULT_TIMEOUT, mirror: bool = False, verify: bool = True, faults: Any = None):
         super().__init__()
         names = tuple(weight_names or getattr(experts, "weight_names", ()) or
                       [n for n, _ in experts.named_parameters(recurse=False)])
@@ -520,7 +637,8 @@ class BalancedMoE(nn.Module):
         own = contiguous_owners(E, G) if owners is None else np.asarray(owners, dtype=np.int32)
         if own.shape != (E,):
             raise ValueError(f"BalancedMoE: owners must be [{E}], got shape {list(own.shape)}")
-        self.storage = ExpertStorage.from_full(full, own, slots, rank=r, world=G)
+        self.storage = ExpertStorage.from_full(full, own, slots, rank=r, world=G, mirror=mirror, verify=verify,
+                                               faults=faults)
         for n in names:
             delattr(experts, n)
             experts.register_parameter(n, self.storage.params[n])
@@ -537,6 +655,10 @@ class BalancedMoE(nn.Module):
     @property
     def last_sync(self) -> Optional[SyncStats]:
         return self.storage.last_sync
+
+    def refresh_mirror(self) -> None:
+        """:meth:`ExpertStorage.refresh_mirror` over this module's group (after each optimizer step)."""
+        self.storage.refresh_mirror(self.group, self.timeout)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
                 plan: Optional["foremoe.Plan"]) -> torch.Tensor:
