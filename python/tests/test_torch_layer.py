@@ -32,33 +32,12 @@ def balanced(name, tmp_path_factory, rerun=False):
     return _runs[key]
 
 
-def close(got, want, dtype, what):
-    tol = 1e-12 if dtype == "float64" else 1e-5
-    scale = float(want.abs().max()) if want.numel() else 0.0
-    err = float((got - want).abs().max()) if want.numel() else 0.0
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert err <= tol * max(scale, 1e-30), f"{what}: max abs error {err:.3e} vs max |ref| {scale:.3e} (tol {tol})"
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_equals_single_process_reference(name, tmp_path_factory):
     case = CASES[name]
     ranks = balanced(name, tmp_path_factory)
-    ref = tc.reference(case)
-    n_micro = case.steps * case.micro
-    for r, rec in enumerate(ranks):
-        owned = torch.tensor(rec["owned"])
-        assert len(rec["out"]) == n_micro
-        for i in range(n_micro):
-            close(rec["out"][i], ref["out"][i][r], case.dtype, f"rank {r} micro-step {i} output")
-            close(rec["x_grad"][i], ref["x_grad"][i][r], case.dtype, f"rank {r} micro-step {i} input grad")
-            close(rec["w_grad"][i], ref["w_grad"][i][r], case.dtype, f"rank {r} micro-step {i} routing grad")
-            for n in rec["names"]:
-                close(rec["grads"][i][n], ref["grads"][i][n][owned], case.dtype,
-                      f"rank {r} micro-step {i} accumulated grad of {n}")
-        for s in range(case.steps):
-            for n in rec["names"]:
-                close(rec["params"][s][n], ref["params"][s][n][owned], case.dtype, f"rank {r} step {s} {n}")
+    tc.assert_equals_reference(case, ranks, tc.reference(case))
+    for rec in ranks:
         # The optimizer saw the owner weights only (no replica row is a parameter).
         assert sorted(rec["param_names"]) == sorted(f"experts.{n}" for n in rec["names"])
     # The run replicated: replicas took tokens, weights moved, resident replicas were reused, and every

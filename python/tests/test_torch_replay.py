@@ -380,7 +380,7 @@ def test_micro_step_or_layer_outside_the_stage():
 
 if torch.distributed.is_available() and torch.distributed.is_gloo_available():
     import torch_moe_cases as tc  # noqa: E402
-    from test_torch_layer import close  # noqa: E402
+    from torch_moe_cases import close  # noqa: E402
 
     REPLAY_CASE = tc.Case(world=2, experts=16, topk=2, hidden=32, ffn=40, steps=3, micro=3, dtype="float64", seed=11)
 

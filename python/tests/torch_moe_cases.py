@@ -12,7 +12,7 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -122,6 +122,35 @@ def reference(case: Case) -> Dict[str, Any]:
     return rec
 
 
+def close(got: torch.Tensor, want: torch.Tensor, dtype: str, what: str) -> None:
+    """``got`` equals ``want`` within 1e-12 (float64) or 1e-5 (float32) of ``want``'s largest magnitude."""
+    tol = 1e-12 if dtype == "float64" else 1e-5
+    scale = float(want.abs().max()) if want.numel() else 0.0
+    err = float((got - want).abs().max()) if want.numel() else 0.0
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert err <= tol * max(scale, 1e-30), f"{what}: max abs error {err:.3e} vs max |ref| {scale:.3e} (tol {tol})"
+
+
+def assert_equals_reference(case: Case, ranks: List[Dict[str, Any]], ref: Dict[str, Any]) -> None:
+    """Every rank's record of a balanced run equals :func:`reference`: outputs, input and routing gradients and
+    accumulated owner gradients of every micro-step, and the owner weights after every optimizer step."""
+    n_micro = case.steps * case.micro
+    for r, rec in enumerate(ranks):
+        owned = torch.tensor(rec["owned"])
+        assert len(rec["out"]) == n_micro
+        for i in range(n_micro):
+            close(rec["out"][i], ref["out"][i][r], case.dtype, f"rank {r} micro-step {i} output")
+            close(rec["x_grad"][i], ref["x_grad"][i][r], case.dtype, f"rank {r} micro-step {i} input grad")
+            close(rec["w_grad"][i], ref["w_grad"][i][r], case.dtype, f"rank {r} micro-step {i} routing grad")
+            for n in rec["names"]:
+                close(rec["grads"][i][n], ref["grads"][i][n][owned], case.dtype,
+                      f"rank {r} micro-step {i} accumulated grad of {n}")
+        assert len(rec["params"]) == case.steps
+        for s in range(case.steps):
+            for n in rec["names"]:
+                close(rec["params"][s][n], ref["params"][s][n][owned], case.dtype, f"rank {r} step {s} {n}")
+
+
 def init_group(rank: int, world: int, tmp: str, timeout_s: float = 60.0) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=world,
@@ -131,13 +160,26 @@ def init_group(rank: int, world: int, tmp: str, timeout_s: float = 60.0) -> None
 def train_rank(rank: int, case: Case, tmp: str) -> None:
     """One rank of the balanced run; writes what it saw to ``tmp/rank{rank}.pt``."""
     init_group(rank, case.world, tmp)
+    save_and_leave(train(rank, case), tmp, rank)
+
+
+def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """One rank's balanced run in an initialised group. ``opts``: ``mirror``, ``verify`` and ``faults`` (the
+    fields of a ``FaultSchedule``) of the layer; ``skip_refresh`` (optimizer steps after which the mirror is not
+    refreshed: the next call must fail, then it is refreshed and the call retried); ``faults_off_on_error`` (a
+    failed call is recorded, then retried and the run continued with the fault injector off)."""
+    opts = opts or {}
     data = make_data(case)
-    layer = ft.BalancedMoE(make_experts(case), case.slots, timeout=60.0)
+    faults = ft.FaultSchedule(**opts["faults"]) if opts.get("faults") else None
+    mirror = bool(opts.get("mirror"))
+    layer = ft.BalancedMoE(make_experts(case), case.slots, timeout=opts.get("timeout", 60.0), mirror=mirror,
+                           verify=opts.get("verify", True), faults=faults)
     opt = make_optimizer(layer.parameters())
     planner = foremoe.Planner(foremoe.Topology(case.nodes, case.world // case.nodes, case.slots))
     rec: Dict[str, Any] = {"out": [], "x_grad": [], "w_grad": [], "grads": [], "params": [], "sync": [],
                            "owned": layer.storage.owned_experts, "names": list(layer.storage.names),
-                           "param_names": [n for n, _ in layer.named_parameters()], "replica_tokens": 0}
+                           "param_names": [n for n, _ in layer.named_parameters()], "replica_tokens": 0,
+                           "state_dict": list(layer.state_dict()), "errors": []}
     for s, step in enumerate(data):
         plans = planner.plan(step_loads(case, step), owners=layer.owners)
         for m, ranks in enumerate(step):
@@ -145,7 +187,18 @@ def train_rank(rank: int, case: Case, tmp: str) -> None:
             x = d["x"].clone().requires_grad_(True)
             logits = d["logits"].clone().requires_grad_(True)
             plan = None if (s, m) in case.plain else plans[m]
-            out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
+            start = time.monotonic()
+            try:
+                out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
+            except RuntimeError as e:
+                rec["errors"].append({"step": s, "micro": m, "message": str(e), "seconds": time.monotonic() - start})
+                if opts.get("faults_off_on_error"):
+                    layer.storage.faults = None
+                elif s - 1 in opts.get("skip_refresh", ()):
+                    layer.refresh_mirror()
+                else:
+                    raise
+                out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
             (out * d["target"]).sum().backward()
             record_micro_step(rec, layer, out, x, logits)
             rec["sync"].append(asdict(layer.last_sync))
@@ -154,7 +207,21 @@ def train_rank(rank: int, case: Case, tmp: str) -> None:
                 rec["replica_tokens"] += int(sum(taken[g, j] for g in range(case.world) for j in range(case.slots)
                                                  if place[g, j] >= 0 and layer.owners[place[g, j]] != g))
         optimizer_step(rec, opt, layer)
-    save_and_leave(rec, tmp, rank)
+        if mirror and s not in opts.get("skip_refresh", ()):
+            layer.refresh_mirror()
+    return rec
+
+
+def fault_rank(rank: int, case: Case, runs: List[Dict[str, Any]], tmp: str) -> None:
+    """Runs ``train(rank, case, opts)`` for every ``opts`` of ``runs`` in one group; also checks that a mirror
+    gathered from the owners over the group equals the full weights. Writes ``{"runs": [...], "gathered": bool}``."""
+    init_group(rank, case.world, tmp)
+    full = {n: getattr(make_experts(case), n).detach() for n in ft.SwiGLUExperts.weight_names}
+    owners = ft.contiguous_owners(case.experts, case.world)
+    mine = {n: w[torch.from_numpy(np.flatnonzero(owners == rank))] for n, w in full.items()}
+    st = ft.ExpertStorage(mine, owners, case.slots, rank=rank, world=case.world, mirror=True)
+    gathered = all(torch.equal(st.mirror.tensors[n], w) for n, w in full.items())
+    save_and_leave({"runs": [train(rank, case, o) for o in runs], "gathered": gathered}, tmp, rank)
 
 
 def record_micro_step(rec: Dict[str, Any], layer: ft.BalancedMoE, out: torch.Tensor, x: torch.Tensor,
