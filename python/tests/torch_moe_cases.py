@@ -180,13 +180,22 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
                            "owned": layer.storage.owned_experts, "names": list(layer.storage.names),
                            "param_names": [n for n, _ in layer.named_parameters()], "replica_tokens": 0,
                            "state_dict": list(layer.state_dict()), "errors": []}
+    ahead = opts.get("prefetch")  # None, "after_backward" or "before_backward": when micro-step m + 1 is prefetched
     for s, step in enumerate(data):
-        plans = planner.plan(step_loads(case, step), owners=layer.owners)
+        if opts.get("driver"):
+            driver = ft.ReplayDriver(planner, step_loads(case, step), owners=layer.owners)
+            plans = [driver.plan(m) for m in range(case.micro)]
+            driver.close()
+        else:
+            plans = planner.plan(step_loads(case, step), owners=layer.owners)
+        plan_of = [None if (s, m) in case.plain else plans[m] for m in range(case.micro)]
+        if ahead and plan_of[0] is not None:
+            layer.prefetch(plan_of[0])  # after the optimizer step and the mirror refresh: the owners are final
         for m, ranks in enumerate(step):
             d = ranks[rank]
             x = d["x"].clone().requires_grad_(True)
             logits = d["logits"].clone().requires_grad_(True)
-            plan = None if (s, m) in case.plain else plans[m]
+            plan = plan_of[m]
             start = time.monotonic()
             try:
                 out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
@@ -199,7 +208,12 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
                 else:
                     raise
                 out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
+            nxt = plan_of[m + 1] if ahead and m + 1 < case.micro else None
+            if nxt is not None and ahead == "before_backward":
+                layer.prefetch(nxt)  # staged: this micro-step's replica rows stay untouched until the next call
             (out * d["target"]).sum().backward()
+            if nxt is not None and ahead == "after_backward":
+                layer.prefetch(nxt)
             record_micro_step(rec, layer, out, x, logits)
             rec["sync"].append(asdict(layer.last_sync))
             if plan is not None:
@@ -283,15 +297,21 @@ def _catch(fn: Callable[[], Any]) -> str:
     return "no error"
 
 
+def two_rank_layer(rank: int, tmp: str, seed: int) -> Tuple[Case, Any, ft.SwiGLUExperts, Dict[str, torch.Tensor],
+                                                              ft.BalancedMoE]:
+    """A 2-rank group, one RL step of 2 micro-steps of data, the experts, their full weights and the balanced layer
+    (what the error tests of one layer start from)."""
+    case = Case(world=2, experts=16, topk=2, hidden=32, ffn=32, steps=1, micro=2, dtype="float64", seed=seed)
+    init_group(rank, 2, tmp)
+    experts = make_experts(case)
+    full = {n: getattr(experts, n).detach().clone() for n in experts.weight_names}
+    return case, make_data(case)[0], experts, full, ft.BalancedMoE(experts, case.slots, timeout=30.0)
+
+
 def bad_input_rank(rank: int, tmp: str) -> None:
     """Runs each bad input of the error test on both ranks of a 2-rank group, then a good call (the group is
     still usable after every error); writes ``{case: message}`` to ``tmp/rank{rank}.pt``."""
-    case = Case(world=2, experts=16, topk=2, hidden=32, ffn=32, steps=1, micro=2, dtype="float64", seed=7)
-    init_group(rank, 2, tmp)
-    data = make_data(case)[0]
-    experts = make_experts(case)
-    full = {n: getattr(experts, n).detach().clone() for n in experts.weight_names}
-    layer = ft.BalancedMoE(experts, case.slots, timeout=30.0)
+    case, data, experts, full, layer = two_rank_layer(rank, tmp, seed=7)
     topo = foremoe.Topology(1, 2, case.slots)
     loads = step_loads(case, data)
     plans = foremoe.Planner(topo).plan(loads, owners=layer.owners)
@@ -347,3 +367,48 @@ def timeout_rank(rank: int, tmp: str) -> None:
     else:
         time.sleep(4.0)
     os._exit(0)  # the group holds rank 0's abandoned collective: leave without tearing it down
+
+
+def runs_rank(rank: int, case: Case, runs: List[Dict[str, Any]], tmp: str) -> None:
+    """Runs ``train(rank, case, opts)`` for every ``opts`` of ``runs`` in one group; writes ``{"runs": [...]}``."""
+    init_group(rank, case.world, tmp)
+    save_and_leave({"runs": [train(rank, case, o) for o in runs]}, tmp, rank)
+
+
+def prefetch_misuse_rank(rank: int, tmp: str) -> None:
+    """Each prefetch misuse on both ranks of a 2-rank group, each followed by a good call that must equal the
+    single-process layer; writes ``{case: message}`` to ``tmp/rank{rank}.pt``."""
+    case, data, experts, full, layer = two_rank_layer(rank, tmp, seed=9)
+    plans = foremoe.Planner(foremoe.Topology(1, 2, case.slots)).plan(step_loads(case, data), owners=layer.owners)
+    out: Dict[str, str] = {}
+
+    def call(m: int = 0, plan: Any = "same") -> torch.Tensor:
+        d = data[m][rank]
+        return layer(d["x"], d["ids"], torch.softmax(d["logits"], dim=-1), plans[m] if plan == "same" else plan)
+
+    def good(m: int) -> str:
+        d = data[m][rank]
+        want = ft.reference_moe(d["x"], d["ids"], torch.softmax(d["logits"], dim=-1), full, experts.expert)
+        return "equal" if torch.allclose(call(m), want, rtol=1e-12, atol=1e-12) else "differs"
+
+    call(0)  # micro-step 0's replicas resident
+    layer.prefetch(plans[1])
+    out["other_plan"] = _catch(lambda: call(0))
+    out["after_other_plan"] = good(0)
+    layer.prefetch(plans[1])
+    out["twice"] = _catch(lambda: layer.prefetch(plans[1]))
+    out["after_twice"] = good(1)
+    layer.prefetch(plans[0])
+    with torch.no_grad():
+        for p in layer.storage.params.values():
+            p.mul_(1.0)  # an in-place update between prefetch and call (same values, new version)
+    out["owners_changed"] = _catch(lambda: call(0))
+    out["after_owners_changed"] = good(0)
+    layer.prefetch(plans[1])
+    out["plain_call"] = _catch(lambda: call(1, plan=None))
+    out["after_plain_call"] = good(1)
+    layer.storage.invalidate()  # every replica of plan 0 is re-sent, so there is something to prefetch
+    layer.prefetch(plans[0])
+    out["prefetched"] = str(layer.last_sync.prefetched if call(0) is not None else -1)
+    out["stats"] = str(asdict(layer.last_sync))
+    save_and_leave(out, tmp, rank)

@@ -79,6 +79,7 @@ class SyncStats:
     faults: int = 0  # received moves the fault injector dropped, corrupted or made late, all ranks
     verify_failures: int = 0  # received rows whose checksum did not match, all ranks
     fallbacks: int = 0  # failed moves replaced by a copy from the receiver's host mirror, all ranks
+    prefetched: int = 0  # moves of this sync posted ahead by ExpertStorage.prefetch, all ranks
 
 
 class ExpertStorage:
@@ -150,6 +151,7 @@ class ExpertStorage:
         self.last_sync: Optional[SyncStats] = None
         self.verify, self.faults = bool(verify), faults
         self.num_syncs = 0  # syncs so far (the same on every rank): the fault injector's micro-step key
+        self._pending: Optional[Dict[str, Any]] = None  # moves posted by prefetch(), installed at the next sync
         self.mirror: Optional[HostMirror] = HostMirror(self) if mirror else None
         if self.mirror is not None and _full is not None:
             self.mirror.fill(_full, self)
@@ -277,59 +279,164 @@ class ExpertStorage:
         return out
 
     def sync(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int], *, group: Any = None,
-             timeout: float = DEFAULT_TIMEOUT, stale_mirrors: Sequence[int] = ()) -> Dict[str, Any]:
+             timeout: float = DEFAULT_TIMEOUT, stale_mirrors: Sequence[int] = (),
+             prefetch_state: Optional[np.ndarray] = None) -> Dict[str, Any]:
         """Brings this rank's replica rows to ``plan``'s layer ``layer`` (:meth:`bookkeep`, then the moves over
         ``batch_isend_irecv`` from the owners, every wait within ``timeout``, each received row verified and, when
         it failed, replaced from the host mirror; see the module docstring). Every rank calls it with the same
         arguments; ``stale_mirrors``: ranks whose mirror is stale (gathered; :meth:`check_mirrors`). When a failed
         move cannot be replaced, every rank raises ``RuntimeError`` and every replica is re-sent at the next sync.
-        Returns :meth:`bookkeep`'s result."""
+
+        After :meth:`prefetch` the moves are already posted: this waits for them (within ``timeout``), verifies and
+        installs them. ``prefetch_state`` ``[G, 2]`` (every rank's :meth:`prefetch_flags`, gathered) makes every
+        rank raise ``ValueError`` together when a rank's prefetch does not match this call (another placement or
+        layer, owner weights changed since, or not every rank prefetched). Returns :meth:`bookkeep`'s result."""
         self.check_plan(plan, layer)
+        self._check_prefetch(prefetch_state, plan, layer, timeout)
         self.check_mirrors(stale_mirrors)
-        out = self.bookkeep(plan, layer, changed)
-        self.num_syncs += 1
-        counts = self._move(out["my_moves"], group, timeout, layer, int(out["moves"]))
+        pending, self._pending = self._pending, None
+        if pending is None:
+            out = self.bookkeep(plan, layer, changed)
+            self.num_syncs += 1
+            pending = self._post(out, group, layer)
+        out = pending["out"]
+        counts = self._finish(pending, group, timeout, layer)
         self.last_sync = SyncStats(int(out["moves"]), int(out["moves"]) * self.expert_bytes, int(out["reused"]),
-                                   out["changed"], *counts)
+                                   out["changed"], *counts, prefetched=pending["prefetched"])
         self._versions = self._param_versions()
         self._invalid = False
         return out
 
-    def _move(self, my_moves: np.ndarray, group: Any, timeout: float, layer: int, total: int) -> Tuple[int, ...]:
-        """The moves naming this rank; returns (faults, verify_failures, fallbacks) over all ranks."""
-        if total == 0:
-            return (0, 0, 0)
+    # -- prefetch -----------------------------------------------------------------------------------------------
+
+    def prefetch(self, plan: "foremoe.Plan", layer: int, *, group: Any = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Starts the replica moves of ``plan``'s layer ``layer`` now, ahead of the layer's call: one small
+        ``all_gather`` (whose owner weights changed, whose mirror is stale), the bookkeeping, then the sends and
+        receives posted with ``batch_isend_irecv`` without waiting. The received rows land in staging buffers, never
+        in the slot storage: the next call of the layer (:meth:`sync` inside :func:`balanced_moe`) waits for them
+        within its deadline, verifies them and installs them, so a replica row the current micro-step's backward
+        still reads is never overwritten and the result is bitwise that of the synchronous path.
+
+        A collective: every rank of ``group`` calls it, in the same order relative to the layer's calls and the
+        other collectives on ``group``. The next call of this layer must use the same placement of the same
+        ``layer`` (the plan of the micro-step prefetched), and the owner weights must not change in between (no
+        optimizer step): otherwise that call raises ``ValueError`` on every rank, drops the prefetched moves and
+        every replica is re-sent at the following call. Prefetching twice without a call in between raises."""
+        if self._pending is not None:
+            raise ValueError(f"ExpertStorage.prefetch: layer {self._pending['layer']} already has prefetched moves "
+                             f"that no call of the layer has used yet (prefetch once per call, in call order)")
+        check_plan(plan, layer, self.world, "ExpertStorage.prefetch")
+        self.check_plan(plan, layer)
+        _, flags = gather_source_loads(None, 0, group=group, flags=(int(self.owners_changed()),
+                                                                    int(self.mirror_stale())),
+                                       timeout=timeout, what=f"ExpertStorage.prefetch (layer {layer})")
+        self.check_mirrors([g for g in range(self.world) if flags[g, 1]])
+        out = self.bookkeep(plan, layer, [g for g in range(self.world) if flags[g, 0]])
+        self.num_syncs += 1
+        pending = self._post(out, group, layer, snapshot=True)
+        pending.update(layer=int(layer), placement=np.array(plan.gpu_slots[layer]), versions=self._param_versions(),
+                       prefetched=int(out["moves"]))
+        self._versions, self._invalid = pending["versions"], False
+        self._pending = pending
+
+    def prefetch_flags(self, plan: Optional["foremoe.Plan"], layer: int) -> Tuple[int, int]:
+        """(has prefetched moves, 0 or the reason code why they do not fit a call with ``plan``'s layer
+        ``layer``: 1 another layer, 2 another placement, 3 owner weights changed since the prefetch)."""
+        p = self._pending
+        if p is None:
+            return (0, 0)
+        if plan is None or p["layer"] != int(layer):
+            return (1, 1)
+        if not np.array_equal(np.asarray(plan.gpu_slots[layer]), p["placement"]):
+            return (1, 2)
+        return (1, 3) if (self._invalid or self._param_versions() != p["versions"]) else (1, 0)
+
+    def _check_prefetch(self, state: Optional[np.ndarray], plan: Optional["foremoe.Plan"], layer: int,
+                        timeout: float) -> None:
+        if state is None:
+            state = np.array([self.prefetch_flags(plan, layer)] * self.world, dtype=np.int64)
+        state = np.asarray(state).reshape(self.world, 2)
+        bad = np.flatnonzero(state[:, 1] | (state[:, 0] != state[0, 0]))
+        if not bad.size:
+            return
+        g = int(bad[0])
+        why = {1: f"for another layer or a plain call (called: layer {layer})",
+               2: f"for another placement of layer {layer} than the plan of this call",
+               3: "but the owner weights changed since (an optimizer step between prefetch and the call)"}
+        reason = why.get(int(state[g, 1]), "but not every rank prefetched (prefetch is a collective)")
+        self.drop_prefetch(timeout)
+        raise ValueError(f"foremoe.torch: layer {layer}: rank {g} prefetched replica moves {reason}; the prefetched "
+                         f"moves are dropped and every replica is re-sent at the next call (prefetch the plan of the "
+                         f"call that comes next on this layer)")
+
+    def drop_prefetch(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Waits for prefetched moves (within ``timeout``) and discards them; every replica is re-sent at the next
+        sync. Every rank calls it together (they are the other ranks' sends)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        self.resident_rows.fill(-1)
+        self._invalid = True
+        try:
+            self._land(pending, timeout, int(pending.get("layer", -1)))
+        except RuntimeError:
+            pass
+
+    # -- moves --------------------------------------------------------------------------------------------------
+
+    def _post(self, out: Dict[str, Any], group: Any, layer: int, snapshot: bool = False) -> Dict[str, Any]:
+        """Posts the moves naming this rank (``out``: :meth:`bookkeep`'s) without waiting; received rows go to
+        staging buffers. ``snapshot``: send copies of the owner rows (they may change before the sends finish)."""
+        pending: Dict[str, Any] = {"out": out, "works": [], "recvs": [], "prefetched": 0}
+        if int(out["moves"]) == 0:
+            return pending
         ops = []
         nk, tags = len(self.names), len(self.names) + 1
-        recvs = []  # (tag, expert, source, row, staged rows, sender's checksums)
-        for i, e, src, dst, row in my_moves.tolist():
+        for i, e, src, dst, row in out["my_moves"].tolist():
             if src == self.rank:
                 peer = global_rank(group, dst)
-                rows = [self.storage[n][int(self.own_row[e])] for n in self.names]
+                rows = [self.storage[n][int(self.own_row[e])].detach() for n in self.names]
+                if snapshot:
+                    rows = [t.clone() for t in rows]
                 if self.verify:
                     rows.append(torch.stack([row_checksum(t) for t in rows]))
             elif dst == self.rank:
-                self.row_generation[row] += 1
                 peer = global_rank(group, src)
                 rows = [torch.empty_like(self.storage[n][row]) for n in self.names]
                 if self.verify:
                     rows.append(torch.empty(nk, dtype=torch.int64, device=rows[0].device))
-                recvs.append((i, e, src, row, rows))
+                pending["recvs"].append((i, e, src, row, rows))
             else:
                 continue
             op = dist.isend if src == self.rank else dist.irecv
             ops.extend(dist.P2POp(op, t, peer, group, i * tags + k) for k, t in enumerate(rows))
-        lost = None  # a failed or late wait: this rank's received rows are not trusted
         if ops:
-            deadline = time.monotonic() + timeout
-            for w in dist.batch_isend_irecv(ops):
-                try:
-                    wait(w, max(deadline - time.monotonic(), 1e-3), f"replica weight moves of layer {layer}")
-                except RuntimeError as exc:
-                    lost = lost or str(exc)
+            pending["works"] = dist.batch_isend_irecv(ops)
+        return pending
+
+    def _land(self, pending: Dict[str, Any], timeout: float, layer: int) -> Optional[str]:
+        """Waits for the posted moves within ``timeout``; the first failure's message, or None."""
+        lost = None
+        deadline = time.monotonic() + timeout
+        for w in pending["works"]:
+            try:
+                wait(w, max(deadline - time.monotonic(), 1e-3), f"replica weight moves of layer {layer}")
+            except RuntimeError as exc:
+                lost = lost or str(exc)
+        return lost
+
+    def _finish(self, pending: Dict[str, Any], group: Any, timeout: float, layer: int) -> Tuple[int, ...]:
+        """Waits for, verifies and installs the posted moves; returns (faults, verify_failures, fallbacks) over all
+        ranks."""
+        if int(pending["out"]["moves"]) == 0:
+            return (0, 0, 0)
+        nk = len(self.names)
+        lost = self._land(pending, timeout, layer)  # a failed or late wait: this rank's received rows are not trusted
         faults = bad = fallbacks = 0
         error = None
-        for i, e, src, row, rows in recvs:
+        for i, e, src, row, rows in pending["recvs"]:
+            self.row_generation[row] += 1
             why = None if lost is None else f"did not land ({lost})"
             if why is None:
                 fault = injected_fault(self.faults, self.num_syncs, layer, i, timeout)
@@ -544,7 +651,7 @@ def balanced_moe(
                          f"belongs to rank {storage.rank}")
     storage.check_aliasing()
     error = _input_error(x, expert_ids, routing_weights, storage, hidden)
-    flags = (int(storage.owners_changed()), int(storage.mirror_stale()))
+    flags = (int(storage.owners_changed()), int(storage.mirror_stale())) + storage.prefetch_flags(plan, layer)
     if plan is None:  # plain expert parallelism: every expert on its owner, no replica
         loads, got = gather_source_loads(expert_ids if error is None else None, storage.num_experts, group=group,
                                          flags=flags, error=error, timeout=timeout, what="balanced_moe")
@@ -557,7 +664,8 @@ def balanced_moe(
                                  timeout=timeout, error=error)
     changed = [g for g in range(G) if layout.flags[g, 0]]
     stale = [g for g in range(G) if layout.flags[g, 1]]
-    book = storage.sync(plan, layer, changed, group=group, timeout=timeout, stale_mirrors=stale)
+    book = storage.sync(plan, layer, changed, group=group, timeout=timeout, stale_mirrors=stale,
+                        prefetch_state=layout.flags[:, 2:4])
     run = _Run(storage, expert_fn, book, layout, layer, group, timeout)
     run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
                                                                          for p in storage.params.values()))
@@ -655,6 +763,11 @@ class BalancedMoE(nn.Module):
     @property
     def last_sync(self) -> Optional[SyncStats]:
         return self.storage.last_sync
+
+    def prefetch(self, plan: "foremoe.Plan") -> None:
+        """Starts this layer's replica moves for ``plan`` now (:meth:`ExpertStorage.prefetch` over this module's
+        group, a collective); the next ``forward`` with that plan waits for, verifies and installs them."""
+        self.storage.prefetch(plan, self.layer, group=self.group, timeout=self.timeout)
 
     def refresh_mirror(self) -> None:
         """:meth:`ExpertStorage.refresh_mirror` over this module's group (after each optimizer step)."""

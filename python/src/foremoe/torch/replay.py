@@ -27,9 +27,11 @@ driver if activations are recomputed) all see one placement. A plan's arrays are
 micro-step (the layer picks its own ``layer`` index).
 
 **Weight moves** are issued by the layer when it runs (:meth:`foremoe.torch.ExpertStorage.sync` inside
-:func:`~foremoe.torch.balanced_moe`): the slot storage has one buffer per slot, and a replica row of micro-step
-``m`` stays in use until that micro-step's backward, so the next micro-step's moves cannot land earlier without a
-second buffer. The driver does not prefetch them.
+:func:`~foremoe.torch.balanced_moe`), or ahead of it with :meth:`ReplayDriver.prefetch` (a collective: every rank
+calls it in the same order), which posts them asynchronously into staging buffers; the layer's next call waits
+for them within its deadline, verifies them and installs them. A replica row of micro-step ``m`` stays in use until
+that micro-step's backward, so the staged rows are only written into the slots at the call: the next micro-step
+may be prefetched during this one, and the result is bitwise that of the synchronous path.
 
 **Never a hang.** Every wait has a deadline (``timeout``); an exception in the planning thread is re-raised in the
 caller by the :meth:`~ReplayDriver.plan` call that needs it, as :class:`ReplayError` naming the micro-step and
@@ -631,6 +633,22 @@ class ReplayDriver:
                                        f"within {limit:g} s")
                 self._cond.wait(left)
             return self._plans[m]
+
+    def prefetch(self, micro_step: int, modules: Sequence[Any], *, timeout: Optional[float] = None) -> Any:
+        """Starts the replica moves of micro-step ``micro_step`` for each of ``modules`` (balanced MoE layers:
+        anything with ``prefetch(plan)``, e.g. :class:`foremoe.torch.BalancedMoE`), in the order given, and returns
+        the plan (waited for as :meth:`plan` does). A collective: every rank calls it with the same micro-step and
+        modules in the same order. Call it where the moves should overlap compute, e.g. for layer ``l + 1`` right
+        after layer ``l``'s forward, or for micro-step ``m + 1`` during micro-step ``m``; the module's next call must
+        then be micro-step ``micro_step``'s (see :meth:`foremoe.torch.ExpertStorage.prefetch`)."""
+        plan = self.plan(micro_step, timeout=timeout)
+        for module in modules:
+            fn = getattr(module, "prefetch", None)
+            if not callable(fn):
+                raise ValueError(f"ReplayDriver.prefetch: {type(module).__name__} has no prefetch(plan) method "
+                                 f"(pass foremoe.torch.BalancedMoE modules)")
+            fn(plan)
+        return plan
 
     def __iter__(self) -> Iterator[Any]:
         """The plans of the micro-steps in order (each waited for as :meth:`plan` does)."""
