@@ -2,7 +2,8 @@
 ReplayDriver.prefetch), staged and installed at the call, across 2 and 4 gloo processes.
 
 With the next micro-step prefetched after this micro-step's backward, or already before it (the staged rows are
-installed only at the next call), 3 RL steps equal the single-process reference and are bitwise equal to the
+installed only at the next call), and with double buffers and a pipelined order (micro-step m's backward after
+micro-step m + 1's forward, which a single buffer refuses), 3 RL steps equal the single-process reference and are bitwise equal to the
 synchronous path, also under the seeded fault injector with a host mirror. Misuse (a prefetch that does not fit
 the next call, prefetching twice) is a clear error on every rank and the group trains on exactly."""
 
@@ -15,14 +16,18 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 import torch_moe_cases as tc  # noqa: E402
 
 FAULTS = dict(fail_probability=0.2, corrupt_probability=0.25, delay_probability=0.15, delay_us=10**9)
-G2 = tc.Case(world=2, experts=16, topk=2, hidden=32, ffn=32, dtype="float64", seed=21)
-G4 = tc.Case(world=4, experts=32, topk=4, hidden=32, ffn=32, nodes=2, dtype="float64", seed=22, plain=((1, 1),))
+# Few spare rows, so consecutive micro-steps' replicas share rows (what double buffers are for).
+G2 = tc.Case(world=2, experts=16, topk=2, hidden=32, ffn=32, dtype="float64", seed=22, spare=1, skew=3.0)
+G4 = tc.Case(world=4, experts=32, topk=4, hidden=32, ffn=32, nodes=2, dtype="float64", seed=22, spare=2,
+             plain=((1, 1),))
 RUNS = {
     "sync": dict(),
     "after_backward": dict(prefetch="after_backward"),
     "before_backward": dict(prefetch="before_backward", driver=True),
+    "double_lag": dict(prefetch="before_backward", double_buffer=True, lag=True),
     "faults_sync": dict(mirror=True, faults=dict(FAULTS, seed=3)),
-    "faults_prefetch": dict(mirror=True, faults=dict(FAULTS, seed=3), prefetch="before_backward"),
+    "faults_prefetch": dict(mirror=True, faults=dict(FAULTS, seed=3), prefetch="before_backward", double_buffer=True,
+                            lag=True),
 }
 CASES = {"g2": G2, "g4": G4}
 _runs = {}
@@ -58,7 +63,7 @@ def test_prefetch_equals_reference_and_sync_bitwise(name, tmp_path_factory):
     case, got = CASES[name], ranks_of(name, tmp_path_factory)
     ref = tc.reference(case)
     assert summed(got["sync"], "prefetched") == 0
-    for run in ("after_backward", "before_backward"):
+    for run in ("after_backward", "before_backward", "double_lag"):
         ranks = got[run]
         tc.assert_equals_reference(case, ranks, ref)
         assert_bitwise(ranks, got["sync"], run)
@@ -66,6 +71,9 @@ def test_prefetch_equals_reference_and_sync_bitwise(name, tmp_path_factory):
         moves, prefetched = summed(ranks, "moves"), summed(ranks, "prefetched")
         assert moves > 0 and prefetched == moves, (run, moves, prefetched)
         assert [s["moves"] for s in ranks[0]["sync"]] == [s["moves"] for s in got["sync"][0]["sync"]]
+    # With double buffers some replicas lived in the second copy of their row.
+    assert max(rec["max_row"] for rec in got["double_lag"]) >= case.slots
+    assert max(rec["max_row"] for rec in got["sync"]) < case.slots
 
 
 @pytest.mark.parametrize("name", ["g2", "g4"])

@@ -167,19 +167,23 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
     """One rank's balanced run in an initialised group. ``opts``: ``mirror``, ``verify`` and ``faults`` (the
     fields of a ``FaultSchedule``) of the layer; ``skip_refresh`` (optimizer steps after which the mirror is not
     refreshed: the next call must fail, then it is refreshed and the call retried); ``faults_off_on_error`` (a
-    failed call is recorded, then retried and the run continued with the fault injector off)."""
+    failed call is recorded, then retried and the run continued with the fault injector off); ``prefetch``
+    (``"after_backward"`` or ``"before_backward"``: where micro-step ``m + 1`` is prefetched, the first one of a
+    step after the optimizer step); ``driver`` (plans from a ``ReplayDriver``); ``double_buffer`` (the layer's);
+    ``lag`` (pipelined: the backward of micro-step ``m`` runs after the forward of ``m + 1``)."""
     opts = opts or {}
     data = make_data(case)
     faults = ft.FaultSchedule(**opts["faults"]) if opts.get("faults") else None
     mirror = bool(opts.get("mirror"))
     layer = ft.BalancedMoE(make_experts(case), case.slots, timeout=opts.get("timeout", 60.0), mirror=mirror,
-                           verify=opts.get("verify", True), faults=faults)
+                           verify=opts.get("verify", True), faults=faults,
+                           double_buffer=bool(opts.get("double_buffer")))
     opt = make_optimizer(layer.parameters())
     planner = foremoe.Planner(foremoe.Topology(case.nodes, case.world // case.nodes, case.slots))
     rec: Dict[str, Any] = {"out": [], "x_grad": [], "w_grad": [], "grads": [], "params": [], "sync": [],
                            "owned": layer.storage.owned_experts, "names": list(layer.storage.names),
                            "param_names": [n for n, _ in layer.named_parameters()], "replica_tokens": 0,
-                           "state_dict": list(layer.state_dict()), "errors": []}
+                           "state_dict": list(layer.state_dict()), "errors": [], "max_row": -1}
     ahead = opts.get("prefetch")  # None, "after_backward" or "before_backward": when micro-step m + 1 is prefetched
     for s, step in enumerate(data):
         if opts.get("driver"):
@@ -189,6 +193,7 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
         else:
             plans = planner.plan(step_loads(case, step), owners=layer.owners)
         plan_of = [None if (s, m) in case.plain else plans[m] for m in range(case.micro)]
+        lagging: List[Tuple[torch.Tensor, ...]] = []  # forwards whose backward has not run yet
         if ahead and plan_of[0] is not None:
             layer.prefetch(plan_of[0])  # after the optimizer step and the mirror refresh: the owners are final
         for m, ranks in enumerate(step):
@@ -208,14 +213,17 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
                 else:
                     raise
                 out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
+            rec["sync"].append(asdict(layer.last_sync))
+            rec["max_row"] = max([rec["max_row"], *layer.storage.replica_experts().values()])
             nxt = plan_of[m + 1] if ahead and m + 1 < case.micro else None
             if nxt is not None and ahead == "before_backward":
                 layer.prefetch(nxt)  # staged: this micro-step's replica rows stay untouched until the next call
-            (out * d["target"]).sum().backward()
+            lagging.append((out, d["target"], x, logits))
+            keep = 1 if opts.get("lag") and m + 1 < case.micro else 0
+            while len(lagging) > keep:
+                backward_and_record(rec, layer, *lagging.pop(0))
             if nxt is not None and ahead == "after_backward":
                 layer.prefetch(nxt)
-            record_micro_step(rec, layer, out, x, logits)
-            rec["sync"].append(asdict(layer.last_sync))
             if plan is not None:
                 taken, place = np.asarray(plan.slot_tokens[0]), np.asarray(plan.gpu_slots[0])
                 rec["replica_tokens"] += int(sum(taken[g, j] for g in range(case.world) for j in range(case.slots)
@@ -224,6 +232,12 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
         if mirror and s not in opts.get("skip_refresh", ()):
             layer.refresh_mirror()
     return rec
+
+
+def backward_and_record(rec: Dict[str, Any], layer: ft.BalancedMoE, out: torch.Tensor, target: torch.Tensor,
+                        x: torch.Tensor, logits: torch.Tensor) -> None:
+    (out * target).sum().backward()
+    record_micro_step(rec, layer, out, x, logits)
 
 
 def fault_rank(rank: int, case: Case, runs: List[Dict[str, Any]], tmp: str) -> None:

@@ -98,11 +98,17 @@ class ExpertStorage:
         verify: send an exact checksum with every replica move and check it on arrival (default on).
         faults: a :class:`foremoe.FaultSchedule` whose ``seed``, ``fail_probability``, ``corrupt_probability``
             and ``delay_probability``/``delay_us`` act on the received moves (:func:`moves.injected_fault`).
+        double_buffer: two storage rows per spare row (``slots + spare`` rows per weight kind): a move always
+            writes the copy the last sync did not use, so micro-step ``m``'s replica rows stay intact while
+            micro-step ``m + 1``'s land and run (its forward may come before ``m``'s backward, as in pipeline
+            schedules). The bookkeeping, the moves and the numbers are those of the single buffer; without it a
+            backward after a later micro-step rewrote one of its rows raises. Either way :meth:`prefetch` stages the
+            received rows and installs them at the call.
     """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int, world: int,
                  mirror: bool = False, group: Any = None, verify: bool = True, faults: Any = None,
-                 timeout: float = DEFAULT_TIMEOUT, _full: Optional[Mapping[str, torch.Tensor]] = None):
+                 double_buffer: bool = False, timeout: float = DEFAULT_TIMEOUT, _full: Optional[Mapping[str, torch.Tensor]] = None):
         own = np.ascontiguousarray(np.asarray(owners), dtype=np.int32)
         if own.ndim != 1 or own.size == 0:
             raise ValueError(f"ExpertStorage: owners must be [experts], got shape {list(own.shape)}")
@@ -123,6 +129,11 @@ class ExpertStorage:
             g = int(np.argmax([o.size for o in self.owned]))
             raise ValueError(f"ExpertStorage: rank {g} owns {busiest} experts but has only {slots} slots")
         n_own = int(self.owned[rank].size)
+        self.double_buffer = bool(double_buffer)
+        # With double buffers every spare row r has a second copy r + spare; `copy[r]` is the one holding its replica.
+        self.spare = self.slots - n_own
+        self.copy = np.zeros(self.slots, dtype=np.int64)
+        rows_total = self.slots + (self.spare if self.double_buffer else 0)
         if not weights:
             raise ValueError("ExpertStorage: no weights")
         self.names: Tuple[str, ...] = tuple(weights)
@@ -134,7 +145,7 @@ class ExpertStorage:
             if w.dim() < 1 or w.shape[0] != n_own:
                 raise ValueError(f"ExpertStorage: weight {name!r} is {list(w.shape)}, expected [{n_own}, ...] "
                                  f"(the {n_own} experts rank {rank} owns)")
-            buf = torch.zeros((self.slots,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
+            buf = torch.zeros((rows_total,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
             with torch.no_grad():
                 buf[:n_own].copy_(w.detach())
             self.storage[name] = buf
@@ -144,7 +155,7 @@ class ExpertStorage:
         # Storage rows of every rank, tracked identically on every rank: the expert of each replica row, -1 for a
         # free row (and for the owner rows, which hold the owned experts in `owned` order).
         self.resident_rows = np.full((world, self.slots), -1, dtype=np.int64)
-        self.row_generation = np.zeros(self.slots, dtype=np.int64)  # bumped when a row of this rank is rewritten
+        self.row_generation = np.zeros(rows_total, dtype=np.int64)  # bumped when a row of this rank is rewritten
         self._versions = self._param_versions()
         self._ptrs = self._param_ptrs()
         self._invalid = False
@@ -190,7 +201,15 @@ class ExpertStorage:
     def replica_experts(self) -> Dict[int, int]:
         """Replicas resident on this rank: expert -> storage row."""
         rows = np.flatnonzero(self.resident_rows[self.rank] >= 0)
-        return {int(self.resident_rows[self.rank, r]): int(r) for r in rows}
+        return {int(self.resident_rows[self.rank, r]): int(self._physical(np.array([r]))[0]) for r in rows}
+
+    def _physical(self, rows: np.ndarray) -> np.ndarray:
+        """Storage rows of this rank's bookkeeping rows (the same without double buffers)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        if not self.double_buffer:
+            return rows
+        spare = (rows >= self.num_owned) & (rows >= 0)
+        return np.where(spare, rows + self.spare * self.copy[np.clip(rows, 0, self.slots - 1)], rows)
 
     # -- staleness --------------------------------------------------------------------------------------------
 
@@ -275,6 +294,14 @@ class ExpertStorage:
         flags = np.zeros(self.world, dtype=np.uint8)
         flags[np.asarray(list(changed), dtype=np.int64)] = 1
         out = _core.replica_sync(plan, int(layer), self.owners, self.resident_rows, flags, self.rank)
+        if self.double_buffer:  # a move goes to the other copy of its row: the one in use stays intact
+            out = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
+            mine = out["my_moves"][:, 3] == self.rank
+            self.copy[out["my_moves"][mine, 4]] ^= 1
+            out["my_moves"][mine, 4] = self._physical(out["my_moves"][mine, 4])
+            out["rows"] = self._physical(out["rows"])
+            held = out["grads"][:, 1] == self.rank
+            out["grads"][held, 2] = self._physical(out["grads"][held, 2])
         out["changed"] = tuple(int(g) for g in np.flatnonzero(flags))
         return out
 
@@ -720,14 +747,15 @@ class BalancedMoE(nn.Module):
     ``forward(x [T, H], expert_ids [T, K], routing_weights [T, K], plan)`` -> ``[T, H]``; ``plan=None`` is plain
     expert parallelism (no replica).
 
-    ``mirror``, ``verify``, ``faults``: :class:`ExpertStorage`'s (the mirror is filled from ``experts``' full
+    ``mirror``, ``verify``, ``faults``, ``double_buffer``: :class:`ExpertStorage`'s (the mirror is filled from ``experts``' full
     weights; it is not a parameter, a buffer or in the ``state_dict``). With ``mirror=True`` call
     :meth:`refresh_mirror` on every rank after each optimizer step.
     """
 
     def __init__(self, experts: nn.Module, slots: int, *, group: Any = None, owners: Any = None, layer: int = 0,
                  expert_fn: Optional[ExpertFn] = None, weight_names: Optional[Sequence[str]] = None,
-                 timeout: float = DEFAULT_TIMEOUT, mirror: bool = False, verify: bool = True, faults: Any = None):
+                 timeout: float = DEFAULT_TIMEOUT, mirror: bool = False, verify: bool = True, faults: Any = None,
+                 double_buffer: bool = False):
         super().__init__()
         names = tuple(weight_names or getattr(experts, "weight_names", ()) or
                       [n for n, _ in experts.named_parameters(recurse=False)])
@@ -746,7 +774,7 @@ class BalancedMoE(nn.Module):
         if own.shape != (E,):
             raise ValueError(f"BalancedMoE: owners must be [{E}], got shape {list(own.shape)}")
         self.storage = ExpertStorage.from_full(full, own, slots, rank=r, world=G, mirror=mirror, verify=verify,
-                                               faults=faults)
+                                               faults=faults, double_buffer=double_buffer)
         for n in names:
             delattr(experts, n)
             experts.register_parameter(n, self.storage.params[n])
