@@ -23,6 +23,11 @@ trainer after each optimizer step with :meth:`ExpertStorage.refresh_mirror`), an
 raises (a gathered flag): a wrong replica is never used. ``faults`` (a :class:`foremoe.FaultSchedule`) injects
 faults into the received moves, replayably, for tests and drills.
 
+:meth:`ExpertStorage.prefetch` (a collective) posts a layer's moves ahead of its call into staging buffers; the
+call then waits for, verifies and installs them (bitwise the synchronous result). With ``double_buffer=True`` each
+spare row has a second copy and a move writes the one the last call did not use, so micro-step ``m``'s replicas stay
+intact through micro-step ``m + 1``'s forward.
+
 The backward sends the gradients back the same way, and every replica's weight gradient is sent to the owner
 and added to the owner's gradient (its ``.grad``, or whatever the trainer's gradient hooks accumulate into)
 in a fixed order (owner's own first, then the replicas in ascending rank order) before autograd hands it on,
