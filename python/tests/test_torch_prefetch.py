@@ -3,9 +3,9 @@ ReplayDriver.prefetch), staged and installed at the call, across 2 and 4 gloo pr
 
 With the next micro-step prefetched after this micro-step's backward, or already before it (the staged rows are
 installed only at the next call), and with double buffers and a pipelined order (micro-step m's backward after
-micro-step m + 1's forward, which a single buffer refuses), 3 RL steps equal the single-process reference and are bitwise equal to the
-synchronous path, also under the seeded fault injector with a host mirror. Misuse (a prefetch that does not fit
-the next call, prefetching twice) is a clear error on every rank and the group trains on exactly."""
+micro-step m + 1's forward, which a single buffer refuses), 3 RL steps equal the single-process reference and are
+bitwise equal to the synchronous path, also under the seeded fault injector with a host mirror. Misuse (a prefetch
+that does not fit the next call, prefetching twice) is a clear error on every rank and the group trains on exactly."""
 
 import pytest
 

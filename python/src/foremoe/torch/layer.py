@@ -113,7 +113,8 @@ class ExpertStorage:
 
     def __init__(self, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int, world: int,
                  mirror: bool = False, group: Any = None, verify: bool = True, faults: Any = None,
-                 double_buffer: bool = False, timeout: float = DEFAULT_TIMEOUT, _full: Optional[Mapping[str, torch.Tensor]] = None):
+                 double_buffer: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                 _full: Optional[Mapping[str, torch.Tensor]] = None):
         own = np.ascontiguousarray(np.asarray(owners), dtype=np.int32)
         if own.ndim != 1 or own.size == 0:
             raise ValueError(f"ExpertStorage: owners must be [experts], got shape {list(own.shape)}")
@@ -752,8 +753,8 @@ class BalancedMoE(nn.Module):
     ``forward(x [T, H], expert_ids [T, K], routing_weights [T, K], plan)`` -> ``[T, H]``; ``plan=None`` is plain
     expert parallelism (no replica).
 
-    ``mirror``, ``verify``, ``faults``, ``double_buffer``: :class:`ExpertStorage`'s (the mirror is filled from ``experts``' full
-    weights; it is not a parameter, a buffer or in the ``state_dict``). With ``mirror=True`` call
+    ``mirror``, ``verify``, ``faults``, ``double_buffer``: :class:`ExpertStorage`'s (the mirror is filled from
+    ``experts``' full weights; it is not a parameter, a buffer or in the ``state_dict``). With ``mirror=True`` call
     :meth:`refresh_mirror` on every rank after each optimizer step.
     """
 
