@@ -186,16 +186,19 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
                            "state_dict": list(layer.state_dict()), "errors": [], "max_row": -1}
     ahead = opts.get("prefetch")  # None, "after_backward" or "before_backward": when micro-step m + 1 is prefetched
     for s, step in enumerate(data):
-        if opts.get("driver"):
-            driver = ft.ReplayDriver(planner, step_loads(case, step), owners=layer.owners)
-            plans = [driver.plan(m) for m in range(case.micro)]
-            driver.close()
-        else:
-            plans = planner.plan(step_loads(case, step), owners=layer.owners)
+        driver = ft.ReplayDriver(planner, step_loads(case, step), owners=layer.owners) if opts.get("driver") else None
+        plans = list(driver) if driver else planner.plan(step_loads(case, step), owners=layer.owners)
         plan_of = [None if (s, m) in case.plain else plans[m] for m in range(case.micro)]
+
+        def prefetch(m: int) -> None:
+            if driver:
+                assert driver.prefetch(m, [layer]) is plan_of[m]
+            else:
+                layer.prefetch(plan_of[m])
+
         lagging: List[Tuple[torch.Tensor, ...]] = []  # forwards whose backward has not run yet
         if ahead and plan_of[0] is not None:
-            layer.prefetch(plan_of[0])  # after the optimizer step and the mirror refresh: the owners are final
+            prefetch(0)  # after the optimizer step and the mirror refresh: the owners are final
         for m, ranks in enumerate(step):
             d = ranks[rank]
             x = d["x"].clone().requires_grad_(True)
@@ -217,17 +220,19 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
             rec["max_row"] = max([rec["max_row"], *layer.storage.replica_experts().values()])
             nxt = plan_of[m + 1] if ahead and m + 1 < case.micro else None
             if nxt is not None and ahead == "before_backward":
-                layer.prefetch(nxt)  # staged: this micro-step's replica rows stay untouched until the next call
+                prefetch(m + 1)  # staged: this micro-step's replica rows stay untouched until the next call
             lagging.append((out, d["target"], x, logits))
             keep = 1 if opts.get("lag") and m + 1 < case.micro else 0
             while len(lagging) > keep:
                 backward_and_record(rec, layer, *lagging.pop(0))
             if nxt is not None and ahead == "after_backward":
-                layer.prefetch(nxt)
+                prefetch(m + 1)
             if plan is not None:
                 taken, place = np.asarray(plan.slot_tokens[0]), np.asarray(plan.gpu_slots[0])
                 rec["replica_tokens"] += int(sum(taken[g, j] for g in range(case.world) for j in range(case.slots)
                                                  if place[g, j] >= 0 and layer.owners[place[g, j]] != g))
+        if driver:
+            driver.close()
         optimizer_step(rec, opt, layer)
         if mirror and s not in opts.get("skip_refresh", ()):
             layer.refresh_mirror()
