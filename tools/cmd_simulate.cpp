@@ -90,11 +90,13 @@ Command make_simulate() {
       if (!a.has("loads")) err << "loads generated in " << gen_s << " s, ";
       err << "simulation and planning in " << sim_s << " s\n";
     }
+    // The document is serialised once for every output that takes it (--json and the plot front end's copy).
+    const std::string text = json_stdout || a.has("json") || a.has("plot-document") ? json::dump(doc) + "\n" : "";
     if (json_stdout)
-      out << json::dump(doc) << "\n";
+      out << text;
     else if (a.has("json"))
-      config::write_text(a.str("json"), json::dump(doc) + "\n");
-    if (a.has("plot-document")) config::write_text(a.str("plot-document"), json::dump(doc) + "\n");
+      config::write_text(a.str("json"), text);
+    if (a.has("plot-document")) config::write_text(a.str("plot-document"), text);
     return 0;
   };
   return c;
