@@ -119,11 +119,9 @@ public:
   std::int64_t resources_created() const noexcept override { return inner_->resources_created(); }
 
 private:
-  enum Decision : std::uint64_t { fail = 1, corrupt = 2, delay = 3 };
-  // A uniform draw in [0, 1) for one decision about the copy with `key`, replayable from the schedule's seed.
-  [[nodiscard]] double draw(std::uint64_t key, Decision d) const noexcept {
-    return static_cast<double>(mix64(mix64(f_->seed ^ mix64(key)) + d) >> 11) * 0x1.0p-53;
-  }
+  static constexpr FaultDecision fail = FaultDecision::fail, corrupt = FaultDecision::corrupt,
+                                 delay = FaultDecision::delay;
+  [[nodiscard]] double draw(std::uint64_t key, FaultDecision d) const noexcept { return fault_draw(*f_, key, d); }
   struct Pending {
     CopyOp op;
     std::uint64_t inner = 0;
@@ -151,6 +149,18 @@ private:
 } // namespace runtime::detail
 
 namespace runtime {
+double fault_draw(const FaultSchedule &f, std::uint64_t key, FaultDecision d) noexcept {
+  using detail::mix64;
+  return static_cast<double>(mix64(mix64(f.seed ^ mix64(key)) + static_cast<std::uint64_t>(d)) >> 11) * 0x1.0p-53;
+}
+
+std::uint64_t fault_key(std::span<const std::uint64_t> identity) noexcept {
+  std::uint64_t h = 0;
+  for (const std::uint64_t x : identity)
+    h = detail::mix64(h ^ x);
+  return h;
+}
+
 std::unique_ptr<Transport> make_fault_transport(std::unique_ptr<Transport> inner,
                                                 std::shared_ptr<const FaultSchedule> faults, bool host_memory) {
   return std::make_unique<detail::FaultTransport>(std::move(inner), std::move(faults), host_memory);

@@ -1,6 +1,7 @@
 // The transport registry: in-tree backends (one folder each under runtime/transports/) are found by name in a
 // static link, an out-of-tree backend registered at run time through the public header carries an engine's
-// moves, and a bad name is answered with the registered ones.
+// moves, and a bad name is answered with the registered ones. The fault injector's draws are public
+// (`fault_draw`, `fault_key`) so that other move paths replay one schedule the same way.
 
 #include <doctest/doctest.h>
 
@@ -242,4 +243,35 @@ TEST_CASE("a steady state of moves and reductions creates no transport resources
   // slot 1 for expert 1 (20 steps).
   CHECK(grads[0][0] == 21.0f);
   CHECK(grads[0][grad_bytes / 4] == 21.0f);
+}
+
+TEST_CASE("fault draws replay from the seed, are uniform, and differ by decision and identity") {
+  using rt::FaultDecision;
+  rt::FaultSchedule f;
+  f.seed = 42;
+  const std::uint64_t id[3] = {7, 3, 11}, swapped[3] = {3, 7, 11};
+  const std::uint64_t key = rt::fault_key(id);
+  CHECK(key == rt::fault_key(id));
+  CHECK(key != rt::fault_key(swapped));
+  CHECK(rt::fault_draw(f, key, FaultDecision::fail) == rt::fault_draw(f, key, FaultDecision::fail));
+  CHECK(rt::fault_draw(f, key, FaultDecision::fail) != rt::fault_draw(f, key, FaultDecision::corrupt));
+  rt::FaultSchedule g = f;
+  g.seed = 43;
+  CHECK(rt::fault_draw(f, key, FaultDecision::delay) != rt::fault_draw(g, key, FaultDecision::delay));
+  // Over many identities each decision's draws are uniform in [0, 1): mean 1/2, a tenth of them below 0.1.
+  for (const FaultDecision d : {FaultDecision::fail, FaultDecision::corrupt, FaultDecision::delay}) {
+    const int n = 20000;
+    double sum = 0;
+    int below = 0;
+    for (std::uint64_t i = 0; i < static_cast<std::uint64_t>(n); ++i) {
+      const std::uint64_t ident[2] = {i, 5};
+      const double u = rt::fault_draw(f, rt::fault_key(ident), d);
+      REQUIRE(u >= 0.0);
+      REQUIRE(u < 1.0);
+      sum += u;
+      below += u < 0.1;
+    }
+    CHECK(sum / n == doctest::Approx(0.5).epsilon(0.02));
+    CHECK(below == doctest::Approx(n / 10).epsilon(0.06));
+  }
 }

@@ -545,7 +545,26 @@ void bind_runtime(nb::module_ &m) {
               f.fail_path[static_cast<int>(path_of(n))] = true;
           },
           "paths over which every copy fails (nvlink, pcie, network)")
-      .def_rw("seed", &rt::FaultSchedule::seed);
+      .def_rw("seed", &rt::FaultSchedule::seed)
+      .def(
+          "draw",
+          [](const rt::FaultSchedule &f, const std::vector<std::uint64_t> &identity, const std::string &decision) {
+            rt::FaultDecision d{};
+            if (decision == "fail")
+              d = rt::FaultDecision::fail;
+            else if (decision == "corrupt")
+              d = rt::FaultDecision::corrupt;
+            else if (decision == "delay")
+              d = rt::FaultDecision::delay;
+            else
+              raise(PyExc_ValueError,
+                    str("FaultSchedule.draw: unknown decision '", decision, "' (fail, corrupt or delay)"));
+            return rt::fault_draw(f, rt::fault_key(identity), d);
+          },
+          nb::arg("identity"), nb::arg("decision"),
+          "The injector's uniform draw in [0, 1) for `decision` ('fail', 'corrupt' or 'delay') about the operation "
+          "named by the integers `identity` (foremoe::runtime::fault_draw of fault_key(identity)): the same on "
+          "every rank and every run for a seed.");
 
   options_class<rt::EngineOptions>(
       m, "EngineOptions",

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "foremoe/runtime/transfer_engine.hpp"
 #include "foremoe/runtime/transport.hpp"
@@ -25,6 +26,19 @@ struct FaultSchedule {
   bool fail_path[transfer::num_paths] = {false, false, false}; ///< every copy over this path fails
   std::uint64_t seed = 0;
 };
+
+/// The injector's decisions about one operation, each drawn on its own.
+enum class FaultDecision : std::uint64_t { fail = 1, corrupt = 2, delay = 3 };
+
+/// The injector's uniform draw in [0, 1) for decision `d` about the operation whose identity is `key`: a function
+/// of `f.seed`, `key` and `d` alone, so a schedule replays exactly, on every rank. Trainers' own move paths that
+/// inject faults with a `FaultSchedule` (foremoe.torch's replica moves) draw through it, so one schedule means the
+/// same everywhere.
+[[nodiscard]] double fault_draw(const FaultSchedule &f, std::uint64_t key, FaultDecision d) noexcept;
+
+/// The identity key of an operation named by a tuple of integers (e.g. sync, layer, move): folded with a 64-bit
+/// mix, so tuples that differ in any place or order get unrelated keys.
+[[nodiscard]] std::uint64_t fault_key(std::span<const std::uint64_t> identity) noexcept;
 
 /// Wraps `inner` in the fault injector. `host_memory`: received peer bytes are host memory the injector may
 /// corrupt directly (the host backend); otherwise only failures and delays are injected on paired transfers.

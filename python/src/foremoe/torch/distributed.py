@@ -78,6 +78,34 @@ def wait(work: Any, timeout: float, what: str) -> None:
         raise RuntimeError(f"foremoe.torch: {what} did not finish within {timeout:g} s")
 
 
+def gather_rows(row: torch.Tensor, group: Any, timeout: float, what: str) -> torch.Tensor:
+    """``[G, n]``: every rank's 1-D int64 ``row`` (the same length on every rank), rank order; one ``all_gather``
+    with a deadline (none at all in a group of one)."""
+    G = group_size(group)
+    if G == 1:
+        return row[None]
+    parts = [torch.empty_like(row) for _ in range(G)]
+    wait(dist.all_gather(parts, row, group=group, async_op=True), timeout, what)
+    return torch.stack(parts)
+
+
+def gather_checked(values: Sequence[int], error: Optional[str], group: Any, timeout: float, what: str,
+                   rejected: str) -> np.ndarray:
+    """``[G, len(values)]`` int64: every rank's ``values``, gathered with whether its input was good, so that one
+    bad rank fails every rank instead of leaving the others waiting in a later collective. ``error`` (this rank's
+    message) makes this rank raise ``ValueError`` with it; every other rank raises ``ValueError`` with
+    ``rejected`` formatted with ``rank``, the first rank that failed. Used wherever ranks check their own input
+    before a collective that needs every rank's (counts, shapes, move status)."""
+    row = torch.tensor([0 if error is None else 1] + [int(v) for v in values], dtype=torch.int64)
+    rows = gather_rows(row, group, timeout, what).numpy()
+    if error is not None:
+        raise ValueError(error) from None
+    failed = np.flatnonzero(rows[:, 0])
+    if failed.size:
+        raise ValueError(rejected.format(rank=int(failed[0])))
+    return np.ascontiguousarray(rows[:, 1:])
+
+
 def local_counts(expert_ids: torch.Tensor, num_experts: int, who: str) -> np.ndarray:
     """``[E]`` int64 routed count of every expert in ``[T, K]`` ids (one C++ pass, read in place), raising
     ``ValueError`` naming the first id outside ``[-1, num_experts)`` and its token."""
@@ -110,36 +138,22 @@ def gather_source_loads(
     what: str = "gather_source_loads",
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Every rank's expert counts of its ``[T, K]`` ids as ``[E, G]`` int64 (expert, source rank), plus the
-    ``[G, len(flags)]`` flags each rank contributed. One ``all_gather`` of ``E + 1 + len(flags)`` int64 per rank.
+    ``[G, len(flags)]`` flags each rank contributed. One ``all_gather`` of ``E + 1 + len(flags)`` int64 per rank
+    (:func:`gather_checked`).
 
     ``error`` (a message) marks this rank's input as bad: every rank then raises ``ValueError``, this one with
     the message, the others naming the rank, so no rank is left waiting in a later collective.
     """
-    G = group_size(group)
-    nf = len(flags)
-    mine = torch.zeros(num_experts + 1 + nf, dtype=torch.int64)
+    counts = np.zeros(num_experts, dtype=np.int64)
     if error is None and expert_ids is not None:
         try:
-            mine[:num_experts] = torch.from_numpy(local_counts(expert_ids, num_experts,
-                                                               f"{what}: rank {group_rank(group)}"))
+            counts = local_counts(expert_ids, num_experts, f"{what}: rank {group_rank(group)}")
         except ValueError as e:
             error = str(e)
-    mine[num_experts] = 0 if error is None else 1
-    if nf:
-        mine[num_experts + 1:] = torch.tensor([int(f) for f in flags], dtype=torch.int64)
-    if G == 1:
-        rows = mine[None]
-    else:
-        parts = [torch.empty_like(mine) for _ in range(G)]
-        wait(dist.all_gather(parts, mine, group=group, async_op=True), timeout, f"{what}: all_gather of expert counts")
-        rows = torch.stack(parts)
-    a = rows.numpy()
-    failed = np.flatnonzero(a[:, num_experts])
-    if error is not None:
-        raise ValueError(error)
-    if failed.size:
-        raise ValueError(f"{what}: rank {int(failed[0])} of the group rejected its input (its error names the value)")
-    return np.ascontiguousarray(a[:, :num_experts].T), np.ascontiguousarray(a[:, num_experts + 1:])
+    a = gather_checked(list(counts) + [int(f) for f in flags], error, group, timeout,
+                       f"{what}: all_gather of expert counts",
+                       f"{what}: rank {{rank}} of the group rejected its input (its error names the value)")
+    return np.ascontiguousarray(a[:, :num_experts].T), np.ascontiguousarray(a[:, num_experts:])
 
 
 @dataclass

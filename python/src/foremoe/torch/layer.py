@@ -50,7 +50,7 @@ import foremoe
 from foremoe import _core
 
 from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
-from .distributed import gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
+from .distributed import gather_rows, gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
 from .moves import HostMirror, corrupt_, injected_fault, row_checksum
 
 __all__ = [
@@ -493,13 +493,8 @@ class ExpertStorage:
                        if self.mirror is not None else "host mirror to fall back to (ExpertStorage(..., mirror=True))")
                 error = (f"foremoe.torch: layer {layer}: the replica move of expert {e} from rank {src} to rank "
                          f"{self.rank} {why}, and rank {self.rank} has no {fix}; no replica of this sync is used")
-        mine = torch.tensor([int(error is not None), faults, bad, fallbacks], dtype=torch.int64)
-        if self.world > 1:
-            parts = [torch.empty_like(mine) for _ in range(self.world)]
-            wait(dist.all_gather(parts, mine, group=group, async_op=True), timeout,
-                 f"replica move status of layer {layer}")
-            mine = torch.stack(parts)
-        status = mine.reshape(-1, 4)
+        status = gather_rows(torch.tensor([int(error is not None), faults, bad, fallbacks], dtype=torch.int64), group,
+                             timeout, f"replica move status of layer {layer}")
         failed = torch.nonzero(status[:, 0]).reshape(-1).tolist()
         if failed:
             self.resident_rows.fill(-1)  # every rank forgets every replica: all are re-sent at the next sync

@@ -21,16 +21,7 @@ from .distributed import DEFAULT_TIMEOUT, group_size, wait
 
 __all__ = ["HostMirror", "injected_fault", "row_checksum"]
 
-_M64 = (1 << 64) - 1
 _weights: Dict[Any, torch.Tensor] = {}
-
-
-def _mix64(x: int) -> int:
-    """The runtime's splitmix64 finaliser (``foremoe::trace::detail::mix64``)."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
 
 
 def row_checksum(t: torch.Tensor) -> torch.Tensor:
@@ -53,22 +44,21 @@ def injected_fault(faults: Any, sync_index: int, layer: int, tag: int, timeout: 
     """What a :class:`foremoe.FaultSchedule` does to the received replica move ``tag`` of ``layer`` in the storage's
     ``sync_index``-th sync: ``"dropped"`` (``fail_probability``), ``"corrupted"`` (``corrupt_probability``: one byte
     flipped after it landed, which only verification sees), ``"late"`` (``delay_probability`` with a ``delay_us``
-    at least the move's deadline; a shorter delay is harmless here) or ``None``. The draws are the runtime's (a hash
-    of ``seed`` and the move's identity), so a schedule replays exactly on every rank. ``fail_paths`` does not apply
-    (the moves take one path, torch.distributed)."""
+    at least the move's deadline; a shorter delay is harmless here) or ``None``. The draws are the runtime's own
+    (``FaultSchedule.draw``: a hash of ``seed`` and the move's identity), so a schedule replays exactly on every
+    rank. ``fail_paths`` does not apply (the moves take one path, torch.distributed)."""
     if faults is None:
         return None
-    key = _mix64(_mix64(_mix64(int(sync_index)) ^ int(layer)) ^ int(tag))
-    base = _mix64((int(faults.seed) & _M64) ^ key)
+    identity = [int(sync_index), int(layer), int(tag)]
 
-    def draw(decision: int) -> float:
-        return float(_mix64((base + decision) & _M64) >> 11) * 2.0 ** -53
+    def draw(decision: str) -> float:
+        return float(faults.draw(identity, decision))
 
-    if draw(1) < faults.fail_probability:
+    if draw("fail") < faults.fail_probability:
         return "dropped"
-    if draw(2) < faults.corrupt_probability:
+    if draw("corrupt") < faults.corrupt_probability:
         return "corrupted"
-    if draw(3) < faults.delay_probability and faults.delay_us * 1e-6 >= timeout:
+    if draw("delay") < faults.delay_probability and faults.delay_us * 1e-6 >= timeout:
         return "late"
     return None
 

@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 import foremoe
 
-from .distributed import DEFAULT_TIMEOUT, group_rank, group_size, wait
+from .distributed import DEFAULT_TIMEOUT, gather_checked, group_rank, group_size, wait
 
 __all__ = [
     "ReplayDriver",
@@ -139,23 +139,17 @@ def _check_ids(ids: Any, ndim: int, who: str, what: str) -> None:
         raise ValueError(f"{who}: {what} must hold integer expert ids, got dtype {dt}")
 
 
-def _token_offsets(offsets: Any, total: int, who: str) -> Optional[np.ndarray]:
-    """``[M + 1]`` int64 token offsets from 0 to ``total``, non-decreasing; ``None`` is one micro-step."""
+def _token_offsets(offsets: Any, who: str) -> Optional[np.ndarray]:
+    """``[M + 1]`` token offsets as int64 (``None`` is one micro-step). Their values are checked where they are
+    used, by the C++ counter (the host's and the device's alike: from 0, non-decreasing, ending at the trace's
+    tokens), whose error names the offending index."""
     if offsets is None:
         return None
     a = np.asarray(offsets.cpu() if isinstance(offsets, torch.Tensor) else offsets)
-    if a.ndim != 1 or a.size < 2 or (a.size and a.dtype.kind not in "iu"):
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise ValueError(f"{who}: microbatch_offsets must be [micro_steps + 1] integers, got shape {list(a.shape)}, "
                          f"dtype {a.dtype}")
-    a = a.astype(np.int64)
-    if a[0] != 0 or a[-1] != total:
-        raise ValueError(f"{who}: microbatch_offsets must run from 0 to the {total} tokens of the trace, got "
-                         f"{int(a[0])} .. {int(a[-1])}")
-    bad = np.flatnonzero(np.diff(a) < 0)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{who}: microbatch_offsets decrease at micro-step {i}: {int(a[i])} > {int(a[i + 1])}")
-    return a
+    return a.astype(np.int64)
 
 
 def _groups(micro_batches: Any, n: int, who: str, unit: str) -> List[np.ndarray]:
@@ -224,7 +218,7 @@ def loads_from_ids(
         m = _array(mask, who, "mask")
         if tuple(m.shape) != (ids.shape[0],):
             raise ValueError(f"{who}: mask must be [{ids.shape[0]}] (one per token), got {list(m.shape)}")
-    off = _token_offsets(microbatch_offsets, int(ids.shape[0]), who)
+    off = _token_offsets(microbatch_offsets, who)
     return _count(ids, off, num_experts, layer_map, mask, counter, who)
 
 
@@ -299,7 +293,7 @@ def loads_from_megatron(
         elif tuple(t.shape) != (T, K):
             raise ValueError(f"{who}: layer {l} has indices {list(t.shape)}, layer 0 {[T, K]} (every MoE layer "
                              f"routes the same tokens)")
-    off = _token_offsets(microbatch_offsets, T, who)
+    off = _token_offsets(microbatch_offsets, who)
     out = []
     for l, t in enumerate(layers):
         try:
@@ -377,24 +371,18 @@ def _sum_over_group(loads: Optional[np.ndarray], group: Any, timeout: float,
     """The loads summed over the ranks of ``group``. The ranks first gather their shapes and whether their input was
     good (``error``: this rank's message), so a bad input or a disagreeing shape on one rank fails every rank with a
     clear error instead of leaving the others waiting."""
-    G = group_size(group)
-    if G == 1:
+    if group_size(group) == 1:
         if error is not None:
             raise ValueError(error) from None
         return loads
     who = f"ReplayDriver: rank {group_rank(group)}"
-    mine = torch.tensor(([0, 0, 0, 1] if error is not None else list(loads.shape) + [0]), dtype=torch.int64)
-    rows = [torch.empty_like(mine) for _ in range(G)]
-    wait(dist.all_gather(rows, mine, group=group, async_op=True), timeout, "ReplayDriver: all_gather of shapes")
-    if error is not None:
-        raise ValueError(error) from None
-    for r, row in enumerate(rows):
-        if int(row[3]):
-            raise ValueError(f"{who}: rank {r} of the group rejected its routing (its error names the value)")
-    for r, row in enumerate(rows):
-        if not torch.equal(row, mine):
-            raise ValueError(f"{who}: rank {r} has loads of shape {row[:3].tolist()} [micro_steps, layers, "
-                             f"experts], this rank {mine[:3].tolist()} (every rank must replay the same micro-steps)")
+    mine = [0, 0, 0] if error is not None else list(loads.shape)
+    rows = gather_checked(mine, error, group, timeout, "ReplayDriver: all_gather of shapes",
+                          f"{who}: rank {{rank}} of the group rejected its routing (its error names the value)")
+    for r, row in enumerate(rows.tolist()):
+        if row != mine:
+            raise ValueError(f"{who}: rank {r} has loads of shape {row} [micro_steps, layers, experts], this rank "
+                             f"{mine} (every rank must replay the same micro-steps)")
     t = torch.from_numpy(np.ascontiguousarray(loads, dtype=np.int64)).clone()
     wait(dist.all_reduce(t, group=group, async_op=True), timeout, "ReplayDriver: all_reduce of the loads")
     return t.numpy()
