@@ -6,6 +6,8 @@ set -uo pipefail
 bin=$1
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# simulate's load cache ("auto" by default) stays inside this run.
+export FOREMOE_CACHE_DIR="$work/cache"
 passed=0
 failed=0
 
@@ -213,6 +215,42 @@ expect 0 "^ultraep +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json"
 expect 0 "^moonep +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json"
 expect 0 "^moonep," -- "$bin" simulate --config "$work/sim.json" --strategies static,ultraep,moonep --csv
 expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, ultraep, moonep, foremoe, foremoe-free, ideal\)" -- "$bin" simulate --config "$work/sim.json" --strategies static,best
+# The load cache: a second run of the same batch reads what the first generated and prints the same figures; other
+# strategies, cost or planner options share the entry, another batch does not; a corrupted or truncated entry is
+# generated again and rewritten; off never writes; an empty setting is refused.
+lc="$work/loadcache"
+sim_csv() { "$bin" simulate --config "$work/sim.json" --csv "$@" 2>"$work/sim_err.txt"; }
+if sim_csv --cache "$lc" >"$work/c1.csv" && grep -q "loads generated in" "$work/sim_err.txt" &&
+   sim_csv --cache "$lc" >"$work/c2.csv" && grep -Eq "loads read from the cache in .*/loadcache/loads-[0-9a-f]{16}\.bin" "$work/sim_err.txt" &&
+   cmp -s "$work/c1.csv" "$work/c2.csv" &&
+   sim_csv --cache "$lc" --strategies static --move-budget 1 >/dev/null && grep -q "read from the cache" "$work/sim_err.txt" &&
+   sim_csv --cache "$lc" --seed 2 >/dev/null && grep -q "loads generated in" "$work/sim_err.txt" &&
+   [[ $(ls "$lc" | wc -l) -eq 2 ]]; then
+  passed=$((passed + 1))
+else
+  echo "FAIL: the load cache did not give the first run's figures back (or was shared across batches):"; cat "$work/sim_err.txt"
+  failed=$((failed + 1))
+fi
+entry=$(ls "$lc"/loads-*.bin | head -1)
+for damage in flip truncate; do
+  if [[ $damage == flip ]]; then printf '\x7f' | dd of="$entry" bs=1 seek=200 conv=notrunc status=none
+  else truncate -s 300 "$entry"; fi
+  sim_csv --cache "$lc" >"$work/c3.csv"
+  cached=$(ls "$lc" | wc -l)
+  if grep -q "loads generated in" "$work/sim_err.txt" && [[ $cached -eq 2 ]]; then
+    passed=$((passed + 1))
+  else
+    echo "FAIL: a ${damage}d cache entry was used or not replaced"; cat "$work/sim_err.txt"; failed=$((failed + 1))
+  fi
+done
+cmp -s "$work/c1.csv" "$work/c3.csv" && passed=$((passed + 1)) || { echo "FAIL: regenerated loads differ"; failed=$((failed + 1)); }
+FOREMOE_CACHE_DIR="$work/cache-env" sim_csv --cache off >/dev/null
+off_ok=$?
+FOREMOE_CACHE_DIR=off sim_csv >/dev/null && [[ $off_ok -eq 0 && ! -e "$work/cache-env" ]] &&
+  grep -q "loads generated in" "$work/sim_err.txt" && passed=$((passed + 1)) ||
+  { echo "FAIL: --cache off or FOREMOE_CACHE_DIR=off wrote or read a cache"; failed=$((failed + 1)); }
+expect 1 "--cache must be auto, off or a directory, got an empty string" -- "$bin" simulate --config "$work/sim.json" --cache ""
+expect 0 "note: could not write the load cache entry" -- "$bin" simulate --config "$work/sim.json" --cache /proc/foremoe-cache
 printf '{"model": {"layerz": 4}}' >"$work/typo.json"
 expect 1 "config.model: unknown key 'layerz' \\(known: layers, experts" -- "$bin" simulate --config "$work/typo.json"
 expect 1 "cannot hold all 16 experts" -- "$bin" simulate --config "$work/sim.json" --slots 3

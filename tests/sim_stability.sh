@@ -6,7 +6,7 @@
 set -euo pipefail
 bin=$1
 speedup() { # the speedup_eplb column of foremoe's CSV row
-  "$bin" simulate --steps "$1" --strategies eplb,foremoe --quiet --csv 2>/dev/null | awk -F, '
+  "$bin" simulate --steps "$1" --strategies eplb,foremoe --cache off --quiet --csv 2>/dev/null | awk -F, '
     NR == 1 { for (i = 1; i <= NF; ++i) if ($i == "speedup_eplb") col = i }
     $1 == "foremoe" { print $col }'
 }

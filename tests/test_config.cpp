@@ -3,10 +3,13 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "foremoe/config/documents.hpp"
 #include "foremoe/config/json.hpp"
@@ -270,7 +273,8 @@ TEST_CASE("schema: the generator's options are one schema; simulate's batch sect
   int batch = 0;
   for (const auto &o : config::simulate_schema().options()) {
     if (!o.key.starts_with("batch.")) continue;
-    if (o.key == "batch.workload") continue; // simulate's choice of generator, not a generator option
+    // simulate's choice of generator and where it keeps the generated loads, not generator options
+    if (o.key == "batch.workload" || o.key == "batch.cache") continue;
     const auto &g = syn.key(o.key.substr(6));
     CHECK(o.flag == g.flag);
     if (o.key == "batch.steps") // simulate counts its steps; the warm-up ones come in front
@@ -328,4 +332,137 @@ TEST_CASE("documents: placements round-trip and the reader is strict") {
   CHECK(refuse(R"({"nodes": 1, "gpus_per_node": 2, "slots": 2, "num_experts": 3,
                    "layers": [{"gpu_slots": [[0, true], [1, -1]]}]})") ==
         "pl.layers[0].gpu_slots[0][1]: expected an integer, got true");
+}
+
+// --- the load cache -----------------------------------------------------------------------------------------------
+
+using fm::Error;
+using fm::LoadCache;
+using fm::LoadTensor;
+using fm::PopularityModel;
+using fm::synthetic_stream_version;
+using fm::SyntheticConfig;
+
+namespace {
+
+std::filesystem::path fresh_dir(const char *name) {
+  const std::filesystem::path d = std::filesystem::temp_directory_path() /
+                                  (std::string("foremoe-test-") + name + "-" + std::to_string(std::random_device{}()));
+  std::filesystem::remove_all(d);
+  return d;
+}
+
+LoadTensor random_loads(std::mt19937_64 &rng, int sources) {
+  LoadTensor t(static_cast<int>(rng() % 5), 1 + static_cast<int>(rng() % 4), 1 + static_cast<int>(rng() % 9), sources);
+  for (int m = 0; m < t.num_micro_steps(); ++m)
+    for (int l = 0; l < t.num_layers(); ++l)
+      for (int e = 0; e < t.num_experts(); ++e) {
+        std::int64_t sum = 0;
+        for (int s = 0; s < sources; ++s)
+          sum += t.at(m, l, e, s) = static_cast<std::int64_t>(rng() % 1000);
+        t.at(m, l, e) = sources > 0 ? sum : static_cast<std::int64_t>(rng() % 100000);
+      }
+  return t;
+}
+
+} // namespace
+
+TEST_CASE("load cache: entries round-trip exactly, per key; damaged or foreign entries are misses") {
+  const std::filesystem::path dir = fresh_dir("cache");
+  const LoadCache cache(dir);
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 40; ++trial) {
+    const int sources = trial % 2 == 0 ? 0 : 1 + static_cast<int>(rng() % 4);
+    const LoadTensor t = random_loads(rng, sources);
+    const std::vector<std::int64_t> steps = {0, t.num_micro_steps()};
+    const std::string key = "key " + std::to_string(trial);
+    CHECK_FALSE(cache.read(key).has_value());
+    REQUIRE(cache.write(key, t, steps));
+    const auto back = cache.read(key);
+    REQUIRE(back.has_value());
+    CHECK(back->step_offsets == steps);
+    CHECK(back->loads.num_sources() == sources);
+    CHECK(std::vector<std::int64_t>(back->loads.totals().begin(), back->loads.totals().end()) ==
+          std::vector<std::int64_t>(t.totals().begin(), t.totals().end()));
+    CHECK(std::vector<std::int64_t>(back->loads.by_source().begin(), back->loads.by_source().end()) ==
+          std::vector<std::int64_t>(t.by_source().begin(), t.by_source().end()));
+    CHECK_FALSE(cache.read(key + " ").has_value()); // another key misses
+    // One flipped byte anywhere, or a cut, makes the entry a miss, never an error or other loads.
+    const std::filesystem::path f = cache.file_of(key);
+    const auto size = static_cast<std::int64_t>(std::filesystem::file_size(f));
+    std::string bytes = config::read_text(f);
+    const auto at = static_cast<std::size_t>(rng() % static_cast<std::uint64_t>(size));
+    std::string flipped = bytes;
+    flipped[at] = static_cast<char>(flipped[at] ^ 0x10);
+    config::write_text(f, flipped);
+    CHECK_FALSE(cache.read(key).has_value());
+    config::write_text(f, bytes.substr(0, at));
+    CHECK_FALSE(cache.read(key).has_value());
+    config::write_text(f, bytes + "x");
+    CHECK_FALSE(cache.read(key).has_value());
+    REQUIRE(cache.write(key, t, steps)); // rewritten in place
+    CHECK(cache.read(key).has_value());
+  }
+  // The key's hash names the file; a different key with the same file (a collision) is compared in full.
+  CHECK(cache.file_of("a").parent_path() == dir);
+  CHECK(cache.file_of("a") != cache.file_of("b"));
+  CHECK(LoadCache().read("a") == std::nullopt);
+  CHECK_FALSE(LoadCache().write("a", LoadTensor(1, 1, 1), {0, 1}));
+  CHECK_FALSE(LoadCache("/proc/foremoe-no-such-cache").write("a", LoadTensor(1, 1, 1), {0, 1}));
+  std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("load cache: settings") {
+  CHECK_FALSE(LoadCache::from_setting("off").enabled());
+  CHECK(LoadCache::from_setting("/x/y").dir() == std::filesystem::path("/x/y"));
+  CHECK_THROWS_WITH_AS(static_cast<void>(LoadCache::from_setting("")), doctest::Contains("setting is empty"), Error);
+}
+
+TEST_CASE("load cache: the batch key changes with every generator input") {
+  // A field added to SyntheticConfig must join synthetic_cache_key (foremoe/config/documents.hpp); this size is
+  // the struct's on x86-64 with the fields the key lists today.
+  static_assert(sizeof(SyntheticConfig) == 160 || sizeof(void *) != 8,
+                "SyntheticConfig changed: add the new field to synthetic_cache_key, then update this size");
+  const SyntheticConfig base;
+  const std::string k0 = config::synthetic_cache_key(base, false, 1);
+  std::vector<SyntheticConfig> changed;
+  const auto with = [&](auto edit) {
+    SyntheticConfig c = base;
+    edit(c);
+    changed.push_back(c);
+  };
+  with([](SyntheticConfig &c) { c.seed = 2; });
+  with([](SyntheticConfig &c) { c.num_layers = 47; });
+  with([](SyntheticConfig &c) { c.num_experts = 127; });
+  with([](SyntheticConfig &c) { c.topk = 7; });
+  with([](SyntheticConfig &c) { c.num_steps = 3; });
+  with([](SyntheticConfig &c) { c.prompts_per_step = 511; });
+  with([](SyntheticConfig &c) { c.responses_per_prompt = 7; });
+  with([](SyntheticConfig &c) { c.prompt_length.mean = std::nextafter(c.prompt_length.mean, 1e9); });
+  with([](SyntheticConfig &c) { c.prompt_length.sigma = 0.61; });
+  with([](SyntheticConfig &c) { c.prompt_length.min_tokens = 31; });
+  with([](SyntheticConfig &c) { c.prompt_length.max_tokens = 8191; });
+  with([](SyntheticConfig &c) { c.response_length.mean = 1501; });
+  with([](SyntheticConfig &c) { c.response_length.sigma = 0.81; });
+  with([](SyntheticConfig &c) { c.response_length.min_tokens = 15; });
+  with([](SyntheticConfig &c) { c.response_length.max_tokens = 8191; });
+  with([](SyntheticConfig &c) { c.num_topics = 31; });
+  with([](SyntheticConfig &c) { c.topics_per_prompt = 2; });
+  with([](SyntheticConfig &c) { c.topic_concentration = 0.51; });
+  with([](SyntheticConfig &c) { c.topic_mix_concentration = 1.01; });
+  with([](SyntheticConfig &c) { c.response_topic_weight = 0.51; });
+  with([](SyntheticConfig &c) { c.popularity = PopularityModel::zipf; });
+  with([](SyntheticConfig &c) { c.skew = std::nextafter(c.skew, 1.0); });
+  with([](SyntheticConfig &c) { c.skew_layer_sigma = 0.21; });
+  with([](SyntheticConfig &c) { c.persistence = 0.61; });
+  with([](SyntheticConfig &c) { c.num_gpus = 63; });
+  with([](SyntheticConfig &c) { c.microbatch_tokens_per_gpu = 16383; });
+  std::vector<std::string> keys = {k0, config::synthetic_cache_key(base, true, 1),
+                                   config::synthetic_cache_key(base, true, 2)};
+  for (const SyntheticConfig &c : changed)
+    keys.push_back(config::synthetic_cache_key(c, false, 1));
+  CHECK(config::synthetic_cache_key(base, false, 1) == k0);
+  std::sort(keys.begin(), keys.end());
+  CHECK(std::adjacent_find(keys.begin(), keys.end()) == keys.end());
+  CHECK(k0.find("stream=" + std::to_string(synthetic_stream_version)) != std::string::npos);
 }

@@ -72,10 +72,10 @@ Command make_simulate() {
                    static_cast<double>(total));
     };
     progress.simulate = [&](int done, int total) { meter.update("simulating (strategy-steps)", done, total); };
-    double gen_s = 0;
+    config::LoadsReport rep;
     const auto t0 = std::chrono::steady_clock::now();
-    const json::Value doc = config::run_simulate(s, a.has("loads") ? &loads : nullptr, steps, progress, &gen_s);
-    const double sim_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - gen_s;
+    const json::Value doc = config::run_simulate(s, a.has("loads") ? &loads : nullptr, steps, progress, &rep);
+    const double sim_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - rep.seconds;
     meter.clear();
 
     if (a.flag("csv")) {
@@ -87,8 +87,13 @@ Command make_simulate() {
     }
     if (!a.flag("quiet")) {
       err << std::fixed << std::setprecision(2);
-      if (!a.has("loads")) err << "loads generated in " << gen_s << " s, ";
+      if (rep.from_cache)
+        err << "loads read from the cache in " << rep.seconds << " s (" << rep.cache_file.string() << "), ";
+      else if (rep.generated)
+        err << "loads generated in " << rep.seconds << " s, ";
       err << "simulation and planning in " << sim_s << " s\n";
+      if (rep.generated && !rep.from_cache && !rep.cache_file.empty() && !rep.cache_written)
+        err << "note: could not write the load cache entry " << rep.cache_file.string() << " (--cache)\n";
     }
     // The document is serialised once for every output that takes it (--json and the plot front end's copy).
     const std::string text = json_stdout || a.has("json") || a.has("plot-document") ? json::dump(doc) + "\n" : "";

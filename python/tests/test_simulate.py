@@ -121,3 +121,29 @@ def test_simulate_config_round_trip():
     assert foremoe.simulate_config(full) == full
     assert strip(foremoe.simulate(full, strategies="static,foremoe")) == strip(
         foremoe.simulate(CFG, strategies="static,foremoe"))
+
+
+def test_load_cache_gives_the_same_results(tmp_path, monkeypatch):
+    """batch.cache: the second run of a batch reads the loads the first generated (one entry per batch), with the
+    same results; "off" writes nothing; an empty setting is refused by the schema."""
+    cache = tmp_path / "cache"
+    cfg = dict(seeded(5), batch=dict(seeded(5)["batch"], cache=str(cache)))
+    first = strip(foremoe.simulate(cfg))
+    entries = sorted(cache.glob("loads-*.bin"))
+    assert len(entries) == 1
+    assert strip(foremoe.simulate(cfg)) == first
+    foremoe.simulate(cfg, strategies="static,foremoe")  # other strategies: the same batch, the same entry
+    assert sorted(cache.glob("loads-*.bin")) == entries
+    # The entry is what is read: a run that finds its bytes damaged generates again and rewrites it.
+    entries[0].write_bytes(entries[0].read_bytes()[:-1] + b"x")
+    assert strip(foremoe.simulate(cfg)) == first
+    foremoe.simulate(dict(cfg, batch=dict(cfg["batch"], seed=6)), strategies="static")
+    assert len(list(cache.glob("loads-*.bin"))) == 2
+    env = tmp_path / "env"
+    monkeypatch.setenv("FOREMOE_CACHE_DIR", str(env))
+    foremoe.simulate(dict(cfg, batch=dict(cfg["batch"], cache="off")), strategies="static")
+    assert not env.exists()
+    foremoe.simulate(dict(cfg, batch=dict(cfg["batch"], cache="auto")), strategies="static")
+    assert len(list(env.glob("loads-*.bin"))) == 1
+    with pytest.raises(ValueError, match="batch.cache: must be auto, off or a directory, got an empty string"):
+        foremoe.simulate(dict(cfg, batch=dict(cfg["batch"], cache="")))

@@ -12,6 +12,7 @@
 #include <functional>
 #include <iomanip>
 #include <iterator>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -23,6 +24,7 @@
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/sim/simulator.hpp"
+#include "foremoe/trace/load_cache.hpp"
 #include "foremoe/transfer/transfer_plan.hpp"
 
 namespace foremoe {
@@ -428,13 +430,46 @@ struct SimulateProgress {
   std::function<void(int, int)> simulate;
 };
 
-/// Runs a simulation from settings: the synthetic batch unless `loads` is given (with its `step_offsets`).
+/// Where `run_simulate`'s loads came from.
+struct LoadsReport {
+  double seconds = 0;               ///< generating them, or reading them from the cache
+  bool generated = false;           ///< false: given by the caller
+  bool from_cache = false;          ///< read from the cache instead of generated
+  std::filesystem::path cache_file; ///< the cache entry read or written; empty when none
+  bool cache_written = false;       ///< a new entry was written
+};
+
+/// The cache key of a GRPO batch: every `SyntheticConfig` field (doubles exactly, in hex) and what else decides
+/// the generated loads (the source grouping), under the generator's stream version. A field added to
+/// `SyntheticConfig` must join it (tests/test_config.cpp checks the struct's size to catch one that did not).
+[[nodiscard]] inline std::string synthetic_cache_key(const SyntheticConfig &c, bool by_source, int ranks_per_source) {
+  std::ostringstream k;
+  k << std::hexfloat;
+  const auto len = [&k](const char *name, const LengthDistribution &d) {
+    k << ' ' << name << '=' << d.mean << ',' << d.sigma << ',' << d.min_tokens << ',' << d.max_tokens;
+  };
+  k << "grpo stream=" << synthetic_stream_version << " seed=" << c.seed << " layers=" << c.num_layers
+    << " experts=" << c.num_experts << " topk=" << c.topk << " steps=" << c.num_steps
+    << " prompts=" << c.prompts_per_step << " responses=" << c.responses_per_prompt;
+  len("prompt", c.prompt_length);
+  len("response", c.response_length);
+  k << " topics=" << c.num_topics << " topics_per_prompt=" << c.topics_per_prompt
+    << " topic_concentration=" << c.topic_concentration << " topic_mix=" << c.topic_mix_concentration
+    << " response_topic_weight=" << c.response_topic_weight << " popularity=" << static_cast<int>(c.popularity)
+    << " skew=" << c.skew << " skew_layer_sigma=" << c.skew_layer_sigma << " persistence=" << c.persistence
+    << " gpus=" << c.num_gpus << " microbatch_tokens=" << c.microbatch_tokens_per_gpu << " by_source=" << by_source
+    << " ranks_per_source=" << ranks_per_source;
+  return k.str();
+}
+
+/// Runs a simulation from settings: the synthetic batch unless `loads` is given (with its `step_offsets`). The
+/// GRPO batch's loads come from the cache that `s.cache` names when it holds them, and are stored there when not.
 [[nodiscard]] inline json::Value run_simulate(const SimulateSettings &s, const LoadTensor *loads,
                                               std::vector<std::int64_t> step_offsets,
-                                              const SimulateProgress &progress = {},
-                                              double *generate_seconds = nullptr) {
+                                              const SimulateProgress &progress = {}, LoadsReport *report = nullptr) {
   const std::vector<SimStrategy> strategies = s.strategy_list();
   LoadTensor generated;
+  LoadsReport rep;
   if (loads == nullptr) {
     const auto t0 = std::chrono::steady_clock::now();
     // The warm-up steps are generated in front of the counted ones; with several EP groups each group's tokens
@@ -448,14 +483,29 @@ struct SimulateProgress {
     const bool grouped = ep < s.sim.topo.num_gpus();
     gen.ranks_per_source = grouped ? ep : 1;
     const WorkloadSpec workload = parse_workload(s.workload);
-    if (workload.kind == WorkloadKind::grpo)
-      generated = generate_loads(batch, &step_offsets, grouped, gen);
-    else // the peers' generators route the same micro-steps; the copies split them evenly
+    rep.generated = true;
+    if (workload.kind == WorkloadKind::grpo) {
+      const LoadCache cache = LoadCache::from_setting(s.cache);
+      const std::string key = synthetic_cache_key(batch, grouped, gen.ranks_per_source);
+      if (cache.enabled()) rep.cache_file = cache.file_of(key);
+      if (std::optional<CachedLoads> hit = cache.read(key)) {
+        generated = std::move(hit->loads);
+        step_offsets = std::move(hit->step_offsets);
+        rep.from_cache = true;
+      } else {
+        generated = generate_loads(batch, &step_offsets, grouped, gen);
+        if (LoadCache::fits(generated, step_offsets))
+          rep.cache_written = cache.write(key, generated, step_offsets);
+        else
+          rep.cache_file.clear(); // too large to keep
+      }
+    } else { // the peers' generators route the same micro-steps; the copies split them evenly (not cached)
       generated = generate_peer_loads(workload, batch, ep, &step_offsets);
+    }
     loads = &generated;
-    if (generate_seconds != nullptr)
-      *generate_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
+  if (report != nullptr) *report = rep;
   const std::vector<SimResult> res = simulate(s.sim, *loads, step_offsets, strategies, progress.simulate);
   const int num_steps = step_offsets.empty() ? 1 : static_cast<int>(step_offsets.size() - 1);
   const std::int64_t warmup_micro = step_offsets.empty() ? 0 : step_offsets[s.sim.warmup_steps];

@@ -376,6 +376,9 @@ struct SimulateSettings {
   SyntheticConfig batch = default_batch(); ///< the GPUs, layers, experts and top-k follow `sim` (`finish`)
   /// The load generator: "grpo" (the synthetic GRPO batch), "ultraep:A" or "moonep:V" (`peer_workloads.hpp`).
   std::string workload = "grpo";
+  /// Where generated GRPO loads are kept for the next run with the same batch: "auto", "off" or a directory
+  /// (`LoadCache::from_setting`, foremoe/trace/load_cache.hpp). Changes no figure.
+  std::string cache = "auto";
 
   /// The defaults of a preset: Qwen3-30B-A3B on 8 x 8 GPUs x 3 slots, or DeepSeek-V3 (fp8) on 8 x 8 x 5 with
   /// 128 prompts per step.
@@ -491,6 +494,17 @@ struct SimulateSettings {
         [](const S &x) { return json::Value(x.workload); },
         [](S &x, const json::Value &v) { x.workload = to_string(parse_workload(v.as_string())); }));
     o.back().metavar = "NAME[:PARAM]";
+    o.push_back(bound<S>(
+        "batch.cache", Type::string,
+        "keep the generated GRPO loads for the next run with the same batch: auto ($FOREMOE_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/foremoe, else ~/.cache/foremoe), off, or a directory; keyed by every generator input and "
+        "the stream version, so no figure changes",
+        [](const S &x) { return json::Value(x.cache); },
+        [](S &x, const json::Value &v) {
+          detail::require(!v.as_string().empty(), "must be auto, off or a directory, got an empty string");
+          x.cache = v.as_string();
+        }));
+    o.back().metavar = "auto|off|DIR";
     for (Option<S> &opt : o)
       if (opt.key == "batch.steps")
         opt.help = "RL steps to simulate and count (the generator adds sim.warmup_steps warm-up steps in front)";
