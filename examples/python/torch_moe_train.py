@@ -8,7 +8,8 @@ while the passes run. The recompute pass (forward only, as for the old policy's 
 recomputed by the current router) under the same plan per micro-step. The same training runs a second time
 without ForeMoE (plain expert parallelism, ``plan=None``): the losses match, and per micro-step the example prints
 the slowest rank's share of the expert work (max / mean tokens per rank) without and with ForeMoE and the bytes of
-replica weights moved (at the recompute pass; the update pass reuses them).
+replica weights moved (at the recompute pass, where each layer's moves are prefetched while the layer before it
+computes; the update pass reuses them).
 
 Run: python examples/python/torch_moe_train.py     (needs torch with gloo; about 10 s)
 """
@@ -60,9 +61,11 @@ class Model(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         self.blocks = torch.nn.ModuleList(Block(l, g) for l in range(LAYERS))
 
-    def forward(self, x, ids=None, plans=None):
+    def forward(self, x, ids=None, plans=None, prefetch=None):
         routed = []
         for l, b in enumerate(self.blocks):
+            if prefetch is not None and l + 1 < len(self.blocks):
+                prefetch(l + 1)  # the next layer's replica moves are in flight while this layer computes
             x, i = b(x, None if ids is None else ids[:, l], None if plans is None else plans)
             routed.append(i)
         return x, torch.stack(routed, dim=1)  # [T, L, K]
@@ -94,6 +97,7 @@ def train(rank: int, use_foremoe: bool, log: list) -> list:
     owners = model.blocks[0].moe.owners
     losses = []
     resident = None
+    prefetched = [0]  # replica moves posted ahead, all ranks
     for step in range(STEPS):
         # Rollout: forward without grad, plain expert parallelism; record the routing.
         with torch.no_grad():
@@ -110,12 +114,20 @@ def train(rank: int, use_foremoe: bool, log: list) -> list:
         def plan(m):
             return driver.plan(m) if driver is not None else None  # one plan object per micro-step
 
-        # Recompute: forward only, every micro-step under its plan (this is where the replicas move in).
+        # Recompute: forward only, every micro-step under its plan (this is where the replicas move in). Layer
+        # l + 1's moves are prefetched when layer l starts (ReplayDriver.prefetch: staged, installed at its call).
         recomputed, moved = [], []
         with torch.no_grad():
             for m in range(MICRO):
-                recomputed.append(model(batch(step, m, rank)[0], ids=routed[m], plans=plan(m))[0])
+                ahead = (lambda l, m=m: driver.prefetch(m, [model.blocks[l].moe])) if use_foremoe else None
+                recomputed.append(model(batch(step, m, rank)[0], ids=routed[m], plans=plan(m), prefetch=ahead)[0])
                 moved.append(sum(b.moe.last_sync.bytes_moved for b in model.blocks) if use_foremoe else 0)
+                if use_foremoe:  # every move of layer 1 was posted ahead, while layer 0 computed
+                    last = model.blocks[1].moe.last_sync
+                    if last.prefetched != last.moves:
+                        sys.exit(f"step {step} micro-step {m}: {last.prefetched} of layer 1's {last.moves} moves "
+                                 f"were prefetched")
+                    prefetched[0] += last.prefetched
         # Update: the same micro-steps with gradients, under the same plans (resident replicas reused).
         for m in range(MICRO):
             x, target = batch(step, m, rank)
@@ -135,6 +147,8 @@ def train(rank: int, use_foremoe: bool, log: list) -> list:
             driver.close()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    if use_foremoe:
+        log.append(prefetched[0])
     return losses
 
 
@@ -147,9 +161,11 @@ def worker(rank: int, tmp: str) -> None:
     without = train(rank, False, [])
     if rank == 0:
         print("step micro  max/mean tokens per rank: plain EP -> ForeMoE   moved      loss (ForeMoE)   loss (plain)")
+        prefetched = log.pop()
         for (s, m, before, after, moved, loss), plain in zip(log, without):
             print(f"{s:4d} {m:5d}  {before:30.3f} -> {after:7.3f}   {moved / 1e3:7.1f} kB  {loss:14.10f}  {plain:14.10f}")
         diff = max(abs(a - b) / abs(b) for a, b in zip(with_fm, without))
+        print(f"replica moves of layer 1 prefetched while layer 0 computed: {prefetched}")
         print(f"largest relative loss difference with and without ForeMoE: {diff:.1e}")
         if diff > 1e-10:
             sys.exit(f"losses differ by {diff:.1e}")

@@ -80,3 +80,9 @@ def test_training_example_runs():
     r = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "largest relative loss difference with and without ForeMoE" in r.stdout, r.stdout
+    # Layer 1's replica moves are prefetched while layer 0 computes (ReplayDriver.prefetch across layers), and the
+    # example itself exits non-zero when a move of layer 1 was not posted ahead.
+    import re
+
+    m = re.search(r"replica moves of layer 1 prefetched while layer 0 computed: (\d+)", r.stdout)
+    assert m and int(m.group(1)) > 0, r.stdout
