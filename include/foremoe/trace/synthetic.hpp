@@ -1059,7 +1059,8 @@ void route_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStep
 
 /// Counts `plans` into `out` (`[micro_steps][L][E]`, optionally by source rank). Each prompt's part is counted
 /// once (threads over prompts) and added to each of its responses' blocks, then the micro-steps are counted on
-/// threads, each into its own rows: the loads do not depend on the threads and equal the counts of the ids.
+/// threads, a few ranks per task, each rank into its worker's rows and then added to the micro-step's: the loads do
+/// not depend on the threads and equal the counts of the ids.
 inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStepPlan> &plans, int num_threads,
                             ProgressMeter &meter, LoadTensor &out, int ranks_per_source = 1) {
   const SyntheticWorld world = make_world(cfg);
@@ -1083,6 +1084,9 @@ inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<Synthe
     std::vector<std::int16_t> last;
   };
   const auto nr = static_cast<std::size_t>(cfg.responses_per_prompt);
+  const auto ng = static_cast<std::size_t>(cfg.num_gpus);
+  // Ranks per micro-step task: 4, so that a step's tasks outnumber the workers many times over.
+  const std::size_t chunk = std::min<std::size_t>(ng, 4), chunks_per_micro = (ng + chunk - 1) / chunk;
   int micro_base = 0;
   for (const SyntheticStepPlan &plan : plans) {
     const std::size_t num_prompts = plan.sequences.size() / nr;
@@ -1095,12 +1099,18 @@ inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<Synthe
       PromptCounts &pc = prompts[p];
       wk.router.count_prompt(world, plan, static_cast<int>(p * nr), wk.rows, pc.counts, pc.offsets, pc.last);
     });
-    parallel_tasks(static_cast<std::size_t>(plan.num_micro_steps), workers, [&](std::size_t m, int w) {
+    // Tasks of `chunk` ranks of one micro-step (a step has only about 11 micro-steps, too few to keep the workers
+    // evenly busy to the end), each counting rank by rank into its worker's rows and adding them to the micro-step's
+    // rows under that micro-step's lock. Integer sums do not depend on the order, so neither do the loads.
+    const std::size_t num_micro = static_cast<std::size_t>(plan.num_micro_steps);
+    std::vector<std::mutex> micro_locks(num_micro);
+    parallel_tasks(num_micro * chunks_per_micro, workers, [&](std::size_t task, int w) {
       Worker &wk = ws[static_cast<std::size_t>(w)];
+      const std::size_t m = task / chunks_per_micro, first_rank = task % chunks_per_micro * chunk;
       const int micro = micro_base + static_cast<int>(m);
       std::int64_t tokens = 0;
-      for (int r = 0; r < cfg.num_gpus; ++r) {
-        const std::size_t b = m * static_cast<std::size_t>(cfg.num_gpus) + static_cast<std::size_t>(r);
+      for (std::size_t r = first_rank; r < std::min(ng, first_rank + chunk); ++r) {
+        const std::size_t b = m * ng + r;
         std::fill(wk.rows.block.begin(), wk.rows.block.end(), 0);
         for (std::int64_t i = plan.block_offsets[b]; i < plan.block_offsets[b + 1]; ++i) {
           const int s = plan.order[static_cast<std::size_t>(i)];
@@ -1114,6 +1124,7 @@ inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<Synthe
           wk.router.count_response(world, plan, s, pc.last.data(), wk.rows);
           tokens += seq.prompt_tokens + seq.response_tokens;
         }
+        const std::lock_guard<std::mutex> lock(micro_locks[m]);
         for (std::size_t l = 0; l < nl; ++l) {
           const std::int64_t *row = wk.rows.block.data() + l * ne;
           auto tot = out.layer(micro, static_cast<int>(l));
@@ -1123,7 +1134,7 @@ inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<Synthe
             auto src = out.layer_by_source(micro, static_cast<int>(l));
             const auto ns = static_cast<std::size_t>(out.num_sources());
             for (std::size_t e = 0; e < ne; ++e)
-              src[e * ns + static_cast<std::size_t>(r / ranks_per_source)] += row[e];
+              src[e * ns + r / static_cast<std::size_t>(ranks_per_source)] += row[e];
           }
         }
       }
