@@ -593,11 +593,9 @@ public:
       mask_tables_[which].build(w.data(), static_cast<int>(w.size()));
     }
     for (unsigned m = 0; m < 256; ++m) {
-      std::uint64_t list = 0;
       unsigned n = 0;
       for (unsigned b = 0; b < 8; ++b)
-        if ((m >> b) & 1u) list |= std::uint64_t{b} << (8 * n++);
-      slot_lists_[m] = list;
+        if ((m >> b) & 1u) slot_lists_[m][n++] = b;
       slot_counts_[m] = static_cast<std::uint8_t>(n);
     }
   }
@@ -673,6 +671,7 @@ private:
     std::vector<std::uint32_t> events;    ///< a block's drops: token in the block << 10 | slot
     std::vector<std::int16_t> candidates; ///< pre-drawn alias-table candidates
   };
+  using Quad = std::uint32_t __attribute__((vector_size(16)));
   static constexpr std::size_t kCandidates = 256;   ///< candidates drawn per refill
   static constexpr std::size_t kEventBuffer = 4096; ///< (token, slot) coins per block
 
@@ -826,10 +825,16 @@ private:
           const auto r = static_cast<std::uint32_t>(half ? word : word >> 32);
           half = !half;
           const auto mask = static_cast<unsigned>(router.mask_tables_[g + 1 == num_groups ? 1 : 0].sample_bits(r));
-          const std::uint64_t list = router.slot_lists_[mask];
+          // All 8 entries are written, 4 at a time (whole vectors: storing entry by entry costs more than the
+          // rest of the token's coins); the count says how many are events.
+          const std::uint32_t *list = router.slot_lists_[mask];
           const auto base = tag | static_cast<std::uint32_t>(g * 8);
-          for (unsigned b = 0; b < 8; ++b)
-            events[n + b] = base | static_cast<std::uint32_t>((list >> (8 * b)) & 0xFFu);
+          for (std::size_t h = 0; h < 8; h += 4) {
+            Quad v;
+            std::memcpy(&v, list + h, sizeof v);
+            v |= base;
+            std::memcpy(events + n + h, &v, sizeof v);
+          }
           n += router.slot_counts_[mask];
         }
       }
@@ -950,14 +955,14 @@ private:
 
   int num_layers_, num_experts_;
   std::size_t tp_, k_;
-  bool drops_;                         ///< persistence below 1: slots drop their experts
-  bool distinct_weights_;              ///< responses have their own topic
-  std::size_t block_tokens_;           ///< tokens per block of coins
-  AliasTable mask_tables_[2];          ///< drop masks of a full group of 8 slots and of the last group
-  std::uint64_t slot_lists_[256]{};    ///< the set bits of each 8-bit mask, in order, one byte each
-  std::uint8_t slot_counts_[256]{};    ///< the number of set bits of each 8-bit mask
-  std::vector<std::uint64_t> scratch_; ///< bit set for the exact fallback
-  Lane lanes_[2];                      ///< a prompt's chain and its response's distribution
+  bool drops_;                                     ///< persistence below 1: slots drop their experts
+  bool distinct_weights_;                          ///< responses have their own topic
+  std::size_t block_tokens_;                       ///< tokens per block of coins
+  AliasTable mask_tables_[2];                      ///< drop masks of a full group of 8 slots and of the last group
+  alignas(32) std::uint32_t slot_lists_[256][8]{}; ///< the set bits of each 8-bit mask, in order
+  std::uint8_t slot_counts_[256]{};                ///< the number of set bits of each 8-bit mask
+  std::vector<std::uint64_t> scratch_;             ///< bit set for the exact fallback
+  Lane lanes_[2];                                  ///< a prompt's chain and its response's distribution
 };
 
 /// Runs `fn(task, worker)` for every task in `[0, num_tasks)` on `num_threads` threads (worker in
