@@ -406,13 +406,14 @@ TEST_CASE("synthetic: stream version 2 fingerprints") {
                                                                      {&wide, 0x6293b2d84c55e3ebULL},
                                                                      {&frozen, 0x5e1c026112e14299ULL},
                                                                      {&churn, 0x62f65b32b62cf873ULL}};
-  for (const auto &[c, want] : loads) {
-    INFO(describe(*c));
+  for (const auto &entry : loads) { // not a structured binding: INFO captures it, which clang 14 refuses
+    const SyntheticConfig &c = *entry.first;
+    INFO(describe(c));
     for (int threads : {1, 2}) {
       GeneratorOptions opts;
       opts.num_threads = threads;
-      const std::uint64_t got = fingerprint(generate_loads(*c, nullptr, false, opts));
-      CHECK(got == want);
+      const std::uint64_t got = fingerprint(generate_loads(c, nullptr, false, opts));
+      CHECK(got == entry.second);
     }
   }
   CHECK(fingerprint(generate_loads(wide, nullptr, true)) == 0xdd6f6334bf871248ULL);
