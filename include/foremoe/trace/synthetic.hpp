@@ -26,9 +26,9 @@
 ///   over its 2^8 masks of independent coins. Candidates: experts pre-drawn two per word from an alias table
 ///   padded to a power-of-two bucket count; a dropped slot takes the next candidates that no other slot holds.
 ///   About 10% less CPU than version 1 (bench/bench_synthetic.cpp); the chains themselves (3.2 re-draws per
-///   token and layer at the defaults) are the cost: about 120 instructions per re-draw, a fifth of them drawing
-///   candidates. Writing each token's drop list as two vector stores took another 11% off (BM_generate_loads/1,
-///   CPU time 597 -> 531 ms on a 2-core Xeon VM), with the same stream.
+///   token and layer at the defaults) are the cost: about 110 instructions per re-draw (cachegrind), a fifth of
+///   them drawing candidates. Writing each token's drop list as two vector stores took another 11% off
+///   (BM_generate_loads/1, CPU time 597 -> 531 ms on a 2-core Xeon VM), with the same stream.
 
 #include <algorithm>
 #include <atomic>
