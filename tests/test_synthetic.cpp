@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -97,6 +98,23 @@ std::string describe(const SyntheticConfig &c) {
      << c.num_steps << " P " << c.prompts_per_step << " R " << c.responses_per_prompt << " G " << c.num_gpus
      << " budget " << c.microbatch_tokens_per_gpu << " persistence " << c.persistence;
   return os.str();
+}
+
+/// FNV-1a 64 over the little-endian bytes of `values` (the shape and the values), for pinning a stream.
+template <class T> std::uint64_t fnv1a(std::span<const T> values, std::uint64_t h = 0xcbf29ce484222325ULL) {
+  for (const T v : values) {
+    auto u = static_cast<std::uint64_t>(static_cast<std::int64_t>(v));
+    for (std::size_t b = 0; b < sizeof(T); ++b, u >>= 8)
+      h = (h ^ (u & 0xFFu)) * 0x100000001b3ULL;
+  }
+  return h;
+}
+
+std::uint64_t fingerprint(const LoadTensor &t) {
+  const std::int64_t shape[] = {t.num_micro_steps(), t.num_layers(), t.num_experts(), t.num_sources()};
+  std::uint64_t h = fnv1a(std::span<const std::int64_t>(shape));
+  h = fnv1a(t.totals(), h);
+  return fnv1a(t.by_source(), h);
 }
 
 std::string error_of(const std::function<void()> &f) {
@@ -358,6 +376,55 @@ TEST_CASE("synthetic: every slot keeps its expert with probability persistence (
       }
     }
   }
+}
+
+// Stream version 2 fingerprints; a change here needs a new synthetic_stream_version (and new fingerprints).
+TEST_CASE("synthetic: stream version 2 fingerprints") {
+  REQUIRE(synthetic_stream_version == 2);
+  // Qwen3-30B-A3B shape (top-8: the vector-lane path) with the default lengths, few prompts, 8 ranks.
+  SyntheticConfig base = one_step(48, 128, 8, 3, 8);
+  base.num_gpus = 8;
+  base.microbatch_tokens_per_gpu = 4096;
+  // Top-12 of 40 (the bit-set path; a full group of 8 slots and one of 4), zipf popularity, two steps.
+  SyntheticConfig wide = one_step(5, 40, 12, 4, 3);
+  wide.seed = 77;
+  wide.num_steps = 2;
+  wide.popularity = PopularityModel::zipf;
+  wide.num_gpus = 3;
+  wide.microbatch_tokens_per_gpu = 3000;
+  // Edge cases: no drops at all (persistence 1) with responses routed like their prompt; every slot redrawn.
+  SyntheticConfig frozen = one_step(6, 32, 6, 5, 4);
+  frozen.seed = 5;
+  frozen.persistence = 1.0;
+  frozen.response_topic_weight = 0.0;
+  frozen.num_gpus = 4;
+  SyntheticConfig churn = frozen;
+  churn.persistence = 0.0;
+  churn.response_topic_weight = 0.3;
+
+  const std::pair<const SyntheticConfig *, std::uint64_t> loads[] = {{&base, 0xa18f5b4bec5c2993ULL},
+                                                                     {&wide, 0x6293b2d84c55e3ebULL},
+                                                                     {&frozen, 0x5e1c026112e14299ULL},
+                                                                     {&churn, 0x62f65b32b62cf873ULL}};
+  for (const auto &entry : loads) { // not a structured binding: INFO captures it, which clang 14 refuses
+    const SyntheticConfig &c = *entry.first;
+    INFO(describe(c));
+    for (int threads : {1, 2}) {
+      GeneratorOptions opts;
+      opts.num_threads = threads;
+      const std::uint64_t got = fingerprint(generate_loads(c, nullptr, false, opts));
+      CHECK(got == entry.second);
+    }
+  }
+  CHECK(fingerprint(generate_loads(wide, nullptr, true)) == 0xdd6f6334bf871248ULL);
+
+  SyntheticConfig small = wide;
+  small.num_layers = 3;
+  small.num_steps = 1;
+  const SyntheticTrace t = generate_trace(small);
+  std::uint64_t ids = fnv1a(std::span<const std::int16_t>(t.routed_ids));
+  ids = fnv1a(std::span<const std::int64_t>(t.sequence_offsets), ids);
+  CHECK(ids == 0x92fc584017f6fcb0ULL);
 }
 
 TEST_CASE("synthetic: alias tables padded to a power of two follow their weights") {
