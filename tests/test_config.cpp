@@ -346,8 +346,8 @@ using fm::SyntheticConfig;
 namespace {
 
 std::filesystem::path fresh_dir(const char *name) {
-  const std::filesystem::path d = std::filesystem::temp_directory_path() /
-                                  (std::string("foremoe-test-") + name + "-" + std::to_string(std::random_device{}()));
+  std::filesystem::path d = std::filesystem::temp_directory_path() /
+                            (std::string("foremoe-test-") + name + "-" + std::to_string(std::random_device{}()));
   std::filesystem::remove_all(d);
   return d;
 }

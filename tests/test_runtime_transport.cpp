@@ -272,6 +272,6 @@ TEST_CASE("fault draws replay from the seed, are uniform, and differ by decision
       below += u < 0.1;
     }
     CHECK(sum / n == doctest::Approx(0.5).epsilon(0.02));
-    CHECK(below == doctest::Approx(n / 10).epsilon(0.06));
+    CHECK(below == doctest::Approx(n / 10.0).epsilon(0.06));
   }
 }
