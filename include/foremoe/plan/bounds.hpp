@@ -90,7 +90,9 @@ struct TwoLevelBoundWorkspace {
     const int o = owner_gpu[e];
     std::int64_t hosts = 1 + (move_budget == 0 ? resident_hosts[e] : open - (topo.slots_per_gpu > owned[o] ? 1 : 0));
     hosts = std::min<std::int64_t>(hosts, 1 + total_usable - usable[o]);
-    lb = std::max(lb, (loads[e] + hosts - 1) / hosts);
+    // ceil(load / hosts) <= load, so only a load above the bound can raise it: the division (tens of cycles)
+    // runs for the few heavy experts only.
+    if (loads[e] > lb) lb = std::max(lb, (loads[e] + hosts - 1) / hosts);
   }
   // Per GPU, grouped by owner in one pass.
   std::vector<int> &off = ws.off;
