@@ -503,9 +503,18 @@ private:
         // Heaviest remaining expert of g first; the others only when it cannot move all it could.
         std::int32_t pick_e = -1, pick_h = -1;
         std::int64_t pick_t = 0;
+        // The first of the largest (conditional moves: which one wins is hard to predict).
         std::int32_t top = -1;
-        for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
-          if (top < 0 || remaining_[own_list_[j]] > remaining_[top]) top = own_list_[j];
+        if (own_off_[g] < own_off_[g + 1]) {
+          top = own_list_[own_off_[g]];
+          std::int64_t top_left = remaining_[top];
+          for (int j = own_off_[g] + 1; j < own_off_[g + 1]; ++j) {
+            const std::int32_t e = own_list_[j];
+            const std::int64_t left = remaining_[e];
+            top = left > top_left ? e : top;
+            top_left = left > top_left ? left : top_left;
+          }
+        }
         if (resident_first_ == 2) [[unlikely]]
           // Resident pieces first: the largest piece any resident copy of g's experts can take (no move).
           for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) {
