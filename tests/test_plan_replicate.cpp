@@ -427,3 +427,29 @@ TEST_CASE("open receivers: first_with_room is the first position with room >= ne
     }
   }
 }
+
+TEST_CASE("sorting networks sort every 0/1 input (so every input) and random keys as std::sort does") {
+  // The 0/1 principle: a comparator network that sorts all 0/1 inputs sorts every input.
+  for (std::uint32_t mask = 0; mask < (1u << 16); ++mask) {
+    std::uint64_t a[16];
+    for (int i = 0; i < 16; ++i)
+      a[i] = mask >> i & 1u;
+    detail::sorting_network_16(a);
+    REQUIRE(std::is_sorted(a, a + 16));
+    if (mask < (1u << 8)) {
+      for (int i = 0; i < 8; ++i)
+        a[i] = mask >> i & 1u;
+      detail::sorting_network_8(a);
+      REQUIRE(std::is_sorted(a, a + 8));
+    }
+  }
+  std::mt19937_64 rng(43);
+  for (int it = 0; it < 1000; ++it) {
+    std::uint64_t a[16], b[16];
+    for (int i = 0; i < 16; ++i)
+      a[i] = b[i] = rng() % 7;
+    detail::sorting_network_16(a);
+    std::sort(b, b + 16);
+    REQUIRE(std::equal(a, a + 16, b));
+  }
+}

@@ -87,12 +87,20 @@ struct TwoLevelBoundWorkspace {
           if (e >= 0 && e < num_experts && owner_gpu[e] != g && topo.slots_per_gpu > owned[g]) ++resident_hosts[e];
   }
   for (int e = 0; e < num_experts; ++e) {
+    // ceil(load / hosts) <= load, so only a load above the bound can raise it: the hosts and the division (tens
+    // of cycles) are worked out for the few heavy experts only.
+    if (loads[e] <= lb) continue;
     const int o = owner_gpu[e];
     std::int64_t hosts = 1 + (move_budget == 0 ? resident_hosts[e] : open - (topo.slots_per_gpu > owned[o] ? 1 : 0));
     hosts = std::min<std::int64_t>(hosts, 1 + total_usable - usable[o]);
     lb = std::max(lb, (loads[e] + hosts - 1) / hosts);
   }
-  // Per GPU, grouped by owner in one pass.
+  // Per GPU, grouped by owner in one pass; only GPUs owning more experts than the others' usable spare slots
+  // have any that must stay, and usually none does.
+  bool any_stays = false;
+  for (int g = 0; g < num_gpus && !any_stays; ++g)
+    any_stays = owned[g] > total_usable - usable[g];
+  if (!any_stays) return lb;
   std::vector<int> &off = ws.off;
   off.assign(static_cast<std::size_t>(num_gpus) + 1, 0);
   for (std::int32_t o : owner_gpu)

@@ -66,7 +66,7 @@ public:
     const std::int64_t *base = open_room_.data();
     while (len > 1) {
       const std::size_t half = len / 2;
-      base = base[half - 1] < need ? base + half : base;
+      base += static_cast<std::size_t>(base[half - 1] < need) * half; // a multiply, not a branch
       len -= half;
     }
     return static_cast<std::size_t>(base - open_room_.data()) + (len == 1 && *base < need);

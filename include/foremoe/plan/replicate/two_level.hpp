@@ -28,6 +28,7 @@
 #include "foremoe/plan/detail/makespan_search.hpp"
 #include "foremoe/plan/detail/receivers.hpp"
 #include "foremoe/plan/detail/replica_solution.hpp"
+#include "foremoe/plan/detail/sorting_network.hpp"
 #include "foremoe/plan/detail/tolerance.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/plan/replicate/from_placement.hpp"
@@ -298,8 +299,9 @@ private:
     owner_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
     spare_.assign(static_cast<std::size_t>(num_gpus_), 0);
     budget_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    // Only the GPUs that shed read their owned experts by load, so each is sorted when it first sheds.
+    owned_sorted_.assign(static_cast<std::size_t>(num_gpus_), 0);
     for (int g = 0; g < num_gpus_; ++g) {
-      sort_owned(g, loads);
       for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
         owner_load_[g] += loads[own_list_[j]];
       spare_[g] = slots_ - (own_off_[g + 1] - own_off_[g]);
@@ -326,30 +328,46 @@ private:
     }
   }
 
+  /// Sorts GPU `g`'s owned experts by load (descending, stable) unless this call already did.
+  void ensure_owned_sorted(int g, std::span<const std::int64_t> loads) {
+    if (owned_sorted_[g] != 0) return;
+    sort_owned(g, loads);
+    owned_sorted_[g] = 1;
+  }
   /// Sorts GPU `g`'s owned experts (in expert order on entry) by load, descending and stable. A GPU owns a
-  /// handful of experts: each one's place is counted without branches (ties keep expert order), which avoids the
-  /// mispredicted compares of an insertion sort on loads in random order.
+  /// handful of experts: up to 16 are sorted as packed (load, position) keys by a fixed sorting network, whose
+  /// branchless compare-exchanges avoid both the mispredicted compares of an insertion sort on loads in random
+  /// order and the n^2 compares of a rank count.
   void sort_owned(int g, std::span<const std::int64_t> loads) {
     const int lo = own_off_[g], n = own_off_[g + 1] - own_off_[g];
     if (n <= 1) return;
     constexpr int small = 16;
-    if (n > small) {
+    // Key: (max_load - load) above 4 bits of position, so ascending keys are descending loads, ties in expert
+    // order; padding keys (all ones) sort last.
+    constexpr std::int64_t max_load = (std::int64_t{1} << 59) - 1;
+    bool packable = n <= small;
+    std::uint64_t key[small];
+    for (int i = 0; i < n && packable; ++i) {
+      const std::int64_t v = loads[own_list_[lo + i]];
+      packable = v <= max_load;
+      key[i] = static_cast<std::uint64_t>(max_load - v) << 4 | static_cast<std::uint64_t>(i);
+    }
+    if (!packable) {
       std::stable_sort(own_list_.begin() + lo, own_list_.begin() + lo + n,
                        [&](std::int32_t a, std::int32_t b) { return loads[a] > loads[b]; });
       return;
     }
-    std::int64_t l[small];
+    const int width = n <= 8 ? 8 : 16;
+    for (int i = n; i < width; ++i)
+      key[i] = ~std::uint64_t{0};
+    if (width == 8)
+      detail::sorting_network_8(key);
+    else
+      detail::sorting_network_16(key);
     std::int32_t x[small];
-    for (int i = 0; i < n; ++i) {
-      x[i] = own_list_[lo + i];
-      l[i] = loads[x[i]];
-    }
-    for (int i = 0; i < n; ++i) {
-      int rank = 0;
-      for (int j = 0; j < n; ++j)
-        rank += static_cast<int>(l[j] > l[i]) | (static_cast<int>(l[j] == l[i]) & static_cast<int>(j < i));
-      own_list_[lo + rank] = x[i];
-    }
+    std::copy_n(own_list_.begin() + lo, n, x);
+    for (int i = 0; i < n; ++i)
+      own_list_[lo + i] = x[key[i] & 15u];
   }
 
   void setup_resident(const LayerPlacement *resident, std::span<const std::int32_t> owner_gpu) {
@@ -478,15 +496,25 @@ private:
       // The same necessary conditions on what is left: room lost in receivers that closed early (out of slots or
       // budget) usually makes a construction fail late, and this sees it one GPU at a time.
       if (excess_left > room_left || (excess_left > 0 && slots_left <= 0)) return false;
+      ensure_owned_sorted(g, loads);
       for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
         remaining_[own_list_[j]] = loads[own_list_[j]];
       while (excess > 0) {
         // Heaviest remaining expert of g first; the others only when it cannot move all it could.
         std::int32_t pick_e = -1, pick_h = -1;
         std::int64_t pick_t = 0;
+        // The first of the largest (conditional moves: which one wins is hard to predict).
         std::int32_t top = -1;
-        for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
-          if (top < 0 || remaining_[own_list_[j]] > remaining_[top]) top = own_list_[j];
+        if (own_off_[g] < own_off_[g + 1]) {
+          top = own_list_[own_off_[g]];
+          std::int64_t top_left = remaining_[top];
+          for (int j = own_off_[g] + 1; j < own_off_[g + 1]; ++j) {
+            const std::int32_t e = own_list_[j];
+            const std::int64_t left = remaining_[e];
+            top = left > top_left ? e : top;
+            top_left = left > top_left ? left : top_left;
+          }
+        }
         if (resident_first_ == 2) [[unlikely]]
           // Resident pieces first: the largest piece any resident copy of g's experts can take (no move).
           for (int j = own_off_[g]; j < own_off_[g + 1]; ++j) {
@@ -622,6 +650,7 @@ private:
       for (int g = 1; g < num_gpus_; ++g)
         if (eval_.gpu_loads()[g] > eval_.gpu_loads()[hot]) hot = g;
       cand_e_.clear();
+      ensure_owned_sorted(hot, loads);
       for (int j = own_off_[hot]; j < own_off_[hot + 1]; ++j)
         cand_e_.push_back(own_list_[j]);
       for (int j = 0; j < cur_.cnt[hot]; ++j)
@@ -735,6 +764,7 @@ private:
     plan.placement = LayerPlacement(num_gpus_, slots_, num_experts_);
     plan.owner_gpu.assign(owner_gpu.begin(), owner_gpu.end());
     plan.slot_tokens.assign(static_cast<std::size_t>(num_gpus_) * slots_, 0);
+    moves_.clear();
     // Per GPU the experts it wants (owned ones in expert order, then its replicas), laid out as
     // `layout_gpu_slots` does: an expert the resident placement holds on the GPU keeps that slot, the others fill
     // the free slots in order. `want_pos_[e]` is e's index in the GPU's list (-1 elsewhere, reset per GPU).
@@ -776,12 +806,17 @@ private:
           for (int i = 0; i < n; ++i)
             want_pos_[want[i]] = -1;
       }
+      // The experts that did not keep a resident slot fill the free slots in order, each a move (what
+      // `compute_moves` finds: no free slot held its new expert before, or the matching above would have kept it;
+      // without a resident placement the owned experts are where every GPU starts).
       for (int i = 0, j = 0; i < n; ++i) {
         if (slot_of[i] >= 0) continue;
         while (out[j] != empty_slot)
           ++j;
         out[j] = want[i];
         slot_of[i] = j;
+        if (resident != nullptr || i >= num_owned)
+          moves_.push_back({want[i], move_source(resident, want[i], g), g, static_cast<std::int32_t>(j)});
       }
       if (construction_split) {
         std::int64_t gpu_load = 0;
@@ -799,8 +834,28 @@ private:
           if (const std::int32_t e = plan.placement.slot(g, j); e != empty_slot)
             plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + j] = eval_.tokens_on(e, g, loads, owner_);
     }
-    plan.moves = compute_moves(plan.placement, owner_gpu, resident, topo_.gpus_per_node);
+    plan.moves.assign(moves_.begin(), moves_.end());
     return plan;
+  }
+
+  /// `detail::move_source` with the placement the moves start from (`resident`, or the owner copies alone when
+  /// null): the owner when it holds `e` on `dst`'s node, else the first other GPU there that does, else the host
+  /// mirror. One pass over the node's slots, which are contiguous.
+  [[nodiscard]] std::int32_t move_source(const LayerPlacement *resident, std::int32_t e, int dst) const {
+    const int gpn = topo_.gpus_per_node, first = dst / gpn * gpn, last = std::min(num_gpus_, first + gpn);
+    const std::int32_t owner = owner_[e];
+    const bool owner_on_node = owner >= first && owner < last && owner != dst;
+    if (resident == nullptr) return owner_on_node ? owner : host_mirror;
+    const std::int32_t *slot = resident->phys_to_log().data();
+    std::int32_t holder = host_mirror;
+    for (int q = first * slots_; q < last * slots_; ++q)
+      if (slot[q] == e) {
+        const std::int32_t g = q / slots_;
+        if (g == dst) continue;
+        if (g == owner) return owner;
+        if (holder == host_mirror) holder = g;
+      }
+    return holder;
   }
 
   Topology topo_;
@@ -812,8 +867,9 @@ private:
   std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
   std::vector<std::int64_t> owner_load_, room_, remaining_, chained_;
   std::vector<std::int64_t> owner_tokens_;
+  std::vector<Move> moves_; ///< realize's moves, copied into the plan at their final size
   std::vector<std::int32_t> want_, want_pos_, slot_of_, own_by_id_, mark_;
-  std::vector<char> flag_;
+  std::vector<char> flag_, owned_sorted_;
   detail::ReceiverOrder recv_;
   detail::OpenReceivers open_;
   std::vector<std::int32_t> res_off_, res_gpu_;
