@@ -377,7 +377,7 @@ TEST_CASE("load cache: entries round-trip exactly, per key; damaged or foreign e
     const std::vector<std::int64_t> steps = {0, t.num_micro_steps()};
     const std::string key = "key " + std::to_string(trial);
     CHECK_FALSE(cache.read(key).has_value());
-    REQUIRE(cache.write(key, t, steps));
+    REQUIRE(cache.write(key, t, steps) == LoadCache::Write::written);
     const auto back = cache.read(key);
     REQUIRE(back.has_value());
     CHECK(back->step_offsets == steps);
@@ -400,15 +400,15 @@ TEST_CASE("load cache: entries round-trip exactly, per key; damaged or foreign e
     CHECK_FALSE(cache.read(key).has_value());
     config::write_text(f, bytes + "x");
     CHECK_FALSE(cache.read(key).has_value());
-    REQUIRE(cache.write(key, t, steps)); // rewritten in place
+    REQUIRE(cache.write(key, t, steps) == LoadCache::Write::written); // rewritten in place
     CHECK(cache.read(key).has_value());
   }
   // The key's hash names the file; a different key with the same file (a collision) is compared in full.
   CHECK(cache.file_of("a").parent_path() == dir);
   CHECK(cache.file_of("a") != cache.file_of("b"));
   CHECK(LoadCache().read("a") == std::nullopt);
-  CHECK_FALSE(LoadCache().write("a", LoadTensor(1, 1, 1), {0, 1}));
-  CHECK_FALSE(LoadCache("/proc/foremoe-no-such-cache").write("a", LoadTensor(1, 1, 1), {0, 1}));
+  CHECK(LoadCache().write("a", LoadTensor(1, 1, 1), {0, 1}) == LoadCache::Write::disabled);
+  CHECK(LoadCache("/proc/foremoe-no-such-cache").write("a", LoadTensor(1, 1, 1), {0, 1}) == LoadCache::Write::failed);
   std::filesystem::remove_all(dir);
 }
 

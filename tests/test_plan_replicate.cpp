@@ -391,6 +391,15 @@ TEST_CASE("planner: clear errors") {
   std::vector<std::int64_t> neg(32, 1);
   neg[17] = -4;
   CHECK_ERROR_CONTAINS((void)p.plan(neg), "negative load -4 at layer 1, expert 1");
+  // One layer through the replica planner: the expert and its load are named.
+  ReplicaPlanner rp(Topology{1, 4, 5}, 16);
+  std::vector<std::int32_t> by_four(16);
+  for (int e = 0; e < 16; ++e)
+    by_four[e] = e / 4;
+  CHECK_ERROR_CONTAINS((void)rp.plan_two_level(std::span(neg).subspan(16), by_four, nullptr),
+                       "plan_two_level: expert 1 has a negative load -4");
+  CHECK_ERROR_CONTAINS((void)rp.plan_free(std::span(neg).subspan(16), nullptr),
+                       "plan_free: expert 1 has a negative load -4");
   CHECK_ERROR_CONTAINS((void)p.plan(LoadTensor(1, 3, 16), 0), "planner expects");
   CHECK_ERROR_CONTAINS(p.set_owners({{0}, {0}}), "experts, expected 16");
   PlannerOptions greedy;

@@ -494,10 +494,9 @@ struct LoadsReport {
         rep.from_cache = true;
       } else {
         generated = generate_loads(batch, &step_offsets, grouped, gen);
-        if (LoadCache::fits(generated, step_offsets))
-          rep.cache_written = cache.write(key, generated, step_offsets);
-        else
-          rep.cache_file.clear(); // too large to keep
+        const LoadCache::Write w = cache.write(key, generated, step_offsets);
+        rep.cache_written = w == LoadCache::Write::written;
+        if (w == LoadCache::Write::too_large) rep.cache_file.clear(); // not kept, and not a failure to report
       }
     } else { // the peers' generators route the same micro-steps; the copies split them evenly (not cached)
       generated = generate_peer_loads(workload, batch, ep, &step_offsets);

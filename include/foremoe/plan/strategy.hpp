@@ -19,6 +19,7 @@
 #include "foremoe/core/error.hpp"
 #include "foremoe/core/placement.hpp"
 #include "foremoe/core/topology.hpp"
+#include "foremoe/plan/detail/layer_checks.hpp"
 #include "foremoe/plan/owners.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/plan/planner_options.hpp"
@@ -39,14 +40,9 @@ struct PlanShape {
   void check_layer_loads(std::span<const std::int64_t> loads, const char *who) const {
     detail::require(loads.size() == static_cast<std::size_t>(num_layers) * num_experts, who, ": ", loads.size(),
                     " loads, expected ", num_layers, " layers x ", num_experts, " experts");
-    // A branch-free scan for any sign bit first (it vectorizes); the naming loop runs only when one is set.
-    std::uint64_t sign = 0;
-    for (const std::int64_t x : loads)
-      sign |= static_cast<std::uint64_t>(x);
-    if (sign >> 63 == 0) return;
-    for (std::size_t i = 0; i < loads.size(); ++i)
-      detail::require(loads[i] >= 0, who, ": negative load ", loads[i], " at layer ", i / num_experts, ", expert ",
-                      i % num_experts);
+    const std::ptrdiff_t i = detail::first_negative(loads);
+    detail::require(i < 0, who, ": negative load ", i < 0 ? 0 : loads[i], " at layer ", i / num_experts, ", expert ",
+                    i % num_experts);
   }
   /// Owners of every layer from step totals `[layers][experts]`, keeping `previous` (may be empty) where the
   /// options' tolerance allows.

@@ -123,27 +123,26 @@ public:
     return out;
   }
 
-  /// Whether an entry of these loads is small enough to be cached (`max_entry_bytes`).
-  [[nodiscard]] static bool fits(const LoadTensor &loads, const std::vector<std::int64_t> &step_offsets) noexcept {
+  /// What `write` did: the entry is in place, or why not (a cache that cannot be written is no error).
+  enum class Write { written, disabled, too_large, failed };
+
+  /// Stores `loads` as `key`'s entry unless the cache is off or the entry is larger than `max_entry_bytes`. Never
+  /// leaves a partial entry in place.
+  Write write(std::string_view key, const LoadTensor &loads, const std::vector<std::int64_t> &step_offsets) const {
+    if (!enabled()) return Write::disabled;
     const double bytes = (static_cast<double>(loads.totals().size()) + static_cast<double>(loads.by_source().size()) +
                           static_cast<double>(step_offsets.size())) *
                          8.0;
-    return bytes <= static_cast<double>(max_entry_bytes);
-  }
-
-  /// Stores `loads` as `key`'s entry; false when the cache is off, the entry is too large or the directory cannot
-  /// be written (a cache that cannot be written is no error). Never leaves a partial entry in place.
-  bool write(std::string_view key, const LoadTensor &loads, const std::vector<std::int64_t> &step_offsets) const {
-    if (!enabled() || !fits(loads, step_offsets)) return false;
+    if (bytes > static_cast<double>(max_entry_bytes)) return Write::too_large;
     std::error_code ec;
     std::filesystem::create_directories(dir_, ec);
-    if (ec) return false;
+    if (ec) return Write::failed;
     const std::filesystem::path target = file_of(key);
     std::filesystem::path tmp = target;
     tmp += ".tmp" + std::to_string(std::random_device{}());
     {
       std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      if (!out) return false;
+      if (!out) return Write::failed;
       const std::string line = header_line(key);
       const std::int64_t dims[5] = {loads.num_micro_steps(), loads.num_layers(), loads.num_experts(),
                                     loads.num_sources(), static_cast<std::int64_t>(step_offsets.size())};
@@ -162,12 +161,13 @@ public:
       out.close();
       if (!out) {
         std::filesystem::remove(tmp, ec);
-        return false;
+        return Write::failed;
       }
     }
     std::filesystem::rename(tmp, target, ec);
-    if (ec) std::filesystem::remove(tmp, ec);
-    return !ec;
+    if (!ec) return Write::written;
+    std::filesystem::remove(tmp, ec); // its own error code: the rename's failure stands either way
+    return Write::failed;
   }
 
 private:

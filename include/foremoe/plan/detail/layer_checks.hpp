@@ -2,6 +2,7 @@
 /// @file
 /// Not API: input checks and small placement helpers the replica constructions share.
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -14,17 +15,24 @@ namespace foremoe {
 inline namespace v0 {
 namespace detail {
 
+/// Index of the first negative count in `loads`, or -1. A branch-free scan for any sign bit runs first (it
+/// vectorizes), so the search for the index runs only when one is set.
+[[nodiscard]] inline std::ptrdiff_t first_negative(std::span<const std::int64_t> loads) noexcept {
+  std::uint64_t sign = 0;
+  for (const std::int64_t x : loads)
+    sign |= static_cast<std::uint64_t>(x);
+  if (sign >> 63 == 0) return -1;
+  for (std::size_t i = 0; i < loads.size(); ++i)
+    if (loads[i] < 0) return static_cast<std::ptrdiff_t>(i);
+  return -1;
+}
+
 /// Throws `Error` naming `who` unless `loads` holds one non-negative count per expert.
 inline void check_expert_loads(std::span<const std::int64_t> loads, int num_experts, const char *who) {
   detail::require(static_cast<int>(loads.size()) == num_experts, who, ": ", loads.size(), " loads for ", num_experts,
                   " experts");
-  // A branch-free scan for any sign bit first (it vectorizes); the naming loop runs only when one is set.
-  std::uint64_t sign = 0;
-  for (int e = 0; e < num_experts; ++e)
-    sign |= static_cast<std::uint64_t>(loads[e]);
-  if (sign >> 63 == 0) return;
-  for (int e = 0; e < num_experts; ++e)
-    detail::require(loads[e] >= 0, who, ": expert ", e, " has a negative load ", loads[e]);
+  const std::ptrdiff_t e = first_negative(loads);
+  detail::require(e < 0, who, ": expert ", e, " has a negative load ", e < 0 ? 0 : loads[e]);
 }
 
 /// Throws `Error` naming `who` unless `resident` (may be null) has the topology's shape.
