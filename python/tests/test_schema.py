@@ -266,3 +266,17 @@ def test_synthetic_config_refusals_match_trace_gen(cli_bin, tmp_path):
         foremoe.synthetic_trace(layers=2.5)
     with pytest.raises(ValueError, match=r"^synthetic_loads.topk: expected an integer, got true$"):
         foremoe.synthetic_loads(topk=True)
+
+
+def test_planner_stub_names_every_planner_option():
+    """The typed stub's `Planner(...)` keywords are the planner schema's keys (`threads` included), so type
+    checkers accept every option the library takes and no option it refuses."""
+    import ast
+    import pathlib
+
+    stub = pathlib.Path(foremoe.__file__).with_name("__init__.pyi")
+    tree = ast.parse(stub.read_text())
+    init = next(f for c in tree.body if isinstance(c, ast.ClassDef) and c.name == "Planner"
+                for f in c.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+    names = {a.arg for a in init.args.args + init.args.kwonlyargs} - {"self", "topology"}
+    assert names == {o["key"] for o in foremoe.options("planner")}

@@ -322,9 +322,14 @@ struct CountSettings {
               [](auto &o) -> auto & { return o.exact_split; }),
           number<P>(
               "tolerance", 0, 100,
-              "largest accepted layer max/mean; within it the plan moving fewest experts wins (0: as balanced as "
-              "possible; else >= 1)",
+              "largest accepted layer max/mean; within it the plan moving fewest bytes wins: weights in, and in the "
+              "update stage gradients out (0: as balanced as possible; else >= 1)",
               [](auto &o) -> auto & { return o.tolerance; }),
+          number<P>(
+              "gradient_bytes_factor", 0, 100,
+              "with a tolerance, update stage: a used replica's gradient bytes per weight byte (fp32 gradients of "
+              "bf16 weights: 2; 0: count moves alone)",
+              [](auto &o) -> auto & { return o.gradient_bytes_factor; }),
           integer<P>(
               "min_tokens_per_replica", 0, std::int64_t{1} << 40,
               "fewest tokens a replica may run (0: any); lighter pieces go back to another copy",

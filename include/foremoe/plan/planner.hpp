@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -53,6 +54,8 @@ public:
                     " and ", opts_.free_search_rounds);
     detail::require(opts_.tolerance == 0 || opts_.tolerance >= 1, "Planner: tolerance must be 0 (as balanced as ",
                     "possible) or a max/mean >= 1, got ", opts_.tolerance);
+    detail::require(opts_.gradient_bytes_factor >= 0 && std::isfinite(opts_.gradient_bytes_factor),
+                    "Planner: gradient_bytes_factor must be finite and >= 0, got ", opts_.gradient_bytes_factor);
     detail::require(opts_.min_tokens_per_replica >= 0, "Planner: min_tokens_per_replica must be >= 0, got ",
                     opts_.min_tokens_per_replica);
     detail::require(opts_.ultraep_min_tokens >= 0, "Planner: ultraep_min_tokens must be >= 0, got ",
@@ -131,6 +134,7 @@ public:
     ropts.exact_split = opts_.exact_split;
     ropts.tolerance = opts_.tolerance;
     ropts.min_tokens_per_replica = opts_.min_tokens_per_replica;
+    ropts.gradient_weight = stage == Stage::update ? opts_.gradient_bytes_factor : 0.0;
     if (opts_.replica_cost && opts_.token_time) {
       ropts.replica_cost = [f = opts_.replica_cost, stage](int e, int src, int dst) { return f(e, src, dst, stage); };
       ropts.token_time = opts_.token_time;

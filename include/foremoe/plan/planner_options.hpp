@@ -38,6 +38,10 @@ struct PlannerOptions {
   /// Largest accepted layer max/mean (0: as balanced as possible, today's plans); see `ReplicaOptions::tolerance`.
   double tolerance = 0.0;
   std::int64_t min_tokens_per_replica = 0; ///< fewest tokens a replica runs (0: any)
+  /// Update stage with a tolerance: bytes of a used replica's gradient per byte of its weights, so that the pick
+  /// within the tolerance counts gradients out beside weights in (fp32 gradients of bf16 weights: 2; 0: moves
+  /// alone).
+  double gradient_bytes_factor = 2.0;
   /// `ultraep`: fewest tokens a replica runs (UltraEP, arXiv:2606.04101: at least 1,024 tokens per replica).
   std::int64_t ultraep_min_tokens = 1024;
   /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.

@@ -490,6 +490,7 @@ struct GroupStep {
   popts.reowning_free = cfg.reowning_free; // paid re-owning: the planner keeps owners where it can
   popts.tolerance = cfg.tolerance;
   popts.min_tokens_per_replica = cfg.min_tokens_per_replica;
+  popts.gradient_bytes_factor = cost.grad.grad_bytes_factor; // from `grad_dtype` and the model's weight dtype
   if (cfg.cost_gate) {
     // The slowest GPU's expert compute for its token count, on a GPU with every slot in use.
     popts.token_time = [&compute, S](std::int64_t t) {

@@ -47,6 +47,10 @@ class Planner:
         local_search_rounds: Optional[int] = None,
         free_search_rounds: Optional[int] = None,
         exact_split: Optional[bool] = None,
+        tolerance: Optional[float] = None,
+        gradient_bytes_factor: Optional[float] = None,
+        min_tokens_per_replica: Optional[int] = None,
+        ultraep_min_tokens: Optional[int] = None,
         eplb_num_groups: Optional[int] = None,
     ) -> None:
         """None takes the library default (foremoe.options("planner"))."""

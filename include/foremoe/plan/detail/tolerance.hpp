@@ -23,6 +23,20 @@ inline namespace v0 {
 
 namespace detail {
 
+/// What a plan costs the imbalance tolerance, in expert weights: its moves, plus `gradient_weight` for every
+/// replica (a copy off its owner GPU) that runs tokens, whose gradient the update stage returns to the owner.
+[[nodiscard]] inline double tolerance_bytes(const LayerPlan &plan, double gradient_weight) {
+  double bytes = static_cast<double>(plan.moves.size());
+  if (gradient_weight <= 0) return bytes;
+  const LayerPlacement &p = plan.placement;
+  const int slots = p.slots_per_gpu();
+  for (int q = 0; q < p.num_slots(); ++q)
+    if (const std::int32_t e = p.phys_to_log()[q];
+        e != empty_slot && plan.owner_gpu[e] != q / slots && plan.slot_tokens[static_cast<std::size_t>(q)] > 0)
+      bytes += gradient_weight;
+  return bytes;
+}
+
 /// Gives every replica piece below `min_tokens` (copies off their owner GPU) to the expert's copy on the least
 /// loaded GPU among its copies that keep theirs (the owner's at worst), and empties new copies left with no
 /// tokens; then recomputes the maximum and the moves. The plan stays valid: token sums and owner copies are

@@ -27,12 +27,16 @@ struct ReplicaOptions {
   /// planning per layer.
   bool exact_split = false;
   /// Largest accepted layer max/mean (0: as balanced as the planner gets, today's plans). Within it the plan with
-  /// the fewest moves wins among a fixed ladder of constructions (see `TwoLevelPlanner`), so moves never grow as it
-  /// loosens; `LayerPlan::tolerance_met` says whether it was met.
+  /// the fewest bytes (moves, and `gradient_weight` per used replica) wins among a fixed ladder of constructions
+  /// (see `TwoLevelPlanner`), so bytes never grow as it loosens; `LayerPlan::tolerance_met` says whether it was met.
   double tolerance = 0.0;
   /// Fewest tokens a replica may run (0: any): lighter pieces go back to another copy and new copies that end up
   /// with none are not made.
   std::int64_t min_tokens_per_replica = 0;
+  /// With a tolerance: what a replica that runs tokens costs for its gradient, in weight moves (the update stage
+  /// returns its gradient to the owner; `PlannerOptions::gradient_bytes_factor` there, 0 elsewhere). The pick
+  /// within the tolerance is then the fewest moves plus this per used replica.
+  double gradient_weight = 0.0;
   /// Optional cost gate: a new replica stays only if the compute time it saves exceeds `replica_cost`. Both
   /// callbacks must be set for the gate to act.
   ReplicaCostFn replica_cost;

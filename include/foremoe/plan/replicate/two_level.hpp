@@ -61,7 +61,7 @@ public:
 
   /// Two-level plan: `owner_gpu[e]` keeps a copy of `e`; replicas fill spare slots. `resident` (may be null) is the
   /// previous micro-step's placement of this layer: its replicas are kept where useful at no move cost. With
-  /// `opts.tolerance` the plan with the fewest moves whose max/mean is within it (see `apply_tolerance`); with
+  /// `opts.tolerance` the plan with the fewest bytes whose max/mean is within it (see `apply_tolerance`); with
   /// `opts.min_tokens_per_replica` no replica runs fewer tokens (see `enforce_min_tokens`).
   [[nodiscard]] TwoLevelResult plan(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
                                     const LayerPlacement *resident, const ReplicaOptions &opts = {}) {
@@ -171,12 +171,13 @@ private:
     return foremoe::tolerance_limit(total, num_gpus_, tolerance);
   }
 
-  /// Replaces `plan` (today's plan, P) by the candidate with the fewest moves whose largest GPU load is within
+  /// Replaces `plan` (today's plan, P) by the candidate with the fewest bytes (moves, plus `opts.gradient_weight`
+  /// per replica that runs tokens) whose largest GPU load is within
   /// `tolerance_limit` (ties: lower maximum, then ladder order), or, when none is, by the most balanced one, with
   /// `tolerance_met` false. Candidates: P, the resident placement kept, and the construction at each ladder
   /// makespan `ceil(r * mean)` (and at the owners' peak: no new replica) up to the larger of the limit and P's
   /// maximum. The candidate sets grow with the tolerance and the unmet pick lies in every larger set within it, so
-  /// moves never grow as the tolerance loosens.
+  /// bytes never grow as the tolerance loosens.
   void apply_tolerance(LayerPlan &plan, std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu,
                        const LayerPlacement *resident, const ReplicaOptions &opts) {
     static constexpr double ladder[] = {1.0,  1.001, 1.0025, 1.005, 1.0075, 1.01, 1.015, 1.02, 1.03, 1.04,
@@ -186,29 +187,36 @@ private:
       total += x;
     const std::int64_t limit = foremoe::tolerance_limit(total, num_gpus_, opts.tolerance);
     plan.tolerance_met = plan.max_gpu_load <= limit;
-    if (plan.tolerance_met && plan.moves.empty()) return;
+    auto bytes_of = [&](const LayerPlan &c) { return detail::tolerance_bytes(c, opts.gradient_weight); };
+    if (plan.tolerance_met && bytes_of(plan) == 0) return;
     const std::int64_t reach = std::max(limit, plan.max_gpu_load);
-    // Best feasible (fewest moves) and most balanced candidate so far; P is both where it qualifies.
+    // Best feasible (fewest bytes) and most balanced candidate so far; P is both where it qualifies.
     LayerPlan feasible, balanced;
+    double feasible_bytes = 0, balanced_bytes = bytes_of(plan);
     bool has_feasible = false;
-    auto better_feasible = [&](const LayerPlan &c) {
-      return !has_feasible || c.moves.size() < feasible.moves.size() ||
-             (c.moves.size() == feasible.moves.size() && c.max_gpu_load < feasible.max_gpu_load);
-    };
     auto consider = [&](LayerPlan &&c) {
-      const bool more_balanced = c.max_gpu_load < balanced.max_gpu_load ||
-                                 (c.max_gpu_load == balanced.max_gpu_load && c.moves.size() < balanced.moves.size());
-      if (c.max_gpu_load <= limit && better_feasible(c)) {
-        if (more_balanced) balanced = c;
+      const double b = bytes_of(c);
+      const bool more_balanced =
+          c.max_gpu_load < balanced.max_gpu_load || (c.max_gpu_load == balanced.max_gpu_load && b < balanced_bytes);
+      const bool better_feasible =
+          !has_feasible || b < feasible_bytes || (b == feasible_bytes && c.max_gpu_load < feasible.max_gpu_load);
+      if (c.max_gpu_load <= limit && better_feasible) {
+        if (more_balanced) {
+          balanced = c;
+          balanced_bytes = b;
+        }
         feasible = std::move(c);
+        feasible_bytes = b;
         has_feasible = true;
       } else if (more_balanced) {
         balanced = std::move(c);
+        balanced_bytes = b;
       }
     };
     balanced = plan;
     if (plan.tolerance_met) {
       feasible = plan;
+      feasible_bytes = balanced_bytes;
       has_feasible = true;
     }
     if (resident != nullptr && resident_compatible(*resident, owner_gpu))
@@ -219,7 +227,7 @@ private:
     setup_resident(resident, owner_gpu);
     std::int64_t last = -1;
     auto construct = [&](std::int64_t t) {
-      if (t > reach || t == last || (has_feasible && feasible.moves.empty())) return;
+      if (t > reach || t == last || (has_feasible && feasible_bytes == 0)) return;
       last = t;
       // The constructions at t: the plain one, and with a resident placement two resident-first ones (1: a
       // resident copy of the expert being shed takes a partial piece before any new copy; 2: also, each hot GPU
