@@ -131,6 +131,29 @@ void BM_PlanDeepSeekV3Gpus(benchmark::State &st) {
 }
 BENCHMARK(BM_PlanDeepSeekV3Gpus)->Arg(32)->Arg(64)->Arg(256)->Unit(benchmark::kMicrosecond);
 
+/// The imbalance tolerance's planning time: DeepSeek-V3 at 32 GPUs as above, tolerance (argument / 100) in the
+/// update stage (weights in and gradients out counted, `gradient_bytes_factor` 2). Counter: mean moves per layer.
+void BM_PlanDeepSeekV3Tolerance(benchmark::State &st) {
+  const Shape s{58, 256, Topology{4, 8, 9}};
+  const LoadTensor steps = micro_steps_for(s, 4, 2.0, 11);
+  PlannerOptions opts;
+  opts.move_budget = 1;
+  opts.tolerance = static_cast<double>(st.range(0)) / 100.0;
+  Planner planner(s.num_layers, s.num_experts, s.topo, opts);
+  planner.begin_step(planner.sum_steps(steps));
+  const Placement resident = to_placement(planner.plan(steps, 0));
+  std::int64_t moves = 0, n = 0;
+  for (auto _ : st) {
+    auto plans = planner.plan(steps, 1, Stage::update, &resident);
+    benchmark::DoNotOptimize(plans.data());
+    for (const auto &lp : plans)
+      moves += static_cast<std::int64_t>(lp.moves.size());
+    n += static_cast<std::int64_t>(plans.size());
+  }
+  st.counters["moves_per_layer"] = n > 0 ? static_cast<double>(moves) / static_cast<double>(n) : 0.0;
+}
+BENCHMARK(BM_PlanDeepSeekV3Tolerance)->Arg(102)->Arg(105)->Unit(benchmark::kMicrosecond);
+
 /// A Kimi-K2-like shape, 60 layers x 384 experts, at 64 GPUs (6 owners + 1 spare slot each), two-level.
 void BM_PlanKimiK2At64Gpus(benchmark::State &st) { plan_micro_step(st, Shape{60, 384, Topology{8, 8, 7}}, "foremoe"); }
 BENCHMARK(BM_PlanKimiK2At64Gpus)->Unit(benchmark::kMicrosecond);

@@ -13,6 +13,7 @@
 /// exact split moves single replicas while the maximum drops.
 
 #include <algorithm>
+#include <cassert>
 #include <cstdint>
 #include <limits>
 #include <numeric>
@@ -190,33 +191,54 @@ private:
     auto bytes_of = [&](const LayerPlan &c) { return detail::tolerance_bytes(c, opts.gradient_weight); };
     if (plan.tolerance_met && bytes_of(plan) == 0) return;
     const std::int64_t reach = std::max(limit, plan.max_gpu_load);
-    // Best feasible (fewest bytes) and most balanced candidate so far; P is both where it qualifies.
+    // Best feasible (fewest bytes) and most balanced candidate so far, each a plan or, for the constructions, a
+    // solution realized only if it wins (its bytes and maximum are those of its plan; see `construction_cost`).
+    // P is both where it qualifies.
+    struct Pick {
+      double bytes = 0;
+      std::int64_t max_load = 0;
+      bool is_solution = false;
+    };
     LayerPlan feasible, balanced;
-    double feasible_bytes = 0, balanced_bytes = bytes_of(plan);
+    Pick fp, bp{bytes_of(plan), plan.max_gpu_load, false};
     bool has_feasible = false;
+    // Whether a candidate of `bytes` and `max_load` replaces the best feasible and the most balanced ones.
+    auto rank = [&](double bytes, std::int64_t max_load) {
+      const bool more_balanced = max_load < bp.max_load || (max_load == bp.max_load && bytes < bp.bytes);
+      const bool better_feasible =
+          max_load <= limit && (!has_feasible || bytes < fp.bytes || (bytes == fp.bytes && max_load < fp.max_load));
+      return std::pair{better_feasible, more_balanced};
+    };
     auto consider = [&](LayerPlan &&c) {
       const double b = bytes_of(c);
-      const bool more_balanced =
-          c.max_gpu_load < balanced.max_gpu_load || (c.max_gpu_load == balanced.max_gpu_load && b < balanced_bytes);
-      const bool better_feasible =
-          !has_feasible || b < feasible_bytes || (b == feasible_bytes && c.max_gpu_load < feasible.max_gpu_load);
-      if (c.max_gpu_load <= limit && better_feasible) {
-        if (more_balanced) {
-          balanced = c;
-          balanced_bytes = b;
-        }
+      const auto [better_feasible, more_balanced] = rank(b, c.max_gpu_load);
+      if (more_balanced) bp = {b, c.max_gpu_load, false};
+      if (better_feasible) {
+        if (more_balanced) balanced = c;
+        fp = {b, c.max_gpu_load, false};
         feasible = std::move(c);
-        feasible_bytes = b;
         has_feasible = true;
       } else if (more_balanced) {
         balanced = std::move(c);
-        balanced_bytes = b;
+      }
+    };
+    auto consider_solution = [&](const detail::ReplicaSolution &s) {
+      const auto [b, m] = construction_cost(s, loads, resident, opts.gradient_weight);
+      const auto [better_feasible, more_balanced] = rank(b, m);
+      if (more_balanced) {
+        bp = {b, m, true};
+        tol_balanced_ = s;
+      }
+      if (better_feasible) {
+        fp = {b, m, true};
+        tol_feasible_ = s;
+        has_feasible = true;
       }
     };
     balanced = plan;
     if (plan.tolerance_met) {
       feasible = plan;
-      feasible_bytes = balanced_bytes;
+      fp = bp;
       has_feasible = true;
     }
     if (resident != nullptr && resident_compatible(*resident, owner_gpu))
@@ -227,7 +249,7 @@ private:
     setup_resident(resident, owner_gpu);
     std::int64_t last = -1;
     auto construct = [&](std::int64_t t) {
-      if (t > reach || t == last || (has_feasible && feasible_bytes == 0)) return;
+      if (t > reach || t == last || (has_feasible && fp.bytes == 0)) return;
       last = t;
       // The constructions at t: the plain one, and with a resident placement two resident-first ones (1: a
       // resident copy of the expert being shed takes a partial piece before any new copy; 2: also, each hot GPU
@@ -243,9 +265,8 @@ private:
           resident_first_ = 0;
           no_chain_ = false;
           if (!ok) continue;
-          cur_ = trial_;
-          keep_unused_residents(cur_);
-          consider(realize(cur_, loads, owner_gpu, resident, -1, true));
+          keep_unused_residents(trial_);
+          consider_solution(trial_);
         }
     };
     for (double r : ladder) {
@@ -254,8 +275,57 @@ private:
       construct(t);
     }
     construct(peak);
-    plan = has_feasible ? std::move(feasible) : std::move(balanced);
+    const Pick &won = has_feasible ? fp : bp;
+    if (won.is_solution)
+      plan = realize(has_feasible ? tol_feasible_ : tol_balanced_, loads, owner_gpu, resident, -1, true);
+    else
+      plan = has_feasible ? std::move(feasible) : std::move(balanced);
+    assert(bytes_of(plan) == won.bytes && plan.max_gpu_load == won.max_load);
     plan.tolerance_met = has_feasible;
+  }
+
+  /// Bytes (`detail::tolerance_bytes` with `gradient_weight`) and largest GPU load of the plan `realize(s, loads,
+  /// owner_, resident, -1, true)` would build, without building it: the construction's tokens, and a move for every
+  /// expert a GPU wants that its row of `resident` does not hold (each replica without a resident placement).
+  [[nodiscard]] std::pair<double, std::int64_t> construction_cost(const detail::ReplicaSolution &s,
+                                                                  std::span<const std::int64_t> loads,
+                                                                  const LayerPlacement *resident,
+                                                                  double gradient_weight) {
+    owner_tokens_.assign(loads.begin(), loads.end());
+    for (int g = 0; g < num_gpus_; ++g)
+      for (int j = 0; j < s.cnt[g]; ++j)
+        owner_tokens_[s.rep[g * slots_ + j]] -= s.amt[g * slots_ + j];
+    if (resident != nullptr) want_mark_.assign(static_cast<std::size_t>(num_experts_), -1);
+    std::int64_t peak = 0, moves = 0, used = 0;
+    for (int g = 0; g < num_gpus_; ++g) {
+      std::int64_t load = 0;
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+        load += owner_tokens_[own_list_[j]];
+      for (int j = 0; j < s.cnt[g]; ++j) {
+        load += s.amt[g * slots_ + j];
+        used += s.amt[g * slots_ + j] > 0;
+      }
+      peak = std::max(peak, load);
+      if (resident == nullptr) {
+        moves += s.cnt[g];
+        continue;
+      }
+      // Each wanted expert keeps a slot its resident row holds (at most one), as `realize` lays them out.
+      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
+        want_mark_[own_list_[j]] = g;
+      for (int j = 0; j < s.cnt[g]; ++j)
+        want_mark_[s.rep[g * slots_ + j]] = g;
+      std::int64_t kept = 0;
+      for (const std::int32_t e : resident->gpu_slots(g))
+        if (e >= 0 && e < num_experts_ && want_mark_[e] == g) {
+          want_mark_[e] = -1;
+          ++kept;
+        }
+      moves += own_off_[g + 1] - own_off_[g] + s.cnt[g] - kept;
+    }
+    // The same expression as `detail::tolerance_bytes`, so that a solution and its plan compare equal.
+    const auto m = static_cast<double>(moves);
+    return {gradient_weight <= 0 ? m : m + gradient_weight * static_cast<double>(used), peak};
   }
   /// Whether `r` is a valid two-level placement for these owners: ids in range, no duplicate on a GPU, every
   /// owner holding its expert (which also hosts every expert).
@@ -887,6 +957,8 @@ private:
   detail::OpenReceivers open_;
   std::vector<std::int32_t> res_off_, res_gpu_;
   detail::ReplicaSolution best_, trial_, cur_, scratch_, res_sol_;
+  detail::ReplicaSolution tol_feasible_, tol_balanced_; ///< `apply_tolerance`'s best constructions so far
+  std::vector<std::int32_t> want_mark_;                 ///< `construction_cost`: expert -> GPU that wants it
   std::vector<std::int32_t> cand_e_, order_, cool_;
   std::vector<std::int64_t> saved_loads_, cand_tok_;
   std::vector<std::uint64_t> hot_keys_;
