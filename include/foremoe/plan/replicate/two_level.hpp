@@ -767,65 +767,85 @@ private:
     moves_.clear();
     // Per GPU the experts it wants (owned ones in expert order, then its replicas), laid out as
     // `layout_gpu_slots` does: an expert the resident placement holds on the GPU keeps that slot, the others fill
-    // the free slots in order. `want_pos_[e]` is e's index in the GPU's list (-1 elsewhere, reset per GPU).
-    want_pos_.resize(static_cast<std::size_t>(num_experts_), -1);
-    want_.resize(static_cast<std::size_t>(slots_));
-    slot_of_.resize(static_cast<std::size_t>(slots_));
-    // With few slots a direct search of the GPU's list is cheaper than maintaining the index map.
-    const bool use_map = slots_ > 4;
-    for (int g = 0; g < num_gpus_; ++g) {
-      const int num_owned = own_off_[g + 1] - own_off_[g];
-      const int n = num_owned + s.cnt[g];
-      detail::require(n <= slots_, "layout_slots: GPU ", g, " gets ", n, " experts but has ", slots_, " slots");
-      std::int32_t *want = want_.data();
-      std::int32_t *slot_of = slot_of_.data();
-      std::copy_n(own_by_id_.begin() + own_off_[g], num_owned, want);
-      std::copy_n(s.rep.begin() + static_cast<std::ptrdiff_t>(g) * slots_, s.cnt[g], want + num_owned);
-      std::fill_n(slot_of, n, -1);
-      std::int32_t *out = &plan.placement.slot(g, 0);
-      if (resident != nullptr) {
-        if (use_map)
-          for (int i = 0; i < n; ++i)
-            want_pos_[want[i]] = i;
+    // the free slots in order, each a move (what `compute_moves` finds: no free slot held its new expert before,
+    // or the matching would have kept it).
+    if (resident == nullptr) {
+      // Every slot is free: the list is the layout, and only replicas move (the owned experts are where every GPU
+      // starts), from the owner when it is on the node, else the host mirror.
+      const int gpn = topo_.gpus_per_node;
+      for (int g = 0; g < num_gpus_; ++g) {
+        const int num_owned = own_off_[g + 1] - own_off_[g];
+        check_layout_fits(g, num_owned + s.cnt[g]);
+        std::int32_t *out = &plan.placement.slot(g, 0);
+        std::int64_t *tokens = plan.slot_tokens.data() + static_cast<std::size_t>(g) * slots_;
+        std::copy_n(own_by_id_.begin() + own_off_[g], num_owned, out);
+        std::copy_n(s.rep.begin() + static_cast<std::ptrdiff_t>(g) * slots_, s.cnt[g], out + num_owned);
+        for (int j = num_owned; j < num_owned + s.cnt[g]; ++j) {
+          const std::int32_t e = out[j], owner = owner_[e];
+          const bool owner_on_node = owner / gpn == g / gpn && owner != g;
+          moves_.push_back({e, owner_on_node ? owner : host_mirror, g, static_cast<std::int32_t>(j)});
+        }
+        if (construction_split) {
+          std::int64_t gpu_load = 0;
+          for (int j = 0; j < num_owned; ++j)
+            gpu_load += tokens[j] = owner_tokens_[out[j]];
+          for (int k = 0; k < s.cnt[g]; ++k)
+            gpu_load += tokens[num_owned + k] = s.amt[g * slots_ + k];
+          plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
+        }
+      }
+    } else {
+      // `kept_[e] == stamp` marks the experts of the current GPU that kept their resident slot (a new stamp per
+      // GPU, so the marks need no clearing).
+      kept_.resize(static_cast<std::size_t>(num_experts_), 0);
+      for (int g = 0; g < num_gpus_; ++g) {
+        const int num_owned = own_off_[g + 1] - own_off_[g], num_rep = s.cnt[g];
+        check_layout_fits(g, num_owned + num_rep);
+        if (++stamp_ == 0) { // wrapped: old marks could collide with new stamps
+          std::fill(kept_.begin(), kept_.end(), 0);
+          stamp_ = 1;
+        }
+        std::int32_t *out = &plan.placement.slot(g, 0);
+        std::int64_t *tokens = plan.slot_tokens.data() + static_cast<std::size_t>(g) * slots_;
+        const std::int32_t *rep = s.rep.data() + static_cast<std::ptrdiff_t>(g) * slots_;
+        const std::int64_t *amt = construction_split ? s.amt.data() + static_cast<std::ptrdiff_t>(g) * slots_ : nullptr;
+        std::int64_t gpu_load = 0;
+        // Resident slots whose expert g still wants (the first such slot of each) keep it.
         for (int j = 0; j < slots_; ++j) {
           const std::int32_t e = resident->slot(g, j);
-          if (e < 0 || e >= num_experts_) continue;
-          int i = -1;
-          if (use_map) {
-            i = want_pos_[e];
+          if (e < 0 || e >= num_experts_ || kept_[e] == stamp_) continue;
+          std::int64_t t = 0;
+          if (owner_[e] == g) {
+            if (construction_split) t = owner_tokens_[e];
           } else {
-            for (int k = 0; k < n && i < 0; ++k)
-              if (want[k] == e) i = k;
+            int k = 0;
+            while (k < num_rep && rep[k] != e)
+              ++k;
+            if (k == num_rep) continue;
+            if (construction_split) t = amt[k];
           }
-          if (i >= 0 && slot_of[i] < 0) {
-            out[j] = e;
-            slot_of[i] = j;
-          }
-        }
-        if (use_map)
-          for (int i = 0; i < n; ++i)
-            want_pos_[want[i]] = -1;
-      }
-      // The experts that did not keep a resident slot fill the free slots in order, each a move (what
-      // `compute_moves` finds: no free slot held its new expert before, or the matching above would have kept it;
-      // without a resident placement the owned experts are where every GPU starts).
-      for (int i = 0, j = 0; i < n; ++i) {
-        if (slot_of[i] >= 0) continue;
-        while (out[j] != empty_slot)
-          ++j;
-        out[j] = want[i];
-        slot_of[i] = j;
-        if (resident != nullptr || i >= num_owned)
-          moves_.push_back({want[i], move_source(resident, want[i], g), g, static_cast<std::int32_t>(j)});
-      }
-      if (construction_split) {
-        std::int64_t gpu_load = 0;
-        for (int i = 0; i < n; ++i) {
-          const std::int64_t t = i < num_owned ? owner_tokens_[want[i]] : s.amt[g * slots_ + (i - num_owned)];
-          plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + slot_of[i]] = t;
+          kept_[e] = stamp_;
+          out[j] = e;
+          tokens[j] = t;
           gpu_load += t;
         }
-        plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
+        // The others fill the free slots in order, each a move.
+        int j = 0;
+        auto place = [&](std::int32_t e, std::int64_t t) {
+          while (out[j] != empty_slot)
+            ++j;
+          out[j] = e;
+          tokens[j] = t;
+          gpu_load += t;
+          moves_.push_back({e, detail::move_source(*resident, owner_gpu, e, g, topo_.gpus_per_node), g,
+                            static_cast<std::int32_t>(j)});
+        };
+        for (int i = own_off_[g]; i < own_off_[g + 1]; ++i)
+          if (const std::int32_t e = own_by_id_[i]; kept_[e] != stamp_)
+            place(e, construction_split ? owner_tokens_[e] : 0);
+        for (int k = 0; k < num_rep; ++k)
+          if (kept_[rep[k]] != stamp_) place(rep[k], construction_split ? amt[k] : 0);
+        if (construction_split) plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
       }
     }
     if (!construction_split) {
@@ -837,25 +857,9 @@ private:
     plan.moves.assign(moves_.begin(), moves_.end());
     return plan;
   }
-
-  /// `detail::move_source` with the placement the moves start from (`resident`, or the owner copies alone when
-  /// null): the owner when it holds `e` on `dst`'s node, else the first other GPU there that does, else the host
-  /// mirror. One pass over the node's slots, which are contiguous.
-  [[nodiscard]] std::int32_t move_source(const LayerPlacement *resident, std::int32_t e, int dst) const {
-    const int gpn = topo_.gpus_per_node, first = dst / gpn * gpn, last = std::min(num_gpus_, first + gpn);
-    const std::int32_t owner = owner_[e];
-    const bool owner_on_node = owner >= first && owner < last && owner != dst;
-    if (resident == nullptr) return owner_on_node ? owner : host_mirror;
-    const std::int32_t *slot = resident->phys_to_log().data();
-    std::int32_t holder = host_mirror;
-    for (int q = first * slots_; q < last * slots_; ++q)
-      if (slot[q] == e) {
-        const std::int32_t g = q / slots_;
-        if (g == dst) continue;
-        if (g == owner) return owner;
-        if (holder == host_mirror) holder = g;
-      }
-    return holder;
+  void check_layout_fits(int g, int n) const {
+    if (n > slots_) [[unlikely]]
+      detail::fail("layout_slots: GPU ", g, " gets ", n, " experts but has ", slots_, " slots");
   }
 
   Topology topo_;
@@ -868,7 +872,9 @@ private:
   std::vector<std::int64_t> owner_load_, room_, remaining_, chained_;
   std::vector<std::int64_t> owner_tokens_;
   std::vector<Move> moves_; ///< realize's moves, copied into the plan at their final size
-  std::vector<std::int32_t> want_, want_pos_, slot_of_, own_by_id_, mark_;
+  std::vector<std::int32_t> own_by_id_, mark_;
+  std::vector<std::uint32_t> kept_; ///< realize's marks of kept resident slots
+  std::uint32_t stamp_ = 0;         ///< the current GPU's mark in `kept_`
   std::vector<char> flag_, owned_sorted_;
   detail::ReceiverOrder recv_;
   detail::OpenReceivers open_;
