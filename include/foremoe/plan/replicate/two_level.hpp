@@ -119,16 +119,9 @@ private:
     auto result = [&](LayerPlan plan) { return TwoLevelResult{std::move(plan), scratch_makespan}; };
     if (resident == nullptr)
       return result(realize(cur_, loads, owner_gpu, nullptr, cur_evaluated ? scratch_makespan : -1));
-    if (resident_compatible(*resident, owner_gpu)) {
-      // The resident placement as a solution (its non-owner copies as replicas): same exact-split maximum as the
-      // placement, through the cheaper owner-based evaluation.
-      if (res_sol_.rep.size() != static_cast<std::size_t>(num_gpus_) * slots_) res_sol_.clear(num_gpus_, slots_);
-      for (int g = 0; g < num_gpus_; ++g) {
-        res_sol_.cnt[g] = 0;
-        for (int j = 0; j < slots_; ++j)
-          if (const std::int32_t e = resident->slot(g, j); e != empty_slot && owner_gpu[e] != g)
-            res_sol_.rep[g * slots_ + res_sol_.cnt[g]++] = e;
-      }
+    // The resident placement as a solution (its non-owner copies as replicas): same exact-split maximum as the
+    // placement, through the cheaper owner-based evaluation.
+    if (resident_compatible(*resident, owner_gpu, &res_sol_)) {
       // Cheap necessary test first: a GPU whose unreplicated owned experts alone exceed the scratch makespan
       // rules the resident placement out without an exact split.
       if (resident_fixed_load_fits(res_sol_, loads, scratch_makespan)) {
@@ -245,18 +238,28 @@ private:
     plan.tolerance_met = has_feasible;
   }
   /// Whether `r` is a valid two-level placement for these owners: ids in range, no duplicate on a GPU, every
-  /// owner holding its expert (which also hosts every expert).
-  [[nodiscard]] bool resident_compatible(const LayerPlacement &r, std::span<const std::int32_t> owner_gpu) {
+  /// owner holding its expert (which also hosts every expert). With `replicas`, also writes there the non-owner
+  /// copies of `r` (complete only when `r` is valid).
+  [[nodiscard]] bool resident_compatible(const LayerPlacement &r, std::span<const std::int32_t> owner_gpu,
+                                         detail::ReplicaSolution *replicas = nullptr) {
+    if (replicas != nullptr && replicas->rep.size() != static_cast<std::size_t>(num_gpus_) * slots_)
+      replicas->clear(num_gpus_, slots_);
     mark_.assign(static_cast<std::size_t>(num_experts_), -1);
     int owners_found = 0;
-    for (int g = 0; g < num_gpus_; ++g)
+    for (int g = 0; g < num_gpus_; ++g) {
+      int cnt = 0;
       for (int j = 0; j < slots_; ++j) {
         const std::int32_t e = r.slot(g, j);
         if (e == empty_slot) continue;
         if (e < 0 || e >= num_experts_ || mark_[e] == g) return false;
         mark_[e] = g;
-        owners_found += owner_gpu[e] == g;
+        if (owner_gpu[e] == g)
+          ++owners_found;
+        else if (replicas != nullptr)
+          replicas->rep[g * slots_ + cnt++] = e;
       }
+      if (replicas != nullptr) replicas->cnt[g] = cnt;
+    }
     return owners_found == num_experts_;
   }
   /// Whether every GPU's owned experts without a replica in `s` fit under `limit` (a necessary condition for
@@ -279,16 +282,29 @@ private:
     detail::require(static_cast<int>(owner_gpu.size()) == num_experts_, "plan_two_level: ", owner_gpu.size(),
                     " owners for ", num_experts_, " experts");
     owner_ = owner_gpu;
+    // A branch-free range check first (it vectorizes); the naming loop runs only when some owner is out of range.
+    std::uint32_t out_of_range = 0;
+    for (int e = 0; e < num_experts_; ++e)
+      out_of_range |= static_cast<std::uint32_t>(owner_gpu[e]) >= static_cast<std::uint32_t>(num_gpus_);
+    if (out_of_range != 0) [[unlikely]]
+      for (int e = 0; e < num_experts_; ++e) {
+        const std::int32_t o = owner_gpu[e];
+        detail::require(o >= 0 && o < num_gpus_, "plan_two_level: expert ", e, " has owner GPU ", o, ", outside [0, ",
+                        num_gpus_, ")");
+      }
+    // Owned counts and loads per GPU in one pass over the experts.
     own_off_.assign(static_cast<std::size_t>(num_gpus_) + 1, 0);
+    owner_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
     for (int e = 0; e < num_experts_; ++e) {
       const std::int32_t o = owner_gpu[e];
-      detail::require(o >= 0 && o < num_gpus_, "plan_two_level: expert ", e, " has owner GPU ", o, ", outside [0, ",
-                      num_gpus_, ")");
       ++own_off_[o + 1];
+      owner_load_[o] += loads[e];
     }
+    spare_.resize(static_cast<std::size_t>(num_gpus_));
     for (int g = 0; g < num_gpus_; ++g) {
       detail::require(own_off_[g + 1] <= slots_, "plan_two_level: GPU ", g, " owns ", own_off_[g + 1],
                       " experts but has ", slots_, " slots");
+      spare_[g] = slots_ - own_off_[g + 1];
       own_off_[g + 1] += own_off_[g];
     }
     own_list_.resize(static_cast<std::size_t>(num_experts_));
@@ -296,16 +312,9 @@ private:
     for (int e = 0; e < num_experts_; ++e)
       own_list_[fill_[owner_gpu[e]]++] = e;
     own_by_id_ = own_list_; // each GPU's owned experts in expert order (the slot layout's order)
-    owner_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
-    spare_.assign(static_cast<std::size_t>(num_gpus_), 0);
-    budget_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    budget_.resize(static_cast<std::size_t>(num_gpus_));
     // Only the GPUs that shed read their owned experts by load, so each is sorted when it first sheds.
     owned_sorted_.assign(static_cast<std::size_t>(num_gpus_), 0);
-    for (int g = 0; g < num_gpus_; ++g) {
-      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
-        owner_load_[g] += loads[own_list_[j]];
-      spare_[g] = slots_ - (own_off_[g + 1] - own_off_[g]);
-    }
     hot_order_.resize(static_cast<std::size_t>(num_gpus_));
     std::iota(hot_order_.begin(), hot_order_.end(), 0);
     // Owner load descending, ties by GPU: the order of a stable sort, without its buffer allocation. Where the
@@ -371,7 +380,7 @@ private:
   }
 
   void setup_resident(const LayerPlacement *resident, std::span<const std::int32_t> owner_gpu) {
-    res_.assign(static_cast<std::size_t>(num_gpus_) * slots_, empty_slot);
+    res_.resize(static_cast<std::size_t>(num_gpus_) * slots_); // entries past a GPU's count are never read
     res_cnt_.assign(static_cast<std::size_t>(num_gpus_), 0);
     if (resident == nullptr) {
       res_off_.assign(static_cast<std::size_t>(num_experts_) + 1, 0);
