@@ -54,10 +54,15 @@ struct TwoLevelBoundWorkspace {
                   " owners for ", num_experts, " experts");
   std::vector<int> &owned = ws.owned;
   owned.assign(static_cast<std::size_t>(num_gpus), 0);
-  for (std::int32_t o : owner_gpu) {
-    detail::require(o >= 0 && o < num_gpus, "lower_bound_two_level: owner GPU ", o, " outside [0, ", num_gpus, ")");
+  // A branch-free range check first (it vectorizes); the naming loop runs only when some owner is out of range.
+  std::uint32_t out_of_range = 0;
+  for (std::int32_t o : owner_gpu)
+    out_of_range |= static_cast<std::uint32_t>(o) >= static_cast<std::uint32_t>(num_gpus);
+  if (out_of_range != 0) [[unlikely]]
+    for (std::int32_t o : owner_gpu)
+      detail::require(o >= 0 && o < num_gpus, "lower_bound_two_level: owner GPU ", o, " outside [0, ", num_gpus, ")");
+  for (std::int32_t o : owner_gpu)
     ++owned[o];
-  }
   // Usable spare slots per GPU: any spare with budget left; with a zero budget only resident replicas count.
   std::vector<int> &usable = ws.usable;
   usable.assign(static_cast<std::size_t>(num_gpus), 0);

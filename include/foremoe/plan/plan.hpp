@@ -94,13 +94,27 @@ namespace detail {
 /// host mirror. Cross-node GPU copies would compete with the token all-to-all on the network; PCIe does not.
 [[nodiscard]] inline std::int32_t move_source(const LayerPlacement &base, std::span<const std::int32_t> owner_gpu,
                                               std::int32_t expert, int dst_gpu, int gpus_per_node) {
-  const int node = dst_gpu / gpus_per_node;
-  const int first = node * gpus_per_node, last = std::min(base.num_gpus(), first + gpus_per_node);
+  const int slots = base.slots_per_gpu();
+  const int first = dst_gpu / gpus_per_node * gpus_per_node, last = std::min(base.num_gpus(), first + gpus_per_node);
+  const std::int32_t *slot = base.phys_to_log().data();
+  const int lo = first * slots, hi = last * slots;
+  // Most new copies have no holder on the node: a branch-free count over the node's slots, which are contiguous
+  // (the compiler vectorises it), answers those without the search below.
+  int hits = 0;
+  for (int q = lo; q < hi; ++q)
+    hits += slot[q] == expert;
+  if (hits == 0) return host_mirror;
+  // One pass in GPU order: the owner as soon as it shows up, else the first other holder.
   const std::int32_t owner = owner_gpu.empty() ? -1 : owner_gpu[expert];
-  if (owner >= first && owner < last && owner != dst_gpu && base.holds(owner, expert)) return owner;
-  for (int g = first; g < last; ++g)
-    if (g != dst_gpu && base.holds(g, expert)) return g;
-  return host_mirror;
+  std::int32_t holder = host_mirror;
+  for (int q = lo; q < hi; ++q)
+    if (slot[q] == expert) {
+      const std::int32_t g = q / slots;
+      if (g == dst_gpu) continue;
+      if (g == owner) return owner;
+      if (holder == host_mirror) holder = g;
+    }
+  return holder;
 }
 
 } // namespace detail

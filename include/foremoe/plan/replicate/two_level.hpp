@@ -120,16 +120,9 @@ private:
     auto result = [&](LayerPlan plan) { return TwoLevelResult{std::move(plan), scratch_makespan}; };
     if (resident == nullptr)
       return result(realize(cur_, loads, owner_gpu, nullptr, cur_evaluated ? scratch_makespan : -1));
-    if (resident_compatible(*resident, owner_gpu)) {
-      // The resident placement as a solution (its non-owner copies as replicas): same exact-split maximum as the
-      // placement, through the cheaper owner-based evaluation.
-      if (res_sol_.rep.size() != static_cast<std::size_t>(num_gpus_) * slots_) res_sol_.clear(num_gpus_, slots_);
-      for (int g = 0; g < num_gpus_; ++g) {
-        res_sol_.cnt[g] = 0;
-        for (int j = 0; j < slots_; ++j)
-          if (const std::int32_t e = resident->slot(g, j); e != empty_slot && owner_gpu[e] != g)
-            res_sol_.rep[g * slots_ + res_sol_.cnt[g]++] = e;
-      }
+    // The resident placement as a solution (its non-owner copies as replicas): same exact-split maximum as the
+    // placement, through the cheaper owner-based evaluation.
+    if (resident_compatible(*resident, owner_gpu, &res_sol_)) {
       // Cheap necessary test first: a GPU whose unreplicated owned experts alone exceed the scratch makespan
       // rules the resident placement out without an exact split.
       if (resident_fixed_load_fits(res_sol_, loads, scratch_makespan)) {
@@ -328,18 +321,28 @@ private:
     return {gradient_weight <= 0 ? m : m + gradient_weight * static_cast<double>(used), peak};
   }
   /// Whether `r` is a valid two-level placement for these owners: ids in range, no duplicate on a GPU, every
-  /// owner holding its expert (which also hosts every expert).
-  [[nodiscard]] bool resident_compatible(const LayerPlacement &r, std::span<const std::int32_t> owner_gpu) {
+  /// owner holding its expert (which also hosts every expert). With `replicas`, also writes there the non-owner
+  /// copies of `r` (complete only when `r` is valid).
+  [[nodiscard]] bool resident_compatible(const LayerPlacement &r, std::span<const std::int32_t> owner_gpu,
+                                         detail::ReplicaSolution *replicas = nullptr) {
+    if (replicas != nullptr && replicas->rep.size() != static_cast<std::size_t>(num_gpus_) * slots_)
+      replicas->clear(num_gpus_, slots_);
     mark_.assign(static_cast<std::size_t>(num_experts_), -1);
     int owners_found = 0;
-    for (int g = 0; g < num_gpus_; ++g)
+    for (int g = 0; g < num_gpus_; ++g) {
+      int cnt = 0;
       for (int j = 0; j < slots_; ++j) {
         const std::int32_t e = r.slot(g, j);
         if (e == empty_slot) continue;
         if (e < 0 || e >= num_experts_ || mark_[e] == g) return false;
         mark_[e] = g;
-        owners_found += owner_gpu[e] == g;
+        if (owner_gpu[e] == g)
+          ++owners_found;
+        else if (replicas != nullptr)
+          replicas->rep[g * slots_ + cnt++] = e;
       }
+      if (replicas != nullptr) replicas->cnt[g] = cnt;
+    }
     return owners_found == num_experts_;
   }
   /// Whether every GPU's owned experts without a replica in `s` fit under `limit` (a necessary condition for
@@ -362,16 +365,29 @@ private:
     detail::require(static_cast<int>(owner_gpu.size()) == num_experts_, "plan_two_level: ", owner_gpu.size(),
                     " owners for ", num_experts_, " experts");
     owner_ = owner_gpu;
+    // A branch-free range check first (it vectorizes); the naming loop runs only when some owner is out of range.
+    std::uint32_t out_of_range = 0;
+    for (int e = 0; e < num_experts_; ++e)
+      out_of_range |= static_cast<std::uint32_t>(owner_gpu[e]) >= static_cast<std::uint32_t>(num_gpus_);
+    if (out_of_range != 0) [[unlikely]]
+      for (int e = 0; e < num_experts_; ++e) {
+        const std::int32_t o = owner_gpu[e];
+        detail::require(o >= 0 && o < num_gpus_, "plan_two_level: expert ", e, " has owner GPU ", o, ", outside [0, ",
+                        num_gpus_, ")");
+      }
+    // Owned counts and loads per GPU in one pass over the experts.
     own_off_.assign(static_cast<std::size_t>(num_gpus_) + 1, 0);
+    owner_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
     for (int e = 0; e < num_experts_; ++e) {
       const std::int32_t o = owner_gpu[e];
-      detail::require(o >= 0 && o < num_gpus_, "plan_two_level: expert ", e, " has owner GPU ", o, ", outside [0, ",
-                      num_gpus_, ")");
       ++own_off_[o + 1];
+      owner_load_[o] += loads[e];
     }
+    spare_.resize(static_cast<std::size_t>(num_gpus_));
     for (int g = 0; g < num_gpus_; ++g) {
       detail::require(own_off_[g + 1] <= slots_, "plan_two_level: GPU ", g, " owns ", own_off_[g + 1],
                       " experts but has ", slots_, " slots");
+      spare_[g] = slots_ - own_off_[g + 1];
       own_off_[g + 1] += own_off_[g];
     }
     own_list_.resize(static_cast<std::size_t>(num_experts_));
@@ -379,16 +395,9 @@ private:
     for (int e = 0; e < num_experts_; ++e)
       own_list_[fill_[owner_gpu[e]]++] = e;
     own_by_id_ = own_list_; // each GPU's owned experts in expert order (the slot layout's order)
-    owner_load_.assign(static_cast<std::size_t>(num_gpus_), 0);
-    spare_.assign(static_cast<std::size_t>(num_gpus_), 0);
-    budget_.assign(static_cast<std::size_t>(num_gpus_), 0);
+    budget_.resize(static_cast<std::size_t>(num_gpus_));
     // Only the GPUs that shed read their owned experts by load, so each is sorted when it first sheds.
     owned_sorted_.assign(static_cast<std::size_t>(num_gpus_), 0);
-    for (int g = 0; g < num_gpus_; ++g) {
-      for (int j = own_off_[g]; j < own_off_[g + 1]; ++j)
-        owner_load_[g] += loads[own_list_[j]];
-      spare_[g] = slots_ - (own_off_[g + 1] - own_off_[g]);
-    }
     hot_order_.resize(static_cast<std::size_t>(num_gpus_));
     std::iota(hot_order_.begin(), hot_order_.end(), 0);
     // Owner load descending, ties by GPU: the order of a stable sort, without its buffer allocation. Where the
@@ -454,7 +463,7 @@ private:
   }
 
   void setup_resident(const LayerPlacement *resident, std::span<const std::int32_t> owner_gpu) {
-    res_.assign(static_cast<std::size_t>(num_gpus_) * slots_, empty_slot);
+    res_.resize(static_cast<std::size_t>(num_gpus_) * slots_); // entries past a GPU's count are never read
     res_cnt_.assign(static_cast<std::size_t>(num_gpus_), 0);
     if (resident == nullptr) {
       res_off_.assign(static_cast<std::size_t>(num_experts_) + 1, 0);
@@ -539,10 +548,10 @@ private:
     std::fill(trial_.cnt.begin(), trial_.cnt.end(), 0);
     room_.resize(static_cast<std::size_t>(num_gpus_));
     new_left_.resize(static_cast<std::size_t>(num_gpus_));
-    for (int g = 0; g < num_gpus_; ++g) {
+    // Two loops, so that each vectorises.
+    for (int g = 0; g < num_gpus_; ++g)
       room_[g] = t - owner_load_[g];
-      new_left_[g] = budget_[g];
-    }
+    std::copy(budget_.begin(), budget_.end(), new_left_.begin());
     // Kept sorted by (room, GPU) so that receivers are found by a search instead of a scan. Rooms start at
     // `t - owner load`, so `hot_order_` (owner load descending, stable) is already that order, and the open GPUs
     // (room > 0) are a suffix of the receivers in that order.
@@ -712,7 +721,9 @@ private:
     }
     return big;
   }
-  [[nodiscard]] bool eligible(std::int32_t h, std::int32_t e) const noexcept {
+  /// Inlined always: it is called once per candidate receiver, and out of line the call costs about as much as the
+  /// test.
+  [[nodiscard, gnu::always_inline]] bool eligible(std::int32_t h, std::int32_t e) const noexcept {
     if (room_[h] <= 0 || trial_.cnt[h] >= spare_[h] || owner_[e] == h) return false;
     if (new_left_[h] <= 0 && !is_resident(h, e)) return false;
     for (int j = 0; j < trial_.cnt[h]; ++j)
@@ -850,65 +861,85 @@ private:
     moves_.clear();
     // Per GPU the experts it wants (owned ones in expert order, then its replicas), laid out as
     // `layout_gpu_slots` does: an expert the resident placement holds on the GPU keeps that slot, the others fill
-    // the free slots in order. `want_pos_[e]` is e's index in the GPU's list (-1 elsewhere, reset per GPU).
-    want_pos_.resize(static_cast<std::size_t>(num_experts_), -1);
-    want_.resize(static_cast<std::size_t>(slots_));
-    slot_of_.resize(static_cast<std::size_t>(slots_));
-    // With few slots a direct search of the GPU's list is cheaper than maintaining the index map.
-    const bool use_map = slots_ > 4;
-    for (int g = 0; g < num_gpus_; ++g) {
-      const int num_owned = own_off_[g + 1] - own_off_[g];
-      const int n = num_owned + s.cnt[g];
-      detail::require(n <= slots_, "layout_slots: GPU ", g, " gets ", n, " experts but has ", slots_, " slots");
-      std::int32_t *want = want_.data();
-      std::int32_t *slot_of = slot_of_.data();
-      std::copy_n(own_by_id_.begin() + own_off_[g], num_owned, want);
-      std::copy_n(s.rep.begin() + static_cast<std::ptrdiff_t>(g) * slots_, s.cnt[g], want + num_owned);
-      std::fill_n(slot_of, n, -1);
-      std::int32_t *out = &plan.placement.slot(g, 0);
-      if (resident != nullptr) {
-        if (use_map)
-          for (int i = 0; i < n; ++i)
-            want_pos_[want[i]] = i;
+    // the free slots in order, each a move (what `compute_moves` finds: no free slot held its new expert before,
+    // or the matching would have kept it).
+    if (resident == nullptr) {
+      // Every slot is free: the list is the layout, and only replicas move (the owned experts are where every GPU
+      // starts), from the owner when it is on the node, else the host mirror.
+      const int gpn = topo_.gpus_per_node;
+      for (int g = 0; g < num_gpus_; ++g) {
+        const int num_owned = own_off_[g + 1] - own_off_[g];
+        check_layout_fits(g, num_owned + s.cnt[g]);
+        std::int32_t *out = &plan.placement.slot(g, 0);
+        std::int64_t *tokens = plan.slot_tokens.data() + static_cast<std::size_t>(g) * slots_;
+        std::copy_n(own_by_id_.begin() + own_off_[g], num_owned, out);
+        std::copy_n(s.rep.begin() + static_cast<std::ptrdiff_t>(g) * slots_, s.cnt[g], out + num_owned);
+        for (int j = num_owned; j < num_owned + s.cnt[g]; ++j) {
+          const std::int32_t e = out[j], owner = owner_[e];
+          const bool owner_on_node = owner / gpn == g / gpn && owner != g;
+          moves_.push_back({e, owner_on_node ? owner : host_mirror, g, static_cast<std::int32_t>(j)});
+        }
+        if (construction_split) {
+          std::int64_t gpu_load = 0;
+          for (int j = 0; j < num_owned; ++j)
+            gpu_load += tokens[j] = owner_tokens_[out[j]];
+          for (int k = 0; k < s.cnt[g]; ++k)
+            gpu_load += tokens[num_owned + k] = s.amt[g * slots_ + k];
+          plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
+        }
+      }
+    } else {
+      // `kept_[e] == stamp` marks the experts of the current GPU that kept their resident slot (a new stamp per
+      // GPU, so the marks need no clearing).
+      kept_.resize(static_cast<std::size_t>(num_experts_), 0);
+      for (int g = 0; g < num_gpus_; ++g) {
+        const int num_owned = own_off_[g + 1] - own_off_[g], num_rep = s.cnt[g];
+        check_layout_fits(g, num_owned + num_rep);
+        if (++stamp_ == 0) { // wrapped: old marks could collide with new stamps
+          std::fill(kept_.begin(), kept_.end(), 0);
+          stamp_ = 1;
+        }
+        std::int32_t *out = &plan.placement.slot(g, 0);
+        std::int64_t *tokens = plan.slot_tokens.data() + static_cast<std::size_t>(g) * slots_;
+        const std::int32_t *rep = s.rep.data() + static_cast<std::ptrdiff_t>(g) * slots_;
+        const std::int64_t *amt = construction_split ? s.amt.data() + static_cast<std::ptrdiff_t>(g) * slots_ : nullptr;
+        std::int64_t gpu_load = 0;
+        // Resident slots whose expert g still wants (the first such slot of each) keep it.
         for (int j = 0; j < slots_; ++j) {
           const std::int32_t e = resident->slot(g, j);
-          if (e < 0 || e >= num_experts_) continue;
-          int i = -1;
-          if (use_map) {
-            i = want_pos_[e];
+          if (e < 0 || e >= num_experts_ || kept_[e] == stamp_) continue;
+          std::int64_t t = 0;
+          if (owner_[e] == g) {
+            if (construction_split) t = owner_tokens_[e];
           } else {
-            for (int k = 0; k < n && i < 0; ++k)
-              if (want[k] == e) i = k;
+            int k = 0;
+            while (k < num_rep && rep[k] != e)
+              ++k;
+            if (k == num_rep) continue;
+            if (construction_split) t = amt[k];
           }
-          if (i >= 0 && slot_of[i] < 0) {
-            out[j] = e;
-            slot_of[i] = j;
-          }
-        }
-        if (use_map)
-          for (int i = 0; i < n; ++i)
-            want_pos_[want[i]] = -1;
-      }
-      // The experts that did not keep a resident slot fill the free slots in order, each a move (what
-      // `compute_moves` finds: no free slot held its new expert before, or the matching above would have kept it;
-      // without a resident placement the owned experts are where every GPU starts).
-      for (int i = 0, j = 0; i < n; ++i) {
-        if (slot_of[i] >= 0) continue;
-        while (out[j] != empty_slot)
-          ++j;
-        out[j] = want[i];
-        slot_of[i] = j;
-        if (resident != nullptr || i >= num_owned)
-          moves_.push_back({want[i], move_source(resident, want[i], g), g, static_cast<std::int32_t>(j)});
-      }
-      if (construction_split) {
-        std::int64_t gpu_load = 0;
-        for (int i = 0; i < n; ++i) {
-          const std::int64_t t = i < num_owned ? owner_tokens_[want[i]] : s.amt[g * slots_ + (i - num_owned)];
-          plan.slot_tokens[static_cast<std::size_t>(g) * slots_ + slot_of[i]] = t;
+          kept_[e] = stamp_;
+          out[j] = e;
+          tokens[j] = t;
           gpu_load += t;
         }
-        plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
+        // The others fill the free slots in order, each a move.
+        int j = 0;
+        auto place = [&](std::int32_t e, std::int64_t t) {
+          while (out[j] != empty_slot)
+            ++j;
+          out[j] = e;
+          tokens[j] = t;
+          gpu_load += t;
+          moves_.push_back({e, detail::move_source(*resident, owner_gpu, e, g, topo_.gpus_per_node), g,
+                            static_cast<std::int32_t>(j)});
+        };
+        for (int i = own_off_[g]; i < own_off_[g + 1]; ++i)
+          if (const std::int32_t e = own_by_id_[i]; kept_[e] != stamp_)
+            place(e, construction_split ? owner_tokens_[e] : 0);
+        for (int k = 0; k < num_rep; ++k)
+          if (kept_[rep[k]] != stamp_) place(rep[k], construction_split ? amt[k] : 0);
+        if (construction_split) plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
       }
     }
     if (!construction_split) {
@@ -920,25 +951,9 @@ private:
     plan.moves.assign(moves_.begin(), moves_.end());
     return plan;
   }
-
-  /// `detail::move_source` with the placement the moves start from (`resident`, or the owner copies alone when
-  /// null): the owner when it holds `e` on `dst`'s node, else the first other GPU there that does, else the host
-  /// mirror. One pass over the node's slots, which are contiguous.
-  [[nodiscard]] std::int32_t move_source(const LayerPlacement *resident, std::int32_t e, int dst) const {
-    const int gpn = topo_.gpus_per_node, first = dst / gpn * gpn, last = std::min(num_gpus_, first + gpn);
-    const std::int32_t owner = owner_[e];
-    const bool owner_on_node = owner >= first && owner < last && owner != dst;
-    if (resident == nullptr) return owner_on_node ? owner : host_mirror;
-    const std::int32_t *slot = resident->phys_to_log().data();
-    std::int32_t holder = host_mirror;
-    for (int q = first * slots_; q < last * slots_; ++q)
-      if (slot[q] == e) {
-        const std::int32_t g = q / slots_;
-        if (g == dst) continue;
-        if (g == owner) return owner;
-        if (holder == host_mirror) holder = g;
-      }
-    return holder;
+  void check_layout_fits(int g, int n) const {
+    if (n > slots_) [[unlikely]]
+      detail::fail("layout_slots: GPU ", g, " gets ", n, " experts but has ", slots_, " slots");
   }
 
   Topology topo_;
@@ -951,7 +966,9 @@ private:
   std::vector<std::int64_t> owner_load_, room_, remaining_, chained_;
   std::vector<std::int64_t> owner_tokens_;
   std::vector<Move> moves_; ///< realize's moves, copied into the plan at their final size
-  std::vector<std::int32_t> want_, want_pos_, slot_of_, own_by_id_, mark_;
+  std::vector<std::int32_t> own_by_id_, mark_;
+  std::vector<std::uint32_t> kept_; ///< realize's marks of kept resident slots
+  std::uint32_t stamp_ = 0;         ///< the current GPU's mark in `kept_`
   std::vector<char> flag_, owned_sorted_;
   detail::ReceiverOrder recv_;
   detail::OpenReceivers open_;
