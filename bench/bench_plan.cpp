@@ -122,8 +122,9 @@ BENCHMARK(BM_Plan1024GpusFree)->Unit(benchmark::kMillisecond)->Iterations(3);
 
 /// Issue 15's scale cases: DeepSeek-V3 (58 x 256) two-level, one thread, one micro-step, at 32, 64 and 256 GPUs
 /// (one spare slot per GPU beside the owners, budget 1 as above). Measured 2026-12-05 on a shared 2-core machine
-/// (load ~2, least CPU time of 3 runs; targets in parentheses): 32 GPUs 0.92 ms (0.5), 64 GPUs 1.75 ms, 256 GPUs
-/// 4.7 ms (2); Kimi-K2 at 64 GPUs 1.69 ms; 1,024 GPUs as four groups 18.6 ms on one thread, 13.5 ms on two (5).
+/// (load ~2, medians of 3, two rounds; targets in parentheses): 32 GPUs 0.81-1.28 ms (0.5), 64 GPUs 1.2-1.6 ms,
+/// 256 GPUs 4.5-5.1 ms (2); Kimi-K2 at 64 GPUs 1.7-1.9 ms; 1,024 GPUs as four groups 17-20 ms on one thread,
+/// 11-12.6 ms on two (5). Callgrind, two plan calls: 13.2M instructions at 32 GPUs, 58.8M at 256.
 void BM_PlanDeepSeekV3Gpus(benchmark::State &st) {
   const int gpus = static_cast<int>(st.range(0));
   const Shape s{58, 256, Topology{gpus / 8, 8, (256 + gpus - 1) / gpus + 1}};
