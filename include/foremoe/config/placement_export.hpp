@@ -67,7 +67,8 @@ inline void fill_empty_slots(Placement &p, std::span<const std::int64_t> weights
     p2l += l > 0 ? ",[" : "[";
     for (std::size_t i = 0; i < slots.size(); ++i) {
       foremoe::detail::require(slots[i] >= 0, "placement export: physical slot ", i, " of layer ", l, " is empty");
-      p2l += (i > 0 ? "," : "") + std::to_string(slots[i]);
+      if (i > 0) p2l += ',';
+      p2l += std::to_string(slots[i]);
       phys[static_cast<std::size_t>(slots[i])].push_back(static_cast<std::int64_t>(i));
     }
     p2l += "]";
@@ -78,10 +79,14 @@ inline void fill_empty_slots(Placement &p, std::span<const std::int64_t> weights
     cnt += l > 0 ? ",[" : "[";
     for (std::size_t e = 0; e < phys.size(); ++e) {
       l2p += e > 0 ? ",[" : "[";
-      for (std::size_t k = 0; k < maxcnt; ++k)
-        l2p += (k > 0 ? "," : "") + std::to_string(k < phys[e].size() ? phys[e][k] : -1); // -1: EPLB's padding
+      for (std::size_t k = 0; k < maxcnt; ++k) {
+        // Appended piece by piece: `"," + std::to_string(..)` trips g++ 12's -Wrestrict false positive at -O2.
+        if (k > 0) l2p += ',';
+        l2p += std::to_string(k < phys[e].size() ? phys[e][k] : -1); // -1: EPLB's padding
+      }
       l2p += "]";
-      cnt += (e > 0 ? "," : "") + std::to_string(phys[e].size());
+      if (e > 0) cnt += ',';
+      cnt += std::to_string(phys[e].size());
     }
     l2p += "]";
     cnt += "]";

@@ -1,0 +1,79 @@
+# Checks the two public headers that are derived from other sources but checked in, so that a copy of include/
+# compiles with nothing but `-I include` (a trainer vendoring the headers has no CMake of ours):
+#   foremoe/version.hpp                    must state `project(foremoe VERSION ...)`: a mismatch fails the configure;
+#   foremoe/plan/strategies/builtin.hpp    one #include per include/foremoe/plan/strategies/*.hpp, so a new strategy
+#                                          is one new file: the configure rewrites the list when a file was added or
+#                                          removed (commit the result), and the build re-runs it when that happens.
+# Used by the root build and python/CMakeLists.txt; `cmake -P cmake/ForemoeHeaders.cmake` updates builtin.hpp alone.
+
+# Reads the version from `project(foremoe VERSION x.y.z` in `<root>/CMakeLists.txt` (for builds that are not
+# the root project, e.g. the Python extension) into `out_var`.
+function(foremoe_read_version root out_var)
+  file(READ "${root}/CMakeLists.txt" _text)
+  if(NOT _text MATCHES "project\\(foremoe[ \t\r\n]+VERSION[ \t\r\n]+([0-9]+\\.[0-9]+\\.[0-9]+)")
+    message(FATAL_ERROR "foremoe: no `project(foremoe VERSION x.y.z` in ${root}/CMakeLists.txt")
+  endif()
+  set(${out_var} "${CMAKE_MATCH_1}" PARENT_SCOPE)
+endfunction()
+
+# The text builtin.hpp must have for the strategy files now in `<include_dir>/foremoe/plan/strategies/`.
+# Sorted, so the registration order (and so nothing observable) does not depend on the file system.
+function(_foremoe_builtin_text include_dir out_var)
+  set(_deps "")
+  if(NOT CMAKE_SCRIPT_MODE_FILE)
+    set(_deps CONFIGURE_DEPENDS) # a strategy file added or removed re-runs the configure at build time
+  endif()
+  file(GLOB _files RELATIVE "${include_dir}" ${_deps} "${include_dir}/foremoe/plan/strategies/*.hpp")
+  list(REMOVE_ITEM _files "foremoe/plan/strategies/builtin.hpp")
+  list(SORT _files)
+  set(_text "#pragma once\n/// @file\n/// Every built-in planning strategy; each file registers itself when included.\n")
+  string(APPEND _text "/// Kept equal to include/foremoe/plan/strategies/*.hpp by cmake/ForemoeHeaders.cmake at every configure.\n\n")
+  foreach(f IN LISTS _files)
+    string(APPEND _text "#include <${f}>\n")
+  endforeach()
+  set(${out_var} "${_text}" PARENT_SCOPE)
+endfunction()
+
+# `include_dir` is the source include dir holding foremoe/; `version` is "major.minor.patch".
+function(foremoe_check_headers include_dir version)
+  if(NOT version MATCHES "^([0-9]+)\\.([0-9]+)\\.([0-9]+)$")
+    message(FATAL_ERROR "foremoe: version '${version}' is not major.minor.patch")
+  endif()
+  set(_want_major "${CMAKE_MATCH_1}")
+  set(_want_minor "${CMAKE_MATCH_2}")
+  set(_want_patch "${CMAKE_MATCH_3}")
+  set(_vh "${include_dir}/foremoe/version.hpp")
+  file(READ "${_vh}" _v)
+  set(_found "")
+  foreach(part MAJOR MINOR PATCH)
+    if(NOT _v MATCHES "#define FOREMOE_VERSION_${part} ([0-9]+)")
+      message(FATAL_ERROR "foremoe: ${_vh} defines no FOREMOE_VERSION_${part}")
+    endif()
+    list(APPEND _found "${CMAKE_MATCH_1}")
+  endforeach()
+  list(JOIN _found "." _found)
+  if(NOT _v MATCHES "version_string = \"([0-9.]+)\"")
+    message(FATAL_ERROR "foremoe: ${_vh} defines no version_string")
+  endif()
+  if(NOT _found STREQUAL version OR NOT CMAKE_MATCH_1 STREQUAL version)
+    message(FATAL_ERROR "foremoe: ${_vh} says ${_found} (version_string \"${CMAKE_MATCH_1}\") but "
+                        "project(foremoe VERSION) is ${version}: change the three defines and version_string too")
+  endif()
+
+  _foremoe_builtin_text("${include_dir}" _text)
+  set(_bh "${include_dir}/foremoe/plan/strategies/builtin.hpp")
+  set(_old "")
+  if(EXISTS "${_bh}")
+    file(READ "${_bh}" _old)
+  endif()
+  if(NOT _old STREQUAL _text)
+    file(WRITE "${_bh}" "${_text}")
+    message(STATUS "foremoe: rewrote ${_bh} for the strategy files present (commit it)")
+  endif()
+endfunction()
+
+if(CMAKE_SCRIPT_MODE_FILE STREQUAL CMAKE_CURRENT_LIST_FILE)
+  get_filename_component(_root "${CMAKE_CURRENT_LIST_DIR}/.." ABSOLUTE)
+  foremoe_read_version("${_root}" _version)
+  foremoe_check_headers("${_root}/include" "${_version}")
+endif()
