@@ -9,7 +9,7 @@ set -euo pipefail
 
 pkgs=(cmake ninja-build g++ doctest-dev libbenchmark-dev)
 if [[ "${1:-}" == "--ci" ]]; then
-  pkgs+=(clang libclang-rt-14-dev clang-tidy-14 clang-format-14 python3-torch python3-venv python3-dev)
+  pkgs+=(ccache clang libclang-rt-14-dev clang-tidy-14 clang-format-14 python3-torch python3-venv python3-dev)
 fi
 
 missing=()
