@@ -667,8 +667,11 @@ TEST_CASE("real H200 data: expert GEMM and NCCL alltoall fits") {
     std::vector<double> test_balanced, test_power;
     for (std::size_t j = 0; j < test.size(); ++j)
       (test[j].counts.empty() ? test_balanced : test_power).push_back(test_err[j]);
-    const std::string name =
-        "H" + std::to_string(key.first) + " " + std::string(to_string(static_cast<WeightDtype>(key.second)));
+    // Appended piece by piece: `"H" + std::to_string(..)` trips g++ 12's -O3 -Wrestrict false positive (PR 105651).
+    std::string name = "H";
+    name += std::to_string(key.first);
+    name += ' ';
+    name += to_string(static_cast<WeightDtype>(key.second));
     MESSAGE(name, ": ", train.size(), " train rows (", pairs.size() - held.size(), " tp x ep pairs), ", test.size(),
             " held out (", held.size(), " pairs); launch ", fp.launch_us, " us, per expert ", fp.per_expert_us,
             " us, scan ", fp.scan_ps_per_element, " ps/elem, hbm eff ", fp.hbm_efficiency, ", compute eff ",

@@ -224,7 +224,11 @@ TEST_CASE("round trip: every dtype x order x shape, in memory and through files"
         CHECK(a.data == data);
         CHECK(a.num_elements() == product(shape));
 
-        const auto path = dir.path / ("a" + std::to_string(file_idx++) + ".npy");
+        // Appended, not `"a" + std::to_string(..)`: g++ 12 -O3 -Wrestrict false positive (GCC PR 105651).
+        std::string name = "a";
+        name += std::to_string(file_idx++);
+        name += ".npy";
+        const auto path = dir.path / name;
         foremoe::write_npy(path, dtype, shape, data.data(), fortran);
         const NpyArray b = foremoe::read_npy(path);
         CHECK(b.dtype == dtype);
