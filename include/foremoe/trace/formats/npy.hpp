@@ -1,0 +1,49 @@
+#pragma once
+/// @file
+/// Format "npy": routed ids `[tokens, layers, topk]` in execution order, as `foremoe trace gen --ids` writes them.
+
+#include <cstdint>
+
+#include "foremoe/core/error.hpp"
+#include "foremoe/trace/formats.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+
+/// Routed ids `[T, L, K]` (int8/uint8/int16/uint16/int32/int64, -1 = no route) of an NPY file or image.
+[[nodiscard]] inline RoutedRecord read_ids_npy(const TraceInput &in) {
+  RoutedRecord r;
+  r.array = in.npy();
+  const NpyArray &a = r.array;
+  const std::string name = in.path.string();
+  detail::require(a.shape.size() == 3, name, ": routed ids must be [tokens, layers, topk], got shape ",
+                  detail::shape_text(a.shape));
+  detail::require(a.shape[0] >= 0, name, ": negative token count");
+  detail::require_int_dim(a.shape[1], in.path, "layers");
+  detail::require_int_dim(a.shape[2], in.path, "topk");
+  const auto st = a.strides_elements();
+  r.view = RoutedView(a.data.data(), detail::npy_id_dtype(a, in.path), a.shape[0], static_cast<int>(a.shape[1]),
+                      static_cast<int>(a.shape[2]), {st[0], st[1], st[2]});
+  return r;
+}
+
+namespace detail {
+inline const bool npy_trace_format_registered =
+    (register_trace_format(
+         {"npy",
+          "routed ids [T, L, K] (int8/uint8/int16/uint16/int32/int64, -1 = no route), tokens in\n"
+          "execution order; FILE.microbatches.npy ([M+1] token offsets) and FILE.sources.npy\n"
+          "([M*S+1]) are picked up when present, as trace gen writes them.",
+          "a file no other format claims",
+          10,
+          false,
+          false,
+          true,
+          // The fallback: a file nothing else claims is read as ids, whose reader then names what is wrong.
+          [](const TraceProbe &) { return 1; },
+          [](const TraceInput &in, const TraceReadOptions &) { return read_ids_npy(in); }}),
+     true);
+} // namespace detail
+
+} // namespace v0
+} // namespace foremoe
