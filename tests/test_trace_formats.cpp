@@ -72,9 +72,7 @@ std::string encode_base64(const std::vector<std::uint8_t> &b) {
   return s;
 }
 
-void write_text(const fs::path &p, const std::string &s) {
-  std::ofstream(p, std::ios::binary) << s;
-}
+void write_text(const fs::path &p, const std::string &s) { std::ofstream(p, std::ios::binary) << s; }
 
 int rounds() { return 20 * foremoe_test::seed_multiplier(); }
 
@@ -94,14 +92,14 @@ TEST_CASE("the registry lists exactly the format files present, each with a read
   CHECK_THROWS_WITH_AS((void)find_trace_format("parquet"),
                        doctest::Contains("unknown trace format 'parquet' (registered: npy, verl, sglang, megatron)"),
                        Error);
-  CHECK_THROWS_WITH_AS(register_trace_format({"npy", "", "", 1, false, false, false,
-                                              [](const TraceProbe &) { return 0; },
-                                              [](const TraceInput &, const TraceReadOptions &) { return RoutedRecord{}; }}),
-                       doctest::Contains("format 'npy' is already registered"), Error);
-  CHECK_THROWS_WITH_AS(register_trace_format({"Bad_Name", "", "", 1, false, false, false,
-                                              [](const TraceProbe &) { return 0; },
-                                              [](const TraceInput &, const TraceReadOptions &) { return RoutedRecord{}; }}),
-                       doctest::Contains("'Bad_Name' may hold only"), Error);
+  CHECK_THROWS_WITH_AS(
+      register_trace_format({"npy", "", "", 1, false, false, false, [](const TraceProbe &) { return 0; },
+                             [](const TraceInput &, const TraceReadOptions &) { return RoutedRecord{}; }}),
+      doctest::Contains("format 'npy' is already registered"), Error);
+  CHECK_THROWS_WITH_AS(
+      register_trace_format({"Bad_Name", "", "", 1, false, false, false, [](const TraceProbe &) { return 0; },
+                             [](const TraceInput &, const TraceReadOptions &) { return RoutedRecord{}; }}),
+      doctest::Contains("'Bad_Name' may hold only"), Error);
 }
 
 TEST_CASE("auto detection: .jsonl/.json/.ndjson are sglang, a 4-D NPY verl, anything else npy; megatron only named") {
@@ -122,8 +120,8 @@ TEST_CASE("auto detection: .jsonl/.json/.ndjson are sglang, a 4-D NPY verl, anyt
   // an option the format does not read is refused, not dropped
   TraceReadOptions mask;
   mask.mask = TraceInput(d / "ids.npy");
-  CHECK_THROWS_WITH_AS((void)read_trace(d / "ids.npy", "auto", mask),
-                       doctest::Contains("ids.npy is read as npy"), Error);
+  CHECK_THROWS_WITH_AS((void)read_trace(d / "ids.npy", "auto", mask), doctest::Contains("ids.npy is read as npy"),
+                       Error);
   CHECK_THROWS_WITH_AS((void)read_trace(d / "r.JSONL", "sglang"),
                        doctest::Contains("format sglang needs the payload's layers and topk"), Error);
 }
@@ -147,7 +145,8 @@ TEST_CASE("format npy: [T, L, K] ids of any integer dtype read back equal (prope
   const std::int32_t v[4] = {};
   write_npy(d / "flat.npy", NpyDtype::of<std::int32_t>(), s2, v);
   CHECK_THROWS_WITH_AS((void)read_trace(d / "flat.npy", "npy"),
-                       doctest::Contains("flat.npy: routed ids must be [tokens, layers, topk], got shape [2, 2]"), Error);
+                       doctest::Contains("flat.npy: routed ids must be [tokens, layers, topk], got shape [2, 2]"),
+                       Error);
 }
 
 TEST_CASE("format verl: [bs, seq, L, K] rows flatten in order; the mask keeps nonzero positions (property)") {
@@ -182,7 +181,8 @@ TEST_CASE("format verl: [bs, seq, L, K] rows flatten in order; the mask keeps no
   std::string text(reinterpret_cast<const char *>(mask.data()), mask.size());
   text.replace(text.find("'|u1'"), 5, "'|b1'");
   TraceReadOptions o;
-  o.mask = TraceInput("mask", std::span<const std::byte>(reinterpret_cast<const std::byte *>(text.data()), text.size()));
+  o.mask =
+      TraceInput("mask", std::span<const std::byte>(reinterpret_cast<const std::byte *>(text.data()), text.size()));
   const RoutedRecord r = read_trace(TraceInput("ids", ids), "verl", o);
   CHECK(r.view.at(1, 0, 0, 8) == 6);
   CHECK(r.mask == std::vector<std::uint8_t>{0, 1});

@@ -9,8 +9,8 @@
 #include "command.hpp"
 #include "foremoe/config/options.hpp"
 #include "foremoe/trace/count.hpp"
-#include "foremoe/trace/io.hpp"
 #include "foremoe/trace/formats/builtin.hpp"
+#include "foremoe/trace/io.hpp"
 #include "foremoe/trace/stats.hpp"
 #include "foremoe/trace/synthetic.hpp"
 
@@ -278,7 +278,7 @@ Command make_trace_count() {
   c.usage = "FILE";
   c.max_positional = 1;
   c.summary = "count routed ids (" + trace_format_names() + ") into loads [M, L, E] as NPY";
-  c.description = "Input forms (--format, auto by default: " + config::trace_format_detection() + "):\n";
+  c.description = "Input forms (--format, auto by default):\n";
   for (const TraceFormat *f : trace_formats()) {
     // Each format's help lines, indented under its name in a column.
     std::string help = f->help;
@@ -286,6 +286,7 @@ Command make_trace_count() {
       help.insert(at + 1, std::string(12, ' '));
     c.description += "  " + f->name + std::string(f->name.size() < 10 ? 10 - f->name.size() : 1, ' ') + help + "\n";
   }
+  c.description += "  auto      " + config::trace_format_detection() + "\n";
   c.description += "Micro-steps: --microbatches FILE.npy, else --microbatch-tokens N, else the sidecar, else one.\n"
                    "Writes --out LOADS.npy (int64 [M, L, E], [M, L, E, S] with --by-source) and LOADS.steps.npy\n"
                    "when FILE.steps.npy exists, the files plan, simulate and trace stats read.";

@@ -45,7 +45,8 @@ struct TraceInput {
   std::optional<std::span<const std::byte>> bytes; ///< the content; none: read `path`
 
   TraceInput() = default;
-  TraceInput(std::filesystem::path file) : path(std::move(file)) {} // NOLINT(google-explicit-constructor): a path is an input
+  TraceInput(std::filesystem::path file)
+      : path(std::move(file)) {} // NOLINT(google-explicit-constructor): a path is an input
   TraceInput(std::filesystem::path name, std::span<const std::byte> content) : path(std::move(name)), bytes(content) {}
 
   /// The whole content (the file's, or a copy of `bytes`); throws `Error` naming the path when it cannot be read.
@@ -104,9 +105,9 @@ private:
       std::byte head[12] = {};
       in.read(reinterpret_cast<char *>(head), sizeof head);
       const NpyReadLimits limits;
-      const detail::NpyPreamble pre = detail::npy_parse_preamble(
-          std::span<const std::byte>(head, static_cast<std::size_t>(in.gcount())), static_cast<std::int64_t>(size),
-          limits);
+      const detail::NpyPreamble pre =
+          detail::npy_parse_preamble(std::span<const std::byte>(head, static_cast<std::size_t>(in.gcount())),
+                                     static_cast<std::int64_t>(size), limits);
       std::string text(static_cast<std::size_t>(pre.header_bytes), '\0');
       in.clear();
       in.seekg(pre.header_offset);
@@ -124,10 +125,10 @@ private:
 
 /// One input format as registered.
 struct TraceFormat {
-  std::string name;    ///< as in `--format`, e.g. "verl"
-  std::string help;    ///< what the file holds; lines of at most ~100 characters, for `trace count --help`
-  std::string detects; ///< when `--format auto` picks it, e.g. "a 4-D NPY"; empty: only when named
-  int order = 100;     ///< listing order (built-ins 10, 20, ...), ties by name
+  std::string name;            ///< as in `--format`, e.g. "verl"
+  std::string help;            ///< what the file holds; lines of at most ~100 characters, for `trace count --help`
+  std::string detects;         ///< when `--format auto` picks it, e.g. "a 4-D NPY"; empty: only when named
+  int order = 100;             ///< listing order (built-ins 10, 20, ...), ties by name
   bool takes_mask = false;     ///< reads `TraceReadOptions::mask`
   bool needs_shape = false;    ///< needs `TraceReadOptions::num_layers` and `topk`
   bool reads_sidecars = false; ///< FILE.microbatches/.sources/.steps.npy belong to the file (`trace gen --ids`)
@@ -167,7 +168,8 @@ inline TraceFormatRegistry &trace_format_registry() {
 inline void register_trace_format(TraceFormat format) {
   const std::string &n = format.name;
   detail::require(!n.empty() && n != "auto", "register_trace_format: bad format name '", n, "'");
-  detail::require(std::all_of(n.begin(), n.end(), [](char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-'; }),
+  detail::require(std::all_of(n.begin(), n.end(),
+                              [](char c) { return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '-'; }),
                   "register_trace_format: format name '", n, "' may hold only a-z, 0-9 and '-'");
   detail::require(format.read && format.detect, "register_trace_format: format '", n, "' needs read and detect");
   auto &reg = detail::trace_format_registry();
@@ -226,8 +228,8 @@ inline void register_trace_format(TraceFormat format) {
 [[nodiscard]] inline const TraceFormat &resolve_trace_format(const std::filesystem::path &path, std::string_view name,
                                                              const TraceReadOptions &opts) {
   const TraceFormat &f = name == "auto" ? detect_trace_format(path) : find_trace_format(name);
-  detail::require(!opts.mask || f.takes_mask, "a mask is for a format that takes one (",
-                  path.string(), " is read as ", f.name, ")");
+  detail::require(!opts.mask || f.takes_mask, "a mask is for a format that takes one (", path.string(), " is read as ",
+                  f.name, ")");
   detail::require(!f.needs_shape || (opts.num_layers > 0 && opts.topk > 0), "format ", f.name,
                   " needs the payload's layers and topk (positive), got ", opts.num_layers, " and ", opts.topk);
   return f;

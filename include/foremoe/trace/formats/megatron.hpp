@@ -32,11 +32,7 @@ inline const bool megatron_trace_format_registered =
          {"megatron",
           "NPY [L, T, K]: Megatron-core router replay's per-layer RouterReplay.recorded_topk_idx\n"
           "([T, K] per MoE layer, layer order) stacked on axis 0 (torch.stack(...).numpy()).",
-          "",
-          40,
-          false,
-          false,
-          false,
+          "", 40, false, false, false,
           // A 3-D NPY is [T, L, K] ids as often as [L, T, K]: only an explicit --format megatron reads it so.
           [](const TraceProbe &) { return 0; },
           [](const TraceInput &in, const TraceReadOptions &) { return read_megatron(in); }}),

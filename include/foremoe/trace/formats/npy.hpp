@@ -34,11 +34,7 @@ inline const bool npy_trace_format_registered =
           "routed ids [T, L, K] (int8/uint8/int16/uint16/int32/int64, -1 = no route), tokens in\n"
           "execution order; FILE.microbatches.npy ([M+1] token offsets) and FILE.sources.npy\n"
           "([M*S+1]) are picked up when present, as trace gen writes them.",
-          "a file no other format claims",
-          10,
-          false,
-          false,
-          true,
+          "a file no other format claims", 10, false, false, true,
           // The fallback: a file nothing else claims is read as ids, whose reader then names what is wrong.
           [](const TraceProbe &) { return 1; },
           [](const TraceInput &in, const TraceReadOptions &) { return read_ids_npy(in); }}),

@@ -108,11 +108,7 @@ inline const bool sglang_trace_format_registered =
           "JSON lines, one request per line, each with routed_experts (top level or under meta_info)\n"
           "= base64 of little-endian int32 [tokens, layers, topk]; give --layers and --topk.\n"
           "Requests are concatenated in file order; malformed base64 is an error naming the line.",
-          ".jsonl, .json or .ndjson",
-          30,
-          false,
-          true,
-          false,
+          ".jsonl, .json or .ndjson", 30, false, true, false,
           [](const TraceProbe &p) {
             const std::string e = p.extension();
             return e == ".jsonl" || e == ".json" || e == ".ndjson" ? 100 : 0;

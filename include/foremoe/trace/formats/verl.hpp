@@ -25,8 +25,8 @@ namespace detail {
   const std::size_t head = std::min<std::size_t>(bytes.size(), 4096);
   if (const auto at = std::string_view(bytes.data(), head).find("'|b1'"); at != std::string_view::npos)
     bytes[at + 2] = 'u';
-  return TraceInput(in.path, std::span<const std::byte>(reinterpret_cast<const std::byte *>(bytes.data()),
-                                                        bytes.size()))
+  return TraceInput(in.path,
+                    std::span<const std::byte>(reinterpret_cast<const std::byte *>(bytes.data()), bytes.size()))
       .npy();
 }
 } // namespace detail
@@ -78,21 +78,16 @@ namespace detail {
 
 namespace detail {
 inline const bool verl_trace_format_registered =
-    (register_trace_format(
-         {"verl",
-          "routed_experts [batch, seq, L, K] (C order) as NPY; --mask FILE.npy is the attention\n"
-          "mask [batch, seq] (bool/int, 0 = padding; verl pads on the left): masked tokens are not\n"
-          "counted. Tokens run row by row (t = b * seq + s); offsets index that stream.",
-          "a 4-D NPY",
-          20,
-          true,
-          false,
-          false,
-          [](const TraceProbe &p) {
-            const auto *shape = p.npy_shape();
-            return shape != nullptr && shape->size() == 4 ? 50 : 0;
-          },
-          [](const TraceInput &in, const TraceReadOptions &o) { return read_verl(in, o.mask); }}),
+    (register_trace_format({"verl",
+                            "routed_experts [batch, seq, L, K] (C order) as NPY; --mask FILE.npy is the attention\n"
+                            "mask [batch, seq] (bool/int, 0 = padding; verl pads on the left): masked tokens are not\n"
+                            "counted. Tokens run row by row (t = b * seq + s); offsets index that stream.",
+                            "a 4-D NPY", 20, true, false, false,
+                            [](const TraceProbe &p) {
+                              const auto *shape = p.npy_shape();
+                              return shape != nullptr && shape->size() == 4 ? 50 : 0;
+                            },
+                            [](const TraceInput &in, const TraceReadOptions &o) { return read_verl(in, o.mask); }}),
      true);
 } // namespace detail
 
