@@ -26,7 +26,7 @@ constexpr std::array<const char *, 4> tested_formats = {"npy", "verl", "sglang",
 
 /// A fresh folder for one test case's files.
 fs::path temp_dir(const std::string &name) {
-  const fs::path d = fs::temp_directory_path() / ("foremoe_test_trace_formats_" + name);
+  fs::path d = fs::temp_directory_path() / ("foremoe_test_trace_formats_" + name);
   fs::remove_all(d);
   fs::create_directories(d);
   return d;
