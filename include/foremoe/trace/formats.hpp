@@ -150,17 +150,6 @@ inline TraceFormatRegistry &trace_format_registry() {
   return registry;
 }
 
-[[nodiscard]] inline IdDtype npy_id_dtype(const NpyArray &a, const std::filesystem::path &p) {
-  const auto &d = a.dtype;
-  if (d.kind == NpyKind::int_)
-    return d.item_bytes == 1   ? IdDtype::i8
-           : d.item_bytes == 2 ? IdDtype::i16
-           : d.item_bytes == 4 ? IdDtype::i32
-                               : IdDtype::i64;
-  if (d.kind == NpyKind::uint_ && d.item_bytes <= 2) return d.item_bytes == 1 ? IdDtype::u8 : IdDtype::u16;
-  fail(p.string(), ": routed ids must be int8, uint8, int16, uint16, int32 or int64, got ", d.descr());
-}
-
 } // namespace detail
 
 /// Adds a format; throws `Error` on an empty, "auto" or duplicate name, a name with characters other than

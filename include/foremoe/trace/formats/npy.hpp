@@ -3,6 +3,7 @@
 /// Format "npy": routed ids `[tokens, layers, topk]` in execution order, as `foremoe trace gen --ids` writes them.
 
 #include <cstdint>
+#include <utility>
 
 #include "foremoe/core/error.hpp"
 #include "foremoe/trace/formats.hpp"
@@ -12,18 +13,10 @@ inline namespace v0 {
 
 /// Routed ids `[T, L, K]` (int8/uint8/int16/uint16/int32/int64, -1 = no route) of an NPY file or image.
 [[nodiscard]] inline RoutedRecord read_ids_npy(const TraceInput &in) {
+  RoutedIdsFile f = routed_ids_from_npy(in.npy(), in.path);
   RoutedRecord r;
-  r.array = in.npy();
-  const NpyArray &a = r.array;
-  const std::string name = in.path.string();
-  detail::require(a.shape.size() == 3, name, ": routed ids must be [tokens, layers, topk], got shape ",
-                  detail::shape_text(a.shape));
-  detail::require(a.shape[0] >= 0, name, ": negative token count");
-  detail::require_int_dim(a.shape[1], in.path, "layers");
-  detail::require_int_dim(a.shape[2], in.path, "topk");
-  const auto st = a.strides_elements();
-  r.view = RoutedView(a.data.data(), detail::npy_id_dtype(a, in.path), a.shape[0], static_cast<int>(a.shape[1]),
-                      static_cast<int>(a.shape[2]), {st[0], st[1], st[2]});
+  r.view = f.view();
+  r.array = std::move(f.array); // a vector's buffer moves with it: the view stays valid
   return r;
 }
 
