@@ -239,35 +239,3 @@ TEST_CASE("count_loads mask: wrong length is refused; all-zero mask counts nothi
   CHECK(one.at(0, 0, 1) == 2);
   CHECK(one.at(0, 0, 0) == 0);
 }
-
-namespace {
-std::string encode_base64(const std::vector<std::uint8_t> &b) {
-  const char *abc = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  std::string s;
-  for (std::size_t i = 0; i < b.size(); i += 3) {
-    const std::uint32_t v = std::uint32_t{b[i]} << 16 | (i + 1 < b.size() ? std::uint32_t{b[i + 1]} << 8 : 0u) |
-                            (i + 2 < b.size() ? std::uint32_t{b[i + 2]} : 0u);
-    s += abc[(v >> 18) & 63];
-    s += abc[(v >> 12) & 63];
-    s += i + 1 < b.size() ? abc[(v >> 6) & 63] : '=';
-    s += i + 2 < b.size() ? abc[v & 63] : '=';
-  }
-  return s;
-}
-} // namespace
-
-TEST_CASE("decode_base64 inverts encoding on random bytes (property) and names a malformed character") {
-  std::mt19937_64 rng(99);
-  for (int round = 0; round < 200; ++round) {
-    std::vector<std::uint8_t> b(rng() % 40);
-    for (auto &x : b)
-      x = static_cast<std::uint8_t>(rng());
-    const auto d = decode_base64(encode_base64(b));
-    REQUIRE(d.size() == b.size());
-    for (std::size_t i = 0; i < b.size(); ++i)
-      CHECK(static_cast<std::uint8_t>(d[i]) == b[i]);
-  }
-  CHECK_THROWS_WITH_AS((void)decode_base64("AAAA*AAA", "req"),
-                       doctest::Contains("req: malformed base64: character * at position 4"), Error);
-  CHECK_THROWS_WITH_AS((void)decode_base64("AAAAA"), doctest::Contains("5 characters is not a valid length"), Error);
-}

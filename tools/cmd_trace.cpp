@@ -9,8 +9,8 @@
 #include "command.hpp"
 #include "foremoe/config/options.hpp"
 #include "foremoe/trace/count.hpp"
+#include "foremoe/trace/formats/builtin.hpp"
 #include "foremoe/trace/io.hpp"
-#include "foremoe/trace/readers.hpp"
 #include "foremoe/trace/stats.hpp"
 #include "foremoe/trace/synthetic.hpp"
 
@@ -264,28 +264,32 @@ int infer_num_experts(const RoutedView &v, std::span<const std::uint8_t> mask) {
   return static_cast<int>(mx + 1);
 }
 
+/// The formats that take a per-token mask, for the message when --mask is given to another.
+std::string mask_formats() {
+  std::string out;
+  for (const TraceFormat *f : trace_formats())
+    if (f->takes_mask) out.append(out.empty() ? "" : " or ").append(f->name);
+  return out;
+}
+
 Command make_trace_count() {
   Command c;
   c.words = {"trace", "count"};
   c.usage = "FILE";
   c.max_positional = 1;
-  c.summary = "count routed ids (NPY, verl, SGLang, Megatron) into loads [M, L, E] as NPY";
-  c.description =
-      "Input forms (--format, auto by default):\n"
-      "  npy       routed ids [T, L, K] (int8/uint8/int16/uint16/int32/int64, -1 = no route), tokens in\n"
-      "            execution order; FILE.microbatches.npy ([M+1] token offsets) and FILE.sources.npy\n"
-      "            ([M*S+1]) are picked up when present, as trace gen writes them.\n"
-      "  verl      routed_experts [batch, seq, L, K] (C order) as NPY; --mask FILE.npy is the attention\n"
-      "            mask [batch, seq] (bool/int, 0 = padding; verl pads on the left): masked tokens are not\n"
-      "            counted. Tokens run row by row (t = b * seq + s); offsets index that stream.\n"
-      "  sglang    JSON lines, one request per line, each with routed_experts (top level or under meta_info)\n"
-      "            = base64 of little-endian int32 [tokens, layers, topk]; give --layers and --topk.\n"
-      "            Requests are concatenated in file order; malformed base64 is an error naming the line.\n"
-      "  megatron  NPY [L, T, K]: Megatron-core router replay's per-layer RouterReplay.recorded_topk_idx\n"
-      "            ([T, K] per MoE layer, layer order) stacked on axis 0 (torch.stack(...).numpy()).\n"
-      "Micro-steps: --microbatches FILE.npy, else --microbatch-tokens N, else the sidecar, else one.\n"
-      "Writes --out LOADS.npy (int64 [M, L, E], [M, L, E, S] with --by-source) and LOADS.steps.npy\n"
-      "when FILE.steps.npy exists, the files plan, simulate and trace stats read.";
+  c.summary = "count routed ids (" + trace_format_names() + ") into loads [M, L, E] as NPY";
+  c.description = "Input forms (--format, auto by default):\n";
+  for (const TraceFormat *f : trace_formats()) {
+    // Each format's help lines, indented under its name in a column.
+    std::string help = f->help;
+    for (std::size_t at = help.find('\n'); at != std::string::npos; at = help.find('\n', at + 1))
+      help.insert(at + 1, std::string(12, ' '));
+    c.description += "  " + f->name + std::string(f->name.size() < 10 ? 10 - f->name.size() : 1, ' ') + help + "\n";
+  }
+  c.description += "  auto      " + config::trace_format_detection() + "\n";
+  c.description += "Micro-steps: --microbatches FILE.npy, else --microbatch-tokens N, else the sidecar, else one.\n"
+                   "Writes --out LOADS.npy (int64 [M, L, E], [M, L, E, S] with --by-source) and LOADS.steps.npy\n"
+                   "when FILE.steps.npy exists, the files plan, simulate and trace stats read.";
   c.options = schema_specs(config::count_schema());
   c.options.emplace_back("out", "FILE.npy", "write the loads here (required)", "");
   c.options.emplace_back("mask", "FILE.npy", "verl: attention mask [batch, seq] (0 = padding, not counted)", "");
@@ -296,31 +300,18 @@ Command make_trace_count() {
     if (a.positional().empty()) throw UsageError{"give the routed-id FILE to count"};
     if (!a.has("out")) throw UsageError{"give --out LOADS.npy"};
     const fs::path p = a.positional()[0], outp = a.str("out");
-    std::string fmt = cs.format;
-    if (fmt == "auto") {
-      const std::string ext = p.extension().string();
-      if (ext == ".jsonl" || ext == ".json" || ext == ".ndjson")
-        fmt = "sglang";
-      else
-        fmt = read_npy(p).shape.size() == 4 ? "verl" : "npy";
+    const TraceFormat &fmt = cs.format == "auto" ? detect_trace_format(p) : find_trace_format(cs.format);
+    TraceReadOptions ro;
+    if (a.has("mask")) {
+      if (!fmt.takes_mask) throw UsageError{"--mask is for --format " + mask_formats() + " (got " + fmt.name + ")"};
+      ro.mask = TraceInput(fs::path(a.str("mask")));
     }
-    if (a.has("mask") && fmt != "verl") throw UsageError{"--mask is for --format verl (got " + fmt + ")"};
-    RoutedRecord rec;
-    if (fmt == "verl") {
-      rec = read_verl(p, a.has("mask") ? fs::path(a.str("mask")) : fs::path());
-    } else if (fmt == "sglang") {
-      if (cs.layers == 0 || cs.topk == 0)
-        throw UsageError{"--format sglang needs --layers and --topk (the payload's int32 [tokens, layers, topk])"};
-      rec = read_sglang(p, static_cast<int>(cs.layers), static_cast<int>(cs.topk));
-    } else if (fmt == "megatron") {
-      rec = read_megatron(p);
-    } else {
-      RoutedIdsFile f = read_routed_ids_npy(p);
-      rec.view = f.view();
-      rec.array = std::move(f.array);
-      rec.view = RoutedView(rec.array.data.data(), rec.view.dtype(), rec.view.num_tokens(), rec.view.num_layers(),
-                            rec.view.topk(), rec.view.strides());
-    }
+    if (fmt.needs_shape && (cs.layers == 0 || cs.topk == 0))
+      throw UsageError{"--format " + fmt.name +
+                       " needs --layers and --topk (the payload's int32 [tokens, layers, topk])"};
+    ro.num_layers = static_cast<int>(cs.layers);
+    ro.topk = static_cast<int>(cs.topk);
+    const RoutedRecord rec = fmt.read(TraceInput(p), ro);
     const RoutedView &view = rec.view;
     CountOptions o;
     o.mask = rec.mask;
@@ -341,7 +332,7 @@ Command make_trace_count() {
         mb.push_back(t);
       mb.push_back(view.num_tokens());
       if (mb.size() == 1) mb.insert(mb.begin(), 0);
-    } else if (fmt == "npy" && fs::exists(mb_side)) {
+    } else if (fmt.reads_sidecars && fs::exists(mb_side)) {
       mb = read_offsets_npy(mb_side);
       err << "micro-steps from " << mb_side.string() << "\n";
     }
@@ -349,7 +340,7 @@ Command make_trace_count() {
     if (cs.by_source) {
       if (cs.sources > 0) {
         o.num_sources = static_cast<int>(cs.sources);
-      } else if (fmt == "npy" && fs::exists(so_side) && !mb.empty()) {
+      } else if (fmt.reads_sidecars && fs::exists(so_side) && !mb.empty()) {
         so = read_offsets_npy(so_side);
         const std::size_t M = mb.size() - 1;
         if (so.size() < 2 || (so.size() - 1) % M != 0)
@@ -367,14 +358,14 @@ Command make_trace_count() {
     const LoadTensor loads = count_loads(view, o);
     write_loads_npy(outp, loads, cs.by_source);
     const fs::path steps_in = sidecar_path(p, "steps");
-    if (fmt == "npy" && fs::exists(steps_in))
+    if (fmt.reads_sidecars && fs::exists(steps_in))
       write_offsets_npy(sidecar_path(outp, "steps"), read_offsets_npy(steps_in));
     std::int64_t masked = 0;
     for (const std::uint8_t b : rec.mask)
       masked += b == 0;
     out << "wrote " << outp.string() << ": loads [" << loads.num_micro_steps() << ", " << loads.num_layers() << ", "
         << loads.num_experts() << (cs.by_source ? ", " + std::to_string(loads.num_sources()) : std::string())
-        << "] int64 from " << fmt << " " << p.string() << " (" << view.num_tokens() << " tokens";
+        << "] int64 from " << fmt.name << " " << p.string() << " (" << view.num_tokens() << " tokens";
     if (!rec.mask.empty()) out << ", " << masked << " masked";
     if (!rec.request_offsets.empty()) out << ", " << rec.request_offsets.size() - 1 << " requests";
     out << ")\n";

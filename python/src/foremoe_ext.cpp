@@ -22,6 +22,7 @@
 #include "foremoe/config/documents.hpp"
 #include "foremoe/foremoe.hpp"
 #include "foremoe/plan/token_map.hpp"
+#include "foremoe/trace/formats/builtin.hpp"
 
 namespace foremoe::cli {
 int run_cli(const std::vector<std::string> &args); // tools/main.cpp, compiled into this module
@@ -99,6 +100,82 @@ fm::RoutedView routed_view(const RoIds &ids, const char *who) {
 std::span<const std::int64_t> span_of(const std::optional<RoI64> &a) {
   if (!a) return {};
   return {a->data(), a->size()};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// trace formats: the registry of foremoe/trace/formats.hpp
+
+nb::list trace_formats() {
+  nb::list out;
+  for (const fm::TraceFormat *f : fm::trace_formats()) {
+    nb::dict d;
+    d["name"] = f->name;
+    d["help"] = f->help;
+    d["detects"] = f->detects;
+    d["takes_mask"] = f->takes_mask;
+    d["needs_shape"] = f->needs_shape;
+    d["reads_sidecars"] = f->reads_sidecars;
+    out.append(d);
+  }
+  return out;
+}
+
+nb::dlpack::dtype numpy_dtype(fm::IdDtype d) {
+  switch (d) {
+  case fm::IdDtype::i8: return nb::dtype<std::int8_t>();
+  case fm::IdDtype::u8: return nb::dtype<std::uint8_t>();
+  case fm::IdDtype::i16: return nb::dtype<std::int16_t>();
+  case fm::IdDtype::u16: return nb::dtype<std::uint16_t>();
+  case fm::IdDtype::i32: return nb::dtype<std::int32_t>();
+  case fm::IdDtype::i64: break;
+  }
+  return nb::dtype<std::int64_t>();
+}
+
+std::span<const std::byte> byte_span(const nb::bytes &b) {
+  return {reinterpret_cast<const std::byte *>(b.c_str()), b.size()};
+}
+
+/// `(format, ids [T, L, K], mask [T] uint8 or None, request_offsets or None)` of a file, or of its content
+/// `data` (then `path` names it in messages); the ids are a view over the record the reader filled, in its dtype.
+nb::tuple read_trace(const std::string &path, const std::string &format, std::optional<nb::bytes> data,
+                     std::optional<std::string> mask_path, std::optional<nb::bytes> mask_data, int num_layers,
+                     int topk) {
+  fm::TraceInput in = data ? fm::TraceInput(path, byte_span(*data)) : fm::TraceInput(path);
+  fm::TraceReadOptions o;
+  if (mask_data)
+    o.mask = fm::TraceInput(mask_path.value_or("mask"), byte_span(*mask_data));
+  else if (mask_path)
+    o.mask = fm::TraceInput(*mask_path);
+  o.num_layers = num_layers;
+  o.topk = topk;
+  auto rec = std::make_unique<fm::RoutedRecord>();
+  const fm::TraceFormat *f = nullptr;
+  {
+    nb::gil_scoped_release nogil;
+    f = &fm::resolve_trace_format(in.path, format, o);
+    *rec = f->read(in, o);
+  }
+  nb::object mask = nb::none(), offsets = nb::none();
+  if (!rec->mask.empty()) {
+    const std::size_t n = rec->mask.size();
+    mask = nb::cast(owned_array(std::move(rec->mask), {n}));
+  }
+  if (!rec->request_offsets.empty()) {
+    const std::size_t n = rec->request_offsets.size();
+    offsets = nb::cast(owned_array(std::move(rec->request_offsets), {n}));
+  }
+  const fm::RoutedView v = rec->view;
+  const std::size_t shape[3] = {static_cast<std::size_t>(v.num_tokens()), static_cast<std::size_t>(v.num_layers()),
+                                static_cast<std::size_t>(v.topk())};
+  const std::int64_t strides[3] = {v.strides()[0], v.strides()[1], v.strides()[2]};
+  // A non-null pointer for zero tokens, as NumPy wants one.
+  static const std::int64_t empty = 0;
+  const void *data_ptr = v.data() != nullptr ? v.data() : &empty;
+  auto *owned = rec.release();
+  nb::capsule owner(owned, [](void *p) noexcept { delete static_cast<fm::RoutedRecord *>(p); });
+  nb::object ids = nb::cast(nb::ndarray<nb::numpy, nb::ro>(data_ptr, 3, shape, owner, strides, numpy_dtype(v.dtype())));
+  return nb::make_tuple(f->name, ids, mask, offsets);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -939,6 +1016,12 @@ NB_MODULE(_core, m) {
       "config"_a.none(), "flags"_a);
   m.def("simulate_text", &simulate_text, "config"_a.none(), "flags"_a, "doc"_a, "csv"_a);
   m.def("options", &options, "command"_a);
+  m.def("trace_formats", &trace_formats, "The registered trace input formats in listing order, as dicts.");
+  m.def(
+      "detect_trace_format", [](const std::string &path) { return fm::detect_trace_format(path).name; }, "path"_a,
+      "The format `--format auto` reads `path` as.");
+  m.def("read_trace", &read_trace, "path"_a, "format"_a, "data"_a.none(), "mask_path"_a.none(), "mask_data"_a.none(),
+        "num_layers"_a, "topk"_a);
   m.def(
       "strategy_names",
       [] {

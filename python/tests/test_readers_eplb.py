@@ -63,7 +63,7 @@ def test_read_verl_left_padding_not_counted(tmp_path):
     np.testing.assert_array_equal(foremoe.count_loads(f, num_experts=E, mask=fm)[0], want)
     # without the mask, padding is counted as expert 0: the bug the mask fixes
     assert foremoe.count_loads(flat, num_experts=E)[0][:, 0].sum() > want[:, 0].sum()
-    with pytest.raises(ValueError, match="attention_mask must be"):
+    with pytest.raises(ValueError, match="attention_mask: attention mask must be"):
         foremoe.read_verl(ids, mask[:, :3])
 
 
@@ -103,6 +103,58 @@ def test_read_sglang_malformed(payload, msg):
         foremoe.read_sglang([json.dumps({"routed_experts": payload})], 2, 2)
     with pytest.raises(ValueError, match="no routed_experts"):
         foremoe.read_sglang(['{"meta_info": {}}'], 2, 2)
+
+
+def test_trace_formats_registry_is_the_count_schemas_choice_list():
+    names = [f["name"] for f in foremoe.trace_formats()]
+    assert tuple(names) == foremoe.TRACE_FORMATS and {"npy", "verl", "sglang", "megatron"} <= set(names)
+    fmt = next(o for o in foremoe.options("count") if o["key"] == "format")
+    assert fmt["choices"] == ["auto", *names]
+    with pytest.raises(ValueError, match="unknown trace format 'parquet'"):
+        foremoe.read_trace("x.parquet", "parquet")
+
+
+def _write_every_format(tmp_path, ids):
+    """`ids` [T, L, K] written in every built-in format: (path, format, read_trace keywords) each."""
+    T, L, K = ids.shape
+    np.save(tmp_path / "ids.npy", ids)
+    np.save(tmp_path / "mg.npy", np.ascontiguousarray(ids.transpose(1, 0, 2)))
+    half = T // 2  # verl: two rows of `half` tokens each, left-padded by one position holding expert 0
+    pad = np.zeros((1, L, K), ids.dtype)
+    np.save(tmp_path / "verl.npy", np.stack([np.concatenate([pad, ids[:half]]), np.concatenate([pad, ids[half:]])]))
+    np.save(tmp_path / "verl_mask.npy", np.stack([np.arange(half + 1) > 0] * 2))
+    lines = [json.dumps({"routed_experts": base64.b64encode(p.astype("<i4").tobytes()).decode()})
+             for p in (ids[:half], ids[half:])]
+    (tmp_path / "r.jsonl").write_text("\n".join(lines) + "\n")
+    return [(tmp_path / "ids.npy", "auto", {}), (tmp_path / "mg.npy", "megatron", {}),
+            (tmp_path / "verl.npy", "auto", {"mask": tmp_path / "verl_mask.npy"}),
+            (tmp_path / "r.jsonl", "auto", {"num_layers": L, "topk": K})]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_format_reads_through_the_registry_as_trace_count_does(tmp_path, cli, seed):
+    import subprocess
+
+    rng = np.random.default_rng(seed)
+    E = 9
+    ids = rng.integers(0, E, size=(2 * int(rng.integers(1, 6)), int(rng.integers(1, 4)), 2)).astype(np.int32)
+    want = foremoe.count_loads(ids, num_experts=E)
+    for path, fmt, kw in _write_every_format(tmp_path, ids):
+        rec = foremoe.read_trace(path, fmt, **kw)
+        assert rec.format in foremoe.TRACE_FORMATS and (fmt == "auto" or rec.format == fmt)
+        np.testing.assert_array_equal(foremoe.count_loads(rec.ids, num_experts=E, mask=rec.mask), want)
+        np.testing.assert_array_equal(foremoe.count_loads(path, num_experts=E, format=fmt, **kw), want)
+        args = [cli, "trace", "count", str(path), "--format", fmt, "--experts", str(E), "--out", str(tmp_path / "c.npy")]
+        if "mask" in kw:
+            args += ["--mask", str(kw["mask"])]
+        if "num_layers" in kw:
+            args += ["--layers", str(kw["num_layers"]), "--topk", str(kw["topk"])]
+        subprocess.run(args, check=True, capture_output=True)
+        np.testing.assert_array_equal(np.load(tmp_path / "c.npy"), want)
+    with pytest.raises(ValueError, match="verl.npy is read as npy"):
+        foremoe.read_trace(tmp_path / "verl.npy", "npy", mask=tmp_path / "verl_mask.npy")
+    with pytest.raises(ValueError, match="verl_mask.npy"):
+        foremoe.read_trace(tmp_path / "verl_mask.npy", "npy")
 
 
 def _check_contract(w, R, G, out):

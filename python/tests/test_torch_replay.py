@@ -79,7 +79,7 @@ def as_verl(rng, ids, offsets):
 
 
 @pytest.mark.parametrize("seed", range(10))
-def test_input_forms_give_the_direct_count(seed):
+def test_input_forms_give_the_direct_count(seed, tmp_path):
     rng = np.random.default_rng(seed)
     ids, off, E = random_trace(rng)
     M, L = len(off) - 1, ids.shape[1]
@@ -92,6 +92,11 @@ def test_input_forms_give_the_direct_count(seed):
     assert np.array_equal(ft.loads_from_megatron(per_layer, off, num_experts=E), want)
     per_micro = [[t[off[m]:off[m + 1]] for t in per_layer] for m in range(M)]
     assert np.array_equal(ft.loads_from_megatron(per_micro, num_experts=E), want)
+    # files through the format registry: Megatron's stacked [L, T, K], plain [T, L, K] ids
+    np.save(tmp_path / "mg.npy", np.ascontiguousarray(ids.transpose(1, 0, 2)))
+    assert np.array_equal(ft.loads_from_megatron(str(tmp_path / "mg.npy"), off, num_experts=E), want)
+    np.save(tmp_path / "ids.npy", ids)
+    assert np.array_equal(ft.loads_from_file(tmp_path / "ids.npy", off, num_experts=E), want)
     # slime: per micro-batch a list of per-sample [len, L, K] arrays (or dicts), or indices into the samples.
     mbs, samples, index = [], [], []
     for m in range(M):

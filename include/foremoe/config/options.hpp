@@ -18,6 +18,7 @@
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/sim/simulator.hpp"
+#include "foremoe/trace/formats/builtin.hpp"
 #include "foremoe/trace/peer_workloads.hpp"
 #include "foremoe/trace/synthetic.hpp"
 
@@ -219,10 +220,26 @@ struct SyntheticSettings {
   return s.config;
 }
 
+/// The `format` choices of the count schema: "auto", then every registered trace format in listing order.
+[[nodiscard]] inline std::vector<std::string> trace_format_choices() {
+  std::vector<std::string> out{"auto"};
+  for (const TraceFormat *f : trace_formats())
+    out.push_back(f->name);
+  return out;
+}
+
+/// What `auto` picks, from the formats' own descriptions, e.g. "verl for a 4-D NPY, ...".
+[[nodiscard]] inline std::string trace_format_detection() {
+  std::string out;
+  for (const TraceFormat *f : trace_formats())
+    if (!f->detects.empty()) out.append(out.empty() ? "" : ", ").append(f->name + " for " + f->detects);
+  return out;
+}
+
 /// What `foremoe trace count` (and Python `count_trace`) counts: the input form, the expert count, the layer
 /// map and how the token stream is cut into micro-steps and source ranks.
 struct CountSettings {
-  std::string format = "auto"; ///< auto, npy, verl, sglang, megatron
+  std::string format = "auto"; ///< auto or a registered trace format (`trace_formats()`)
   std::int64_t experts = 0;    ///< 0: largest id + 1
   std::int64_t dense_layers = 0;
   std::int64_t microbatch_tokens = 0; ///< 0: the micro-batch sidecar, else one micro-step
@@ -238,8 +255,7 @@ struct CountSettings {
       "count",
       {
           choice<C>(
-              "format", {"auto", "npy", "verl", "sglang", "megatron"},
-              "input form (auto: .jsonl/.json is sglang, a 4-D NPY is verl, else npy [T, L, K])",
+              "format", trace_format_choices(), "input form (auto: " + trace_format_detection() + ")",
               [](const C &c) { return c.format; }, [](C &c, const std::string &v) { c.format = v; }),
           integer<C>(
               "experts", 0, 32767, "routed experts per MoE layer (0: largest id + 1)",

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
@@ -112,28 +113,38 @@ struct RoutedIdsFile {
   }
 };
 
-/// Reads routed ids `[tokens, layers, topk]` of dtype int8/uint8/int16/uint16/int32/int64.
-[[nodiscard]] inline RoutedIdsFile read_routed_ids_npy(const std::filesystem::path &path) {
+namespace detail {
+/// The id dtype of an NPY array of routed ids; throws `Error` naming `p` for any other dtype.
+[[nodiscard]] inline IdDtype npy_id_dtype(const NpyArray &a, const std::filesystem::path &p) {
+  const auto &d = a.dtype;
+  if (d.kind == NpyKind::int_)
+    return d.item_bytes == 1   ? IdDtype::i8
+           : d.item_bytes == 2 ? IdDtype::i16
+           : d.item_bytes == 4 ? IdDtype::i32
+                               : IdDtype::i64;
+  if (d.kind == NpyKind::uint_ && d.item_bytes <= 2) return d.item_bytes == 1 ? IdDtype::u8 : IdDtype::u16;
+  fail(p.string(), ": routed ids must be int8, uint8, int16, uint16, int32 or int64, got ", d.descr());
+}
+} // namespace detail
+
+/// Routed ids `[tokens, layers, topk]` of dtype int8/uint8/int16/uint16/int32/int64 from an array read from `path`
+/// (named in messages).
+[[nodiscard]] inline RoutedIdsFile routed_ids_from_npy(NpyArray array, const std::filesystem::path &path) {
   RoutedIdsFile f;
-  f.array = read_npy(path);
+  f.array = std::move(array);
   const auto &a = f.array;
   detail::require(a.shape.size() == 3, path.string(), ": routed ids must be [tokens, layers, topk], got shape ",
                   detail::shape_text(a.shape));
   detail::require(a.shape[0] >= 0, path.string(), ": negative token count");
   detail::require_int_dim(a.shape[1], path, "layers");
   detail::require_int_dim(a.shape[2], path, "topk");
-  const auto &d = a.dtype;
-  if (d.kind == NpyKind::int_) {
-    f.dtype = d.item_bytes == 1   ? IdDtype::i8
-              : d.item_bytes == 2 ? IdDtype::i16
-              : d.item_bytes == 4 ? IdDtype::i32
-                                  : IdDtype::i64;
-  } else if (d.kind == NpyKind::uint_ && d.item_bytes <= 2) {
-    f.dtype = d.item_bytes == 1 ? IdDtype::u8 : IdDtype::u16;
-  } else {
-    detail::fail(path.string(), ": routed ids must be int8, uint8, int16, uint16, int32 or int64, got ", d.descr());
-  }
+  f.dtype = detail::npy_id_dtype(a, path);
   return f;
+}
+
+/// Reads routed ids `[tokens, layers, topk]` of dtype int8/uint8/int16/uint16/int32/int64.
+[[nodiscard]] inline RoutedIdsFile read_routed_ids_npy(const std::filesystem::path &path) {
+  return routed_ids_from_npy(read_npy(path), path);
 }
 
 } // namespace v0

@@ -11,11 +11,10 @@ Bad input raises ``ValueError`` with the C++ library's message.
 
 from __future__ import annotations
 
-import base64
-import binascii
+import io
 import json
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -30,10 +29,13 @@ __all__ = [
     "Planner",
     "STRATEGIES",
     "SIM_STRATEGIES",
+    "TRACE_FORMATS",
     "Topology",
+    "TraceRecord",
     "count_loads",
     "export_placement",
     "read_sglang",
+    "read_trace",
     "read_verl",
     "rebalance_experts",
     "options",
@@ -42,6 +44,7 @@ __all__ = [
     "simulate_config",
     "synthetic_loads",
     "synthetic_trace",
+    "trace_formats",
     "__version__",
 ]
 
@@ -49,6 +52,8 @@ __all__ = [
 STRATEGIES = tuple(_core.strategy_names())
 #: Simulator strategies: the planner's plus ``ideal`` (every layer perfectly balanced, moves free).
 SIM_STRATEGIES = STRATEGIES + ("ideal",)
+#: Trace input formats (``read_trace``, ``foremoe trace count --format``), from the C++ registry in listing order.
+TRACE_FORMATS = tuple(f["name"] for f in _core.trace_formats())
 
 
 
@@ -125,6 +130,9 @@ def count_loads(
     source_offsets: Optional[Sequence[int]] = None,
     return_by_source: bool = False,
     mask: Any = None,
+    format: str = "auto",
+    num_layers: int = 0,
+    topk: int = 0,
 ):
     """Counts routed expert ids into per-micro-step loads.
 
@@ -145,10 +153,15 @@ def count_loads(
         mask: per-token mask, ``[T]`` (or ``[bs, seq]`` for verl's ``[bs, seq, L, K]`` ids), bool or
             integer: tokens where it is 0 (padding) are not counted. ``None`` counts every token.
             A 4-D ``routed_experts`` ``[bs, seq, L, K]`` is taken row by row (token ``b * seq + s``).
+        format, num_layers, topk: when ``routed_experts`` is a path, it is read by :func:`read_trace` as
+            ``format`` (one of :data:`TRACE_FORMATS` or ``auto``), with ``mask`` a path of the format's mask.
 
     Returns:
         ``[M, L, E]`` int64 loads (and the split when ``return_by_source``).
     """
+    if isinstance(routed_experts, (str, os.PathLike)):
+        rec = read_trace(routed_experts, format, mask=mask, num_layers=num_layers, topk=topk)
+        routed_experts, mask = rec.ids, rec.mask
     ids = routed_experts if _is_tensor_like(routed_experts) else np.asarray(routed_experts)
     if isinstance(ids, np.ndarray) and ids.dtype == np.bool_:
         raise ValueError("count_loads: routed_experts must be an integer array, got dtype bool")
@@ -174,31 +187,70 @@ def count_loads(
     return (totals, by_source) if return_by_source else totals
 
 
+class TraceRecord(NamedTuple):
+    """What :func:`read_trace` read: ``ids`` ``[T, L, K]`` (the file's dtype; -1 = no route), ``mask`` ``[T]``
+    uint8 (0 = padding) or ``None``, ``request_offsets`` ``[R + 1]`` (SGLang) or ``None``, and the ``format``."""
+
+    format: str
+    ids: np.ndarray
+    mask: Optional[np.ndarray]
+    request_offsets: Optional[np.ndarray]
+
+
+def trace_formats() -> List[Dict[str, Any]]:
+    """The registered trace input formats, in listing order: ``name``, ``help``, ``detects`` (when ``auto`` picks
+    it; empty: only when named), ``takes_mask``, ``needs_shape`` (``num_layers`` and ``topk``), ``reads_sidecars``."""
+    return list(_core.trace_formats())
+
+
+def _npy_bytes(x: Any) -> bytes:
+    if _is_tensor_like(x) and hasattr(x, "cpu"):
+        x = x.cpu().numpy()
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(x), allow_pickle=False)
+    return buf.getvalue()
+
+
+def read_trace(source: Any, format: str = "auto", *, mask: Any = None, num_layers: int = 0,
+               topk: int = 0) -> TraceRecord:
+    """Reads a routed-id file through the C++ format registry (the readers of ``foremoe trace count``).
+
+    ``source``: a path; ``format``: one of :data:`TRACE_FORMATS`, or ``auto`` (detected from the file as
+    ``trace count`` does). ``mask``: a path of the format's mask (verl's attention mask); ``num_layers`` and
+    ``topk``: the payload's shape for formats whose files do not carry it (SGLang). Bad files raise
+    ``ValueError`` naming the file."""
+    name, ids, m, offsets = _core.read_trace(os.fspath(source), str(format), None,
+                                             None if mask is None else os.fspath(mask), None, int(num_layers),
+                                             int(topk))
+    return TraceRecord(name, ids, m, offsets)
+
+
 def read_verl(routed_experts: Any, attention_mask: Any = None):
     """verl's padded routing record as ``(ids [bs * seq, L, K], mask [bs * seq] uint8)`` for :func:`count_loads`.
 
     ``routed_experts`` is ``[bs, seq, L, K]`` (a NumPy array, a PyTorch tensor or a path to an ``.npy``),
     ``attention_mask`` ``[bs, seq]`` (same; bool or integer, 0 = padding; verl pads prompts on the left, and
-    the padded positions hold expert 0, which must not be counted). Tokens run row by row."""
-    ids = np.load(routed_experts) if isinstance(routed_experts, (str, os.PathLike)) else routed_experts
-    if _is_tensor_like(ids) and hasattr(ids, "cpu"):
-        ids = ids.cpu().numpy()
-    ids = np.asarray(ids)
-    if ids.ndim != 4:
-        raise ValueError(f"read_verl: routed_experts must be [batch, seq, layers, topk], got shape {ids.shape}")
-    flat = ids.reshape(ids.shape[0] * ids.shape[1], ids.shape[2], ids.shape[3])
-    if attention_mask is None:
-        return flat, None
-    m = np.load(attention_mask) if isinstance(attention_mask, (str, os.PathLike)) else attention_mask
-    if _is_tensor_like(m) and hasattr(m, "cpu"):
-        m = m.cpu().numpy()
-    m = np.asarray(m)
-    if m.shape != ids.shape[:2]:
-        raise ValueError(f"read_verl: attention_mask must be {list(ids.shape[:2])} to match routed_experts, "
-                         f"got shape {list(m.shape)}")
-    if m.dtype.kind not in "biu":
-        raise ValueError(f"read_verl: attention_mask must be bool or integer, got dtype {m.dtype}")
-    return flat, np.ascontiguousarray(m.reshape(-1) != 0, dtype=np.uint8)
+    the padded positions hold expert 0, which must not be counted). Tokens run row by row. Read by the
+    registry's ``verl`` format (arrays as their NPY images)."""
+    path = isinstance(routed_experts, (str, os.PathLike))
+    mpath = isinstance(attention_mask, (str, os.PathLike))
+    _, ids, m, _ = _core.read_trace(
+        os.fspath(routed_experts) if path else "routed_experts", "verl",
+        None if path else _npy_bytes(routed_experts),
+        os.fspath(attention_mask) if mpath else (None if attention_mask is None else "attention_mask"),
+        None if attention_mask is None or mpath else _npy_bytes(attention_mask), 0, 0)
+    return ids, m
+
+
+def _sglang_line(item: Any) -> str:
+    """One request as the JSON line the ``sglang`` format reads: a bare base64 payload is wrapped."""
+    if isinstance(item, bytes):
+        item = item.decode("utf-8")
+    if isinstance(item, str):
+        if not item.lstrip().startswith("{"):
+            return json.dumps({"routed_experts": item})
+        return json.dumps(json.loads(item)) if "\n" in item else item
+    return json.dumps(item, default=str)
 
 
 def read_sglang(source: Any, num_layers: int, topk: int):
@@ -208,43 +260,17 @@ def read_sglang(source: Any, num_layers: int, topk: int):
     ``/generate`` returns them: ``routed_experts`` at the top level or under ``meta_info``) or base64
     strings. Each payload is base64 of little-endian int32 ``[tokens, num_layers, topk]``; requests are
     concatenated in order. Malformed base64 or a payload that is not whole tokens raises ``ValueError``
-    naming the request."""
-    if num_layers <= 0 or topk <= 0:
-        raise ValueError(f"read_sglang: num_layers and topk must be positive, got {num_layers}, {topk}")
+    naming the request (the file's line, or ``requests:N`` for the N-th item, from 1). Read by the registry's
+    ``sglang`` format."""
     if isinstance(source, (str, os.PathLike)):
-        with open(source, encoding="utf-8") as f:
-            items = [ln for ln in f.read().splitlines() if ln.strip()]
+        name, data = os.fspath(source), None
     else:
-        items = list(source)
-    per_token = int(num_layers) * int(topk)
-    parts, offsets = [], [0]
-    for i, it in enumerate(items):
-        where = f"read_sglang: request {i}"
-        if isinstance(it, (bytes, str)) and not str(it).lstrip().startswith("{"):
-            payload = it
-        else:
-            d = json.loads(it) if isinstance(it, (bytes, str)) else it
-            payload = d.get("routed_experts")
-            if payload is None and isinstance(d.get("meta_info"), Mapping):
-                payload = d["meta_info"].get("routed_experts")
-            if payload is None:
-                raise ValueError(f"{where}: no routed_experts (top level or meta_info)")
-        if not isinstance(payload, (str, bytes)):
-            raise ValueError(f"{where}: routed_experts must be a base64 string, got {type(payload).__name__}")
-        try:
-            raw = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as e:
-            raise ValueError(f"{where}: malformed base64 routed_experts: {e}") from None
-        if len(raw) % (4 * per_token):
-            raise ValueError(f"{where}: routed_experts holds {len(raw)} bytes, not a whole number of int32 "
-                             f"[tokens, {num_layers}, {topk}] rows ({4 * per_token} bytes per token)")
-        a = np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(-1, num_layers, topk)
-        parts.append(a)
-        offsets.append(offsets[-1] + a.shape[0])
-    ids = np.concatenate(parts) if parts else np.zeros((0, num_layers, topk), np.int32)
-    return ids, np.asarray(offsets, dtype=np.int64)
-
-
+        lines = [_sglang_line(it) for it in source]
+        if not lines:
+            return np.zeros((0, int(num_layers), int(topk)), np.int32), np.zeros(1, np.int64)
+        name, data = "read_sglang: requests", "\n".join(lines).encode("utf-8")
+    _, ids, _, offsets = _core.read_trace(name, "sglang", data, None, None, int(num_layers), int(topk))
+    return ids, offsets
 
 
 def _as_resident(resident: Any, topology: Topology, num_experts: int) -> Optional[Placement]:

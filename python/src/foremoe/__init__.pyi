@@ -1,6 +1,6 @@
 """Type stub of the public `foremoe` API."""
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, overload
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -10,6 +10,7 @@ from ._core import Placement as Placement, Plan as Plan, Topology as Topology
 __version__: str
 STRATEGIES: Tuple[str, ...]
 SIM_STRATEGIES: Tuple[str, ...]
+TRACE_FORMATS: Tuple[str, ...]
 
 def count_loads(
     routed_experts: Any,
@@ -21,9 +22,20 @@ def count_loads(
     source_offsets: Optional[Sequence[int]] = None,
     return_by_source: bool = False,
     mask: Any = None,
+    format: str = "auto",
+    num_layers: int = 0,
+    topk: int = 0,
 ) -> Any:
     """[T, L, K] routed ids (any int dtype, -1 = no route) -> [M, L, E] int64 loads; mask 0 = not counted."""
 
+class TraceRecord(NamedTuple):
+    format: str
+    ids: npt.NDArray[Any]
+    mask: Optional[npt.NDArray[np.uint8]]
+    request_offsets: Optional[npt.NDArray[np.int64]]
+
+def trace_formats() -> List[Dict[str, Any]]: ...
+def read_trace(source: Any, format: str = "auto", *, mask: Any = None, num_layers: int = 0, topk: int = 0) -> TraceRecord: ...
 def read_verl(routed_experts: Any, attention_mask: Any = None) -> Tuple[npt.NDArray[Any], Optional[npt.NDArray[np.uint8]]]: ...
 def read_sglang(source: Any, num_layers: int, topk: int) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]: ...
 def rebalance_experts(

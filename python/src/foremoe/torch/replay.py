@@ -12,7 +12,9 @@ background thread while the trainer executes the earlier micro-steps:
   whole stage with token offsets, or one such list per micro-batch: :func:`loads_from_megatron`;
 - slime: per micro-batch a list of per-sample ``[len, L, K]`` arrays (or sample indices into a list of them):
   :func:`loads_from_slime`;
-- plain ``[T, L, K]`` ids with token offsets: :func:`loads_from_ids`.
+- plain ``[T, L, K]`` ids with token offsets: :func:`loads_from_ids`;
+- a routed-id file of any registered trace format (``foremoe.TRACE_FORMATS``: verl, SGLang, Megatron, NPY ids;
+  the C++ readers of ``foremoe trace count``): :func:`loads_from_file`.
 
 Every form becomes the ``[M, L, E]`` load tensor (CPU counting in C++, in place; ids on a GPU are counted there
 when a device counter is bound, see :func:`loads_from_ids`). With ``group``, the ranks' loads are summed over the
@@ -40,6 +42,7 @@ chained to the original; :meth:`~ReplayDriver.close` (or leaving a ``with`` bloc
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -56,6 +59,7 @@ from .distributed import DEFAULT_TIMEOUT, gather_checked, group_rank, group_size
 __all__ = [
     "ReplayDriver",
     "ReplayError",
+    "loads_from_file",
     "loads_from_ids",
     "loads_from_megatron",
     "loads_from_slime",
@@ -222,6 +226,27 @@ def loads_from_ids(
     return _count(ids, off, num_experts, layer_map, mask, counter, who)
 
 
+def loads_from_file(
+    path: Any,
+    microbatch_offsets: Any = None,
+    *,
+    num_experts: int,
+    format: str = "auto",
+    mask: Any = None,
+    num_layers: int = 0,
+    topk: int = 0,
+    layer_map: Optional[Sequence[int]] = None,
+    counter: Optional[Counter] = None,
+) -> np.ndarray:
+    """``[M, L, E]`` loads of a routed-id file read by :func:`foremoe.read_trace` (the C++ format registry):
+    ``format`` one of ``foremoe.TRACE_FORMATS`` or ``auto``, ``mask`` a path of the format's mask (verl's
+    attention mask), ``num_layers`` and ``topk`` the payload's shape where the file does not carry it (SGLang).
+    Then as :func:`loads_from_ids` over the file's ``[T, L, K]`` token stream."""
+    rec = foremoe.read_trace(path, format, mask=mask, num_layers=num_layers, topk=topk)
+    return loads_from_ids(rec.ids, microbatch_offsets, num_experts=num_experts, layer_map=layer_map, mask=rec.mask,
+                          counter=counter)
+
+
 def loads_from_verl(
     routed_experts: Any,
     attention_mask: Any,
@@ -264,8 +289,12 @@ def loads_from_megatron(
     """``[M, L, E]`` loads of Megatron-core's per-layer top-k indices (what ``RouterReplay.set_replay_data``
     takes and ``RouterReplay.get_recorded_data`` returns): either one ``[T, K]`` tensor per MoE layer for the whole
     stage with ``[M + 1]`` token ``microbatch_offsets``, or a list with one such per-layer list per micro-batch
-    (``microbatch_offsets`` then left out). Each layer is counted in place."""
+    (``microbatch_offsets`` then left out). Each layer is counted in place. A path is the per-layer indices stacked
+    as NPY ``[L, T, K]``, read by the registry's ``megatron`` format (:func:`loads_from_file`)."""
     who = "loads_from_megatron"
+    if isinstance(per_layer, (str, os.PathLike)):
+        return loads_from_file(per_layer, microbatch_offsets, num_experts=num_experts, format="megatron",
+                               counter=counter)
     if not isinstance(per_layer, (list, tuple)) or not per_layer:
         raise ValueError(f"{who}: per_layer must be a non-empty list of [tokens, topk] tensors (one per MoE layer)")
     if isinstance(per_layer[0], (list, tuple)):  # one per-layer list per micro-batch
@@ -496,6 +525,16 @@ class ReplayDriver:
         """A driver over Megatron-core's per-layer ``[T, K]`` indices (:func:`loads_from_megatron`)."""
         return cls._counted(planner, lambda: loads_from_megatron(per_layer, microbatch_offsets, num_experts=num_experts,
                                                                  counter=counter), driver)
+
+    @classmethod
+    def from_file(cls, planner: Any, path: Any, microbatch_offsets: Any = None, *, num_experts: int,
+                  format: str = "auto", mask: Any = None, num_layers: int = 0, topk: int = 0,
+                  layer_map: Optional[Sequence[int]] = None, counter: Optional[Counter] = None,
+                  **driver: Any) -> "ReplayDriver":
+        """A driver over a routed-id file of any registered format (:func:`loads_from_file`)."""
+        return cls._counted(planner, lambda: loads_from_file(path, microbatch_offsets, num_experts=num_experts,
+                                                             format=format, mask=mask, num_layers=num_layers,
+                                                             topk=topk, layer_map=layer_map, counter=counter), driver)
 
     @classmethod
     def from_slime(cls, planner: Any, micro_batches: Sequence[Sequence[Any]], *, num_experts: int,
