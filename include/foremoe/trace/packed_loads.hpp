@@ -3,7 +3,7 @@
 /// Generated loads packed small enough to ship inside a program: the default batch's loads are built into
 /// `foremoe` and the Python extension this way, so that the main job's first run does not wait for the generator.
 ///
-/// A packed entry is a text line `foremoe-packed-loads <version>`, a line with the full key (the load cache's,
+/// A packed entry is a text line `foremoe-packed-loads <version>`, the key's length and the key (the load cache's,
 /// compared in full), then unsigned LEB128 varints: the dimensions (M, L, E, S, number of step offsets), the step
 /// offsets, and every load in `totals()` then `by_source()` order as the zigzag-coded difference from the same
 /// value one micro-step earlier (micro-step loads swing, but less than they are large: 0.44 MB for the default
@@ -39,19 +39,20 @@ inline constexpr std::uint64_t packed_fnv_basis = 0xcbf29ce484222325ULL;
   return h;
 }
 
-[[nodiscard]] inline std::string packed_header(std::string_view key) {
-  std::string line = "foremoe-packed-loads " + std::to_string(packed_loads_version) + "\n";
-  for (const char c : key) // the key is one line
-    line += c == '\n' ? ' ' : c;
-  return line + '\n';
-}
-
-inline void put_varint(std::string &out, std::uint64_t v) {
+inline void put_varint(std::string &out, std::uint64_t v) { // unsigned LEB128
   while (v >= 0x80) {
     out += static_cast<char>(static_cast<unsigned char>(v) | 0x80u);
     v >>= 7;
   }
   out += static_cast<char>(v);
+}
+
+/// The magic line, then the key's length as a varint and the key itself (compared byte for byte: any key).
+[[nodiscard]] inline std::string packed_header(std::string_view key) {
+  std::string header = "foremoe-packed-loads " + std::to_string(packed_loads_version) + "\n";
+  put_varint(header, key.size());
+  header += key;
+  return header;
 }
 
 /// Reads varints from a byte range; any overrun or over-long varint marks it failed (and reads 0 from then on).
