@@ -249,6 +249,12 @@ off_ok=$?
 FOREMOE_CACHE_DIR=off sim_csv >/dev/null && [[ $off_ok -eq 0 && ! -e "$work/cache-env" ]] &&
   grep -q "loads generated in" "$work/sim_err.txt" && passed=$((passed + 1)) ||
   { echo "FAIL: --cache off or FOREMOE_CACHE_DIR=off wrote or read a cache"; failed=$((failed + 1)); }
+# The main job's batch is built in: its first run unpacks the loads instead of generating them, whatever the cache
+# setting, and writes no cache entry.
+expect 0 "loads of the default batch built into the program, unpacked in [0-9.]+ s" -- \
+  "$bin" simulate --strategies static --cache "$work/cache-default"
+[[ ! -e "$work/cache-default" ]] && passed=$((passed + 1)) ||
+  { echo "FAIL: the built-in default batch wrote a cache entry"; failed=$((failed + 1)); }
 expect 1 "--cache must be auto, off or a directory, got an empty string" -- "$bin" simulate --config "$work/sim.json" --cache ""
 expect 0 "note: could not write the load cache entry" -- "$bin" simulate --config "$work/sim.json" --cache /proc/foremoe-cache
 printf '{"model": {"layerz": 4}}' >"$work/typo.json"

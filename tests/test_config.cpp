@@ -8,12 +8,14 @@
 #include <cstring>
 #include <filesystem>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "foremoe/config/documents.hpp"
 #include "foremoe/config/json.hpp"
 #include "foremoe/config/options.hpp"
+#include "foremoe/trace/packed_loads.hpp"
 
 namespace fm = foremoe;
 namespace json = foremoe::json;
@@ -410,6 +412,52 @@ TEST_CASE("load cache: entries round-trip exactly, per key; damaged or foreign e
   CHECK(LoadCache().write("a", LoadTensor(1, 1, 1), {0, 1}) == LoadCache::Write::disabled);
   CHECK(LoadCache("/proc/foremoe-no-such-cache").write("a", LoadTensor(1, 1, 1), {0, 1}) == LoadCache::Write::failed);
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("packed loads: entries round-trip exactly, per key; damaged, foreign or invalid entries are misses") {
+  std::mt19937_64 rng(11);
+  const auto bytes_of = [](const std::string &s) {
+    return std::span<const unsigned char>(reinterpret_cast<const unsigned char *>(s.data()), s.size());
+  };
+  for (int trial = 0; trial < 60; ++trial) {
+    const int sources = trial % 2 == 0 ? 0 : 1 + static_cast<int>(rng() % 4);
+    LoadTensor t = random_loads(rng, sources);
+    if (sources == 0) // large values and large swings between micro-steps take the varints' long forms
+      for (std::int64_t &v : t.totals())
+        if (rng() % 4 == 0) v = static_cast<std::int64_t>(rng() >> (1 + rng() % 63));
+    std::vector<std::int64_t> steps = {0};
+    for (int m = 1; m < t.num_micro_steps(); ++m)
+      if (rng() % 2 == 0) steps.push_back(m);
+    steps.push_back(t.num_micro_steps());
+    const std::string key = "key\n" + std::to_string(trial);
+    const std::string packed = fm::pack_loads(key, t, steps);
+    const auto back = fm::unpack_loads(bytes_of(packed), key);
+    REQUIRE(back.has_value());
+    CHECK(back->step_offsets == steps);
+    CHECK(back->loads.num_micro_steps() == t.num_micro_steps());
+    CHECK(back->loads.num_layers() == t.num_layers());
+    CHECK(back->loads.num_experts() == t.num_experts());
+    CHECK(back->loads.num_sources() == sources);
+    CHECK(std::vector<std::int64_t>(back->loads.totals().begin(), back->loads.totals().end()) ==
+          std::vector<std::int64_t>(t.totals().begin(), t.totals().end()));
+    CHECK(std::vector<std::int64_t>(back->loads.by_source().begin(), back->loads.by_source().end()) ==
+          std::vector<std::int64_t>(t.by_source().begin(), t.by_source().end()));
+    CHECK(fm::pack_loads(key, back->loads, back->step_offsets) == packed); // one encoding per entry
+    CHECK_FALSE(fm::unpack_loads(bytes_of(packed), key + " ").has_value());
+    CHECK_FALSE(fm::unpack_loads(bytes_of(packed), "key " + std::to_string(trial)).has_value());
+    // One flipped bit anywhere, a cut or a byte more makes the entry a miss, never an error or other loads.
+    const auto at = static_cast<std::size_t>(rng() % packed.size());
+    std::string damaged = packed;
+    damaged[at] = static_cast<char>(damaged[at] ^ (1 << (rng() % 8)));
+    CHECK_FALSE(fm::unpack_loads(bytes_of(damaged), key).has_value());
+    CHECK_FALSE(fm::unpack_loads(bytes_of(packed.substr(0, at)), key).has_value());
+    CHECK_FALSE(fm::unpack_loads(bytes_of(packed + "x"), key).has_value());
+  }
+  // Loads that LoadTensor::validate refuses pack, but never come back.
+  LoadTensor negative(2, 1, 3);
+  negative.at(1, 0, 2) = -5;
+  CHECK_FALSE(fm::unpack_loads(bytes_of(fm::pack_loads("k", negative, {0, 2})), "k").has_value());
+  CHECK_FALSE(fm::unpack_loads({}, "k").has_value());
 }
 
 TEST_CASE("load cache: settings") {

@@ -8,6 +8,7 @@
 #include <ostream>
 
 #include "command.hpp"
+#include "default_loads.hpp"
 #include "foremoe/config/documents.hpp"
 #include "foremoe/trace/io.hpp"
 
@@ -74,7 +75,8 @@ Command make_simulate() {
     progress.simulate = [&](int done, int total) { meter.update("simulating (strategy-steps)", done, total); };
     config::LoadsReport rep;
     const auto t0 = std::chrono::steady_clock::now();
-    const json::Value doc = config::run_simulate(s, a.has("loads") ? &loads : nullptr, steps, progress, &rep);
+    const json::Value doc =
+        config::run_simulate(s, a.has("loads") ? &loads : nullptr, steps, progress, &rep, default_loads());
     const double sim_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - rep.seconds;
     meter.clear();
 
@@ -87,7 +89,9 @@ Command make_simulate() {
     }
     if (!a.flag("quiet")) {
       err << std::fixed << std::setprecision(2);
-      if (rep.from_cache)
+      if (rep.built_in)
+        err << "loads of the default batch built into the program, unpacked in " << rep.seconds << " s, ";
+      else if (rep.from_cache)
         err << "loads read from the cache in " << rep.seconds << " s (" << rep.cache_file.string() << "), ";
       else if (rep.generated)
         err << "loads generated in " << rep.seconds << " s, ";

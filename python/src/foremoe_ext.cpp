@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "default_loads.hpp" // tools/, built into this module as into the program
 #include "foremoe/config/documents.hpp"
 #include "foremoe/foremoe.hpp"
 #include "foremoe/plan/token_map.hpp"
@@ -834,7 +835,8 @@ std::string simulate(const std::optional<std::string> &config, const Flags &flag
   } else {
     require(!step_offsets, "simulate: step_offsets need loads (the generator makes its own)");
   }
-  return fm::json::dump(fm::config::run_simulate(s, loads_arr ? &loads : nullptr, steps));
+  return fm::json::dump(
+      fm::config::run_simulate(s, loads_arr ? &loads : nullptr, steps, {}, nullptr, fm::cli::default_loads()));
 }
 
 /// (summary line, table or CSV) of a simulate document, as `foremoe simulate` prints them.

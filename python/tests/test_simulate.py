@@ -147,3 +147,16 @@ def test_load_cache_gives_the_same_results(tmp_path, monkeypatch):
     assert len(list(env.glob("loads-*.bin"))) == 1
     with pytest.raises(ValueError, match="batch.cache: must be auto, off or a directory, got an empty string"):
         foremoe.simulate(dict(cfg, batch=dict(cfg["batch"], cache="")))
+
+
+def test_default_batch_is_built_in(tmp_path):
+    """The default batch's loads are built into the extension as into the program: the main job unpacks them instead
+    of generating them, writes no cache entry, and simulate() gives the same document."""
+    cache, out = tmp_path / "cache", tmp_path / "doc.json"
+    r = subprocess.run([sys.executable, "-m", "foremoe", "simulate", "--strategies", "static", "--cache", str(cache),
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "loads of the default batch built into the program" in r.stderr
+    doc = foremoe.simulate({"batch": {"cache": str(cache)}}, strategies="static")
+    assert strip(doc) == strip(json.loads(out.read_text()))
+    assert not cache.exists()

@@ -13,6 +13,7 @@
 #include <iomanip>
 #include <iterator>
 #include <optional>
+#include <span>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -25,6 +26,7 @@
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/sim/simulator.hpp"
 #include "foremoe/trace/load_cache.hpp"
+#include "foremoe/trace/packed_loads.hpp"
 #include "foremoe/transfer/transfer_plan.hpp"
 
 namespace foremoe {
@@ -435,6 +437,7 @@ struct LoadsReport {
   double seconds = 0;               ///< generating them, or reading them from the cache
   bool generated = false;           ///< false: given by the caller
   bool from_cache = false;          ///< read from the cache instead of generated
+  bool built_in = false;            ///< unpacked from the copy built into the program instead of generated
   std::filesystem::path cache_file; ///< the cache entry read or written; empty when none
   bool cache_written = false;       ///< a new entry was written
 };
@@ -462,44 +465,66 @@ struct LoadsReport {
   return k.str();
 }
 
+/// The GRPO batch that `run_simulate` generates for `s`, and its cache key.
+struct SimulateBatch {
+  SyntheticConfig config;   ///< the settings' batch with the warm-up steps generated in front of the counted ones
+  bool by_source = false;   ///< several EP groups: each group's tokens are counted as one source, so that every
+                            ///< data-parallel copy runs its own sequences
+  int ranks_per_source = 1; ///< ranks per source: the EP group size when `by_source`
+  std::string key;          ///< `synthetic_cache_key` of the above
+};
+
+[[nodiscard]] inline SimulateBatch simulate_batch(const SimulateSettings &s) {
+  SimulateBatch b;
+  b.config = s.batch;
+  b.config.num_steps += s.sim.warmup_steps;
+  b.config.validate();
+  const int ep = s.sim.effective_ep_size();
+  b.by_source = ep < s.sim.topo.num_gpus();
+  b.ranks_per_source = b.by_source ? ep : 1;
+  b.key = synthetic_cache_key(b.config, b.by_source, b.ranks_per_source);
+  return b;
+}
+
 /// Runs a simulation from settings: the synthetic batch unless `loads` is given (with its `step_offsets`). The
-/// GRPO batch's loads come from the cache that `s.cache` names when it holds them, and are stored there when not.
+/// GRPO batch's loads come from `built_in` (a packed entry, foremoe/trace/packed_loads.hpp: the front ends pass
+/// the default batch's, built into them) when it is that batch's, else from the cache that `s.cache` names when
+/// it holds them, and are stored there when not.
 [[nodiscard]] inline json::Value run_simulate(const SimulateSettings &s, const LoadTensor *loads,
                                               std::vector<std::int64_t> step_offsets,
-                                              const SimulateProgress &progress = {}, LoadsReport *report = nullptr) {
+                                              const SimulateProgress &progress = {}, LoadsReport *report = nullptr,
+                                              std::span<const unsigned char> built_in = {}) {
   const std::vector<SimStrategy> strategies = s.strategy_list();
   LoadTensor generated;
   LoadsReport rep;
   if (loads == nullptr) {
     const auto t0 = std::chrono::steady_clock::now();
-    // The warm-up steps are generated in front of the counted ones; with several EP groups each group's tokens
-    // are counted as one source, so that every data-parallel copy runs its own sequences.
-    SyntheticConfig batch = s.batch;
-    batch.num_steps += s.sim.warmup_steps;
-    batch.validate();
+    const SimulateBatch batch = simulate_batch(s);
     GeneratorOptions gen;
     gen.progress = progress.generate;
-    const int ep = s.sim.effective_ep_size();
-    const bool grouped = ep < s.sim.topo.num_gpus();
-    gen.ranks_per_source = grouped ? ep : 1;
+    gen.ranks_per_source = batch.ranks_per_source;
     const WorkloadSpec workload = parse_workload(s.workload);
     rep.generated = true;
     if (workload.kind == WorkloadKind::grpo) {
       const LoadCache cache = LoadCache::from_setting(s.cache);
-      const std::string key = synthetic_cache_key(batch, grouped, gen.ranks_per_source);
-      if (cache.enabled()) rep.cache_file = cache.file_of(key);
-      if (std::optional<CachedLoads> hit = cache.read(key)) {
+      std::optional<CachedLoads> hit = unpack_loads(built_in, batch.key);
+      rep.built_in = hit.has_value();
+      if (!rep.built_in) {
+        if (cache.enabled()) rep.cache_file = cache.file_of(batch.key);
+        hit = cache.read(batch.key);
+        rep.from_cache = hit.has_value();
+      }
+      if (hit) {
         generated = std::move(hit->loads);
         step_offsets = std::move(hit->step_offsets);
-        rep.from_cache = true;
       } else {
-        generated = generate_loads(batch, &step_offsets, grouped, gen);
-        const LoadCache::Write w = cache.write(key, generated, step_offsets);
+        generated = generate_loads(batch.config, &step_offsets, batch.by_source, gen);
+        const LoadCache::Write w = cache.write(batch.key, generated, step_offsets);
         rep.cache_written = w == LoadCache::Write::written;
         if (w == LoadCache::Write::too_large) rep.cache_file.clear(); // not kept, and not a failure to report
       }
     } else { // the peers' generators route the same micro-steps; the copies split them evenly (not cached)
-      generated = generate_peer_loads(workload, batch, ep, &step_offsets);
+      generated = generate_peer_loads(workload, batch.config, s.sim.effective_ep_size(), &step_offsets);
     }
     loads = &generated;
     rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
