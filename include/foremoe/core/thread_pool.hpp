@@ -38,10 +38,10 @@ public:
   /// `num_threads` >= 1 participants: the caller plus `num_threads - 1` workers.
   explicit ThreadPool(int num_threads) : num_threads_(num_threads) {
     detail::require(num_threads >= 1, "ThreadPool: num_threads must be >= 1, got ", num_threads);
-    threads_.reserve(static_cast<std::size_t>(num_threads - 1));
+    threads_->reserve(static_cast<std::size_t>(num_threads - 1));
     try {
       for (int w = 1; w < num_threads; ++w)
-        threads_.emplace_back([this] { work(); });
+        threads_->emplace_back([this] { work(); });
     } catch (...) {
       stop(); // the ones already started must not outlive the half-built pool
       throw;
@@ -56,7 +56,8 @@ public:
     if (forked()) {
       // The workers were not copied into this process and their lock may have been copied held: joining them
       // would hang, destroying joinable handles would terminate, so the handles are left behind unowned.
-      new std::vector<std::thread>(std::move(threads_)); // NOLINT(cppcoreguidelines-owning-memory)
+      const std::vector<std::thread> *left = threads_.release();
+      static_cast<void>(left);
       return;
     }
 #endif
@@ -156,14 +157,14 @@ private:
       stopping_ = true;
     }
     wake_.notify_all();
-    for (std::thread &t : threads_)
+    for (std::thread &t : *threads_)
       t.join();
-    threads_.clear();
+    threads_->clear();
   }
 
   [[nodiscard]] bool forked() const noexcept {
 #if defined(FOREMOE_THREAD_POOL_PID)
-    return !threads_.empty() && ::getpid() != pid_;
+    return threads_ && !threads_->empty() && ::getpid() != pid_;
 #else
     return false;
 #endif
@@ -173,7 +174,8 @@ private:
 #if defined(FOREMOE_THREAD_POOL_PID)
   ::pid_t pid_ = ::getpid();
 #endif
-  std::vector<std::thread> threads_;
+  // Behind a pointer so that a forked child can leave the handles without destroying them.
+  std::unique_ptr<std::vector<std::thread>> threads_ = std::make_unique<std::vector<std::thread>>();
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   std::uint64_t generation_ = 0; ///< under `mutex_`: bumped per job, so a worker joins each job at most once
