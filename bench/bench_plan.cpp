@@ -85,11 +85,12 @@ void apply_env(PlannerOptions &opts) {
   if (const char *v = std::getenv("FOREMOE_BENCH_FREE_SEARCH")) opts.free_search_rounds = std::atoi(v);
 }
 
-/// One micro-step, all layers, one thread, with the previous micro-step's placement as resident.
-void plan_micro_step(benchmark::State &state, const Shape &s, const std::string &strategy) {
+/// One micro-step, all layers, on `num_threads` threads, with the previous micro-step's placement as resident.
+void plan_micro_step(benchmark::State &state, const Shape &s, const std::string &strategy, int num_threads = 1) {
   const LoadTensor steps = micro_steps_for(s, 4, 2.0, 11);
   PlannerOptions opts;
   opts.strategy = strategy;
+  opts.num_threads = num_threads;
   opts.move_budget = strategy == "foremoe" ? 1 : -1;
   apply_env(opts);
   Planner planner(s.num_layers, s.num_experts, s.topo, opts);
@@ -158,6 +159,15 @@ BENCHMARK(BM_PlanDeepSeekV3Tolerance)->Arg(102)->Arg(105)->Unit(benchmark::kMicr
 /// A Kimi-K2-like shape, 60 layers x 384 experts, at 64 GPUs (6 owners + 1 spare slot each), two-level.
 void BM_PlanKimiK2At64Gpus(benchmark::State &st) { plan_micro_step(st, Shape{60, 384, Topology{8, 8, 7}}, "foremoe"); }
 BENCHMARK(BM_PlanKimiK2At64Gpus)->Unit(benchmark::kMicrosecond);
+
+/// Layers over `threads` (argument) workers of the planner's pool: DeepSeek-V3 at 32 GPUs and Qwen3 at 64 GPUs,
+/// two-level, as above; wall time, since the workers' time is not the calling thread's.
+void BM_PlanDeepSeekV3Threads(benchmark::State &st) {
+  plan_micro_step(st, dsv3, "foremoe", static_cast<int>(st.range(0)));
+}
+void BM_PlanQwen3Threads(benchmark::State &st) { plan_micro_step(st, qwen3, "foremoe", static_cast<int>(st.range(0))); }
+BENCHMARK(BM_PlanDeepSeekV3Threads)->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_PlanQwen3Threads)->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
 /// 1,024 GPUs (128 x 8 x 2 slots) as EP groups of 256 GPUs (`default_ep_size`: four groups) planned on their own,
 /// in parallel over `threads` (argument); each group routes its own micro-steps.

@@ -1,13 +1,15 @@
 #pragma once
 // Internal interface between the runtime's front end and its backends.
 
+#include "foremoe/core/thread_pool.hpp"
 #include "foremoe/runtime/runtime.hpp"
 
 namespace foremoe {
 inline namespace v0 {
 namespace runtime::detail {
 
-Status host_count_loads(const CountRequest &req, int num_moe_layers, std::int64_t *out, int num_threads);
+/// Counts on the host, micro-steps split in contiguous blocks over the threads of `pool`.
+Status host_count_loads(const CountRequest &req, int num_moe_layers, std::int64_t *out, ThreadPool &pool);
 
 #if defined(FOREMOE_HAVE_CUDA)
 int cuda_num_devices() noexcept;

@@ -12,6 +12,7 @@ namespace rt = foremoe::runtime;
 
 TEST_CASE("runtime host count equals the header counter for any thread count (property)") {
   std::mt19937_64 rng(99);
+  rt::Workspace ws(rt::Backend::host); // reused across rounds and thread counts: it keeps its counting pool
   const int rounds = 40 * foremoe_test::seed_multiplier();
   for (int it = 0; it < rounds; ++it) {
     const std::int64_t T = std::int64_t(rng() % 2000);
@@ -42,6 +43,11 @@ TEST_CASE("runtime host count equals the header counter for any thread count (pr
       const rt::Status st = rt::count_loads(rt::Backend::host, req, out, threads);
       REQUIRE_MESSAGE(st.ok(), st.to_string());
       CHECK(std::equal(out.begin(), out.end(), want.totals().begin()));
+      std::vector<std::int64_t> again(want.totals().size(), -7);
+      REQUIRE(rt::count_loads_async(ws, req, again, nullptr, threads).ok());
+      const rt::Status done = ws.check(10000);
+      REQUIRE_MESSAGE(done.ok(), done.to_string());
+      CHECK(again == out);
     }
   }
 }

@@ -1,10 +1,8 @@
-// Host backend of load counting: micro-steps split across threads, each
-// thread running the header-only counter on its share.
+// Host backend of load counting: micro-steps split across the threads of the
+// workspace's pool, each running the header-only counter on its share.
 
 #include <algorithm>
 #include <cstring>
-#include <exception>
-#include <thread>
 #include <vector>
 
 #include "../backends.hpp"
@@ -14,7 +12,7 @@ namespace foremoe {
 inline namespace v0 {
 namespace runtime::detail {
 
-Status host_count_loads(const CountRequest &req, int num_moe_layers, std::int64_t *out, int num_threads) {
+Status host_count_loads(const CountRequest &req, int num_moe_layers, std::int64_t *out, ThreadPool &pool) {
   std::vector<std::int64_t> whole;
   std::span<const std::int64_t> mb = req.microbatch_offsets;
   if (mb.empty()) {
@@ -23,12 +21,13 @@ Status host_count_loads(const CountRequest &req, int num_moe_layers, std::int64_
   }
   const int num_micro_steps = static_cast<int>(mb.size() - 1);
   const std::size_t per_step = static_cast<std::size_t>(num_moe_layers) * req.num_experts;
-  const int workers = std::max(1, std::min(num_threads, num_micro_steps));
+  const int workers = std::max(1, std::min(pool.num_threads(), num_micro_steps));
   const std::size_t id_bytes = static_cast<std::size_t>(id_dtype_bytes(req.dtype));
   const std::size_t token_ids = static_cast<std::size_t>(req.num_layers) * req.topk;
 
   std::vector<std::string> errors(workers);
-  auto work = [&](int w) {
+  pool.parallel_for(static_cast<std::size_t>(workers), [&](std::size_t block, int) {
+    const int w = static_cast<int>(block);
     // Contiguous blocks of micro-steps per worker keep their ids contiguous too.
     const int m0 = static_cast<int>(static_cast<std::int64_t>(num_micro_steps) * w / workers);
     const int m1 = static_cast<int>(static_cast<std::int64_t>(num_micro_steps) * (w + 1) / workers);
@@ -54,17 +53,7 @@ Status host_count_loads(const CountRequest &req, int num_moe_layers, std::int64_
       errors[w] =
           ::foremoe::detail::concat("micro-steps [", m0, ", ", m1, ") starting at token ", mb[m0], ": ", e.what());
     }
-  };
-  if (workers == 1) {
-    work(0);
-  } else {
-    std::vector<std::thread> pool;
-    pool.reserve(workers);
-    for (int w = 0; w < workers; ++w)
-      pool.emplace_back(work, w);
-    for (auto &t : pool)
-      t.join();
-  }
+  });
   for (const auto &e : errors)
     if (!e.empty()) return {StatusCode::invalid_argument, e};
   return Status::success();

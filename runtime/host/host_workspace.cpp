@@ -1,6 +1,8 @@
 // Host backend of the asynchronous calls: the work runs at once on the calling thread (the host is the device),
 // and its outcome waits for `check`, as on a device.
 
+#include <memory>
+
 #include "../backends.hpp"
 #include "../token_map_backends.hpp"
 #include "../workspace.hpp"
@@ -14,7 +16,9 @@ class HostWorkspace final : public Workspace::Impl {
 public:
   Status count(const CountRequest &req, int num_moe_layers, std::span<std::int64_t> out, void *,
                int num_threads) override {
-    keep(host_count_loads(req, num_moe_layers, out.data(), num_threads < 1 ? 1 : num_threads));
+    const int threads = num_threads < 1 ? 1 : num_threads;
+    if (!pool_ || pool_->num_threads() != threads) pool_ = std::make_unique<ThreadPool>(threads);
+    keep(host_count_loads(req, num_moe_layers, out.data(), *pool_));
     return Status::success();
   }
   Status map(const MapRequest &req, const TokenRanges &ranges, std::span<const std::int64_t> source_offsets,
@@ -33,6 +37,9 @@ private:
     if (first_.ok() && !s.ok()) first_ = std::move(s);
   }
   Status first_; // the first failure since the last check
+  // The workspace is the runtime's object that lives across calls, so it keeps the counting threads between
+  // them (restarted only when a call asks for another count); `count_loads` makes a workspace per call.
+  std::unique_ptr<ThreadPool> pool_;
 };
 
 } // namespace

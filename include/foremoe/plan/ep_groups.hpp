@@ -5,14 +5,14 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <exception>
+#include <memory>
 #include <span>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
 #include "foremoe/core/placement.hpp"
+#include "foremoe/core/thread_pool.hpp"
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/plan/planner.hpp"
@@ -88,31 +88,16 @@ private:
   }
   template <class F> void for_groups(F &&f) {
     const int n = num_groups(), threads = std::min(num_threads_, n);
-    if (threads <= 1) {
-      for (int i = 0; i < n; ++i)
-        f(i);
-      return;
-    }
-    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(threads));
-    std::vector<std::thread> pool;
-    pool.reserve(static_cast<std::size_t>(threads));
-    for (int t = 0; t < threads; ++t)
-      pool.emplace_back([&, t] {
-        try {
-          for (int i = t; i < n; i += threads)
-            f(i);
-        } catch (...) {
-          errors[t] = std::current_exception();
-        }
-      });
-    for (auto &th : pool)
-      th.join();
-    for (auto &e : errors)
-      if (e) std::rethrow_exception(e);
+    lazy_pool(pool_, threads).parallel_for(static_cast<std::size_t>(n), [&](std::size_t i, int) {
+      f(static_cast<int>(i));
+    });
   }
 
   int num_threads_ = 1;
   std::vector<Planner> groups_;
+  // Its own pool, as `Planner`'s: with several groups each group's planner runs on one thread (no pool of its
+  // own), so the threads are these, started once and reused by every micro-step.
+  std::unique_ptr<ThreadPool> pool_;
 };
 
 } // namespace v0

@@ -7,12 +7,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <memory>
 #include <span>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -20,6 +18,7 @@
 #include "foremoe/core/load_tensor.hpp"
 #include "foremoe/core/model_spec.hpp"
 #include "foremoe/core/placement.hpp"
+#include "foremoe/core/thread_pool.hpp"
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/owners.hpp"
 #include "foremoe/plan/plan.hpp"
@@ -155,28 +154,10 @@ public:
       if (!reuses_resident)
         out[l].moves = full_push_moves(out[l].placement, out[l].owner_gpu, res, topo_.gpus_per_node);
     };
-    if (num_threads == 1) {
-      for (int l = 0; l < num_layers_; ++l)
-        run(0, l);
-      return out;
-    }
     // Layers are independent and each is planned by one worker alone, so the result does not depend on the count.
-    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_threads));
-    std::vector<std::thread> threads;
-    threads.reserve(static_cast<std::size_t>(num_threads));
-    for (int t = 0; t < num_threads; ++t)
-      threads.emplace_back([&, t] {
-        try {
-          for (int l = t; l < num_layers_; l += num_threads)
-            run(t, l);
-        } catch (...) {
-          errors[t] = std::current_exception();
-        }
-      });
-    for (auto &th : threads)
-      th.join();
-    for (auto &err : errors)
-      if (err) std::rethrow_exception(err);
+    lazy_pool(pool_, num_threads).parallel_for(static_cast<std::size_t>(num_layers_), [&](std::size_t l, int worker) {
+      run(worker, static_cast<int>(l));
+    });
     return out;
   }
 
@@ -245,6 +226,11 @@ private:
   std::unique_ptr<PlanStrategy> strategy_;
   OwnerMap owners_;
   std::vector<ReplicaPlanner> workers_;
+  // The planner owns its pool rather than sharing a process-wide one: `num_threads` is this planner's own knob,
+  // the threads start on the first parallel micro-step and are reused by every later one, and they end with the
+  // planner, so a vendored header starts no threads nobody asked for and planners on different threads never
+  // queue behind each other.
+  std::unique_ptr<ThreadPool> pool_;
 };
 
 } // namespace v0

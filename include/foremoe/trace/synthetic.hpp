@@ -31,13 +31,11 @@
 ///   (BM_generate_loads/1, CPU time 597 -> 531 ms on a 2-core Xeon VM), with the same stream.
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <exception>
 #include <functional>
 #include <limits>
 #include <mutex>
@@ -49,6 +47,7 @@
 #include "foremoe/core/detail/random.hpp"
 #include "foremoe/core/error.hpp"
 #include "foremoe/core/load_tensor.hpp"
+#include "foremoe/core/thread_pool.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -799,39 +798,6 @@ private:
   Lane lanes_[2];                                  ///< a prompt's chain and its response's distribution
 };
 
-/// Runs `fn(task, worker)` for every task in `[0, num_tasks)` on `num_threads` threads (worker in
-/// `[0, num_threads)`), tasks handed out in order; rethrows the first exception.
-template <class Fn> void parallel_tasks(std::size_t num_tasks, int num_threads, Fn &&fn) {
-  const auto workers = static_cast<int>(
-      std::min<std::size_t>(static_cast<std::size_t>(std::max(1, num_threads)), std::max<std::size_t>(1, num_tasks)));
-  if (workers == 1) {
-    for (std::size_t t = 0; t < num_tasks; ++t)
-      fn(t, 0);
-    return;
-  }
-  std::atomic<std::size_t> next{0};
-  std::exception_ptr error;
-  std::mutex error_mutex;
-  auto work = [&](int w) {
-    try {
-      for (std::size_t t; (t = next.fetch_add(1)) < num_tasks;)
-        fn(t, w);
-    } catch (...) {
-      const std::lock_guard<std::mutex> lock(error_mutex);
-      if (!error) error = std::current_exception();
-      next = num_tasks;
-    }
-  };
-  std::vector<std::thread> threads;
-  threads.reserve(static_cast<std::size_t>(workers - 1));
-  for (int w = 1; w < workers; ++w)
-    threads.emplace_back(work, w);
-  work(0);
-  for (auto &t : threads)
-    t.join();
-  if (error) std::rethrow_exception(error);
-}
-
 [[nodiscard]] inline int generator_threads(int requested) noexcept {
   if (requested > 0) return requested;
   return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -878,11 +844,10 @@ void route_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStep
         token += seq.prompt_tokens + seq.response_tokens;
       }
     }
-  const int workers = generator_threads(num_threads);
-  std::vector<SequenceRouter> routers(static_cast<std::size_t>(std::min<std::size_t>(
-                                          static_cast<std::size_t>(workers), std::max<std::size_t>(1, blocks.size()))),
-                                      SequenceRouter(cfg));
-  parallel_tasks(blocks.size(), workers, [&](std::size_t t, int w) {
+  ThreadPool pool(static_cast<int>(std::min<std::size_t>(static_cast<std::size_t>(generator_threads(num_threads)),
+                                                         std::max<std::size_t>(1, blocks.size()))));
+  std::vector<SequenceRouter> routers(static_cast<std::size_t>(pool.num_threads()), SequenceRouter(cfg));
+  pool.parallel_for(blocks.size(), [&](std::size_t t, int w) {
     const Block &blk = blocks[t];
     auto &&sink = sink_of(w);
     std::int64_t tok = blk.first_token;
@@ -903,7 +868,10 @@ void route_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStep
 inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<SyntheticStepPlan> &plans, int num_threads,
                             ProgressMeter &meter, LoadTensor &out, int ranks_per_source = 1) {
   const SyntheticWorld world = make_world(cfg);
-  const int workers = generator_threads(num_threads);
+  // One pool per call, reused by both phases of every step: the generator is a free function with no object to
+  // keep threads in, and a call runs for milliseconds to seconds, so starting them once per call costs nothing.
+  ThreadPool pool(generator_threads(num_threads));
+  const int workers = pool.num_threads();
   const auto ne = static_cast<std::size_t>(cfg.num_experts);
   const auto nl = static_cast<std::size_t>(cfg.num_layers);
   struct Rows {
@@ -933,7 +901,7 @@ inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<Synthe
     // count_prompt needs zero rows and leaves them zero; the previous step's blocks do not.
     for (Worker &wk : ws)
       std::fill(wk.rows.block.begin(), wk.rows.block.end(), 0);
-    parallel_tasks(num_prompts, workers, [&](std::size_t p, int w) {
+    pool.parallel_for(num_prompts, [&](std::size_t p, int w) {
       Worker &wk = ws[static_cast<std::size_t>(w)];
       PromptCounts &pc = prompts[p];
       wk.router.count_prompt(world, plan, static_cast<int>(p * nr), wk.rows, pc.counts, pc.offsets, pc.last);
@@ -943,7 +911,7 @@ inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<Synthe
     // rows under that micro-step's lock. Integer sums do not depend on the order, so neither do the loads.
     const std::size_t num_micro = static_cast<std::size_t>(plan.num_micro_steps);
     std::vector<std::mutex> micro_locks(num_micro);
-    parallel_tasks(num_micro * chunks_per_micro, workers, [&](std::size_t task, int w) {
+    pool.parallel_for(num_micro * chunks_per_micro, [&](std::size_t task, int w) {
       Worker &wk = ws[static_cast<std::size_t>(w)];
       const std::size_t m = task / chunks_per_micro, first_rank = task % chunks_per_micro * chunk;
       const int micro = micro_base + static_cast<int>(m);
