@@ -9,8 +9,8 @@
 #include <string>
 #include <string_view>
 
-#include "foremoe/config/json.hpp"
 #include "foremoe/config/options.hpp"
+#include "foremoe/core/json.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size) {
   namespace fm = foremoe;

@@ -8,7 +8,7 @@
 #include <string_view>
 
 #include "foremoe/config/documents.hpp"
-#include "foremoe/config/json.hpp"
+#include "foremoe/core/json.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t *data, std::size_t size) {
   namespace fm = foremoe;

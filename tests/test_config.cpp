@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "foremoe/config/documents.hpp"
-#include "foremoe/config/json.hpp"
 #include "foremoe/config/options.hpp"
+#include "foremoe/core/json.hpp"
 #include "foremoe/trace/packed_loads.hpp"
 
 namespace fm = foremoe;

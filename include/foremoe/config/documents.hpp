@@ -19,8 +19,8 @@
 #include <string_view>
 #include <vector>
 
-#include "foremoe/config/json.hpp"
 #include "foremoe/config/options.hpp"
+#include "foremoe/core/json.hpp"
 #include "foremoe/core/placement.hpp"
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/plan.hpp"

@@ -12,8 +12,8 @@
 #include <string_view>
 #include <vector>
 
-#include "foremoe/config/json.hpp"
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/json.hpp"
 #include "foremoe/core/placement.hpp"
 
 namespace foremoe {

@@ -24,8 +24,8 @@
 #include <utility>
 #include <vector>
 
-#include "foremoe/config/json.hpp"
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/json.hpp"
 
 namespace foremoe {
 inline namespace v0 {
