@@ -16,10 +16,12 @@
 #include "foremoe/config/options.hpp"
 #include "foremoe/core/json.hpp"
 #include "foremoe/trace/packed_loads.hpp"
+#include "run_simulate.hpp" // tools/: synthetic_cache_key
 
 namespace fm = foremoe;
 namespace json = foremoe::json;
 namespace config = foremoe::config;
+namespace cli = foremoe::cli;
 
 namespace {
 
@@ -467,12 +469,12 @@ TEST_CASE("load cache: settings") {
 }
 
 TEST_CASE("load cache: the batch key changes with every generator input") {
-  // A field added to SyntheticConfig must join synthetic_cache_key (foremoe/config/documents.hpp); this size is
+  // A field added to SyntheticConfig must join synthetic_cache_key (tools/run_simulate.hpp); this size is
   // the struct's on x86-64 with the fields the key lists today.
   static_assert(sizeof(SyntheticConfig) == 160 || sizeof(void *) != 8,
                 "SyntheticConfig changed: add the new field to synthetic_cache_key, then update this size");
   const SyntheticConfig base;
-  const std::string k0 = config::synthetic_cache_key(base, false, 1);
+  const std::string k0 = cli::synthetic_cache_key(base, false, 1);
   std::vector<SyntheticConfig> changed;
   const auto with = [&](auto edit) {
     SyntheticConfig c = base;
@@ -505,11 +507,11 @@ TEST_CASE("load cache: the batch key changes with every generator input") {
   with([](SyntheticConfig &c) { c.persistence = 0.61; });
   with([](SyntheticConfig &c) { c.num_gpus = 63; });
   with([](SyntheticConfig &c) { c.microbatch_tokens_per_gpu = 16383; });
-  std::vector<std::string> keys = {k0, config::synthetic_cache_key(base, true, 1),
-                                   config::synthetic_cache_key(base, true, 2)};
+  std::vector<std::string> keys = {k0, cli::synthetic_cache_key(base, true, 1),
+                                   cli::synthetic_cache_key(base, true, 2)};
   for (const SyntheticConfig &c : changed)
-    keys.push_back(config::synthetic_cache_key(c, false, 1));
-  CHECK(config::synthetic_cache_key(base, false, 1) == k0);
+    keys.push_back(cli::synthetic_cache_key(c, false, 1));
+  CHECK(cli::synthetic_cache_key(base, false, 1) == k0);
   std::sort(keys.begin(), keys.end());
   CHECK(std::adjacent_find(keys.begin(), keys.end()) == keys.end());
   CHECK(k0.find("stream=" + std::to_string(synthetic_stream_version)) != std::string::npos);

@@ -15,9 +15,11 @@
 #include "foremoe/config/documents.hpp"
 #include "foremoe/trace/packed_loads.hpp"
 #include "foremoe/trace/synthetic.hpp"
+#include "run_simulate.hpp"
 
 namespace fm = foremoe;
 namespace config = foremoe::config;
+namespace cli = foremoe::cli;
 
 namespace {
 
@@ -26,7 +28,7 @@ config::SimulateSettings default_settings() { return config::simulate_settings({
 } // namespace
 
 TEST_CASE("default loads: the built-in entry is the generator's output for the default batch, byte for byte") {
-  const config::SimulateBatch batch = config::simulate_batch(default_settings());
+  const cli::SimulateBatch batch = cli::simulate_batch(default_settings());
   std::vector<std::int64_t> steps;
   const fm::LoadTensor loads =
       fm::generate_loads(batch.config, &steps, batch.by_source,
@@ -56,12 +58,12 @@ TEST_CASE("default loads: the built-in entry is the generator's output for the d
 TEST_CASE("default loads: run_simulate takes a packed entry for its own batch only, with the same results") {
   const std::span<const unsigned char> built_in = fm::cli::default_loads();
   REQUIRE_FALSE(built_in.empty());
-  config::LoadsReport rep;
+  cli::LoadsReport rep;
   {
     config::SimulateSettings s = default_settings();
     s.strategies = "static";
     s.cache = "off"; // the built-in entry is no cache: it is used with the cache off too
-    (void)config::run_simulate(s, nullptr, {}, {}, &rep, built_in);
+    (void)cli::run_simulate(s, nullptr, {}, {}, &rep, built_in);
     CHECK(rep.built_in);
     CHECK_FALSE(rep.from_cache);
     CHECK(rep.cache_file.empty());
@@ -73,16 +75,16 @@ TEST_CASE("default loads: run_simulate takes a packed entry for its own batch on
                                                     "small");
   const config::Schema<config::SimulateSettings>::Layer layers[] = {{&small_doc, "config"}};
   const config::SimulateSettings s = config::simulate_settings(layers);
-  const config::SimulateBatch small = config::simulate_batch(s);
+  const cli::SimulateBatch small = cli::simulate_batch(s);
   CHECK_FALSE(fm::unpack_loads(built_in, small.key).has_value());
-  const fm::json::Value generated = config::run_simulate(s, nullptr, {}, {}, &rep, built_in);
+  const fm::json::Value generated = cli::run_simulate(s, nullptr, {}, {}, &rep, built_in);
   CHECK_FALSE(rep.built_in);
   std::vector<std::int64_t> steps;
   const fm::LoadTensor loads =
       fm::generate_loads(small.config, &steps, small.by_source,
                          {.num_threads = 1, .progress = {}, .ranks_per_source = small.ranks_per_source});
   const std::string packed = fm::pack_loads(small.key, loads, steps);
-  const fm::json::Value unpacked = config::run_simulate(
+  const fm::json::Value unpacked = cli::run_simulate(
       s, nullptr, {}, {}, &rep,
       std::span<const unsigned char>(reinterpret_cast<const unsigned char *>(packed.data()), packed.size()));
   CHECK(rep.built_in);

@@ -11,6 +11,7 @@
 #include "default_loads.hpp"
 #include "foremoe/config/documents.hpp"
 #include "foremoe/trace/io.hpp"
+#include "run_simulate.hpp"
 
 namespace foremoe::cli {
 namespace {
@@ -67,16 +68,15 @@ Command make_simulate() {
       if (fs::exists(sidecar_path(p, "steps"))) steps = read_offsets_npy(sidecar_path(p, "steps"));
     }
     Progress meter(err, progress_wanted(a));
-    config::SimulateProgress progress;
+    SimulateProgress progress;
     progress.generate = [&](std::int64_t done, std::int64_t total) {
       meter.update("generating the synthetic GRPO batch (tokens)", static_cast<double>(done),
                    static_cast<double>(total));
     };
     progress.simulate = [&](int done, int total) { meter.update("simulating (strategy-steps)", done, total); };
-    config::LoadsReport rep;
+    LoadsReport rep;
     const auto t0 = std::chrono::steady_clock::now();
-    const json::Value doc =
-        config::run_simulate(s, a.has("loads") ? &loads : nullptr, steps, progress, &rep, default_loads());
+    const json::Value doc = run_simulate(s, a.has("loads") ? &loads : nullptr, steps, progress, &rep, default_loads());
     const double sim_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - rep.seconds;
     meter.clear();
 

@@ -24,6 +24,7 @@
 #include "foremoe/foremoe.hpp"
 #include "foremoe/plan/token_map.hpp"
 #include "foremoe/trace/formats/builtin.hpp"
+#include "run_simulate.hpp" // tools/: the CLI's orchestration, shared with `foremoe simulate`
 
 namespace foremoe::cli {
 int run_cli(const std::vector<std::string> &args); // tools/main.cpp, compiled into this module
@@ -836,7 +837,7 @@ std::string simulate(const std::optional<std::string> &config, const Flags &flag
     require(!step_offsets, "simulate: step_offsets need loads (the generator makes its own)");
   }
   return fm::json::dump(
-      fm::config::run_simulate(s, loads_arr ? &loads : nullptr, steps, {}, nullptr, fm::cli::default_loads()));
+      fm::cli::run_simulate(s, loads_arr ? &loads : nullptr, steps, {}, nullptr, fm::cli::default_loads()));
 }
 
 /// (summary line, table or CSV) of a simulate document, as `foremoe simulate` prints them.
