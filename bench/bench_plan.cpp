@@ -125,7 +125,8 @@ BENCHMARK(BM_Plan1024GpusFree)->Unit(benchmark::kMillisecond)->Iterations(3);
 /// (one spare slot per GPU beside the owners, budget 1 as above). Measured 2026-12-05 on a shared 2-core machine
 /// (load ~2, medians of 3, two rounds; targets in parentheses): 32 GPUs 0.81-1.28 ms (0.5), 64 GPUs 1.2-1.6 ms,
 /// 256 GPUs 4.5-5.1 ms (2); Kimi-K2 at 64 GPUs 1.7-1.9 ms; 1,024 GPUs as four groups 17-20 ms on one thread,
-/// 11-12.6 ms on two (5). Callgrind, two plan calls: 13.2M instructions at 32 GPUs, 58.8M at 256.
+/// 11-12.6 ms on two (5), groups then in parallel (GroupedPlanner, since removed). Callgrind, two plan calls: 13.2M
+/// instructions at 32 GPUs, 58.8M at 256.
 void BM_PlanDeepSeekV3Gpus(benchmark::State &st) {
   const int gpus = static_cast<int>(st.range(0));
   const Shape s{58, 256, Topology{gpus / 8, 8, (256 + gpus - 1) / gpus + 1}};
@@ -169,44 +170,40 @@ void BM_PlanQwen3Threads(benchmark::State &st) { plan_micro_step(st, qwen3, "for
 BENCHMARK(BM_PlanDeepSeekV3Threads)->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_PlanQwen3Threads)->Arg(1)->Arg(2)->Unit(benchmark::kMicrosecond)->UseRealTime();
 
-/// 1,024 GPUs (128 x 8 x 2 slots) as EP groups of 256 GPUs (`default_ep_size`: four groups) planned on their own,
-/// in parallel over `threads` (argument); each group routes its own micro-steps.
+/// 1,024 GPUs (128 x 8 x 2 slots) as EP groups of 256 GPUs (`default_ep_size`: four groups), each planned on its
+/// own by its own `Planner` over `threads` (argument: the threads go to each group's layers), one group after
+/// another as the simulator plans them; each group routes its own micro-steps.
 void BM_Plan1024GpusGroups(benchmark::State &st) {
   const Topology topo{128, 8, 2};
   PlannerOptions opts;
   opts.move_budget = 1;
   opts.num_threads = static_cast<int>(st.range(0));
   apply_env(opts);
-  GroupedPlanner planner(58, 256, topo, opts);
-  const Shape group{58, 256, ep_group_topology(topo, default_ep_size(topo.num_gpus(), 256))};
-  std::vector<std::vector<std::int64_t>> totals, first, second;
-  for (int g = 0; g < planner.num_groups(); ++g) {
-    const LoadTensor steps = micro_steps_for(group, 4, 2.0, 20 + static_cast<std::uint64_t>(g));
-    totals.push_back(planner.group(g).sum_steps(steps));
-    const auto v = steps.totals();
-    const std::size_t n = static_cast<std::size_t>(58) * 256;
-    first.emplace_back(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(n));
-    second.emplace_back(v.begin() + static_cast<std::ptrdiff_t>(n), v.begin() + static_cast<std::ptrdiff_t>(2 * n));
-  }
-  planner.begin_step(totals);
+  const int ep = default_ep_size(topo.num_gpus(), 256);
+  const Shape group{58, 256, ep_group_topology(topo, ep)};
+  const int num_groups = topo.num_gpus() / ep;
+  std::vector<Planner> planners;
+  std::vector<LoadTensor> steps;
   std::vector<Placement> resident;
-  for (const auto &plans : planner.plan(first))
-    resident.push_back(to_placement(plans));
-  std::vector<const Placement *> res_ptr;
-  for (const Placement &p : resident)
-    res_ptr.push_back(&p);
+  planners.reserve(static_cast<std::size_t>(num_groups));
+  for (int g = 0; g < num_groups; ++g) {
+    Planner &p = planners.emplace_back(group.num_layers, group.num_experts, group.topo, opts);
+    steps.push_back(micro_steps_for(group, 4, 2.0, 20 + static_cast<std::uint64_t>(g)));
+    p.begin_step(p.sum_steps(steps.back()));
+    resident.push_back(to_placement(p.plan(steps.back(), 0)));
+  }
   double imb = 0;
   std::int64_t n = 0;
-  for (auto _ : st) {
-    auto plans = planner.plan(second, Stage::update, res_ptr);
-    benchmark::DoNotOptimize(plans.data());
-    for (const auto &g : plans)
-      for (const auto &lp : g)
+  for (auto _ : st)
+    for (int g = 0; g < num_groups; ++g) {
+      auto plans = planners[g].plan(steps[g], 1, Stage::update, &resident[g]);
+      benchmark::DoNotOptimize(plans.data());
+      for (const auto &lp : plans)
         imb += lp.imbalance();
-    n += static_cast<std::int64_t>(plans.size() * plans.front().size());
-  }
+      n += static_cast<std::int64_t>(plans.size());
+    }
   st.counters["mean_max_over_mean"] = n > 0 ? imb / static_cast<double>(n) : 0.0;
-  st.counters["groups"] = planner.num_groups();
+  st.counters["groups"] = num_groups;
 }
 BENCHMARK(BM_Plan1024GpusGroups)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 

@@ -1,9 +1,5 @@
-// EP groups: the default group size and planning each group on its own, in parallel.
+// EP groups: the default group size and the topology of one group.
 #include <doctest/doctest.h>
-
-#include <cstdint>
-#include <random>
-#include <vector>
 
 #include "foremoe/plan/ep_groups.hpp"
 
@@ -28,33 +24,22 @@ TEST_CASE("default_ep_size: every GPU up to the experts, else the largest diviso
   CHECK_THROWS_AS((void)default_ep_size(0, 8), Error);
 }
 
-TEST_CASE("GroupedPlanner: each group plans as its own planner, for any thread count") {
-  std::mt19937_64 rng(3);
-  const Topology topo{4, 4, 3}; // 16 GPUs; 8 experts -> groups of 8 GPUs (2 nodes)
-  const int layers = 3, experts = 8;
-  GroupedPlanner one(layers, experts, topo);
-  PlannerOptions two_threads;
-  two_threads.num_threads = 2;
-  GroupedPlanner two(layers, experts, topo, two_threads);
-  REQUIRE(one.num_groups() == 2);
-  std::vector<std::vector<std::int64_t>> loads(2);
-  for (auto &g : loads)
-    for (int i = 0; i < layers * experts; ++i)
-      g.push_back(static_cast<std::int64_t>(rng() % 1000));
-  one.begin_step(loads);
-  two.begin_step(loads);
-  const auto a = one.plan(loads), b = two.plan(loads);
-  for (int g = 0; g < 2; ++g) {
-    Planner alone(layers, experts, ep_group_topology(topo, 8));
-    alone.begin_step(loads[g]);
-    const auto ref = alone.plan(loads[g]);
-    for (int l = 0; l < layers; ++l) {
-      CHECK(a[g][l].placement == ref[l].placement);
-      CHECK(a[g][l].slot_tokens == ref[l].slot_tokens);
-      CHECK(b[g][l].slot_tokens == ref[l].slot_tokens);
-      CHECK_NOTHROW(
-          validate(a[g][l], std::span(loads[g]).subspan(static_cast<std::size_t>(l) * experts, experts), nullptr));
-    }
-  }
-  CHECK_THROWS_AS((void)ep_group_topology(topo, 3), Error);
+TEST_CASE("ep_group_topology: a group is whole nodes or part of one node, and every group has ep_size GPUs") {
+  for (int nodes = 1; nodes <= 6; ++nodes)
+    for (int gpn = 1; gpn <= 8; ++gpn)
+      for (int ep = 1; ep <= nodes * gpn; ++ep) {
+        CAPTURE(nodes);
+        CAPTURE(gpn);
+        CAPTURE(ep);
+        const Topology topo{nodes, gpn, 3};
+        if (topo.num_gpus() % ep != 0 || (ep % gpn != 0 && gpn % ep != 0)) {
+          CHECK_THROWS_AS((void)ep_group_topology(topo, ep), Error);
+          continue;
+        }
+        const Topology g = ep_group_topology(topo, ep);
+        CHECK(g.num_gpus() == ep);
+        CHECK(g.slots_per_gpu == topo.slots_per_gpu);
+        CHECK((g.num_nodes == 1 || g.gpus_per_node == gpn)); // several nodes only when whole ones
+      }
+  CHECK_THROWS_AS((void)ep_group_topology(Topology{4, 4, 3}, 3), Error);
 }
