@@ -233,9 +233,9 @@ TEST_CASE("the packed owner-load sort gives the plans of the reference sort") {
     ReplicaOptions o;
     o.move_budget = static_cast<int>(rng() % 3) - 1;
     const LayerPlan fast = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, o);
-    detail::reference_owner_sort = true;
-    const LayerPlan ref = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, o);
-    detail::reference_owner_sort = false;
+    ReplicaOptions reference = o;
+    reference.reference_owner_sort = true;
+    const LayerPlan ref = rp.plan_two_level(c.loads, c.owner, &c.resident.placement, reference);
     CHECK(fast.placement == ref.placement);
     CHECK(fast.slot_tokens == ref.slot_tokens);
     CHECK(fast.moves == ref.moves);

@@ -41,6 +41,9 @@ struct ReplicaOptions {
   /// callbacks must be set for the gate to act.
   ReplicaCostFn replica_cost;
   TokenTimeFn token_time;
+  /// Order GPUs by owner load with the plain indirect sort instead of packed keys: the same order, only slower.
+  /// For tests, which compare the two (plans must not change).
+  bool reference_owner_sort = false;
 };
 
 } // namespace v0

@@ -39,11 +39,6 @@
 namespace foremoe {
 inline namespace v0 {
 
-namespace detail {
-/// Test-only switch: order GPUs by owner load with the original indirect sort (plans must not change).
-inline bool reference_owner_sort = false;
-} // namespace detail
-
 /// A two-level plan and the makespan of the plan from scratch (resident ignored) for the same loads and owners,
 /// which free mode uses as its resident-independent reference.
 struct TwoLevelResult {
@@ -100,7 +95,7 @@ private:
                                              const ReplicaOptions &opts) {
     detail::check_expert_loads(loads, num_experts_, "plan_two_level");
     detail::check_resident_shape(resident, topo_, num_experts_, "plan_two_level");
-    setup_owners(loads, owner_gpu);
+    setup_owners(loads, owner_gpu, opts.reference_owner_sort);
     for (int g = 0; g < num_gpus_; ++g)
       budget_[g] = opts.move_budget < 0 ? spare_[g] : std::min(spare_[g], opts.move_budget);
 
@@ -361,7 +356,7 @@ private:
     }
     return true;
   }
-  void setup_owners(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu) {
+  void setup_owners(std::span<const std::int64_t> loads, std::span<const std::int32_t> owner_gpu, bool reference_sort) {
     detail::require(static_cast<int>(owner_gpu.size()) == num_experts_, "plan_two_level: ", owner_gpu.size(),
                     " owners for ", num_experts_, " experts");
     owner_ = owner_gpu;
@@ -406,7 +401,7 @@ private:
     for (int g = 0; g < num_gpus_; ++g)
       peak = std::max(peak, owner_load_[g]);
     constexpr int gpu_bits = 21;
-    if (!detail::reference_owner_sort && peak < (std::int64_t{1} << (63 - gpu_bits)) && num_gpus_ <= (1 << gpu_bits)) {
+    if (!reference_sort && peak < (std::int64_t{1} << (63 - gpu_bits)) && num_gpus_ <= (1 << gpu_bits)) {
       hot_keys_.resize(static_cast<std::size_t>(num_gpus_));
       for (int g = 0; g < num_gpus_; ++g)
         hot_keys_[g] = static_cast<std::uint64_t>(peak - owner_load_[g]) << gpu_bits | static_cast<std::uint64_t>(g);
