@@ -171,7 +171,7 @@ for strategy in foremoe foremoe-free; do
   expect 0 "moves: 0 " -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
     --strategy $strategy --resident "$work/pl.json"
 done
-# the peers re-push every replica each micro-step: fed back their own placement with the same loads, they move one
+# the baselines re-push every replica each micro-step: fed back their own placement with the same loads, they move one
 # copy per replica, never 0 (the step loads here are skewed enough that both replicate)
 for strategy in ultraep moonep; do
   expect 0 "wrote .*pl_$strategy.json" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
@@ -183,9 +183,9 @@ expect 0 "^  ultraep +[0-9.]+ +[0-9.]+" -- "$bin" plan --loads "$work/step.npy" 
   --strategy all
 expect 0 "^  moonep +[0-9.]+ +[0-9.]+" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --strategy all
-expect 0 "ultraep +peer, re-implemented: UltraEP" -- "$bin" plan --strategy list
+expect 0 "ultraep +baseline, re-implemented: UltraEP" -- "$bin" plan --strategy list
 expect 0 "options: ultraep_min_tokens" -- "$bin" plan --strategy list
-expect 0 "moonep +peer, re-implemented: MoonEP" -- "$bin" plan --strategy list
+expect 0 "moonep +baseline, re-implemented: MoonEP" -- "$bin" plan --strategy list
 expect 2 "ultraep-min-tokens" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --strategy ultraep --ultraep-min-tokens -3
 expect 2 "use --strategy foremoe-free" -- "$bin" plan --loads "$work/one.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
@@ -210,7 +210,7 @@ expect 0 "^foremoe +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json" --jso
 expect 0 '"speedup_over_eplb"' -- cat "$work/sim_out.json"
 expect 0 "^ideal," -- "$bin" simulate --config "$work/sim.json" --csv
 expect 0 "^static " -- "$bin" simulate --config "$work/sim.json" --loads "$work/loads.npy" --strategies static,foremoe
-# the default comparison includes the peers; asked for alone they simulate too
+# the default comparison includes the baselines; asked for alone they simulate too
 expect 0 "^ultraep +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json"
 expect 0 "^moonep +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json"
 expect 0 "^moonep," -- "$bin" simulate --config "$work/sim.json" --strategies static,ultraep,moonep --csv
@@ -276,7 +276,7 @@ expect 0 '"num_steps":2,.*"warmup_steps":1,"eplb_interval":3' -- "$bin" simulate
 expect 1 "simulate: 3 RL steps leave no counted step after 3 warm-up steps \\(sim.warmup_steps\\)" -- \
   "$bin" simulate --config "$work/sim.json" --loads "$work/loads.npy" --warmup-steps 3
 expect 2 "--eplb-interval must be in \\[1, 65536\\], got 0" -- "$bin" simulate --eplb-interval 0
-# peer workloads (--workload NAME:PARAM) and their bad values
+# baseline workloads (--workload NAME:PARAM) and their bad values
 expect 0 "with 5 slots per GPU per layer, workload ultraep:2$" -- "$bin" simulate --config "$work/sim.json" --quiet \
   --workload ultraep:2 --strategies static,foremoe
 expect 0 '"workload":"moonep:1"' -- "$bin" simulate --config "$work/sim.json" --quiet --workload moonep:1 \

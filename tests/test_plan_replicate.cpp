@@ -376,7 +376,7 @@ TEST_CASE("planner: strategies, determinism across threads and resident reuse") 
       }
     CHECK(one.options().strategy == s);
     // The final placement fed back with the last micro-step's loads moves nothing, unless the strategy re-pushes
-    // every replica each micro-step (the peers): then one move per replica.
+    // every replica each micro-step (the baselines): then one move per replica.
     const Placement final_p = a.final_placement();
     const auto again = one.plan(step, 3, Stage::update, &final_p);
     for (const LayerPlan &lp : again)

@@ -21,9 +21,9 @@
 #include "foremoe/core/json.hpp"
 #include "foremoe/core/load_tensor.hpp"
 #include "foremoe/sim/simulator.hpp"
+#include "foremoe/trace/baseline_workloads.hpp"
 #include "foremoe/trace/load_cache.hpp"
 #include "foremoe/trace/packed_loads.hpp"
-#include "foremoe/trace/peer_workloads.hpp"
 #include "foremoe/trace/synthetic.hpp"
 
 namespace foremoe::cli {
@@ -125,8 +125,8 @@ struct SimulateBatch {
         rep.cache_written = w == LoadCache::Write::written;
         if (w == LoadCache::Write::too_large) rep.cache_file.clear(); // not kept, and not a failure to report
       }
-    } else { // the peers' generators route the same micro-steps; the copies split them evenly (not cached)
-      generated = generate_peer_loads(workload, batch.config, s.sim.effective_ep_size(), &step_offsets);
+    } else { // the baselines' generators route the same micro-steps; the copies split them evenly (not cached)
+      generated = generate_baseline_loads(workload, batch.config, s.sim.effective_ep_size(), &step_offsets);
     }
     loads = &generated;
     rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

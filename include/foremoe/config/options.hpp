@@ -18,8 +18,8 @@
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/sim/simulator.hpp"
+#include "foremoe/trace/baseline_workloads.hpp"
 #include "foremoe/trace/formats/builtin.hpp"
-#include "foremoe/trace/peer_workloads.hpp"
 #include "foremoe/trace/synthetic.hpp"
 
 namespace foremoe {
@@ -395,7 +395,7 @@ struct SimulateSettings {
     return c;
   }();
   SyntheticConfig batch = default_batch(); ///< the GPUs, layers, experts and top-k follow `sim` (`finish`)
-  /// The load generator: "grpo" (the synthetic GRPO batch), "ultraep:A" or "moonep:V" (`peer_workloads.hpp`).
+  /// The load generator: "grpo" (the synthetic GRPO batch), "ultraep:A" or "moonep:V" (`baseline_workloads.hpp`).
   std::string workload = "grpo";
   /// Where generated GRPO loads are kept for the next run with the same batch: "auto", "off" or a directory
   /// (`LoadCache::from_setting`, foremoe/trace/load_cache.hpp). Changes no figure.
@@ -510,7 +510,7 @@ struct SimulateSettings {
         "batch.workload", Type::string,
         "load generator: grpo (the synthetic GRPO batch), ultraep:A (UltraEP's: rank weight 1/r^alpha, alpha "
         "bisected to a rank max/mean of A; expert weight in a rank 1/j^4) or moonep:V (MoonEP's: expert weight "
-        "exp(N(0, sigma)), sigma bisected to maxvio = max/mean - 1 of V); the peers' use the GRPO batch's "
+        "exp(N(0, sigma)), sigma bisected to maxvio = max/mean - 1 of V); the baselines' use the GRPO batch's "
         "micro-steps",
         [](const S &x) { return json::Value(x.workload); },
         [](S &x, const json::Value &v) { x.workload = to_string(parse_workload(v.as_string())); }));

@@ -1,7 +1,7 @@
 #pragma once
 /// @file
 /// A re-implementation of DeepSeek EPLB's `rebalance_experts`, written from the algorithm's description, as the
-/// peer baseline.
+/// baseline.
 ///
 /// EPLB, per layer: `replicate_experts` fills *all* `gpus * slots` physical slots by repeatedly giving one more
 /// copy to the expert with the largest load per copy; `balanced_packing` is LPT with an equal item count per pack

@@ -19,7 +19,7 @@ using StageReplicaCostFn = std::function<double(int expert, int src_gpu, int dst
 
 /// Planner configuration.
 struct PlannerOptions {
-  /// Registered strategy name (see `strategies()`): "static", "eplb", "eplb-oracle", the re-implemented peers
+  /// Registered strategy name (see `strategies()`): "static", "eplb", "eplb-oracle", the re-implemented baselines
   /// "ultraep" and "moonep", "foremoe" (two-level: step-level owners, replicas in spare slots) or "foremoe-free"
   /// (any slot holds anything).
   std::string strategy = "foremoe";

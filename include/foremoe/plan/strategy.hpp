@@ -107,7 +107,7 @@ public:
   /// micro-step's instead of the step's owner map.
   [[nodiscard]] virtual bool plans_own_owners() const noexcept { return false; }
   /// Whether a replica already resident in its slot stays without a move. Strategies that answer false re-push
-  /// every replica's weights each micro-step and layer (the published per-micro-batch peers, UltraEP and MoonEP,
+  /// every replica's weights each micro-step and layer (the published per-micro-batch baselines, UltraEP and MoonEP,
   /// run so): `Planner` then replaces each plan's moves with `full_push_moves`, so `foremoe plan`'s move counts and
   /// the simulator's move traffic and stalls charge a full push even where the same replica was resident.
   [[nodiscard]] virtual bool reuses_resident() const noexcept { return true; }

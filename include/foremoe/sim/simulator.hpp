@@ -18,7 +18,7 @@
 /// each replica's gradient returns to its owner on the GPU-direct path in the
 /// same window, before the slot is reused.
 ///
-/// Strategies come from `Planner` (`static`, `eplb`, `eplb-oracle`, the peers `ultraep` and
+/// Strategies come from `Planner` (`static`, `eplb`, `eplb-oracle`, the baselines `ultraep` and
 /// `moonep`, `foremoe`, `foremoe-free`) plus `ideal`: every layer perfectly balanced, moves free.
 ///
 /// Steady state: the first `warmup_steps` RL steps are planned and timed like the others (every strategy

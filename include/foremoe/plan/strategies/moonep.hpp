@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// Strategy "moonep": a re-implementation of MoonEP's published per-micro-batch planner, as a peer to compare
+/// Strategy "moonep": a re-implementation of MoonEP's published per-micro-batch planner, as a baseline to compare
 /// against (not ForeMoE's method).
 ///
 /// The published algorithm (MoonshotAI/MoonEP, open source: a GPU planner inside dispatch/combine; its torch
@@ -42,7 +42,7 @@
 #include "foremoe/core/error.hpp"
 #include "foremoe/core/placement.hpp"
 #include "foremoe/core/topology.hpp"
-#include "foremoe/plan/detail/peer_plan.hpp"
+#include "foremoe/plan/detail/baseline_plan.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/plan/strategy.hpp"
 
@@ -69,7 +69,7 @@ struct MoonepLayerResult {
 [[nodiscard]] inline MoonepLayerResult moonep_plan_layer(std::span<const std::int64_t> loads, const Topology &topo,
                                                          const MoonepOptions &opts = {},
                                                          const LayerPlacement *resident = nullptr) {
-  detail::check_peer_inputs(loads, topo, resident, "moonep");
+  detail::check_baseline_inputs(loads, topo, resident, "moonep");
   const int num_experts = static_cast<int>(loads.size()), per_gpu = topo.owners_per_gpu(num_experts);
   const int R = opts.max_replicas_per_gpu < 0 ? topo.spare_slots_per_gpu(num_experts)
                                               : std::min(opts.max_replicas_per_gpu, topo.slots_per_gpu - per_gpu);
@@ -78,7 +78,7 @@ struct MoonepLayerResult {
   MoonepLayerResult res;
   res.targets.assign(static_cast<std::size_t>(topo.num_gpus()), 0);
   res.home_group.assign(static_cast<std::size_t>(topo.num_gpus()), -1);
-  std::vector<detail::PeerQuota> quotas;
+  std::vector<detail::BaselineQuota> quotas;
   std::vector<std::int64_t> balance(static_cast<std::size_t>(n)), z(static_cast<std::size_t>(n) * n), left, open;
   std::vector<int> order(static_cast<std::size_t>(n)), remote(static_cast<std::size_t>(n));
   std::vector<std::int32_t> remote_experts(static_cast<std::size_t>(n) * std::max(R, 1));
@@ -166,7 +166,7 @@ public:
 namespace detail {
 inline const bool moonep_strategy_registered =
     (register_strategy({"moonep",
-                        "peer, re-implemented: MoonEP's exact per-micro-batch balance (one home group per rank, "
+                        "baseline, re-implemented: MoonEP's exact per-micro-batch balance (one home group per rank, "
                         "replicas in the node, weights re-pushed every micro-step)",
                         {},
                         36,

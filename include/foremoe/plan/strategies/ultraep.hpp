@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// Strategy "ultraep": a re-implementation of UltraEP's published per-micro-batch balancer, as a peer to compare
+/// Strategy "ultraep": a re-implementation of UltraEP's published per-micro-batch balancer, as a baseline to compare
 /// against (not ForeMoE's method).
 ///
 /// The published algorithm (Wei et al., "UltraEP: Unleash MoE Training and Inference on Rack-Scale Nodes with
@@ -45,7 +45,7 @@
 #include "foremoe/core/error.hpp"
 #include "foremoe/core/placement.hpp"
 #include "foremoe/core/topology.hpp"
-#include "foremoe/plan/detail/peer_plan.hpp"
+#include "foremoe/plan/detail/baseline_plan.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/plan/strategy.hpp"
 
@@ -73,7 +73,8 @@ namespace detail {
 /// `out` and returns true when every rank ends at or below `T`.
 [[nodiscard]] inline bool ultraep_try_threshold(std::span<const std::int64_t> loads, std::span<const std::int64_t> rank,
                                                 int first, int last, int per_gpu, int max_replicas,
-                                                std::int64_t min_tokens, std::int64_t T, std::vector<PeerQuota> &out) {
+                                                std::int64_t min_tokens, std::int64_t T,
+                                                std::vector<BaselineQuota> &out) {
   const int num_experts = static_cast<int>(loads.size());
   const int n = last - first;
   std::vector<std::int64_t> slack(static_cast<std::size_t>(n));
@@ -128,7 +129,7 @@ namespace detail {
 [[nodiscard]] inline UltraepLayerResult ultraep_plan_layer(std::span<const std::int64_t> loads, const Topology &topo,
                                                            const UltraepOptions &opts = {},
                                                            const LayerPlacement *resident = nullptr) {
-  detail::check_peer_inputs(loads, topo, resident, "ultraep");
+  detail::check_baseline_inputs(loads, topo, resident, "ultraep");
   detail::require(opts.min_tokens_per_replica >= 0, "ultraep: min_tokens_per_replica must be >= 0, got ",
                   opts.min_tokens_per_replica);
   const int num_experts = static_cast<int>(loads.size()), per_gpu = topo.owners_per_gpu(num_experts);
@@ -136,7 +137,7 @@ namespace detail {
                                               : std::min(opts.max_replicas_per_gpu, topo.slots_per_gpu - per_gpu);
   const std::vector<std::int64_t> rank = detail::static_rank_loads(loads, topo);
   UltraepLayerResult res;
-  std::vector<detail::PeerQuota> quotas, trial;
+  std::vector<detail::BaselineQuota> quotas, trial;
   for (int node = 0; node < topo.num_nodes; ++node) {
     const int first = node * topo.gpus_per_node, last = first + topo.gpus_per_node;
     std::int64_t total = 0, hi = 0;
@@ -147,7 +148,7 @@ namespace detail {
     const std::int64_t lb = (total + topo.gpus_per_node - 1) / topo.gpus_per_node;
     res.lower_bound = std::max(res.lower_bound, lb);
     // `hi` (nothing exported) is feasible; bisect for the smallest feasible threshold, keeping its quotas.
-    std::vector<detail::PeerQuota> best;
+    std::vector<detail::BaselineQuota> best;
     std::int64_t lo = lb;
     if (R > 0)
       while (lo < hi) {
@@ -189,7 +190,7 @@ public:
 namespace detail {
 inline const bool ultraep_strategy_registered =
     (register_strategy({"ultraep",
-                        "peer, re-implemented: UltraEP's per-micro-batch threshold-quota balancer (replicas in the "
+                        "baseline, re-implemented: UltraEP's per-micro-batch threshold-quota balancer (replicas in the "
                         "node, weights re-pushed every micro-step)",
                         {"ultraep_min_tokens"},
                         33,

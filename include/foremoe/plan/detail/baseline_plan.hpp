@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// What the re-implemented per-micro-batch peers (`strategies/ultraep.hpp`, `strategies/moonep.hpp`) share: static
+/// What the re-implemented per-micro-batch baselines (`strategies/ultraep.hpp`, `strategies/moonep.hpp`) share: static
 /// contiguous owners, rank loads, and the plan of token quotas exported from owners to replicas. Not API.
 
 #include <algorithm>
@@ -19,7 +19,7 @@ inline namespace v0 {
 namespace detail {
 
 /// `tokens` of `expert` run on a replica on `dst_gpu` instead of on the expert's owner.
-struct PeerQuota {
+struct BaselineQuota {
   std::int32_t expert = 0;
   std::int32_t dst_gpu = 0;
   std::int64_t tokens = 0;
@@ -38,9 +38,9 @@ struct PeerQuota {
   return out;
 }
 
-/// Checks one layer's loads and resident placement (may be null) for a peer strategy named `who`.
-inline void check_peer_inputs(std::span<const std::int64_t> loads, const Topology &topo, const LayerPlacement *resident,
-                              const char *who) {
+/// Checks one layer's loads and resident placement (may be null) for a baseline strategy named `who`.
+inline void check_baseline_inputs(std::span<const std::int64_t> loads, const Topology &topo,
+                                  const LayerPlacement *resident, const char *who) {
   const int num_experts = static_cast<int>(loads.size());
   topo.validate(num_experts);
   check_expert_loads(loads, num_experts, who);
@@ -52,7 +52,7 @@ inline void check_peer_inputs(std::span<const std::int64_t> loads, const Topolog
 /// what its expert's quotas leave; moves are a full push from `resident` (see `full_push_moves`). Throws `Error` when
 /// a quota targets the owner, asks for more tokens than the expert has, or a GPU runs out of slots.
 [[nodiscard]] inline LayerPlan plan_from_quotas(std::span<const std::int64_t> loads, const Topology &topo,
-                                                std::span<const PeerQuota> quotas, const LayerPlacement *resident,
+                                                std::span<const BaselineQuota> quotas, const LayerPlacement *resident,
                                                 const char *who) {
   const int num_experts = static_cast<int>(loads.size()), num_gpus = topo.num_gpus(), slots = topo.slots_per_gpu;
   const int per_gpu = topo.owners_per_gpu(num_experts);
@@ -66,7 +66,7 @@ inline void check_peer_inputs(std::span<const std::int64_t> loads, const Topolog
     plan.owner_gpu[e] = g;
     plan.placement.slot(g, e % per_gpu) = e;
   }
-  for (const PeerQuota &q : quotas) {
+  for (const BaselineQuota &q : quotas) {
     require(q.expert >= 0 && q.expert < num_experts && q.dst_gpu >= 0 && q.dst_gpu < num_gpus && q.tokens >= 0, who,
             ": quota of expert ", q.expert, " for GPU ", q.dst_gpu, " (", q.tokens, " tokens) is out of range");
     require(q.dst_gpu != plan.owner_gpu[q.expert], who, ": quota of expert ", q.expert, " targets its owner GPU ",

@@ -1,6 +1,6 @@
 #pragma once
 /// @file
-/// The load generators that peer systems publish, next to our GRPO generator (`synthetic.hpp`), selectable as
+/// The load generators that the baselines' authors publish, next to our GRPO generator (`synthetic.hpp`), selectable as
 /// `--workload NAME:PARAM` in `foremoe simulate`:
 ///
 /// - `grpo`: the synthetic GRPO batch (the default; `generate_loads`).
@@ -11,11 +11,11 @@
 /// - `moonep:V`: MoonEP's generator. Expert `e` has weight `exp(sigma z_e)`, `z_e ~ N(0, 1)`, `sigma` bisected so
 ///   that the expert maxvio = max/mean - 1 is `V`.
 ///
-/// Both peers describe one batch of one layer. Here every (micro-step, layer) draws its own order (UltraEP) or
+/// Both baselines describe one batch of one layer. Here every (micro-step, layer) draws its own order (UltraEP) or
 /// its own `z` (MoonEP) from the seed, independently: there is no correlation across layers, micro-steps or
 /// steps, so history and foresight carry no information beyond the marginal skew. The micro-steps and their
 /// token counts are those of the GRPO batch with the same settings (same sequence lengths and packing), so a
-/// peer workload differs from `grpo` only in how the tokens route. A micro-step of `T` tokens makes `T * topk`
+/// baseline workload differs from `grpo` only in how the tokens route. A micro-step of `T` tokens makes `T * topk`
 /// assignments; an expert's count is its weight's share of them, rounded by largest remainder (so the rounded
 /// counts sum exactly to `T * topk`). A token takes an expert at most once, so no expert may get more than `T`:
 /// a target that would need more is an error naming the figures.
@@ -124,7 +124,7 @@ template <class F> [[nodiscard]] double bisect_increasing(F &&f, double target) 
   return out;
 }
 
-inline constexpr std::uint64_t tag_peer_ultraep = 101, tag_peer_moonep = 102;
+inline constexpr std::uint64_t tag_baseline_ultraep = 101, tag_baseline_moonep = 102;
 
 } // namespace detail
 
@@ -183,11 +183,12 @@ inline constexpr std::uint64_t tag_peer_ultraep = 101, tag_peer_moonep = 102;
   return ultraep_rank_weights(used, ultraep_alpha(used, A));
 }
 
-/// The expert weights of one (micro-step, layer) of a peer workload for `num_experts` experts on an EP group of
+/// The expert weights of one (micro-step, layer) of a baseline workload for `num_experts` experts on an EP group of
 /// `ranks` GPUs, drawn from `rng`; `rank_w` (UltraEP only): `ultraep_weights_of_ranks(num_experts, ranks, A)`,
 /// computed once.
-[[nodiscard]] inline std::vector<double> peer_expert_weights(const WorkloadSpec &w, int num_experts, int ranks,
-                                                             std::span<const double> rank_w, detail::Xoshiro256 &rng) {
+[[nodiscard]] inline std::vector<double> baseline_expert_weights(const WorkloadSpec &w, int num_experts, int ranks,
+                                                                 std::span<const double> rank_w,
+                                                                 detail::Xoshiro256 &rng) {
   const auto E = static_cast<std::size_t>(num_experts);
   std::vector<double> out(E);
   if (w.kind == WorkloadKind::moonep) {
@@ -200,10 +201,10 @@ inline constexpr std::uint64_t tag_peer_ultraep = 101, tag_peer_moonep = 102;
       out[e] = std::exp(sigma * (z[e] - zmax));
     return out;
   }
-  detail::require(w.kind == WorkloadKind::ultraep, "peer_expert_weights: grpo has no closed-form weights");
+  detail::require(w.kind == WorkloadKind::ultraep, "baseline_expert_weights: grpo has no closed-form weights");
   const int per = (num_experts + ranks - 1) / ranks, used = (num_experts + per - 1) / per;
-  detail::require(static_cast<int>(rank_w.size()) == used, "peer_expert_weights: ", rank_w.size(), " rank weights for ",
-                  used, " ranks");
+  detail::require(static_cast<int>(rank_w.size()) == used, "baseline_expert_weights: ", rank_w.size(),
+                  " rank weights for ", used, " ranks");
   std::vector<int> order(static_cast<std::size_t>(used));
   std::iota(order.begin(), order.end(), 0);
   for (std::size_t i = order.size(); i > 1; --i) // Fisher-Yates: which rank is the r-th hottest
@@ -226,21 +227,22 @@ inline constexpr std::uint64_t tag_peer_ultraep = 101, tag_peer_moonep = 102;
   return out;
 }
 
-/// The loads of a peer workload, `[M][L][E]`: the micro-steps (and `step_offsets`, if given) of the GRPO batch
-/// `batch`, each of `T` tokens routing `T * topk` assignments by `peer_expert_weights` on an EP group of
+/// The loads of a baseline workload, `[M][L][E]`: the micro-steps (and `step_offsets`, if given) of the GRPO batch
+/// `batch`, each of `T` tokens routing `T * topk` assignments by `baseline_expert_weights` on an EP group of
 /// `ranks` GPUs. Deterministic for `batch.seed`. Throws `Error` for a grpo spec, an unreachable target, or one
 /// that puts more than `T` assignments on an expert.
-[[nodiscard]] inline LoadTensor generate_peer_loads(const WorkloadSpec &w, const SyntheticConfig &batch, int ranks,
-                                                    std::vector<std::int64_t> *step_offsets = nullptr) {
+[[nodiscard]] inline LoadTensor generate_baseline_loads(const WorkloadSpec &w, const SyntheticConfig &batch, int ranks,
+                                                        std::vector<std::int64_t> *step_offsets = nullptr) {
   batch.validate();
-  detail::require(w.kind != WorkloadKind::grpo, "generate_peer_loads: grpo is generated by generate_loads");
-  detail::require(ranks >= 1, "generate_peer_loads: ranks must be >= 1, got ", ranks);
+  detail::require(w.kind != WorkloadKind::grpo, "generate_baseline_loads: grpo is generated by generate_loads");
+  detail::require(ranks >= 1, "generate_baseline_loads: ranks must be >= 1, got ", ranks);
   std::vector<std::int64_t> steps;
   std::int64_t num_tokens = 0;
   const auto plans = detail::plan_steps(batch, steps, num_tokens);
   const int L = batch.num_layers, E = batch.num_experts, k = batch.topk;
   LoadTensor out(static_cast<int>(steps.back()), L, E);
-  const std::uint64_t tag = w.kind == WorkloadKind::ultraep ? detail::tag_peer_ultraep : detail::tag_peer_moonep;
+  const std::uint64_t tag =
+      w.kind == WorkloadKind::ultraep ? detail::tag_baseline_ultraep : detail::tag_baseline_moonep;
   const std::vector<double> rank_w =
       w.kind == WorkloadKind::ultraep ? ultraep_weights_of_ranks(E, ranks, w.param) : std::vector<double>{};
   int m = 0;
@@ -256,7 +258,7 @@ inline constexpr std::uint64_t tag_peer_ultraep = 101, tag_peer_moonep = 102;
       for (int l = 0; l < L; ++l) {
         detail::Xoshiro256 rng(
             detail::stream_seed(batch.seed, tag, static_cast<std::uint64_t>(m), static_cast<std::uint64_t>(l)));
-        const std::vector<double> wt = peer_expert_weights(w, E, ranks, rank_w, rng);
+        const std::vector<double> wt = baseline_expert_weights(w, E, ranks, rank_w, rng);
         const std::vector<std::int64_t> counts = detail::apportion(wt, tokens * k);
         const std::int64_t top = *std::max_element(counts.begin(), counts.end());
         detail::require(top <= tokens, "workload '", to_string(w), "' puts ", top, " of the ", tokens * k,

@@ -1,4 +1,4 @@
-// The re-implemented per-micro-batch peers (strategies "ultraep" and "moonep"): property tests on random
+// The re-implemented per-micro-batch baselines (strategies "ultraep" and "moonep"): property tests on random
 // instances against their published rules, the full push of every replica each micro-step (in `Planner`'s moves
 // and in the simulator's moved bytes), and their registry entries.
 #include <doctest/doctest.h>
@@ -56,9 +56,9 @@ std::int64_t static_max(const Instance &in) {
   return *std::max_element(r.begin(), r.end());
 }
 
-/// The rules both peers share: validate(), static contiguous owners in their slots, replicas only on the owner's
+/// The rules both baselines share: validate(), static contiguous owners in their slots, replicas only on the owner's
 /// node, at most R per GPU, no two copies of one expert on a GPU, never worse than static.
-void check_peer_plan(const LayerPlan &lp, const Instance &in, const LayerPlacement *resident) {
+void check_baseline_plan(const LayerPlan &lp, const Instance &in, const LayerPlacement *resident) {
   const int num_experts = static_cast<int>(in.loads.size()), per_gpu = in.topo.owners_per_gpu(num_experts);
   REQUIRE_NOTHROW(validate(lp, in.loads, resident));
   for (int e = 0; e < num_experts; ++e) {
@@ -98,7 +98,7 @@ TEST_CASE("ultraep: random instances keep its rules and meet the threshold it fo
     const bool with_resident = it % 2 == 1;
     const LayerPlacement *res = with_resident ? &prev.plan.placement : nullptr;
     const UltraepLayerResult r = ultraep_plan_layer(in.loads, in.topo, o, res);
-    check_peer_plan(r.plan, in, res);
+    check_baseline_plan(r.plan, in, res);
     // Every rank at or below the threshold; the threshold between the node bound and static.
     for (const std::int64_t t : r.plan.gpu_loads())
       CHECK(t <= r.threshold);
@@ -130,7 +130,7 @@ TEST_CASE("ultraep: without a minimum and with room for every replica, each node
     UltraepOptions o;
     o.min_tokens_per_replica = 0;
     const UltraepLayerResult r = ultraep_plan_layer(in.loads, in.topo, o);
-    check_peer_plan(r.plan, in, nullptr);
+    check_baseline_plan(r.plan, in, nullptr);
     CHECK(r.threshold == r.lower_bound);
     CHECK(r.plan.max_gpu_load == r.lower_bound);
   }
@@ -167,7 +167,7 @@ TEST_CASE("moonep: random instances keep its rules; exact per node whenever a ra
     const MoonepLayerResult prev = moonep_plan_layer(in.other, in.topo);
     const LayerPlacement *res = it % 2 == 1 ? &prev.plan.placement : nullptr;
     const MoonepLayerResult r = moonep_plan_layer(in.loads, in.topo, {}, res);
-    check_peer_plan(r.plan, in, res);
+    check_baseline_plan(r.plan, in, res);
     CHECK(r.plan.moves.size() == static_cast<std::size_t>(r.plan.num_replicas()));
     // Targets: each node's tokens split as evenly as integers allow.
     const auto ranks = detail::static_rank_loads(in.loads, in.topo);
@@ -220,7 +220,7 @@ TEST_CASE("moonep: a worked case, two home groups and a group that gives more th
   CHECK(r.home_group == std::vector<int>{-1, 0, 0, 1});
 }
 
-TEST_CASE("peers through Planner: every replica is re-pushed each micro-step, also when the loads repeat") {
+TEST_CASE("baselines through Planner: every replica is re-pushed each micro-step, also when the loads repeat") {
   const int num_layers = 3, num_experts = 16;
   const Topology topo{2, 2, 6}; // 4 owners + 2 spare per GPU
   LoadTensor loads(3, num_layers, num_experts);
@@ -254,7 +254,7 @@ TEST_CASE("peers through Planner: every replica is re-pushed each micro-step, al
   CHECK(Planner(num_layers, num_experts, topo, fm).reuses_resident());
 }
 
-TEST_CASE("peers in the simulator: a full push of every replica per micro-step and layer is charged") {
+TEST_CASE("baselines in the simulator: a full push of every replica per micro-step and layer is charged") {
   SimConfig cfg;
   cfg.model = ModelSpec{2, 16, 2, 256, 128, WeightDtype::bf16};
   cfg.topo = Topology{2, 2, 6};
