@@ -5,7 +5,7 @@
 #include "backends.hpp"
 #include "foremoe/core/error.hpp"
 #include "foremoe/trace/count.hpp"
-#include "workspace.hpp"
+#include "workspace/workspace.hpp"
 
 namespace foremoe {
 inline namespace v0 {

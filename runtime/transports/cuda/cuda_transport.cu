@@ -26,7 +26,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "../../cuda/cuda_check.hpp"
+#include "../../device/cuda_check.hpp"
 #include "../../transport_util.hpp"
 
 namespace foremoe {

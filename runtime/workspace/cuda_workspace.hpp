@@ -13,8 +13,8 @@
 #include <memory>
 #include <vector>
 
-#include "../workspace.hpp"
-#include "cuda_check.hpp"
+#include "../device/cuda_check.hpp"
+#include "workspace.hpp"
 
 namespace foremoe {
 inline namespace v0 {

@@ -4,8 +4,8 @@
 #include <memory>
 
 #include "../backends.hpp"
-#include "../token_map_backends.hpp"
-#include "../workspace.hpp"
+#include "../token_map/token_map_backends.hpp"
+#include "workspace.hpp"
 
 namespace foremoe {
 inline namespace v0 {

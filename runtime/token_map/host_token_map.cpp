@@ -3,7 +3,7 @@
 #include <exception>
 #include <string>
 
-#include "../token_map_backends.hpp"
+#include "token_map_backends.hpp"
 
 namespace foremoe {
 inline namespace v0 {

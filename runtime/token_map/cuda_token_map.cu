@@ -3,8 +3,8 @@
 // an occurrence's rank is its sorted position minus the key's first position. A binary search of the rank in the
 // copy prefix ranges (built on the host from the plan) gives the slot. The sort is stable and nothing depends on
 // thread timing, so the result is deterministic and equals the CPU reference exactly. Enqueued through the workspace
-// (cuda_workspace.hpp): the plan's ranges go up from pinned memory, ids and counts are checked on the device and
-// reported by `Workspace::check`.
+// (workspace/cuda_workspace.hpp): the plan's ranges go up from pinned memory, ids and counts are checked on the
+// device and reported by `Workspace::check`.
 
 #include <cub/device/device_radix_sort.cuh>
 #include <cuda_runtime.h>
@@ -17,9 +17,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "../token_map_backends.hpp"
-#include "cuda_check.hpp"
-#include "cuda_workspace.hpp"
+#include "../device/cuda_check.hpp"
+#include "../workspace/cuda_workspace.hpp"
+#include "token_map_backends.hpp"
 
 namespace foremoe {
 inline namespace v0 {

@@ -1,6 +1,6 @@
 #pragma once
 // Internal: what a backend's workspace does for the asynchronous calls. The front ends (runtime.cpp,
-// token_map.cpp) have checked the request's shape and the output's size.
+// token_map/token_map.cpp) have checked the request's shape and the output's size.
 
 #include <cstdint>
 #include <memory>

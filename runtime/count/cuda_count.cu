@@ -1,6 +1,6 @@
 // CUDA backend of load counting: one block per (token chunk, trace layer),
 // a shared-memory histogram per micro-step segment, flushed with atomics. Enqueued
-// through the workspace (cuda_workspace.hpp): inputs from pinned memory, ids checked
+// through the workspace (workspace/cuda_workspace.hpp): inputs from pinned memory, ids checked
 // on the device and reported by `Workspace::check`.
 
 #include <cuda_runtime.h>
@@ -12,8 +12,8 @@
 #include <type_traits>
 
 #include "../backends.hpp"
-#include "cuda_check.hpp"
-#include "cuda_workspace.hpp"
+#include "../device/cuda_check.hpp"
+#include "../workspace/cuda_workspace.hpp"
 
 namespace foremoe {
 inline namespace v0 {

@@ -6,11 +6,11 @@
 #include <string>
 #include <vector>
 
-#include "backends.hpp"
+#include "../backends.hpp"
+#include "../workspace/workspace.hpp"
 #include "foremoe/core/error.hpp"
 #include "foremoe/plan/token_map.hpp"
 #include "token_map_backends.hpp"
-#include "workspace.hpp"
 
 namespace foremoe {
 inline namespace v0 {
