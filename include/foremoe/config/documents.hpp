@@ -21,20 +21,14 @@
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/sim/simulator.hpp"
+#include "foremoe/trace/io.hpp"
 #include "foremoe/transfer/transfer_plan.hpp"
 
 namespace foremoe {
 inline namespace v0 {
 namespace config {
 
-/// Reads a whole file, naming it on failure.
-[[nodiscard]] inline std::string read_text(const std::filesystem::path &path) {
-  std::ifstream in(path, std::ios::binary);
-  detail::require(in.good(), path.string(), ": cannot open: ", std::strerror(errno));
-  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  detail::require(!in.bad(), path.string(), ": read failed: ", std::strerror(errno));
-  return s;
-}
+using ::foremoe::read_text; // trace/io.hpp: the one whole-file reader
 
 /// Writes `text` to `path`, naming it on failure.
 inline void write_text(const std::filesystem::path &path, std::string_view text) {

@@ -10,7 +10,6 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -52,9 +51,7 @@ struct TraceInput {
   /// The whole content (the file's, or a copy of `bytes`); throws `Error` naming the path when it cannot be read.
   [[nodiscard]] std::string text() const {
     if (bytes) return {reinterpret_cast<const char *>(bytes->data()), bytes->size()};
-    std::ifstream in(path, std::ios::binary);
-    detail::require(in.good(), path.string(), ": cannot open");
-    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    return read_text(path);
   }
   /// The content as an NPY array; errors name the path.
   [[nodiscard]] NpyArray npy() const {

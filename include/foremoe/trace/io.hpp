@@ -2,8 +2,12 @@
 /// @file
 /// NPY files of the trace layer: load tensors, offset vectors and routed ids.
 
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <span>
 #include <string>
 #include <utility>
@@ -28,6 +32,15 @@ inline void require_int_dim(std::int64_t d, const std::filesystem::path &path, c
   require(d > 0 && d <= (std::int64_t{1} << 30), path.string(), ": ", what, " ", d, " is outside [1, 2^30]");
 }
 } // namespace detail
+
+/// Reads a whole file, naming it on failure (the trace formats' inputs, and `config::read_text`).
+[[nodiscard]] inline std::string read_text(const std::filesystem::path &path) {
+  std::ifstream in(path, std::ios::binary);
+  detail::require(in.good(), path.string(), ": cannot open: ", std::strerror(errno));
+  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  detail::require(!in.bad(), path.string(), ": read failed: ", std::strerror(errno));
+  return s;
+}
 
 /// `dir/stem.npy` -> `dir/stem.<what>.npy`: where the 1-D sidecars of a trace file live
 /// (`steps`, `microbatches`, `sources`).

@@ -36,6 +36,17 @@
 namespace foremoe {
 inline namespace v0 {
 
+namespace detail {
+inline constexpr std::uint64_t fnv1a_basis = 0xcbf29ce484222325ULL;
+/// 64-bit FNV-1a of `n` bytes at `p`, continuing from `h`: the checksum of cache entries and packed loads.
+[[nodiscard]] inline std::uint64_t fnv1a(const void *p, std::size_t n, std::uint64_t h = fnv1a_basis) noexcept {
+  const auto *b = static_cast<const unsigned char *>(p);
+  for (std::size_t i = 0; i < n; ++i)
+    h = (h ^ b[i]) * 0x100000001b3ULL;
+  return h;
+}
+} // namespace detail
+
 /// Generated loads as a cache entry holds them.
 struct CachedLoads {
   LoadTensor loads;
@@ -75,7 +86,7 @@ public:
   /// The file of `key`'s entry.
   [[nodiscard]] std::filesystem::path file_of(std::string_view key) const {
     static constexpr char hex[] = "0123456789abcdef";
-    std::uint64_t h = fnv1a(key.data(), key.size(), fnv_basis);
+    std::uint64_t h = detail::fnv1a(key.data(), key.size());
     std::string name = "loads-";
     for (int i = 15; i >= 0; --i)
       name += hex[(h >> (4 * i)) & 15u];
@@ -101,11 +112,11 @@ public:
       return std::nullopt;
     CachedLoads out{LoadTensor(static_cast<int>(m), static_cast<int>(l), static_cast<int>(e), static_cast<int>(s)),
                     std::vector<std::int64_t>(static_cast<std::size_t>(ns))};
-    std::uint64_t sum = fnv1a(dims, sizeof dims, fnv1a(line.data(), line.size(), fnv_basis));
+    std::uint64_t sum = detail::fnv1a(dims, sizeof dims, detail::fnv1a(line.data(), line.size()));
     const auto get = [&](void *p, std::size_t n) {
       if (n == 0) return true;
       if (!in.read(static_cast<char *>(p), static_cast<std::streamsize>(n))) return false;
-      sum = fnv1a(p, n, sum);
+      sum = detail::fnv1a(p, n, sum);
       return true;
     };
     if (!get(out.step_offsets.data(), out.step_offsets.size() * 8) ||
@@ -146,13 +157,13 @@ public:
       const std::string line = header_line(key);
       const std::int64_t dims[5] = {loads.num_micro_steps(), loads.num_layers(), loads.num_experts(),
                                     loads.num_sources(), static_cast<std::int64_t>(step_offsets.size())};
-      std::uint64_t sum = fnv1a(dims, sizeof dims, fnv1a(line.data(), line.size(), fnv_basis));
+      std::uint64_t sum = detail::fnv1a(dims, sizeof dims, detail::fnv1a(line.data(), line.size()));
       out << line << '\n';
       out.write(reinterpret_cast<const char *>(dims), sizeof dims);
       const auto put = [&](const std::int64_t *p, std::size_t n) {
         if (n == 0) return;
         out.write(reinterpret_cast<const char *>(p), static_cast<std::streamsize>(n * 8));
-        sum = fnv1a(p, n * 8, sum);
+        sum = detail::fnv1a(p, n * 8, sum);
       };
       put(step_offsets.data(), step_offsets.size());
       put(loads.totals().data(), loads.totals().size());
@@ -171,13 +182,6 @@ public:
   }
 
 private:
-  static constexpr std::uint64_t fnv_basis = 0xcbf29ce484222325ULL;
-  [[nodiscard]] static std::uint64_t fnv1a(const void *p, std::size_t n, std::uint64_t h) noexcept {
-    const auto *b = static_cast<const unsigned char *>(p);
-    for (std::size_t i = 0; i < n; ++i)
-      h = (h ^ b[i]) * 0x100000001b3ULL;
-    return h;
-  }
   [[nodiscard]] static std::string header_line(std::string_view key) {
     std::string line = "foremoe-load-cache " + std::to_string(format_version) +
                        (std::endian::native == std::endian::little ? " little " : " big ");

@@ -30,15 +30,6 @@ inline constexpr int packed_loads_version = 1;
 
 namespace detail {
 
-inline constexpr std::uint64_t packed_fnv_basis = 0xcbf29ce484222325ULL;
-
-[[nodiscard]] inline std::uint64_t packed_fnv1a(std::span<const unsigned char> bytes) noexcept {
-  std::uint64_t h = packed_fnv_basis;
-  for (const unsigned char b : bytes)
-    h = (h ^ b) * 0x100000001b3ULL;
-  return h;
-}
-
 inline void put_varint(std::string &out, std::uint64_t v) { // unsigned LEB128
   while (v >= 0x80) {
     out += static_cast<char>(static_cast<unsigned char>(v) | 0x80u);
@@ -107,8 +98,7 @@ private:
   const std::size_t row = static_cast<std::size_t>(loads.num_layers()) * static_cast<std::size_t>(loads.num_experts());
   put_deltas(loads.totals(), row);
   put_deltas(loads.by_source(), row * static_cast<std::size_t>(loads.num_sources()));
-  std::uint64_t h = detail::packed_fnv1a(
-      std::span<const unsigned char>(reinterpret_cast<const unsigned char *>(out.data()), out.size()));
+  std::uint64_t h = detail::fnv1a(out.data(), out.size());
   for (int i = 0; i < 8; ++i, h >>= 8)
     out += static_cast<char>(static_cast<unsigned char>(h));
   return out;
@@ -126,7 +116,7 @@ private:
   std::uint64_t stored = 0;
   for (int i = 7; i >= 0; --i)
     stored = stored << 8 | bytes[body_end + static_cast<std::size_t>(i)];
-  if (stored != detail::packed_fnv1a(bytes.first(body_end))) return std::nullopt;
+  if (stored != detail::fnv1a(bytes.data(), body_end)) return std::nullopt;
 
   detail::VarintReader in(bytes.subspan(header.size(), body_end - header.size()));
   std::uint64_t dims[5] = {}; // M, L, E, S, number of step offsets
