@@ -7,6 +7,7 @@
 #include "command.hpp"
 #include "foremoe/config/documents.hpp"
 #include "foremoe/config/placement_export.hpp"
+#include "foremoe/core/files.hpp"
 #include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/trace/io.hpp"
@@ -81,8 +82,19 @@ Command make_plan() {
     config::PlanSettings settings;
     try {
       config::plan_schema().read(settings, flags, "--");
+      // What the flags alone decide is checked here, so that a bad flag value is a usage error (exit 2).
+      settings.topo.validate();
+      settings.planner.validate();
     } catch (const Error &e) {
       throw UsageError{e.what()}; // an unknown --strategy or a bad flag value is a usage error (exit 2)
+    }
+    {
+      std::vector<NamedPath> inputs{{"--loads", a.str("loads")}}, outputs;
+      for (const char *o : {"previous-loads", "resident"})
+        if (a.has(o)) inputs.push_back({std::string("--") + o, a.str(o)});
+      for (const char *o : {"out", "out-placement", "plot-document"})
+        if (a.has(o)) outputs.push_back({std::string("--") + o, a.str(o)});
+      check_outputs(outputs, inputs);
     }
     const Topology topo = settings.topo;
     const PlannerOptions opts = settings.planner;
@@ -177,16 +189,18 @@ Command make_plan() {
           path_bytes[p] += tp.path_bytes[p];
       }
     }
+    // Every output is staged first and renamed into place together: a failure leaves none of them behind.
+    files::OutputSet outputs;
     if (a.has("out") || a.has("plot-document")) {
       const config::PlanHeader h{opts.strategy, topo, loads.num_layers(), loads.num_experts(), sp.planner_seconds};
       const std::string text =
           json::dump(config::plan_document(h, sp.micro_steps, transfers ? &transfer_plans : nullptr)) + "\n";
-      if (a.has("out")) config::write_text(a.str("out"), text);
-      if (a.has("plot-document")) config::write_text(a.str("plot-document"), text);
+      if (a.has("out")) outputs.add_text(a.str("out"), text);
+      if (a.has("plot-document")) outputs.add_text(a.str("plot-document"), text);
     }
     if (a.has("out-placement") && placement_format == "foremoe") {
-      config::write_text(a.str("out-placement"),
-                         json::dump(config::placement_document(topo, sp.final_placement())) + "\n");
+      outputs.add_text(a.str("out-placement"),
+                       json::dump(config::placement_document(topo, sp.final_placement())) + "\n");
     } else if (a.has("out-placement")) {
       // SGLang and vLLM need every physical slot filled: spare slots get the step's heaviest experts per replica.
       const std::size_t cells = static_cast<std::size_t>(loads.num_layers()) * loads.num_experts();
@@ -196,8 +210,9 @@ Command make_plan() {
         weights[i % cells] += tot[i];
       Placement full = sp.final_placement();
       config::fill_empty_slots(full, weights);
-      config::write_text(a.str("out-placement"), config::placement_export_text(full, placement_format));
+      outputs.add_text(a.str("out-placement"), config::placement_export_text(full, placement_format));
     }
+    outputs.commit();
 
     const BalanceStats balance = balance_stats(imbalances(sp.micro_steps));
     out << "planned " << sp.micro_steps.size() << " micro-steps x " << loads.num_layers() << " layers x "

@@ -10,6 +10,7 @@
 #include "command.hpp"
 #include "default_loads.hpp"
 #include "foremoe/config/documents.hpp"
+#include "foremoe/core/files.hpp"
 #include "foremoe/trace/io.hpp"
 #include "run_simulate.hpp"
 
@@ -51,12 +52,31 @@ Command make_simulate() {
       layers.push_back({&file, "config"});
     }
     layers.push_back({&cli, "--"});
-    const config::SimulateSettings s = config::simulate_settings(layers);
+    // Without a config file every setting comes from a flag, so a refused setting is a usage error (exit 2).
+    const bool flags_only = !a.has("config");
+    const config::SimulateSettings s = [&] {
+      try {
+        return config::simulate_settings(layers);
+      } catch (const Error &e) {
+        if (flags_only) throw UsageError{e.what()};
+        throw;
+      }
+    }();
     if (a.flag("print-config")) {
       out << json::dump(config::simulate_schema().write(s), 2) << "\n";
       return 0;
     }
-    check_output_path(a, "json");
+    {
+      std::vector<NamedPath> inputs, outputs;
+      if (a.has("config")) inputs.push_back({"--config", a.str("config")});
+      if (a.has("loads")) {
+        inputs.push_back({"--loads", a.str("loads")});
+        inputs.push_back({"the steps of --loads", sidecar_path(a.str("loads"), "steps")});
+      }
+      for (const char *o : {"json", "plot-document"})
+        if (a.has(o)) outputs.push_back({std::string("--") + o, a.str(o)});
+      check_outputs(outputs, inputs);
+    }
     const bool json_stdout = a.has("json") && a.str("json") == "-";
     if (json_stdout && a.flag("csv")) throw UsageError{"--json - and --csv both write to stdout; choose one"};
 
@@ -76,7 +96,16 @@ Command make_simulate() {
     progress.simulate = [&](int done, int total) { meter.update("simulating (strategy-steps)", done, total); };
     LoadsReport rep;
     const auto t0 = std::chrono::steady_clock::now();
-    const json::Value doc = run_simulate(s, a.has("loads") ? &loads : nullptr, steps, progress, &rep, default_loads());
+    const json::Value doc = [&] {
+      try {
+        return run_simulate(s, a.has("loads") ? &loads : nullptr, steps, progress, &rep, default_loads());
+      } catch (const Error &e) {
+        // With neither a config file nor a load file, what the run refuses (a GPU memory too small for the
+        // deployment, a strategy that cannot plan it) follows from flag values alone: a usage error.
+        if (flags_only && !a.has("loads")) throw UsageError{e.what()};
+        throw;
+      }
+    }();
     const double sim_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - rep.seconds;
     meter.clear();
 
@@ -101,11 +130,11 @@ Command make_simulate() {
     }
     // The document is serialised once for every output that takes it (--json and the plot front end's copy).
     const std::string text = json_stdout || a.has("json") || a.has("plot-document") ? json::dump(doc) + "\n" : "";
-    if (json_stdout)
-      out << text;
-    else if (a.has("json"))
-      config::write_text(a.str("json"), text);
-    if (a.has("plot-document")) config::write_text(a.str("plot-document"), text);
+    files::OutputSet outputs;
+    if (a.has("json") && !json_stdout) outputs.add_text(a.str("json"), text);
+    if (a.has("plot-document")) outputs.add_text(a.str("plot-document"), text);
+    outputs.commit();
+    if (json_stdout) out << text;
     return 0;
   };
   return c;

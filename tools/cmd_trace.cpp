@@ -5,9 +5,11 @@
 #include <filesystem>
 #include <iomanip>
 #include <ostream>
+#include <sstream>
 
 #include "command.hpp"
 #include "foremoe/config/options.hpp"
+#include "foremoe/core/files.hpp"
 #include "foremoe/trace/count.hpp"
 #include "foremoe/trace/formats/builtin.hpp"
 #include "foremoe/trace/io.hpp"
@@ -33,10 +35,15 @@ std::vector<OptionSpec> synthetic_specs(const SyntheticConfig &defaults) {
   return schema_specs(config::synthetic_settings_schema(), d);
 }
 
-/// The config the generator flags give over `defaults` (bad flags are usage errors; a config that
-/// `SyntheticConfig::validate` refuses is an error).
+/// The config the generator flags give over `defaults`; whatever `SyntheticConfig::validate` refuses is a usage
+/// error too, since every setting is a flag.
 SyntheticConfig synthetic_config(const Args &a, SyntheticConfig defaults) {
-  return config::read_synthetic(schema_overrides(config::synthetic_settings_schema(), a), "--", defaults);
+  const json::Value flags = schema_overrides(config::synthetic_settings_schema(), a);
+  try {
+    return config::read_synthetic(flags, "--", defaults);
+  } catch (const Error &e) {
+    throw UsageError{e.what()}; // the generator's settings all come from flags
+  }
 }
 
 // ------------------------------------------------------------------ trace gen
@@ -58,39 +65,50 @@ Command make_trace_gen() {
     if (!a.has("loads") && !a.has("ids")) throw UsageError{"give --loads FILE.npy and/or --ids FILE.npy"};
     if (a.flag("by-source") && !a.has("loads"))
       throw UsageError{"--by-source splits the loads: give --loads FILE.npy too"};
-    if (a.has("loads") && a.has("ids")) {
-      // Both files and their .steps.npy sidecars would be written over each other.
-      std::error_code ec;
-      const fs::path l = fs::weakly_canonical(a.str("loads"), ec), i = fs::weakly_canonical(a.str("ids"), ec);
-      if (l == i || sidecar_path(l, "steps") == sidecar_path(i, "steps"))
-        throw UsageError{"--loads " + a.str("loads") + " and --ids " + a.str("ids") +
-                         " name the same file: give two different paths"};
-    }
-    const auto t0 = std::chrono::steady_clock::now();
+    // Every output, sidecars included, is checked before minutes of generation, and written together at the end.
+    std::vector<NamedPath> targets;
     if (a.has("ids")) {
       const fs::path p = a.str("ids");
-      const SyntheticTrace tr = generate_trace(cfg);
+      targets.push_back({"--ids", p});
+      for (const char *side : {"microbatches", "sources", "steps"})
+        targets.push_back({std::string("the ") + side + " sidecar of --ids", sidecar_path(p, side)});
+    }
+    if (a.has("loads")) {
+      targets.push_back({"--loads", a.str("loads")});
+      targets.push_back({"the steps sidecar of --loads", sidecar_path(a.str("loads"), "steps")});
+    }
+    check_outputs(targets, {});
+    files::OutputSet outputs;
+    const auto t0 = std::chrono::steady_clock::now();
+    // The data the staged writers point into lives until the commit.
+    SyntheticTrace tr;
+    LoadTensor loads;
+    std::vector<std::int64_t> steps;
+    std::ostringstream report;
+    if (a.has("ids")) {
+      const fs::path p = a.str("ids");
+      tr = generate_trace(cfg);
       const std::int64_t shape[3] = {tr.num_tokens, tr.num_layers, tr.topk};
-      write_npy(p, NpyDtype::of<std::int16_t>(), shape, tr.routed_ids.data());
-      write_offsets_npy(sidecar_path(p, "microbatches"), tr.microbatch_offsets);
-      write_offsets_npy(sidecar_path(p, "sources"), tr.source_offsets);
-      write_offsets_npy(sidecar_path(p, "steps"), tr.step_offsets);
-      out << "wrote " << p.string() << ": routed ids [" << tr.num_tokens << ", " << tr.num_layers << ", " << tr.topk
-          << "] int16, " << tr.microbatch_offsets.size() - 1 << " micro-steps, " << tr.step_offsets.size() - 1
-          << " steps\n";
+      outputs.add(p, npy_writer(NpyDtype::of<std::int16_t>(), shape, tr.routed_ids.data()));
+      outputs.add(sidecar_path(p, "microbatches"), offsets_npy_writer(tr.microbatch_offsets));
+      outputs.add(sidecar_path(p, "sources"), offsets_npy_writer(tr.source_offsets));
+      outputs.add(sidecar_path(p, "steps"), offsets_npy_writer(tr.step_offsets));
+      report << "wrote " << p.string() << ": routed ids [" << tr.num_tokens << ", " << tr.num_layers << ", " << tr.topk
+             << "] int16, " << tr.microbatch_offsets.size() - 1 << " micro-steps, " << tr.step_offsets.size() - 1
+             << " steps\n";
     }
     if (a.has("loads")) {
       const fs::path p = a.str("loads");
-      std::vector<std::int64_t> steps;
       const bool by_source = a.flag("by-source");
-      const LoadTensor loads = generate_loads(cfg, &steps, by_source);
-      write_loads_npy(p, loads, by_source);
-      write_offsets_npy(sidecar_path(p, "steps"), steps);
-      out << "wrote " << p.string() << ": loads [" << loads.num_micro_steps() << ", " << loads.num_layers() << ", "
-          << loads.num_experts() << (by_source ? ", " + std::to_string(loads.num_sources()) : std::string())
-          << "] int64, " << steps.size() - 1 << " steps (" << sidecar_path(p, "steps").string() << ")\n";
+      loads = generate_loads(cfg, &steps, by_source);
+      outputs.add(p, loads_npy_writer(loads, by_source));
+      outputs.add(sidecar_path(p, "steps"), offsets_npy_writer(steps));
+      report << "wrote " << p.string() << ": loads [" << loads.num_micro_steps() << ", " << loads.num_layers() << ", "
+             << loads.num_experts() << (by_source ? ", " + std::to_string(loads.num_sources()) : std::string())
+             << "] int64, " << steps.size() - 1 << " steps (" << sidecar_path(p, "steps").string() << ")\n";
     }
-    out << "generated in " << std::fixed << std::setprecision(2) << seconds_since(t0) << " s\n";
+    outputs.commit();
+    out << report.str() << "generated in " << std::fixed << std::setprecision(2) << seconds_since(t0) << " s\n";
     return 0;
   };
   return c;
@@ -300,6 +318,14 @@ Command make_trace_count() {
     if (a.positional().empty()) throw UsageError{"give the routed-id FILE to count"};
     if (!a.has("out")) throw UsageError{"give --out LOADS.npy"};
     const fs::path p = a.positional()[0], outp = a.str("out");
+    {
+      std::vector<NamedPath> inputs{{"FILE", p}};
+      for (const char *side : {"microbatches", "sources", "steps"})
+        inputs.push_back({std::string("the ") + side + " sidecar of FILE", sidecar_path(p, side)});
+      for (const char *o : {"mask", "microbatches"})
+        if (a.has(o)) inputs.push_back({std::string("--") + o, a.str(o)});
+      check_outputs({{"--out", outp}, {"the steps sidecar of --out", sidecar_path(outp, "steps")}}, inputs);
+    }
     const TraceFormat &fmt = cs.format == "auto" ? detect_trace_format(p) : find_trace_format(cs.format);
     TraceReadOptions ro;
     if (a.has("mask")) {
@@ -356,10 +382,15 @@ Command make_trace_count() {
       throw UsageError{"--sources is for --by-source"};
     }
     const LoadTensor loads = count_loads(view, o);
-    write_loads_npy(outp, loads, cs.by_source);
+    files::OutputSet outputs;
+    outputs.add(outp, loads_npy_writer(loads, cs.by_source));
     const fs::path steps_in = sidecar_path(p, "steps");
-    if (fmt.reads_sidecars && fs::exists(steps_in))
-      write_offsets_npy(sidecar_path(outp, "steps"), read_offsets_npy(steps_in));
+    std::vector<std::int64_t> steps;
+    if (fmt.reads_sidecars && fs::exists(steps_in)) {
+      steps = read_offsets_npy(steps_in);
+      outputs.add(sidecar_path(outp, "steps"), offsets_npy_writer(steps));
+    }
+    outputs.commit();
     std::int64_t masked = 0;
     for (const std::uint8_t b : rec.mask)
       masked += b == 0;

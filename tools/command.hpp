@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <initializer_list>
 #include <iosfwd>
@@ -124,6 +125,17 @@ json::Value schema_overrides(const config::Schema<T> &s, const Args &a,
 /// Refuses, before any work, an output path that cannot be written: "-" (stdout) is fine, otherwise its folder
 /// must exist and be writable and the path must not be a folder. A usage error naming the option and the path.
 void check_output_path(const Args &a, std::string_view option);
+
+/// A file a command reads or writes, with how the user named it ("--loads", "the sidecar of --out").
+struct NamedPath {
+  std::string what;
+  std::filesystem::path path;
+};
+
+/// Refuses, before any work, outputs that would destroy an input or one another: every output must pass
+/// `check_output_path`'s rules and name neither one of `inputs` (the same file, links resolved) nor another
+/// output. Outputs "-" (stdout) are skipped. A usage error naming both.
+void check_outputs(const std::vector<NamedPath> &outputs, const std::vector<NamedPath> &inputs);
 
 /// Progress for long work on stderr: shown only when stderr is a terminal and `--quiet` is not given, after the
 /// work has run for `delay_s` seconds, so that quick runs print nothing.

@@ -15,6 +15,7 @@
 
 #include "command.hpp"
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/files.hpp"
 #include "foremoe/version.hpp"
 
 namespace foremoe::cli {
@@ -110,20 +111,42 @@ double Args::real(std::string_view name, double lo, double hi) const {
   return x;
 }
 
-void check_output_path(const Args &a, std::string_view option) {
-  if (!a.has(option)) return;
-  const std::string path = a.str(option);
-  if (path == "-") return;
+namespace {
+/// The checks of `check_output_path` on one path, `what` naming it in the message.
+void check_writable(const std::string &what, const std::string &path) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path p(path);
   const fs::path dir = p.has_parent_path() ? p.parent_path() : fs::path(".");
-  if (path.empty() || fs::is_directory(p, ec))
-    throw UsageError{"--" + std::string(option) + " '" + path + "' is a folder, not a file"};
+  if (path.empty() || fs::is_directory(p, ec)) throw UsageError{what + " '" + path + "' is a folder, not a file"};
   if (!fs::is_directory(dir, ec))
-    throw UsageError{"--" + std::string(option) + " '" + path + "': folder '" + dir.string() + "' does not exist"};
+    throw UsageError{what + " '" + path + "': folder '" + dir.string() + "' does not exist"};
   if (::access(dir.c_str(), W_OK) != 0 || (fs::exists(p, ec) && ::access(p.c_str(), W_OK) != 0))
-    throw UsageError{"--" + std::string(option) + " '" + path + "' is not writable"};
+    throw UsageError{what + " '" + path + "' is not writable"};
+}
+} // namespace
+
+void check_output_path(const Args &a, std::string_view option) {
+  if (!a.has(option)) return;
+  const std::string path = a.str(option);
+  if (path == "-") return;
+  check_writable("--" + std::string(option), path);
+}
+
+void check_outputs(const std::vector<NamedPath> &outputs, const std::vector<NamedPath> &inputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const NamedPath &o = outputs[i];
+    if (o.path == "-") continue;
+    check_writable(o.what, o.path.string());
+    for (const NamedPath &in : inputs)
+      if (files::same_file(o.path, in.path))
+        throw UsageError{o.what + " " + o.path.string() + " is the same file as " + in.what + " " + in.path.string() +
+                         ": an output never overwrites an input; give another path"};
+    for (std::size_t j = 0; j < i; ++j)
+      if (outputs[j].path != "-" && files::same_file(o.path, outputs[j].path))
+        throw UsageError{outputs[j].what + " " + outputs[j].path.string() + " and " + o.what + " " + o.path.string() +
+                         " name the same file: give two different paths"};
+  }
 }
 
 Progress::Progress(std::ostream &err, bool enabled, double delay_s)
@@ -275,7 +298,8 @@ int run_words(const std::vector<std::string> &args) {
     const Args parsed(best->options, rest, best->max_positional);
     return best->run(parsed, std::cout, std::cerr);
   } catch (const UsageError &e) {
-    std::cerr << "foremoe" << words << ": " << e.message << "\n(run 'foremoe" << words << " --help' for usage)\n";
+    std::cerr << "foremoe" << words << ": " << foremoe::detail::cut_quote(e.message) << "\n(run 'foremoe" << words
+              << " --help' for usage)\n";
     return 2;
   } catch (const foremoe::Error &e) {
     std::cerr << "foremoe" << words << ": error: " << e.what() << "\n";

@@ -4,18 +4,15 @@
 /// (`foremoe plan --out`, Python `plan_document`), placement files (`--out-placement` / `--resident`), and the
 /// simulate results as JSON (`foremoe simulate --json`, Python `simulate()`), CSV and the text table.
 
-#include <cerrno>
-#include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iomanip>
-#include <iterator>
 #include <sstream>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "foremoe/config/options.hpp"
+#include "foremoe/core/files.hpp"
 #include "foremoe/core/json.hpp"
 #include "foremoe/core/placement.hpp"
 #include "foremoe/core/topology.hpp"
@@ -30,14 +27,7 @@ namespace config {
 
 using ::foremoe::read_text; // trace/io.hpp: the one whole-file reader
 
-/// Writes `text` to `path`, naming it on failure.
-inline void write_text(const std::filesystem::path &path, std::string_view text) {
-  std::ofstream out(path, std::ios::binary);
-  detail::require(out.good(), path.string(), ": cannot write: ", std::strerror(errno));
-  out << text;
-  out.close();
-  detail::require(out.good(), path.string(), ": write failed: ", std::strerror(errno));
-}
+using ::foremoe::files::write_text; // core/files.hpp: staged and renamed into place, naming the path on failure
 
 namespace detail {
 inline json::Value gpu_slots_json(const LayerPlacement &p) {

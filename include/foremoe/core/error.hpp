@@ -6,6 +6,8 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace foremoe {
@@ -20,9 +22,27 @@ public:
 
 namespace detail {
 
+/// The most characters of one string a message quotes: a 100 MB key, string or number in an input is cut to its
+/// start and its length, so that a message stays readable and small.
+inline constexpr std::size_t max_quoted_chars = 1024;
+
+/// `s`, or its first 200 characters and its length when it is longer than `max_quoted_chars`.
+[[nodiscard]] inline std::string cut_quote(std::string_view s) {
+  if (s.size() <= max_quoted_chars) return std::string(s);
+  return std::string(s.substr(0, 200)) + "... [" + std::to_string(s.size()) + " characters]";
+}
+
+/// A message part as written: strings cut by `cut_quote`, everything else as it is.
+template <class P> decltype(auto) message_part(const P &p) {
+  if constexpr (std::is_convertible_v<const P &, std::string_view>)
+    return cut_quote(std::string_view(p));
+  else
+    return (p);
+}
+
 template <class... Parts> [[nodiscard]] std::string concat(Parts &&...parts) {
   std::ostringstream os;
-  (os << ... << std::forward<Parts>(parts));
+  (os << ... << message_part(parts));
   return os.str();
 }
 

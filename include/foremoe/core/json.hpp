@@ -15,6 +15,7 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <unordered_set>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -192,16 +193,29 @@ private:
       ++pos_;
       return Value(std::move(o));
     }
+    // Duplicate keys: a linear scan while the object is small, a hash set of the keys seen once it is not (an
+    // object of 100k keys would otherwise take quadratic time).
+    constexpr std::size_t scan_up_to = 16;
+    std::unordered_set<std::string> seen;
     for (;;) {
       skip_ws();
       if (eof() || s_[pos_] != '"') fail("expected a string key");
       const std::size_t key_pos = pos_;
       std::string key = string();
-      for (const auto &m : o)
-        if (m.first == key) {
-          pos_ = key_pos;
-          fail("duplicate key '", key, "'");
-        }
+      bool duplicate = false;
+      if (o.size() < scan_up_to) {
+        for (const auto &m : o)
+          duplicate = duplicate || m.first == key;
+      } else {
+        if (seen.empty())
+          for (const auto &m : o)
+            seen.insert(m.first);
+        duplicate = !seen.insert(key).second;
+      }
+      if (duplicate) {
+        pos_ = key_pos;
+        fail("duplicate key '", key, "'");
+      }
       skip_ws();
       if (eof() || s_[pos_] != ':') fail("expected ':' after key '", key, "'");
       ++pos_;

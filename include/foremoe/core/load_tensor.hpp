@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/limits.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -29,9 +30,17 @@ public:
     detail::require(num_layers > 0, "LoadTensor: num_layers must be positive, got ", num_layers);
     detail::require(num_experts > 0, "LoadTensor: num_experts must be positive, got ", num_experts);
     detail::require(num_sources >= 0, "LoadTensor: num_sources must be >= 0, got ", num_sources);
-    const double cells = double(num_micro_steps) * num_layers * num_experts * (num_sources > 0 ? num_sources + 1 : 1);
-    detail::require(cells <= double(std::int64_t{1} << 34), "LoadTensor: ", num_micro_steps, " x ", num_layers, " x ",
-                    num_experts, " (x sources ", num_sources, ") cells exceed the supported 2^34");
+    if (num_sources > 0)
+      limits::require_product("LoadTensor",
+                              {{"micro-steps", num_micro_steps},
+                               {"layers", num_layers},
+                               {"experts", num_experts},
+                               {"(sources + 1)", num_sources + 1}},
+                              limits::max_load_cells, "load cells");
+    else
+      limits::require_product("LoadTensor",
+                              {{"micro-steps", num_micro_steps}, {"layers", num_layers}, {"experts", num_experts}},
+                              limits::max_load_cells, "load cells");
     totals_.assign(static_cast<std::size_t>(num_micro_steps) * num_layers * num_experts, 0);
     if (num_sources > 0) by_source_.assign(totals_.size() * static_cast<std::size_t>(num_sources), 0);
   }
@@ -84,11 +93,13 @@ public:
     return s;
   }
 
-  /// Throws `Error` for a negative load or totals that disagree with the split.
+  /// Throws `Error` for a negative load, totals that disagree with the split, or a layer whose loads over every
+  /// micro-step sum past `limits::max_load_total` (sums are checked before they are formed, so none overflows).
   void validate() const {
     for (std::size_t i = 0; i < totals_.size(); ++i)
       if (totals_[i] < 0) [[unlikely]]
         fail_at("negative load ", totals_[i], i);
+    check_layer_sums();
     if (num_sources_ == 0) return;
     for (std::size_t i = 0; i < totals_.size(); ++i) {
       value_type s = 0;
@@ -96,6 +107,8 @@ public:
         const value_type v = by_source_[i * num_sources_ + src];
         if (v < 0) [[unlikely]]
           fail_at("negative per-source load ", v, i);
+        if (v > totals_[i] - s) [[unlikely]]
+          fail_at(detail::concat("per-source loads summing past the total "), totals_[i], i);
         s += v;
       }
       if (s != totals_[i]) [[unlikely]]
@@ -118,6 +131,7 @@ public:
                   v, i);
       t.totals_[i] = static_cast<value_type>(v);
     }
+    t.check_layer_sums();
     return t;
   }
 
@@ -135,6 +149,21 @@ public:
   friend bool operator==(const LoadTensor &, const LoadTensor &) = default;
 
 private:
+  /// Every layer's loads (non-negative) over all micro-steps sum to at most `limits::max_load_total`.
+  void check_layer_sums() const {
+    for (int l = 0; l < num_layers_; ++l) {
+      value_type s = 0;
+      for (int m = 0; m < num_micro_steps_; ++m)
+        for (const value_type v : layer(m, l)) {
+          if (v > limits::max_load_total - s) [[unlikely]]
+            detail::fail("LoadTensor: the loads of layer ", l, " sum past ", limits::limit_text(limits::max_load_total),
+                         " over the ", num_micro_steps_, " micro-steps (by micro-step ", m,
+                         "); the planner's sums must stay within int64");
+          s += v;
+        }
+    }
+  }
+
   [[nodiscard]] std::size_t index(int m, int l, int e) const noexcept {
     return (static_cast<std::size_t>(m) * num_layers_ + l) * num_experts_ + e;
   }

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/limits.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -71,6 +72,8 @@ struct Topology {
                     gpus_per_node, " GPUs is beyond the supported 2^20");
     detail::require(slots_per_gpu <= (1 << 16), "Topology: slots_per_gpu ", slots_per_gpu,
                     " is beyond the supported 65536");
+    limits::require_product("Topology", {{"slots", num_slots()}, {"GPUs", num_gpus()}}, limits::max_slot_gpu_work,
+                            "(the planner's work per layer and micro-step)");
     links.validate();
   }
 

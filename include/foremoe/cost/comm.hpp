@@ -7,15 +7,16 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <fstream>
 #include <istream>
 #include <limits>
 #include <span>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/files.hpp"
 #include "foremoe/cost/csv.hpp"
 #include "foremoe/cost/least_squares.hpp"
 #include "foremoe/cost/params.hpp"
@@ -478,8 +479,7 @@ struct NcclAllToAllFit {
 
 /// `read_nccl_csv` on the file at `path`.
 [[nodiscard]] inline std::vector<NcclSample> read_nccl_csv(const std::string &path) {
-  std::ifstream in(path);
-  detail::require(static_cast<bool>(in), "cannot open '", path, "'");
+  std::istringstream in(files::read_file(path, files::max_document_bytes, "a CSV file")); // a regular file only
   return read_nccl_csv(in, path);
 }
 

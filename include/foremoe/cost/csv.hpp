@@ -4,8 +4,8 @@
 
 #include <charconv>
 #include <cstddef>
-#include <fstream>
 #include <istream>
+#include <sstream>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/files.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -117,8 +118,7 @@ private:
 
 /// Opens `path` and reads it as a `CsvTable`; throws `Error` naming the path when it cannot be opened.
 [[nodiscard]] inline CsvTable read_csv_file(const std::string &path) {
-  std::ifstream in(path);
-  require(static_cast<bool>(in), "cannot open '", path, "'");
+  std::istringstream in(files::read_file(path, files::max_document_bytes, "a CSV file")); // a regular file only
   return CsvTable(in, path);
 }
 

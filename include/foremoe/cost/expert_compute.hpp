@@ -7,14 +7,15 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <fstream>
 #include <istream>
 #include <random>
 #include <span>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/files.hpp"
 #include "foremoe/core/model_spec.hpp"
 #include "foremoe/cost/csv.hpp"
 #include "foremoe/cost/least_squares.hpp"
@@ -454,8 +455,7 @@ read_moe_latency_csv(std::istream &in, const std::string &source = "<csv>", bool
 /// `read_moe_latency_csv` on the file at `path`.
 [[nodiscard]] inline std::vector<ExpertComputeSample> read_moe_latency_csv(const std::string &path,
                                                                            bool power_law = false) {
-  std::ifstream in(path);
-  detail::require(static_cast<bool>(in), "cannot open '", path, "'");
+  std::istringstream in(files::read_file(path, files::max_document_bytes, "a CSV file")); // a regular file only
   return read_moe_latency_csv(in, path, power_law);
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/limits.hpp"
 #include "foremoe/core/load_tensor.hpp"
 #include "foremoe/core/model_spec.hpp"
 #include "foremoe/core/placement.hpp"
@@ -43,22 +44,9 @@ public:
     opts_.strategy = find_strategy(opts_.strategy).name; // the registered spelling
     detail::require(num_layers > 0, "Planner: num_layers must be positive, got ", num_layers);
     topo.validate(num_experts);
-    detail::require(opts_.num_threads >= 1, "Planner: num_threads must be >= 1, got ", opts_.num_threads);
+    opts_.validate();
     detail::require(opts_.eplb_num_groups >= 1 && num_experts % opts_.eplb_num_groups == 0, "Planner: ", num_experts,
                     " experts do not divide into eplb_num_groups = ", opts_.eplb_num_groups);
-    detail::require(opts_.owner_keep_tolerance >= 0, "Planner: owner_keep_tolerance must be >= 0, got ",
-                    opts_.owner_keep_tolerance);
-    detail::require(opts_.local_search_rounds >= 0 && opts_.free_search_rounds >= 0,
-                    "Planner: local_search_rounds and free_search_rounds must be >= 0, got ", opts_.local_search_rounds,
-                    " and ", opts_.free_search_rounds);
-    detail::require(opts_.tolerance == 0 || opts_.tolerance >= 1, "Planner: tolerance must be 0 (as balanced as ",
-                    "possible) or a max/mean >= 1, got ", opts_.tolerance);
-    detail::require(opts_.gradient_bytes_factor >= 0 && std::isfinite(opts_.gradient_bytes_factor),
-                    "Planner: gradient_bytes_factor must be finite and >= 0, got ", opts_.gradient_bytes_factor);
-    detail::require(opts_.min_tokens_per_replica >= 0, "Planner: min_tokens_per_replica must be >= 0, got ",
-                    opts_.min_tokens_per_replica);
-    detail::require(opts_.ultraep_min_tokens >= 0, "Planner: ultraep_min_tokens must be >= 0, got ",
-                    opts_.ultraep_min_tokens);
   }
   Planner(const ModelSpec &spec, const Topology &topo, PlannerOptions opts = {})
       : Planner((spec.validate(), spec.num_layers), spec.num_experts, topo, std::move(opts)) {}
@@ -201,8 +189,15 @@ public:
     check_tensor(t, "sum_steps");
     std::vector<std::int64_t> out(static_cast<std::size_t>(num_layers_) * num_experts_, 0);
     const auto v = t.totals();
-    for (std::size_t i = 0; i < v.size(); ++i)
-      out[i % out.size()] += v[i];
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      std::int64_t &o = out[i % out.size()];
+      if (v[i] < 0 || v[i] > limits::max_load_total - o) [[unlikely]]
+        detail::fail("sum_steps: ",
+                     v[i] < 0 ? "negative load " : "a load summing past the supported total over the micro-steps: ",
+                     v[i], " at micro-step ", i / out.size(), ", layer ", (i % out.size()) / num_experts_, ", expert ",
+                     i % num_experts_);
+      o += v[i];
+    }
     return out;
   }
 

@@ -2,10 +2,12 @@
 /// @file
 /// Planner configuration: the options every strategy reads from (see `StrategyInfo::options` for which).
 
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
 
+#include "foremoe/core/error.hpp"
 #include "foremoe/plan/replicate/options.hpp"
 
 namespace foremoe {
@@ -47,6 +49,25 @@ struct PlannerOptions {
   /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.
   StageReplicaCostFn replica_cost;
   TokenTimeFn token_time;
+
+  /// Throws `Error` naming the first option out of its range (the checks that need no loads or topology; the
+  /// planner checks the rest).
+  void validate() const {
+    detail::require(num_threads >= 1, "Planner: num_threads must be >= 1, got ", num_threads);
+    detail::require(eplb_num_groups >= 1, "Planner: eplb_num_groups must be >= 1, got ", eplb_num_groups);
+    detail::require(owner_keep_tolerance >= 0, "Planner: owner_keep_tolerance must be >= 0, got ",
+                    owner_keep_tolerance);
+    detail::require(local_search_rounds >= 0 && free_search_rounds >= 0,
+                    "Planner: local_search_rounds and free_search_rounds must be >= 0, got ", local_search_rounds,
+                    " and ", free_search_rounds);
+    detail::require(tolerance == 0 || tolerance >= 1, "Planner: tolerance must be 0 (as balanced as ",
+                    "possible) or a max/mean >= 1, got ", tolerance);
+    detail::require(gradient_bytes_factor >= 0 && std::isfinite(gradient_bytes_factor),
+                    "Planner: gradient_bytes_factor must be finite and >= 0, got ", gradient_bytes_factor);
+    detail::require(min_tokens_per_replica >= 0, "Planner: min_tokens_per_replica must be >= 0, got ",
+                    min_tokens_per_replica);
+    detail::require(ultraep_min_tokens >= 0, "Planner: ultraep_min_tokens must be >= 0, got ", ultraep_min_tokens);
+  }
 };
 
 } // namespace v0

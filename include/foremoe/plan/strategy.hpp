@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/limits.hpp"
 #include "foremoe/core/placement.hpp"
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/detail/layer_checks.hpp"
@@ -43,6 +44,16 @@ struct PlanShape {
     const std::ptrdiff_t i = detail::first_negative(loads);
     detail::require(i < 0, who, ": negative load ", i < 0 ? 0 : loads[i], " at layer ", i / num_experts, ", expert ",
                     i % num_experts);
+    for (int l = 0; l < num_layers; ++l) {
+      std::int64_t s = 0;
+      for (int e = 0; e < num_experts; ++e) {
+        const std::int64_t v = loads[static_cast<std::size_t>(l) * num_experts + e];
+        if (v > limits::max_load_total - s) [[unlikely]]
+          detail::fail(who, ": the loads of layer ", l, " sum past ", limits::limit_text(limits::max_load_total),
+                       " (by expert ", e, ", load ", v, "); the planner's sums must stay within int64");
+        s += v;
+      }
+    }
   }
   /// Owners of every layer from step totals `[layers][experts]`, keeping `previous` (may be empty) where the
   /// options' tolerance allows.

@@ -8,8 +8,8 @@
 #include <cctype>
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -51,7 +51,7 @@ struct TraceInput {
   /// The whole content (the file's, or a copy of `bytes`); throws `Error` naming the path when it cannot be read.
   [[nodiscard]] std::string text() const {
     if (bytes) return {reinterpret_cast<const char *>(bytes->data()), bytes->size()};
-    return read_text(path);
+    return read_text(path, std::numeric_limits<std::uint64_t>::max(), "a trace"); // a regular file's own size
   }
   /// The content as an NPY array; errors name the path.
   [[nodiscard]] NpyArray npy() const {
@@ -94,22 +94,8 @@ public:
 
 private:
   [[nodiscard]] std::optional<std::vector<std::int64_t>> read_shape() const {
-    std::error_code ec;
-    const auto size = std::filesystem::file_size(path_, ec);
-    std::ifstream in(path_, std::ios::binary);
-    if (ec || !in) return std::nullopt;
     try {
-      std::byte head[12] = {};
-      in.read(reinterpret_cast<char *>(head), sizeof head);
-      const NpyReadLimits limits;
-      const detail::NpyPreamble pre =
-          detail::npy_parse_preamble(std::span<const std::byte>(head, static_cast<std::size_t>(in.gcount())),
-                                     static_cast<std::int64_t>(size), limits);
-      std::string text(static_cast<std::size_t>(pre.header_bytes), '\0');
-      in.clear();
-      in.seekg(pre.header_offset);
-      if (!in.read(text.data(), static_cast<std::streamsize>(text.size()))) return std::nullopt;
-      return detail::NpyHeaderParser{text, limits}.parse().shape;
+      return detail::npy_read_file_header(path_, NpyReadLimits{}).shape;
     } catch (const Error &) {
       return std::nullopt;
     }

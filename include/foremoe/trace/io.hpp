@@ -2,18 +2,17 @@
 /// @file
 /// NPY files of the trace layer: load tensors, offset vectors and routed ids.
 
-#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/files.hpp"
 #include "foremoe/core/load_tensor.hpp"
 #include "foremoe/trace/npy.hpp"
 #include "foremoe/trace/routed_view.hpp"
@@ -33,13 +32,12 @@ inline void require_int_dim(std::int64_t d, const std::filesystem::path &path, c
 }
 } // namespace detail
 
-/// Reads a whole file, naming it on failure (the trace formats' inputs, and `config::read_text`).
-[[nodiscard]] inline std::string read_text(const std::filesystem::path &path) {
-  std::ifstream in(path, std::ios::binary);
-  detail::require(in.good(), path.string(), ": cannot open: ", std::strerror(errno));
-  std::string s((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  detail::require(!in.bad(), path.string(), ": read failed: ", std::strerror(errno));
-  return s;
+/// Reads a whole regular file of at most `max_bytes` (`files::read_file`), naming it on failure (the trace
+/// formats' inputs, and `config::read_text` for JSON documents).
+[[nodiscard]] inline std::string read_text(const std::filesystem::path &path,
+                                           std::uint64_t max_bytes = files::max_document_bytes,
+                                           std::string_view what = "a JSON document") {
+  return files::read_file(path, max_bytes, what);
 }
 
 /// `dir/stem.npy` -> `dir/stem.<what>.npy`: where the 1-D sidecars of a trace file live
@@ -84,14 +82,23 @@ inline void require_int_dim(std::int64_t d, const std::filesystem::path &path, c
   }
 }
 
-/// Writes the totals `[M, L, E]` as int64, or the split `[M, L, E, S]` with `by_source`.
-inline void write_loads_npy(const std::filesystem::path &path, const LoadTensor &loads, bool by_source = false) {
-  detail::require(!by_source || loads.has_sources(), "write_loads_npy: ", path.string(),
-                  ": by-source output asked for a tensor without sources");
+/// The writer (`files::OutputSet`) of the totals `[M, L, E]` as int64, or the split `[M, L, E, S]` with
+/// `by_source`; `loads` must outlive the commit.
+[[nodiscard]] inline files::OutputSet::Writer loads_npy_writer(const LoadTensor &loads, bool by_source = false) {
+  detail::require(!by_source || loads.has_sources(), "by-source output asked for a tensor without sources");
   std::vector<std::int64_t> shape{loads.num_micro_steps(), loads.num_layers(), loads.num_experts()};
   if (by_source) shape.push_back(loads.num_sources());
   const auto data = by_source ? loads.by_source() : loads.totals();
-  write_npy(path, NpyDtype::of<std::int64_t>(), shape, data.data());
+  return npy_writer(NpyDtype::of<std::int64_t>(), shape, data.data());
+}
+
+/// Writes the totals `[M, L, E]` as int64, or the split `[M, L, E, S]` with `by_source`.
+inline void write_loads_npy(const std::filesystem::path &path, const LoadTensor &loads, bool by_source = false) {
+  try {
+    files::write_file(path, loads_npy_writer(loads, by_source));
+  } catch (const Error &e) {
+    detail::fail("write_loads_npy ", path.string(), ": ", e.what());
+  }
 }
 
 /// Reads a 1-D integer vector (micro-batch, source or step offsets).
@@ -104,6 +111,12 @@ inline void write_loads_npy(const std::filesystem::path &path, const LoadTensor 
   } catch (const Error &e) {
     detail::fail(path.string(), ": ", e.what());
   }
+}
+
+/// The writer (`files::OutputSet`) of a 1-D int64 vector; `offsets` must outlive the commit.
+[[nodiscard]] inline files::OutputSet::Writer offsets_npy_writer(std::span<const std::int64_t> offsets) {
+  const std::int64_t n = static_cast<std::int64_t>(offsets.size());
+  return npy_writer(NpyDtype::of<std::int64_t>(), std::span<const std::int64_t>(&n, 1), offsets.data());
 }
 
 inline void write_offsets_npy(const std::filesystem::path &path, std::span<const std::int64_t> offsets) {

@@ -97,6 +97,8 @@ public:
   /// for the file's content; allocation failure still propagates.
   [[nodiscard]] std::optional<CachedLoads> read(std::string_view key) const {
     if (!enabled()) return std::nullopt;
+    std::error_code kind_ec;
+    if (!std::filesystem::is_regular_file(file_of(key), kind_ec)) return std::nullopt; // a FIFO would block the open
     std::ifstream in(file_of(key), std::ios::binary);
     if (!in) return std::nullopt;
     std::string line;

@@ -8,10 +8,8 @@
 /// length disagrees with the shape in either direction is rejected. Every failure throws `foremoe::Error`.
 
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cerrno>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -24,11 +22,11 @@
 #include <string>
 #include <string_view>
 #include <system_error>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/files.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -486,10 +484,14 @@ inline void npy_check_data_bytes(std::int64_t data_bytes, const NpyHeader &heade
   return out;
 }
 
-struct NpyFileCloser {
-  void operator()(std::FILE *f) const noexcept { std::fclose(f); }
-};
-using NpyFile = std::unique_ptr<std::FILE, NpyFileCloser>;
+/// Reads exactly `num_bytes` into `dst` or throws naming `what`.
+inline void npy_read_exactly(std::FILE *file, void *dst, std::size_t num_bytes, const char *what) {
+  if (num_bytes == 0) return;
+  errno = 0;
+  if (std::fread(dst, 1, num_bytes, file) != num_bytes)
+    fail("short read of the ", what, " (", num_bytes, " bytes)",
+         std::ferror(file) ? std::string{": "} + std::strerror(errno) : std::string{": file shrank?"});
+}
 
 } // namespace detail
 
@@ -621,42 +623,47 @@ namespace detail {
   return out;
 }
 
-[[nodiscard]] inline NpyArray npy_read_file(const std::filesystem::path &path, const NpyReadLimits &limits) {
+/// The header of an NPY file open at its start, checked against the file's size and `limits`; the stream is
+/// left at the first data byte.
+struct NpyFileHeader {
+  NpyHeader header;
+  std::int64_t data_bytes = 0; ///< bytes after the header (checked against the header's size)
+};
+
+[[nodiscard]] inline NpyFileHeader npy_read_header(std::FILE *file, std::uint64_t raw_size,
+                                                   const NpyReadLimits &limits) {
   npy_check_limits(limits);
-  errno = 0;
-  const NpyFile file{std::fopen(path.c_str(), "rb")};
-  if (!file) fail("cannot open: ", std::strerror(errno));
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) fail("not a regular file", ec ? ": " + ec.message() : "");
-  const std::uintmax_t raw_size = std::filesystem::file_size(path, ec);
-  if (ec) fail("cannot get the file size: ", ec.message());
-  require(raw_size <= static_cast<std::uintmax_t>(std::numeric_limits<std::int64_t>::max()), "file size ", raw_size,
+  require(raw_size <= static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()), "file size ", raw_size,
           " exceeds int64");
   const auto file_bytes = static_cast<std::int64_t>(raw_size);
-  const auto read_exactly = [&](void *dst, std::size_t num_bytes, const char *what) {
-    if (num_bytes == 0) return;
-    if (std::fread(dst, 1, num_bytes, file.get()) != num_bytes)
-      fail("short read of the ", what, " (", num_bytes, " bytes)",
-           std::ferror(file.get()) ? std::string{": "} + std::strerror(errno) : std::string{": file shrank?"});
-  };
-
   std::byte head[12] = {};
   const auto head_bytes = static_cast<std::size_t>(std::min<std::int64_t>(file_bytes, 12));
-  read_exactly(head, head_bytes, "preamble");
+  npy_read_exactly(file, head, head_bytes, "preamble");
   const NpyPreamble pre = npy_parse_preamble(std::span<const std::byte>{head, head_bytes}, file_bytes, limits);
   // header_bytes was checked against both the file size and max_header_bytes before this allocation.
   std::string text(static_cast<std::size_t>(pre.header_bytes), '\0');
-  if (std::fseek(file.get(), static_cast<long>(pre.header_offset), SEEK_SET) != 0)
+  if (std::fseek(file, static_cast<long>(pre.header_offset), SEEK_SET) != 0)
     fail("cannot seek to the header: ", std::strerror(errno));
-  read_exactly(text.data(), text.size(), "header");
-  NpyHeader header = NpyHeaderParser{text, limits}.parse();
-  npy_check_data_bytes(file_bytes - pre.header_offset - pre.header_bytes, header);
+  npy_read_exactly(file, text.data(), text.size(), "header");
+  NpyFileHeader out{NpyHeaderParser{text, limits}.parse(), file_bytes - pre.header_offset - pre.header_bytes};
+  npy_check_data_bytes(out.data_bytes, out.header);
+  return out;
+}
 
-  NpyArray out{header.dtype, std::move(header.shape), header.fortran_order, {}};
-  out.data.resize(static_cast<std::size_t>(header.size.num_bytes));
-  read_exactly(out.data.data(), out.data.size(), "data");
-  require(std::fgetc(file.get()) == EOF, "the file grew while it was read");
-  if (header.swap_bytes) npy_byteswap(out.data.data(), out.data.size(), out.dtype.item_bytes);
+/// The header of the NPY file at `path` (a regular file: see `files::open_input`), without its data.
+[[nodiscard]] inline NpyHeader npy_read_file_header(const std::filesystem::path &path, const NpyReadLimits &limits) {
+  files::OpenInput in = files::open_input(path);
+  return npy_read_header(in.file.get(), in.size, limits).header;
+}
+
+[[nodiscard]] inline NpyArray npy_read_file(const std::filesystem::path &path, const NpyReadLimits &limits) {
+  files::OpenInput in = files::open_input(path);
+  NpyFileHeader h = npy_read_header(in.file.get(), in.size, limits);
+  NpyArray out{h.header.dtype, std::move(h.header.shape), h.header.fortran_order, {}};
+  out.data.resize(static_cast<std::size_t>(h.header.size.num_bytes));
+  npy_read_exactly(in.file.get(), out.data.data(), out.data.size(), "data");
+  require(std::fgetc(in.file.get()) == EOF, "the file grew while it was read");
+  if (h.header.swap_bytes) npy_byteswap(out.data.data(), out.data.size(), out.dtype.item_bytes);
   return out;
 }
 
@@ -695,6 +702,7 @@ inline void npy_write_le(std::FILE *f, const std::byte *data, std::size_t num_by
   try {
     return detail::npy_read_file(path, limits);
   } catch (const Error &e) {
+    if (std::string_view(e.what()).starts_with(path.string() + ": ")) throw; // it names the path already
     detail::fail("read_npy ", path, ": ", e.what());
   }
 }
@@ -717,35 +725,27 @@ inline void npy_write_le(std::FILE *f, const std::byte *data, std::size_t num_by
   return out;
 }
 
-/// Writes native-order `data` as an NPY file through a temporary file in the same directory, renamed into place so
-/// that readers never see a partial file.
+/// The writer of an NPY image of native-order `data` for `files::OutputSet` (to write several files together).
+[[nodiscard]] inline files::OutputSet::Writer npy_writer(const NpyDtype &dtype, std::span<const std::int64_t> shape,
+                                                         const void *data, bool fortran_order = false) {
+  std::string header = detail::npy_encode_header(dtype, shape, fortran_order, 1, "");
+  const auto num_bytes = static_cast<std::size_t>(detail::npy_size(shape, dtype).num_bytes);
+  if (data == nullptr && num_bytes > 0)
+    detail::fail("data is null for shape ", detail::npy_shape_str(shape), " of ", dtype.descr());
+  return [header = std::move(header), data, num_bytes, item = dtype.item_bytes](std::FILE *f) {
+    detail::npy_write_le(f, reinterpret_cast<const std::byte *>(header.data()), header.size(), 1);
+    detail::npy_write_le(f, static_cast<const std::byte *>(data), num_bytes, item);
+  };
+}
+
+/// Writes native-order `data` as an NPY file (through `files::write_file`: staged beside the target and renamed
+/// into place, so that readers never see a partial file; a non-regular target such as /dev/null written in place).
 inline void write_npy(const std::filesystem::path &path, const NpyDtype &dtype, std::span<const std::int64_t> shape,
                       const void *data, bool fortran_order = false) {
-  static std::atomic<std::uint64_t> counter{0};
-  const auto unique = std::hash<std::thread::id>{}(std::this_thread::get_id()) ^
-                      static_cast<std::size_t>(std::chrono::steady_clock::now().time_since_epoch().count()) ^
-                      static_cast<std::size_t>(counter.fetch_add(1) * 0x9e3779b97f4a7c15ull);
-  std::filesystem::path tmp = path;
-  tmp += ".tmp-" + std::to_string(unique);
   try {
-    const std::string header = detail::npy_encode_header(dtype, shape, fortran_order, 1, "");
-    const auto num_bytes = static_cast<std::size_t>(detail::npy_size(shape, dtype).num_bytes);
-    if (data == nullptr && num_bytes > 0)
-      detail::fail("data is null for shape ", detail::npy_shape_str(shape), " of ", dtype.descr());
-    errno = 0;
-    detail::NpyFile file{std::fopen(tmp.c_str(), "wb")};
-    if (!file) detail::fail("cannot open the temporary file ", tmp, ": ", std::strerror(errno));
-    detail::npy_write_le(file.get(), reinterpret_cast<const std::byte *>(header.data()), header.size(), 1);
-    detail::npy_write_le(file.get(), static_cast<const std::byte *>(data), num_bytes, dtype.item_bytes);
-    // Buffered write errors (a full disk) only surface here, so the close is checked rather than left to the deleter.
-    if (std::fclose(file.release()) != 0) detail::fail("cannot close ", tmp, ": ", std::strerror(errno));
-    std::error_code ec;
-    std::filesystem::rename(tmp, path, ec);
-    if (ec) detail::fail("cannot rename ", tmp, " into place: ", ec.message());
+    files::write_file(path, npy_writer(dtype, shape, data, fortran_order));
   } catch (const Error &e) {
-    std::error_code ignored;
-    std::filesystem::remove(tmp, ignored);
-    detail::fail("write_npy ", path, ": ", e.what());
+    detail::fail("write_npy: ", e.what());
   }
 }
 

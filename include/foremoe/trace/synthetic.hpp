@@ -46,6 +46,7 @@
 
 #include "foremoe/core/detail/random.hpp"
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/limits.hpp"
 #include "foremoe/core/load_tensor.hpp"
 #include "foremoe/core/thread_pool.hpp"
 
@@ -165,6 +166,18 @@ struct SyntheticConfig {
     require(num_gpus <= (1 << 20), "SyntheticConfig: num_gpus ", num_gpus, " exceeds 2^20");
     require(microbatch_tokens_per_gpu > 0, "SyntheticConfig: microbatch_tokens_per_gpu must be positive, got ",
             microbatch_tokens_per_gpu);
+    // The work: routed ids for the expected tokens (lengths are clipped to their max, so a mean is at most that).
+    const auto expected = [](const LengthDistribution &d) {
+      return static_cast<std::int64_t>(std::ceil(std::min(d.mean, static_cast<double>(d.max_tokens))));
+    };
+    limits::require_product("SyntheticConfig",
+                            {{"steps", num_steps},
+                             {"prompts", prompts_per_step},
+                             {"responses", responses_per_prompt},
+                             {"tokens per sequence (expected)", expected(prompt_length) + expected(response_length)},
+                             {"layers", num_layers},
+                             {"topk", topk}},
+                            limits::max_generator_work, "routed ids to generate");
   }
 
 private:
@@ -172,6 +185,8 @@ private:
     using detail::require;
     require(std::isfinite(d.mean) && d.mean > 0, "SyntheticConfig: ", name, ".mean must be positive and finite, got ",
             d.mean);
+    require(d.mean <= d.max_tokens, "SyntheticConfig: ", name, ".mean ", d.mean, " is above its max_tokens ",
+            d.max_tokens, " (lengths are clipped to it): raise the max or lower the mean");
     require(std::isfinite(d.sigma) && d.sigma >= 0 && d.sigma <= 10, "SyntheticConfig: ", name,
             ".sigma must be in [0, 10], got ", d.sigma);
     require(d.min_tokens > 0, "SyntheticConfig: ", name, ".min_tokens must be positive, got ", d.min_tokens);
