@@ -126,18 +126,8 @@ Bytes c_to_fortran(const Bytes &c_data, const Shape &shape, int item_bytes) {
   return out;
 }
 
-struct TempDir {
-  std::filesystem::path path;
-  TempDir() {
-    path = std::filesystem::temp_directory_path() / ("foremoe_test_npy_" + std::to_string(std::random_device{}()));
-    std::filesystem::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path, ec);
-  }
-  TempDir(const TempDir &) = delete;
-  TempDir &operator=(const TempDir &) = delete;
+struct TempDir : foremoe_test::TempDir {
+  TempDir() : foremoe_test::TempDir("foremoe_test_npy_") {}
 };
 
 void write_file(const std::filesystem::path &p, const Bytes &b) {
@@ -596,7 +586,7 @@ TEST_CASE("read_npy and write_npy: file errors name the path") {
   const auto missing = dir.path / "missing.npy";
   CHECK_NPY_ERROR(foremoe::read_npy(missing), missing.string().c_str());
   CHECK_NPY_ERROR(foremoe::read_npy(missing), "No such file or directory");
-  CHECK_NPY_ERROR(foremoe::read_npy(dir.path), "not a regular file");
+  CHECK_NPY_ERROR(foremoe::read_npy(dir.path), "is a folder, not a file");
 
   const auto no_dir = dir.path / "no_such_dir" / "out.npy";
   const std::uint8_t one = 1;

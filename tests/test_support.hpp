@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <random>
 #include <string>
+#include <system_error>
 
 namespace foremoe_test {
 
@@ -47,5 +49,20 @@ inline std::filesystem::path data_path(const std::filesystem::path &rel) {
   ++data_skips();
   return {};
 }
+
+/// A fresh folder under the system's temporary folder, removed with everything in it at scope exit.
+struct TempDir {
+  std::filesystem::path path;
+  explicit TempDir(const std::string &prefix = "foremoe_test_") {
+    path = std::filesystem::temp_directory_path() / (prefix + std::to_string(std::random_device{}()));
+    std::filesystem::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+  TempDir(const TempDir &) = delete;
+  TempDir &operator=(const TempDir &) = delete;
+};
 
 } // namespace foremoe_test

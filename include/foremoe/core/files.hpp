@@ -203,22 +203,24 @@ public:
     add(target, [text](std::FILE *f) { write_bytes(f, text.data(), text.size()); });
   }
 
-  /// Writes the in-place targets and renames the temporary files into place, in the order added.
+  /// Writes the in-place targets first (a device or a pipe can still fail: a full disk, a closed reader), then
+  /// renames the temporary files into place, so that a failure leaves none of the renamed outputs behind.
   void commit() {
     for (Entry &e : entries_) {
-      if (e.tmp.empty()) {
-        errno = 0;
-        File f{std::fopen(e.path.c_str(), "wb")};
-        if (!f) foremoe::detail::fail(e.target.string(), ": cannot open for writing: ", std::strerror(errno));
-        try {
-          e.in_place(f.get());
-        } catch (const Error &x) {
-          foremoe::detail::fail(e.target.string(), ": ", x.what());
-        }
-        if (std::fclose(f.release()) != 0)
-          foremoe::detail::fail(e.target.string(), ": write failed: ", std::strerror(errno));
-        continue;
+      if (!e.tmp.empty()) continue;
+      errno = 0;
+      File f{std::fopen(e.path.c_str(), "wb")};
+      if (!f) foremoe::detail::fail(e.target.string(), ": cannot open for writing: ", std::strerror(errno));
+      try {
+        e.in_place(f.get());
+      } catch (const Error &x) {
+        foremoe::detail::fail(e.target.string(), ": ", x.what());
       }
+      if (std::fclose(f.release()) != 0)
+        foremoe::detail::fail(e.target.string(), ": write failed: ", std::strerror(errno));
+    }
+    for (Entry &e : entries_) {
+      if (e.tmp.empty()) continue;
       std::error_code ec;
       std::filesystem::rename(e.tmp, e.path, ec);
       if (ec)

@@ -187,6 +187,9 @@ def export_placement(placement: Any, path: Any, format: str = "sglang", num_expe
         raise ValueError(f"export_placement: physical slot {s} of layer {l} is empty; SGLang and vLLM need an "
                          f"expert in every slot (use rebalance_experts, which fills spare slots)")
     E = int(num_experts) if num_experts is not None else int(p.max()) + 1
+    if not 0 < E <= p.shape[1]:  # before the [L, E, maxcnt] map is built
+        raise ValueError(f"export_placement: num_experts {num_experts} must be in [1, {p.shape[1]}], the physical "
+                         f"slots per layer: every expert needs one")
     if int(p.max()) >= E:
         raise ValueError(f"export_placement: expert id {int(p.max())} is outside [0, {E})")
     doc: dict = {"physical_to_logical_map": p.tolist()}

@@ -125,6 +125,9 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: rank {rank} outside [0, {world})")
         self.num_experts = int(own.size)
         self.rank, self.world, self.slots = int(rank), int(world), int(slots)
+        if not 0 < self.slots <= self.num_experts:  # before any [world, slots] table or [slots, ...] buffer exists
+            raise ValueError(f"ExpertStorage: slots {slots} must be in [1, {self.num_experts}]: a rank holds distinct "
+                             f"experts, at most the {self.num_experts} there are")
         self.owners = own
         self.owned = [np.flatnonzero(own == g).astype(np.int64) for g in range(world)]
         self.own_row = np.zeros(self.num_experts, dtype=np.int64)

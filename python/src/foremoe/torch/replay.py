@@ -508,7 +508,8 @@ class ReplayDriver:
         """A driver over ``[T, L, K]`` ids (:func:`loads_from_ids`); ``driver`` are the constructor's keywords. With
         ``group``, a bad input on one rank (an id out of range, ...) fails every rank, this one naming the value."""
         return cls._counted(planner, lambda: loads_from_ids(routed_experts, microbatch_offsets, num_experts=num_experts,
-                                                            layer_map=layer_map, mask=mask, counter=counter), driver)
+                                                            layer_map=layer_map, mask=mask, counter=counter), driver,
+                           num_experts)
 
     @classmethod
     def from_verl(cls, planner: Any, routed_experts: Any, attention_mask: Any, micro_batches: Any = None, *,
@@ -517,14 +518,14 @@ class ReplayDriver:
         """A driver over verl's ``routed_experts`` + ``attention_mask`` (:func:`loads_from_verl`)."""
         return cls._counted(planner, lambda: loads_from_verl(routed_experts, attention_mask, micro_batches,
                                                              num_experts=num_experts, layer_map=layer_map,
-                                                             counter=counter), driver)
+                                                             counter=counter), driver, num_experts)
 
     @classmethod
     def from_megatron(cls, planner: Any, per_layer: Sequence[Any], microbatch_offsets: Any = None, *,
                       num_experts: int, counter: Optional[Counter] = None, **driver: Any) -> "ReplayDriver":
         """A driver over Megatron-core's per-layer ``[T, K]`` indices (:func:`loads_from_megatron`)."""
         return cls._counted(planner, lambda: loads_from_megatron(per_layer, microbatch_offsets, num_experts=num_experts,
-                                                                 counter=counter), driver)
+                                                                 counter=counter), driver, num_experts)
 
     @classmethod
     def from_file(cls, planner: Any, path: Any, microbatch_offsets: Any = None, *, num_experts: int,
@@ -534,7 +535,8 @@ class ReplayDriver:
         """A driver over a routed-id file of any registered format (:func:`loads_from_file`)."""
         return cls._counted(planner, lambda: loads_from_file(path, microbatch_offsets, num_experts=num_experts,
                                                              format=format, mask=mask, num_layers=num_layers,
-                                                             topk=topk, layer_map=layer_map, counter=counter), driver)
+                                                             topk=topk, layer_map=layer_map, counter=counter), driver,
+                           num_experts)
 
     @classmethod
     def from_slime(cls, planner: Any, micro_batches: Sequence[Sequence[Any]], *, num_experts: int,
@@ -542,10 +544,22 @@ class ReplayDriver:
                    counter: Optional[Counter] = None, **driver: Any) -> "ReplayDriver":
         """A driver over slime's per-micro-batch sample lists (:func:`loads_from_slime`)."""
         return cls._counted(planner, lambda: loads_from_slime(micro_batches, num_experts=num_experts, samples=samples,
-                                                              layer_map=layer_map, counter=counter), driver)
+                                                              layer_map=layer_map, counter=counter), driver,
+                           num_experts)
 
     @classmethod
-    def _counted(cls, planner: Any, count: Callable[[], np.ndarray], driver: Any) -> "ReplayDriver":
+    def _counted(cls, planner: Any, count: Callable[[], np.ndarray], driver: Any,
+                 num_experts: Any = None) -> "ReplayDriver":
+        # Before counting: an expert count the planner cannot place would only be refused after [M, L, E] loads
+        # were built (2^28 experts: gigabytes).
+        topo = getattr(planner, "topology", None)
+        if num_experts is not None and topo is not None:
+            cap = int(topo.nodes) * int(topo.gpus_per_node) * int(topo.slots)
+            if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or \
+                    not 0 < int(num_experts) <= cap:
+                raise ValueError(f"ReplayDriver: num_experts {num_experts!r} must be an integer in [1, {cap}]: the "
+                                 f"planner's {topo.nodes} x {topo.gpus_per_node} GPUs x {topo.slots} slots hold "
+                                 f"{cap} experts at most (each needs its owner's slot)")
         try:
             loads = count()
         except ValueError as e:
