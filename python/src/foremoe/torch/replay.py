@@ -37,12 +37,16 @@ may be prefetched during this one, and the result is bitwise that of the synchro
 
 **Never a hang.** Every wait has a deadline (``timeout``); an exception in the planning thread is re-raised in the
 caller by the :meth:`~ReplayDriver.plan` call that needs it, as :class:`ReplayError` naming the micro-step and
-chained to the original; :meth:`~ReplayDriver.close` (or leaving a ``with`` block) stops the thread and joins it.
+chained to the original; :meth:`~ReplayDriver.close` (or leaving a ``with`` block) stops the thread and joins it. A driver never closed
+(the trainer raised first, no ``with``) is stopped and joined when the interpreter exits, before it finalizes, and
+when it is collected, so the process ends with its own exit status.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 import time
 import weakref
@@ -441,6 +445,24 @@ def _checked_loads(loads: Any, num_layers: Optional[int], owners: Any) -> Any:
     return a, np.ascontiguousarray(np.broadcast_to(o, a.shape[1:]), dtype=np.int32)
 
 
+# Every driver whose thread was started, until it is collected: joined at interpreter exit (see _join_at_exit).
+_DRIVERS: "weakref.WeakSet[ReplayDriver]" = weakref.WeakSet()
+
+
+def _join_at_exit() -> None:
+    """Stops and joins every driver's planning thread while the interpreter can still run threads.
+
+    The thread is a daemon (it never keeps a process alive by itself), but a daemon thread still inside a C++
+    planner call when finalization starts is ended by the interpreter when that call retakes the GIL; the unwind
+    crosses the binding's noexcept frames and the process aborts ("terminate called without an active exception",
+    exit 134) instead of exiting with its own status. atexit handlers run before finalization starts."""
+    for driver in list(_DRIVERS):
+        driver._shutdown(driver.timeout, "at interpreter exit")
+
+
+atexit.register(_join_at_exit)
+
+
 class ReplayDriver:
     """Plans every micro-step of one stage ahead, in a background thread, and hands out one plan per micro-step.
 
@@ -585,6 +607,7 @@ class ReplayDriver:
             raise RuntimeError("ReplayDriver: start after close")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"foremoe-replay-{self.stage}", daemon=True)
+            _DRIVERS.add(self)
             self._thread.start()
         return self
 
@@ -694,17 +717,32 @@ class ReplayDriver:
     def close(self, timeout: Optional[float] = None) -> None:
         """Stops planning after the micro-step in progress and joins the thread (at most ``timeout`` seconds,
         default the driver's; ``RuntimeError`` when it does not end by then). Plans already made stay available."""
+        limit = self.timeout if timeout is None else float(timeout)
+        if not self._shutdown(limit):
+            raise RuntimeError(f"ReplayDriver: the planning thread did not stop within {limit:g} s (a planner "
+                               f"call still running)")
+
+    def _shutdown(self, limit: float, when: str = "") -> bool:
+        """Stops the thread after the micro-step in progress and joins it for at most ``limit`` seconds; whether
+        it ended (or never ran). Never raises: it also runs from ``__del__`` and at interpreter exit (``when``: the
+        warning on stderr when the thread outlives the wait there)."""
         self._stop.set()
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         t = self._thread
-        if t is not None and t is not threading.current_thread():
-            limit = self.timeout if timeout is None else float(timeout)
-            t.join(limit)
-            if t.is_alive():
-                raise RuntimeError(f"ReplayDriver: the planning thread did not stop within {limit:g} s (a planner "
-                                   f"call still running)")
+        if t is None or t is threading.current_thread():
+            return True
+        t.join(limit)
+        if not t.is_alive():
+            return True
+        if when and sys.stderr is not None:
+            try:
+                sys.stderr.write(f"foremoe.torch.ReplayDriver: the planning thread did not stop within {limit:g} s "
+                                 f"{when} (a planner call still running)\n")
+            except Exception:  # noqa: BLE001 - a closed stderr at exit
+                pass
+        return False
 
     def __enter__(self) -> "ReplayDriver":
         return self
@@ -712,10 +750,14 @@ class ReplayDriver:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:  # pragma: no cover - best effort
+    def __del__(self) -> None:
+        # The thread holds the driver (its target is a bound method), so a driver is collected with its thread
+        # finished or never started, or during finalization: stop and join it without raising.
+        if getattr(self, "_cond", None) is None:
+            return  # __init__ failed before the thread's state existed
         try:
-            self._stop.set()
-        except Exception:  # noqa: BLE001
+            self._shutdown(self.timeout, "when the driver was collected")
+        except Exception:  # noqa: BLE001 - never raise from __del__
             pass
 
     def __repr__(self) -> str:
