@@ -116,7 +116,7 @@ def _offsets(x: Any, name: str) -> Optional[np.ndarray]:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if a.size and not np.issubdtype(a.dtype, np.integer):
         raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return int_array(a, name)  # a uint64 past int64 is named, not wrapped negative
 
 
 def _int64_loads(x: Any, name: str, lo: Optional[int] = None) -> np.ndarray:
@@ -360,7 +360,7 @@ class Planner:
         if not isinstance(topology, Topology):
             raise ValueError(f"Planner: topology must be a foremoe.Topology, got {type(topology).__name__}")
         given = dict(strategy=strategy, move_budget=move_budget, threads=threads, **options)
-        self._core = _core.Planner(topology, _json({k: v for k, v in given.items() if v is not None}))
+        self._core = _core.Planner(topology, _json({k: v for k, v in given.items() if v is not None}, "Planner"))
         self.topology = topology
 
     strategy = property(lambda self: self._core.strategy, doc="Strategy name.")
@@ -486,7 +486,7 @@ def synthetic_trace(**config: Any) -> Dict[str, Any]:
         ``source_offsets``, ``step_offsets`` (in micro-steps),
         ``sequence_offsets``, ``num_experts`` and ``num_sources``.
     """
-    return _core.synthetic_trace(_json(config))
+    return _core.synthetic_trace(_json(config, "synthetic_trace"))
 
 
 def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]:
@@ -497,7 +497,7 @@ def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]
         dict with ``loads`` ``[M, L, E]`` int64, ``loads_by_source``
         (``[M, L, E, num_gpus]`` when ``by_source``, else None) and ``step_offsets``.
     """
-    return _core.synthetic_loads(_json(config), bool(by_source))
+    return _core.synthetic_loads(_json(config, "synthetic_loads"), bool(by_source))
 
 
 from .eplb import export_placement, rebalance_experts  # noqa: E402  (uses Planner above)

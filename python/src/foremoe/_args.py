@@ -120,7 +120,7 @@ def int_array(value: Any, name: str, *, dtype: Any = np.int64, lo: Optional[int]
     if a.min() < lo_ or a.max() > hi_:
         out = (a < lo_) | (a > hi_)
         idx = tuple(np.argwhere(out)[0]) if a.ndim else ()
-        v = int(a[idx]) if kind in "iu" else a[idx].item()
+        v = int(a[idx].item())  # floats here hold whole numbers
         if lo == 0 and hi is None and v < 0:
             raise ValueError(f"{name}{_at(idx)} = {v} is negative")
         raise ValueError(_range(f"{name}{_at(idx)}", v, lo_, hi_, typed))

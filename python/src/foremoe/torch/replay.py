@@ -159,7 +159,7 @@ def _token_offsets(offsets: Any, who: str) -> Optional[np.ndarray]:
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise ValueError(f"{who}: microbatch_offsets must be [micro_steps + 1] integers, got shape {list(a.shape)}, "
                          f"dtype {a.dtype}")
-    return a.astype(np.int64)
+    return int_array(a, f"{who}: microbatch_offsets")  # a uint64 past int64 is named, not wrapped negative
 
 
 def _groups(micro_batches: Any, n: int, who: str, unit: str) -> List[np.ndarray]:
@@ -178,7 +178,7 @@ def _groups(micro_batches: Any, n: int, who: str, unit: str) -> List[np.ndarray]
         a = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx).reshape(-1)
         if a.size and a.dtype.kind not in "iu":
             raise ValueError(f"{who}: micro-batch {m} must list {unit} indices, got dtype {a.dtype}")
-        a = a.astype(np.int64)
+        a = int_array(a, f"{who}: micro-batch {m}")
         out = a[(a < 0) | (a >= n)]
         if out.size:
             raise ValueError(f"{who}: micro-batch {m} names {unit} {int(out[0])}, outside [0, {n})")
