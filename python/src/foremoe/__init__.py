@@ -6,7 +6,8 @@ inputs are read in place where possible (routed ids of any supported integer
 dtype and strides, NumPy or PyTorch CPU tensors through DLPack), outputs are
 NumPy arrays over the buffers C++ filled.
 
-Bad input raises ``ValueError`` with the C++ library's message.
+Bad input raises ``ValueError`` with the C++ library's message, or, for an argument of the wrong type or an integer
+that is not one (8.7, 2**32 where an int32 goes), ``TypeError``/``ValueError`` naming it (``foremoe._args``).
 """
 
 from __future__ import annotations

@@ -217,7 +217,8 @@ class TransferEngine:
     def register_mirror(self, layer: int, node: int, mirror: Any) -> None:
         """Node ``node``'s host mirror of ``layer``: a contiguous CPU tensor ``[experts, ...]`` (pinned for CUDA)."""
         layer, node = integer(layer, "register_mirror: layer"), integer(node, "register_mirror: node")
-        self._e.register_mirror(layer, node, _borrow(mirror, f"register_mirror: layer {layer} node {node} mirror", "cpu"))
+        what = f"register_mirror: layer {layer} node {node} mirror"
+        self._e.register_mirror(layer, node, _borrow(mirror, what, "cpu"))
 
     def register_grads(self, layer: int, gpu: int, grads: Any, grad_bytes: Optional[int] = None) -> None:
         """GPU ``gpu``'s float32 gradient slots of ``layer`` ``[slots, ...]`` (for :meth:`submit_reduce`); an
@@ -278,7 +279,8 @@ class TransferEngine:
                       timeout: float = DEFAULT_TIMEOUT) -> Ticket:
         """Adds every replica's gradient of ``layer`` into its owner's (``owner_gpu``: ``[experts]``, e.g.
         ``plan.owner_gpu[layer]``), in a fixed order."""
-        t = self._e.submit_reduce(integer(layer, "submit_reduce: layer"), _int_array(owner_gpu, "submit_reduce: owner_gpu"),
+        t = self._e.submit_reduce(integer(layer, "submit_reduce: layer"),
+                                  _int_array(owner_gpu, "submit_reduce: owner_gpu"),
                                   _gate(grads_ready, "grads_ready"), float(timeout))
         return self._ticket(t, grads_ready)
 

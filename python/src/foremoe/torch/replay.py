@@ -37,9 +37,9 @@ may be prefetched during this one, and the result is bitwise that of the synchro
 
 **Never a hang.** Every wait has a deadline (``timeout``); an exception in the planning thread is re-raised in the
 caller by the :meth:`~ReplayDriver.plan` call that needs it, as :class:`ReplayError` naming the micro-step and
-chained to the original; :meth:`~ReplayDriver.close` (or leaving a ``with`` block) stops the thread and joins it. A driver never closed
-(the trainer raised first, no ``with``) is stopped and joined when the interpreter exits, before it finalizes, and
-when it is collected, so the process ends with its own exit status.
+chained to the original; :meth:`~ReplayDriver.close` (or leaving a ``with`` block) stops the thread and joins it.
+A driver never closed (the trainer raised first, no ``with``) is stopped and joined when the interpreter exits,
+before it finalizes, and when it is collected, so the process ends with its own exit status.
 """
 
 from __future__ import annotations
