@@ -182,6 +182,11 @@ def test_tensor_that_requires_grad_raises_runtime_error():
     # The driver takes integer counts only: a float tensor is refused naming its dtype, grad or not.
     with pytest.raises(ValueError, match=r"^ReplayDriver: loads must hold integer counts, got dtype float32$"):
         ft.ReplayDriver(planner, loads[None])
+    soft_mask = torch.ones(2, requires_grad=True)  # read, then refused for its dtype
+    with pytest.raises(ValueError, match=r"^count_loads: mask must be bool or integer, got dtype float32$"):
+        foremoe.count_loads(torch.zeros((2, 1, 1), dtype=torch.int32), num_experts=4, mask=soft_mask)
+    with pytest.raises(ValueError, match=r"^attention_mask: attention mask must be bool or integer"):
+        foremoe.read_verl(torch.zeros((1, 2, 1, 1), dtype=torch.int32), soft_mask[None])
     plan = planner.plan(np.array([[5, 3, 1, 1]]))
     src = torch.tensor([[5.0, 0], [3, 0], [1, 0], [1, 0]], requires_grad=True)
     ids = torch.tensor([0] * 5 + [1] * 3 + [2, 3]).reshape(-1, 1)

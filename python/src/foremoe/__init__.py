@@ -177,7 +177,7 @@ def count_loads(
         ids = ids.reshape(shp[0] * shp[1], shp[2], shp[3])
     m = None
     if mask is not None:
-        m = np.asarray(mask.cpu().numpy() if _is_tensor_like(mask) and hasattr(mask, "cpu") else mask)
+        m = to_numpy(mask)
         if m.dtype.kind not in "biu":
             raise ValueError(f"count_loads: mask must be bool or integer, got dtype {m.dtype}")
         m = np.ascontiguousarray(m.reshape(-1) != 0, dtype=np.uint8)
@@ -212,7 +212,7 @@ def trace_formats() -> List[Dict[str, Any]]:
 
 def _npy_bytes(x: Any) -> bytes:
     if _is_tensor_like(x) and hasattr(x, "cpu"):
-        x = x.cpu().numpy()
+        x = to_numpy(x)
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(x), allow_pickle=False)
     return buf.getvalue()
