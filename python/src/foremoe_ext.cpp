@@ -14,9 +14,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "default_loads.hpp" // tools/, built into this module as into the program
@@ -59,12 +61,44 @@ nb::ndarray<nb::numpy, const T> view_array(const std::vector<T> &v, std::vector<
 }
 
 std::string dtype_name(const nb::dlpack::dtype &d) {
-  const char *kind = d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int)     ? "int"
-                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt)  ? "uint"
-                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float) ? "float"
-                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bool)  ? "bool"
-                                                                                          : "other";
+  using Code = nb::dlpack::dtype_code;
+  const char *kind = d.code == static_cast<std::uint8_t>(Code::Int)       ? "int"
+                     : d.code == static_cast<std::uint8_t>(Code::UInt)    ? "uint"
+                     : d.code == static_cast<std::uint8_t>(Code::Float)   ? "float"
+                     : d.code == static_cast<std::uint8_t>(Code::Bfloat)  ? "bfloat"
+                     : d.code == static_cast<std::uint8_t>(Code::Complex) ? "complex"
+                     : d.code == static_cast<std::uint8_t>(Code::Bool)    ? "bool"
+                                                                          : "other";
   return std::string(kind) + std::to_string(d.bits);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Arguments of the bindings users call directly (Topology, Placement.from_array, Plan's methods), checked by the
+// package's own helpers in foremoe/_args.py, the one definition the Python API uses too: an integer is never
+// truncated (8.7 -> 8) or wrapped (2**32 + 3 -> 3), an array of integers is never cast from NaN or 1.7, and the
+// error names the argument instead of nanobind's "incompatible function arguments".
+
+nb::object args_helper(const char *name) { return nb::module_::import_("foremoe._args").attr(name); }
+
+template <class T = int>
+T int_arg(nb::handle v, const char *name, std::int64_t lo = std::numeric_limits<T>::min(),
+          std::int64_t hi = std::numeric_limits<T>::max()) {
+  return nb::cast<T>(args_helper("integer")(v, name, lo, hi));
+}
+
+double number_arg(nb::handle v, const char *name) { return nb::cast<double>(args_helper("number")(v, name)); }
+
+/// `v` as a read-only C-contiguous CPU array of `T` (int32 or int64) with every element in [lo, hi] (default: T's
+/// range), kept alive by the returned array.
+template <class T>
+nb::ndarray<nb::ro, const T, nb::c_contig, nb::device::cpu> int_array_arg(nb::handle v, const char *name,
+                                                                          std::optional<std::int64_t> lo = {},
+                                                                          std::optional<std::int64_t> hi = {}) {
+  static_assert(std::is_same_v<T, std::int32_t> || std::is_same_v<T, std::int64_t>);
+  nb::object a =
+      args_helper("int_array")(v, name, "dtype"_a = sizeof(T) == 4 ? "int32" : "int64",
+                               "lo"_a = lo ? nb::cast(*lo) : nb::none(), "hi"_a = hi ? nb::cast(*hi) : nb::none());
+  return nb::cast<nb::ndarray<nb::ro, const T, nb::c_contig, nb::device::cpu>>(a);
 }
 
 std::optional<fm::IdDtype> id_dtype_of(const nb::dlpack::dtype &d) {
@@ -234,10 +268,12 @@ struct PyPlacement {
   }
 };
 
-PyPlacement placement_from_array(const fm::Topology &topo,
-                                 nb::ndarray<nb::ro, const std::int32_t, nb::c_contig, nb::device::cpu> gpu_slots,
-                                 int num_experts) {
+PyPlacement placement_from_array(const fm::Topology &topo, nb::handle gpu_slots_arg, nb::handle num_experts_arg) {
+  const int num_experts = int_arg(num_experts_arg, "Placement.from_array: num_experts");
   topo.validate(num_experts);
+  // -1 (empty) .. E - 1: an id past int32 would wrap onto another expert.
+  const auto gpu_slots =
+      int_array_arg<std::int32_t>(gpu_slots_arg, "Placement.from_array: gpu_slots", -1, std::int64_t{num_experts} - 1);
   require(gpu_slots.ndim() == 3, "Placement: gpu_slots must be [layers, gpus, slots], got ", gpu_slots.ndim(), " dims");
   require(static_cast<int>(gpu_slots.shape(1)) == topo.num_gpus() &&
               static_cast<int>(gpu_slots.shape(2)) == topo.slots_per_gpu,
@@ -319,8 +355,10 @@ struct PyPlan {
 
 /// `Plan.transfers`: the chunks, sources, paths and rounds realising each layer's moves (transfer planning), from
 /// `resident` (the placement before the micro-step; None: the owner copies alone).
-nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, std::int64_t expert_bytes,
-                        std::int64_t max_chunk_bytes, bool split_paths, bool host_mirror, bool allow_network) {
+nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, nb::handle expert_bytes_arg,
+                        nb::handle max_chunk_bytes_arg, bool split_paths, bool host_mirror, bool allow_network) {
+  const auto expert_bytes = int_arg<std::int64_t>(expert_bytes_arg, "transfers: expert_bytes");
+  const auto max_chunk_bytes = int_arg<std::int64_t>(max_chunk_bytes_arg, "transfers: max_chunk_bytes");
   if (resident != nullptr)
     require(resident->placement.num_layers() == p.L && resident->num_experts == p.E &&
                 resident->topo.num_gpus() == p.G && resident->topo.slots_per_gpu == p.S,
@@ -378,8 +416,10 @@ nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, std::int64
 }
 
 /// `Plan.map_tokens`: the physical slot of every routed id, `[T, L_trace, K]` int32 (-1: no route or dense layer).
-nb::ndarray<nb::numpy, std::int32_t> plan_map_tokens(const PyPlan &p, const RoIds &ids,
-                                                     std::optional<std::vector<int>> layer_map) {
+nb::ndarray<nb::numpy, std::int32_t> plan_map_tokens(const PyPlan &p, const RoIds &ids, nb::handle layer_map_arg) {
+  std::optional<std::vector<int>> layer_map;
+  if (!layer_map_arg.is_none())
+    layer_map = nb::cast<std::vector<int>>(args_helper("int_list")(layer_map_arg, "map_tokens: layer_map"));
   const fm::RoutedView view = routed_view(ids, "map_tokens");
   const fm::LayerMap lmap = layer_map ? fm::LayerMap(*layer_map) : fm::LayerMap::identity(view.num_layers());
   require(lmap.num_moe_layers() == p.L, "map_tokens: the layer map has ", lmap.num_moe_layers(),
@@ -539,8 +579,12 @@ const fm::LayerPlan &layer_plan(const PyPlan &p, int layer, const char *who) {
 
 /// `Plan.source_split`: `[G * S, G]` tokens each physical slot takes from each source rank (`split_by_source`),
 /// from the layer's `[E, G]` per-source loads.
-nb::ndarray<nb::numpy, std::int64_t> plan_source_split(const PyPlan &p, int layer, const RoLayerLoads &source_loads) {
-  const fm::LayerPlan &lp = layer_plan(p, layer, "source_split");
+nb::ndarray<nb::numpy, std::int64_t> plan_source_split(const PyPlan &p, nb::handle layer_arg, nb::handle loads_arg) {
+  const fm::LayerPlan &lp = layer_plan(p, int_arg(layer_arg, "source_split: layer"), "source_split");
+  // A NaN or a negative count is named here, by position, before any cast.
+  const auto source_loads = int_array_arg<std::int64_t>(loads_arg, "source_split: source_loads", 0);
+  require(source_loads.ndim() == 2, "source_split: source loads must be 2-D [experts, source ranks], got ",
+          source_loads.ndim(), " dims");
   require(static_cast<int>(source_loads.shape(0)) == p.E && static_cast<int>(source_loads.shape(1)) == p.G,
           "source_split: source loads are [", source_loads.shape(0), ", ", source_loads.shape(1), "], expected [", p.E,
           ", ", p.G, "] (experts x source ranks)");
@@ -560,8 +604,12 @@ nb::ndarray<nb::numpy, std::int64_t> plan_source_split(const PyPlan &p, int laye
 /// `input_splits` / `output_splits` `[G]` rows to / from each rank; `slot_counts` `[S]` rows per local slot;
 /// `recv_perm` the received row of each position grouped by local slot (sources in rank order inside a slot)
 /// and `recv_inverse` its inverse.
-nb::dict plan_dispatch(const PyPlan &p, int layer, const RoIds &ids, const RoLayerLoads &split, int rank) {
-  const fm::LayerPlan &lp = layer_plan(p, layer, "dispatch");
+nb::dict plan_dispatch(const PyPlan &p, nb::handle layer_arg, const RoIds &ids, nb::handle split_arg,
+                       nb::handle rank_arg) {
+  const fm::LayerPlan &lp = layer_plan(p, int_arg(layer_arg, "dispatch: layer"), "dispatch");
+  const int rank = int_arg(rank_arg, "dispatch: rank");
+  const auto split = int_array_arg<std::int64_t>(split_arg, "dispatch: split", 0);
+  require(split.ndim() == 2, "dispatch: the split must be 2-D [slots, source ranks], got ", split.ndim(), " dims");
   const fm::RoutedView view = routed_view(ids, "dispatch");
   require(view.num_layers() == 1, "dispatch: routed ids must be [tokens, 1, topk], got ", view.num_layers(), " layers");
   const std::size_t G = static_cast<std::size_t>(p.G), S = static_cast<std::size_t>(p.S), P = G * S;
@@ -900,13 +948,18 @@ NB_MODULE(_core, m) {
   nb::class_<fm::Topology>(m, "Topology")
       .def(
           "__init__",
-          [](fm::Topology *t, int nodes, int gpus_per_node, int slots, double nvlink_gb_per_s, double network_gb_per_s,
-             double pcie_gb_per_s, double nvlink_latency_us, double network_latency_us, double pcie_latency_us) {
-            fm::Topology topo{nodes,
-                              gpus_per_node,
-                              slots,
-                              {nvlink_gb_per_s, network_gb_per_s, pcie_gb_per_s, nvlink_latency_us, network_latency_us,
-                               pcie_latency_us}};
+          [](fm::Topology *t, nb::handle nodes, nb::handle gpus_per_node, nb::handle slots, nb::handle nvlink_gb_per_s,
+             nb::handle network_gb_per_s, nb::handle pcie_gb_per_s, nb::handle nvlink_latency_us,
+             nb::handle network_latency_us, nb::handle pcie_latency_us) {
+            fm::Topology topo{int_arg(nodes, "Topology: nodes"),
+                              int_arg(gpus_per_node, "Topology: gpus_per_node"),
+                              int_arg(slots, "Topology: slots"),
+                              {number_arg(nvlink_gb_per_s, "Topology: nvlink_gb_per_s"),
+                               number_arg(network_gb_per_s, "Topology: network_gb_per_s"),
+                               number_arg(pcie_gb_per_s, "Topology: pcie_gb_per_s"),
+                               number_arg(nvlink_latency_us, "Topology: nvlink_latency_us"),
+                               number_arg(network_latency_us, "Topology: network_latency_us"),
+                               number_arg(pcie_latency_us, "Topology: pcie_latency_us")}};
             topo.validate();
             new (t) fm::Topology(topo);
           },
@@ -931,7 +984,10 @@ NB_MODULE(_core, m) {
       .def_prop_ro("network_latency_us", [](const fm::Topology &t) { return t.links.network_latency_us; })
       .def_prop_ro("pcie_latency_us", [](const fm::Topology &t) { return t.links.pcie_latency_us; })
       .def(
-          "validate", [](const fm::Topology &t, std::optional<int> e) { e ? t.validate(*e) : t.validate(); },
+          "validate",
+          [](const fm::Topology &t, nb::handle e) {
+            e.is_none() ? t.validate() : t.validate(int_arg(e, "Topology.validate: num_experts"));
+          },
           "num_experts"_a.none() = nb::none());
 
   nb::class_<PyPlacement>(m, "Placement")

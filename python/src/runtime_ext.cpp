@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -77,12 +78,13 @@ const char *device_name(std::int32_t type) {
 }
 
 std::string dtype_str(const nb::dlpack::dtype &d) {
-  const char *kind = d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int)      ? "int"
-                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt)   ? "uint"
-                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)  ? "float"
-                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) ? "bfloat"
-                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bool)   ? "bool"
-                                                                                           : "other";
+  const char *kind = d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Int)       ? "int"
+                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::UInt)    ? "uint"
+                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)   ? "float"
+                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat)  ? "bfloat"
+                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Complex) ? "complex"
+                     : d.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bool)    ? "bool"
+                                                                                            : "other";
   return str(kind, static_cast<int>(d.bits));
 }
 
@@ -159,6 +161,56 @@ std::vector<std::string> property_names(nb::handle cls) {
   return out;
 }
 
+/// The type a field's setter takes, from its nanobind signature: "def (self, arg: int, /) -> None" -> "int".
+std::string setter_type(nb::handle cls, const std::string &key) {
+  nb::object prop = cls.attr("__dict__")[key.c_str()];
+  nb::object sig = nb::getattr(prop.attr("fset"), "__nb_signature__", nb::none());
+  if (sig.is_none()) return {};
+  const std::string s = nb::cast<std::string>(sig[0][0]);
+  const std::size_t start = s.find(": ", s.find("self"));
+  const std::size_t stop = s.rfind(") ->");
+  if (start == std::string::npos || stop == std::string::npos || stop < start + 2) return {};
+  std::string t = s.substr(start + 2, stop - start - 2);
+  if (t.size() > 3 && t.compare(t.size() - 3, 3, ", /") == 0) t.resize(t.size() - 3);
+  return t;
+}
+
+std::string short_repr(nb::handle v) {
+  std::string r = nb::cast<std::string>(nb::repr(v));
+  if (r.size() > 60) r = r.substr(0, 57) + "...";
+  return str(nb::type_name(v.type()).c_str(), " ", r);
+}
+
+/// Sets the field `key` to `v`, naming it when `v` does not fit (nanobind's own message names neither the field
+/// nor the type it takes). An integer field takes what the package's integer check takes (foremoe/_args.py: no
+/// 8.7 -> 8, an integral float such as 8.0 accepted).
+void set_field(nb::handle self, const std::string &key, nb::handle v) {
+  try {
+    nb::setattr(self, key.c_str(), v);
+    return;
+  } catch (nb::python_error &e) {
+    if (!e.matches(PyExc_TypeError)) throw;
+  }
+  const std::string where = str(nb::cast<std::string>(self.type().attr("__name__")), ": ", key);
+  const std::string want = setter_type(self.type(), key);
+  if (want == "int") {
+    nb::object i = nb::module_::import_("foremoe._args")
+                       .attr("integer")(v, where.c_str(), std::numeric_limits<std::int64_t>::min(),
+                                        std::numeric_limits<std::int64_t>::max());
+    try {
+      nb::setattr(self, key.c_str(), i);
+      return;
+    } catch (nb::python_error &e) {
+      if (!e.matches(PyExc_TypeError)) throw;
+    }
+    raise(PyExc_ValueError, str(where, " = ", nb::cast<std::string>(nb::repr(i)),
+                                " does not fit the option's C++ "
+                                "integer type"));
+  }
+  raise(PyExc_TypeError,
+        str(where, " must be ", want.empty() ? std::string("another type") : want, ", got ", short_repr(v)));
+}
+
 void set_fields(nb::handle self, const nb::kwargs &kw) {
   const std::vector<std::string> names = property_names(self.type());
   for (auto [k, v] : kw) {
@@ -170,7 +222,7 @@ void set_fields(nb::handle self, const nb::kwargs &kw) {
       raise(PyExc_ValueError,
             str(nb::type_name(self.type()).c_str(), ": unknown option '", key, "' (options: ", all, ")"));
     }
-    nb::setattr(self, key.c_str(), v);
+    set_field(self, key, v);
   }
 }
 

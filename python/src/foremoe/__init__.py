@@ -6,11 +6,14 @@ inputs are read in place where possible (routed ids of any supported integer
 dtype and strides, NumPy or PyTorch CPU tensors through DLPack), outputs are
 NumPy arrays over the buffers C++ filled.
 
-Bad input raises ``ValueError`` with the C++ library's message.
+Bad input raises ``ValueError`` with the C++ library's message, or, for an argument of the wrong type or an integer
+that is not one (8.7, 2**32 where an int32 goes), ``TypeError``/``ValueError`` naming it (``foremoe._args``).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import json
 import os
@@ -19,6 +22,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Uni
 import numpy as np
 
 from . import _core
+from ._args import describe, integer, int_array, int_list, to_numpy
 from ._core import Placement, Plan, Topology
 
 __version__: str = _core.__version__
@@ -68,22 +72,33 @@ def options(command: str = "simulate") -> List[Dict[str, Any]]:
     return json.loads(_core.options(str(command)))
 
 
-def _plain(x: Any) -> Any:
-    """Mappings, sequences and NumPy scalars as plain JSON-able Python values."""
+#: Deepest nesting of a config the C++ JSON reader takes (``foremoe::json``'s parser bound).
+_MAX_DEPTH = 256
+
+
+def _plain(x: Any, where: str = "config", depth: int = 0) -> Any:
+    """Mappings, sequences and NumPy scalars as plain JSON-able Python values; ``ValueError`` naming the key
+    (``where``: ``config.sim.seed``) of a value JSON cannot hold (NaN, infinity, bytes, other objects) and the
+    depth of a config nested deeper than the C++ reader takes."""
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"{where.split('.')[0].split('[')[0]}: nested deeper than {_MAX_DEPTH} levels (at "
+                         f"{where[:80]}{'...' if len(where) > 80 else ''})")
     if isinstance(x, Mapping):
-        return {str(k): _plain(v) for k, v in x.items()}
+        return {str(k): _plain(v, f"{where}.{k}", depth + 1) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
+        return [_plain(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
     if isinstance(x, np.generic):
-        return x.item()
-    return x
+        x = x.item()
+    if isinstance(x, float) and not np.isfinite(x):
+        raise ValueError(f"{where}: {x} is not a finite number (JSON has no NaN or infinity)")
+    if x is None or isinstance(x, (str, bool, int, float)):
+        return x
+    raise ValueError(f"{where}: {type(x).__name__} {x!r:.60} is not a JSON value (a number, string, bool, None, "
+                     f"list or dict)")
 
 
-def _json(x: Any) -> str:
-    try:
-        return json.dumps(_plain(x), allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"config is not JSON: {e}") from None
+def _json(x: Any, where: str = "config") -> str:
+    return json.dumps(_plain(x, where), allow_nan=False)
 
 
 _ID_DTYPES = (np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64)
@@ -102,22 +117,14 @@ def _offsets(x: Any, name: str) -> Optional[np.ndarray]:
         raise ValueError(f"{name} must be 1-D, got shape {a.shape}")
     if a.size and not np.issubdtype(a.dtype, np.integer):
         raise ValueError(f"{name} must hold integers, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return int_array(a, name)  # a uint64 past int64 is named, not wrapped negative
 
 
-def _int64_loads(x: Any, name: str) -> np.ndarray:
-    """Loads of any integer dtype, or floats holding whole non-negative counts, as C-contiguous int64."""
-    a = np.asarray(x)
-    if a.dtype == np.int64 and a.flags.c_contiguous:
-        return a
-    if a.dtype.kind == "f":
-        if not np.all(np.isfinite(a)):
-            raise ValueError(f"{name}: non-finite load at index {np.argwhere(~np.isfinite(a))[0].tolist()}")
-        if not np.all(a == np.floor(a)):
-            raise ValueError(f"{name}: non-integral load at index {np.argwhere(a != np.floor(a))[0].tolist()}")
-    elif a.dtype.kind not in "iu" and a.size:
-        raise ValueError(f"{name} must hold integer counts, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.int64)
+def _int64_loads(x: Any, name: str, lo: Optional[int] = None) -> np.ndarray:
+    """Loads of any integer dtype, or floats holding whole counts, as C-contiguous int64 (a tensor that requires
+    grad is read detached). Negative loads are refused by the C++ load tensor (naming micro-step, layer and
+    expert), or here with ``lo=0`` where nothing else checks them."""
+    return int_array(x, name, lo=lo)
 
 
 def count_loads(
@@ -170,17 +177,17 @@ def count_loads(
         ids = ids.reshape(shp[0] * shp[1], shp[2], shp[3])
     m = None
     if mask is not None:
-        m = np.asarray(mask.cpu().numpy() if _is_tensor_like(mask) and hasattr(mask, "cpu") else mask)
+        m = to_numpy(mask)
         if m.dtype.kind not in "biu":
             raise ValueError(f"count_loads: mask must be bool or integer, got dtype {m.dtype}")
         m = np.ascontiguousarray(m.reshape(-1) != 0, dtype=np.uint8)
-    lm = None if layer_map is None else [int(v) for v in layer_map]
+    lm = None if layer_map is None else int_list(layer_map, "count_loads: layer_map")
     totals, by_source = _core.count_loads(
         ids,
         _offsets(microbatch_offsets, "microbatch_offsets"),
-        int(num_experts),
+        integer(num_experts, "count_loads: num_experts"),
         lm,
-        int(num_sources),
+        integer(num_sources, "count_loads: num_sources"),
         _offsets(source_offsets, "source_offsets"),
         m,
     )
@@ -205,7 +212,7 @@ def trace_formats() -> List[Dict[str, Any]]:
 
 def _npy_bytes(x: Any) -> bytes:
     if _is_tensor_like(x) and hasattr(x, "cpu"):
-        x = x.cpu().numpy()
+        x = to_numpy(x)
     buf = io.BytesIO()
     np.save(buf, np.ascontiguousarray(x), allow_pickle=False)
     return buf.getvalue()
@@ -220,8 +227,9 @@ def read_trace(source: Any, format: str = "auto", *, mask: Any = None, num_layer
     ``topk``: the payload's shape for formats whose files do not carry it (SGLang). Bad files raise
     ``ValueError`` naming the file."""
     name, ids, m, offsets = _core.read_trace(os.fspath(source), str(format), None,
-                                             None if mask is None else os.fspath(mask), None, int(num_layers),
-                                             int(topk))
+                                             None if mask is None else os.fspath(mask), None,
+                                             integer(num_layers, "read_trace: num_layers"),
+                                             integer(topk, "read_trace: topk"))
     return TraceRecord(name, ids, m, offsets)
 
 
@@ -242,15 +250,47 @@ def read_verl(routed_experts: Any, attention_mask: Any = None):
     return ids, m
 
 
-def _sglang_line(item: Any) -> str:
-    """One request as the JSON line the ``sglang`` format reads: a bare base64 payload is wrapped."""
-    if isinstance(item, bytes):
-        item = item.decode("utf-8")
+def _sglang_text(x: Any, where: str) -> str:
+    """A line or a base64 payload given as ``bytes``, ``bytearray`` or ``memoryview`` (a file read in binary mode,
+    what ``base64.b64encode`` returns) as text. Bytes that are neither a JSON line nor base64 (a raw int32 payload)
+    are refused saying so, not reported as malformed base64."""
+    raw = bytes(x)
+    try:
+        text = raw.decode("ascii")
+        if not text.lstrip().startswith("{"):
+            base64.b64decode(text.strip(), validate=True)
+        return text
+    except (UnicodeDecodeError, binascii.Error) as e:
+        raise ValueError(f"read_sglang: {where}: got {len(raw)} bytes that are neither a JSON line nor base64 "
+                         f"({e}); a raw int32 payload must be base64-encoded (base64.b64encode)") from None
+
+
+def _sglang_payloads(d: Any, where: str) -> Any:
+    """A request dict with its ``routed_experts`` (top level or under ``meta_info``) given as bytes decoded."""
+    if not isinstance(d, Mapping):
+        return d
+    out = dict(d)
+    if isinstance(out.get("routed_experts"), (bytes, bytearray, memoryview)):
+        out["routed_experts"] = _sglang_text(out["routed_experts"], f"{where}: routed_experts")
+    if isinstance(out.get("meta_info"), Mapping):
+        out["meta_info"] = _sglang_payloads(out["meta_info"], f"{where}: meta_info")
+    return out
+
+
+def _sglang_line(item: Any, n: int = 1) -> str:
+    """One request (the ``n``-th, from 1) as the JSON line the ``sglang`` format reads: a bare base64 payload is
+    wrapped, bytes are decoded, anything but a line, a payload or a dict is refused naming the request."""
+    where = f"requests:{n}"
+    if isinstance(item, (bytes, bytearray, memoryview)):
+        item = _sglang_text(item, where)
     if isinstance(item, str):
         if not item.lstrip().startswith("{"):
-            return json.dumps({"routed_experts": item})
-        return json.dumps(json.loads(item)) if "\n" in item else item
-    return json.dumps(item, default=str)
+            return json.dumps({"routed_experts": item.strip()})
+        return json.dumps(json.loads(item)) if "\n" in item.strip() else item.strip()
+    if not isinstance(item, Mapping):
+        raise TypeError(f"read_sglang: {where} is {describe(item)}; a request is a JSON line (str or bytes), a dict "
+                        f"(as /generate returns it) or a base64 payload")
+    return json.dumps(_sglang_payloads(item, where), default=str)
 
 
 def read_sglang(source: Any, num_layers: int, topk: int):
@@ -262,14 +302,22 @@ def read_sglang(source: Any, num_layers: int, topk: int):
     concatenated in order. Malformed base64 or a payload that is not whole tokens raises ``ValueError``
     naming the request (the file's line, or ``requests:N`` for the N-th item, from 1). Read by the registry's
     ``sglang`` format."""
+    num_layers, topk = integer(num_layers, "read_sglang: num_layers"), integer(topk, "read_sglang: topk")
     if isinstance(source, (str, os.PathLike)):
         name, data = os.fspath(source), None
     else:
-        lines = [_sglang_line(it) for it in source]
+        if isinstance(source, (bytes, bytearray, memoryview, Mapping)):
+            source = [source]  # one request
+        try:
+            items = iter(source)
+        except TypeError:
+            raise TypeError(f"read_sglang: source must be a path or an iterable of requests, got "
+                            f"{type(source).__name__}") from None
+        lines = [_sglang_line(it, n) for n, it in enumerate(items, 1)]
         if not lines:
-            return np.zeros((0, int(num_layers), int(topk)), np.int32), np.zeros(1, np.int64)
+            return np.zeros((0, num_layers, topk), np.int32), np.zeros(1, np.int64)
         name, data = "read_sglang: requests", "\n".join(lines).encode("utf-8")
-    _, ids, _, offsets = _core.read_trace(name, "sglang", data, None, None, int(num_layers), int(topk))
+    _, ids, _, offsets = _core.read_trace(name, "sglang", data, None, None, num_layers, topk)
     return ids, offsets
 
 
@@ -280,10 +328,9 @@ def _as_resident(resident: Any, topology: Topology, num_experts: int) -> Optiona
         return resident.placement
     if isinstance(resident, Placement):
         return resident
-    a = np.asarray(resident)
-    if a.dtype.kind not in "iu":
-        raise ValueError(f"resident must be a Plan, a Placement or a [L, G, S] integer array, got dtype {a.dtype}")
-    return Placement.from_array(topology, np.ascontiguousarray(a, dtype=np.int32), int(num_experts))
+    # -1 (an empty slot) .. E - 1: an id past int32 would wrap onto another expert in the int32 placement.
+    a = int_array(resident, "plan: resident", dtype=np.int32, lo=-1, hi=int(num_experts) - 1)
+    return Placement.from_array(topology, a, int(num_experts))
 
 
 class Planner:
@@ -314,7 +361,7 @@ class Planner:
         if not isinstance(topology, Topology):
             raise ValueError(f"Planner: topology must be a foremoe.Topology, got {type(topology).__name__}")
         given = dict(strategy=strategy, move_budget=move_budget, threads=threads, **options)
-        self._core = _core.Planner(topology, _json({k: v for k, v in given.items() if v is not None}))
+        self._core = _core.Planner(topology, _json({k: v for k, v in given.items() if v is not None}, "Planner"))
         self.topology = topology
 
     strategy = property(lambda self: self._core.strategy, doc="Strategy name.")
@@ -346,7 +393,7 @@ class Planner:
 
         Returns a :class:`Plan` for ``[L, E]`` loads, a list of them for ``[M, L, E]``.
         """
-        a = _int64_loads(loads, "loads")
+        a = _int64_loads(loads, "plan: loads")
         if a.ndim not in (2, 3):
             raise ValueError(f"plan: loads must be [layers, experts] or [micro_steps, layers, experts], got shape {a.shape}")
         single = a.ndim == 2
@@ -354,7 +401,7 @@ class Planner:
             a = a[None]
         prev = None
         if previous_loads is not None:
-            prev = _int64_loads(previous_loads, "previous_loads")
+            prev = _int64_loads(previous_loads, "plan: previous_loads", lo=0)
             if prev.ndim == 3:
                 prev = np.ascontiguousarray(prev.sum(axis=0))
             if prev.ndim != 2:
@@ -362,12 +409,13 @@ class Planner:
         res = _as_resident(resident, self.topology, a.shape[2])
         own = None
         if owners is not None:
-            o = np.asarray(owners)
-            if o.dtype.kind not in "iu":
+            o = to_numpy(owners)
+            if o.size and o.dtype.kind not in "iu":
                 raise ValueError(f"plan: owners must hold integer GPU indices, got dtype {o.dtype}")
+            o = int_array(o, "plan: owners", dtype=np.int32)  # no wrap: the planner names a GPU out of range
             if o.ndim == 1:
                 o = np.broadcast_to(o, (a.shape[1],) + o.shape)
-            own = np.ascontiguousarray(o, dtype=np.int32)
+            own = np.ascontiguousarray(o)
         plans = self._core.plan_step(a, res, prev, str(stage), own)
         return plans[0] if single else plans
 
@@ -409,7 +457,7 @@ def simulate(
     cfg = _simulate_config(config, strategies)
     arr = None
     if loads is not None:
-        arr = _int64_loads(loads, "loads")
+        arr = _int64_loads(loads, "simulate: loads")
         if arr.ndim != 3:
             raise ValueError(f"simulate: loads must be [micro_steps, layers, experts], got shape {arr.shape}")
     return json.loads(_core.simulate(cfg, [], arr, _offsets(step_offsets, "step_offsets")))
@@ -439,7 +487,7 @@ def synthetic_trace(**config: Any) -> Dict[str, Any]:
         ``source_offsets``, ``step_offsets`` (in micro-steps),
         ``sequence_offsets``, ``num_experts`` and ``num_sources``.
     """
-    return _core.synthetic_trace(_json(config))
+    return _core.synthetic_trace(_json(config, "synthetic_trace"))
 
 
 def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]:
@@ -450,7 +498,7 @@ def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]
         dict with ``loads`` ``[M, L, E]`` int64, ``loads_by_source``
         (``[M, L, E, num_gpus]`` when ``by_source``, else None) and ``step_offsets``.
     """
-    return _core.synthetic_loads(_json(config), bool(by_source))
+    return _core.synthetic_loads(_json(config, "synthetic_loads"), bool(by_source))
 
 
 from .eplb import export_placement, rebalance_experts  # noqa: E402  (uses Planner above)

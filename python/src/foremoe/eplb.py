@@ -42,6 +42,8 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from ._args import int_array, integer, optional_integer
+
 _SCALE_BITS = 40
 
 
@@ -55,7 +57,8 @@ def _to_numpy(x: Any) -> Tuple[np.ndarray, Any]:
 def _integral(w: np.ndarray) -> np.ndarray:
     if w.dtype.kind in "iu":
         if (w < 0).any():
-            raise ValueError("rebalance_experts: weight must be >= 0")
+            i = tuple(int(v) for v in np.argwhere(w < 0)[0])
+            raise ValueError(f"rebalance_experts: weight{list(i)} = {w[i]} is not a finite non-negative number")
         return np.ascontiguousarray(w, dtype=np.int64)
     if w.dtype.kind not in "fb":
         raise ValueError(f"rebalance_experts: weight must be a float or integer array, got dtype {w.dtype}")
@@ -125,7 +128,9 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
     if w.ndim != 2:
         raise ValueError(f"rebalance_experts: weight must be [layers, experts], got shape {list(w.shape)}")
     L, E = (int(v) for v in w.shape)
-    R, G, N = int(num_replicas), int(num_gpus), int(num_nodes)
+    R, G, N = (integer(v, f"rebalance_experts: {k}") for k, v in
+               (("num_replicas", num_replicas), ("num_gpus", num_gpus), ("num_nodes", num_nodes)))
+    num_groups = integer(num_groups, "rebalance_experts: num_groups")
     if G <= 0 or N <= 0 or int(num_groups) <= 0:
         raise ValueError(f"rebalance_experts: num_groups, num_nodes and num_gpus must be positive, got "
                          f"{num_groups}, {num_nodes}, {num_gpus}")
@@ -179,14 +184,14 @@ def export_placement(placement: Any, path: Any, format: str = "sglang", num_expe
         p = a.reshape(a.shape[0], -1)
     else:
         p, _ = _to_numpy(src)
-    p = np.asarray(p, dtype=np.int64)
+    p = int_array(p, "export_placement: phy2log")  # no NaN or 1.7 truncated, no 2**64 wrapped
     if p.ndim != 2:
         raise ValueError(f"export_placement: phy2log must be [layers, physical], got shape {list(p.shape)}")
     if (p < 0).any():
         l, s = (int(v) for v in np.argwhere(p < 0)[0])
         raise ValueError(f"export_placement: physical slot {s} of layer {l} is empty; SGLang and vLLM need an "
                          f"expert in every slot (use rebalance_experts, which fills spare slots)")
-    E = int(num_experts) if num_experts is not None else int(p.max()) + 1
+    E = optional_integer(num_experts, "export_placement: num_experts", 1) or int(p.max()) + 1
     if not 0 < E <= p.shape[1]:  # before the [L, E, maxcnt] map is built
         raise ValueError(f"export_placement: num_experts {num_experts} must be in [1, {p.shape[1]}], the physical "
                          f"slots per layer: every expert needs one")

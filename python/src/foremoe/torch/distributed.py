@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import foremoe
 from foremoe import _core
+from foremoe._args import INT64_MAX, int_array, int_list, integer
 
 __all__ = [
     "DispatchLayout",
@@ -121,7 +122,8 @@ def local_counts(expert_ids: torch.Tensor, num_experts: int, who: str) -> np.nda
     if K == 0:
         raise ValueError(f"{who}: expert_ids has top-k 0")
     try:
-        totals, _ = _core.count_loads(expert_ids.reshape(T, 1, K), None, int(num_experts), None, 0, None, None)
+        totals, _ = _core.count_loads(expert_ids.reshape(T, 1, K), None, integer(num_experts, f"{who}: num_experts"),
+                                      None, 0, None, None)
     except ValueError as e:  # the ids are [T, 1, K] here: drop the trace-layer index from the message
         raise ValueError(f"{who}: {str(e).replace('count_loads: ', '').replace(', layer 0, k ', ', k ')}") from None
     return np.asarray(totals).reshape(-1)
@@ -195,7 +197,7 @@ def check_plan(plan: Any, layer: int, world: int, who: str) -> None:
     """Raises ``ValueError`` unless ``plan`` is a :class:`foremoe.Plan` with layer ``layer`` for ``world`` ranks."""
     if not isinstance(plan, foremoe.Plan):
         raise ValueError(f"{who}: plan must be a foremoe.Plan, got {type(plan).__name__}")
-    if not 0 <= int(layer) < plan.num_layers:
+    if not 0 <= integer(layer, f"{who}: layer") < plan.num_layers:
         raise ValueError(f"{who}: layer {layer} outside the plan's [0, {plan.num_layers}) MoE layers")
     if plan.num_gpus != world:
         raise ValueError(f"{who}: the plan is for {plan.num_gpus} ranks but the process group has {world}")
@@ -219,12 +221,13 @@ def local_layout(
     who = "local_layout"
     G, S, E = plan.num_gpus, plan.slots, plan.num_experts
     check_plan(plan, layer, G, who)
+    layer, rank = integer(layer, f"{who}: layer"), integer(rank, f"{who}: rank")
     if not 0 <= rank < G:
         raise ValueError(f"{who}: rank {rank} outside [0, {G})")
     if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2:
         raise ValueError(f"{who}: expert_ids must be a [tokens, topk] torch.Tensor, got "
                          f"{list(getattr(expert_ids, 'shape', [])) or type(expert_ids).__name__}")
-    loads = np.ascontiguousarray(np.asarray(source_loads), dtype=np.int64)
+    loads = int_array(source_loads, f"{who}: source_loads", lo=0)  # a NaN is named here, not as a negative load
     if loads.shape != (E, G):
         raise ValueError(f"{who}: source_loads must be [experts, ranks] = [{E}, {G}], got {list(loads.shape)}")
     try:
@@ -319,4 +322,5 @@ def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequ
                timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
     """``all_to_all_single`` of the rows of ``x`` with autograd (the backward sends the gradients back the same
     way) and a timeout on the wait."""
-    return _AllToAll.apply(x, [int(v) for v in output_splits], [int(v) for v in input_splits], group, float(timeout))
+    return _AllToAll.apply(x, int_list(output_splits, "all_to_all: output_splits", 0, INT64_MAX),
+                           int_list(input_splits, "all_to_all: input_splits", 0, INT64_MAX), group, float(timeout))

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from .. import _core
+from .._args import INT64_MAX, describe, int_array, int_list, integer, optional_integer
 from .._core import EngineOptions, FaultSchedule, HostEvent
 
 __all__ = [
@@ -171,14 +172,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 
 
 def _int_array(x: Any, what: str) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = _numpy(x)
-    a = np.asarray(x)
-    if a.size and a.dtype.kind not in "iu":
-        raise ValueError(f"{what} must hold integers, got dtype {a.dtype}")
-    if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
-        raise ValueError(f"{what} holds {a.max() if a.max() > 0 else a.min()}, outside int32")
-    return np.ascontiguousarray(a, dtype=np.int32)
+    return int_array(_numpy(x) if isinstance(x, torch.Tensor) else x, what, dtype=np.int32)
 
 
 class TransferEngine:
@@ -215,30 +209,36 @@ class TransferEngine:
     def register_slots(self, layer: int, gpu: int, slots: Any, *, num_buffers: int = 1) -> None:
         """GPU ``gpu``'s expert slots of ``layer``: a contiguous tensor ``[slots, ...]`` (``[2, slots, ...]`` with
         ``num_buffers=2``), one row per slot holding an expert's ``tensors``. Any dtype: moves copy bytes."""
+        layer, gpu = integer(layer, "register_slots: layer"), integer(gpu, "register_slots: gpu")
         what = f"register_slots: layer {layer} GPU {gpu} slots"
-        self._e.register_slots(int(layer), int(gpu), _borrow(slots, what, self._device), int(num_buffers))
+        self._e.register_slots(layer, gpu, _borrow(slots, what, self._device),
+                               integer(num_buffers, "register_slots: num_buffers"))
 
     def register_mirror(self, layer: int, node: int, mirror: Any) -> None:
         """Node ``node``'s host mirror of ``layer``: a contiguous CPU tensor ``[experts, ...]`` (pinned for CUDA)."""
-        self._e.register_mirror(int(layer), int(node), _borrow(mirror, f"register_mirror: layer {layer} node {node} "
-                                                                       "mirror", "cpu"))
+        layer, node = integer(layer, "register_mirror: layer"), integer(node, "register_mirror: node")
+        what = f"register_mirror: layer {layer} node {node} mirror"
+        self._e.register_mirror(layer, node, _borrow(mirror, what, "cpu"))
 
     def register_grads(self, layer: int, gpu: int, grads: Any, grad_bytes: Optional[int] = None) -> None:
         """GPU ``gpu``'s float32 gradient slots of ``layer`` ``[slots, ...]`` (for :meth:`submit_reduce`); an
         expert's gradient is its row's first ``grad_bytes`` bytes (default: the whole row)."""
+        layer, gpu = integer(layer, "register_grads: layer"), integer(gpu, "register_grads: gpu")
         what = f"register_grads: layer {layer} GPU {gpu} gradients"
-        self._e.register_grads(int(layer), int(gpu), _borrow(grads, what, self._device), grad_bytes)
+        self._e.register_grads(layer, gpu, _borrow(grads, what, self._device),
+                               optional_integer(grad_bytes, "register_grads: grad_bytes", 0, INT64_MAX))
 
     def set_resident(self, layer: int, placement: Any) -> None:
         """Declares what the slots of ``layer`` validly hold now: a :class:`foremoe.Placement` or :class:`foremoe.Plan`
         (its layer ``layer``) or a ``[gpus, slots]`` array of expert ids (-1 empty)."""
         if isinstance(placement, (_core.Placement, _core.Plan)):
             placement = placement.gpu_slots[layer]
-        self._e.set_resident(int(layer), _int_array(placement, f"set_resident: layer {layer} placement"))
+        layer = integer(layer, "set_resident: layer")
+        self._e.set_resident(layer, _int_array(placement, f"set_resident: layer {layer} placement"))
 
     def resident(self, layer: int) -> np.ndarray:
         """``[gpus, slots]``: the expert each slot of ``layer`` validly holds (-1: none, e.g. after a failed move)."""
-        return self._e.resident(int(layer))
+        return self._e.resident(integer(layer, "resident: layer"))
 
     # -- batches ------------------------------------------------------------------------------------------------
 
@@ -260,9 +260,9 @@ class TransferEngine:
         ``torch.cuda.Event`` on the CUDA backend); ``dst_buffer`` picks the buffer of double-buffered slots; the
         batch ends ``timed_out`` after ``timeout`` seconds.
         """
-        layer = int(layer)
+        layer = integer(layer, "submit: layer")
         if isinstance(moves, _core.Plan):
-            moves = self._plan_moves(moves, layer if plan_layer is None else int(plan_layer))
+            moves = self._plan_moves(moves, layer if plan_layer is None else integer(plan_layer, "submit: plan_layer"))
         elif plan_layer is not None:
             raise ValueError("submit: plan_layer needs a foremoe.Plan")
         m = _int_array(moves, f"submit: layer {layer} moves")
@@ -272,14 +272,15 @@ class TransferEngine:
             raise ValueError(f"submit: moves must be a foremoe.Plan or [N, 4] (expert, src_gpu, dst_gpu, dst_slot), "
                              f"got shape {m.shape}")
         t = self._e.submit(layer, m, _gate(sources_ready, "sources_ready"), _gate(slots_free, "slots_free"),
-                           int(dst_buffer), float(timeout))
+                           integer(dst_buffer, "submit: dst_buffer"), float(timeout))
         return self._ticket(t, sources_ready, slots_free)
 
     def submit_reduce(self, layer: int, owner_gpu: Any, *, grads_ready: Any = None,
                       timeout: float = DEFAULT_TIMEOUT) -> Ticket:
         """Adds every replica's gradient of ``layer`` into its owner's (``owner_gpu``: ``[experts]``, e.g.
         ``plan.owner_gpu[layer]``), in a fixed order."""
-        t = self._e.submit_reduce(int(layer), _int_array(owner_gpu, "submit_reduce: owner_gpu"),
+        t = self._e.submit_reduce(integer(layer, "submit_reduce: layer"),
+                                  _int_array(owner_gpu, "submit_reduce: owner_gpu"),
                                   _gate(grads_ready, "grads_ready"), float(timeout))
         return self._ticket(t, grads_ready)
 
@@ -304,11 +305,12 @@ class TransferEngine:
     # -- queries ------------------------------------------------------------------------------------------------
 
     def valid_expert(self, layer: int, gpu: int, slot: int) -> int:
-        return self._e.valid_expert(int(layer), int(gpu), int(slot))
+        return self._e.valid_expert(integer(layer, "valid_expert: layer"), integer(gpu, "valid_expert: gpu"),
+                                    integer(slot, "valid_expert: slot"))
 
     def last_plan(self, layer: int) -> Dict[str, Any]:
         """Transfer plan of the last batch of ``layer``: chunks, rounds, estimated seconds, bytes per path."""
-        return self._e.last_plan(int(layer))
+        return self._e.last_plan(integer(layer, "last_plan: layer"))
 
     def stats(self) -> Dict[str, int]:
         """``allocations`` (transport resources created so far) and ``batches`` submitted."""
@@ -339,12 +341,7 @@ def _workspace(w: Optional[Workspace]) -> Any:
 def _host_i64(x: Any, what: str) -> Optional[np.ndarray]:
     if x is None:
         return None
-    if isinstance(x, torch.Tensor):
-        x = _numpy(x)
-    a = np.asarray(x)
-    if a.dtype.kind not in "iu":
-        raise ValueError(f"{what} must hold integers, got dtype {a.dtype}")
-    return np.ascontiguousarray(a, dtype=np.int64)
+    return int_array(_numpy(x) if isinstance(x, torch.Tensor) else x, what)
 
 
 class Workspace:
@@ -387,18 +384,23 @@ def count_loads(
     host backend; CUDA: on the current stream, CUDA build only). Returns (or fills ``out``) int64
     ``[micro_steps, moe_layers, experts]``. Without ``workspace`` the call checks the ids before it returns
     (on CUDA it waits for the stream); with one it only enqueues, and ``workspace.check()`` reports."""
+    if not isinstance(routed_experts, torch.Tensor):
+        raise TypeError(f"count_loads: routed_experts must be a torch.Tensor, got {describe(routed_experts)} (for "
+                        f"NumPy arrays and lists: foremoe.count_loads)")
+    num_experts = integer(num_experts, "count_loads: num_experts")
     device = routed_experts.device.type
     ids = _borrow(routed_experts, "count_loads: routed_experts", device)
     offs = _host_i64(microbatch_offsets, "count_loads: microbatch_offsets")
     if ids.dim() != 3:
         raise ValueError(f"count_loads: routed_experts must be [tokens, layers, topk], got shape {tuple(ids.shape)}")
     num_micro = 1 if offs is None else max(len(offs) - 1, 0)
-    lmap = None if layer_map is None else [int(v) for v in layer_map]
+    lmap = None if layer_map is None else int_list(layer_map, "count_loads: layer_map")
     num_moe = ids.shape[1] if lmap is None else max([v + 1 for v in lmap] + [0])
     if out is None:
-        out = torch.empty((num_micro, num_moe, int(num_experts)), dtype=torch.int64, device=routed_experts.device)
-    _core.runtime_count_loads(ids, _borrow(out, "count_loads: out", device), int(num_experts), offs, lmap,
-                              int(threads), _stream_of(ids), _TIMEOUT_MS, _workspace(workspace))
+        out = torch.empty((num_micro, num_moe, num_experts), dtype=torch.int64, device=routed_experts.device)
+    _core.runtime_count_loads(ids, _borrow(out, "count_loads: out", device), num_experts, offs, lmap,
+                              integer(threads, "count_loads: threads"), _stream_of(ids), _TIMEOUT_MS,
+                              _workspace(workspace))
     return out
 
 
@@ -417,7 +419,12 @@ def map_tokens(
     :func:`count_loads`."""
     if not isinstance(plan, _core.Plan):
         raise TypeError(f"map_tokens: plan must be a foremoe.Plan, got {type(plan).__name__}")
-    if not 0 <= int(layer) < plan.num_layers:
+    layer = integer(layer, "map_tokens: layer")
+    trace_layer = layer if trace_layer is None else integer(trace_layer, "map_tokens: trace_layer")
+    if not isinstance(routed_experts, torch.Tensor):
+        raise TypeError(f"map_tokens: routed_experts must be a torch.Tensor, got {describe(routed_experts)} (for "
+                        f"NumPy arrays and lists: foremoe.Plan.map_tokens)")
+    if not 0 <= layer < plan.num_layers:
         raise ValueError(f"map_tokens: layer {layer} outside [0, {plan.num_layers})")
     device = routed_experts.device.type
     ids = _borrow(routed_experts, "map_tokens: routed_experts", device)
@@ -428,6 +435,6 @@ def map_tokens(
     slot_expert = np.ascontiguousarray(plan.phys_to_log[layer])
     slot_tokens = np.ascontiguousarray(plan.slot_tokens[layer]).reshape(-1)
     _core.runtime_map_tokens(ids, _borrow(out, "map_tokens: out", device),
-                             int(layer if trace_layer is None else trace_layer), plan.num_experts, slot_expert,
+                             trace_layer, plan.num_experts, slot_expert,
                              slot_tokens, 1, None, _stream_of(ids), _TIMEOUT_MS, _workspace(workspace))
     return out

@@ -48,6 +48,7 @@ from torch import nn
 
 import foremoe
 from foremoe import _core
+from foremoe._args import int_array, integer
 
 from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
 from .distributed import gather_rows, gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
@@ -68,6 +69,8 @@ ExpertFn = Callable[..., torch.Tensor]
 
 def contiguous_owners(num_experts: int, world: int) -> np.ndarray:
     """Megatron's expert-parallel sharding: rank ``g`` owns experts ``[g * E / G, (g + 1) * E / G)``."""
+    num_experts = integer(num_experts, "contiguous_owners: num_experts")
+    world = integer(world, "contiguous_owners: world")
     if world <= 0 or num_experts % world:
         raise ValueError(f"contiguous_owners: {num_experts} experts do not split evenly over {world} ranks")
     return np.repeat(np.arange(world, dtype=np.int32), num_experts // world)
@@ -115,7 +118,9 @@ class ExpertStorage:
                  mirror: bool = False, group: Any = None, verify: bool = True, faults: Any = None,
                  double_buffer: bool = False, timeout: float = DEFAULT_TIMEOUT,
                  _full: Optional[Mapping[str, torch.Tensor]] = None):
-        own = np.ascontiguousarray(np.asarray(owners), dtype=np.int32)
+        own = int_array(owners, "ExpertStorage: owners", dtype=np.int32)  # an owner past int32 never wraps
+        slots, rank, world = (integer(v, f"ExpertStorage: {k}") for k, v in
+                              (("slots", slots), ("rank", rank), ("world", world)))
         if own.ndim != 1 or own.size == 0:
             raise ValueError(f"ExpertStorage: owners must be [experts], got shape {list(own.shape)}")
         if own.min() < 0 or own.max() >= world:
@@ -183,7 +188,8 @@ class ExpertStorage:
                   world: int, mirror: bool = False, **options: Any) -> "ExpertStorage":
         """Storage from the weights of all experts ``{kind: [E, ...]}``: this rank keeps its owned rows (and, with
         ``mirror``, all of them in its host mirror, without a collective). ``options``: the constructor's."""
-        own = np.asarray(owners)
+        own = int_array(owners, "ExpertStorage: owners", dtype=np.int32)
+        rank = integer(rank, "ExpertStorage: rank")
         mine = torch.from_numpy(np.flatnonzero(own == rank).astype(np.int64))
         picked = {}
         for name, w in weights.items():
@@ -273,7 +279,7 @@ class ExpertStorage:
         if getattr(self, "_owner_planner", None) is None:
             topo = foremoe.Topology(1, self.world, self.slots)
             self._owner_planner = foremoe.Planner(topo, move_budget=0, threads=1)
-        return self._owner_planner.plan(np.asarray(loads, dtype=np.int64)[None], owners=self.owners)
+        return self._owner_planner.plan(int_array(loads, "owner_plan: loads")[None], owners=self.owners)
 
     def check_plan(self, plan: "foremoe.Plan", layer: int) -> np.ndarray:
         """Checks that ``plan``'s layer ``layer`` fits this storage (ranks, slots, experts, owners; that it keeps
@@ -285,6 +291,7 @@ class ExpertStorage:
         if plan.num_experts != self.num_experts:
             raise ValueError(f"ExpertStorage: the plan has {plan.num_experts} experts, the storage "
                              f"{self.num_experts}")
+        layer = integer(layer, "ExpertStorage: plan layer", 0, plan.num_layers - 1)  # -1 would be the last one
         owner = plan.owner_gpu[layer]
         if not np.array_equal(owner, self.owners):
             e = int(np.flatnonzero(owner != self.owners)[0])
@@ -301,8 +308,9 @@ class ExpertStorage:
         the replica gradient transfers naming this rank. A replica is reused when its rank holds it already and
         its owner is not in ``changed`` (ranks whose owner weights changed since the last sync)."""
         flags = np.zeros(self.world, dtype=np.uint8)
-        flags[np.asarray(list(changed), dtype=np.int64)] = 1
-        out = _core.replica_sync(plan, int(layer), self.owners, self.resident_rows, flags, self.rank)
+        flags[int_array(list(changed), "bookkeep: changed", lo=0, hi=self.world - 1)] = 1
+        out = _core.replica_sync(plan, integer(layer, "bookkeep: layer"), self.owners, self.resident_rows, flags,
+                                 self.rank)
         if self.double_buffer:  # a move goes to the other copy of its row: the one in use stays intact
             out = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
             mine = out["my_moves"][:, 3] == self.rank
@@ -327,6 +335,7 @@ class ExpertStorage:
         installs them. ``prefetch_state`` ``[G, 2]`` (every rank's :meth:`prefetch_flags`, gathered) makes every
         rank raise ``ValueError`` together when a rank's prefetch does not match this call (another placement or
         layer, owner weights changed since, or not every rank prefetched). Returns :meth:`bookkeep`'s result."""
+        layer = integer(layer, "ExpertStorage.sync: layer")
         self.check_plan(plan, layer)
         self._check_prefetch(prefetch_state, plan, layer, timeout)
         self.check_mirrors(stale_mirrors)
@@ -362,6 +371,7 @@ class ExpertStorage:
         if self._pending is not None:
             raise ValueError(f"ExpertStorage.prefetch: layer {self._pending['layer']} already has prefetched moves "
                              f"that no call of the layer has used yet (prefetch once per call, in call order)")
+        layer = integer(layer, "ExpertStorage.prefetch: layer")
         check_plan(plan, layer, self.world, "ExpertStorage.prefetch")
         self.check_plan(plan, layer)
         _, flags = gather_source_loads(None, 0, group=group, flags=(int(self.owners_changed()),
@@ -674,6 +684,7 @@ def balanced_moe(
     ``plan=None`` runs plain expert parallelism (every expert on its owner, no replica): the run without
     ForeMoE, and a rollout's forward before any routing is known.
     """
+    layer = integer(layer, "balanced_moe: layer")
     G = group_size(group)
     if G != storage.world:
         raise ValueError(f"balanced_moe: the process group has {G} ranks, the storage was made for {storage.world}")
@@ -774,7 +785,8 @@ class BalancedMoE(nn.Module):
         if fn is None:
             raise ValueError("BalancedMoE: pass expert_fn or give the experts module an expert(x, *weights) method")
         G, r = group_size(group), group_rank(group)
-        own = contiguous_owners(E, G) if owners is None else np.asarray(owners, dtype=np.int32)
+        own = contiguous_owners(E, G) if owners is None else int_array(owners, "BalancedMoE: owners", dtype=np.int32)
+        slots, layer = integer(slots, "BalancedMoE: slots"), integer(layer, "BalancedMoE: layer", 0)
         if own.shape != (E,):
             raise ValueError(f"BalancedMoE: owners must be [{E}], got shape {list(own.shape)}")
         self.storage = ExpertStorage.from_full(full, own, slots, rank=r, world=G, mirror=mirror, verify=verify,

@@ -38,11 +38,15 @@ may be prefetched during this one, and the result is bitwise that of the synchro
 **Never a hang.** Every wait has a deadline (``timeout``); an exception in the planning thread is re-raised in the
 caller by the :meth:`~ReplayDriver.plan` call that needs it, as :class:`ReplayError` naming the micro-step and
 chained to the original; :meth:`~ReplayDriver.close` (or leaving a ``with`` block) stops the thread and joins it.
+A driver never closed (the trainer raised first, no ``with``) is stopped and joined when the interpreter exits,
+before it finalizes, and when it is collected, so the process ends with its own exit status.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 import time
 import weakref
@@ -53,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 import foremoe
+from foremoe._args import int_array, integer, optional_integer, to_numpy
 
 from .distributed import DEFAULT_TIMEOUT, gather_checked, group_rank, group_size, wait
 
@@ -108,17 +113,18 @@ def _on_device(x: Any) -> bool:
 def _count(ids: Any, offsets: Any, num_experts: int, layer_map: Any, mask: Any, counter: Optional[Counter],
            who: str) -> np.ndarray:
     """``[M, L, E]`` int64 loads of ``[T, L, K]`` ids: on the device with a device counter, else on the CPU."""
+    num_experts = integer(num_experts, f"{who}: num_experts")
     if _on_device(ids):
         fn = counter or _device_counter()
         if fn is not None:
-            out = fn(ids, offsets, num_experts=int(num_experts), layer_map=layer_map, mask=mask)
+            out = fn(ids, offsets, num_experts=num_experts, layer_map=layer_map, mask=mask)
             out = out.cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
             return np.ascontiguousarray(out, dtype=np.int64)
         ids = ids.cpu()  # no device counter in this build: one copy to the host
     if isinstance(mask, torch.Tensor):
         mask = mask.cpu()
     try:
-        return foremoe.count_loads(ids, offsets, num_experts=int(num_experts), layer_map=layer_map, mask=mask)
+        return foremoe.count_loads(ids, offsets, num_experts=num_experts, layer_map=layer_map, mask=mask)
     except ValueError as e:
         raise ValueError(f"{who}: {e}") from None
 
@@ -153,7 +159,7 @@ def _token_offsets(offsets: Any, who: str) -> Optional[np.ndarray]:
     if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
         raise ValueError(f"{who}: microbatch_offsets must be [micro_steps + 1] integers, got shape {list(a.shape)}, "
                          f"dtype {a.dtype}")
-    return a.astype(np.int64)
+    return int_array(a, f"{who}: microbatch_offsets")  # a uint64 past int64 is named, not wrapped negative
 
 
 def _groups(micro_batches: Any, n: int, who: str, unit: str) -> List[np.ndarray]:
@@ -161,8 +167,8 @@ def _groups(micro_batches: Any, n: int, who: str, unit: str) -> List[np.ndarray]
     lists of indices; every item in exactly one micro-batch."""
     if micro_batches is None:
         return [np.arange(n, dtype=np.int64)]
-    if isinstance(micro_batches, (int, np.integer)):
-        size = int(micro_batches)
+    if isinstance(micro_batches, (int, float, np.integer, np.floating)):
+        size = integer(micro_batches, f"{who}: micro_batches")
         if size <= 0:
             raise ValueError(f"{who}: micro-batch size must be positive, got {size}")
         return [np.arange(i, min(i + size, n), dtype=np.int64) for i in range(0, n, size)] or [np.zeros(0, np.int64)]
@@ -172,7 +178,7 @@ def _groups(micro_batches: Any, n: int, who: str, unit: str) -> List[np.ndarray]
         a = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx).reshape(-1)
         if a.size and a.dtype.kind not in "iu":
             raise ValueError(f"{who}: micro-batch {m} must list {unit} indices, got dtype {a.dtype}")
-        a = a.astype(np.int64)
+        a = int_array(a, f"{who}: micro-batch {m}")
         out = a[(a < 0) | (a >= n)]
         if out.size:
             raise ValueError(f"{who}: micro-batch {m} names {unit} {int(out[0])}, outside [0, {n})")
@@ -419,26 +425,46 @@ def _sum_over_group(loads: Optional[np.ndarray], group: Any, timeout: float,
 
 def _checked_loads(loads: Any, num_layers: Optional[int], owners: Any) -> Any:
     """``([M, L, E] int64 loads, [L, E] int32 owners or None)``, or ``ValueError`` naming what is wrong."""
-    a = np.asarray(loads)
+    a = to_numpy(loads)  # a tensor that requires grad: its values
     if a.ndim != 3 or a.shape[0] == 0:
         raise ValueError(f"ReplayDriver: loads must be [micro_steps, layers, experts] with at least one micro-step, "
                          f"got shape {list(a.shape)}")
     if a.size and a.dtype.kind not in "iu":
         raise ValueError(f"ReplayDriver: loads must hold integer counts, got dtype {a.dtype}")
-    a = np.ascontiguousarray(a, dtype=np.int64)
+    a = int_array(a, "ReplayDriver: loads")  # a uint64 past int64 is named, not wrapped to a negative load
     if a.size and a.min() < 0:
         raise ValueError(f"ReplayDriver: negative load {int(a.min())} at "
                          f"[micro_step, layer, expert] {np.argwhere(a < 0)[0].tolist()}")
-    if num_layers is not None and int(num_layers) != a.shape[1]:
+    num_layers = optional_integer(num_layers, "ReplayDriver: num_layers")
+    if num_layers is not None and num_layers != a.shape[1]:
         raise ValueError(f"ReplayDriver: the recorded routing has {a.shape[1]} MoE layers, the model "
                          f"{int(num_layers)} (pass layer_map to drop dense layers from the trace)")
     if owners is None:
         return a, None
-    o = np.asarray(owners)
+    o = to_numpy(owners)
     if o.dtype.kind not in "iu" or o.shape not in ((a.shape[2],), a.shape[1:]):
         raise ValueError(f"ReplayDriver: owners must be [{a.shape[2]}] or {list(a.shape[1:])} integer ranks, "
                          f"got shape {list(o.shape)}, dtype {o.dtype}")
-    return a, np.ascontiguousarray(np.broadcast_to(o, a.shape[1:]), dtype=np.int32)
+    o = int_array(o, "ReplayDriver: owners", dtype=np.int32)  # an owner past int32 never wraps onto another rank
+    return a, np.ascontiguousarray(np.broadcast_to(o, a.shape[1:]))
+
+
+# Every driver whose thread was started, until it is collected: joined at interpreter exit (see _join_at_exit).
+_DRIVERS: "weakref.WeakSet[ReplayDriver]" = weakref.WeakSet()
+
+
+def _join_at_exit() -> None:
+    """Stops and joins every driver's planning thread while the interpreter can still run threads.
+
+    The thread is a daemon (it never keeps a process alive by itself), but a daemon thread still inside a C++
+    planner call when finalization starts is ended by the interpreter when that call retakes the GIL; the unwind
+    crosses the binding's noexcept frames and the process aborts ("terminate called without an active exception",
+    exit 134) instead of exiting with its own status. atexit handlers run before finalization starts."""
+    for driver in list(_DRIVERS):
+        driver._shutdown(driver.timeout, "at interpreter exit")
+
+
+atexit.register(_join_at_exit)
 
 
 class ReplayDriver:
@@ -599,6 +625,7 @@ class ReplayDriver:
             raise RuntimeError("ReplayDriver: start after close")
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"foremoe-replay-{self.stage}", daemon=True)
+            _DRIVERS.add(self)
             self._thread.start()
         return self
 
@@ -653,8 +680,9 @@ class ReplayDriver:
         if not 0 <= m < self.num_micro_steps:
             raise ValueError(f"ReplayDriver.plan: micro-step {m} outside the {self.stage} stage's "
                              f"[0, {self.num_micro_steps}) micro-steps")
-        if layer is not None and not 0 <= int(layer) < self.num_layers:
-            raise ValueError(f"ReplayDriver.plan: layer {int(layer)} outside the recorded routing's "
+        layer = optional_integer(layer, "ReplayDriver.plan: layer")
+        if layer is not None and not 0 <= layer < self.num_layers:
+            raise ValueError(f"ReplayDriver.plan: layer {layer} outside the recorded routing's "
                              f"[0, {self.num_layers}) MoE layers")
         limit = self.timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + limit
@@ -703,22 +731,38 @@ class ReplayDriver:
 
     def ready(self, micro_step: int) -> bool:
         """Whether micro-step ``micro_step`` is planned (never waits)."""
-        return self._plans[int(micro_step)] is not None
+        return self._plans[integer(micro_step, "ReplayDriver.ready: micro_step", 0, self.num_micro_steps - 1)] \
+            is not None
 
     def close(self, timeout: Optional[float] = None) -> None:
         """Stops planning after the micro-step in progress and joins the thread (at most ``timeout`` seconds,
         default the driver's; ``RuntimeError`` when it does not end by then). Plans already made stay available."""
+        limit = self.timeout if timeout is None else float(timeout)
+        if not self._shutdown(limit):
+            raise RuntimeError(f"ReplayDriver: the planning thread did not stop within {limit:g} s (a planner "
+                               f"call still running)")
+
+    def _shutdown(self, limit: float, when: str = "") -> bool:
+        """Stops the thread after the micro-step in progress and joins it for at most ``limit`` seconds; whether
+        it ended (or never ran). Never raises: it also runs from ``__del__`` and at interpreter exit (``when``: the
+        warning on stderr when the thread outlives the wait there)."""
         self._stop.set()
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         t = self._thread
-        if t is not None and t is not threading.current_thread():
-            limit = self.timeout if timeout is None else float(timeout)
-            t.join(limit)
-            if t.is_alive():
-                raise RuntimeError(f"ReplayDriver: the planning thread did not stop within {limit:g} s (a planner "
-                                   f"call still running)")
+        if t is None or t is threading.current_thread():
+            return True
+        t.join(limit)
+        if not t.is_alive():
+            return True
+        if when and sys.stderr is not None:
+            try:
+                sys.stderr.write(f"foremoe.torch.ReplayDriver: the planning thread did not stop within {limit:g} s "
+                                 f"{when} (a planner call still running)\n")
+            except Exception:  # noqa: BLE001 - a closed stderr at exit
+                pass
+        return False
 
     def __enter__(self) -> "ReplayDriver":
         return self
@@ -726,10 +770,14 @@ class ReplayDriver:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def __del__(self) -> None:  # pragma: no cover - best effort
+    def __del__(self) -> None:
+        # The thread holds the driver (its target is a bound method), so a driver is collected with its thread
+        # finished or never started, or during finalization: stop and join it without raising.
+        if getattr(self, "_cond", None) is None:
+            return  # __init__ failed before the thread's state existed
         try:
-            self._stop.set()
-        except Exception:  # noqa: BLE001
+            self._shutdown(self.timeout, "when the driver was collected")
+        except Exception:  # noqa: BLE001 - never raise from __del__
             pass
 
     def __repr__(self) -> str:
