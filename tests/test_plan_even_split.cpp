@@ -3,10 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
@@ -20,6 +19,17 @@ using namespace foremoe;
 namespace {
 
 double peak(const std::vector<double> &loads) { return *std::max_element(loads.begin(), loads.end()); }
+
+bool has_duplicate(const std::vector<std::int32_t> &phys_to_log, int num_gpus) {
+  const std::size_t per_gpu = phys_to_log.size() / static_cast<std::size_t>(num_gpus);
+  for (std::size_t g = 0; g < phys_to_log.size(); g += per_gpu) {
+    std::vector<std::int32_t> row(phys_to_log.begin() + static_cast<std::ptrdiff_t>(g),
+                                  phys_to_log.begin() + static_cast<std::ptrdiff_t>(g + per_gpu));
+    std::sort(row.begin(), row.end());
+    if (std::adjacent_find(row.begin(), row.end()) != row.end()) return true;
+  }
+  return false;
+}
 
 /// EPLB's output contract, and no two copies of an expert on one GPU.
 void check_contract(const EplbLayer &layer, int num_experts, int num_gpus) {
@@ -74,10 +84,23 @@ TEST_CASE("even_split: a hot expert gets one copy per GPU, not two on one") {
   CHECK(peak(even_split_gpu_loads(ours.phys_to_log, w, 2)) == doctest::Approx(55.0));
 }
 
+TEST_CASE("even_split: where only EPLB's duplicates reach its peak, the duplicate-free optimum") {
+  // 8 experts, 2 GPUs x 7 slots. Without duplicates every expert has one or two copies: six on both GPUs, one
+  // single on each, so the peak is at least total / 2 + min |wi - wj| / 2 = 49.5 + 0.5. EPLB puts two of the
+  // hottest expert's three copies on one GPU and reaches 49.5.
+  const std::vector<double> w{5, 14, 18, 12, 10, 17, 7, 16};
+  const EplbLayer eplb = eplb_rebalance_layer(w, 14, 1, 1, 2);
+  CHECK(has_duplicate(eplb.phys_to_log, 2));
+  CHECK(peak(even_split_gpu_loads(eplb.phys_to_log, w, 2)) == 49.5);
+  const EplbLayer ours = even_split_rebalance_layer(w, 14, 1, 1, 2);
+  check_contract(ours, 8, 2);
+  CHECK(peak(even_split_gpu_loads(ours.phys_to_log, w, 2)) == 50.0);
+}
+
 TEST_CASE("even_split: never a higher peak than EPLB, random and skewed loads") {
   std::mt19937_64 rng(2024);
   const int cases = 400 * foremoe_test::seed_multiplier();
-  int better = 0;
+  int better = 0, above = 0;
   for (int c = 0; c < cases; ++c) {
     const int nodes = std::vector<int>{1, 1, 2, 4}[rng() % 4];
     const int gpus = nodes * std::vector<int>{1, 2, 4, 8}[rng() % 4];
@@ -101,23 +124,26 @@ TEST_CASE("even_split: never a higher peak than EPLB, random and skewed loads") 
     const EplbLayer ours = even_split_rebalance_layer(w, gpus * S, groups, nodes, gpus);
     check_contract(ours, E, gpus);
     const double p_ours = peak(even_split_gpu_loads(ours.phys_to_log, w, gpus));
-    const double p_eplb = peak(even_split_gpu_loads(eplb_rebalance_layer(w, gpus * S, groups, nodes, gpus).phys_to_log,
-                                                    w, gpus));
-    CHECK(p_ours <= p_eplb * (1 + 1e-12));
-    if (p_ours > p_eplb * (1 + 1e-12) && std::getenv("DUMP")) {
-      for (double v : w) printf("%g,", v);
-      printf(" | E=%d G=%d S=%d N=%d groups=%d ours=%g eplb=%g\n", E, gpus, S, nodes, groups, p_ours, p_eplb);
+    const EplbLayer eplb = eplb_rebalance_layer(w, gpus * S, groups, nodes, gpus);
+    const double p_eplb = peak(even_split_gpu_loads(eplb.phys_to_log, w, gpus));
+    // Strict where EPLB's placement has no duplicate (the search starts from it) and on shapes with >= 16 experts,
+    // at most half of them per GPU; elsewhere EPLB's duplicates can reach a peak that no duplicate-free placement
+    // does (see the case below), bounded here.
+    if (!has_duplicate(eplb.phys_to_log, gpus) || (E >= 16 && 2 * S <= E)) {
+      CHECK(p_ours <= p_eplb * (1 + 1e-12));
+    } else {
+      CHECK(p_ours <= p_eplb * 1.05);
+      above += p_ours > p_eplb * (1 + 1e-12) ? 1 : 0;
     }
     better += p_ours < p_eplb * (1 - 1e-9) ? 1 : 0;
   }
-  MESSAGE(better, " of ", cases, " layers strictly better than EPLB");
+  MESSAGE(better, " of ", cases, " layers below EPLB's peak, ", above, " above it (EPLB with duplicates)");
   CHECK(better > cases / 4);
 }
 
 TEST_CASE("even_split: argument errors name the bad value") {
   const std::vector<double> w{1, 2, 3, 4};
-  CHECK_THROWS_WITH_AS(even_split_rebalance_layer(w, 10, 1, 1, 1), doctest::Contains("10 slots per GPU exceed"),
-                       Error);
+  CHECK_THROWS_WITH_AS(even_split_rebalance_layer(w, 10, 1, 1, 1), doctest::Contains("10 slots per GPU exceed"), Error);
   CHECK_THROWS_WITH_AS(even_split_rebalance_layer(w, 6, 1, 1, 4), doctest::Contains("do not divide over 4 GPUs"),
                        Error);
   const std::vector<double> bad{1, -2, 3, 4};
@@ -125,8 +151,8 @@ TEST_CASE("even_split: argument errors name the bad value") {
 }
 
 TEST_CASE("even_split: DeepSeek-V3 profiles, median max/mean under the even split vs EPLB") {
-  for (const char *name : {"prefill_in1024", "decode_in2000out100"}) {
-    const auto file = foremoe_test::data_path(std::string("deepseek-v3-sglang/") + name + ".npy");
+  for (const std::string name : {"prefill_in1024", "decode_in2000out100"}) {
+    const auto file = foremoe_test::data_path("deepseek-v3-sglang/" + name + ".npy");
     if (file.empty()) return;
     const NpyArray a = read_npy(file);
     REQUIRE(a.shape == std::vector<std::int64_t>{58, 256});

@@ -5,7 +5,14 @@ The reference below is DeepSeek EPLB's algorithm, re-implemented here from its d
 library's C++ re-implementation): greedy replication by load per copy, balanced packing (items by weight,
 descending, each to the lightest pack that still has room), hierarchical (groups to nodes, replicas inside each
 node, the node's physical experts to its GPUs) when the groups divide over the nodes, else global.
-FOREMOE_TEST_SEEDS=N runs N random cases instead of the default.
+FOREMOE_TEST_SEEDS=N runs N times as many random cases.
+
+Where EPLB's placement holds two copies of one expert on a GPU, it splits that expert unevenly over GPUs, which no
+placement without such pairs can; on small shapes that can reach a peak no duplicate-free placement reaches
+(test_duplicate_free_cannot_always_match_eplb shows one exhaustively). So "never above EPLB" is asserted on every
+layer where EPLB's placement has no duplicate (the search starts from it and never raises its peak) and on every
+layer of shapes with at least 16 experts and at most half of them per GPU (DeepSeek-V3's 256 experts on 32-64 GPUs
+are far inside); elsewhere the result may exceed EPLB's peak by at most 5 %.
 """
 
 import os
@@ -131,26 +138,54 @@ def _case(seed):
     rng = np.random.default_rng(1000 + seed)
     N = int(rng.choice([1, 1, 2, 4]))
     G = N * int(rng.choice([1, 2, 4, 8]))
-    E = int(rng.choice([d for d in (8, 12, 16, 24, 32, 48, 64) if d % N == 0]))
+    E = int(rng.choice([d for d in (8, 12, 16, 24, 32, 48, 64, 128) if d % N == 0]))
     S_min = -(-E // G)
     S = int(rng.integers(S_min, min(E, S_min * 4) + 1))
     R = G * S
     groups = int(rng.choice([d for d in (1, 2, 4, 8, 16) if E % d == 0]))
-    L = int(rng.integers(1, 4))
+    L = int(rng.integers(1, 4)) if E <= 64 else 1
     return _loads(rng, L, E), R, groups, N, G
 
 
-_SEEDS = int(os.environ.get("FOREMOE_TEST_SEEDS", "300"))
+_SEEDS = 300 * max(1, int(os.environ.get("FOREMOE_TEST_SEEDS", "1") or 1))
+
+
+def has_duplicate(phy2log, num_gpus):
+    """[L] whether a GPU holds two copies of one expert."""
+    L, R = phy2log.shape
+    rows = np.sort(phy2log.reshape(L, num_gpus, R // num_gpus), axis=2)
+    return (np.diff(rows, axis=2) == 0).any(axis=(1, 2))
 
 
 @pytest.mark.parametrize("seed", range(_SEEDS))
 def test_even_split_never_less_balanced_than_eplb(seed):
     w, R, groups, N, G = _case(seed)
+    E, S = w.shape[1], R // G
     out = foremoe.rebalance_experts(w, R, groups, N, G)  # split="even" is the default
     check_contract(w, R, G, out)
     ours = even_split_gpu_loads(w, out[0], G).max(axis=1)
-    theirs = even_split_gpu_loads(w, ref_eplb(w, R, groups, N, G), G).max(axis=1)
-    assert (ours <= theirs * (1 + 1e-9) + 1e-12).all(), (ours, theirs)
+    eplb = ref_eplb(w, R, groups, N, G)
+    theirs = even_split_gpu_loads(w, eplb, G).max(axis=1)
+    strict = ~has_duplicate(eplb, G) | (E >= 16 and 2 * S <= E)
+    tol = theirs * 1e-9 + 1e-12
+    assert (ours[strict] <= theirs[strict] + tol[strict]).all(), (ours, theirs, strict)
+    assert (ours <= theirs * 1.05 + tol).all(), (ours, theirs)
+
+
+def test_duplicate_free_cannot_always_match_eplb():
+    # 8 experts on 2 GPUs x 7 slots. Without duplicates every expert has 1 or 2 copies: 6 on both GPUs and one
+    # single on each, so a GPU carries (total - wi - wj) / 2 + wi and the best peak is total / 2 + min |wi - wj| / 2
+    # = 49.5 + 0.5. EPLB gives the hottest expert 3 copies, two on one GPU (2/3 of it there), and reaches 49.5.
+    w = np.array([[5.0, 14, 18, 12, 10, 17, 7, 16]])
+    total = w.sum()
+    best_free = min((total - a - b) / 2 + max(a, b) for i, a in enumerate(w[0]) for b in w[0][i + 1:])
+    assert best_free == 50.0
+    eplb = ref_eplb(w, 14, 1, 1, 2)
+    assert has_duplicate(eplb, 2)[0]
+    assert even_split_gpu_loads(w, eplb, 2).max() == 49.5
+    out = foremoe.rebalance_experts(w, 14, 1, 1, 2)
+    check_contract(w, 14, 2, out)
+    assert even_split_gpu_loads(w, out[0], 2).max() == best_free  # the duplicate-free optimum
 
 
 def test_even_split_on_shapes_eplb_refuses():

@@ -68,6 +68,26 @@ public:
     }
   }
 
+  /// Puts expert `e` in slot `s` of GPU `g`; the loads of every GPU holding the old or the new expert (their
+  /// loads per copy change) are summed afresh.
+  void set_slot(int g, int s, int e) {
+    std::int32_t &cell = p2l_[static_cast<std::size_t>(g) * slots_ + s];
+    const int old = cell;
+    if (old == e) return;
+    cell = e;
+    --count_[old];
+    --on(g, old);
+    ++count_[e];
+    ++on(g, e);
+    for (int q = 0; q < num_gpus_; ++q)
+      if (q == g || on(q, old) > 0 || on(q, e) > 0) {
+        double sum = 0.0;
+        for (int t = 0; t < slots_; ++t)
+          sum += share(p2l_[static_cast<std::size_t>(q) * slots_ + t]);
+        load_[q] = sum;
+      }
+  }
+
   [[nodiscard]] double share(int e) const { return w_[e] / count_[e]; }
   [[nodiscard]] double share_with(int e, int copies) const { return w_[e] / copies; }
   [[nodiscard]] std::int32_t &on(int g, int e) { return on_[static_cast<std::size_t>(g) * num_experts_ + e]; }
@@ -120,36 +140,65 @@ public:
 /// A move of the local search (see the file comment); `kind` none when nothing qualifies.
 struct EvenSplitMove {
   enum Kind { none, swap, grow, shrink } kind = none;
-  int gpu = -1, slot = -1;       ///< the copy on the GPU being lowered (swap, grow: keeps it; shrink: replaces it)
+  int gpu = -1, slot = -1;        ///< the copy on the GPU being lowered (swap, grow: keeps it; shrink: replaces it)
   int other_gpu = -1, other = -1; ///< swap: GPU and slot of the other copy; grow: GPU and slot the new copy takes
-  int expert = -1;               ///< shrink: the expert that takes the slot
-  double bound = 0.0;            ///< upper bound of the largest load among the GPUs the move changes
+  int expert = -1;                ///< shrink: the expert that takes the slot
+  double bound = 0.0;             ///< upper bound of the largest load among the GPUs the move changes
 };
 
-/// Applies `m` and recomputes the loads.
+/// Applies `m`.
 inline void apply_move(EvenSplitState &st, const EvenSplitMove &m) {
   switch (m.kind) {
-  case EvenSplitMove::swap: std::swap(st.slot(m.gpu, m.slot), st.slot(m.other_gpu, m.other)); break;
-  case EvenSplitMove::grow: st.slot(m.other_gpu, m.other) = st.slot(m.gpu, m.slot); break;
-  case EvenSplitMove::shrink: st.slot(m.gpu, m.slot) = m.expert; break;
-  case EvenSplitMove::none: return;
+  case EvenSplitMove::swap: {
+    const int a = st.slot(m.gpu, m.slot), b = st.slot(m.other_gpu, m.other);
+    st.set_slot(m.gpu, m.slot, b);
+    st.set_slot(m.other_gpu, m.other, a);
+    break;
   }
-  st.recompute();
+  case EvenSplitMove::grow: st.set_slot(m.other_gpu, m.other, st.slot(m.gpu, m.slot)); break;
+  case EvenSplitMove::shrink: st.set_slot(m.gpu, m.slot, m.expert); break;
+  case EvenSplitMove::none: break;
+  }
 }
 
-/// Per expert with two or more copies: how much more each copy carries with one copy fewer, and the two highest
-/// loads of the GPUs other than `skip` holding it after that (a placement without duplicates).
-struct GrowCache {
-  std::vector<double> up;
+/// What every move from GPU `g` needs, computed once per GPU and round: each slot's load, whether its expert is
+/// also on `g`, the expert whose next copy is lightest among those not on `g` (for shrinks) and, for grows, per
+/// expert with two or more copies how much more each copy carries with one copy fewer and the two highest loads of
+/// the GPUs other than `g` holding it after that (the latter assume a placement without duplicates).
+struct MoveContext {
+  int gpu = -1;
+  std::vector<double> slot_share, up;
+  std::vector<std::uint8_t> on_gpu;
   std::vector<EvenSplitState::Top2> top;
-  void build(const EvenSplitState &st, int skip) {
-    const int E = st.num_experts_, S = st.slots_;
+  int lightest_new = -1;
+  double lightest_new_share = 0.0;
+
+  void build(const EvenSplitState &st, int g, bool grow) {
+    const int E = st.num_experts_, G = st.num_gpus_, S = st.slots_, R = G * S;
+    gpu = g;
+    slot_share.resize(static_cast<std::size_t>(R));
+    on_gpu.resize(static_cast<std::size_t>(R));
+    for (int p = 0; p < R; ++p) {
+      const int e = st.p2l_[p];
+      slot_share[p] = st.share(e);
+      on_gpu[p] = st.on(g, e) > 0 ? 1 : 0;
+    }
+    lightest_new = -1;
+    for (int e = 0; e < E; ++e) {
+      if (st.on(g, e) > 0 || st.count_[e] >= G) continue;
+      const double v = st.share_with(e, st.count_[e] + 1);
+      if (lightest_new < 0 || v < lightest_new_share) {
+        lightest_new = e;
+        lightest_new_share = v;
+      }
+    }
+    if (!grow) return;
     up.assign(static_cast<std::size_t>(E), 0.0);
     top.assign(static_cast<std::size_t>(E), {});
     for (int x = 0; x < E; ++x)
       if (st.count_[x] >= 2) up[x] = st.share_with(x, st.count_[x] - 1) - st.share(x);
-    for (int q = 0; q < st.num_gpus_; ++q) {
-      if (q == skip) continue;
+    for (int q = 0; q < G; ++q) {
+      if (q == g) continue;
       for (int t = 0; t < S; ++t) {
         const int x = st.p2l_[static_cast<std::size_t>(q) * S + t];
         if (st.count_[x] < 2) continue;
@@ -169,67 +218,66 @@ struct GrowCache {
   }
 };
 
-/// The best move (smallest bound) that changes copy `slot` of GPU `g`. Descending (`grow` given, built for `g` on
-/// a placement without duplicates): every GPU the move changes ends strictly below `limit`, `g` included. Removing
-/// a duplicate (`grow` null): swaps in either direction and shrinks, every changed GPU at most `limit`.
-inline EvenSplitMove best_move_from(const EvenSplitState &st, int g, int slot, double limit, const GrowCache *grow) {
-  const bool strict = grow != nullptr;
-  const int G = st.num_gpus_, S = st.slots_, E = st.num_experts_;
+/// The best move (smallest bound) that changes copy `slot` of GPU `ctx.gpu`. Descending (`grow`, on a placement
+/// without duplicates): every GPU the move changes ends strictly below `limit`, the GPU itself included. Removing
+/// a duplicate (not `grow`): swaps in either direction and shrinks, every changed GPU at most `limit`.
+inline EvenSplitMove best_move_from(const EvenSplitState &st, const MoveContext &ctx, int slot, double limit,
+                                    bool grow) {
+  const int G = st.num_gpus_, S = st.slots_, g = ctx.gpu;
+  const bool strict = grow;
   EvenSplitMove best;
+  double best_bound = limit;
   const auto better = [&](double v) {
-    if (best.kind != EvenSplitMove::none) return v < best.bound;
-    return strict ? v < limit : v <= limit;
+    return v < best_bound || (!strict && best.kind == EvenSplitMove::none && v <= limit);
   };
   const double load_g = st.load_[g];
   const int a = st.p2l_[static_cast<std::size_t>(g) * S + slot];
   const int ca = st.count_[a];
   const double sa = st.share(a);
-  // Swap a (on g) with b (on h): g loses sa - sb, h gains it.
-  for (int h = 0; h < G; ++h) {
-    if (h == g || st.on(h, a) > 0) continue;
-    for (int t = 0; t < S; ++t) {
-      const int b = st.p2l_[static_cast<std::size_t>(h) * S + t];
-      if (st.on(g, b) > 0) continue;
-      const double d = sa - st.share(b);
-      if (strict && d <= 0) continue;
-      const double v = std::max(load_g - d, st.load_[h] + d);
-      if (better(v)) best = {EvenSplitMove::swap, g, slot, h, t, -1, v};
-    }
-  }
-  // Shrink: a loses this copy (its other copies each carry more), the slot goes to the expert y not on g whose
-  // next copy is lightest.
-  if (ca >= 2) {
+  // Shrink: a loses this copy (its other copies each carry more), the slot goes to the expert not on g whose next
+  // copy is lightest.
+  if (ca >= 2 && ctx.lightest_new >= 0) {
     const double up = st.share_with(a, ca - 1) - sa;
-    const double others = st.raised_loads(a, up, g).value[0];
-    int y = -1;
-    double sy = 0;
-    for (int e = 0; e < E; ++e) {
-      if (st.on(g, e) > 0 || st.count_[e] >= G) continue;
-      const double s = st.share_with(e, st.count_[e] + 1);
-      if (y < 0 || s < sy) {
-        y = e;
-        sy = s;
-      }
-    }
-    if (y >= 0) {
-      const double v = std::max(load_g - sa + (st.on(g, a) - 1) * up + sy, others);
-      if (better(v)) best = {EvenSplitMove::shrink, g, slot, -1, -1, y, v};
+    const double v =
+        std::max(load_g - sa + (st.on(g, a) - 1) * up + ctx.lightest_new_share, st.raised_loads(a, up, g).value[0]);
+    if (better(v)) {
+      best = {EvenSplitMove::shrink, g, slot, -1, -1, ctx.lightest_new, v};
+      best_bound = v;
     }
   }
-  if (grow == nullptr || ca >= G) return best;
-  // Grow: a gets a copy on h in the slot of x (x keeps at least one copy; its others each carry more). GPUs that
-  // hold a as well carry less; the bound ignores that.
+  // Swap a (on g) with b (on h): g loses sa - sb, h gains it. Grow: a gets a copy on h in the slot of x (x keeps
+  // at least one copy, its others each carry more; GPUs that hold a as well carry less, which the bound ignores).
+  const bool can_grow = grow && ca < G;
   const double a_next = st.share_with(a, ca + 1);
-  const double g_after = load_g - (sa - a_next);
+  const double g_after_grow = load_g - (sa - a_next);
   for (int h = 0; h < G; ++h) {
     if (h == g || st.on(h, a) > 0) continue;
+    const double load_h = st.load_[h];
+    const bool can_swap = !strict || load_h < best_bound; // a swap raises h
+    if (!can_swap && !can_grow) continue;
     for (int t = 0; t < S; ++t) {
-      const int x = st.p2l_[static_cast<std::size_t>(h) * S + t];
-      if (st.count_[x] < 2) continue;
-      const double up = grow->up[x];
-      const double h_after = st.load_[h] - st.share(x) + a_next;
-      const double v = std::max({g_after + st.on(g, x) * up, h_after, grow->top[x].excluding(h)});
-      if (better(v)) best = {EvenSplitMove::grow, g, slot, h, t, -1, v};
+      const int p = h * S + t;
+      const double sb = ctx.slot_share[p];
+      if (can_swap && !ctx.on_gpu[p]) {
+        const double d = sa - sb;
+        if (!strict || d > 0) {
+          const double v = std::max(load_g - d, load_h + d);
+          if (better(v)) {
+            best = {EvenSplitMove::swap, g, slot, h, t, -1, v};
+            best_bound = v;
+          }
+        }
+      }
+      if (can_grow) {
+        const int x = st.p2l_[p];
+        if (st.count_[x] < 2) continue;
+        const double v =
+            std::max({g_after_grow + (ctx.on_gpu[p] ? ctx.up[x] : 0.0), load_h - sb + a_next, ctx.top[x].excluding(h)});
+        if (better(v)) {
+          best = {EvenSplitMove::grow, g, slot, h, t, -1, v};
+          best_bound = v;
+        }
+      }
     }
   }
   return best;
@@ -242,13 +290,18 @@ inline bool remove_duplicates(EvenSplitState &st, bool keep_peak) {
   for (int guard = 0; guard < G * S; ++guard) {
     const double limit = keep_peak ? st.peak() : std::numeric_limits<double>::infinity();
     EvenSplitMove best;
-    for (int g = 0; g < G; ++g)
+    MoveContext ctx;
+    for (int g = 0; g < G; ++g) {
+      bool built = false;
       for (int s = 0; s < S; ++s) {
         const int e = st.slot(g, s);
         if (st.on(g, e) < 2 || st.slot_of(g, e) != s) continue; // one candidate per duplicated expert and GPU
-        const EvenSplitMove m = best_move_from(st, g, s, limit, nullptr);
+        if (!built) ctx.build(st, g, false);
+        built = true;
+        const EvenSplitMove m = best_move_from(st, ctx, s, limit, false);
         if (m.kind != EvenSplitMove::none && (best.kind == EvenSplitMove::none || m.bound < best.bound)) best = m;
       }
+    }
     if (best.kind == EvenSplitMove::none) return !st.has_duplicate();
     apply_move(st, best);
   }
@@ -258,65 +311,42 @@ inline bool remove_duplicates(EvenSplitState &st, bool keep_peak) {
 /// Lowers the peak GPU load until no single move lowers the most loaded GPU.
 inline void lower_peak(EvenSplitState &st) {
   const int S = st.slots_;
-  GrowCache cache;
+  MoveContext ctx;
   const int max_rounds = 64 * st.num_gpus_ * S;
   for (int round = 0; round < max_rounds; ++round) {
     const int g = st.peak_gpu();
     const double peak = st.load_[g];
     // A relative margin keeps rounding in the recomputed sums from cycling.
     const double limit = peak - std::abs(peak) * 1e-13;
-    cache.build(st, g);
+    ctx.build(st, g, true);
     EvenSplitMove best;
     for (int s = 0; s < S; ++s) {
-      const EvenSplitMove m = best_move_from(st, g, s, limit, &cache);
-      if (m.kind != EvenSplitMove::none && (best.kind == EvenSplitMove::none || m.bound < best.bound)) best = m;
+      const EvenSplitMove m = best_move_from(st, ctx, s, best.kind == EvenSplitMove::none ? limit : best.bound, true);
+      if (m.kind != EvenSplitMove::none) best = m;
     }
     if (best.kind == EvenSplitMove::none) return;
     apply_move(st, best);
   }
 }
 
-/// Random kicks followed by `lower_peak`, keeping the best placement, until its peak is at most `target` or
-/// `rounds` kicks are spent. A kick swaps a copy on the most loaded GPU with one elsewhere or gives a copy's slot
-/// to another expert (one to three per round); the generator is seeded the same every call (a deterministic plan).
-inline void kick_and_descend(EvenSplitState &best, double target, int rounds) {
-  const int G = best.num_gpus_, S = best.slots_, E = best.num_experts_;
-  std::mt19937_64 rng(0x9e3779b97f4a7c15ULL);
-  const auto pick = [&rng](int n) { return static_cast<int>(rng() % static_cast<std::uint64_t>(n)); };
-  EvenSplitState cur = best;
-  for (int round = 0; round < rounds && best.peak() > target; ++round) {
-    cur = best;
-    const int kicks = 1 + pick(3);
-    for (int k = 0; k < kicks; ++k) {
-      if (G > 1 && pick(2) == 0) {
-        const int g = cur.peak_gpu(), s = pick(S);
-        const int h = (g + 1 + pick(G - 1)) % G, t = pick(S);
-        const int a = cur.slot(g, s), b = cur.slot(h, t);
-        if (cur.on(h, a) > 0 || cur.on(g, b) > 0) continue;
-        std::swap(cur.slot(g, s), cur.slot(h, t));
-      } else {
-        const int h = pick(G), t = pick(S), x = cur.slot(h, t), a = pick(E);
-        if (cur.count_[x] < 2 || cur.on(h, a) > 0) continue;
-        cur.slot(h, t) = a;
-      }
-      cur.recompute();
-    }
-    lower_peak(cur);
-    if (cur.peak() < best.peak()) best = cur;
-  }
-}
-
-/// Counts by EPLB's greedy capped at one copy per GPU, then copies by load per copy (descending), each to the
-/// lightest GPU with a free slot that does not hold its expert.
-inline std::vector<std::int32_t> greedy_distinct_placement(std::span<const double> w, int num_gpus, int slots) {
-  const int E = static_cast<int>(w.size()), R = num_gpus * slots;
+/// EPLB's counts (each extra copy to the expert with the largest load per copy), capped at one copy per GPU.
+inline std::vector<std::int32_t> greedy_counts(std::span<const double> w, int num_gpus, int num_physical) {
+  const int E = static_cast<int>(w.size());
   std::vector<std::int32_t> count(static_cast<std::size_t>(E), 1);
-  for (int p = E; p < R; ++p) {
+  for (int p = E; p < num_physical; ++p) {
     int best = -1;
     for (int e = 0; e < E; ++e)
       if (count[e] < num_gpus && (best < 0 || w[e] / count[e] > w[best] / count[best])) best = e;
     ++count[best];
   }
+  return count;
+}
+
+/// Copies by load per copy (descending; an expert's copies together), each to the lightest GPU with a free slot
+/// that does not hold its expert. `count` sums to `num_gpus * slots`, each at most `num_gpus`.
+inline std::vector<std::int32_t> distinct_packing(std::span<const double> w, std::span<const std::int32_t> count,
+                                                  int num_gpus, int slots) {
+  const int E = static_cast<int>(w.size()), R = num_gpus * slots;
   std::vector<std::int32_t> order(static_cast<std::size_t>(E));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
@@ -329,13 +359,11 @@ inline std::vector<std::int32_t> greedy_distinct_placement(std::span<const doubl
     on[static_cast<std::size_t>(g) * E + e] = 1;
     load[g] += w[e] / count[e];
   };
-  // An expert's copies go out together (equal loads per copy), experts by load per copy, descending.
   for (const std::int32_t e : order)
     for (int c = 0; c < count[e]; ++c) {
       int best = -1;
       for (int g = 0; g < num_gpus; ++g)
-        if (used[g] < slots && !on[static_cast<std::size_t>(g) * E + e] && (best < 0 || load[g] < load[best]))
-          best = g;
+        if (used[g] < slots && !on[static_cast<std::size_t>(g) * E + e] && (best < 0 || load[g] < load[best])) best = g;
       if (best >= 0) {
         put(best, e);
         continue;
@@ -366,6 +394,44 @@ inline std::vector<std::int32_t> greedy_distinct_placement(std::span<const doubl
   return p2l;
 }
 
+/// Random kicks followed by `lower_peak`, keeping the best placement, until its peak is at most `target` or
+/// `rounds` kicks are spent. A kick swaps a copy on the most loaded GPU with one elsewhere or gives a copy's slot
+/// to another expert (one to three per round); the generator is seeded the same every call (a deterministic plan).
+inline void kick_and_descend(EvenSplitState &best, double target, int rounds) {
+  const int G = best.num_gpus_, S = best.slots_, E = best.num_experts_;
+  std::mt19937_64 rng(0x9e3779b97f4a7c15ULL);
+  const auto pick = [&rng](int n) { return static_cast<int>(rng() % static_cast<std::uint64_t>(n)); };
+  EvenSplitState cur = best;
+  for (int round = 0; round < rounds && best.peak() > target; ++round) {
+    cur = best;
+    const int kicks = 1 + pick(3);
+    for (int k = 0; k < kicks; ++k) {
+      if (G > 1 && pick(2) == 0) {
+        const int g = cur.peak_gpu(), s = pick(S);
+        const int h = (g + 1 + pick(G - 1)) % G, t = pick(S);
+        const int a = cur.slot(g, s), b = cur.slot(h, t);
+        if (cur.on(h, a) > 0 || cur.on(g, b) > 0) continue;
+        cur.set_slot(g, s, b);
+        cur.set_slot(h, t, a);
+      } else if (pick(2) == 0) {
+        // New counts (one copy moves from one expert to another), packed afresh.
+        std::vector<std::int32_t> count = cur.count_;
+        const int x = pick(E), a = pick(E);
+        if (x == a || count[x] < 2 || count[a] >= G) continue;
+        --count[x];
+        ++count[a];
+        cur.assign(distinct_packing(cur.w_, count, G, S));
+      } else {
+        const int h = pick(G), t = pick(S), x = cur.slot(h, t), a = pick(E);
+        if (cur.count_[x] < 2 || cur.on(h, a) > 0) continue;
+        cur.set_slot(h, t, a);
+      }
+    }
+    lower_peak(cur);
+    if (cur.peak() < best.peak()) best = cur;
+  }
+}
+
 } // namespace detail
 
 /// Per-GPU load of `phys_to_log` (`[gpus * slots]`) when each expert's tokens are split evenly over its copies.
@@ -387,7 +453,7 @@ inline std::vector<std::int32_t> greedy_distinct_placement(std::span<const doubl
 /// increasing id; `replica_rank` numbers an expert's copies in physical order.
 [[nodiscard]] inline EplbLayer even_split_rebalance_layer(std::span<const double> weights, int num_physical,
                                                           int num_groups, int num_nodes, int num_gpus,
-                                                          int kick_rounds = 4000) {
+                                                          int kick_rounds = -1) {
   const int E = static_cast<int>(weights.size());
   detail::require(num_groups > 0 && num_nodes > 0 && num_gpus > 0,
                   "even_split: groups, nodes and GPUs must be positive, got ", num_groups, ", ", num_nodes, ", ",
@@ -403,31 +469,37 @@ inline std::vector<std::int32_t> greedy_distinct_placement(std::span<const doubl
     detail::require(std::isfinite(weights[e]) && weights[e] >= 0, "even_split: weight of expert ", e, " is ",
                     weights[e], ", not a finite non-negative number");
 
-  detail::EvenSplitState best(weights, num_gpus, S);
-  best.assign(detail::greedy_distinct_placement(weights, num_gpus, S));
-  detail::lower_peak(best);
-
-  // EPLB's own result as the second start, when EPLB's shape rules admit the arguments: its duplicates removed
-  // without raising its peak where that works, else by the least harmful moves.
+  // EPLB's own result and its peak, when EPLB's shape rules admit the arguments.
   const int eplb_groups = num_groups % num_nodes == 0 ? num_groups : 1;
+  const bool have_eplb = E % eplb_groups == 0;
+  detail::EvenSplitState theirs(weights, num_gpus, S);
   double eplb_peak = std::numeric_limits<double>::infinity();
-  if (E % eplb_groups == 0) {
-    const EplbLayer eplb = eplb_rebalance_layer(weights, num_physical, num_groups, num_nodes, num_gpus);
-    detail::EvenSplitState theirs(weights, num_gpus, S);
-    theirs.assign(eplb.phys_to_log);
+  if (have_eplb) {
+    theirs.assign(eplb_rebalance_layer(weights, num_physical, num_groups, num_nodes, num_gpus).phys_to_log);
     eplb_peak = theirs.peak();
+  }
+
+  detail::EvenSplitState best(weights, num_gpus, S);
+  best.assign(detail::distinct_packing(weights, detail::greedy_counts(weights, num_gpus, num_physical), num_gpus, S));
+  detail::lower_peak(best);
+  // Second start, where the first did not reach EPLB's peak: EPLB's result, its duplicates removed without
+  // raising its peak where that works (then the result is at most EPLB's peak), else by the least harmful moves.
+  if (have_eplb && best.peak() > eplb_peak) {
     detail::EvenSplitState relaxed = theirs;
-    if (detail::remove_duplicates(theirs, true)) {
-      detail::lower_peak(theirs);
-      if (theirs.peak() < best.peak()) best = theirs;
-    } else if (detail::remove_duplicates(relaxed, false)) {
-      detail::lower_peak(relaxed);
-      if (relaxed.peak() < best.peak()) best = relaxed;
+    detail::EvenSplitState *start = detail::remove_duplicates(theirs, true)     ? &theirs
+                                    : detail::remove_duplicates(relaxed, false) ? &relaxed
+                                                                                : nullptr;
+    if (start != nullptr) {
+      detail::lower_peak(*start);
+      if (start->peak() < best.peak()) best = *start;
     }
   }
-  // Where neither start reached EPLB's peak (EPLB's duplicates let it split an expert unevenly over GPUs, which a
-  // placement without duplicates cannot), kicks and descents search on, for a bounded number of rounds.
-  if (best.peak() > eplb_peak) detail::kick_and_descend(best, eplb_peak, kick_rounds);
+  // Still above: EPLB's duplicates split an expert unevenly over GPUs, which a placement without duplicates
+  // cannot always match; kicks and descents search on, for a bounded number of rounds.
+  if (best.peak() > eplb_peak) {
+    const int rounds = kick_rounds >= 0 ? kick_rounds : std::clamp(4'000'000 / (num_physical * S), 100, 4000);
+    detail::kick_and_descend(best, eplb_peak, rounds);
+  }
 
   EplbLayer out;
   out.phys_to_log = std::move(best.p2l_);
