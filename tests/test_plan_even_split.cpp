@@ -128,11 +128,11 @@ TEST_CASE("even_split: never a higher peak than EPLB, random and skewed loads") 
     const double p_eplb = peak(even_split_gpu_loads(eplb.phys_to_log, w, gpus));
     // Strict where EPLB's placement has no duplicate (the search starts from it) and on shapes with >= 16 experts,
     // at most half of them per GPU; elsewhere EPLB's duplicates can reach a peak that no duplicate-free placement
-    // does (see the case below), bounded here.
+    // does (see the case above); 10 % guards against regressions there (python/tests/test_eplb_split.py).
     if (!has_duplicate(eplb.phys_to_log, gpus) || (E >= 16 && 2 * S <= E)) {
       CHECK(p_ours <= p_eplb * (1 + 1e-12));
     } else {
-      CHECK(p_ours <= p_eplb * 1.05);
+      CHECK(p_ours <= p_eplb * 1.10);
       above += p_ours > p_eplb * (1 + 1e-12) ? 1 : 0;
     }
     better += p_ours < p_eplb * (1 - 1e-9) ? 1 : 0;

@@ -30,8 +30,9 @@ namespace foremoe::cli {
 int run_cli(const std::vector<std::string> &args); // tools/main.cpp, compiled into this module
 }
 namespace foremoe::python {
-void bind_runtime(nanobind::module_ &m); // runtime_ext.cpp: the compiled runtime (transfer engine, counting)
-}
+void bind_runtime(nanobind::module_ &m);    // runtime_ext.cpp: the compiled runtime (transfer engine, counting)
+void bind_even_split(nanobind::module_ &m); // even_split_ext.cpp: rebalance_experts(split="even")
+} // namespace foremoe::python
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -864,25 +865,6 @@ std::string plan_settings(const Flags &flags) {
   return fm::json::dump(fm::config::plan_schema().write(s));
 }
 
-using RoWeights = nb::ndarray<nb::ro, const double, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-
-/// `eplb.rebalance_experts(split="even")`: phy2log `[L, num_physical]` (int64), EPLB's contract planned for the
-/// even token split (plan/even_split.hpp).
-nb::ndarray<nb::numpy, std::int64_t> even_split_rebalance(const RoWeights &weights, int num_physical, int num_groups,
-                                                          int num_nodes, int num_gpus) {
-  const int L = static_cast<int>(weights.shape(0)), E = static_cast<int>(weights.shape(1));
-  std::vector<std::int64_t> out;
-  {
-    nb::gil_scoped_release nogil;
-    const auto layers =
-        fm::even_split_rebalance({weights.data(), weights.size()}, L, E, num_physical, num_groups, num_nodes, num_gpus);
-    out.reserve(static_cast<std::size_t>(L) * num_physical);
-    for (const auto &layer : layers)
-      out.insert(out.end(), layer.phys_to_log.begin(), layer.phys_to_log.end());
-  }
-  return owned_array(std::move(out), {static_cast<std::size_t>(L), static_cast<std::size_t>(num_physical)});
-}
-
 std::string plan_document(const std::vector<const PyPlan *> &plans) {
   require(!plans.empty(), "plan_document: no plans");
   const PyPlan &first = *plans.front();
@@ -1070,7 +1052,6 @@ NB_MODULE(_core, m) {
   m.def("replica_sync", &replica_sync, "plan"_a, "layer"_a, "owners"_a, "resident"_a, "changed"_a, "rank"_a);
   m.def("synthetic_trace", &synthetic_trace, "config"_a);
   m.def("synthetic_loads", &synthetic_loads, "config"_a, "by_source"_a);
-  m.def("even_split_rebalance", &even_split_rebalance, "weights"_a, "num_physical"_a, "num_groups"_a, "num_nodes"_a,
-        "num_gpus"_a);
+  fm::python::bind_even_split(m);
   fm::python::bind_runtime(m);
 }

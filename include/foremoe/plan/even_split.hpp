@@ -1,23 +1,27 @@
 #pragma once
 /// @file
 /// EPLB's contract, planned for EPLB's callers: the placement that vLLM and SGLang dispatch by splitting every
-/// expert's tokens evenly over its copies, with a lower peak GPU load than DeepSeek EPLB's and never two copies of
-/// one expert on one GPU.
+/// expert's tokens evenly over its copies, never two copies of one expert on one GPU.
 ///
 /// The objective is EPLB's: the largest GPU load when each copy of expert `e` carries `weight[e] / count[e]` (a GPU
-/// load is the sum over its slots). Per layer, two starts are improved by the same local search and the better one
-/// is kept:
-/// - *ours*: counts by EPLB's greedy (the next copy to the largest load per copy), capped at one copy per GPU, then
-///   copies by load per copy, descending, each to the lightest GPU with a free slot that does not hold the expert;
-/// - *EPLB's own result* (`eplb_rebalance_layer`, hierarchical or global by EPLB's rules), whose duplicates (two
-///   copies of one expert on a GPU) are first removed by moves that never raise its peak. Starting from EPLB's
-///   peak and never raising it is what makes the result never less balanced than EPLB's.
+/// load is the sum over its slots). Per layer:
+/// 1. *First start*: counts by EPLB's greedy (the next copy to the largest load per copy), capped at one copy per
+///    GPU; copies by load per copy, descending, each to the lightest GPU with a free slot that does not hold the
+///    expert; then the local search below.
+/// 2. Only if that peak is above EPLB's (`eplb_rebalance_layer`, hierarchical or global by EPLB's rules): *EPLB's
+///    own placement* as a second start, its duplicates (two copies of one expert on a GPU) removed by moves that do
+///    not raise its peak, then the local search; the lower peak is kept. Where EPLB has no duplicates, or they go
+///    so, the result is therefore never less balanced than EPLB's.
+/// 3. Only if still above: bounded random restarts (kicks, each followed by the local search) until EPLB's peak is
+///    reached. This is where a duplicate-free placement may not exist: EPLB's two copies on one GPU split that
+///    expert unevenly over GPUs, and on small shapes (few GPUs or few experts per slot) that reaches peaks no
+///    placement without duplicates reaches (tests/test_plan_even_split.cpp has one, checked by hand).
 ///
 /// The local search repeatedly lowers the most loaded GPU `g` while every GPU it changes ends strictly below the
 /// current peak (so the pair (peak, GPUs at the peak) decreases): swap a copy on `g` with a lighter copy elsewhere;
-/// give an expert on `g` one more copy, taken from an expert with two or more; or take a copy on `g` from its
-/// expert and give that slot to another expert. Candidate moves are ranked by an upper bound of the loads they
-/// leave (decreases on GPUs other than the two slots' are ignored), applied, and loads recomputed exactly.
+/// give an expert on `g` one more copy, in the slot of an expert with two or more; or give the slot of a copy on
+/// `g` to another expert. Moves are ranked by an upper bound of the loads they leave (decreases on GPUs other than
+/// the two slots' are ignored); loads are summed afresh on every GPU a move changes.
 ///
 /// Expert groups and nodes shape only the EPLB start: the search moves copies across nodes freely (EPLB's callers
 /// place any expert on any GPU).
