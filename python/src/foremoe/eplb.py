@@ -16,10 +16,10 @@ and so what is optimised:
   the same search. So wherever EPLB's placement has no GPU with two copies of an expert (or those can be removed
   without raising its peak), the result's peak is at most EPLB's. What a placement without duplicates cannot
   always match: two copies of one expert on a GPU split that expert unevenly over GPUs (2/3 here, 1/3 there), and
-  on small shapes (few GPUs, or slots per GPU near the expert count) that can reach a peak no duplicate-free placement reaches
-  (e.g. 8 experts on 2 GPUs x 7 slots, or 12 experts on 8 GPUs x 2 slots, checked exhaustively); there a bounded
-  number of random restarts of the search runs and the best is returned (in 24,000 random test layers at most
-  5.4 % above EPLB, on a layer where that is the duplicate-free optimum).
+  on small shapes (few GPUs, or slots per GPU near the expert count) that can reach a peak no duplicate-free
+  placement reaches (e.g. 8 experts on 2 GPUs x 7 slots, or 12 experts on 8 GPUs x 2 slots, checked
+  exhaustively); there a bounded number of random restarts of the search runs and the best is returned (in
+  24,000 random test layers at most 5.4 % above EPLB, on a layer where that is the duplicate-free optimum).
   In random tests with at least 16 experts and at most half of them per GPU (DeepSeek-V3's 256 experts on 32-64
   GPUs are far inside) the result was never above EPLB. Groups and nodes shape only EPLB's start: copies move
   across nodes freely.
