@@ -3,6 +3,7 @@
 // the source tree; a synthetic power law stands in when neither has the file).
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -14,6 +15,7 @@
 #include "foremoe/plan/ep_groups.hpp"
 #include "foremoe/plan/eplb.hpp"
 #include "foremoe/plan/evaluate.hpp"
+#include "foremoe/plan/even_split.hpp"
 #include "foremoe/plan/owners.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/trace/npy.hpp"
@@ -224,6 +226,39 @@ void BM_EplbDeepSeekV3(benchmark::State &st) {
   st.SetLabel(hierarchical ? "hierarchical" : "global");
 }
 BENCHMARK(BM_EplbDeepSeekV3)->Arg(1)->Arg(0)->Unit(benchmark::kMicrosecond);
+
+/// `rebalance_experts(split="even")`'s planner on the 58 x 256 DeepSeek-V3 loads. Args: GPUs, slots per GPU,
+/// nodes (8 expert groups). Counters: median over layers of max/mean GPU load under the even split, ours and
+/// EPLB's.
+void BM_EvenSplitDeepSeekV3(benchmark::State &st) {
+  const int gpus = static_cast<int>(st.range(0)), slots = static_cast<int>(st.range(1));
+  const int nodes = static_cast<int>(st.range(2));
+  bool real = false;
+  const std::vector<double> &w = deepseek_weights(&real);
+  std::vector<EplbLayer> layers;
+  for (auto _ : st) {
+    layers = even_split_rebalance(w, 58, 256, gpus * slots, 8, nodes, gpus);
+    benchmark::DoNotOptimize(layers.data());
+  }
+  const auto median_ratio = [&](const std::vector<EplbLayer> &plan) {
+    std::vector<double> r;
+    for (int l = 0; l < 58; ++l) {
+      const std::span<const double> wl(w.data() + static_cast<std::size_t>(l) * 256, 256);
+      const std::vector<double> loads = even_split_gpu_loads(plan[l].phys_to_log, wl, gpus);
+      double total = 0;
+      for (double v : wl)
+        total += v;
+      r.push_back(*std::max_element(loads.begin(), loads.end()) * gpus / total);
+    }
+    std::sort(r.begin(), r.end());
+    return (r[28] + r[29]) / 2;
+  };
+  st.counters["median_max_over_mean"] = median_ratio(layers);
+  st.counters["eplb_median_max_over_mean"] =
+      median_ratio(eplb_rebalance(w, 58, 256, 8, Topology{nodes, gpus / nodes, slots}));
+  st.SetLabel(real ? "deepseek-v3 prefill" : "power-law synthetic");
+}
+BENCHMARK(BM_EvenSplitDeepSeekV3)->Args({32, 9, 4})->Args({64, 5, 8})->Unit(benchmark::kMillisecond);
 
 /// Strategy of BM_Balance's first two arguments (index, free mode), numbered as the benchmark names always were.
 std::string balance_strategy(std::int64_t index, bool free) {

@@ -22,6 +22,7 @@
 #include "foremoe/cost/expert_compute.hpp"
 #include "foremoe/cost/params.hpp"
 
+#include "foremoe/plan/even_split.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/token_map.hpp"
 

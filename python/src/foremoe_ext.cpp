@@ -32,8 +32,9 @@ namespace foremoe::cli {
 int run_cli(const std::vector<std::string> &args); // tools/main.cpp, compiled into this module
 }
 namespace foremoe::python {
-void bind_runtime(nanobind::module_ &m); // runtime_ext.cpp: the compiled runtime (transfer engine, counting)
-}
+void bind_runtime(nanobind::module_ &m);    // runtime_ext.cpp: the compiled runtime (transfer engine, counting)
+void bind_even_split(nanobind::module_ &m); // even_split_ext.cpp: rebalance_experts(split="even")
+} // namespace foremoe::python
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -1107,5 +1108,6 @@ NB_MODULE(_core, m) {
   m.def("replica_sync", &replica_sync, "plan"_a, "layer"_a, "owners"_a, "resident"_a, "changed"_a, "rank"_a);
   m.def("synthetic_trace", &synthetic_trace, "config"_a);
   m.def("synthetic_loads", &synthetic_loads, "config"_a, "by_source"_a);
+  fm::python::bind_even_split(m);
   fm::python::bind_runtime(m);
 }

@@ -178,7 +178,7 @@ def _check_contract(w, R, G, out):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_rebalance_experts_contract_and_never_worse_than_eplb(seed):
+def test_rebalance_experts_exact_split_contract_and_never_worse_than_eplb(seed):
     rng = np.random.default_rng(100 + seed)
     N = int(rng.choice([1, 2]))
     G = N * int(rng.choice([2, 4]))
@@ -187,7 +187,7 @@ def test_rebalance_experts_contract_and_never_worse_than_eplb(seed):
     L = int(rng.integers(1, 5))
     groups = int(rng.choice([d for d in (1, 2, 4) if E % d == 0]))
     w = rng.gamma(0.3 + rng.random(), 50.0, size=(L, E))
-    out = foremoe.rebalance_experts(w, R, groups, N, G)
+    out = foremoe.rebalance_experts(w, R, groups, N, G, split="exact")
     assert all(isinstance(a, np.ndarray) and a.dtype == np.int64 for a in out)
     _check_contract(w, R, G, out)
     # balance: the returned placement, planned again from this resident with the same loads, peaks no higher
@@ -201,9 +201,10 @@ def test_rebalance_experts_contract_and_never_worse_than_eplb(seed):
     assert (np.asarray(ours.max_gpu_load) <= np.asarray(theirs.max_gpu_load)).all()
 
 
-def test_rebalance_experts_integer_and_list_input_and_errors():
+@pytest.mark.parametrize("split", ["even", "exact"])
+def test_rebalance_experts_integer_and_list_input_and_errors(split):
     w = [[5, 1, 1, 1], [0, 0, 0, 9]]
-    out = foremoe.rebalance_experts(w, 8, 1, 1, 2)
+    out = foremoe.rebalance_experts(w, 8, 1, 1, 2, split=split)
     _check_contract(np.asarray(w), 8, 2, out)
     with pytest.raises(ValueError, match="not a multiple of num_gpus"):
         foremoe.rebalance_experts(w, 7, 1, 1, 2)
@@ -212,7 +213,9 @@ def test_rebalance_experts_integer_and_list_input_and_errors():
     with pytest.raises(ValueError, match="slots per GPU exceed"):
         foremoe.rebalance_experts(w, 10, 1, 1, 1)
     with pytest.raises(ValueError, match="not a finite non-negative"):
-        foremoe.rebalance_experts(np.array([[1.0, np.nan, 0, 0]]), 4, 1, 1, 2)
+        foremoe.rebalance_experts(np.array([[1.0, np.nan, 0, 0]]), 4, 1, 1, 2, split=split)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        foremoe.rebalance_experts([[1, -1, 0, 0]], 4, 1, 1, 2, split=split)
 
 
 def test_rebalance_experts_torch_in_torch_out():

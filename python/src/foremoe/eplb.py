@@ -1,24 +1,44 @@
 """A drop-in for DeepSeek EPLB's ``rebalance_experts`` and placement export for SGLang and vLLM.
 
-``rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus)`` takes EPLB's arguments and
-returns EPLB's contract, planned by ForeMoE's planner. Differences from DeepSeek EPLB (all deliberate):
+``rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_gpus, split="even")`` takes EPLB's
+arguments and returns EPLB's contract. ``split`` says how the caller divides an expert's tokens over its copies,
+and so what is optimised:
 
-* **Never two copies of an expert on one GPU.** EPLB's packing may put two replicas of a hot expert on
-  the same GPU (they then share that GPU's load and help nothing); here every GPU holds distinct experts,
-  so ``num_replicas / num_gpus`` (slots per GPU) must not exceed the number of experts.
-* **Planner.** Each layer is planned by ForeMoE's ``foremoe`` strategy (owners + replicas in spare slots,
-  exact token split) and by its EPLB re-implementation (strategy ``eplb``, DeepSeek's algorithm, with
-  ``num_groups`` and ``num_nodes`` as given); per layer the plan with the lower peak GPU load is kept, and
-  an ``eplb`` layer that would hold two copies on one GPU is never taken. The result is therefore never
-  less balanced than our EPLB on the same input (peak GPU load under the planner's token split).
-* **Groups and nodes.** ``num_groups`` only steers the ``eplb`` candidate (hierarchical when the groups
-  divide over the nodes, as in DeepSeek EPLB); the ``foremoe`` candidate places owners nodes first, then
-  GPUs within each node, without expert groups. ``num_nodes`` must divide ``num_gpus``.
-* **Float weights.** Weights may be float (EPLB's input is a float load history). The planner counts in
-  integers, so each layer is scaled by ``2**40 / max(layer total)`` (one scale for all layers) and rounded
-  to int64: relative resolution about ``1e-12`` of the heaviest layer's total. Integer weights are used as
-  they are. Negative, NaN or infinite weights raise ``ValueError``.
-* **Spare slots.** If the plan leaves a slot empty, it is filled with the expert of largest
+* ``split="even"`` (default; EPLB's contract, what vLLM and SGLang do with EPLB's tables): every copy of expert
+  ``e`` gets ``weight[e] / logcnt[e]`` tokens and a GPU's load is the sum over its slots. Per layer the largest
+  GPU load under that split is minimised (C++ ``foremoe::even_split_rebalance``): EPLB's replica counts capped at
+  one copy per GPU, packed largest load per copy first, each copy to the lightest GPU that has a free slot and
+  does not hold its expert; then a local search that lowers the most loaded GPU while every GPU it changes stays
+  below the peak (swap two copies; give an expert on that GPU one more copy, taken from an expert with several;
+  give one of its copies' slots to another expert). Where that stays above DeepSeek EPLB's peak on the same
+  input, EPLB's own placement (its algorithm re-implemented in C++, hierarchical when ``num_groups`` divides
+  over ``num_nodes``) is the second start: its duplicate copies removed by moves that do not raise its peak, then
+  the same search. So wherever EPLB's placement has no GPU with two copies of an expert (or those can be removed
+  without raising its peak), the result's peak is at most EPLB's. What a placement without duplicates cannot
+  always match: two copies of one expert on a GPU split that expert unevenly over GPUs (2/3 here, 1/3 there), and
+  on small shapes (few GPUs, or slots per GPU near the expert count) that can reach a peak no duplicate-free
+  placement reaches (e.g. 8 experts on 2 GPUs x 7 slots, or 12 experts on 8 GPUs x 2 slots, checked
+  exhaustively); there a bounded number of random restarts of the search runs and the best is returned (in
+  24,000 random test layers at most 5.4 % above EPLB, on a layer where that is the duplicate-free optimum).
+  In random tests with at least 16 experts and at most half of them per GPU (DeepSeek-V3's 256 experts on 32-64
+  GPUs are far inside) the result was never above EPLB. Groups and nodes shape only EPLB's start: copies move
+  across nodes freely.
+* ``split="exact"``: for callers that apply ForeMoE's own token split (an LPLB-like dispatcher). Each layer is
+  planned by ForeMoE's ``foremoe`` strategy (owners + replicas in spare slots, exact token split) and by its EPLB
+  re-implementation (strategy ``eplb``, with ``num_groups`` and ``num_nodes`` as given); per layer the plan with
+  the lower peak GPU load under the planner's token split is kept, and an ``eplb`` layer that would hold two copies
+  on one GPU is never taken. The ``foremoe`` candidate places owners nodes first, then GPUs within each node,
+  without expert groups. Float weights are scaled to integers (each layer by ``2**40 / max(layer total)``, one
+  scale for all layers, relative resolution about ``1e-12`` of the heaviest layer's total); integer weights are
+  used as they are.
+
+Common to both:
+
+* **Never two copies of an expert on one GPU.** EPLB's packing may put two replicas of a hot expert on the same
+  GPU; here every GPU holds distinct experts, so ``num_replicas / num_gpus`` (slots per GPU) must not exceed the
+  number of experts.
+* ``num_nodes`` must divide ``num_gpus``. Negative, NaN or infinite weights raise ``ValueError``.
+* **Spare slots** (``exact``): if the plan leaves a slot empty, it is filled with the expert of largest
   ``weight / count`` not yet on that GPU, so that ``phy2log`` has no ``-1`` (EPLB's contract).
 * **Replica order.** ``log2phy[l, e]`` lists an expert's physical ids in increasing order, ``-1`` padded.
 * **Types.** NumPy in, NumPy out (int64); a torch tensor in gives int64 torch tensors on its device
@@ -60,24 +80,33 @@ def _integral(w: np.ndarray) -> np.ndarray:
             i = tuple(int(v) for v in np.argwhere(w < 0)[0])
             raise ValueError(f"rebalance_experts: weight{list(i)} = {w[i]} is not a finite non-negative number")
         return np.ascontiguousarray(w, dtype=np.int64)
-    if w.dtype.kind not in "fb":
-        raise ValueError(f"rebalance_experts: weight must be a float or integer array, got dtype {w.dtype}")
-    w = w.astype(np.float64)
-    bad = ~np.isfinite(w) | (w < 0)
-    if bad.any():
-        i = tuple(int(v) for v in np.argwhere(bad)[0])
-        raise ValueError(f"rebalance_experts: weight{list(i)} = {w[i]} is not a finite non-negative number")
+    w = _checked_float(w)
     top = float(w.sum(axis=1).max()) if w.size else 0.0
     if top <= 0:
         return np.zeros(w.shape, dtype=np.int64)
     return np.rint(w * (float(2**_SCALE_BITS) / top)).astype(np.int64)
 
 
+def _checked_float(w: np.ndarray) -> np.ndarray:
+    """``w`` as C-contiguous float64 after the checks of :func:`_integral` (finite, non-negative)."""
+    if w.dtype.kind in "iu":
+        if (w < 0).any():
+            raise ValueError("rebalance_experts: weight must be >= 0")
+    elif w.dtype.kind not in "fb":
+        raise ValueError(f"rebalance_experts: weight must be a float or integer array, got dtype {w.dtype}")
+    w = np.ascontiguousarray(w, dtype=np.float64)
+    bad = ~np.isfinite(w) | (w < 0)
+    if bad.any():
+        i = tuple(int(v) for v in np.argwhere(bad)[0])
+        raise ValueError(f"rebalance_experts: weight{list(i)} = {w[i]} is not a finite non-negative number")
+    return w
+
+
 def _fill_and_index(phy2log: np.ndarray, weight: np.ndarray, num_gpus: int, num_experts: int):
     """Fills empty (-1) slots with distinct experts and derives log2phy and logcnt."""
     L, R = phy2log.shape
     S = R // num_gpus
-    for l in range(L):
+    for l in np.flatnonzero((phy2log < 0).any(axis=1)):
         cnt = np.bincount(phy2log[l][phy2log[l] >= 0], minlength=num_experts).astype(np.float64)
         for g in range(num_gpus):
             row = phy2log[l, g * S:(g + 1) * S]
@@ -88,16 +117,18 @@ def _fill_and_index(phy2log: np.ndarray, weight: np.ndarray, num_gpus: int, num_
                 e = int(np.argmax(score))
                 row[s] = e
                 cnt[e] += 1
-    logcnt = np.stack([np.bincount(phy2log[l], minlength=num_experts) for l in range(L)]).astype(np.int64)
+    phy2log = phy2log.astype(np.int64)
+    rows = np.arange(L)[:, None]
+    logcnt = np.bincount((phy2log + rows * num_experts).ravel(), minlength=L * num_experts)
+    logcnt = logcnt.reshape(L, num_experts).astype(np.int64)
     maxcnt = int(logcnt.max()) if logcnt.size else 1
     log2phy = np.full((L, num_experts, maxcnt), -1, dtype=np.int64)
-    for l in range(L):
-        order = np.argsort(phy2log[l], kind="stable")
-        starts = np.concatenate([[0], np.cumsum(logcnt[l])[:-1]])
-        for e in range(num_experts):
-            c = int(logcnt[l, e])
-            log2phy[l, e, :c] = order[starts[e]:starts[e] + c]
-    return phy2log.astype(np.int64), log2phy, logcnt
+    order = np.argsort(phy2log, axis=1, kind="stable")  # physical ids grouped by expert, increasing within each
+    expert = np.take_along_axis(phy2log, order, axis=1)
+    starts = np.cumsum(logcnt, axis=1) - logcnt
+    rank = np.arange(R)[None, :] - np.take_along_axis(starts, expert, axis=1)
+    log2phy[rows, expert, rank] = order
+    return phy2log, log2phy, logcnt
 
 
 def _has_duplicate(row: np.ndarray, S: int) -> bool:
@@ -109,7 +140,8 @@ def _has_duplicate(row: np.ndarray, S: int) -> bool:
     return False
 
 
-def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int):
+def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes: int, num_gpus: int,
+                      split: str = "even"):
     """DeepSeek EPLB's call, planned by ForeMoE (see the module docstring for every difference).
 
     Args:
@@ -118,12 +150,21 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
         num_groups: expert groups (for the EPLB candidate's hierarchical packing).
         num_nodes: nodes (dividing ``num_gpus``).
         num_gpus: GPUs.
+        split: how the caller splits an expert's tokens over its copies, which decides what is optimised.
+            ``"even"`` (default, EPLB's contract, what vLLM and SGLang do): each copy of expert ``e`` gets
+            ``weight[e] / logcnt[e]``; per layer the largest GPU load under that split is minimised, and is never
+            higher than DeepSeek EPLB's on the same input except where EPLB's two copies of one expert on a GPU
+            reach a load that no placement without such pairs can (small shapes; module docstring). ``"exact"``:
+            for callers that apply ForeMoE's own token split (an LPLB-like dispatcher); the largest GPU load under
+            the planner's split is minimised, never higher than EPLB's under that split.
 
     Returns:
         ``(phy2log [L, R], log2phy [L, E, maxcnt] padded with -1, logcnt [L, E])``, int64, of the input's kind.
     """
-    from . import Planner, Topology  # the package's own, imported late (this module is imported by it)
+    from . import Planner, Topology, _core  # the package's own, imported late (this module is imported by it)
 
+    if split not in ("even", "exact"):
+        raise ValueError(f"rebalance_experts: split must be 'even' or 'exact', got {split!r}")
     w, tensor = _to_numpy(weight)
     if w.ndim != 2:
         raise ValueError(f"rebalance_experts: weight must be [layers, experts], got shape {list(w.shape)}")
@@ -143,6 +184,10 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
     S = R // G
     if S > E:
         raise ValueError(f"rebalance_experts: {S} slots per GPU exceed the {E} experts (no GPU holds two copies)")
+    if split == "even":
+        wf = _checked_float(w)
+        phy2log = np.asarray(_core.even_split_rebalance(wf, R, int(num_groups), N, G))
+        return _returned(_fill_and_index(phy2log, wf, G, E), tensor)
     loads = _integral(w)
     topo = Topology(N, G // N, S)
     ours = Planner(topo, strategy="foremoe").plan(loads)
@@ -159,13 +204,17 @@ def rebalance_experts(weight: Any, num_replicas: int, num_groups: int, num_nodes
         for l in range(L):
             if peak2[l] < peak[l] and not _has_duplicate(p2[l], S):
                 phy2log[l] = p2[l]
-    phy2log, log2phy, logcnt = _fill_and_index(phy2log, w.astype(np.float64), G, E)
-    if tensor is not None:
-        import torch
+    return _returned(_fill_and_index(phy2log, w.astype(np.float64), G, E), tensor)
 
-        dev = tensor.device
-        return tuple(torch.from_numpy(a).to(dev) for a in (phy2log, log2phy, logcnt))
-    return phy2log, log2phy, logcnt
+
+def _returned(out: Tuple[np.ndarray, np.ndarray, np.ndarray], tensor: Any):
+    """``out`` as NumPy, or as int64 torch tensors on ``tensor``'s device when the input was a tensor."""
+    if tensor is None:
+        return out
+    import torch
+
+    dev = tensor.device
+    return tuple(torch.from_numpy(a).to(dev) for a in out)
 
 
 def export_placement(placement: Any, path: Any, format: str = "sglang", num_experts: Optional[int] = None) -> None:
