@@ -45,7 +45,7 @@ expect 2 "unknown option '--bogus'" -- "$bin" trace stats --bogus
 expect 2 "--layers expects an integer, got 'x'" -- "$bin" trace gen --layers x --loads "$work/a.npy"
 expect 2 "--persistence must be in \[0, 1\], got 2" -- "$bin" trace gen --persistence 2 --loads "$work/a.npy"
 expect 2 "option --topk given twice" -- "$bin" trace gen "${small[@]}" --topk 17 --loads "$work/a.npy"
-expect 1 "topk 17 exceeds num_experts 16" -- "$bin" trace gen --experts 16 --topk 17 --loads "$work/a.npy"
+expect 2 "topk 17 exceeds num_experts 16" -- "$bin" trace gen --experts 16 --topk 17 --loads "$work/a.npy"
 expect 2 "give --loads" -- "$bin" trace gen "${small[@]}"
 # trace gen / trace stats flags come from the synthetic schema: ranges, choices and help derived from it.
 expect 2 "--skew must be in \\[0, 20\\], got 50" -- "$bin" trace gen --skew 50 --loads "$work/a.npy"
@@ -53,9 +53,9 @@ expect 2 "--preset must be one of qwen3-30b-a3b, deepseek-v3, got 'gpt'" -- "$bi
 expect 2 "--popularity must be one of lognormal, zipf, got 'flat'" -- "$bin" trace gen --popularity flat --loads "$work/a.npy"
 expect 2 "--steps must be in \\[1, 65536\\], got 0" -- "$bin" trace stats --steps 0
 expect 2 "--topics-per-prompt must be in" -- "$bin" trace stats --topics-per-prompt 0
-expect 1 "topics_per_prompt 5 must be in \\[1, num_topics = 4\\]" -- "$bin" trace gen "${small[@]}" --topics 4 \
+expect 2 "topics_per_prompt 5 must be in \\[1, num_topics = 4\\]" -- "$bin" trace gen "${small[@]}" --topics 4 \
   --topics-per-prompt 5 --loads "$work/a.npy"
-expect 1 "prompt_length.max_tokens 20 is below min_tokens 30" -- "$bin" trace gen "${small[@]/512/20}" --prompt-min 30 \
+expect 2 "prompt_length.max_tokens 20 is below min_tokens 30" -- "$bin" trace gen "${small[@]/512/20}" --prompt-min 30 \
   --loads "$work/a.npy"
 expect 0 "--prompt-sigma X .*\\[prompt_sigma\\] \\(default: 0.6\\)" -- "$bin" trace gen --help
 # One default preset: trace stats, trace gen and simulate show the same batch defaults.
@@ -281,9 +281,9 @@ expect 0 "with 5 slots per GPU per layer, workload ultraep:2$" -- "$bin" simulat
   --workload ultraep:2 --strategies static,foremoe
 expect 0 '"workload":"moonep:1"' -- "$bin" simulate --config "$work/sim.json" --quiet --workload moonep:1 \
   --strategies static --json -
-expect 1 "--workload 'ultraep:' needs a parameter: A, the target rank max/mean" -- "$bin" simulate --workload ultraep:
-expect 1 "--workload 'moonep:-1': the maxvio V must be >= 0, got -1" -- "$bin" simulate --workload moonep:-1
-expect 1 "--workload 'foo:1' is not a workload \\(expected grpo, ultraep:A or moonep:V\\)" -- "$bin" simulate --workload foo:1
+expect 2 "--workload 'ultraep:' needs a parameter: A, the target rank max/mean" -- "$bin" simulate --workload ultraep:
+expect 2 "--workload 'moonep:-1': the maxvio V must be >= 0, got -1" -- "$bin" simulate --workload moonep:-1
+expect 2 "--workload 'foo:1' is not a workload \\(expected grpo, ultraep:A or moonep:V\\)" -- "$bin" simulate --workload foo:1
 expect 1 "moonep:20: the maxvio of 16 experts is below 15; got 20" -- "$bin" simulate --config "$work/sim.json" \
   --workload moonep:20
 # gradient dtype, memory, planner time, rollout

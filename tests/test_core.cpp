@@ -83,7 +83,19 @@ TEST_CASE("LoadTensor indexing, sources and validation") {
   CHECK_ERROR_CONTAINS((void)LoadTensor::from_floats(v, 2, 3, 4), "non-finite load inf");
   CHECK_ERROR_CONTAINS((void)LoadTensor::from_floats(v, 2, 3, 5), "needs 30");
   CHECK_ERROR_CONTAINS(LoadTensor(1, 0, 4), "num_layers");
-  CHECK_ERROR_CONTAINS(LoadTensor(1 << 20, 1 << 10, 1 << 10), "exceed");
+  CHECK_ERROR_CONTAINS(LoadTensor(1 << 20, 1 << 10, 1 << 10), "load cells is beyond the supported 2^28");
+  // Sums: every entry in range, a layer's sum over the micro-steps is not (it would overflow the planner's sums).
+  {
+    LoadTensor big(3, 2, 2);
+    big.at(2, 1, 1) = limits::max_load_total;
+    CHECK_NOTHROW(big.validate());
+    big.at(0, 1, 0) = 1;
+    CHECK_ERROR_CONTAINS(big.validate(), "the loads of layer 1 sum past 2^42");
+    std::vector<double> at_bound(16, std::ldexp(1.0, 38)); // 16 x 2^38 = 2^42: at the bound
+    CHECK_NOTHROW((void)LoadTensor::from_floats(at_bound, 1, 1, 16).validate());
+    at_bound[3] += 1;
+    CHECK_ERROR_CONTAINS((void)LoadTensor::from_floats(at_bound, 1, 1, 16), "sum past 2^42");
+  }
 }
 
 TEST_CASE("LayerPlacement maps and validation") {

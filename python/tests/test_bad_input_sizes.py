@@ -48,7 +48,7 @@ def test_count_loads_refuses_huge_source_counts():
 
 
 def test_simulate_refuses_a_batch_that_would_take_hours():
-    with pytest.raises(ValueError, match=r"65536 steps x .* routed ids to generate is beyond the supported 2\^35"):
+    with pytest.raises(ValueError, match=r"65536 steps x .* routed ids to generate is beyond the supported 2\^34"):
         foremoe.simulate({"batch": {"steps": 65536}})
 
 

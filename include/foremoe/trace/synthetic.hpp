@@ -185,8 +185,6 @@ private:
     using detail::require;
     require(std::isfinite(d.mean) && d.mean > 0, "SyntheticConfig: ", name, ".mean must be positive and finite, got ",
             d.mean);
-    require(d.mean <= d.max_tokens, "SyntheticConfig: ", name, ".mean ", d.mean, " is above its max_tokens ",
-            d.max_tokens, " (lengths are clipped to it): raise the max or lower the mean");
     require(std::isfinite(d.sigma) && d.sigma >= 0 && d.sigma <= 10, "SyntheticConfig: ", name,
             ".sigma must be in [0, 10], got ", d.sigma);
     require(d.min_tokens > 0, "SyntheticConfig: ", name, ".min_tokens must be positive, got ", d.min_tokens);
