@@ -248,7 +248,9 @@ def test_synthetic_config_refusals_match_trace_gen(cli_bin, tmp_path):
         cfg = {**TINY_TRACE, **extra}
         rc_c, err_c, _, _ = trace_gen(cli_bin, tmp_path, cfg)
         rc_p, err_p, _, _ = py_loads(cfg)
-        assert rc_c == rc_p == 1 and err_c == err_p and err_p.startswith("SyntheticConfig: "), (extra, err_c, err_p)
+        # The command line calls a refused flag value a usage error (exit 2); the library raises the same message.
+        assert rc_c == 2 and rc_p == 1 and err_c == err_p, (extra, err_c, err_p)
+        assert err_p.startswith("SyntheticConfig: "), err_p
     # The preset sets the shape, explicit keys override it; topics caps topics_per_prompt, as on the command line.
     for extra in ({"preset": "deepseek-v3", "layers": 3}, {"topics": 2}, {"max_length": 20}):
         cfg = {**TINY_TRACE, **extra}

@@ -89,10 +89,10 @@ def _integral(w: np.ndarray) -> np.ndarray:
 
 def _checked_float(w: np.ndarray) -> np.ndarray:
     """``w`` as C-contiguous float64 after the checks of :func:`_integral` (finite, non-negative)."""
-    if w.dtype.kind in "iu":
-        if (w < 0).any():
-            raise ValueError("rebalance_experts: weight must be >= 0")
-    elif w.dtype.kind not in "fb":
+    if w.dtype.kind in "iu" and (w < 0).any():  # named as given, before the float conversion
+        i = tuple(int(v) for v in np.argwhere(w < 0)[0])
+        raise ValueError(f"rebalance_experts: weight{list(i)} = {w[i]} is not a finite non-negative number")
+    if w.dtype.kind not in "iufb":
         raise ValueError(f"rebalance_experts: weight must be a float or integer array, got dtype {w.dtype}")
     w = np.ascontiguousarray(w, dtype=np.float64)
     bad = ~np.isfinite(w) | (w < 0)
