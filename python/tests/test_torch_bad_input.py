@@ -90,13 +90,13 @@ def test_expert_storage_slots_float_truncated():
 
 def test_balanced_moe_layer_float_truncated():
     with pytest.raises(ValueError, match=r"^BalancedMoE: layer must be an integer, got 0.5$"):
-        ft.BalancedMoE(ft.SwiGLUExperts(E, 8, 16), 5, layer=0.5)
+        ft.BalancedMoE(ft.SwiGLUExperts(E, 8, 16), E, layer=0.5)
     with pytest.raises(ValueError, match=r"^BalancedMoE: layer = -1 is outside \[0, "):
-        ft.BalancedMoE(ft.SwiGLUExperts(E, 8, 16), 5, layer=-1)
-    plan = foremoe.Planner(foremoe.Topology(1, 1, 5)).plan(np.array([[4, 3, 2, 1]]))
+        ft.BalancedMoE(ft.SwiGLUExperts(E, 8, 16), E, layer=-1)
+    plan = foremoe.Planner(foremoe.Topology(1, 1, E)).plan(np.array([[4, 3, 2, 1]]))
     with pytest.raises(ValueError, match=r"^local_layout: layer must be an integer, got 0.5$"):
         ft.local_layout(plan, 0.5, torch.zeros((2, 1), dtype=torch.int64), np.ones((E, 1), np.int64), 0)
-    st = ft.ExpertStorage.from_full(full_weights(), [0] * E, 5, rank=0, world=1)
+    st = ft.ExpertStorage.from_full(full_weights(), [0] * E, E, rank=0, world=1)
     with pytest.raises(ValueError, match=r"^ExpertStorage: plan layer = -1 is outside \[0, 0\]$"):
         st.check_plan(plan, -1)  # was plan layer -1 = the last layer
 
