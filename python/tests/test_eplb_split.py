@@ -100,6 +100,7 @@ def even_split_gpu_loads(w, phy2log, num_gpus):
 
 
 def check_contract(w, R, G, out):
+    """EPLB's output contract exactly (also used by test_readers_eplb.py)."""
     phy2log, log2phy, logcnt = out
     L, E = w.shape
     S = R // G
@@ -107,14 +108,14 @@ def check_contract(w, R, G, out):
         assert isinstance(a, np.ndarray) and a.dtype == np.int64
     assert phy2log.shape == (L, R) and logcnt.shape == (L, E) and log2phy.shape == (L, E, int(logcnt.max()))
     assert (phy2log >= 0).all() and (phy2log < E).all()
-    assert (logcnt >= 1).all(), "every expert needs a copy"
+    assert (logcnt >= 1).all() and (logcnt.sum(axis=1) == R).all(), "every expert needs a copy, every slot one"
     for l in range(L):
         np.testing.assert_array_equal(np.bincount(phy2log[l], minlength=E), logcnt[l])
         for e in range(E):
             c = logcnt[l, e]
             assert (log2phy[l, e, c:] == -1).all()
             p = log2phy[l, e, :c]
-            assert (phy2log[l, p] == e).all() and (np.diff(p) > 0).all()
+            assert (p >= 0).all() and (phy2log[l, p] == e).all() and (np.diff(p) > 0).all()
         rows = np.sort(phy2log[l].reshape(G, S), axis=1)
         assert (np.diff(rows, axis=1) > 0).all(), f"two copies of an expert on one GPU in layer {l}"
 

@@ -10,6 +10,8 @@ import foremoe
 from foremoe import Planner, Topology
 from foremoe import eplb as _eplb
 
+import test_eplb_split as _split  # EPLB's output contract, checked in one place
+
 
 def _count_ref(ids, keep, E):
     L = ids.shape[1]
@@ -157,26 +159,6 @@ def test_every_format_reads_through_the_registry_as_trace_count_does(tmp_path, c
         foremoe.read_trace(tmp_path / "verl_mask.npy", "npy")
 
 
-def _check_contract(w, R, G, out):
-    phy2log, log2phy, logcnt = out
-    L, E = w.shape
-    S = R // G
-    assert phy2log.shape == (L, R) and logcnt.shape == (L, E) and log2phy.shape[:2] == (L, E)
-    assert log2phy.shape[2] == logcnt.max()
-    assert (phy2log >= 0).all() and (phy2log < E).all()
-    assert (logcnt >= 1).all() and (logcnt.sum(axis=1) == R).all()
-    for l in range(L):
-        np.testing.assert_array_equal(np.bincount(phy2log[l], minlength=E), logcnt[l])
-        for e in range(E):
-            c = logcnt[l, e]
-            assert (log2phy[l, e, c:] == -1).all()
-            p = log2phy[l, e, :c]
-            assert (p >= 0).all() and (phy2log[l, p] == e).all() and (np.diff(p) > 0).all()
-        for g in range(G):
-            row = phy2log[l, g * S:(g + 1) * S]
-            assert np.unique(row).size == S, f"two copies of an expert on GPU {g} of layer {l}"
-
-
 @pytest.mark.parametrize("seed", range(12))
 def test_rebalance_experts_exact_split_contract_and_never_worse_than_eplb(seed):
     rng = np.random.default_rng(100 + seed)
@@ -189,7 +171,7 @@ def test_rebalance_experts_exact_split_contract_and_never_worse_than_eplb(seed):
     w = rng.gamma(0.3 + rng.random(), 50.0, size=(L, E))
     out = foremoe.rebalance_experts(w, R, groups, N, G, split="exact")
     assert all(isinstance(a, np.ndarray) and a.dtype == np.int64 for a in out)
-    _check_contract(w, R, G, out)
+    _split.check_contract(w, R, G, out)
     # balance: the returned placement, planned again from this resident with the same loads, peaks no higher
     # than our EPLB re-implementation's plan for the same input (peak GPU load per layer).
     loads = _eplb._integral(w)
@@ -205,7 +187,7 @@ def test_rebalance_experts_exact_split_contract_and_never_worse_than_eplb(seed):
 def test_rebalance_experts_integer_and_list_input_and_errors(split):
     w = [[5, 1, 1, 1], [0, 0, 0, 9]]
     out = foremoe.rebalance_experts(w, 8, 1, 1, 2, split=split)
-    _check_contract(np.asarray(w), 8, 2, out)
+    _split.check_contract(np.asarray(w), 8, 2, out)
     with pytest.raises(ValueError, match="not a multiple of num_gpus"):
         foremoe.rebalance_experts(w, 7, 1, 1, 2)
     with pytest.raises(ValueError, match="fewer than the 4 experts"):
@@ -223,7 +205,7 @@ def test_rebalance_experts_torch_in_torch_out():
     w = torch.rand(3, 8, dtype=torch.float32) * 100
     out = foremoe.rebalance_experts(w, 12, 2, 1, 4)
     assert all(isinstance(a, torch.Tensor) and a.dtype == torch.int64 for a in out)
-    _check_contract(w.numpy(), 12, 4, tuple(a.numpy() for a in out))
+    _split.check_contract(w.numpy(), 12, 4, tuple(a.numpy() for a in out))
 
 
 def test_export_placement_formats(tmp_path):

@@ -115,22 +115,25 @@ public:
     double value[2] = {-1.0, -1.0};
     int gpu[2] = {-1, -1};
     [[nodiscard]] double excluding(int g) const { return gpu[0] == g ? value[1] : value[0]; }
+    /// Keeps `v` (on GPU `g`) if it is among the two largest offered so far.
+    void offer(double v, int g) {
+      if (v > value[0]) {
+        value[1] = value[0];
+        gpu[1] = gpu[0];
+        value[0] = v;
+        gpu[0] = g;
+      } else if (v > value[1]) {
+        value[1] = v;
+        gpu[1] = g;
+      }
+    }
   };
   [[nodiscard]] Top2 raised_loads(int e, double delta, int skip) const {
     Top2 t;
     for (int q = 0; q < num_gpus_; ++q) {
       const std::int32_t c = on(q, e);
       if (c == 0 || q == skip) continue;
-      const double v = load_[q] + c * delta;
-      if (v > t.value[0]) {
-        t.value[1] = t.value[0];
-        t.gpu[1] = t.gpu[0];
-        t.value[0] = v;
-        t.gpu[0] = q;
-      } else if (v > t.value[1]) {
-        t.value[1] = v;
-        t.gpu[1] = q;
-      }
+      t.offer(load_[q] + c * delta, q);
     }
     return t;
   }
@@ -206,17 +209,7 @@ struct MoveContext {
       for (int t = 0; t < S; ++t) {
         const int x = st.p2l_[static_cast<std::size_t>(q) * S + t];
         if (st.count_[x] < 2) continue;
-        auto &tp = top[x];
-        const double v = st.load_[q] + up[x];
-        if (v > tp.value[0]) {
-          tp.value[1] = tp.value[0];
-          tp.gpu[1] = tp.gpu[0];
-          tp.value[0] = v;
-          tp.gpu[0] = q;
-        } else if (v > tp.value[1]) {
-          tp.value[1] = v;
-          tp.gpu[1] = q;
-        }
+        top[x].offer(st.load_[q] + up[x], q);
       }
     }
   }

@@ -120,8 +120,11 @@ inline void write_loads_npy(const std::filesystem::path &path, const LoadTensor 
 }
 
 inline void write_offsets_npy(const std::filesystem::path &path, std::span<const std::int64_t> offsets) {
-  const std::int64_t n = static_cast<std::int64_t>(offsets.size());
-  write_npy(path, NpyDtype::of<std::int64_t>(), std::span<const std::int64_t>(&n, 1), offsets.data());
+  try {
+    files::write_file(path, offsets_npy_writer(offsets));
+  } catch (const Error &e) {
+    detail::fail("write_npy: ", e.what());
+  }
 }
 
 /// Routed ids read from a file, owning their bytes; `view()` sees them in the

@@ -18,11 +18,10 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
-#include <fstream>
 #include <optional>
-#include <random>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -31,6 +30,7 @@
 #include <vector>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/files.hpp"
 #include "foremoe/core/load_tensor.hpp"
 
 namespace foremoe {
@@ -97,14 +97,19 @@ public:
   /// for the file's content; allocation failure still propagates.
   [[nodiscard]] std::optional<CachedLoads> read(std::string_view key) const {
     if (!enabled()) return std::nullopt;
-    std::error_code kind_ec;
-    if (!std::filesystem::is_regular_file(file_of(key), kind_ec)) return std::nullopt; // a FIFO would block the open
-    std::ifstream in(file_of(key), std::ios::binary);
-    if (!in) return std::nullopt;
-    std::string line;
-    if (!std::getline(in, line) || line != header_line(key)) return std::nullopt;
+    std::optional<files::OpenInput> opened;
+    try {
+      opened.emplace(files::open_input(file_of(key))); // a regular file only: a FIFO would block the read
+    } catch (const Error &) {
+      return std::nullopt;
+    }
+    std::FILE *in = opened->file.get();
+    const auto read = [in](void *p, std::size_t n) { return n == 0 || std::fread(p, 1, n, in) == n; };
+    const std::string line = header_line(key);
+    std::string head(line.size() + 1, '\0');
+    if (!read(head.data(), head.size()) || head != line + '\n') return std::nullopt;
     std::int64_t dims[5] = {}; // M, L, E, S, number of step offsets
-    if (!in.read(reinterpret_cast<char *>(dims), sizeof dims)) return std::nullopt;
+    if (!read(dims, sizeof dims)) return std::nullopt;
     const std::int64_t m = dims[0], l = dims[1], e = dims[2], s = dims[3], ns = dims[4];
     const std::int64_t limit = std::int64_t{1} << 30;
     if (m < 0 || m > limit || l <= 0 || l > limit || e <= 0 || e > limit || s < 0 || s > limit || ns < 0 || ns > limit)
@@ -116,8 +121,7 @@ public:
                     std::vector<std::int64_t>(static_cast<std::size_t>(ns))};
     std::uint64_t sum = detail::fnv1a(dims, sizeof dims, detail::fnv1a(line.data(), line.size()));
     const auto get = [&](void *p, std::size_t n) {
-      if (n == 0) return true;
-      if (!in.read(static_cast<char *>(p), static_cast<std::streamsize>(n))) return false;
+      if (!read(p, n)) return false;
       sum = detail::fnv1a(p, n, sum);
       return true;
     };
@@ -126,8 +130,7 @@ public:
         !get(out.loads.by_source().data(), out.loads.by_source().size() * 8))
       return std::nullopt;
     std::uint64_t stored = 0;
-    if (!in.read(reinterpret_cast<char *>(&stored), sizeof stored) || stored != sum || in.peek() != EOF)
-      return std::nullopt;
+    if (!read(&stored, sizeof stored) || stored != sum || std::fgetc(in) != EOF) return std::nullopt;
     try {
       out.loads.validate();
     } catch (const Error &) {
@@ -151,36 +154,30 @@ public:
     std::filesystem::create_directories(dir_, ec);
     if (ec) return Write::failed;
     const std::filesystem::path target = file_of(key);
-    std::filesystem::path tmp = target;
-    tmp += ".tmp" + std::to_string(std::random_device{}());
-    {
-      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      if (!out) return Write::failed;
-      const std::string line = header_line(key);
-      const std::int64_t dims[5] = {loads.num_micro_steps(), loads.num_layers(), loads.num_experts(),
-                                    loads.num_sources(), static_cast<std::int64_t>(step_offsets.size())};
-      std::uint64_t sum = detail::fnv1a(dims, sizeof dims, detail::fnv1a(line.data(), line.size()));
-      out << line << '\n';
-      out.write(reinterpret_cast<const char *>(dims), sizeof dims);
-      const auto put = [&](const std::int64_t *p, std::size_t n) {
-        if (n == 0) return;
-        out.write(reinterpret_cast<const char *>(p), static_cast<std::streamsize>(n * 8));
-        sum = detail::fnv1a(p, n * 8, sum);
-      };
-      put(step_offsets.data(), step_offsets.size());
-      put(loads.totals().data(), loads.totals().size());
-      put(loads.by_source().data(), loads.by_source().size());
-      out.write(reinterpret_cast<const char *>(&sum), sizeof sum);
-      out.close();
-      if (!out) {
-        std::filesystem::remove(tmp, ec);
-        return Write::failed;
-      }
+    // A cache entry is a regular file or nothing: a special file in its place is left alone (written through, a
+    // FIFO would block).
+    if (std::filesystem::exists(target, ec) && !std::filesystem::is_regular_file(target, ec)) return Write::failed;
+    try {
+      files::write_file(target, [&](std::FILE *out) {
+        const std::string line = header_line(key) + '\n';
+        const std::int64_t dims[5] = {loads.num_micro_steps(), loads.num_layers(), loads.num_experts(),
+                                      loads.num_sources(), static_cast<std::int64_t>(step_offsets.size())};
+        std::uint64_t sum = detail::fnv1a(dims, sizeof dims, detail::fnv1a(line.data(), line.size() - 1));
+        files::OutputSet::write_bytes(out, line.data(), line.size());
+        files::OutputSet::write_bytes(out, dims, sizeof dims);
+        const auto put = [&](const std::int64_t *p, std::size_t n) {
+          files::OutputSet::write_bytes(out, p, n * 8);
+          if (n > 0) sum = detail::fnv1a(p, n * 8, sum);
+        };
+        put(step_offsets.data(), step_offsets.size());
+        put(loads.totals().data(), loads.totals().size());
+        put(loads.by_source().data(), loads.by_source().size());
+        files::OutputSet::write_bytes(out, &sum, sizeof sum);
+      });
+    } catch (const Error &) {
+      return Write::failed; // staged and renamed: a failed write leaves no partial entry
     }
-    std::filesystem::rename(tmp, target, ec);
-    if (!ec) return Write::written;
-    std::filesystem::remove(tmp, ec); // its own error code: the rename's failure stands either way
-    return Write::failed;
+    return Write::written;
   }
 
 private:

@@ -656,8 +656,8 @@ struct NpyFileHeader {
   return npy_read_header(in.file.get(), in.size, limits).header;
 }
 
-[[nodiscard]] inline NpyArray npy_read_file(const std::filesystem::path &path, const NpyReadLimits &limits) {
-  files::OpenInput in = files::open_input(path);
+/// The array of the NPY file `in` (open at its start, from `files::open_input`).
+[[nodiscard]] inline NpyArray npy_read_open(const files::OpenInput &in, const NpyReadLimits &limits) {
   NpyFileHeader h = npy_read_header(in.file.get(), in.size, limits);
   NpyArray out{h.header.dtype, std::move(h.header.shape), h.header.fortran_order, {}};
   out.data.resize(static_cast<std::size_t>(h.header.size.num_bytes));
@@ -699,10 +699,10 @@ inline void npy_write_le(std::FILE *f, const std::byte *data, std::size_t num_by
 
 /// Reads an NPY file; checks the header against the file size and `limits` before allocating the data.
 [[nodiscard]] inline NpyArray read_npy(const std::filesystem::path &path, const NpyReadLimits &limits = {}) {
+  const files::OpenInput in = files::open_input(path); // its errors name the path
   try {
-    return detail::npy_read_file(path, limits);
+    return detail::npy_read_open(in, limits);
   } catch (const Error &e) {
-    if (std::string_view(e.what()).starts_with(path.string() + ": ")) throw; // it names the path already
     detail::fail("read_npy ", path, ": ", e.what());
   }
 }
