@@ -10,6 +10,7 @@
 #include <iterator>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "foremoe/core/files.hpp"
@@ -101,6 +102,24 @@ TEST_CASE("OutputSet: a device is written in place and stays a device; a failed 
   REQUIRE(::stat("/dev/full", &st) == 0);
   CHECK(S_ISCHR(st.st_mode));
   CHECK_FALSE(fs::exists(dir.path / "plan.json")); // the in-place write failed first: nothing was renamed
+}
+
+TEST_CASE("OutputSet: an in-place target gets what the writer wrote at add, though its source changed since") {
+  const foremoe_test::TempDir dir;
+  const fs::path fifo = dir.path / "out";
+  REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+  std::string got;
+  std::thread reader([&] { got = slurp(fifo); }); // blocks until the commit opens the FIFO for writing
+  files::OutputSet set;
+  {
+    std::string text(100000, 'a');
+    set.add_text(fifo, text);
+    std::fill(text.begin(), text.end(), 'b'); // then freed: the commit must not read it
+  }
+  set.commit();
+  reader.join();
+  CHECK(got == std::string(100000, 'a'));
+  CHECK(fs::is_fifo(fifo));
 }
 
 TEST_CASE("OutputSet: a link is written through, and stays a link") {

@@ -80,14 +80,12 @@ Command make_trace_gen() {
     check_outputs(targets, {});
     files::OutputSet outputs;
     const auto t0 = std::chrono::steady_clock::now();
-    // The data the staged writers point into lives until the commit.
-    SyntheticTrace tr;
-    LoadTensor loads;
-    std::vector<std::int64_t> steps;
+    // Each output is written (staged) as soon as it is generated, so the routed ids are freed before the loads are
+    // generated; the report waits for the commit.
     std::ostringstream report;
     if (a.has("ids")) {
       const fs::path p = a.str("ids");
-      tr = generate_trace(cfg);
+      const SyntheticTrace tr = generate_trace(cfg);
       const std::int64_t shape[3] = {tr.num_tokens, tr.num_layers, tr.topk};
       outputs.add(p, npy_writer(NpyDtype::of<std::int16_t>(), shape, tr.routed_ids.data()));
       outputs.add(sidecar_path(p, "microbatches"), offsets_npy_writer(tr.microbatch_offsets));
@@ -100,7 +98,8 @@ Command make_trace_gen() {
     if (a.has("loads")) {
       const fs::path p = a.str("loads");
       const bool by_source = a.flag("by-source");
-      loads = generate_loads(cfg, &steps, by_source);
+      std::vector<std::int64_t> steps;
+      const LoadTensor loads = generate_loads(cfg, &steps, by_source);
       outputs.add(p, loads_npy_writer(loads, by_source));
       outputs.add(sidecar_path(p, "steps"), offsets_npy_writer(steps));
       report << "wrote " << p.string() << ": loads [" << loads.num_micro_steps() << ", " << loads.num_layers() << ", "

@@ -154,10 +154,11 @@ struct OpenInput {
   return !ea && !eb && ca == cb;
 }
 
-/// A command's outputs, written together (see the file comment). `add` writes the content at once (to a
-/// temporary file beside the target, or, for a target that exists and is not a regular file, keeps the writer
-/// for an in-place write at commit); `commit` renames every temporary file into place. Destroyed without a
-/// commit (an error on the way), it removes its temporary files and the targets stay as they were.
+/// A command's outputs, written together (see the file comment). `add` runs the writer at once, into a temporary
+/// file beside the target or, for a target that exists and is not a regular file, into an anonymous spool file
+/// copied to the target at commit, so that nothing a writer points to need outlive the `add`; `commit` writes the
+/// spooled targets and renames every temporary file into place. Destroyed without a commit (an error on the way),
+/// it removes its temporary files and the targets stay as they were.
 class OutputSet {
 public:
   using Writer = std::function<void(std::FILE *)>;
@@ -179,7 +180,16 @@ public:
     const auto status = std::filesystem::status(path, ec);
     if (std::filesystem::is_directory(status)) foremoe::detail::fail(target.string(), ": is a folder, not a file");
     if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status)) {
-      entries_.push_back({target, path, {}, write});
+      try {
+        errno = 0;
+        File spool{std::tmpfile()};
+        if (!spool) foremoe::detail::fail("cannot create a spool file: ", std::strerror(errno));
+        write(spool.get());
+        if (std::fflush(spool.get()) != 0) foremoe::detail::fail("cannot write a spool file: ", std::strerror(errno));
+        entries_.push_back({target, path, {}, std::move(spool)});
+      } catch (const Error &e) {
+        foremoe::detail::fail(target.string(), ": ", e.what());
+      }
       return;
     }
     std::filesystem::path tmp = path;
@@ -211,11 +221,12 @@ public:
       errno = 0;
       File f{std::fopen(e.path.c_str(), "wb")};
       if (!f) foremoe::detail::fail(e.target.string(), ": cannot open for writing: ", std::strerror(errno));
-      try {
-        e.in_place(f.get());
-      } catch (const Error &x) {
-        foremoe::detail::fail(e.target.string(), ": ", x.what());
-      }
+      std::rewind(e.spool.get());
+      char buf[1 << 16];
+      for (std::size_t n; (n = std::fread(buf, 1, sizeof buf, e.spool.get())) > 0;)
+        if (std::fwrite(buf, 1, n, f.get()) != n)
+          foremoe::detail::fail(e.target.string(), ": write failed: ", std::strerror(errno));
+      if (std::ferror(e.spool.get()) != 0) foremoe::detail::fail(e.target.string(), ": cannot read its spool file");
       if (std::fclose(f.release()) != 0)
         foremoe::detail::fail(e.target.string(), ": write failed: ", std::strerror(errno));
     }
@@ -240,8 +251,8 @@ private:
   struct Entry {
     std::filesystem::path target; ///< as given (messages)
     std::filesystem::path path;   ///< where it is written (links resolved)
-    std::filesystem::path tmp;    ///< the staged file; empty: written in place at commit
-    Writer in_place;
+    std::filesystem::path tmp;    ///< the staged file; empty: `spool` is copied to the target at commit
+    File spool;
   };
 
   void discard() noexcept {

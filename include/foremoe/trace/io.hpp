@@ -83,7 +83,7 @@ inline void require_int_dim(std::int64_t d, const std::filesystem::path &path, c
 }
 
 /// The writer (`files::OutputSet`) of the totals `[M, L, E]` as int64, or the split `[M, L, E, S]` with
-/// `by_source`; `loads` must outlive the commit.
+/// `by_source`, to be handed to `OutputSet::add` at once (it runs there; `loads` must live until then).
 [[nodiscard]] inline files::OutputSet::Writer loads_npy_writer(const LoadTensor &loads, bool by_source = false) {
   detail::require(!by_source || loads.has_sources(), "by-source output asked for a tensor without sources");
   std::vector<std::int64_t> shape{loads.num_micro_steps(), loads.num_layers(), loads.num_experts()};
@@ -113,7 +113,7 @@ inline void write_loads_npy(const std::filesystem::path &path, const LoadTensor 
   }
 }
 
-/// The writer (`files::OutputSet`) of a 1-D int64 vector; `offsets` must outlive the commit.
+/// The writer (`files::OutputSet`) of a 1-D int64 vector, to be handed to `OutputSet::add` at once.
 [[nodiscard]] inline files::OutputSet::Writer offsets_npy_writer(std::span<const std::int64_t> offsets) {
   const std::int64_t n = static_cast<std::int64_t>(offsets.size());
   return npy_writer(NpyDtype::of<std::int64_t>(), std::span<const std::int64_t>(&n, 1), offsets.data());
