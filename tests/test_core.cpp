@@ -6,10 +6,9 @@
 #include <string>
 
 #include "foremoe/foremoe.hpp"
+#include "test_support.hpp"
 
 using namespace foremoe;
-
-#define CHECK_ERROR_CONTAINS(expr, text) CHECK_THROWS_WITH_AS(expr, doctest::Contains(text), Error)
 
 TEST_CASE("ModelSpec validates and sizes experts") {
   ModelSpec q = qwen3_30b_a3b();

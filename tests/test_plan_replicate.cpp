@@ -19,7 +19,6 @@
 
 using namespace foremoe;
 
-#define CHECK_ERROR_CONTAINS(expr, text) CHECK_THROWS_WITH_AS(expr, doctest::Contains(text), Error)
 
 namespace {
 

@@ -9,10 +9,9 @@
 #include <vector>
 
 #include "foremoe/plan.hpp" // the lean include alone is enough to write and run a strategy
+#include "test_support.hpp"
 
 using namespace foremoe;
-
-#define CHECK_ERROR_CONTAINS(expr, text) CHECK_THROWS_WITH_AS(expr, doctest::Contains(text), Error)
 
 namespace {
 

@@ -10,6 +10,10 @@
 #include <string>
 #include <system_error>
 
+/// Checks that `expr` throws `foremoe::Error` (foremoe/core/error.hpp, included by the test) with `text` in its
+/// message.
+#define CHECK_ERROR_CONTAINS(expr, text) CHECK_THROWS_WITH_AS(expr, doctest::Contains(text), ::foremoe::Error)
+
 namespace foremoe_test {
 
 /// Multiplier for property-test iteration counts: FOREMOE_TEST_SEEDS=10 runs ten times as many.

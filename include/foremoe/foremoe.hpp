@@ -24,6 +24,8 @@
 
 #include "foremoe/plan/even_split.hpp"
 #include "foremoe/plan/planner.hpp"
+#include "foremoe/plan/dispatch.hpp"
+#include "foremoe/plan/replica_sync.hpp"
 #include "foremoe/plan/token_map.hpp"
 
 #include "foremoe/sim/simulator.hpp"

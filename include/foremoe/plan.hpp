@@ -15,4 +15,6 @@
 #include "foremoe/trace/routed_view.hpp"
 
 #include "foremoe/plan/planner.hpp"
+#include "foremoe/plan/dispatch.hpp"
+#include "foremoe/plan/replica_sync.hpp"
 #include "foremoe/plan/token_map.hpp"

@@ -24,6 +24,8 @@
 #include "default_loads.hpp" // tools/, built into this module as into the program
 #include "foremoe/config/documents.hpp"
 #include "foremoe/foremoe.hpp"
+#include "foremoe/plan/dispatch.hpp"
+#include "foremoe/plan/replica_sync.hpp"
 #include "foremoe/plan/token_map.hpp"
 #include "foremoe/trace/formats/builtin.hpp"
 #include "run_simulate.hpp" // tools/: the CLI's orchestration, shared with `foremoe simulate`
@@ -496,27 +498,14 @@ fm::LoadTensor load_tensor(const RoLoads &loads) {
 
 using RoOwners = nb::ndarray<nb::ro, const std::int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
-/// The micro-steps of `t` planned with the owner map fixed to `owners` (`[L, E]` owner GPU of every expert),
-/// chained as `Planner::plan_step` chains them; the strategy's step-level owner choice is skipped.
-fm::StepPlan plan_with_owners(fm::Planner &p, const fm::LoadTensor &t, const fm::Placement *resident,
-                              const RoOwners &owners, fm::Stage stage) {
-  const int L = t.num_layers(), E = t.num_experts();
+/// The `[L, E]` owner array as the planner's owner map (shape checked here; values by the planner).
+fm::Planner::OwnerMap owner_map(const RoOwners &owners, int L, int E) {
   require(static_cast<int>(owners.shape(0)) == L && static_cast<int>(owners.shape(1)) == E, "plan: owners is [",
           owners.shape(0), ", ", owners.shape(1), "], expected [", L, ", ", E, "] (owner GPU of every expert)");
-  const auto start = std::chrono::steady_clock::now();
   fm::Planner::OwnerMap map(static_cast<std::size_t>(L));
   for (int l = 0; l < L; ++l)
     map[l].assign(owners.data() + static_cast<std::size_t>(l) * E, owners.data() + static_cast<std::size_t>(l + 1) * E);
-  p.set_owners(map);
-  fm::StepPlan sp;
-  sp.owner_gpu = p.owners();
-  fm::Placement prev;
-  for (int m = 0; m < t.num_micro_steps(); ++m) {
-    sp.micro_steps.push_back(p.plan(t, m, stage, m == 0 ? resident : &prev));
-    prev = fm::to_placement(sp.micro_steps.back());
-  }
-  sp.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return sp;
+  return map;
 }
 
 std::vector<PyPlan> plan_step(PyPlanner &self, const RoLoads &loads, const PyPlacement *resident,
@@ -538,8 +527,8 @@ std::vector<PyPlan> plan_step(PyPlanner &self, const RoLoads &loads, const PyPla
   const fm::Placement *res = check_resident(resident, self.topo, L, E);
   require(!(owners && previous), "plan: owners and previous_loads cannot be combined (fixed owners skip the "
                                  "step-level planning that previous_loads feeds)");
-  const auto sp = std::make_shared<const fm::StepPlan>(owners ? plan_with_owners(p, t, res, *owners, stage)
-                                                              : p.plan_step(t, res, prev, stage));
+  const auto sp = std::make_shared<const fm::StepPlan>(
+      owners ? p.plan_step_with_owners(t, owner_map(*owners, L, E), res, stage) : p.plan_step(t, res, prev, stage));
   self.last_planner_seconds = sp->planner_seconds;
   out.reserve(sp->micro_steps.size());
   for (std::size_t m = 0; m < sp->micro_steps.size(); ++m) {
@@ -613,68 +602,28 @@ nb::dict plan_dispatch(const PyPlan &p, nb::handle layer_arg, const RoIds &ids, 
   require(split.ndim() == 2, "dispatch: the split must be 2-D [slots, source ranks], got ", split.ndim(), " dims");
   const fm::RoutedView view = routed_view(ids, "dispatch");
   require(view.num_layers() == 1, "dispatch: routed ids must be [tokens, 1, topk], got ", view.num_layers(), " layers");
-  const std::size_t G = static_cast<std::size_t>(p.G), S = static_cast<std::size_t>(p.S), P = G * S;
+  const std::size_t G = static_cast<std::size_t>(p.G), P = G * static_cast<std::size_t>(p.S);
   require(split.shape(0) == P && split.shape(1) == G, "dispatch: the split is [", split.shape(0), ", ", split.shape(1),
           "], expected [", P, ", ", G, "] (slots x source ranks, from source_split)");
-  require(rank >= 0 && rank < p.G, "dispatch: rank ", rank, " outside [0, ", p.G, ")");
-  const std::size_t r = static_cast<std::size_t>(rank), topk = static_cast<std::size_t>(view.topk());
-  const std::size_t n = static_cast<std::size_t>(view.num_tokens()) * topk;
-  const std::int64_t *sp = split.data();
-  std::vector<std::int32_t> slots(n);
-  std::vector<std::int64_t> order, send_tokens, input_splits(G, 0), output_splits(G, 0), slot_counts(S, 0), perm,
-      inverse;
+  fm::DispatchLayout d;
   {
     nb::gil_scoped_release nogil;
-    std::vector<std::int64_t> column(P);
-    for (std::size_t q = 0; q < P; ++q)
-      column[q] = sp[q * G + r];
-    const fm::TokenRanges ranges = fm::token_ranges(lp.placement.phys_to_log(), p.E, column);
-    fm::map_tokens(ranges, view, 0, slots);
-    std::vector<std::int64_t> next(P + 1, 0);
-    for (std::size_t q = 0; q < P; ++q) {
-      next[q + 1] = next[q] + column[q];
-      input_splits[q / S] += column[q];
-    }
-    order.resize(static_cast<std::size_t>(next[P]));
-    for (std::size_t i = 0; i < n; ++i)
-      if (slots[i] >= 0) order[static_cast<std::size_t>(next[slots[i]]++)] = static_cast<std::int64_t>(i);
-    send_tokens.resize(order.size());
-    for (std::size_t i = 0; i < order.size(); ++i)
-      send_tokens[i] = order[i] / static_cast<std::int64_t>(topk);
-    // Received rows come source by source, each source's rows in slot order; group them slot by slot.
-    const std::int64_t *mine = sp + r * S * G; // [S][G]: rows local slot j takes from source s
-    std::vector<std::int64_t> at(G, 0);        // next received row of each source's chunk
-    for (std::size_t j = 0; j < S; ++j)
-      for (std::size_t s = 0; s < G; ++s) {
-        output_splits[s] += mine[j * G + s];
-        slot_counts[j] += mine[j * G + s];
-      }
-    for (std::size_t s = 1; s < G; ++s)
-      at[s] = at[s - 1] + output_splits[s - 1];
-    const std::int64_t total = at[G - 1] + output_splits[G - 1];
-    perm.resize(static_cast<std::size_t>(total));
-    inverse.resize(static_cast<std::size_t>(total));
-    std::size_t pos = 0;
-    for (std::size_t j = 0; j < S; ++j)
-      for (std::size_t s = 0; s < G; ++s)
-        for (std::int64_t t = 0; t < mine[j * G + s]; ++t, ++pos) {
-          perm[pos] = at[s]++;
-          inverse[static_cast<std::size_t>(perm[pos])] = static_cast<std::int64_t>(pos);
-        }
+    d = fm::dispatch_layout(lp.placement, {split.data(), split.size()}, view, rank);
   }
   auto vec1 = [](std::vector<std::int64_t> &&v) {
     const std::size_t m = v.size();
     return owned_array(std::move(v), {m});
   };
   nb::dict out;
-  out["slots"] = owned_array(std::move(slots), {static_cast<std::size_t>(view.num_tokens()), topk});
-  out["order"] = vec1(std::move(order));
-  out["send_tokens"] = vec1(std::move(send_tokens));
-  out["input_splits"] = vec1(std::move(input_splits));
-  out["output_splits"] = vec1(std::move(output_splits));
-  out["slot_counts"] = vec1(std::move(slot_counts));
-  out["recv_perm"] = vec1(std::move(perm));
-  out["recv_inverse"] = vec1(std::move(inverse));
+  out["slots"] = owned_array(std::move(d.slots),
+                             {static_cast<std::size_t>(view.num_tokens()), static_cast<std::size_t>(view.topk())});
+  out["order"] = vec1(std::move(d.order));
+  out["send_tokens"] = vec1(std::move(d.send_tokens));
+  out["input_splits"] = vec1(std::move(d.input_splits));
+  out["output_splits"] = vec1(std::move(d.output_splits));
+  out["slot_counts"] = vec1(std::move(d.slot_counts));
+  out["recv_perm"] = vec1(std::move(d.recv_perm));
+  out["recv_inverse"] = vec1(std::move(d.recv_inverse));
   return out;
 }
 
@@ -693,112 +642,22 @@ using RoFlags = nb::ndarray<nb::ro, const std::uint8_t, nb::ndim<1>, nb::c_conti
 nb::dict replica_sync(const PyPlan &p, int layer, const RoI32 &owners, RwRows resident, const RoFlags &changed,
                       int rank) {
   const fm::LayerPlan &lp = layer_plan(p, layer, "replica_sync");
-  const int G = p.G, S = p.S, E = p.E;
-  require(static_cast<int>(owners.shape(0)) == E, "replica_sync: ", owners.shape(0), " owners for ", E, " experts");
-  require(static_cast<int>(resident.shape(0)) == G && static_cast<int>(resident.shape(1)) == S,
-          "replica_sync: resident rows are [", resident.shape(0), ", ", resident.shape(1), "], expected [", G, ", ", S,
-          "]");
-  require(static_cast<int>(changed.shape(0)) == G, "replica_sync: ", changed.shape(0), " flags for ", G, " ranks");
-  require(rank >= 0 && rank < G, "replica_sync: rank ", rank, " outside [0, ", G, ")");
-  const std::int32_t *own = owners.data();
-  const std::int32_t *plan_owner = p.owner_gpu.data() + static_cast<std::size_t>(layer) * E;
-  const auto place = lp.placement.phys_to_log();
-  std::int64_t *res = resident.data();
-  std::vector<std::int64_t> moves, grads, rows(static_cast<std::size_t>(S), -1);
-  std::int64_t num_moves = 0, reused = 0;
+  require(static_cast<int>(resident.shape(0)) == p.G && static_cast<int>(resident.shape(1)) == p.S,
+          "replica_sync: resident rows are [", resident.shape(0), ", ", resident.shape(1), "], expected [", p.G, ", ",
+          p.S, "]");
+  fm::ReplicaSync r;
   {
     nb::gil_scoped_release nogil;
-    std::vector<int> num_owned(static_cast<std::size_t>(G), 0), own_row(static_cast<std::size_t>(E), 0);
-    for (int e = 0; e < E; ++e) {
-      require(own[e] >= 0 && own[e] < G, "replica_sync: expert ", e, " has owner rank ", own[e]);
-      require(plan_owner[e] == own[e], "ExpertStorage: plan layer ", layer, " makes GPU ", plan_owner[e],
-              " the owner of expert ", e, ", the storage rank ", own[e],
-              " (plan with owners=... the trainer's sharding)");
-      own_row[e] = num_owned[own[e]]++;
-    }
-    std::vector<char> want(static_cast<std::size_t>(G) * E, 0);
-    for (int g = 0; g < G; ++g) {
-      int owner_copies = 0, replicas = 0;
-      for (int j = 0; j < S; ++j) {
-        const std::int32_t e = place[static_cast<std::size_t>(g) * S + j];
-        if (e < 0) continue;
-        if (own[e] == g) {
-          ++owner_copies;
-        } else {
-          want[static_cast<std::size_t>(g) * E + e] = 1;
-          ++replicas;
-        }
-      }
-      if (owner_copies != num_owned[g]) { // one copy of an expert per GPU: equal counts mean all owners are there
-        for (int e = 0; e < E; ++e)
-          if (own[e] == g &&
-              std::find(place.begin() + g * S, place.begin() + (g + 1) * S, e) == place.begin() + (g + 1) * S)
-            fail("ExpertStorage: plan layer ", layer, " does not keep rank ", g, "'s owned expert ", e, " on rank ", g);
-      }
-      require(replicas <= S - num_owned[g], "ExpertStorage: plan layer ", layer, " puts ", replicas,
-              " replicas on rank ", g, ", which has ", S - num_owned[g], " spare slots");
-    }
-    struct MoveRow {
-      std::int64_t e, src, dst, row;
-    };
-    std::vector<MoveRow> all;
-    std::vector<char> kept(static_cast<std::size_t>(E));
-    for (int g = 0; g < G; ++g) {
-      std::int64_t *rr = res + static_cast<std::size_t>(g) * S;
-      std::fill(kept.begin(), kept.end(), 0);
-      for (int j = num_owned[g]; j < S; ++j) {
-        const std::int64_t e = rr[j];
-        if (e >= 0 && e < E && want[static_cast<std::size_t>(g) * E + e] && !changed.data()[own[e]]) {
-          kept[e] = 1;
-          ++reused;
-        } else {
-          rr[j] = -1;
-        }
-      }
-      for (int j = 0; j < num_owned[g]; ++j)
-        rr[j] = -1;
-      int free_row = num_owned[g];
-      for (int e = 0; e < E; ++e) {
-        if (!want[static_cast<std::size_t>(g) * E + e] || kept[e]) continue;
-        while (rr[free_row] >= 0)
-          ++free_row;
-        rr[free_row] = e;
-        all.push_back({e, own[e], g, free_row});
-      }
-    }
-    std::sort(all.begin(), all.end(),
-              [](const MoveRow &a, const MoveRow &b) { return a.e != b.e ? a.e < b.e : a.dst < b.dst; });
-    num_moves = static_cast<std::int64_t>(all.size());
-    for (std::size_t i = 0; i < all.size(); ++i)
-      if (all[i].src == rank || all[i].dst == rank)
-        moves.insert(moves.end(), {static_cast<std::int64_t>(i), all[i].e, all[i].src, all[i].dst, all[i].row});
-    auto row_of = [&](int g, std::int32_t e) -> std::int64_t {
-      if (own[e] == g) return own_row[e];
-      const std::int64_t *rr = res + static_cast<std::size_t>(g) * S;
-      return std::find(rr, rr + S, e) - rr;
-    };
-    for (int j = 0; j < S; ++j)
-      if (const std::int32_t e = place[static_cast<std::size_t>(rank) * S + j]; e >= 0) rows[j] = row_of(rank, e);
-    std::vector<MoveRow> gr; // replica gradients: (expert, holder, holder row)
-    for (int g = 0; g < G; ++g)
-      for (int j = 0; j < S; ++j) {
-        const std::size_t q = static_cast<std::size_t>(g) * S + j;
-        const std::int32_t e = place[q];
-        if (e >= 0 && own[e] != g && lp.slot_tokens[q] > 0) gr.push_back({e, g, 0, row_of(g, e)});
-      }
-    std::sort(gr.begin(), gr.end(),
-              [](const MoveRow &a, const MoveRow &b) { return a.e != b.e ? a.e < b.e : a.src < b.src; });
-    for (std::size_t i = 0; i < gr.size(); ++i)
-      if (gr[i].src == rank || own[gr[i].e] == rank)
-        grads.insert(grads.end(), {gr[i].e, gr[i].src, gr[i].row, static_cast<std::int64_t>(i)});
+    r = fm::replica_sync(lp, layer, {owners.data(), owners.size()}, {resident.data(), resident.size()},
+                         {changed.data(), changed.size()}, rank);
   }
   nb::dict out;
-  out["moves"] = num_moves;
-  out["reused"] = reused;
-  const std::size_t nm = moves.size() / 5, ng = grads.size() / 4;
-  out["my_moves"] = owned_array(std::move(moves), {nm, 5});
-  out["rows"] = owned_array(std::move(rows), {static_cast<std::size_t>(S)});
-  out["grads"] = owned_array(std::move(grads), {ng, 4});
+  out["moves"] = r.moves;
+  out["reused"] = r.reused;
+  const std::size_t nm = r.my_moves.size() / 5, ng = r.grads.size() / 4;
+  out["my_moves"] = owned_array(std::move(r.my_moves), {nm, 5});
+  out["rows"] = owned_array(std::move(r.rows), {static_cast<std::size_t>(p.S)});
+  out["grads"] = owned_array(std::move(r.grads), {ng, 4});
   return out;
 }
 

@@ -168,18 +168,25 @@ public:
     const auto start = std::chrono::steady_clock::now();
     const auto totals = sum_steps(micro_steps);
     begin_step(totals, previous_step_totals);
-    StepPlan sp;
-    sp.owner_gpu = owners_;
-    Placement prev;
-    for (int m = 0; m < micro_steps.num_micro_steps(); ++m) {
-      sp.micro_steps.push_back(plan(step_span(micro_steps, m), stage, m == 0 ? resident : &prev));
-      prev = to_placement(sp.micro_steps.back());
-    }
+    StepPlan sp = plan_micro_steps(micro_steps, resident, stage);
     if (strategy_->plans_own_owners() && !sp.micro_steps.empty()) {
       sp.owner_gpu.clear();
       for (const LayerPlan &lp : sp.micro_steps.front())
         sp.owner_gpu.push_back(lp.owner_gpu);
     }
+    sp.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return sp;
+  }
+
+  /// `plan_step` with the owners fixed to `owners` (`[layers][experts]` owner GPU, checked as `set_owners` checks
+  /// them) instead of the strategy's step-level choice: for a trainer whose expert sharding is given (each rank's
+  /// optimizer state is where it is). The micro-steps chain as in `plan_step`.
+  [[nodiscard]] StepPlan plan_step_with_owners(const LoadTensor &micro_steps, OwnerMap owners,
+                                               const Placement *resident = nullptr, Stage stage = Stage::update) {
+    check_tensor(micro_steps, "plan_step_with_owners");
+    const auto start = std::chrono::steady_clock::now();
+    set_owners(std::move(owners));
+    StepPlan sp = plan_micro_steps(micro_steps, resident, stage);
     sp.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return sp;
   }
@@ -202,6 +209,18 @@ public:
   }
 
 private:
+  /// Every micro-step in order under the current owners, each from the previous one's placement (the first from
+  /// `resident`, which may be null).
+  [[nodiscard]] StepPlan plan_micro_steps(const LoadTensor &micro_steps, const Placement *resident, Stage stage) {
+    StepPlan sp;
+    sp.owner_gpu = owners_;
+    Placement prev;
+    for (int m = 0; m < micro_steps.num_micro_steps(); ++m) {
+      sp.micro_steps.push_back(plan(step_span(micro_steps, m), stage, m == 0 ? resident : &prev));
+      prev = to_placement(sp.micro_steps.back());
+    }
+    return sp;
+  }
   [[nodiscard]] PlanShape shape() const noexcept { return PlanShape{num_layers_, num_experts_, topo_, opts_}; }
   void check_layer_loads(std::span<const std::int64_t> loads, const char *who) const {
     shape().check_layer_loads(loads, who);

@@ -1,0 +1,99 @@
+#pragma once
+/// @file
+/// One source rank's token dispatch under a layer plan: every `(token, k)`'s physical slot and everything an
+/// all-to-all exchange needs to send the tokens to their slots and gather the results back (what
+/// `foremoe.torch.dispatch_layout` and a trainer's own dispatcher use). Plain host code over the plan's split by
+/// source rank (`split_by_source`); the same on every rank for the same plan.
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "foremoe/core/error.hpp"
+#include "foremoe/core/placement.hpp"
+#include "foremoe/plan/token_map.hpp"
+#include "foremoe/trace/routed_view.hpp"
+
+namespace foremoe {
+inline namespace v0 {
+
+/// Rank `rank`'s side of one layer's dispatch (`G` ranks of `S` slots each, `P = G * S` physical slots).
+struct DispatchLayout {
+  std::vector<std::int32_t> slots;         ///< `[tokens * topk]` physical slot of each `(t, k)`, -1 = no route
+  std::vector<std::int64_t> order;         ///< routed `t * topk + k` sorted by physical slot (token order inside one)
+  std::vector<std::int64_t> send_tokens;   ///< the token of each entry of `order`: the rows to send, in send order
+  std::vector<std::int64_t> input_splits;  ///< `[G]` rows this rank sends to each rank
+  std::vector<std::int64_t> output_splits; ///< `[G]` rows this rank receives from each rank
+  std::vector<std::int64_t> slot_counts;   ///< `[S]` rows each local slot computes (the grouped GEMM's sizes)
+  /// `[received]` the received row at each position when grouped by local slot (sources in rank order inside a
+  /// slot); `recv_inverse` is its inverse permutation.
+  std::vector<std::int64_t> recv_perm;
+  std::vector<std::int64_t> recv_inverse;
+};
+
+/// The dispatch of trace layer 0 of `ids` (`[tokens, 1, topk]`, rank `rank`'s tokens) under `placement` with the
+/// split `split` (`[G * S][G]` C order: tokens each physical slot takes from each source rank, as `split_by_source`
+/// returns). The received rows arrive source by source, each source's rows in slot order, as `all_to_all_single`
+/// delivers them with `output_splits`. Throws `Error` naming a split of the wrong shape, a negative count, a rank
+/// outside `[0, G)`, or routed ids whose counts differ from the split's column for `rank` (through `map_tokens`).
+[[nodiscard]] inline DispatchLayout
+dispatch_layout(const LayerPlacement &placement, std::span<const std::int64_t> split, const RoutedView &ids, int rank) {
+  using detail::require;
+  const int num_gpus = placement.num_gpus(), num_slots = placement.slots_per_gpu();
+  require(ids.num_layers() == 1, "dispatch: routed ids must be [tokens, 1, topk], got ", ids.num_layers(), " layers");
+  require(rank >= 0 && rank < num_gpus, "dispatch: rank ", rank, " outside [0, ", num_gpus, ")");
+  const std::size_t G = static_cast<std::size_t>(num_gpus), S = static_cast<std::size_t>(num_slots), P = G * S;
+  require(split.size() == P * G, "dispatch: the split has ", split.size(), " entries, expected [", P, ", ", G,
+          "] (slots x source ranks, from source_split)");
+  for (std::size_t i = 0; i < split.size(); ++i)
+    require(split[i] >= 0, "dispatch: the split's slot ", i / G, " takes ", split[i], " tokens from rank ", i % G);
+  const std::size_t r = static_cast<std::size_t>(rank), topk = static_cast<std::size_t>(ids.topk());
+  const std::size_t n = static_cast<std::size_t>(ids.num_tokens()) * topk;
+  DispatchLayout out;
+  out.slots.resize(n);
+  out.input_splits.assign(G, 0);
+  out.output_splits.assign(G, 0);
+  out.slot_counts.assign(S, 0);
+  std::vector<std::int64_t> column(P);
+  for (std::size_t q = 0; q < P; ++q)
+    column[q] = split[q * G + r];
+  const TokenRanges ranges = token_ranges(placement.phys_to_log(), placement.num_experts(), column);
+  map_tokens(ranges, ids, 0, out.slots);
+  // A counting sort over the exact per-slot counts: `next[q]` is the next free position of slot q's rows.
+  std::vector<std::int64_t> next(P + 1, 0);
+  for (std::size_t q = 0; q < P; ++q) {
+    next[q + 1] = next[q] + column[q];
+    out.input_splits[q / S] += column[q];
+  }
+  out.order.resize(static_cast<std::size_t>(next[P]));
+  for (std::size_t i = 0; i < n; ++i)
+    if (out.slots[i] >= 0) out.order[static_cast<std::size_t>(next[out.slots[i]]++)] = static_cast<std::int64_t>(i);
+  out.send_tokens.resize(out.order.size());
+  for (std::size_t i = 0; i < out.order.size(); ++i)
+    out.send_tokens[i] = out.order[i] / static_cast<std::int64_t>(topk);
+  // Received rows come source by source, each source's rows in slot order; group them slot by slot.
+  const std::int64_t *mine = split.data() + r * S * G; // [S][G]: rows local slot j takes from source s
+  for (std::size_t j = 0; j < S; ++j)
+    for (std::size_t s = 0; s < G; ++s) {
+      out.output_splits[s] += mine[j * G + s];
+      out.slot_counts[j] += mine[j * G + s];
+    }
+  std::vector<std::int64_t> at(G, 0); // next received row of each source's chunk
+  for (std::size_t s = 1; s < G; ++s)
+    at[s] = at[s - 1] + out.output_splits[s - 1];
+  const std::int64_t total = at[G - 1] + out.output_splits[G - 1];
+  out.recv_perm.resize(static_cast<std::size_t>(total));
+  out.recv_inverse.resize(static_cast<std::size_t>(total));
+  std::size_t pos = 0;
+  for (std::size_t j = 0; j < S; ++j)
+    for (std::size_t s = 0; s < G; ++s)
+      for (std::int64_t t = 0; t < mine[j * G + s]; ++t, ++pos) {
+        out.recv_perm[pos] = at[s]++;
+        out.recv_inverse[static_cast<std::size_t>(out.recv_perm[pos])] = static_cast<std::int64_t>(pos);
+      }
+  return out;
+}
+
+} // namespace v0
+} // namespace foremoe
