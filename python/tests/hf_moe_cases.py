@@ -127,12 +127,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def expert_weights(model: Any) -> Dict[str, torch.Tensor]:
-    return {n: local(p) for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))}
-
-
-def router_weights(model: Any) -> Dict[str, torch.Tensor]:
-    return {n: local(p) for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
+def weights(model: Any) -> Dict[str, torch.Tensor]:
+    """This rank's part of every parameter (the owner rows of the experts, the local shards of the dense ones)."""
+    return {n: local(p) for n, p in model.named_parameters()}
 
 
 def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict[str, Any]:
@@ -149,8 +146,8 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
     else:
         moe, routing = None, fmt.RoutingReplay(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
-    rec: Dict[str, Any] = {"ids": [], "recompute": [], "logits": [], "loss": [], "x_grad": [], "experts": [],
-                           "routers": [], "replica_tokens": [], "placements": [], "splits": [], "moves": 0,
+    rec: Dict[str, Any] = {"ids": [], "recompute": [], "logits": [], "loss": [], "x_grad": [], "weights": [],
+                           "replica_tokens": [], "placements": [], "splits": [], "moves": 0,
                            "param_names": [n for n, _ in model.named_parameters()]}
     resident = None
     for step in batches(case):
@@ -195,8 +192,7 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
             driver.close()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        rec["experts"].append(expert_weights(model))
-        rec["routers"].append(router_weights(model))
+        rec["weights"].append(weights(model))
     return rec
 
 
@@ -276,8 +272,8 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: str, what: str) -> float
 
 def assert_equal_runs(case: HFCase, ranks: List[Dict[str, Any]]) -> float:
     """Every rank's balanced run equals its unbalanced one: recorded routing, recompute and update logits, losses,
-    input gradients, and the expert and router weights after every optimizer step; the plans change every micro-step
-    and give tokens to replicas. Returns the largest relative error."""
+    input gradients, and every weight (experts, routers, dense shards) after every optimizer step; the plans change
+    every micro-step and give tokens to replicas. Returns the largest relative error."""
     worst = 0.0
     n = case.steps * case.micro
     for r, rec in enumerate(ranks):
@@ -289,20 +285,21 @@ def assert_equal_runs(case: HFCase, ranks: List[Dict[str, Any]]) -> float:
         for i in range(n):
             worst = max(worst, close(fm["recompute"][i], ref["recompute"][i], case.dtype, f"rank {r} #{i} recompute"),
                         close(fm["logits"][i], ref["logits"][i], case.dtype, f"rank {r} #{i} update logits"),
-                        close(torch.tensor(fm["loss"][i]), torch.tensor(ref["loss"][i]), case.dtype, f"rank {r} #{i} loss"),
+                        close(torch.tensor(fm["loss"][i]), torch.tensor(ref["loss"][i]), case.dtype,
+                              f"rank {r} #{i} loss"),
                         close(fm["x_grad"][i], ref["x_grad"][i], case.dtype, f"rank {r} #{i} input grad"))
-        assert len(fm["experts"]) == case.steps
+        assert len(fm["weights"]) == case.steps
         for s in range(case.steps):
-            assert fm["experts"][s].keys() == ref["experts"][s].keys() and fm["experts"][s]
-            for k in ref["experts"][s]:
-                worst = max(worst, close(fm["experts"][s][k], ref["experts"][s][k], case.dtype, f"rank {r} step {s} {k}"))
-            for k in ref["routers"][s]:
-                worst = max(worst, close(fm["routers"][s][k], ref["routers"][s][k], case.dtype, f"rank {r} step {s} {k}"))
+            assert fm["weights"][s].keys() == ref["weights"][s].keys()
+            assert any(k.endswith("experts.gate_up_proj") for k in fm["weights"][s])
+            for k, want in ref["weights"][s].items():
+                worst = max(worst, close(fm["weights"][s][k], want, case.dtype, f"rank {r} step {s} {k}"))
         # The optimizer saw the same parameters (the owner rows under the same names).
         assert fm["param_names"] == ref["param_names"], f"rank {r}: parameters differ"
         # Balancing really happened: every micro-step gives tokens to replicas, every plan differs from the one
         # before it (its token split; the replica placement at least once), and replicas moved.
-        assert all(t > 0 for t in fm["replica_tokens"]), f"rank {r}: replica tokens per micro-step {fm['replica_tokens']}"
+        assert all(t > 0 for t in fm["replica_tokens"]), \
+            f"rank {r}: replica tokens per micro-step {fm['replica_tokens']}"
         places, splits = fm["placements"], fm["splits"]
         for i in range(n - 1):
             assert not np.array_equal(splits[i], splits[i + 1]), f"rank {r}: micro-steps {i} and {i + 1}: same plan"

@@ -6,8 +6,8 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("transformers", minversion="5.0",
-                    reason="foremoe.transformers needs transformers >= 5 (pinned 5.23): pip install 'foremoe[transformers]'")
+pytest.importorskip("transformers", minversion="5.0", reason="foremoe.transformers needs transformers >= 5 "
+                    "(pinned 5.23): pip install 'foremoe[transformers]'")
 if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 7):
     pytest.skip(f"foremoe.transformers needs torch >= 2.7, found {torch.__version__}", allow_module_level=True)
 
