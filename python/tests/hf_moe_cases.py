@@ -39,6 +39,7 @@ class HFCase:
     seq: int = 10
     dtype: str = "float64"
     seed: int = 3
+    checkpointing: bool = False  # activation recomputation in the update backward (reruns the MoE layers)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -139,6 +140,9 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
     import foremoe.transformers as fmt
 
     model = load(case, path, impl)
+    if case.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     if impl == "foremoe":
         moe = fmt.ForeMoE(model, spare_slots=case.spare if spare is None else spare, timeout=60.0)
         routing = moe.routing
@@ -193,6 +197,8 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
         opt.step()
         opt.zero_grad(set_to_none=True)
         rec["weights"].append(weights(model))
+    if moe is not None:
+        rec["syncs"] = [st.num_syncs for st in moe.storages]  # layer calls: one replica sync each
     return rec
 
 
@@ -306,4 +312,12 @@ def assert_equal_runs(case: HFCase, ranks: List[Dict[str, Any]]) -> float:
         assert any(not np.array_equal(places[i], places[i + 1]) for i in range(n - 1)), \
             f"rank {r}: the replica placement never changed"
         assert fm["moves"] > 0
+        # Every MoE layer ran under ForeMoE in every forward: rollout, recompute, update; with checkpointing the
+        # update backward reran it too (twice in torch 2.15: once for the decoder layer's saved tensors, once more
+        # when the expert compute's inner backward unpacks its own, also saved under the checkpoint's hooks).
+        calls = case.steps * case.micro * 3
+        if case.checkpointing:
+            assert all(c >= calls + case.steps * case.micro for c in fm["syncs"]), f"rank {r}: calls {fm['syncs']}"
+        else:
+            assert fm["syncs"] == [calls] * case.layers, f"rank {r}: layer calls {fm['syncs']}, expected {calls}"
     return worst

@@ -34,14 +34,15 @@ def test_version_check():
 
 
 @pytest.mark.parametrize("case", [
-    cases.HFCase(family="qwen3_moe", world=2, experts=8, topk=2, spare=2, dtype="float64"),
+    cases.HFCase(family="qwen3_moe", world=2, experts=8, topk=2, spare=2, dtype="float64", checkpointing=True),
     cases.HFCase(family="mixtral", world=4, experts=16, topk=4, spare=2, dtype="float64"),
     cases.HFCase(family="olmoe", world=2, experts=8, topk=2, spare=2, dtype="float32"),
-], ids=lambda c: f"{c.family}-ep{c.world}-top{c.topk}-{c.dtype}")
+], ids=lambda c: f"{c.family}-ep{c.world}-top{c.topk}-{c.dtype}{'-checkpointing' if c.checkpointing else ''}")
 def test_equals_transformers_all_to_all(case, tmp_path):
     """3 RL steps (rollout records the routing; recompute and update with 2 accumulated micro-steps replay it; SGD
     with momentum) with ep_implementation="foremoe" under a ReplayDriver's plans equal transformers' "all_to_all"
-    with the same replay: logits, losses, input gradients, expert and router weights after every step."""
+    with the same replay: logits, losses, input gradients, every weight after every step. With activation
+    checkpointing the update backward reruns the MoE layers inside the micro-step, under the same plan."""
     start = time.monotonic()
     ranks = _run(cases.train_rank, case, tmp_path)
     worst = cases.assert_equal_runs(case, ranks)
