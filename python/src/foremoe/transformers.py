@@ -23,17 +23,21 @@ Use, on every rank (see ``examples/python/transformers_train.py``)::
     model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager",
         distributed_config=DistributedConfig(tp_size=4, ep_size=4, ep_implementation="foremoe"))
     moe = fmt.ForeMoE(model, spare_slots=2)           # expert weights -> ExpertStorage owner rows
-    with moe.record() as rollout:                      # rollout: record every MoE layer's top-k ids
-        model(input_ids=batch)
-    driver = moe.replay_driver(planner, rollout.ids(), offsets)   # a ReplayDriver: one plan per micro-step
+    opt = torch.optim.AdamW(model.parameters())        # after ForeMoE: it replaced the expert parameters
+    planner = foremoe.Planner(moe.topology())
+    with torch.no_grad(), moe.record() as rollout:     # rollout: record every MoE layer's top-k ids
+        for mb in micro_batches:
+            model(input_ids=mb)
+    driver = moe.replay_driver(planner, rollout.ids(), rollout.offsets())  # one plan per micro-step, ahead
     for m, mb in enumerate(micro_batches):             # recompute / update: replayed routing, balanced
-        with moe.micro_step(driver.plan(m), rollout.ids(m)):
+        with moe.micro_step(driver.plan(m), rollout.ids(m)):   # forward and backward inside
             model(input_ids=mb, labels=mb).loss.backward()
+    opt.step()
 
 **Parameters.** :class:`ForeMoE` replaces each experts module's ``gate_up_proj`` and ``down_proj`` (transformers'
 ``Shard(0)`` DTensors) by the owner rows of an :class:`~foremoe.torch.ExpertStorage` (plain ``nn.Parameter`` views
-``[E / N, ...]``): the optimizer sees exactly the experts the rank owns; the spare rows the replicas go to are never
-parameters. A replica's weight gradient is added to its owner's in the backward (``balanced_moe``).
+``[E / N, ...]``): the optimizer (create it after :class:`ForeMoE`) sees exactly the experts the rank owns; the spare
+rows the replicas go to are never parameters. A replica's weight gradient is added to its owner's in the backward (``balanced_moe``).
 
 **Routing replay.** :meth:`ForeMoE.record` records each router's top-k ids (a forward hook on the router).
 :meth:`ForeMoE.micro_step` replays them: each router's output is replaced by the recorded ids and routing weights
@@ -312,7 +316,7 @@ class RoutingReplay:
 
 class ForeMoE:
     """Attaches ForeMoE to a transformers model loaded with ``ep_implementation="foremoe"`` (every rank, once,
-    after ``from_pretrained``).
+    after ``from_pretrained`` and before the optimizer is created: the expert parameters are replaced).
 
     Args:
         model: the model (Qwen3-MoE, Mixtral or OLMoE family).
@@ -369,6 +373,7 @@ class ForeMoE:
             st = ft.ExpertStorage(weights, owners, slots, rank=r, world=G, group=ep.group, timeout=self.timeout,
                                   double_buffer=double_buffer)
             for n in st.names:  # the owner rows become the module's parameters (the optimizer's)
+                st.params[n].requires_grad_(experts._parameters[n].requires_grad)
                 experts._parameters[n] = st.params[n]
             experts.num_experts = E // G
             ep.storage, ep.layer, ep.attachment = st, layer, self
