@@ -37,7 +37,8 @@ Use, on every rank (see ``examples/python/transformers_train.py``)::
 **Parameters.** :class:`ForeMoE` replaces each experts module's ``gate_up_proj`` and ``down_proj`` (transformers'
 ``Shard(0)`` DTensors) by the owner rows of an :class:`~foremoe.torch.ExpertStorage` (plain ``nn.Parameter`` views
 ``[E / N, ...]``): the optimizer (create it after :class:`ForeMoE`) sees exactly the experts the rank owns; the spare
-rows the replicas go to are never parameters. A replica's weight gradient is added to its owner's in the backward (``balanced_moe``).
+rows the replicas go to are never parameters. A replica's weight gradient is added to its owner's in the backward
+(``balanced_moe``).
 
 **Routing replay.** :meth:`ForeMoE.record` records each router's top-k ids (a forward hook on the router).
 :meth:`ForeMoE.micro_step` replays them: each router's output is replaced by the recorded ids and routing weights
