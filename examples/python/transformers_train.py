@@ -22,7 +22,7 @@ The same training runs again with transformers' own ``ep_implementation="all_to_
 rank's share of the expert work (max / mean (token, expert) pairs per rank, mean over the MoE layers) without and
 with ForeMoE.
 
-Run: python examples/python/transformers_train.py     (needs torch >= 2.7 and transformers 5.23; about a minute on 2 cores)
+Run: python examples/python/transformers_train.py   (torch >= 2.7, transformers 5.23; about a minute on 2 cores)
 """
 
 from __future__ import annotations
