@@ -152,6 +152,7 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
     rec: Dict[str, Any] = {"ids": [], "recompute": [], "logits": [], "loss": [], "x_grad": [], "weights": [],
                            "replica_tokens": [], "placements": [], "splits": [], "moves": 0,
+                           "prefetched": 0,
                            "param_names": [n for n, _ in model.named_parameters()]}
     resident = None
     for step in batches(case):
@@ -171,10 +172,13 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
 
         with torch.no_grad():
             for m, mb in enumerate(step):
+                if moe is not None and m % 2 == 0:  # even micro-steps: every layer's replica moves posted ahead
+                    assert driver.prefetch(m, moe.layers) is driver.plan(m)
                 with micro(m):
                     rec["recompute"].append(model(input_ids=mb).logits.detach().clone())
                 if moe is not None:
                     rec["moves"] += sum(st.last_sync.moves for st in moe.storages)
+                    rec["prefetched"] += sum(st.last_sync.prefetched for st in moe.storages)
         for m, mb in enumerate(step):
             with micro(m):
                 emb = model.get_input_embeddings()(mb)
@@ -311,7 +315,7 @@ def assert_equal_runs(case: HFCase, ranks: List[Dict[str, Any]]) -> float:
             assert not np.array_equal(splits[i], splits[i + 1]), f"rank {r}: micro-steps {i} and {i + 1}: same plan"
         assert any(not np.array_equal(places[i], places[i + 1]) for i in range(n - 1)), \
             f"rank {r}: the replica placement never changed"
-        assert fm["moves"] > 0
+        assert fm["moves"] > 0 and fm["prefetched"] > 0, (fm["moves"], fm["prefetched"])
         # Every MoE layer ran under ForeMoE in every forward: rollout, recompute, update; with checkpointing the
         # update backward reran it too (twice in torch 2.15: once for the decoder layer's saved tensors, once more
         # when the expert compute's inner backward unpacks its own, also saved under the checkpoint's hooks).

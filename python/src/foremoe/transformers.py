@@ -162,6 +162,14 @@ class ForeMoEEP(EPImplementation):
         return DTensor.from_local(out.contiguous(), self.tp_mesh, [Shard(0)], shape=(num_tokens, hidden),
                                   stride=(hidden, 1)).full_tensor()
 
+    def prefetch(self, plan: "foremoe.Plan") -> None:
+        """Posts this layer's replica moves for ``plan`` now (:meth:`foremoe.torch.ExpertStorage.prefetch`, a
+        collective of the expert group); the layer's next call, which must run under ``plan``, installs them. What
+        :meth:`foremoe.torch.ReplayDriver.prefetch` calls: ``driver.prefetch(m, moe.layers)``."""
+        if self.storage is None or self.attachment is None:
+            raise RuntimeError("foremoe.transformers: prefetch before foremoe.transformers.ForeMoE(model, ...)")
+        self.storage.prefetch(plan, self.layer, group=self.group, timeout=self.attachment.timeout)
+
 
 EPImplementationInterface.register(_NAME, ForeMoEEP)
 
@@ -326,7 +334,9 @@ class ForeMoE:
         timeout: seconds every collective of a layer call may take.
         double_buffer: :class:`foremoe.torch.ExpertStorage`'s.
 
-    Attributes: ``storages`` (one :class:`~foremoe.torch.ExpertStorage` per MoE layer, model order), ``owners``
+    Attributes: ``layers`` (the :class:`ForeMoEEP` of every MoE layer, model order: ``ReplayDriver.prefetch(m,
+    moe.layers)`` posts micro-step ``m``'s replica moves ahead), ``storages`` (their
+    :class:`~foremoe.torch.ExpertStorage`), ``owners``
     (``[E]`` owner rank of every expert: the plans must keep it), ``slots``, ``num_layers``, ``num_experts``,
     ``top_k``, ``current_plan`` (the plan of the active :meth:`micro_step`, else ``None``).
     """
