@@ -25,3 +25,19 @@ def test_bench_runs_quick():
     r = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "overhead" in r.stdout
+
+
+def test_transformers_example_runs():
+    """examples/python/transformers_train.py: 4 ranks over gloo, equal losses with and without ForeMoE."""
+    pytest.importorskip("torch", minversion="2.7", reason="the transformers example needs torch >= 2.7")
+    pytest.importorskip("transformers", minversion="5.0", reason="the transformers example needs transformers 5.23 "
+                        "(pip install 'foremoe[transformers]')")
+    r = subprocess.run([sys.executable, str(EXAMPLES / "transformers_train.py")], cwd=EXAMPLES, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "largest relative loss difference with and without ForeMoE" in r.stdout and "done" in r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line[:1] == " " and "->" in line]
+    assert len(rows) == 6, r.stdout
+    for row in rows:  # step micro before -> after replicas loss loss
+        before, after, replicas = float(row[2]), float(row[4]), int(row[5])
+        assert after < before and replicas > 0 and abs(float(row[6]) - float(row[7])) <= 1e-9, row
