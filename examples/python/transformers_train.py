@@ -28,7 +28,6 @@ Run: python examples/python/transformers_train.py   (torch >= 2.7, transformers 
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import os
 import sys
 import tempfile
@@ -133,11 +132,6 @@ def worker(rank: int, tmp: str) -> None:
 
     transformers.logging.set_verbosity_error()  # the tiny model leaves some of its tensor-parallel rules unused
     transformers.logging.disable_progress_bar()
-    if importlib.util.find_spec("accelerate") is None:
-        # transformers' distributed loading hands from_pretrained a {"": cpu} device map, which it refuses without
-        # the accelerate package although nothing of accelerate is needed on the CPU.
-        import transformers.integrations.accelerate as acc
-        acc.is_accelerate_available = lambda *a, **k: True
     path = f"{tmp}/model"
     if rank == 0:
         save_tiny_model(path)

@@ -7,7 +7,6 @@ Not a test module (no ``test_`` prefix): the spawned ranks import it by name.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -104,18 +103,9 @@ def load(case: HFCase, path: str, impl: str) -> Any:
                                              experts_implementation="eager")
 
 
-def allow_cpu_device_map() -> None:
-    """Test-only: transformers' distributed loading hands ``from_pretrained`` a ``{"": cpu}`` device map, which it
-    refuses without the ``accelerate`` package (not needed on the CPU): accept it when accelerate is absent."""
-    if importlib.util.find_spec("accelerate") is None:
-        import transformers.integrations.accelerate as acc
-        acc.is_accelerate_available = lambda *a, **k: True
-
-
 def setup_rank(rank: int, case: HFCase, tmp: str) -> str:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(case.world))
     init_group(rank, case.world, tmp)
-    allow_cpu_device_map()
     path = f"{tmp}/model"
     if rank == 0:
         save_model(case, path)
