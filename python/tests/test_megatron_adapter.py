@@ -1,0 +1,99 @@
+"""foremoe.megatron inside Megatron-core's MoELayer, on the CPU over gloo (CPU patches: megatron_cpu.py).
+
+Each case trains a tiny Megatron MoE model (MoELayer blocks, SequentialMLP experts, router replay) for three RL
+steps (rollout recording the routing, a recompute stage, an update stage of several micro-batches with gradient
+accumulation and an optimizer step) through the adapter and, in the same processes, through Megatron's own
+unbalanced layer on the same replayed routing: outputs, input gradients, accumulated gradients and the weights after
+every optimizer step must be equal, plans must change every micro-step and replica rows must take tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch", reason="foremoe.megatron needs torch >= 2.6")
+import torch  # noqa: E402
+
+if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6):
+    pytest.skip(f"foremoe.megatron needs torch >= 2.6, found {torch.__version__}", allow_module_level=True)
+pytest.importorskip("megatron.core", reason="foremoe.megatron needs megatron-core 0.16.1 (foremoe[megatron])")
+
+import numpy as np  # noqa: E402
+
+import foremoe.megatron as fmeg  # noqa: E402
+from megatron_moe_cases import MCase, train_rank  # noqa: E402
+from torch_moe_cases import close, run_ranks  # noqa: E402
+
+CASES = {
+    "ep2_top2_fp64": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", errors=True),
+    "ep4_top4_fp32": MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24, dtype="float32"),
+}
+
+
+def _run(case: MCase, tmp_path) -> list:
+    run_ranks(train_rank, case.world, (case, str(tmp_path)), str(tmp_path), timeout=180.0)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(case.world)]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def trained(request, tmp_path_factory):
+    case = CASES[request.param]
+    return case, _run(case, tmp_path_factory.mktemp(request.param))
+
+
+def test_equals_megatron_unbalanced(trained):
+    case, ranks = trained
+    for r, rec in enumerate(ranks):
+        n_out = case.steps * case.micro * 3  # recompute output, update output, input grad
+        assert len(rec["cmp"]) == n_out + 2 * case.steps * len(rec["param_names"])
+        for what, got, want in rec["cmp"]:
+            close(got, want, case.dtype, f"rank {r}: {what}")
+
+
+def test_replicas_used_and_plans_change(trained):
+    case, ranks = trained
+    stats = [s for rec in ranks for s in rec["stats"]]
+    # Every balanced layer call of every rank: 2 stages x steps x micro-batches x layers.
+    assert len(stats) == case.world * 2 * case.steps * case.micro * case.layers
+    assert sum(s["replica_tokens"] for s in stats) > 0
+    assert sum(s["replica_rows"] for s in stats) > 0
+    # The plans balance: the busiest rank under the plan never carries more than under Megatron's sharding.
+    assert all(s["max"] <= s["max_plain"] for s in stats)
+    assert any(s["max"] < s["max_plain"] for s in stats)
+    tokens = ranks[0]["slot_tokens"]
+    assert all(not np.array_equal(a, b) for a, b in zip(tokens, tokens[1:]))
+    place = ranks[0]["placements"]
+    assert any(not np.array_equal(a, b) for a, b in zip(place, place[1:]))
+
+
+def test_parameters_unchanged(trained):
+    _, ranks = trained
+    for rec in ranks:
+        assert all(".local_experts." in n or ".router." in n for n in rec["param_names"])
+        assert not any("foremoe" in k or "storage" in k for k in rec["state_dict"])
+
+
+def test_bad_input(trained):
+    case, ranks = trained
+    if not case.errors:
+        pytest.skip("bad inputs run in the EP 2 case only")
+    for rec in ranks:
+        e = rec["errors"]
+        assert e["wrong_micro_step"].startswith("ValueError") and "micro-step" in e["wrong_micro_step"]
+        assert e["wrong_layer"].startswith("ValueError") and "plan layer" in e["wrong_layer"]
+        assert "MoE layers" in e["plan_too_few_layers"]
+        assert "1 MoE layers, the model 2" in e["plan_other_layer_count"]
+        assert "without a driver" in e["set_without_driver"]
+        assert "already balanced" in e["install_twice"]
+        assert "moe_token_dispatcher_type='flex'" in e["config_moe_token_dispatcher_type_flex"]
+        assert "moe_token_dispatcher_type='allgather'" in e["config_moe_token_dispatcher_type_allgather"]
+        assert "expert_tensor_parallel_size=2" in e["config_expert_tensor_parallel_size_2"]
+        assert "moe_expert_capacity_factor=1.0" in e["config_moe_expert_capacity_factor_1.0"]
+
+
+def test_version_errors():
+    with pytest.raises(ImportError, match=r"supports megatron-core 0\.16\.1, found megatron-core 0\.15\.0"):
+        fmeg.check_versions(megatron_version="0.15.0")
+    with pytest.raises(ImportError, match=r"needs torch >= 2\.6 .*found torch 1\.13\.1"):
+        fmeg.check_versions(torch_version="1.13.1", megatron_version="0.16.1")
+    fmeg.check_versions()  # the installed versions are the supported ones
