@@ -26,7 +26,8 @@ from torch_moe_cases import close, run_ranks  # noqa: E402
 
 CASES = {
     "ep2_top2_fp64": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", errors=True),
-    "ep4_top4_fp32": MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24, dtype="float32"),
+    "ep4_top4_fp32": MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24, dtype="float32",
+                           recompute=True),
 }
 
 
@@ -35,10 +36,19 @@ def _run(case: MCase, tmp_path) -> list:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(case.world)]
 
 
+_DONE: dict = {}
+
+
+def _trained(name: str, tmp_path_factory) -> tuple:
+    """The case's run, once per test session (every test of a case reads the same records)."""
+    if name not in _DONE:
+        _DONE[name] = (CASES[name], _run(CASES[name], tmp_path_factory.mktemp(name)))
+    return _DONE[name]
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def trained(request, tmp_path_factory):
-    case = CASES[request.param]
-    return case, _run(case, tmp_path_factory.mktemp(request.param))
+    return _trained(request.param, tmp_path_factory)
 
 
 def test_equals_megatron_unbalanced(trained):
@@ -53,8 +63,10 @@ def test_equals_megatron_unbalanced(trained):
 def test_replicas_used_and_plans_change(trained):
     case, ranks = trained
     stats = [s for rec in ranks for s in rec["stats"]]
-    # Every balanced layer call of every rank: 2 stages x steps x micro-batches x layers.
-    assert len(stats) == case.world * 2 * case.steps * case.micro * case.layers
+    # Every balanced layer call of every rank: the recompute stage's forward, the update stage's forward and, with
+    # activation recompute, its recomputation in the backward (under the same micro-step's plan).
+    calls = 1 + (2 if case.recompute else 1)
+    assert len(stats) == case.world * calls * case.steps * case.micro * case.layers
     assert sum(s["replica_tokens"] for s in stats) > 0
     assert sum(s["replica_rows"] for s in stats) > 0
     # The plans balance: the busiest rank under the plan never carries more than under Megatron's sharding.
@@ -73,14 +85,14 @@ def test_parameters_unchanged(trained):
         assert not any("foremoe" in k or "storage" in k for k in rec["state_dict"])
 
 
-def test_bad_input(trained):
-    case, ranks = trained
-    if not case.errors:
-        pytest.skip("bad inputs run in the EP 2 case only")
+def test_bad_input(tmp_path_factory):
+    _, ranks = _trained("ep2_top2_fp64", tmp_path_factory)  # the bad inputs ran in the EP 2 case's first step
     for rec in ranks:
         e = rec["errors"]
-        assert e["wrong_micro_step"].startswith("ValueError") and "micro-step" in e["wrong_micro_step"]
-        assert e["wrong_layer"].startswith("ValueError") and "plan layer" in e["wrong_layer"]
+        assert e["wrong_micro_step"].startswith("ValueError: foremoe.megatron: MoE layer 0, micro-step 1:")
+        assert "is this the plan of this layer and micro-step?" in e["wrong_micro_step"]
+        assert e["wrong_layer"].startswith("ValueError: foremoe.megatron: MoE layer 0, micro-step 0:")
+        assert "plan layer 0" in e["wrong_layer"]
         assert "MoE layers" in e["plan_too_few_layers"]
         assert "1 MoE layers, the model 2" in e["plan_other_layer_count"]
         assert "without a driver" in e["set_without_driver"]
