@@ -25,3 +25,14 @@ def test_bench_runs_quick():
     r = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "overhead" in r.stdout
+
+
+def test_megatron_train_example():
+    """The Megatron-core example (CPU, 2 ranks over gloo): equal losses with and without ForeMoE, balanced ranks."""
+    pytest.importorskip("megatron.core", reason="the example needs megatron-core 0.16.1 and torch >= 2.6")
+    r = subprocess.run([sys.executable, str(EXAMPLES / "megatron_train.py")], cwd=EXAMPLES, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 6 and "equal losses" in r.stdout
+    assert all("1.00 with" in ln for ln in lines), r.stdout
