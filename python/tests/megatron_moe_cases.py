@@ -30,6 +30,7 @@ class MCase:
     dtype: str = "float64"
     recompute: bool = False  # activation recompute of the balanced model's MoE layers
     errors: bool = False  # also run the bad-input checks
+    ddp: bool = False  # the balanced model inside Megatron's DistributedDataParallel (gradients in main_grad)
 
     @property
     def slots(self) -> int:
@@ -68,6 +69,12 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     bal = mc.TinyMoE(bal_cfg)
     bal.load_state_dict(ref.state_dict())
     fm = fmeg.install(bal, case.slots, timeout=60.0)
+    run_bal = bal
+    if case.ddp:  # Megatron's DDP hook adds each parameter's .grad into its main_grad and clears .grad
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        run_bal = DistributedDataParallel(bal_cfg, DistributedDataParallelConfig(use_distributed_optimizer=False),
+                                          module=bal)
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(ref.parameters(), bal.parameters()))
     rec: Dict[str, Any] = {"cmp": [], "stats": None, "placements": [], "slot_tokens": [], "errors": {},
                            "param_names": [n for n, _ in bal.named_parameters()],
@@ -102,7 +109,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                 with torch.no_grad():
                     want = ref(b["x"])
                     with fm.micro_step(m, drv) as plan:
-                        got = bal(b["x"])
+                        got = run_bal(b["x"])
                 compare(f"step {s} recompute micro-batch {m} output", got, want)
             resident = drv.last_plan
         if case.errors and s == 0:
@@ -117,7 +124,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                 out_r = ref(xr)
                 (out_r * b["target"]).sum().backward()
                 with fm.micro_step(m, drv) as plan:
-                    out_b = bal(xb)
+                    out_b = run_bal(xb)
                     (out_b * b["target"]).sum().backward()
                 rec["placements"].append(np.array(plan.gpu_slots))
                 rec["slot_tokens"].append(np.array(plan.slot_tokens))
@@ -125,11 +132,16 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                 compare(f"step {s} update micro-batch {m} input grad", xb.grad, xr.grad)
             resident = drv.last_plan
         for (n, pb), pr in zip(bal.named_parameters(), ref.parameters()):
+            if case.ddp:  # what Megatron's optimizer reads (the DP all-reduce is left out: both sides alike)
+                assert pb.grad is None
+                pb.grad = pb.main_grad.clone()
             compare(f"step {s} accumulated grad of {n}", pb.grad, pr.grad)
         opt_ref.step()
         opt_bal.step()
         opt_ref.zero_grad(set_to_none=True)
         opt_bal.zero_grad(set_to_none=True)
+        if case.ddp:
+            run_bal.zero_grad_buffer()
         for (n, pb), pr in zip(bal.named_parameters(), ref.parameters()):
             compare(f"step {s} weight {n} after the optimizer step", pb, pr)
     rec["stats"] = fm.stats

@@ -25,7 +25,8 @@ from megatron_moe_cases import MCase, train_rank  # noqa: E402
 from torch_moe_cases import close, run_ranks  # noqa: E402
 
 CASES = {
-    "ep2_top2_fp64": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", errors=True),
+    "ep2_top2_fp64": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", errors=True,
+                           ddp=True),
     "ep4_top4_fp32": MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24, dtype="float32",
                            recompute=True),
 }

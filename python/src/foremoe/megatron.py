@@ -26,8 +26,11 @@ Supported: megatron-core |SUPPORTED|, ``moe_token_dispatcher_type='alltoall'``, 
 tensor parallelism 1, dropless routing. Anything else raises ``ValueError`` naming the setting at :func:`install`.
 Not supported: the flex (DeepEP / HybridEP) and allgather dispatchers, ``GroupedMLP`` / ``TEGroupedMLP``, expert
 capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and Megatron's
-distributed optimizer (whose parameter buffer takes the parameters' storage away from the slot rows: detected, an
-error at the next call).
+distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)`` moves every parameter into
+its own buffer: Megatron's DDP refuses the expert parameters, which are views of the slot storage, with an
+``AssertionError``; a parameter whose ``.data`` is replaced after :func:`install` is an error at the next call).
+Megatron's ``DistributedDataParallel`` without it works: its hook adds each expert parameter's ``.grad`` (owner and
+replica gradients summed) into ``main_grad``.
 """
 
 from __future__ import annotations
