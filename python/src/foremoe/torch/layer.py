@@ -605,17 +605,19 @@ class _SlotExperts(torch.autograd.Function):
             rep = {j: [st.storage[n][int(run.rows[j])].detach().requires_grad_(True) for n in st.names]
                    for j in run.replica_slots if counts[j] > 0}
             outs = []
-            off = 0
+            # One split (its backward is one concatenation), not a slice per slot (each slice's backward would
+            # zero-fill a gradient as large as all the slots' rows).
+            xs = xd.split(counts)
+            ss = None if sd is None else sd.split(counts)
             for j, n in enumerate(counts):
                 if n == 0:
                     continue
                 row = int(run.rows[j])
                 ws = [w[row] for w in od] if row < st.num_owned else rep[j]
-                if sd is None:
-                    outs.append(run.expert_fn(xd[off:off + n], *ws))
+                if ss is None:
+                    outs.append(run.expert_fn(xs[j], *ws))
                 else:
-                    outs.append(run.expert_fn(xd[off:off + n], *ws, scale=sd[off:off + n]))
-                off += n
+                    outs.append(run.expert_fn(xs[j], *ws, scale=ss[j]))
             y = torch.cat(outs) if outs else x.new_zeros((0,) + tuple(x.shape[1:]))
         ctx.run = run
         ctx.inner = (xd, sd, od, rep, y) if need else None
