@@ -40,3 +40,14 @@ def test_megatron_train_example():
         assert float(with_.split()[0]) <= float(without), ln
         a, b = ln.split("loss ")[1].split(" vs ")
         assert a == b, ln
+
+
+def test_megatron_bench_runs_quick():
+    pytest.importorskip("megatron.core", reason="the benchmark needs megatron-core 0.16.1 and torch >= 2.6")
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_megatron_overhead.py"
+    r = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+
+    row = json.loads(r.stdout.splitlines()[0])
+    assert row["replica_tokens"] > 0 and row["resident_megatron_us"] > 0 and "resident_added_us" in row

@@ -18,7 +18,10 @@ the model in DDP or builds its optimizer:
 The micro-step is set by the trainer, never guessed: ``with balancer.micro_step(m, driver): ...`` (or
 :meth:`MegatronBalancer.set_micro_step` inside Megatron's ``forward_step_func``) hands the driver's plan of
 micro-step ``m`` to every MoE layer; the recompute forward, the update forward, the update backward and an activation
-recompute inside that backward all run under it. Outside any micro-step (a rollout that records the routing) the
+recompute inside that backward all run under it (with Megatron's ``forward_backward_no_pipelining`` the backward of
+micro-batch ``m`` runs right after its forward, while micro-step ``m`` is set; with a pipelined schedule an
+activation recompute that runs while another micro-step is set fails with the error below rather than use the
+wrong plan; the backward without recompute keeps the plan its forward ran with). Outside any micro-step (a rollout that records the routing) the
 layers run Megatron's own dispatcher path unchanged. The plan of micro-step ``m`` only fits that micro-step's routing:
 any other raises ``ValueError`` naming the layer (Megatron's loads disagree with the plan's split).
 
@@ -35,8 +38,9 @@ replica gradients summed) into ``main_grad``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 SUPPORTED_MEGATRON = ("0.16.1",)
 MIN_TORCH = (2, 6)
@@ -317,10 +321,11 @@ class MegatronBalancer:
     ``RouterReplay.get_recorded_data()``), ``storages`` (their :class:`ExpertStorage`), ``owners`` (``[E]`` owner
     rank of every expert: the plans must keep them), ``group`` (the expert-parallel process group), ``slots``.
     ``stats``: one dict per balanced layer call (micro-step, layer, tokens on the busiest rank and on an average rank
-    under the plan and under Megatron's sharding, and the tokens this rank computed on replica rows)."""
+    under the plan and under Megatron's sharding, and the tokens this rank computed on replica rows), the last
+    ``stats_limit`` calls."""
 
     def __init__(self, layers: Sequence[MoELayer], slots: int, *, timeout: float = DEFAULT_TIMEOUT,
-                 **storage_options: Any):
+                 stats_limit: int = 10000, **storage_options: Any):
         if not layers:
             raise ValueError("foremoe.megatron.install: the model has no MoELayer")
         self.timeout = float(timeout)
@@ -340,7 +345,7 @@ class MegatronBalancer:
         self._driver: Optional[ReplayDriver] = None
         self._micro: Optional[int] = None
         self._plan: Any = None
-        self.stats: List[Dict[str, Any]] = []
+        self.stats: Deque[Dict[str, Any]] = collections.deque(maxlen=stats_limit)
 
     # -- drivers and micro-steps ------------------------------------------------------------------------------
 
@@ -428,10 +433,13 @@ def _moe_layers(model: Any) -> List[MoELayer]:
     return out
 
 
-def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, **storage_options: Any) -> MegatronBalancer:
+def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, stats_limit: int = 10000,
+            **storage_options: Any) -> MegatronBalancer:
     """Makes every ``MoELayer`` of ``model`` (a module or a list of model chunks) balanced per micro-step, in
     place, and returns their :class:`MegatronBalancer`. Call it on every rank after building the model and before
-    DDP and the optimizer. ``slots``: expert rows per rank (the local experts plus spare replica rows).
+    DDP and the optimizer. ``slots``: expert rows per rank (the local experts plus spare replica rows);
+    ``timeout``: seconds any collective or transfer of a layer call may take; ``stats_limit``: calls kept in
+    :attr:`MegatronBalancer.stats`.
     ``storage_options``: :class:`ExpertStorage`'s ``verify``, ``mirror``, ``faults``, ``double_buffer``.
 
     Raises ``ValueError`` naming the setting for a configuration the adapter does not support."""
@@ -449,7 +457,7 @@ def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, **stora
         if type(layer.experts) is not SequentialMLP:
             raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(layer.experts).__name__} experts; only "
                              f"SequentialMLP (moe_grouped_gemm=False) is supported")
-    balancer = MegatronBalancer(layers, slots, timeout=timeout, **storage_options)
+    balancer = MegatronBalancer(layers, slots, timeout=timeout, stats_limit=stats_limit, **storage_options)
     for st in balancer._states:
         layer = st.module
         layer.token_dispatcher.__class__ = ForeMoEAlltoAllTokenDispatcher
