@@ -9,6 +9,9 @@ every optimizer step must be equal, plans must change every micro-step and repli
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 pytest.importorskip("torch", reason="foremoe.megatron needs torch >= 2.6")
@@ -110,3 +113,13 @@ def test_version_errors():
     with pytest.raises(ImportError, match=r"needs torch >= 2\.6 .*found torch 1\.13\.1"):
         fmeg.check_versions(torch_version="1.13.1", megatron_version="0.16.1")
     fmeg.check_versions()  # the installed versions are the supported ones
+
+
+def test_import_without_megatron():
+    """Without megatron-core, importing the adapter is an ImportError naming the package and version to install."""
+    code = ("import sys; sys.modules['megatron'] = None\n"
+            "try:\n    import foremoe.megatron\nexcept ImportError as e:\n    print('ImportError:', e)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ImportError: foremoe.megatron needs megatron-core 0.16.1" in r.stdout, r.stdout
+    assert "pip install 'megatron-core==0.16.1'" in r.stdout

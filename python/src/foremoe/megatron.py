@@ -126,7 +126,6 @@ def check_config(config: Any) -> None:
         ("moe_apply_probs_on_input", lambda v: not v, "the routing weight is applied after the activation only"),
         ("fp8", lambda v: not v, "FP8 expert compute is not supported"),
         ("fp4", lambda v: not v, "FP4 expert compute is not supported"),
-        ("moe_permute_fusion", lambda v: not v, "the plan's permutation replaces the fused one"),
     ]:
         v = get(name)
         if not ok(v):
