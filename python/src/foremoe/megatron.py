@@ -224,14 +224,12 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         T = x.shape[0]
-        per_token = routing_map.sum(dim=1)
-        if routing_map.shape != (T, st.num_experts) or bool((per_token != st.topk).any()):
-            bad = int(torch.nonzero(per_token != st.topk)[0, 0]) if routing_map.shape[0] == T else -1
-            raise ValueError(f"foremoe.megatron: MoE layer {st.index}: the routing map must route every token to "
-                             f"moe_router_topk={st.topk} experts (token {bad} goes to "
-                             f"{int(per_token[bad]) if bad >= 0 else '?'}; dropless routing only)")
-        ids = torch.nonzero(routing_map)[:, 1].reshape(T, st.topk)
-        weights = probs.gather(1, ids)
+        # [T, K] routed experts of every token in ascending id (-1 where a token has fewer routes, e.g. padding):
+        # a stable descending sort of the 0/1 map puts each token's routed experts first.
+        taken, order = routing_map.to(torch.int8).sort(dim=1, descending=True, stable=True)
+        routed = taken[:, :st.topk] > 0
+        ids = torch.where(routed, order[:, :st.topk], torch.full_like(order[:, :st.topk], -1))
+        weights = probs.gather(1, ids.clamp(min=0)) * routed.to(probs.dtype)
         ids_cpu = ids.cpu()
         try:
             run = _prepare(x, ids_cpu, weights, plan, st.storage, st.expert_fn, st.index, st.group, None,
