@@ -317,9 +317,7 @@ class MegatronBalancer:
     Attributes: ``layers`` (the ``MoELayer`` modules, in the order of their routers: the order of
     ``RouterReplay.get_recorded_data()``), ``storages`` (their :class:`ExpertStorage`), ``owners`` (``[E]`` owner
     rank of every expert: the plans must keep them), ``group`` (the expert-parallel process group), ``slots``.
-    ``stats``: one dict per balanced layer call (micro-step, layer, tokens on the busiest rank and on an average rank
-    under the plan and under Megatron's sharding, and the tokens this rank computed on replica rows), the last
-    ``stats_limit`` calls."""
+    ``stats``: one dict per balanced layer call, the last ``stats_limit`` (see :attr:`stats`)."""
 
     def __init__(self, layers: Sequence[MoELayer], slots: int, *, timeout: float = DEFAULT_TIMEOUT,
                  stats_limit: int = 10000, **storage_options: Any):
@@ -342,7 +340,7 @@ class MegatronBalancer:
         self._driver: Optional[ReplayDriver] = None
         self._micro: Optional[int] = None
         self._plan: Any = None
-        self.stats: Deque[Dict[str, Any]] = collections.deque(maxlen=stats_limit)
+        self._calls: Deque[Tuple[Any, ...]] = collections.deque(maxlen=stats_limit)
 
     # -- drivers and micro-steps ------------------------------------------------------------------------------
 
@@ -405,18 +403,30 @@ class MegatronBalancer:
         return self._plan
 
     def _record(self, st: _LayerState, plan: Any, run: _Run) -> None:
-        taken = np.asarray(plan.slot_tokens[st.index])
-        loads = taken.sum(axis=1)
-        per_expert = np.zeros(self.num_experts, dtype=np.int64)
-        place = np.asarray(plan.gpu_slots[st.index])
-        used = place >= 0
-        np.add.at(per_expert, place[used], taken[used])
-        owner_loads = np.bincount(st.owners, weights=per_expert, minlength=self.world)
-        replica = sum(int(run.layout.slot_counts[j]) for j in run.replica_slots)
-        self.stats.append({"micro_step": self._micro, "layer": st.index, "max": int(loads.max()),
-                           "mean": float(loads.mean()), "max_plain": int(owner_loads.max()),
-                           "mean_plain": float(owner_loads.mean()), "replica_tokens": replica,
-                           "replica_rows": sum(1 for j in run.replica_slots if run.layout.slot_counts[j] > 0)})
+        # Kept raw (a few ints and the shared plan object); :attr:`stats` makes the dicts when it is read.
+        counts = run.layout.slot_counts
+        used = [int(counts[j]) for j in run.replica_slots if counts[j] > 0]
+        self._calls.append((self._micro, st.index, plan, sum(used), len(used)))
+
+    @property
+    def stats(self) -> List[Dict[str, Any]]:
+        """One dict per balanced layer call (the last ``stats_limit``): ``micro_step``, ``layer``, ``max`` and
+        ``mean`` tokens per rank under the plan, ``max_plain`` and ``mean_plain`` under Megatron's sharding (every
+        token on its expert's owner), ``replica_tokens`` and ``replica_rows``: tokens this rank computed on replica
+        rows, and how many replica rows took any."""
+        out = []
+        for micro, layer, plan, replica_tokens, replica_rows in self._calls:
+            taken = np.asarray(plan.slot_tokens[layer])
+            place = np.asarray(plan.gpu_slots[layer])
+            used = place >= 0
+            per_expert = np.zeros(self.num_experts, dtype=np.int64)
+            np.add.at(per_expert, place[used], taken[used])
+            loads = taken.sum(axis=1)
+            plain = np.bincount(self.owners, weights=per_expert, minlength=self.world)
+            out.append({"micro_step": micro, "layer": layer, "max": int(loads.max()), "mean": float(loads.mean()),
+                        "max_plain": int(plain.max()), "mean_plain": float(plain.mean()),
+                        "replica_tokens": replica_tokens, "replica_rows": replica_rows})
+        return out
 
 
 def _moe_layers(model: Any) -> List[MoELayer]:
