@@ -41,3 +41,29 @@ def test_transformers_example_runs():
     for row in rows:  # step micro before -> after replicas loss loss
         before, after, replicas = float(row[2]), float(row[4]), int(row[5])
         assert after < before and replicas > 0 and abs(float(row[6]) - float(row[7])) <= 1e-9, row
+
+
+def test_megatron_train_example():
+    """The Megatron-core example (CPU, 2 ranks over gloo): equal losses with and without ForeMoE, balanced ranks."""
+    pytest.importorskip("megatron.core", reason="the example needs megatron-core 0.16.1 and torch >= 2.6")
+    r = subprocess.run([sys.executable, str(EXAMPLES / "megatron_train.py")], cwd=EXAMPLES, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 6 and "equal losses" in r.stdout
+    for ln in lines:  # "... max/mean 1.45 without ForeMoE, 1.00 with (layer 0); loss A vs B"
+        without, with_ = ln.split("max/mean ")[1].split(" without ForeMoE, ")
+        assert float(with_.split()[0]) <= float(without), ln
+        a, b = ln.split("loss ")[1].split(" vs ")
+        assert a == b, ln
+
+
+def test_megatron_bench_runs_quick():
+    pytest.importorskip("megatron.core", reason="the benchmark needs megatron-core 0.16.1 and torch >= 2.6")
+    bench = Path(__file__).resolve().parents[1] / "bench" / "bench_megatron_overhead.py"
+    r = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+
+    row = json.loads(r.stdout.splitlines()[0])
+    assert row["replica_tokens"] > 0 and row["resident_megatron_us"] > 0 and "resident_added_us" in row

@@ -170,6 +170,7 @@ class ExpertStorage:
         # free row (and for the owner rows, which hold the owned experts in `owned` order).
         self.resident_rows = np.full((world, self.slots), -1, dtype=np.int64)
         self.row_generation = np.zeros(rows_total, dtype=np.int64)  # bumped when a row of this rank is rewritten
+        self._bound: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (trainer parameter, its row): bind_parameters
         self._versions = self._param_versions()
         self._ptrs = self._param_ptrs()
         self._invalid = False
@@ -229,10 +230,36 @@ class ExpertStorage:
     # -- staleness --------------------------------------------------------------------------------------------
 
     def _param_versions(self) -> List[int]:
-        return [int(p._version) for p in self.params.values()]
+        return [int(p._version) for p in self.params.values()] + [int(p._version) for p, _ in self._bound]
 
     def _param_ptrs(self) -> List[int]:
         return [int(p.data_ptr()) for p in self.params.values()]
+
+    def bind_parameters(self, params: Mapping[str, Sequence[nn.Parameter]]) -> None:
+        """Makes a trainer's own per-expert parameters the owner rows: ``params[name][i]`` (the ``i``-th owned
+        expert's weight of kind ``name``, shaped like one row) gets the storage row as its ``.data``, keeping the
+        parameter object (and whatever the trainer attached to it). Their in-place updates count as owner weight
+        changes (:meth:`owners_changed`), and :meth:`check_aliasing` checks that they still share the rows.
+        Copies their current values into the rows first."""
+        bound = []
+        for name, ps in params.items():
+            if name not in self.storage:
+                raise ValueError(f"ExpertStorage.bind_parameters: no weight kind {name!r} (kinds: {list(self.names)})")
+            if len(ps) != self.num_owned:
+                raise ValueError(f"ExpertStorage.bind_parameters: {len(ps)} parameters of {name!r} for the "
+                                 f"{self.num_owned} experts rank {self.rank} owns")
+            for i, p in enumerate(ps):
+                row = self.storage[name][i]
+                if tuple(p.shape) != tuple(row.shape) or p.dtype != row.dtype:
+                    raise ValueError(f"ExpertStorage.bind_parameters: parameter {i} of {name!r} is "
+                                     f"{list(p.shape)} {p.dtype}, a row is {list(row.shape)} {row.dtype}")
+                bound.append((p, row))
+        with torch.no_grad():
+            for p, row in bound:
+                row.copy_(p.detach())
+                p.data = row
+        self._bound.extend(bound)
+        self._versions = self._param_versions()
 
     def invalidate(self) -> None:
         """Marks this rank's owner weights as changed: every replica of them is re-sent at the next sync. Only
@@ -267,6 +294,11 @@ class ExpertStorage:
             if int(p.data_ptr()) != ptr or p.shape[0] != self.num_owned:
                 raise ValueError(f"ExpertStorage: owner parameter {name!r} no longer aliases the slot storage "
                                  f"(its .data was replaced); update it in place instead")
+        for p, row in self._bound:
+            if int(p.data_ptr()) != int(row.data_ptr()) or p.shape != row.shape:
+                raise ValueError("ExpertStorage: a bound trainer parameter no longer aliases its slot storage row "
+                                 "(its .data was replaced, e.g. by a distributed optimizer's parameter buffer); "
+                                 "update it in place instead")
 
     def owners_changed(self) -> bool:
         """Whether this rank's owner weights changed since the last sync (in-place updates or :meth:`invalidate`)."""
@@ -560,27 +592,35 @@ class _SlotExperts(torch.autograd.Function):
     """Expert compute on this rank's slots, with the replica gradients reduced into the owners in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, run: _Run, *owner_params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, scale: Optional[torch.Tensor], run: _Run,
+                *owner_params: torch.Tensor) -> torch.Tensor:
+        # scale: None, or one value per row handed to expert_fn as scale= (Megatron's per-token routing weight).
         st = run.storage
         counts = run.layout.slot_counts
         need = run.need_grad
         with torch.enable_grad() if need else torch.no_grad():
             xd = x.detach().requires_grad_(True)
+            sd = None if scale is None else scale.detach().requires_grad_(scale.requires_grad)
             od = [p.detach().requires_grad_(True) for p in owner_params]
             rep = {j: [st.storage[n][int(run.rows[j])].detach().requires_grad_(True) for n in st.names]
                    for j in run.replica_slots if counts[j] > 0}
             outs = []
-            off = 0
+            # One split (its backward is one concatenation), not a slice per slot (each slice's backward would
+            # zero-fill a gradient as large as all the slots' rows).
+            xs = xd.split(counts)
+            ss = None if sd is None else sd.split(counts)
             for j, n in enumerate(counts):
                 if n == 0:
                     continue
                 row = int(run.rows[j])
                 ws = [w[row] for w in od] if row < st.num_owned else rep[j]
-                outs.append(run.expert_fn(xd[off:off + n], *ws))
-                off += n
+                if ss is None:
+                    outs.append(run.expert_fn(xs[j], *ws))
+                else:
+                    outs.append(run.expert_fn(xs[j], *ws, scale=ss[j]))
             y = torch.cat(outs) if outs else x.new_zeros((0,) + tuple(x.shape[1:]))
         ctx.run = run
-        ctx.inner = (xd, od, rep, y) if need else None
+        ctx.inner = (xd, sd, od, rep, y) if need else None
         return y.detach()
 
     @staticmethod
@@ -594,21 +634,24 @@ class _SlotExperts(torch.autograd.Function):
             if st.row_generation[row] != run.generations[row]:
                 raise RuntimeError(f"foremoe.torch: layer {run.layer}: replica row {row} was rewritten by a later "
                                    f"micro-step before this micro-step's backward")
-        xd, od, rep, y = ctx.inner
+        xd, sd, od, rep, y = ctx.inner
         rep_slots = sorted(rep)
-        leaves = [xd] + od + [t for j in rep_slots for t in rep[j]]
+        ns = int(sd is not None and sd.requires_grad)
+        leaves = [xd] + ([sd] if ns else []) + od + [t for j in rep_slots for t in rep[j]]
         if y.requires_grad:
             grads = list(torch.autograd.grad(y, leaves, gy, allow_unused=True))
         else:
             grads = [None] * len(leaves)
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
         nk = len(st.names)
-        gx, go = grads[0], grads[1:1 + nk]
-        rep_grad = {j: grads[1 + nk + i * nk:1 + nk + (i + 1) * nk] for i, j in enumerate(rep_slots)}
+        gx, gs = grads[0], (grads[1] if ns else None)
+        grads = grads[1 + ns:]
+        go = grads[:nk]
+        rep_grad = {j: grads[nk + i * nk:nk + (i + 1) * nk] for i, j in enumerate(rep_slots)}
         row_slot = {int(run.rows[j]): j for j in rep_slots}
         go = _reduce_replica_grads(run, go, rep_grad, row_slot)
         ctx.inner = None
-        return (gx, None, *go)
+        return (gx, gs, None, *go)
 
 
 def _reduce_replica_grads(run: _Run, go: List[torch.Tensor], rep_grad: Dict[int, List[torch.Tensor]],
@@ -684,6 +727,23 @@ def balanced_moe(
     ``plan=None`` runs plain expert parallelism (every expert on its owner, no replica): the run without
     ForeMoE, and a rollout's forward before any routing is known.
     """
+    run = _prepare(x, expert_ids, routing_weights, plan, storage, expert_fn, layer, group, hidden, timeout)
+    layout = run.layout
+    T, K = expert_ids.shape
+    send = x.index_select(0, layout.send_tokens)
+    recv = all_to_all(send, layout.output_splits, layout.input_splits, group=group, timeout=timeout)
+    grouped = recv.index_select(0, layout.recv_perm)
+    y = _SlotExperts.apply(grouped, None, run, *storage.params.values())
+    y_recv = y.index_select(0, layout.recv_inverse)
+    back = all_to_all(y_recv, layout.input_splits, layout.output_splits, group=group, timeout=timeout)
+    y_routes = x.new_zeros((T * K, back.shape[1])).index_copy(0, layout.order, back)
+    return _combine(y_routes, routing_weights, T, K)
+
+
+def _prepare(x: Any, expert_ids: Any, routing_weights: Any, plan: Optional["foremoe.Plan"], storage: ExpertStorage,
+             expert_fn: ExpertFn, layer: int, group: Any, hidden: Optional[int], timeout: float) -> _Run:
+    """Everything of one balanced layer call before the token exchange (input checks gathered over the group,
+    the dispatch layout, the replica sync): what the call's expert compute needs, with ``run.layout``."""
     layer = integer(layer, "balanced_moe: layer")
     G = group_size(group)
     if G != storage.world:
@@ -711,15 +771,7 @@ def balanced_moe(
     run = _Run(storage, expert_fn, book, layout, layer, group, timeout)
     run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
                                                                          for p in storage.params.values()))
-    T, K = expert_ids.shape
-    send = x.index_select(0, layout.send_tokens)
-    recv = all_to_all(send, layout.output_splits, layout.input_splits, group=group, timeout=timeout)
-    grouped = recv.index_select(0, layout.recv_perm)
-    y = _SlotExperts.apply(grouped, run, *storage.params.values())
-    y_recv = y.index_select(0, layout.recv_inverse)
-    back = all_to_all(y_recv, layout.input_splits, layout.output_splits, group=group, timeout=timeout)
-    y_routes = x.new_zeros((T * K, back.shape[1])).index_copy(0, layout.order, back)
-    return _combine(y_routes, routing_weights, T, K)
+    return run
 
 
 class SwiGLUExperts(nn.Module):

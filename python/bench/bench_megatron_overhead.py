@@ -1,0 +1,130 @@
+"""Time foremoe.megatron adds per MoE layer and micro-step over Megatron-core's own alltoall dispatcher (CPU, gloo).
+
+Two ranks (expert parallelism 2) run one Megatron ``MoELayer`` (SequentialMLP experts) on the same replayed
+routing, twice per micro-step: Megatron's own path and the adapter's, forward and backward. The hidden and FFN
+sizes are tiny, so the expert math and the token exchange cost little and the difference is what the adapter adds on
+the host: the routed ids out of the routing map, the gathered counts and the plan's dispatch layout, the replica
+bookkeeping (and the replica moves when the plan changes), the slot loop with the replica rows swapped into
+Megatron's MLP, and the replica gradient reduction. Reported per layer and micro-step, the median over the
+micro-steps (on rank 0; both ranks run the same calls), as CPU time of the calling thread (``time.thread_time``:
+the host work, without the time spent waiting for the other rank in a collective, which on a shared two-core
+machine swamps it) and as wall time (``*_wall_us`` in the JSON):
+
+  megatron   Megatron's layer, forward + backward
+  foremoe    the adapter's layer, forward + backward
+  added      foremoe - megatron   (target <= 50 us)
+
+Modes: ``resident`` plans one micro-step's routing again and again (replicas stay resident, no move);
+``changing`` alternates two routings (replicas move every micro-step). The CPU patches of the tests make Megatron
+run without a GPU. One JSON object per shape on stdout, then a table.
+
+Run: python python/bench/bench_megatron_overhead.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # megatron_cpu: TEST / CPU-ONLY patches
+
+
+def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str) -> None:
+    import megatron_cpu as mc
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    import foremoe
+    import foremoe.megatron as fmeg
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rdv", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    mc.init_megatron(world)
+    results = []
+    for E, K, T, H, spare in shapes:
+        cfg = mc.make_config(layers=1, hidden=H, ffn=H, experts=E, topk=K, ep=world, dtype=torch.float32)
+        ref, bal = mc.TinyMoE(cfg), mc.TinyMoE(cfg)
+        bal.load_state_dict(ref.state_dict())
+        fm = fmeg.install(bal, E // world + spare, timeout=60.0)
+        planner = foremoe.Planner(fm.topology())
+        g = torch.Generator().manual_seed(rank)
+        routes = []
+        for k in range(2):  # two skewed routings
+            pop = torch.exp(1.5 * torch.randn(E, generator=torch.Generator().manual_seed(k)))
+            routes.append([torch.multinomial(pop.expand(T, -1), K, replacement=False, generator=g)])
+        x = torch.randn(T, H, generator=g)
+        row = {"G": world, "E": E, "K": K, "T": T, "H": H, "S": E // world + spare}
+        for mode, order in (("resident", [0] * repeats), ("changing", [m % 2 for m in range(repeats)])):
+            recorded = [routes[k] for k in order]
+            times = {"megatron": [], "foremoe": []}
+            cpu = {"megatron": [], "foremoe": []}
+            with fm.driver(planner, recorded) as drv:
+                for m, k in enumerate(order):
+                    for model in (ref, bal):
+                        mc.set_action(model, RouterReplayAction.REPLAY_FORWARD)
+                        mc.set_targets(model, routes[k])
+                    for name, model in (("megatron", ref), ("foremoe", bal)):
+                        xi = x.clone().requires_grad_(True)
+                        dist.barrier()
+                        t0, c0 = time.perf_counter(), time.thread_time()
+                        if name == "foremoe":
+                            with fm.micro_step(m, drv):
+                                model(xi).sum().backward()
+                        else:
+                            model(xi).sum().backward()
+                        cpu[name].append(time.thread_time() - c0)
+                        times[name].append(time.perf_counter() - t0)
+            for name in times:
+                row[f"{mode}_{name}_us"] = float(np.median(cpu[name][1:]) * 1e6)
+                row[f"{mode}_{name}_wall_us"] = float(np.median(times[name][1:]) * 1e6)
+            row[f"{mode}_added_us"] = row[f"{mode}_foremoe_us"] - row[f"{mode}_megatron_us"]
+            row[f"{mode}_added_wall_us"] = row[f"{mode}_foremoe_wall_us"] - row[f"{mode}_megatron_wall_us"]
+        row["replica_tokens"] = int(sum(s["replica_tokens"] for s in fm.stats))
+        results.append(row)
+    if rank == 0:
+        Path(tmp, "out.json").write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one small shape, few micro-steps (for the test suite)")
+    ap.add_argument("--json", help="also write the results to this file")
+    a = ap.parse_args()
+    # (experts, top-k, tokens per rank, hidden = ffn, spare rows per rank)
+    shapes = [(16, 2, 512, 8, 2), (32, 4, 2048, 8, 2), (64, 8, 4096, 8, 2)]
+    repeats = 21
+    if a.quick:
+        shapes, repeats = [(16, 2, 256, 8, 2)], 5
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(rank_main, args=(2, shapes, repeats, tmp), nprocs=2)
+        results = json.loads(Path(tmp, "out.json").read_text())
+    for r in results:
+        print(json.dumps(r))
+    print(f"{'G':>2} {'E':>3} {'K':>2} {'T':>5} {'S':>3} | {'megatron':>9} {'foremoe':>9} {'added':>8} | "
+          f"{'megatron':>9} {'foremoe':>9} {'added':>8}   (us per layer and micro-step, fwd + bwd, "
+          f"host CPU time of rank 0; wall times in the JSON)")
+    print(f"{'':>19} | {'resident replicas':^28} | {'changing plans (moves)':^28}")
+    for r in results:
+        print(f"{r['G']:2d} {r['E']:3d} {r['K']:2d} {r['T']:5d} {r['S']:3d} | {r['resident_megatron_us']:9.0f} "
+              f"{r['resident_foremoe_us']:9.0f} {r['resident_added_us']:8.0f} | {r['changing_megatron_us']:9.0f} "
+              f"{r['changing_foremoe_us']:9.0f} {r['changing_added_us']:8.0f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()

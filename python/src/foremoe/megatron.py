@@ -1,0 +1,474 @@
+"""ForeMoE inside Megatron-core's ``MoELayer`` (optional: needs torch >= 2.6 and megatron-core, pinned below).
+
+With router replay the expert choices of every micro-step of a recompute or update stage are known before the stage
+runs. :func:`install` turns every ``MoELayer`` of a model into a balanced one, in place and before the trainer wraps
+the model in DDP or builds its optimizer:
+
+- each layer's local experts (``SequentialMLP``) keep their parameters, whose storage becomes the owner rows of a
+  :class:`foremoe.torch.ExpertStorage` (``[slots, ...]`` per weight kind; the spare rows hold the plan's replicas of
+  hot experts and are never parameters, never in a ``state_dict``, never seen by an optimizer);
+- each layer's ``MoEAlltoAllTokenDispatcher`` becomes a :class:`ForeMoEAlltoAllTokenDispatcher`, which sends every
+  ``(token, k)`` to the physical slot the micro-step's plan gives it, with the plan's exact split, and runs the
+  replica moves (:meth:`ExpertStorage.sync`) before the expert compute;
+- the experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for the weights),
+  and in the backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before
+  autograd hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into
+  ``main_grad`` sees owner and replicas summed).
+
+The micro-step is set by the trainer, never guessed: ``with balancer.micro_step(m, driver): ...`` (or
+:meth:`MegatronBalancer.set_micro_step` inside Megatron's ``forward_step_func``) hands the driver's plan of
+micro-step ``m`` to every MoE layer; the recompute forward, the update forward, the update backward and an activation
+recompute inside that backward all run under it (with Megatron's ``forward_backward_no_pipelining`` the backward of
+micro-batch ``m`` runs right after its forward, while micro-step ``m`` is set; with a pipelined schedule an
+activation recompute that runs while another micro-step is set fails with the error below rather than use the
+wrong plan; the backward without recompute keeps the plan its forward ran with). Outside any micro-step (a rollout that records the routing) the
+layers run Megatron's own dispatcher path unchanged. The plan of micro-step ``m`` only fits that micro-step's routing:
+any other raises ``ValueError`` naming the layer (Megatron's loads disagree with the plan's split).
+
+Supported: megatron-core |SUPPORTED|, ``moe_token_dispatcher_type='alltoall'``, ``SequentialMLP`` experts, expert
+tensor parallelism 1, dropless routing. Anything else raises ``ValueError`` naming the setting at :func:`install`.
+Not supported: the flex (DeepEP / HybridEP) and allgather dispatchers, ``GroupedMLP`` / ``TEGroupedMLP``, expert
+capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and Megatron's
+distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)`` moves every parameter into
+its own buffer: Megatron's DDP refuses the expert parameters, which are views of the slot storage, with an
+``AssertionError``; a parameter whose ``.data`` is replaced after :func:`install` is an error at the next call).
+Megatron's ``DistributedDataParallel`` without it works: its hook adds each expert parameter's ``.grad`` (owner and
+replica gradients summed) into ``main_grad``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+
+SUPPORTED_MEGATRON = ("0.16.1",)
+MIN_TORCH = (2, 6)
+
+
+def _version_tuple(v: str) -> Tuple[int, ...]:
+    out = []
+    for part in v.split("+")[0].split("."):
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits:
+            break
+        out.append(int(digits))
+    return tuple(out)
+
+
+def check_versions(torch_version: Optional[str] = None, megatron_version: Optional[str] = None) -> None:
+    """Raises ``ImportError`` naming the found and the supported versions unless torch >= 2.6 and a supported
+    megatron-core are installed (the versions found are looked up when not given)."""
+    if torch_version is None:
+        try:
+            import torch
+        except ImportError as exc:
+            raise ImportError("foremoe.megatron needs PyTorch >= 2.6 and megatron-core "
+                              f"{' or '.join(SUPPORTED_MEGATRON)}: torch is not installed") from exc
+        torch_version = torch.__version__
+    if _version_tuple(str(torch_version))[:2] < MIN_TORCH:
+        raise ImportError(f"foremoe.megatron needs torch >= {'.'.join(map(str, MIN_TORCH))} (megatron-core "
+                          f"{' or '.join(SUPPORTED_MEGATRON)} does), found torch {torch_version}")
+    if megatron_version is None:
+        try:
+            import megatron.core as mcore
+        except ImportError as exc:
+            raise ImportError(f"foremoe.megatron needs megatron-core {' or '.join(SUPPORTED_MEGATRON)} "
+                              f"(pip install 'megatron-core=={SUPPORTED_MEGATRON[-1]}'): {exc}") from exc
+        megatron_version = getattr(mcore, "__version__", "unknown")
+    if str(megatron_version) not in SUPPORTED_MEGATRON:
+        raise ImportError(f"foremoe.megatron supports megatron-core {', '.join(SUPPORTED_MEGATRON)}, found "
+                          f"megatron-core {megatron_version} (its MoE dispatcher internals change between releases)")
+
+
+check_versions()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher  # noqa: E402
+
+import foremoe  # noqa: E402
+from foremoe._args import integer  # noqa: E402
+from foremoe.torch.distributed import DEFAULT_TIMEOUT, all_to_all, group_rank, group_size  # noqa: E402
+from foremoe.torch.layer import ExpertStorage, _prepare, _Run, _SlotExperts, contiguous_owners  # noqa: E402
+from foremoe.torch.replay import ReplayDriver  # noqa: E402
+
+__doc__ = __doc__.replace("|SUPPORTED|", " / ".join(SUPPORTED_MEGATRON))
+
+__all__ = [
+    "ForeMoEAlltoAllTokenDispatcher",
+    "MegatronBalancer",
+    "SUPPORTED_MEGATRON",
+    "check_config",
+    "check_versions",
+    "install",
+]
+
+
+def check_config(config: Any) -> None:
+    """Raises ``ValueError`` naming the first setting of a Megatron ``TransformerConfig`` the adapter does not
+    support (see the module docstring)."""
+    def get(name: str, default: Any = None) -> Any:
+        return getattr(config, name, default)
+
+    kind = get("moe_token_dispatcher_type")
+    if kind != "alltoall":
+        raise ValueError(f"foremoe.megatron: moe_token_dispatcher_type={kind!r} is not supported (only 'alltoall'; "
+                         f"the flex dispatcher's DeepEP/HybridEP kernels and the allgather dispatcher are not)")
+    for name, ok, why in [
+        ("expert_tensor_parallel_size", lambda v: v in (None, 1), "expert tensor parallelism must be 1"),
+        ("moe_expert_capacity_factor", lambda v: v is None, "token dropping is not supported (dropless only)"),
+        ("moe_pad_expert_input_to_capacity", lambda v: not v, "padding to capacity is not supported"),
+        ("moe_router_padding_for_quantization", lambda v: not v, "router padding is not supported"),
+        ("moe_shared_expert_overlap", lambda v: not v, "shared-expert overlap hooks the dispatcher"),
+        ("moe_apply_probs_on_input", lambda v: not v, "the routing weight is applied after the activation only"),
+        ("fp8", lambda v: not v, "FP8 expert compute is not supported"),
+        ("fp4", lambda v: not v, "FP4 expert compute is not supported"),
+    ]:
+        v = get(name)
+        if not ok(v):
+            raise ValueError(f"foremoe.megatron: {name}={v!r} is not supported ({why})")
+
+
+class _OwnerRows(torch.autograd.Function):
+    """The owner rows of every weight kind as ``[n_owned, ...]`` tensors (views of the slot storage, which the
+    per-expert parameters alias): forward copies nothing, backward hands row ``i`` of each gradient to parameter
+    ``i``, so the parameters' own autograd hooks (Megatron's DDP) fire with the summed owner + replica gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, storage: ExpertStorage, *params: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.n, ctx.nk = storage.num_owned, len(storage.names)
+        return tuple(storage.storage[n][:storage.num_owned].detach() for n in storage.names)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Optional[torch.Tensor], ...]:
+        out: List[Optional[torch.Tensor]] = [None]
+        for g in grads:
+            out.extend([None] * ctx.n if g is None else list(g.unbind(0)))
+        return tuple(out)
+
+
+def _swap_call(template: torch.nn.Module, slots: Sequence[Tuple[torch.nn.Module, str]], weights: Sequence[Any],
+               x: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
+    """Megatron's ``MLP.forward`` of ``template`` with ``weights`` in place of its parameters (restored after)."""
+    saved = [mod._parameters[name] for mod, name in slots]
+    try:
+        for (mod, name), w in zip(slots, weights):
+            mod._parameters[name] = w
+        out, bias = template(x, scale)
+    finally:
+        for (mod, name), p in zip(slots, saved):
+            mod._parameters[name] = p
+    if bias is not None:  # an expert MLP with a per-token scale adds its bias itself
+        out = out + bias
+    return out
+
+
+class _LayerState:
+    """What one balanced MoE layer keeps: its index, storage, expert function and the call in flight."""
+
+    def __init__(self, balancer: "MegatronBalancer", index: int, layer: MoELayer, slots: int, options: Dict[str, Any]):
+        experts = layer.experts
+        disp = layer.token_dispatcher
+        self.balancer, self.index, self.module = balancer, index, layer
+        self.group = disp.ep_group
+        self.world, self.rank = group_size(self.group), group_rank(self.group)
+        self.num_experts = int(layer.config.num_moe_experts)
+        self.topk = int(layer.config.moe_router_topk)
+        local = list(experts.local_experts)
+        names = [n for n, _ in local[0].named_parameters()]
+        for i, e in enumerate(local):
+            got = [n for n, _ in e.named_parameters()]
+            if got != names:
+                raise ValueError(f"foremoe.megatron: MoE layer {index}: local expert {i} has parameters {got}, "
+                                 f"expert 0 {names}")
+        by_name = [dict(e.named_parameters()) for e in local]
+        weights = {n: torch.stack([p[n].detach() for p in by_name]) for n in names}
+        self.owners = contiguous_owners(self.num_experts, self.world)
+        if list(np.flatnonzero(self.owners == self.rank)) != list(layer.local_expert_indices):
+            raise ValueError(f"foremoe.megatron: MoE layer {index}: local experts {layer.local_expert_indices} are not "
+                             f"rank {self.rank}'s contiguous share of {self.num_experts} experts over {self.world}")
+        self.storage = ExpertStorage(weights, self.owners, slots, rank=self.rank, world=self.world,
+                                     group=self.group, **options)
+        self.storage.bind_parameters({n: [p[n] for p in by_name] for n in names})
+        self.params = [p[n] for n in names for p in by_name]  # kind-major, like _OwnerRows' outputs
+        template = local[0]
+        self.swap = []
+        for n in names:
+            mod_name, _, attr = n.rpartition(".")
+            self.swap.append((template.get_submodule(mod_name) if mod_name else template, attr))
+        self.template = template
+        self.run: Optional[_Run] = None  # the balanced call in flight (None: Megatron's own path)
+        self.call: Dict[str, Any] = {}
+
+    def expert_fn(self, x: torch.Tensor, *weights: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return _swap_call(self.template, self.swap, weights, x, scale)
+
+
+class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """Megatron's alltoall dispatcher, sending tokens to the micro-step plan's physical slots.
+
+    Made from an existing ``MoEAlltoAllTokenDispatcher`` by :func:`install` (the instance changes class and keeps
+    its state). While its balancer has a micro-step set, the six dispatcher steps run the plan's layout; otherwise
+    they are Megatron's own."""
+
+    _foremoe: _LayerState
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        st = self._foremoe
+        plan = st.balancer._plan_for(st.index)
+        if plan is None:
+            st.run = None
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        T = x.shape[0]
+        # [T, K] routed experts of every token in ascending id (-1 where a token has fewer routes, e.g. padding):
+        # a stable descending sort of the 0/1 map puts each token's routed experts first.
+        taken, order = routing_map.to(torch.int8).sort(dim=1, descending=True, stable=True)
+        routed = taken[:, :st.topk] > 0
+        ids = torch.where(routed, order[:, :st.topk], torch.full_like(order[:, :st.topk], -1))
+        weights = probs.gather(1, ids.clamp(min=0)) * routed.to(probs.dtype)
+        ids_cpu = ids.cpu()
+        try:
+            run = _prepare(x, ids_cpu, weights, plan, st.storage, st.expert_fn, st.index, st.group, None,
+                           st.balancer.timeout)
+        except ValueError as e:
+            raise ValueError(f"foremoe.megatron: MoE layer {st.index}, micro-step {st.balancer.current_micro_step}: "
+                             f"{e}") from None
+        st.run = run
+        lay = run.layout
+        st.call = {"shape": hidden_states.shape, "T": T, "dtype": x.dtype}
+        dev = x.device
+        st.call["order"] = lay.order.to(dev)
+        st.balancer._record(st, plan, run)
+        send = x.index_select(0, lay.send_tokens.to(dev))
+        send_probs = weights.reshape(-1).index_select(0, st.call["order"])
+        return send, send_probs
+
+    def token_dispatch(self, permutated_local_input_tokens: torch.Tensor, permuted_probs: torch.Tensor):
+        st = self._foremoe
+        if st.run is None:
+            return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
+        lay, t = st.run.layout, st.balancer.timeout
+        tokens = all_to_all(permutated_local_input_tokens, lay.output_splits, lay.input_splits, group=st.group,
+                            timeout=t)
+        probs = all_to_all(permuted_probs, lay.output_splits, lay.input_splits, group=st.group, timeout=t)
+        return tokens, probs
+
+    def dispatch_postprocess(self, global_input_tokens: torch.Tensor, global_probs: torch.Tensor):
+        st = self._foremoe
+        if st.run is None:
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        perm = st.run.layout.recv_perm.to(global_input_tokens.device)
+        counts = torch.tensor(st.run.layout.slot_counts, dtype=torch.long)
+        return global_input_tokens.index_select(0, perm), counts, global_probs.index_select(0, perm)
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        st = self._foremoe
+        if st.run is None:
+            return super().combine_preprocess(hidden_states)
+        return hidden_states.index_select(0, st.run.layout.recv_inverse.to(hidden_states.device))
+
+    def token_combine(self, hidden_states: torch.Tensor, async_finish: bool = True,
+                      allocate_on_comm_stream: bool = True):
+        st = self._foremoe
+        if st.run is None:
+            return super().token_combine(hidden_states, async_finish, allocate_on_comm_stream)
+        lay = st.run.layout
+        return all_to_all(hidden_states, lay.input_splits, lay.output_splits, group=st.group,
+                          timeout=st.balancer.timeout)
+
+    def combine_postprocess(self, permutated_local_input_tokens: torch.Tensor):
+        st = self._foremoe
+        if st.run is None:
+            return super().combine_postprocess(permutated_local_input_tokens)
+        back = permutated_local_input_tokens
+        T, K = st.call["T"], st.topk
+        routes = back.new_zeros((T * K, back.shape[1])).index_copy(0, st.call["order"], back)
+        out = routes.view(T, K, -1).sum(dim=1)  # the routing weights were applied inside the experts
+        shape = st.call["shape"]
+        st.run, st.call = None, {}
+        return out.view(shape)
+
+
+class _BalancedSequentialMLP(SequentialMLP):
+    """``SequentialMLP`` whose forward, during a balanced call, computes the plan's slots (owner rows and replica
+    rows) with the replica gradients reduced into the owners; otherwise Megatron's own forward."""
+
+    _foremoe: _LayerState
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        st = self._foremoe
+        run = st.run
+        if run is None:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        run.need_grad = torch.is_grad_enabled()
+        blocks = _OwnerRows.apply(st.storage, *st.params)
+        y = _SlotExperts.apply(permuted_local_hidden_states, permuted_probs, run, *blocks)
+        return y, None
+
+
+class MegatronBalancer:
+    """The balanced MoE layers of a model (made by :func:`install`) and the micro-step their plans come from.
+
+    Attributes: ``layers`` (the ``MoELayer`` modules, in the order of their routers: the order of
+    ``RouterReplay.get_recorded_data()``), ``storages`` (their :class:`ExpertStorage`), ``owners`` (``[E]`` owner
+    rank of every expert: the plans must keep them), ``group`` (the expert-parallel process group), ``slots``.
+    ``stats``: one dict per balanced layer call, the last ``stats_limit`` (see :attr:`stats`)."""
+
+    def __init__(self, layers: Sequence[MoELayer], slots: int, *, timeout: float = DEFAULT_TIMEOUT,
+                 stats_limit: int = 10000, **storage_options: Any):
+        if not layers:
+            raise ValueError("foremoe.megatron.install: the model has no MoELayer")
+        self.timeout = float(timeout)
+        self.slots = integer(slots, "foremoe.megatron.install: slots")
+        self.layers = list(layers)
+        self._states: List[_LayerState] = []
+        for i, layer in enumerate(self.layers):
+            self._states.append(_LayerState(self, i, layer, self.slots, storage_options))
+        first = self._states[0]
+        for s in self._states[1:]:
+            if s.num_experts != first.num_experts or s.world != first.world:
+                raise ValueError(f"foremoe.megatron: MoE layer {s.index} has {s.num_experts} experts over {s.world} "
+                                 f"ranks, layer 0 {first.num_experts} over {first.world}")
+        self.group, self.num_experts, self.world = first.group, first.num_experts, first.world
+        self.owners = first.owners
+        self.storages = [s.storage for s in self._states]
+        self._driver: Optional[ReplayDriver] = None
+        self._micro: Optional[int] = None
+        self._plan: Any = None
+        self._calls: Deque[Tuple[Any, ...]] = collections.deque(maxlen=stats_limit)
+
+    # -- drivers and micro-steps ------------------------------------------------------------------------------
+
+    def topology(self) -> "foremoe.Topology":
+        """A one-node topology of the expert-parallel ranks with this balancer's slots (for a ``Planner``)."""
+        return foremoe.Topology(1, self.world, self.slots)
+
+    def driver(self, planner: Any, per_layer: Sequence[Any], microbatch_offsets: Any = None, *,
+               stage: str = "update", **options: Any) -> ReplayDriver:
+        """A :class:`ReplayDriver` over router replay's recorded per-layer ``[T, K]`` indices of this rank's tokens
+        (one list per micro-batch, or one per layer with ``microbatch_offsets``; what ``RouterReplay`` records),
+        summed over the expert-parallel group, planned with this balancer's owners. Every rank calls it."""
+        return ReplayDriver.from_megatron(planner, per_layer, microbatch_offsets, num_experts=self.num_experts,
+                                          owners=self.owners, group=self.group, stage=stage,
+                                          num_layers=len(self.layers), timeout=self.timeout, **options)
+
+    def set_micro_step(self, micro_step: Optional[int], driver: Optional[ReplayDriver] = None) -> Any:
+        """Makes ``driver.plan(micro_step)`` the plan of every MoE layer until the next call (``None``: Megatron's
+        own path). ``driver`` is kept for later calls. Returns the plan."""
+        if driver is not None:
+            if not isinstance(driver, ReplayDriver):
+                raise ValueError(f"foremoe.megatron: driver must be a foremoe.torch.ReplayDriver, got "
+                                 f"{type(driver).__name__}")
+            self._driver = driver
+        if micro_step is None:
+            self._micro, self._plan = None, None
+            return None
+        if self._driver is None:
+            raise ValueError("foremoe.megatron: set_micro_step without a driver (pass driver=...)")
+        plan = self._driver.plan(micro_step)
+        self._check_plan(plan, micro_step)
+        self._micro, self._plan = int(micro_step), plan
+        return plan
+
+    @contextlib.contextmanager
+    def micro_step(self, micro_step: int, driver: Optional[ReplayDriver] = None) -> Iterator[Any]:
+        """``with balancer.micro_step(m, driver):`` runs the forward and backward inside under the plan of
+        micro-step ``m`` (yielded); the micro-step set before is restored after."""
+        before = (self._micro, self._plan, self._driver)
+        try:
+            yield self.set_micro_step(micro_step, driver)
+        finally:
+            self._micro, self._plan, self._driver = before
+
+    @property
+    def current_micro_step(self) -> Optional[int]:
+        return self._micro
+
+    def _check_plan(self, plan: Any, m: int) -> None:
+        if not isinstance(plan, foremoe.Plan):
+            raise ValueError(f"foremoe.megatron: the driver returned {type(plan).__name__}, not a foremoe.Plan")
+        for what, got, want in [("MoE layers", plan.num_layers, len(self.layers)), ("ranks", plan.num_gpus,
+                                 self.world), ("experts", plan.num_experts, self.num_experts),
+                                ("slots per rank", plan.slots, self.slots)]:
+            if int(got) != int(want):
+                raise ValueError(f"foremoe.megatron: the plan of micro-step {m} has {got} {what}, the model "
+                                 f"{want}")
+
+    def _plan_for(self, index: int) -> Any:
+        return self._plan
+
+    def _record(self, st: _LayerState, plan: Any, run: _Run) -> None:
+        # Kept raw (a few ints and the shared plan object); :attr:`stats` makes the dicts when it is read.
+        counts = run.layout.slot_counts
+        used = [int(counts[j]) for j in run.replica_slots if counts[j] > 0]
+        self._calls.append((self._micro, st.index, plan, sum(used), len(used)))
+
+    @property
+    def stats(self) -> List[Dict[str, Any]]:
+        """One dict per balanced layer call (the last ``stats_limit``): ``micro_step``, ``layer``, ``max`` and
+        ``mean`` tokens per rank under the plan, ``max_plain`` and ``mean_plain`` under Megatron's sharding (every
+        token on its expert's owner), ``replica_tokens`` and ``replica_rows``: tokens this rank computed on replica
+        rows, and how many replica rows took any."""
+        out = []
+        for micro, layer, plan, replica_tokens, replica_rows in self._calls:
+            taken = np.asarray(plan.slot_tokens[layer])
+            place = np.asarray(plan.gpu_slots[layer])
+            used = place >= 0
+            per_expert = np.zeros(self.num_experts, dtype=np.int64)
+            np.add.at(per_expert, place[used], taken[used])
+            loads = taken.sum(axis=1)
+            plain = np.bincount(self.owners, weights=per_expert, minlength=self.world)
+            out.append({"micro_step": micro, "layer": layer, "max": int(loads.max()), "mean": float(loads.mean()),
+                        "max_plain": int(plain.max()), "mean_plain": float(plain.mean()),
+                        "replica_tokens": replica_tokens, "replica_rows": replica_rows})
+        return out
+
+
+def _moe_layers(model: Any) -> List[MoELayer]:
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    out: List[MoELayer] = []
+    for chunk in chunks:
+        if not isinstance(chunk, torch.nn.Module):
+            raise ValueError(f"foremoe.megatron.install: expected a torch.nn.Module (or a list of model chunks), "
+                             f"got {type(chunk).__name__}")
+        out.extend(m for m in chunk.modules() if isinstance(m, MoELayer))
+    return out
+
+
+def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, stats_limit: int = 10000,
+            **storage_options: Any) -> MegatronBalancer:
+    """Makes every ``MoELayer`` of ``model`` (a module or a list of model chunks) balanced per micro-step, in
+    place, and returns their :class:`MegatronBalancer`. Call it on every rank after building the model and before
+    DDP and the optimizer. ``slots``: expert rows per rank (the local experts plus spare replica rows);
+    ``timeout``: seconds any collective or transfer of a layer call may take; ``stats_limit``: calls kept in
+    :attr:`MegatronBalancer.stats`.
+    ``storage_options``: :class:`ExpertStorage`'s ``verify``, ``mirror``, ``faults``, ``double_buffer``.
+
+    Raises ``ValueError`` naming the setting for a configuration the adapter does not support."""
+    layers = _moe_layers(model)
+    if not layers:
+        raise ValueError("foremoe.megatron.install: the model has no MoELayer")
+    for i, layer in enumerate(layers):
+        check_config(layer.config)
+        disp = layer.token_dispatcher
+        if type(disp) is not MoEAlltoAllTokenDispatcher and not isinstance(disp, ForeMoEAlltoAllTokenDispatcher):
+            raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(disp).__name__}; only "
+                             f"MoEAlltoAllTokenDispatcher (moe_token_dispatcher_type='alltoall') is supported")
+        if isinstance(disp, ForeMoEAlltoAllTokenDispatcher):
+            raise ValueError(f"foremoe.megatron: MoE layer {i} is already balanced (install once per model)")
+        if type(layer.experts) is not SequentialMLP:
+            raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(layer.experts).__name__} experts; only "
+                             f"SequentialMLP (moe_grouped_gemm=False) is supported")
+    balancer = MegatronBalancer(layers, slots, timeout=timeout, stats_limit=stats_limit, **storage_options)
+    for st in balancer._states:
+        layer = st.module
+        layer.token_dispatcher.__class__ = ForeMoEAlltoAllTokenDispatcher
+        layer.token_dispatcher._foremoe = st
+        layer.experts.__class__ = _BalancedSequentialMLP
+        layer.experts._foremoe = st
+    return balancer

@@ -1,0 +1,113 @@
+"""TEST / CPU ONLY: the patches that let megatron-core 0.16.1 run its MoE layer on a CPU over gloo, and a tiny
+MoE model built from Megatron's own modules. Never part of foremoe.megatron (which runs Megatron unpatched on a GPU).
+
+Patches (each applied once per process, by :func:`apply_cpu_patches`):
+
+- ``MoEAlltoAllTokenDispatcher.__init__`` creates a ``torch.cuda.Stream()`` for its device-to-host copies, and
+  ``_maybe_dtoh_and_synchronize`` uses CUDA streams: the class stream is set to a placeholder and the method is
+  replaced by a CPU one that turns the split sizes into lists (``all_to_all_single`` on gloo takes lists of ints,
+  not the tensors Megatron leaves there on a CPU);
+- router gating and Megatron's ``all_to_all`` allocate on ``torch.cuda.current_device()``: it returns ``"cpu"``;
+- ``moe_utils.te_general_gemm`` is undefined without Transformer Engine (fixed upstream after 0.16.1): ``None``;
+- activation recompute saves and restores the CUDA RNG state: the CPU generator's state stands in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_PATCHED = False
+
+
+def apply_cpu_patches() -> None:
+    global _PATCHED
+    if _PATCHED:
+        return
+    _PATCHED = True
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()  # type: ignore[assignment]
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)  # type: ignore[assignment]
+    torch.cuda.manual_seed = lambda seed: None  # type: ignore[assignment]
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    cls = token_dispatcher.MoEAlltoAllTokenDispatcher
+    cls.cuda_dtoh_stream = object()  # never used on the CPU path below
+
+    def cpu_dtoh(self: Any, point: str, tokens_per_expert: Optional[torch.Tensor] = None) -> Any:
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            v = getattr(self, name, None)
+            if isinstance(v, torch.Tensor):
+                setattr(self, name, v.tolist())
+        return tokens_per_expert
+
+    cls._maybe_dtoh_and_synchronize = cpu_dtoh
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+
+
+def init_megatron(ep: int, seed: int = 1234) -> None:
+    """Megatron's model-parallel state over the initialised (gloo) default group: expert parallelism ``ep``."""
+    apply_cpu_patches()
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
+
+
+def make_config(*, layers: int, hidden: int, ffn: int, experts: int, topk: int, ep: int, dtype: torch.dtype,
+                dispatcher: str = "alltoall", recompute: bool = False) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    extra = dict(recompute_granularity="selective", recompute_modules=["moe"]) if recompute else {}
+    return TransformerConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn,
+        num_moe_experts=experts, moe_router_topk=topk, expert_model_parallel_size=ep,
+        moe_token_dispatcher_type=dispatcher, moe_enable_routing_replay=True, moe_grouped_gemm=False,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, use_cpu_initialization=True,
+        gradient_accumulation_fusion=False, moe_permute_fusion=False, bias_activation_fusion=False,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, params_dtype=dtype,
+        pipeline_dtype=dtype, init_method_std=0.3, **extra)
+
+
+class TinyMoE(nn.Module):
+    """``layers`` Megatron ``MoELayer`` blocks (local spec: SequentialMLP experts, TopKRouter) with residuals and a
+    tanh in between, on ``[tokens, 1, hidden]`` inputs."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+        from megatron.core.transformer.spec_utils import build_module
+
+        spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+        self.layers = nn.ModuleList([build_module(spec, config=config, layer_number=i + 1)
+                                     for i in range(config.num_layers)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.unsqueeze(1)
+        for layer in self.layers:
+            out, _ = layer(torch.tanh(h))
+            h = h + out
+        return h.squeeze(1)
+
+    def routers(self) -> List[Any]:
+        return [layer.router.router_replay for layer in self.layers]
+
+
+def set_action(model: TinyMoE, action: Any) -> None:
+    for r in model.routers():
+        r.set_router_replay_action(action)
+
+
+def set_targets(model: TinyMoE, per_layer: List[torch.Tensor]) -> None:
+    for r, idx in zip(model.routers(), per_layer):
+        r.clear_indices()
+        r.set_target_indices(idx)

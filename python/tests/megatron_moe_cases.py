@@ -1,0 +1,190 @@
+"""Shared by the foremoe.megatron tests (the spawned ranks import it by name; not a test module): a tiny Megatron
+MoE model trained for a few RL steps twice in the same processes, once through foremoe.megatron and once through
+Megatron's own unbalanced layer on the same replayed routing, recording what the test compares."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+import megatron_cpu as mc
+from torch_moe_cases import _catch, init_group, save_and_leave
+
+
+@dataclass(frozen=True)
+class MCase:
+    world: int = 2
+    experts: int = 16
+    topk: int = 2
+    layers: int = 2
+    hidden: int = 16
+    ffn: int = 24
+    spare: int = 3
+    steps: int = 3  # RL steps (optimizer steps)
+    micro: int = 3  # micro-batches per step (gradient accumulation)
+    tokens: int = 32  # tokens of rank 0 per micro-batch (the others vary around it)
+    dtype: str = "float64"
+    recompute: bool = False  # activation recompute of the balanced model's MoE layers
+    errors: bool = False  # also run the bad-input checks
+    ddp: bool = False  # the balanced model inside Megatron's DistributedDataParallel (gradients in main_grad)
+
+    @property
+    def slots(self) -> int:
+        return self.experts // self.world + self.spare
+
+
+def micro_batch(case: MCase, step: int, m: int, rank: int) -> Dict[str, torch.Tensor]:
+    """Tokens of one rank and micro-batch: noise around a direction of this micro-batch, so that the router sends
+    most tokens to a few experts, other ones every micro-batch."""
+    dt = getattr(torch, case.dtype)
+    g = torch.Generator().manual_seed(10_000 + 100 * step + m)
+    u = torch.randn(case.hidden, generator=g, dtype=dt)
+    u = 3.0 * u / u.norm()
+    g.manual_seed(20_000 + 1000 * step + 10 * m + rank)
+    T = case.tokens if rank == 0 else int(torch.randint(case.tokens // 2, case.tokens * 3 // 2, (1,), generator=g))
+    x = torch.randn(T, case.hidden, generator=g, dtype=dt) * 0.5 + u
+    target = torch.randn(T, case.hidden, generator=g, dtype=dt)
+    return {"x": x, "target": target}
+
+
+def train_rank(rank: int, case: MCase, tmp: str) -> None:
+    init_group(rank, case.world, tmp)
+    mc.init_megatron(case.world)
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    import foremoe
+    import foremoe.megatron as fmeg
+
+    dt = getattr(torch, case.dtype)
+    cfg = mc.make_config(layers=case.layers, hidden=case.hidden, ffn=case.ffn, experts=case.experts,
+                         topk=case.topk, ep=case.world, dtype=dt)
+    ref = mc.TinyMoE(cfg)
+    bal_cfg = copy.deepcopy(cfg)
+    if case.recompute:
+        bal_cfg.recompute_granularity, bal_cfg.recompute_modules = "selective", ["moe"]
+    bal = mc.TinyMoE(bal_cfg)
+    bal.load_state_dict(ref.state_dict())
+    fm = fmeg.install(bal, case.slots, timeout=60.0)
+    run_bal = bal
+    if case.ddp:  # Megatron's DDP hook adds each parameter's .grad into its main_grad and clears .grad
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        run_bal = DistributedDataParallel(bal_cfg, DistributedDataParallelConfig(use_distributed_optimizer=False),
+                                          module=bal)
+    assert all(p.data_ptr() != q.data_ptr() for p, q in zip(ref.parameters(), bal.parameters()))
+    rec: Dict[str, Any] = {"cmp": [], "stats": None, "placements": [], "slot_tokens": [], "errors": {},
+                           "param_names": [n for n, _ in bal.named_parameters()],
+                           "state_dict": sorted(bal.state_dict())}
+
+    def opt(model: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    opt_ref, opt_bal = opt(ref), opt(bal)
+    planner = foremoe.Planner(fm.topology())
+    resident = None
+
+    def compare(what: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        rec["cmp"].append((what, got.detach().clone(), want.detach().clone()))
+
+    for s in range(case.steps):
+        batches = [micro_batch(case, s, m, rank) for m in range(case.micro)]
+        # Rollout: Megatron's own layer records the routing of every micro-batch.
+        mc.set_action(ref, RouterReplayAction.RECORD)
+        recorded = []
+        with torch.no_grad():
+            for b in batches:
+                ref(b["x"])
+                recorded.append([r.get_recorded_indices().clone() for r in ref.routers()])
+        mc.set_action(ref, RouterReplayAction.REPLAY_FORWARD)
+        mc.set_action(bal, RouterReplayAction.REPLAY_FORWARD)
+        # Recompute stage (log-probs): forward only.
+        with fm.driver(planner, recorded, stage="recompute", resident=resident) as drv:
+            for m, b in enumerate(batches):
+                mc.set_targets(ref, recorded[m])
+                mc.set_targets(bal, recorded[m])
+                with torch.no_grad():
+                    want = ref(b["x"])
+                    with fm.micro_step(m, drv) as plan:
+                        got = run_bal(b["x"])
+                compare(f"step {s} recompute micro-batch {m} output", got, want)
+            resident = drv.last_plan
+        if case.errors and s == 0:
+            rec["errors"] = bad_inputs(case, fm, bal, planner, recorded, batches)
+        # Update stage: forward and backward of every micro-batch, gradients accumulated, one optimizer step.
+        with fm.driver(planner, recorded, stage="update", resident=resident) as drv:
+            for m, b in enumerate(batches):
+                mc.set_targets(ref, recorded[m])
+                mc.set_targets(bal, recorded[m])
+                xr = b["x"].clone().requires_grad_(True)
+                xb = b["x"].clone().requires_grad_(True)
+                out_r = ref(xr)
+                (out_r * b["target"]).sum().backward()
+                with fm.micro_step(m, drv) as plan:
+                    out_b = run_bal(xb)
+                    (out_b * b["target"]).sum().backward()
+                rec["placements"].append(np.array(plan.gpu_slots))
+                rec["slot_tokens"].append(np.array(plan.slot_tokens))
+                compare(f"step {s} update micro-batch {m} output", out_b, out_r)
+                compare(f"step {s} update micro-batch {m} input grad", xb.grad, xr.grad)
+            resident = drv.last_plan
+        for (n, pb), pr in zip(bal.named_parameters(), ref.parameters()):
+            if case.ddp:  # what Megatron's optimizer reads (the DP all-reduce is left out: both sides alike)
+                assert pb.grad is None
+                pb.grad = pb.main_grad.clone()
+            compare(f"step {s} accumulated grad of {n}", pb.grad, pr.grad)
+        opt_ref.step()
+        opt_bal.step()
+        opt_ref.zero_grad(set_to_none=True)
+        opt_bal.zero_grad(set_to_none=True)
+        if case.ddp:
+            run_bal.zero_grad_buffer()
+        for (n, pb), pr in zip(bal.named_parameters(), ref.parameters()):
+            compare(f"step {s} weight {n} after the optimizer step", pb, pr)
+    rec["stats"] = fm.stats
+    save_and_leave(rec, tmp, rank)
+
+
+def bad_inputs(case: MCase, fm: Any, bal: Any, planner: Any, recorded: List[List[torch.Tensor]],
+               batches: List[Dict[str, torch.Tensor]]) -> Dict[str, str]:
+    """Each bad input on every rank, then the group must still work (the caller goes on training)."""
+    import foremoe.megatron as fmeg
+
+    out: Dict[str, str] = {}
+    with fm.driver(planner, recorded, stage="update") as drv:
+        mc.set_targets(bal, recorded[0])
+
+        def wrong_micro_step() -> None:
+            with torch.no_grad(), fm.micro_step(1, drv):
+                bal(batches[0]["x"])
+
+        out["wrong_micro_step"] = _catch(wrong_micro_step)
+    swapped = [list(reversed(layers)) for layers in recorded]  # layer l's plan made from layer L-1-l's routing
+    with fm.driver(planner, swapped, stage="update") as drv:
+        def wrong_layer() -> None:
+            with torch.no_grad(), fm.micro_step(0, drv):
+                bal(batches[0]["x"])
+
+        out["wrong_layer"] = _catch(wrong_layer)
+    fewer = [layers[:1] for layers in recorded]
+    out["plan_too_few_layers"] = _catch(lambda: fm.driver(planner, fewer).close())
+    from foremoe.torch.replay import ReplayDriver
+
+    one = ReplayDriver.from_megatron(planner, fewer, num_experts=case.experts, owners=fm.owners, group=fm.group)
+    out["plan_other_layer_count"] = _catch(lambda: fm.set_micro_step(0, one))
+    one.close()
+    fm.set_micro_step(None)
+    kept, fm._driver = fm._driver, None
+    out["set_without_driver"] = _catch(lambda: fm.set_micro_step(0))
+    fm._driver = kept
+    out["install_twice"] = _catch(lambda: fmeg.install(bal, case.slots))
+    cfg = copy.deepcopy(bal.layers[0].config)
+    for name, value in [("moe_token_dispatcher_type", "flex"), ("moe_token_dispatcher_type", "allgather"),
+                        ("expert_tensor_parallel_size", 2), ("moe_expert_capacity_factor", 1.0)]:
+        bad = copy.deepcopy(cfg)
+        setattr(bad, name, value)
+        out[f"config_{name}_{value}"] = _catch(lambda: fmeg.check_config(bad))
+    return out

@@ -1,0 +1,125 @@
+"""foremoe.megatron inside Megatron-core's MoELayer, on the CPU over gloo (CPU patches: megatron_cpu.py).
+
+Each case trains a tiny Megatron MoE model (MoELayer blocks, SequentialMLP experts, router replay) for three RL
+steps (rollout recording the routing, a recompute stage, an update stage of several micro-batches with gradient
+accumulation and an optimizer step) through the adapter and, in the same processes, through Megatron's own
+unbalanced layer on the same replayed routing: outputs, input gradients, accumulated gradients and the weights after
+every optimizer step must be equal, plans must change every micro-step and replica rows must take tokens.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch", reason="foremoe.megatron needs torch >= 2.6")
+import torch  # noqa: E402
+
+if tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6):
+    pytest.skip(f"foremoe.megatron needs torch >= 2.6, found {torch.__version__}", allow_module_level=True)
+pytest.importorskip("megatron.core", reason="foremoe.megatron needs megatron-core 0.16.1 (foremoe[megatron])")
+
+import numpy as np  # noqa: E402
+
+import foremoe.megatron as fmeg  # noqa: E402
+from megatron_moe_cases import MCase, train_rank  # noqa: E402
+from torch_moe_cases import close, run_ranks  # noqa: E402
+
+CASES = {
+    "ep2_top2_fp64": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", errors=True,
+                           ddp=True),
+    "ep4_top4_fp32": MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24, dtype="float32",
+                           recompute=True),
+}
+
+
+def _run(case: MCase, tmp_path) -> list:
+    run_ranks(train_rank, case.world, (case, str(tmp_path)), str(tmp_path), timeout=180.0)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(case.world)]
+
+
+_DONE: dict = {}
+
+
+def _trained(name: str, tmp_path_factory) -> tuple:
+    """The case's run, once per test session (every test of a case reads the same records)."""
+    if name not in _DONE:
+        _DONE[name] = (CASES[name], _run(CASES[name], tmp_path_factory.mktemp(name)))
+    return _DONE[name]
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def trained(request, tmp_path_factory):
+    return _trained(request.param, tmp_path_factory)
+
+
+def test_equals_megatron_unbalanced(trained):
+    case, ranks = trained
+    for r, rec in enumerate(ranks):
+        n_out = case.steps * case.micro * 3  # recompute output, update output, input grad
+        assert len(rec["cmp"]) == n_out + 2 * case.steps * len(rec["param_names"])
+        for what, got, want in rec["cmp"]:
+            close(got, want, case.dtype, f"rank {r}: {what}")
+
+
+def test_replicas_used_and_plans_change(trained):
+    case, ranks = trained
+    stats = [s for rec in ranks for s in rec["stats"]]
+    # Every balanced layer call of every rank: the recompute stage's forward, the update stage's forward and, with
+    # activation recompute, its recomputation in the backward (under the same micro-step's plan).
+    calls = 1 + (2 if case.recompute else 1)
+    assert len(stats) == case.world * calls * case.steps * case.micro * case.layers
+    assert sum(s["replica_tokens"] for s in stats) > 0
+    assert sum(s["replica_rows"] for s in stats) > 0
+    # The plans balance: the busiest rank under the plan never carries more than under Megatron's sharding.
+    assert all(s["max"] <= s["max_plain"] for s in stats)
+    assert any(s["max"] < s["max_plain"] for s in stats)
+    tokens = ranks[0]["slot_tokens"]
+    assert all(not np.array_equal(a, b) for a, b in zip(tokens, tokens[1:]))
+    place = ranks[0]["placements"]
+    assert any(not np.array_equal(a, b) for a, b in zip(place, place[1:]))
+
+
+def test_parameters_unchanged(trained):
+    _, ranks = trained
+    for rec in ranks:
+        assert all(".local_experts." in n or ".router." in n for n in rec["param_names"])
+        assert not any("foremoe" in k or "storage" in k for k in rec["state_dict"])
+
+
+def test_bad_input(tmp_path_factory):
+    _, ranks = _trained("ep2_top2_fp64", tmp_path_factory)  # the bad inputs ran in the EP 2 case's first step
+    for rec in ranks:
+        e = rec["errors"]
+        assert e["wrong_micro_step"].startswith("ValueError: foremoe.megatron: MoE layer 0, micro-step 1:")
+        assert "is this the plan of this layer and micro-step?" in e["wrong_micro_step"]
+        assert e["wrong_layer"].startswith("ValueError: foremoe.megatron: MoE layer 0, micro-step 0:")
+        assert "plan layer 0" in e["wrong_layer"]
+        assert "MoE layers" in e["plan_too_few_layers"]
+        assert "1 MoE layers, the model 2" in e["plan_other_layer_count"]
+        assert "without a driver" in e["set_without_driver"]
+        assert "already balanced" in e["install_twice"]
+        assert "moe_token_dispatcher_type='flex'" in e["config_moe_token_dispatcher_type_flex"]
+        assert "moe_token_dispatcher_type='allgather'" in e["config_moe_token_dispatcher_type_allgather"]
+        assert "expert_tensor_parallel_size=2" in e["config_expert_tensor_parallel_size_2"]
+        assert "moe_expert_capacity_factor=1.0" in e["config_moe_expert_capacity_factor_1.0"]
+
+
+def test_version_errors():
+    with pytest.raises(ImportError, match=r"supports megatron-core 0\.16\.1, found megatron-core 0\.15\.0"):
+        fmeg.check_versions(megatron_version="0.15.0")
+    with pytest.raises(ImportError, match=r"needs torch >= 2\.6 .*found torch 1\.13\.1"):
+        fmeg.check_versions(torch_version="1.13.1", megatron_version="0.16.1")
+    fmeg.check_versions()  # the installed versions are the supported ones
+
+
+def test_import_without_megatron():
+    """Without megatron-core, importing the adapter is an ImportError naming the package and version to install."""
+    code = ("import sys; sys.modules['megatron'] = None\n"
+            "try:\n    import foremoe.megatron\nexcept ImportError as e:\n    print('ImportError:', e)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "ImportError: foremoe.megatron needs megatron-core 0.16.1" in r.stdout, r.stdout
+    assert "pip install 'megatron-core==0.16.1'" in r.stdout
