@@ -17,7 +17,6 @@
 
 using namespace foremoe;
 
-
 namespace {
 
 /// Smallest max GPU load over every integer split, by enumeration (tiny loads only).

@@ -19,7 +19,6 @@
 
 using namespace foremoe;
 
-
 namespace {
 
 std::vector<std::int64_t> skewed_loads(std::mt19937_64 &rng, int n, std::int64_t scale, double skew) {

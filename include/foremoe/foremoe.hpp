@@ -22,9 +22,9 @@
 #include "foremoe/cost/expert_compute.hpp"
 #include "foremoe/cost/params.hpp"
 
+#include "foremoe/plan/dispatch.hpp"
 #include "foremoe/plan/even_split.hpp"
 #include "foremoe/plan/planner.hpp"
-#include "foremoe/plan/dispatch.hpp"
 #include "foremoe/plan/replica_sync.hpp"
 #include "foremoe/plan/token_map.hpp"
 

@@ -14,7 +14,7 @@
 #include "foremoe/trace/count.hpp"
 #include "foremoe/trace/routed_view.hpp"
 
-#include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/dispatch.hpp"
+#include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/replica_sync.hpp"
 #include "foremoe/plan/token_map.hpp"
