@@ -601,7 +601,6 @@ nb::dict plan_dispatch(const PyPlan &p, nb::handle layer_arg, const RoIds &ids, 
   const auto split = int_array_arg<std::int64_t>(split_arg, "dispatch: split", 0);
   require(split.ndim() == 2, "dispatch: the split must be 2-D [slots, source ranks], got ", split.ndim(), " dims");
   const fm::RoutedView view = routed_view(ids, "dispatch");
-  require(view.num_layers() == 1, "dispatch: routed ids must be [tokens, 1, topk], got ", view.num_layers(), " layers");
   const std::size_t G = static_cast<std::size_t>(p.G), P = G * static_cast<std::size_t>(p.S);
   require(split.shape(0) == P && split.shape(1) == G, "dispatch: the split is [", split.shape(0), ", ", split.shape(1),
           "], expected [", P, ", ", G, "] (slots x source ranks, from source_split)");
