@@ -2,10 +2,17 @@
 # Lint: `clang-format-14 --dry-run -Werror` on every tracked C++ file, then clang-tidy-14 (.clang-tidy) on
 # the project's translation units from a configured build's compile database (CUDA files excluded).
 #
-#   scripts/lint.sh [--build-dir DIR] [--all | --changed [REF]] [--no-format] [--no-tidy] [-j N]
+#   scripts/lint.sh [--build-dir DIR] [--all [--record] | --since REF | --changed [REF]] [--no-format] [--no-tidy]
+#                   [-j N]
 #
-#   --all            clang-tidy on every project TU (the default; what CI runs); the public headers through one TU per
-#                    header-check target that includes them all (the same findings as one TU per header)
+#   --all            clang-tidy on every project TU (the default); the public headers through one TU per header-check
+#                    target that includes them all (the same findings as one TU per header)
+#   --record         with --all, on a clean tree and no finding: writes HEAD's commit into .ci/tidy-clean, the commit
+#                    that CI's --since starts from (commit that file)
+#   --since REF      what CI runs (REF: the commit in .ci/tidy-clean): clang-tidy on every TU that a change since REF
+#                    can affect, read from the built tree's dependency records (`ninja -t deps`): a TU whose source or
+#                    any file it includes changed, every TU not built yet, and all of them when the compile flags or
+#                    the checks may have changed (CMake files, presets, .clang-tidy, this script) or REF is unknown
 #   --changed [REF]  only the TUs touched since merge-base(REF, HEAD) (default REF: main), working tree
 #                    included: a changed .cpp is its own TU, a changed public header its header-check TU
 #                    (tests/CMakeLists.txt), a changed private header (runtime/, tools/, tests/, ...) every
@@ -17,11 +24,15 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
-build=build/ci mode=all ref=main do_format=1 do_tidy=1 jobs=$(nproc)
+build=build/ci mode=all ref=main do_format=1 do_tidy=1 record=0 jobs=$(nproc)
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build-dir) build=$2; shift 2 ;;
     --all) mode=all; shift ;;
+    --record) record=1; shift ;;
+    --since)
+      [[ $# -ge 2 ]] || { echo "lint.sh: --since needs a commit" >&2; exit 2; }
+      mode=since; ref=$2; shift 2 ;;
     --changed)
       mode=changed; shift
       if [[ $# -gt 0 && "$1" != -* ]]; then ref=$1; shift; fi ;;
@@ -47,24 +58,64 @@ if [[ $do_tidy -eq 1 ]]; then
   [[ -f "$db" ]] || { echo "lint: no $db; configure first (cmake --preset ci)" >&2; exit 2; }
   changed_file=$(mktemp)
   trap 'rm -f "$changed_file"' EXIT
+  deps_file=$(mktemp)
+  trap 'rm -f "$changed_file" "$deps_file"' EXIT
   if [[ $mode == changed ]]; then
     base=$(git merge-base "$ref" HEAD) || { echo "lint: no merge-base with '$ref'" >&2; exit 2; }
     { git diff --name-only "$base" --; git ls-files --others --exclude-standard; } | sort -u >"$changed_file"
+  elif [[ $mode == since ]]; then
+    if git cat-file -e "${ref}^{commit}" 2>/dev/null; then
+      { git diff --name-only "$ref" --; git ls-files --others --exclude-standard; } | sort -u >"$changed_file"
+      ninja -C "$build" -t deps >"$deps_file"
+    else
+      echo "lint: commit '$ref' is not in this clone: clang-tidy on every TU"
+      mode=all
+    fi
   fi
   # Picks the TUs: project sources only (no CUDA, no fetched dependencies), as absolute paths.
-  mapfile -t tus < <(python3 - "$db" "$root" "$mode" "$changed_file" <<'EOF'
-import json, os, re, sys
-db, root, mode, changed_file = sys.argv[1:]
+  mapfile -t tus < <(python3 - "$db" "$root" "$mode" "$changed_file" "$deps_file" <<'EOF'
+import json, os, re, shlex, sys
+db, root, mode, changed_file, deps_file = sys.argv[1:]
 entries = [e for e in json.load(open(db)) if not e["file"].endswith(".cu")]
 files = sorted({os.path.normpath(os.path.join(e["directory"], e["file"])) for e in entries})
 files = [f for f in files if f.startswith(root + os.sep) and "/_deps/" not in f]
-if mode == "all":
-    # A header-check folder's all_headers.cpp holds every one of its headers: it stands for the one-header TUs,
-    # which would analyse each header again for every header that includes it (cmake/HeaderChecks.cmake).
-    combined = {os.path.dirname(f) for f in files if os.path.basename(f) == "all_headers.cpp"}
-    print("\n".join(f for f in files if os.path.dirname(f) not in combined or f.endswith("/all_headers.cpp")))
-    sys.exit(0)
+# A header-check folder's all_headers.cpp holds every one of its headers: it stands for the one-header TUs,
+# which would analyse each header again for every header that includes it (cmake/HeaderChecks.cmake).
+combined = {os.path.dirname(f) for f in files if os.path.basename(f) == "all_headers.cpp"}
+whole = [f for f in files if os.path.dirname(f) not in combined or f.endswith("/all_headers.cpp")]
 changed = [l.strip() for l in open(changed_file) if l.strip()]
+global_inputs = ("CMakeLists.txt", "CMakePresets.json", ".clang-tidy", "scripts/lint.sh")
+if mode == "since" and any(c.endswith(global_inputs) or c.startswith("cmake/") or c.endswith(".cmake") for c in changed):
+    sys.stderr.write("lint: a build file, the checks or this script changed: every TU\n")
+    mode = "all"
+if mode == "all":
+    print("\n".join(whole))
+    sys.exit(0)
+if mode == "since":
+    # Object -> its recorded inputs, from `ninja -t deps` ("obj: #deps N, ..." then indented paths).
+    build_dir = os.path.dirname(os.path.abspath(db))
+    deps, current = {}, None
+    for line in open(deps_file):
+        if line.startswith((" ", "\t")):
+            if current is not None and line.strip():
+                deps[current].add(os.path.normpath(os.path.join(build_dir, line.strip())))
+        elif line.strip():
+            current = os.path.normpath(os.path.join(build_dir, line.split(":")[0]))
+            deps[current] = set()
+    changed_abs = {os.path.join(root, c) for c in changed}
+    pick = []
+    for e in entries:
+        src = os.path.normpath(os.path.join(e["directory"], e["file"]))
+        if src not in whole:
+            continue
+        args = shlex.split(e["command"])
+        obj = os.path.normpath(os.path.join(e["directory"], args[args.index("-o") + 1])) if "-o" in args else None
+        inputs = deps.get(obj)
+        # Not built yet (no record): checked, as nothing says what it includes.
+        if inputs is None or src in changed_abs or inputs & changed_abs:
+            pick.append(src)
+    print("\n".join(sorted(set(pick))))
+    sys.exit(0)
 pick = set()
 for c in changed:
     path = os.path.join(root, c)
@@ -92,6 +143,16 @@ EOF
       status=1
     fi
     echo "lint: clang-tidy took $(( $(date +%s) - start )) s"
+  fi
+  if [[ $record -eq 1 ]]; then
+    if [[ $mode != all || $status -ne 0 ]]; then
+      echo "lint: --record: nothing written (it needs --all and no finding)" >&2
+    elif [[ -n "$(git status --porcelain --untracked-files=no)" ]]; then
+      echo "lint: --record: nothing written: the tree has uncommitted changes, so HEAD is not what was checked" >&2
+    else
+      git rev-parse HEAD >.ci/tidy-clean
+      echo "lint: recorded $(cat .ci/tidy-clean) in .ci/tidy-clean; commit it"
+    fi
   fi
 fi
 exit $status
