@@ -3,7 +3,7 @@
 # the project's translation units from a configured build's compile database (CUDA files excluded).
 #
 #   scripts/lint.sh [--build-dir DIR] [--all [--record] | --since REF | --changed [REF]] [--no-format] [--no-tidy]
-#                   [-j N]
+#                   [--list] [-j N]
 #
 #   --all            clang-tidy on every project TU (the default); the public headers through one TU per header-check
 #                    target that includes them all (the same findings as one TU per header)
@@ -17,6 +17,7 @@
 #                    included: a changed .cpp is its own TU, a changed public header its header-check TU
 #                    (tests/CMakeLists.txt), a changed private header (runtime/, tools/, tests/, ...) every
 #                    TU in its folder
+#   --list           print the TUs clang-tidy would check, and stop
 #   --build-dir DIR  the configured build with compile_commands.json (default build/ci: `cmake --preset ci`)
 #
 # Needs clang-tidy-14 and clang-format-14 (scripts/install-deps.sh --ci). Exit 1 on any finding.
@@ -24,7 +25,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
-build=build/ci mode=all ref=main do_format=1 do_tidy=1 record=0 jobs=$(nproc)
+build=build/ci mode=all ref=main do_format=1 do_tidy=1 record=0 list_only=0 jobs=$(nproc)
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --build-dir) build=$2; shift 2 ;;
@@ -38,6 +39,7 @@ while [[ $# -gt 0 ]]; do
       if [[ $# -gt 0 && "$1" != -* ]]; then ref=$1; shift; fi ;;
     --no-format) do_format=0; shift ;;
     --no-tidy) do_tidy=0; shift ;;
+    --list) list_only=1; shift ;;
     -j) jobs=$2; shift 2 ;;
     *) echo "lint.sh: unknown argument '$1' (see the header of scripts/lint.sh)" >&2; exit 2 ;;
   esac
@@ -131,6 +133,10 @@ for c in changed:
 print("\n".join(sorted(pick)))
 EOF
   )
+  if [[ $list_only -eq 1 ]]; then
+    printf '%s\n' "${tus[@]}"
+    exit 0
+  fi
   if [[ ${#tus[@]} -eq 0 || -z "${tus[0]:-}" ]]; then
     echo "lint: clang-tidy: no translation units to check ($mode)"
   else
