@@ -326,6 +326,10 @@ TEST_CASE("micro-batch partitions: out of range, duplicated, missing, empty, not
   CHECK_ERROR_CONTAINS((void)micro_batch_groups(MicroBatches::of_lists(L{}), 3, "w", "sample"), "w: no micro-batch");
   CHECK_ERROR_CONTAINS((void)micro_batch_groups(MicroBatches::of_lists(L{ref(f)}), 1, "w", "sample"),
                        "micro-batch 0 must list sample indices, got dtype float32");
+  const std::array<bool, 1> yes = {true};
+  CHECK_ERROR_CONTAINS(
+      (void)micro_batch_groups(MicroBatches::of_lists(L{array_ref(std::span<const bool>(yes), {1})}), 1, "w", "sample"),
+      "micro-batch 0 must list sample indices, got dtype bool");
   CHECK_ERROR_CONTAINS((void)micro_batch_groups(MicroBatches::of_size(0), 3, "w", "sample"),
                        "w: micro-batch size must be positive, got 0");
   CHECK_ERROR_CONTAINS((void)micro_batch_groups(MicroBatches::of_size(-5), 3, "w", "sample"), "got -5");

@@ -257,8 +257,8 @@ micro_batch_groups(const MicroBatches &mb, std::int64_t n, std::string_view who,
   for (std::size_t m = 0; m < mb.lists.size(); ++m) {
     const ArrayRef &a = mb.lists[m];
     const std::int64_t len = a.size();
-    require(len == 0 || a.is_integer() || a.kind == ElemKind::bool_, who, ": micro-batch ", m, " must list ", unit,
-            " indices, got dtype ", a.dtype_name());
+    require(len == 0 || a.is_integer(), who, ": micro-batch ", m, " must list ", unit, " indices, got dtype ",
+            a.dtype_name());
     require(len == 0 || a.ndim() == 1, who, ": micro-batch ", m, " must be a 1-D list of ", unit,
             " indices, got shape ", a.shape_text());
     auto &g = groups.emplace_back();
