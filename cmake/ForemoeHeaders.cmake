@@ -5,6 +5,7 @@
 #                                          is one new file: the configure rewrites the list when a file was added or
 #                                          removed (commit the result), and the build re-runs it when that happens;
 #   foremoe/trace/formats/builtin.hpp      the same for the trace input formats (include/foremoe/trace/formats/*.hpp).
+#   foremoe/trace/batch_formats/builtin.hpp  the same for the in-memory formats (include/foremoe/trace/batch_formats/*.hpp).
 # Used by the root build and python/CMakeLists.txt; `cmake -P cmake/ForemoeHeaders.cmake` updates the builtin.hpp files alone.
 
 # Reads the version from `project(foremoe VERSION x.y.z` in `<root>/CMakeLists.txt` (for builds that are not
@@ -74,6 +75,7 @@ function(foremoe_check_headers include_dir version)
 
   _foremoe_sync_builtin("${include_dir}" "plan/strategies" "planning strategy")
   _foremoe_sync_builtin("${include_dir}" "trace/formats" "trace input format")
+  _foremoe_sync_builtin("${include_dir}" "trace/batch_formats" "in-memory trace format")
 endfunction()
 
 if(CMAKE_SCRIPT_MODE_FILE STREQUAL CMAKE_CURRENT_LIST_FILE)

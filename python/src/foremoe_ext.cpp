@@ -27,6 +27,7 @@
 #include "foremoe/plan/dispatch.hpp"
 #include "foremoe/plan/replica_sync.hpp"
 #include "foremoe/plan/token_map.hpp"
+#include "foremoe/trace/batch_formats/builtin.hpp"
 #include "foremoe/trace/formats/builtin.hpp"
 #include "run_simulate.hpp" // tools/: the CLI's orchestration, shared with `foremoe simulate`
 
@@ -215,6 +216,123 @@ nb::tuple read_trace(const std::string &path, const std::string &format, std::op
   nb::capsule owner(owned, [](void *p) noexcept { delete static_cast<fm::RoutedRecord *>(p); });
   nb::object ids = nb::cast(nb::ndarray<nb::numpy, nb::ro>(data_ptr, 3, shape, owner, strides, numpy_dtype(v.dtype())));
   return nb::make_tuple(f->name, ids, mask, offsets);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// in-memory trainer formats: the registry of foremoe/trace/batch_formats.hpp
+
+using RoAny = nb::ndarray<nb::ro, nb::device::cpu>;
+
+/// A CPU array (read in place, kept alive in `keep`), or a device array's layout `(kind, bits, shape, strides)`
+/// (kind "i", "u", "b", "f" or "?") whose values the C++ side does not read.
+fm::ArrayRef array_ref_of(nb::handle h, std::vector<RoAny> &keep) {
+  fm::ArrayRef a;
+  if (nb::isinstance<nb::tuple>(h)) {
+    const auto t = nb::borrow<nb::tuple>(h);
+    const std::string kind = nb::cast<std::string>(t[0]);
+    a.kind = kind == "i"   ? fm::ElemKind::int_
+             : kind == "u" ? fm::ElemKind::uint_
+             : kind == "b" ? fm::ElemKind::bool_
+             : kind == "f" ? fm::ElemKind::float_
+                           : fm::ElemKind::other;
+    a.bits = nb::cast<int>(t[1]);
+    a.shape = nb::cast<std::vector<std::int64_t>>(t[2]);
+    a.strides = nb::cast<std::vector<std::int64_t>>(t[3]);
+    return a;
+  }
+  const RoAny &arr = keep.emplace_back(nb::cast<RoAny>(h));
+  using Code = nb::dlpack::dtype_code;
+  const auto code = static_cast<Code>(arr.dtype().code);
+  a.kind = code == Code::Int                             ? fm::ElemKind::int_
+           : code == Code::UInt                          ? fm::ElemKind::uint_
+           : code == Code::Bool                          ? fm::ElemKind::bool_
+           : code == Code::Float || code == Code::Bfloat ? fm::ElemKind::float_
+                                                         : fm::ElemKind::other;
+  a.bits = arr.dtype().bits;
+  a.data = arr.data();
+  for (std::size_t d = 0; d < arr.ndim(); ++d) {
+    a.shape.push_back(static_cast<std::int64_t>(arr.shape(d)));
+    a.strides.push_back(arr.stride(d));
+  }
+  return a;
+}
+
+/// `(loads [M, L, E] or None, parts or None, M, trace layers)`: the format's layout of the arrays, counted here
+/// when every id array is on the CPU; otherwise the parts `(array, row, tokens, layers, topk, offsets, micro-steps,
+/// first layer, mask or None)` for a device counter. `micro_batches`: None, a size or a list of index arrays.
+nb::tuple count_batch(const std::string &format, const std::string &who, const nb::list &arrays,
+                      std::optional<std::vector<std::int64_t>> list_sizes, const nb::object &mask,
+                      const nb::object &micro_batches, std::optional<RoI64> offsets, int num_experts,
+                      std::optional<std::vector<int>> layer_map) {
+  const fm::BatchFormat &f = fm::find_batch_format(format);
+  std::vector<RoAny> keep;
+  keep.reserve(arrays.size() + 2 + (nb::isinstance<nb::list>(micro_batches) ? nb::len(micro_batches) : 0));
+  fm::BatchInput in;
+  in.who = who;
+  for (nb::handle h : arrays)
+    in.arrays.push_back(array_ref_of(h, keep));
+  in.list_sizes = std::move(list_sizes);
+  if (!mask.is_none()) in.mask = array_ref_of(mask, keep);
+  if (nb::isinstance<nb::int_>(micro_batches)) {
+    in.micro_batches = fm::MicroBatches::of_size(nb::cast<std::int64_t>(micro_batches));
+  } else if (!micro_batches.is_none()) {
+    std::vector<fm::ArrayRef> lists;
+    for (nb::handle h : micro_batches)
+      lists.push_back(array_ref_of(h, keep));
+    in.micro_batches = fm::MicroBatches::of_lists(std::move(lists));
+  }
+  if (offsets) in.offsets = std::span<const std::int64_t>(offsets->data(), offsets->size());
+  fm::LayerMap lmap;
+  if (layer_map) {
+    require(f.takes_layer_map, who, ": format ", format, " takes no layer map");
+    try {
+      lmap = fm::LayerMap(*layer_map);
+    } catch (const fm::Error &e) {
+      fail(who, ": layer_map: ", e.what());
+    }
+  }
+  fm::BatchLayout layout;
+  const bool on_host =
+      std::all_of(in.arrays.begin(), in.arrays.end(), [](const fm::ArrayRef &a) { return a.data != nullptr; });
+  auto *loads = new fm::LoadTensor();
+  try {
+    nb::gil_scoped_release nogil;
+    layout = f.layout(in);
+    if (on_host) *loads = fm::count_batch(layout, in.arrays, num_experts, lmap, who);
+  } catch (...) {
+    delete loads;
+    throw;
+  }
+  const int M = layout.num_micro_steps, L = layout.num_layers;
+  if (on_host) {
+    nb::capsule owner(loads, [](void *p) noexcept { delete static_cast<fm::LoadTensor *>(p); });
+    const std::size_t shape[3] = {static_cast<std::size_t>(loads->num_micro_steps()),
+                                  static_cast<std::size_t>(loads->num_layers()),
+                                  static_cast<std::size_t>(loads->num_experts())};
+    nb::object t = nb::cast(nb::ndarray<nb::numpy, std::int64_t>(loads->totals().data(), 3, shape, owner));
+    return nb::make_tuple(t, nb::none(), M, L);
+  }
+  delete loads;
+  nb::list parts;
+  for (fm::BatchPart &p : layout.parts) {
+    const std::size_t n = p.offsets.size(), nm = p.mask.size();
+    nb::object m = nm == 0 ? nb::none() : nb::cast(owned_array(std::move(p.mask), {nm}));
+    parts.append(nb::make_tuple(p.array_idx, p.row, p.num_tokens, p.num_layers, p.topk,
+                                owned_array(std::move(p.offsets), {n}), p.micro_step, p.first_layer, m));
+  }
+  return nb::make_tuple(nb::none(), parts, M, L);
+}
+
+nb::list batch_formats() {
+  nb::list out;
+  for (const fm::BatchFormat *f : fm::batch_formats()) {
+    nb::dict d;
+    d["name"] = f->name;
+    d["help"] = f->help;
+    d["takes_layer_map"] = f->takes_layer_map;
+    out.append(d);
+  }
+  return out;
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -938,6 +1056,11 @@ NB_MODULE(_core, m) {
   m.def(
       "detect_trace_format", [](const std::string &path) { return fm::detect_trace_format(path).name; }, "path"_a,
       "The format `--format auto` reads `path` as.");
+  m.def("count_batch", &count_batch, "format"_a, "who"_a, "arrays"_a, "list_sizes"_a.none(), "mask"_a.none(),
+        "micro_batches"_a.none(), "offsets"_a.none(), "num_experts"_a, "layer_map"_a.none(),
+        "Loads of a trainer's in-memory routing (format of the C++ batch-format registry); device arrays as their "
+        "layout give the parts to count there.");
+  m.def("batch_formats", &batch_formats, "The registered in-memory trace formats.");
   m.def("read_trace", &read_trace, "path"_a, "format"_a, "data"_a.none(), "mask_path"_a.none(), "mask_data"_a.none(),
         "num_layers"_a, "topk"_a);
   m.def(

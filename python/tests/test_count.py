@@ -131,3 +131,27 @@ def test_synthetic_trace_counts_match_synthetic_loads():
         foremoe.synthetic_trace(num_experts=3)
     with pytest.raises(ValueError, match="topk 40 exceeds num_experts 16"):
         foremoe.synthetic_trace(experts=16, topk=40)
+
+
+def test_in_memory_formats_registry_counts_numpy_arrays():
+    # The C++ in-memory formats (foremoe.torch's loads_from_verl/megatron/slime) need no torch: NumPy arrays in place.
+    assert [f["name"] for f in _core.batch_formats()] == ["megatron", "slime", "verl"]
+    ids, offs, ref, E = ids_and_reference()
+    per_layer = [ids[:, l, :2] for l in range(ids.shape[1])]  # strided views
+    want = foremoe.count_loads(np.ascontiguousarray(ids[:, :, :2]), offs, num_experts=E)
+    loads, parts, M, L = _core.count_batch("megatron", "w", per_layer, None, None, None, offs, E, None)
+    assert parts is None and (M, L) == (len(offs) - 1, ids.shape[1])
+    np.testing.assert_array_equal(loads, want)
+    # verl: rows as samples, a strided (every other column) mask of 0/1
+    routed = ids[:600].reshape(20, 30, *ids.shape[1:])
+    mask = np.ones((20, 60), np.uint8)[:, ::2]
+    loads, _, _, _ = _core.count_batch("verl", "w", [routed], None, mask, [np.arange(10), np.arange(10, 20)], None, E,
+                                       None)
+    np.testing.assert_array_equal(loads, foremoe.count_loads(ids, [0, 300, 600], num_experts=E))
+    mask[3, 5] = 7
+    with pytest.raises(ValueError, match=r"^w: attention_mask\[3, 5\] = 7 is not 0 or 1"):
+        _core.count_batch("verl", "w", [routed], None, mask, None, None, E, None)
+    with pytest.raises(ValueError, match=r"^w: sample 4 is in micro-batch 0 and micro-batch 1$"):
+        _core.count_batch("verl", "w", [routed], None, mask, [np.arange(5), np.arange(4, 20)], None, E, None)
+    with pytest.raises(ValueError, match="unknown in-memory trace format 'nemo'"):
+        _core.count_batch("nemo", "w", [routed], None, None, None, None, E, None)

@@ -150,6 +150,36 @@ def test_device_counter_is_used_for_device_ids():
     assert np.array_equal(got, np.arange(20).reshape(2, 2, 5))
 
 
+def test_device_counter_counts_the_registry_parts():
+    # verl, Megatron and slime ids on a device are laid out by the C++ registry (metadata only) and counted there part
+    # by part; each part's segments land in their micro-steps and layers.
+    calls = []
+
+    def counter(t, offsets, *, num_experts, layer_map, mask):
+        calls.append((tuple(t.shape), list(offsets), None if mask is None else list(mask)))
+        segs, layers = len(offsets) - 1, t.shape[1]
+        return torch.arange(1, segs * layers * num_experts + 1).reshape(segs, layers, num_experts) * 10 ** len(calls)
+
+    routed = torch.zeros((2, 3, 1, 2), dtype=torch.int64, device="meta")
+    mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    got = ft.loads_from_verl(routed, mask, [[1], [0]], num_experts=2, counter=counter)
+    assert calls == [((6, 1, 2), [0, 3, 6], [0, 1, 1, 1, 1, 1])]
+    c = np.arange(1, 5).reshape(2, 1, 2) * 10
+    assert np.array_equal(got, np.stack([c[1], c[0]]))
+    calls.clear()
+    per_layer = [torch.zeros((5, 2), dtype=torch.int32, device="meta") for _ in range(2)]
+    got = ft.loads_from_megatron(per_layer, [0, 2, 5], num_experts=3, counter=counter)
+    assert calls == [((5, 1, 2), [0, 2, 5], None)] * 2
+    assert np.array_equal(got[:, 0], np.arange(1, 7).reshape(2, 3) * 10)
+    assert np.array_equal(got[:, 1], np.arange(1, 7).reshape(2, 3) * 100)
+    calls.clear()
+    samples = [torch.zeros((n, 2, 1), dtype=torch.int16, device="meta") for n in (3, 1, 2)]
+    got = ft.loads_from_slime([[0, 2], [1]], samples=samples, num_experts=2, counter=counter)
+    assert [c[0] for c in calls] == [(3, 2, 1), (2, 2, 1), (1, 2, 1)]
+    part = [np.arange(1, 5).reshape(2, 2) * 10 ** i for i in (1, 2, 3)]
+    assert np.array_equal(got, np.stack([part[0] + part[1], part[2]]))
+
+
 # -- planning in the background thread --------------------------------------------------------------------------------
 
 
@@ -339,6 +369,10 @@ BAD = {
                                                          num_experts=8), "sample 1 is in no micro-batch"),
     "verl_mask_shape": (lambda: ft.loads_from_verl(_verl_batch()[0], _verl_batch()[1].T, num_experts=8),
                         "attention_mask must be [2, 6] to match routed_experts [2, 6, 2, 2], got [6, 2]"),
+    "verl_mask_value": (lambda: ft.loads_from_verl(_verl_batch()[0], _verl_batch()[1] * 2, num_experts=8),
+                        "attention_mask[0, 2] = 2 is not 0 or 1"),
+    "verl_micro_batch_size": (lambda: ft.loads_from_verl(*_verl_batch(), 0, num_experts=8),
+                              "micro-batch size must be positive, got 0"),
     "verl_no_mask": (lambda: ft.loads_from_verl(_verl_batch()[0], None, num_experts=8), "attention_mask is required"),
     "verl_not_4d": (lambda: ft.loads_from_verl(_verl_batch()[0][0], _verl_batch()[1], num_experts=8),
                     "4 dimensions"),

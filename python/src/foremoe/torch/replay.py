@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 import foremoe
-from foremoe._args import int_array, integer, optional_integer, to_numpy
+from foremoe._args import int_array, int_list, integer, optional_integer, to_numpy
 
 from .distributed import DEFAULT_TIMEOUT, gather_checked, group_rank, group_size, wait
 
@@ -162,46 +162,77 @@ def _token_offsets(offsets: Any, who: str) -> Optional[np.ndarray]:
     return int_array(a, f"{who}: microbatch_offsets")  # a uint64 past int64 is named, not wrapped negative
 
 
-def _groups(micro_batches: Any, n: int, who: str, unit: str) -> List[np.ndarray]:
-    """Index lists of the micro-batches over ``n`` items: ``None`` (one), an int (consecutive runs of that many) or
-    lists of indices; every item in exactly one micro-batch."""
+def _buffer(x: Any, who: str, what: str) -> Any:
+    """An array as the C++ format registry reads it: NumPy arrays and CPU tensors in place, a tensor on a device as
+    its layout ``(kind, bits, shape, strides)`` (its values are counted on the device), anything else as NumPy."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "cpu":
+            return x.detach()
+        dt = x.dtype
+        kind = "b" if dt == torch.bool else "f" if dt.is_floating_point else "?" if dt.is_complex else \
+            "i" if torch.iinfo(dt).min < 0 else "u"
+        return (kind, x.element_size() * 8, tuple(x.shape), tuple(x.stride()))
+    a = np.asarray(x)
+    if a.dtype.kind not in "biuf":
+        raise ValueError(f"{who}: {what} must be an array of numbers, got dtype {a.dtype}")
+    return a
+
+
+def _host(x: Any) -> Any:
+    """Masks and index lists are read on the host (they are small)."""
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else x
+
+
+def _micro_batches(micro_batches: Any, who: str) -> Any:
+    """``None``, a size, or one index array per micro-batch, as the C++ registry takes them (it checks them)."""
     if micro_batches is None:
-        return [np.arange(n, dtype=np.int64)]
+        return None
     if isinstance(micro_batches, (int, float, np.integer, np.floating)):
-        size = integer(micro_batches, f"{who}: micro_batches")
-        if size <= 0:
-            raise ValueError(f"{who}: micro-batch size must be positive, got {size}")
-        return [np.arange(i, min(i + size, n), dtype=np.int64) for i in range(0, n, size)] or [np.zeros(0, np.int64)]
-    groups = []
-    seen = np.full(n, -1, dtype=np.int64)
+        return integer(micro_batches, f"{who}: micro_batches")
+    out = []
     for m, idx in enumerate(micro_batches):
-        a = np.asarray(idx.cpu() if isinstance(idx, torch.Tensor) else idx).reshape(-1)
-        if a.size and a.dtype.kind not in "iu":
-            raise ValueError(f"{who}: micro-batch {m} must list {unit} indices, got dtype {a.dtype}")
-        a = int_array(a, f"{who}: micro-batch {m}")
-        out = a[(a < 0) | (a >= n)]
-        if out.size:
-            raise ValueError(f"{who}: micro-batch {m} names {unit} {int(out[0])}, outside [0, {n})")
-        for i in a.tolist():
-            if seen[i] >= 0:
-                raise ValueError(f"{who}: {unit} {i} is in micro-batch {int(seen[i])} and micro-batch {m}")
-            seen[i] = m
-        groups.append(a)
-    if not groups:
-        raise ValueError(f"{who}: no micro-batch")
-    missing = np.flatnonzero(seen < 0)
-    if missing.size:
-        raise ValueError(f"{who}: {unit} {int(missing[0])} is in no micro-batch (the micro-batches must cover the "
-                         f"{n} {unit}s of the stage)")
-    return groups
+        a = _host(idx)
+        out.append(_buffer(a.reshape(-1) if isinstance(a, torch.Tensor) else np.asarray(a).reshape(-1), who,
+                           f"micro-batch {m}"))
+    return out
 
 
-def _sum_groups(per_item: np.ndarray, groups: List[np.ndarray]) -> np.ndarray:
-    """``[M, L, E]``: the per-item ``[N, L, E]`` loads summed over each micro-batch's items, in a fixed order."""
-    out = np.zeros((len(groups),) + per_item.shape[1:], dtype=np.int64)
-    for m, g in enumerate(groups):
-        if g.size:
-            out[m] = per_item[g].sum(axis=0)
+def _count_batch(fmt: str, who: str, arrays: List[Any], *, num_experts: int, list_sizes: Optional[List[int]] = None,
+                 mask: Any = None, micro_batches: Any = None, offsets: Any = None,
+                 layer_map: Optional[Sequence[int]] = None, counter: Optional[Counter] = None) -> np.ndarray:
+    """``[M, L, E]`` loads of a trainer's arrays laid out by the C++ in-memory format ``fmt`` (which checks the
+    layout: shapes, dtypes, masks, micro-batch partitions, offsets, ids). Ids on a device are counted there, part
+    by part, by ``counter`` or the bound device counter (else copied to the host once)."""
+    num_experts = integer(num_experts, f"{who}: num_experts")
+    lm = None if layer_map is None else int_list(layer_map, f"{who}: layer_map")
+    arrays = [_array(a, who, f"array {i}") for i, a in enumerate(arrays)]
+    fn = None
+    if any(_on_device(a) for a in arrays):
+        fn = counter or _device_counter()
+        if fn is None:  # no device counter in this build: one copy to the host
+            arrays = [a.cpu() if _on_device(a) else a for a in arrays]
+    bufs = [_buffer(a, who, f"array {i}") for i, a in enumerate(arrays)]
+    off = _token_offsets(offsets, who)
+    loads, parts, M, L = foremoe._core.count_batch(fmt, who, bufs, list_sizes,
+                                                   None if mask is None else _buffer(_host(mask), who, "mask"),
+                                                   _micro_batches(micro_batches, who), off, num_experts, lm)
+    if loads is not None:
+        return loads
+    out = np.zeros((M, L if lm is None else sum(x >= 0 for x in lm), num_experts), dtype=np.int64)
+    for i, row, T, layers, K, offs, steps, first, pmask in parts:
+        t = arrays[i] if row < 0 else arrays[i][row]
+        t = t.reshape(T, layers, K)
+        whole = first == 0 and layers == L
+        if _on_device(t):
+            c = fn(t, offs, num_experts=num_experts, layer_map=lm if whole else None, mask=pmask)
+            c = np.asarray(c.cpu() if isinstance(c, torch.Tensor) else c, dtype=np.int64)
+        else:
+            c = foremoe.count_loads(t, offs, num_experts=num_experts, layer_map=lm if whole else None, mask=pmask)
+        for s, m in enumerate(steps):
+            if whole:
+                out[m] += c[s]
+            else:
+                out[m, first:first + layers] += c[s]
     return out
 
 
@@ -263,26 +294,14 @@ def loads_from_verl(
     counter: Optional[Counter] = None,
 ) -> np.ndarray:
     """``[M, L, E]`` loads of verl's padded batch: ``routed_experts`` ``[bs, seq, L, K]`` and ``attention_mask``
-    ``[bs, seq]`` (bool or integer; 0 = padding, which holds expert 0 and is not counted). ``micro_batches``:
+    ``[bs, seq]`` (bool or integer 0/1; 0 = padding, which holds expert 0 and is not counted). ``micro_batches``:
     ``None`` (one), the samples per micro-batch (consecutive rows, as a fixed micro-batch size splits them) or one
     list of sample indices per micro-batch in execution order (dynamic batch sizing); every sample in exactly one.
 
-    Each sample is counted in place (one C++ pass over the whole batch), then summed per micro-batch."""
+    Laid out and counted in place by the C++ in-memory format ``verl`` (one pass over the whole batch)."""
     who = "loads_from_verl"
-    ids = _array(routed_experts, who, "routed_experts")
-    _check_ids(ids, 4, who, "routed_experts [batch, seq, layers, topk]")
-    if attention_mask is None:
-        raise ValueError(f"{who}: attention_mask is required (verl's padded positions hold expert 0)")
-    mask = _array(attention_mask, who, "attention_mask")
-    if tuple(mask.shape) != tuple(ids.shape[:2]):
-        raise ValueError(f"{who}: attention_mask must be {list(ids.shape[:2])} to match routed_experts "
-                         f"{list(ids.shape)}, got {list(mask.shape)}")
-    bs, seq = int(ids.shape[0]), int(ids.shape[1])
-    groups = _groups(micro_batches, bs, who, "sample")
-    flat = ids.reshape(bs * seq, ids.shape[2], ids.shape[3])
-    per_sample = _count(flat, np.arange(bs + 1, dtype=np.int64) * seq, num_experts, layer_map,
-                        mask.reshape(-1) if isinstance(mask, (torch.Tensor, np.ndarray)) else mask, counter, who)
-    return _sum_groups(per_sample, groups)
+    return _count_batch("verl", who, [routed_experts], mask=attention_mask, micro_batches=micro_batches,
+                        num_experts=num_experts, layer_map=layer_map, counter=counter)
 
 
 def loads_from_megatron(
@@ -295,47 +314,27 @@ def loads_from_megatron(
     """``[M, L, E]`` loads of Megatron-core's per-layer top-k indices (what ``RouterReplay.set_replay_data``
     takes and ``RouterReplay.get_recorded_data`` returns): either one ``[T, K]`` tensor per MoE layer for the whole
     stage with ``[M + 1]`` token ``microbatch_offsets``, or a list with one such per-layer list per micro-batch
-    (``microbatch_offsets`` then left out). Each layer is counted in place. A path is the per-layer indices stacked
-    as NPY ``[L, T, K]``, read by the registry's ``megatron`` format (:func:`loads_from_file`)."""
+    (``microbatch_offsets`` then left out). Each layer is counted in place by the C++ in-memory format
+    ``megatron``. A path is the per-layer indices stacked as NPY ``[L, T, K]``, read by the registry's ``megatron``
+    file format (:func:`loads_from_file`)."""
     who = "loads_from_megatron"
     if isinstance(per_layer, (str, os.PathLike)):
         return loads_from_file(per_layer, microbatch_offsets, num_experts=num_experts, format="megatron",
                                counter=counter)
     if not isinstance(per_layer, (list, tuple)) or not per_layer:
         raise ValueError(f"{who}: per_layer must be a non-empty list of [tokens, topk] tensors (one per MoE layer)")
+    sizes = None
+    arrays = list(per_layer)
     if isinstance(per_layer[0], (list, tuple)):  # one per-layer list per micro-batch
-        if microbatch_offsets is not None:
-            raise ValueError(f"{who}: per-micro-batch lists carry their own boundaries; leave microbatch_offsets out")
-        parts = []
+        sizes, arrays = [], []
         for m, layers in enumerate(per_layer):
             if not isinstance(layers, (list, tuple)):
                 raise ValueError(f"{who}: micro-batch {m} must be a list of per-layer tensors, got "
                                  f"{type(layers).__name__}")
-            if len(layers) != len(per_layer[0]):
-                raise ValueError(f"{who}: micro-batch {m} has {len(layers)} MoE layers, micro-batch 0 has "
-                                 f"{len(per_layer[0])}")
-            try:
-                parts.append(loads_from_megatron(list(layers), None, num_experts=num_experts, counter=counter))
-            except ValueError as e:
-                raise ValueError(f"{who}: micro-batch {m}: {str(e).replace(who + ': ', '')}") from None
-        return np.concatenate(parts)
-    layers = [_array(t, who, f"layer {l}") for l, t in enumerate(per_layer)]
-    T, K = None, None
-    for l, t in enumerate(layers):
-        _check_ids(t, 2, who, f"layer {l}'s indices [tokens, topk]")
-        if T is None:
-            T, K = int(t.shape[0]), int(t.shape[1])
-        elif tuple(t.shape) != (T, K):
-            raise ValueError(f"{who}: layer {l} has indices {list(t.shape)}, layer 0 {[T, K]} (every MoE layer "
-                             f"routes the same tokens)")
-    off = _token_offsets(microbatch_offsets, who)
-    out = []
-    for l, t in enumerate(layers):
-        try:
-            out.append(_count(t.reshape(T, 1, K), off, num_experts, None, None, counter, who))
-        except ValueError as e:
-            raise ValueError(str(e).replace(", layer 0, ", f", layer {l}, ")) from None
-    return np.ascontiguousarray(np.concatenate(out, axis=1))
+            sizes.append(len(layers))
+            arrays.extend(layers)
+    return _count_batch("megatron", who, arrays, list_sizes=sizes, offsets=microbatch_offsets,
+                        num_experts=num_experts, counter=counter)
 
 
 def loads_from_slime(
@@ -349,38 +348,30 @@ def loads_from_slime(
     """``[M, L, E]`` loads of slime's per-sample ``rollout_routed_experts`` ``[len, L, K]``: ``micro_batches`` is
     one list per micro-batch of the samples' arrays (or dicts holding ``rollout_routed_experts``), or, with
     ``samples``, of indices into ``samples`` (every sample in exactly one micro-batch). Each sample is counted in
-    place."""
+    place by the C++ in-memory format ``slime``."""
     who = "loads_from_slime"
+
+    def ids(s: Any, where: str) -> Any:
+        if isinstance(s, dict):
+            if "rollout_routed_experts" not in s:
+                raise ValueError(f"{who}: {where}: no rollout_routed_experts")
+            return s["rollout_routed_experts"]
+        return s
+
     if samples is not None:
-        groups = _groups(micro_batches, len(samples), who, "sample")
-        micro_batches = [[samples[int(i)] for i in g] for g in groups]
+        return _count_batch("slime", who, [ids(s, f"samples[{j}]") for j, s in enumerate(samples)],
+                            micro_batches=micro_batches, num_experts=num_experts, layer_map=layer_map,
+                            counter=counter)
     if not isinstance(micro_batches, (list, tuple)) or not micro_batches:
         raise ValueError(f"{who}: micro_batches must be a non-empty list of per-sample lists")
-    shape = None
-    out = []
+    sizes, arrays = [], []
     for m, mb in enumerate(micro_batches):
         if not isinstance(mb, (list, tuple)):
             raise ValueError(f"{who}: micro-batch {m} must be a list of samples, got {type(mb).__name__}")
-        acc = None
-        for i, s in enumerate(mb):
-            if isinstance(s, dict):
-                if "rollout_routed_experts" not in s:
-                    raise ValueError(f"{who}: micro-batch {m}, sample {i}: no rollout_routed_experts")
-                s = s["rollout_routed_experts"]
-            a = _array(s, who, f"micro-batch {m}, sample {i}")
-            _check_ids(a, 3, who, f"micro-batch {m}, sample {i} [len, layers, topk]")
-            if shape is None:
-                shape = tuple(a.shape[1:])
-            elif tuple(a.shape[1:]) != shape:
-                raise ValueError(f"{who}: micro-batch {m}, sample {i} has [layers, topk] {list(a.shape[1:])}, the "
-                                 f"first sample {list(shape)}")
-            c = _count(a, None, num_experts, layer_map, None, counter, f"{who}: micro-batch {m}, sample {i}")
-            acc = c if acc is None else acc + c
-        out.append(acc)
-    if shape is None:
-        raise ValueError(f"{who}: no sample in any micro-batch (the layer count is unknown)")
-    zero = np.zeros_like(next(a for a in out if a is not None))
-    return np.concatenate([zero if a is None else a for a in out])
+        sizes.append(len(mb))
+        arrays.extend(ids(s, f"micro-batch {m}, sample {i}") for i, s in enumerate(mb))
+    return _count_batch("slime", who, arrays, list_sizes=sizes, num_experts=num_experts, layer_map=layer_map,
+                        counter=counter)
 
 
 # -- the driver -------------------------------------------------------------------------------------------------------
