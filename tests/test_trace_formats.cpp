@@ -149,7 +149,7 @@ TEST_CASE("format npy: [T, L, K] ids of any integer dtype read back equal (prope
                        Error);
 }
 
-TEST_CASE("format verl: [bs, seq, L, K] rows flatten in order; the mask keeps nonzero positions (property)") {
+TEST_CASE("format verl: [bs, seq, L, K] rows flatten in order; the mask keeps the positions set to 1 (property)") {
   std::mt19937_64 rng(12);
   const fs::path d = temp_dir("verl");
   for (int round = 0; round < rounds(); ++round) {
@@ -161,7 +161,7 @@ TEST_CASE("format verl: [bs, seq, L, K] rows flatten in order; the mask keeps no
     write_npy(d / "ids.npy", NpyDtype::of<std::int32_t>(), shape, x.v.data());
     std::vector<std::uint8_t> mask(static_cast<std::size_t>(x.T));
     for (auto &m : mask)
-      m = static_cast<std::uint8_t>(rng() % 3); // 2 is "keep" too: any nonzero
+      m = static_cast<std::uint8_t>(rng() % 2);
     write_npy(d / "mask.npy", NpyDtype::of<std::uint8_t>(), mshape, mask.data());
     check_ids(read_trace(d / "ids.npy", "auto"), x);
     TraceReadOptions o;
@@ -170,7 +170,16 @@ TEST_CASE("format verl: [bs, seq, L, K] rows flatten in order; the mask keeps no
     check_ids(r, x);
     REQUIRE(r.mask.size() == mask.size());
     for (std::size_t t = 0; t < mask.size(); ++t)
-      CHECK(r.mask[t] == (mask[t] != 0 ? 1 : 0));
+      CHECK(r.mask[t] == mask[t]);
+    // A value other than 0 or 1 is an error naming its position and value, as for the in-memory batch.
+    if (mask.empty()) continue;
+    const std::size_t at = rng() % mask.size();
+    mask[at] = static_cast<std::uint8_t>(2 + rng() % 200);
+    write_npy(d / "mask.npy", NpyDtype::of<std::uint8_t>(), mshape, mask.data());
+    const std::int64_t row = static_cast<std::int64_t>(at) / mshape[1], col = static_cast<std::int64_t>(at) % mshape[1];
+    const std::string want =
+        detail::concat("mask.npy: attention mask [", row, ", ", col, "] = ", int(mask[at]), " is not 0 or 1");
+    CHECK_ERROR_CONTAINS((void)read_trace(d / "ids.npy", "verl", o), want.c_str());
   }
   // the same bytes from memory, NumPy's bool mask included; errors name the given names
   const std::int64_t shape[4] = {1, 2, 1, 1}, mshape[2] = {2, 1};

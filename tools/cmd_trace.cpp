@@ -309,7 +309,8 @@ Command make_trace_count() {
                    "when FILE.steps.npy exists, the files plan, simulate and trace stats read.";
   c.options = schema_specs(config::count_schema());
   c.options.emplace_back("out", "FILE.npy", "write the loads here (required)", "");
-  c.options.emplace_back("mask", "FILE.npy", "verl: attention mask [batch, seq] (0 = padding, not counted)", "");
+  c.options.emplace_back("mask", "FILE.npy",
+                         "verl: attention mask [batch, seq] (0 = padding, not counted; 1 = a token)", "");
   c.options.emplace_back("microbatches", "FILE.npy", "token offsets [M+1] of the micro-steps", "");
   c.run = [](const Args &a, std::ostream &out, std::ostream &err) {
     config::CountSettings cs;

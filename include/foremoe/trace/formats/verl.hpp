@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/trace/batch_formats.hpp"
 #include "foremoe/trace/formats.hpp"
 
 namespace foremoe {
@@ -31,9 +32,9 @@ namespace detail {
 }
 } // namespace detail
 
-/// verl: `routed_experts [bs, seq, L, K]` (C order) and its attention mask `[bs, seq]` (bool or integer,
-/// nonzero = real token; verl pads prompts on the left, so padding sits at the start of each row). Tokens are
-/// taken row by row (`t = b * seq + s`); masked positions are not counted. No `mask`: every position counts.
+/// verl: `routed_experts [bs, seq, L, K]` (C order) and its attention mask `[bs, seq]` (bool or integer 0/1,
+/// 1 = real token, any other value an error; verl pads prompts on the left, so padding sits at the start of each row).
+/// Tokens are taken row by row (`t = b * seq + s`); masked positions are not counted. No `mask`: every position counts.
 [[nodiscard]] inline RoutedRecord read_verl(const TraceInput &ids, const std::optional<TraceInput> &mask) {
   RoutedRecord r;
   r.array = ids.npy();
@@ -56,17 +57,22 @@ namespace detail {
                   detail::shape_text(m.shape));
   detail::require(m.dtype.kind != NpyKind::float_, mname, ": attention mask must be bool or integer, got ",
                   m.dtype.descr());
-  const auto st = m.strides_elements();
-  r.mask.resize(static_cast<std::size_t>(tokens));
-  const std::size_t w = static_cast<std::size_t>(m.dtype.item_bytes);
-  for (std::int64_t b = 0; b < m.shape[0]; ++b)
-    for (std::int64_t s = 0; s < m.shape[1]; ++s) {
-      const std::byte *p = m.data.data() + static_cast<std::size_t>(b * st[0] + s * st[1]) * w;
-      bool nz = false;
-      for (std::size_t i = 0; i < w; ++i)
-        nz = nz || p[i] != std::byte{0};
-      r.mask[static_cast<std::size_t>(b * m.shape[1] + s)] = nz ? 1 : 0;
-    }
+  // The mask's values are checked as for verl's in-memory batch (batch_formats.hpp): 0 or 1, else an error
+  // naming the position and the value.
+  ArrayRef mref;
+  mref.data = m.data.data();
+  mref.kind = m.dtype.kind == NpyKind::uint_ ? ElemKind::uint_ : ElemKind::int_;
+  mref.bits = m.dtype.item_bytes * 8;
+  mref.shape = m.shape;
+  mref.strides = m.strides_elements();
+  r.mask.reserve(static_cast<std::size_t>(tokens));
+  for (std::int64_t b = 0; b < m.shape[0]; ++b) {
+    const std::vector<std::uint8_t> row =
+        detail::mask_values(mref, b * mref.strides[0], mref.strides[1], m.shape[1], [&](std::int64_t s) {
+          return detail::concat(mname, ": attention mask [", b, ", ", s, "]");
+        });
+    r.mask.insert(r.mask.end(), row.begin(), row.end());
+  }
   return r;
 }
 
@@ -78,16 +84,17 @@ namespace detail {
 
 namespace detail {
 inline const bool verl_trace_format_registered =
-    (register_trace_format({"verl",
-                            "routed_experts [batch, seq, L, K] (C order) as NPY; --mask FILE.npy is the attention\n"
-                            "mask [batch, seq] (bool/int, 0 = padding; verl pads on the left): masked tokens are not\n"
-                            "counted. Tokens run row by row (t = b * seq + s); offsets index that stream.",
-                            "a 4-D NPY", 20, true, false, false,
-                            [](const TraceProbe &p) {
-                              const auto *shape = p.npy_shape();
-                              return shape != nullptr && shape->size() == 4 ? 50 : 0;
-                            },
-                            [](const TraceInput &in, const TraceReadOptions &o) { return read_verl(in, o.mask); }}),
+    (register_trace_format(
+         {"verl",
+          "routed_experts [batch, seq, L, K] (C order) as NPY; --mask FILE.npy is the attention\n"
+          "mask [batch, seq] (bool/int 0/1, 0 = padding; verl pads on the left): masked tokens are not\n"
+          "counted. Tokens run row by row (t = b * seq + s); offsets index that stream.",
+          "a 4-D NPY", 20, true, false, false,
+          [](const TraceProbe &p) {
+            const auto *shape = p.npy_shape();
+            return shape != nullptr && shape->size() == 4 ? 50 : 0;
+          },
+          [](const TraceInput &in, const TraceReadOptions &o) { return read_verl(in, o.mask); }}),
      true);
 } // namespace detail
 
