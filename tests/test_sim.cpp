@@ -120,7 +120,10 @@ TEST_CASE("simulate: re-owning costs time unless it is free") {
   const auto free_owners = simulate(c.cfg, c.loads, c.steps, fm);
   c.cfg.reowning_free = false;
   const auto paid = simulate(c.cfg, c.loads, c.steps, fm);
-  CHECK(paid[0].step_seconds >= free_owners[0].step_seconds);
+  // Re-owning is charged as move time. The step time is not compared: when re-owning is paid the planner keeps
+  // owners where it can, which changes the plans, and kept owners keep more replicas resident (fewer gradient
+  // returns), so the step may end faster or slower (seed 9: 9.108 against 9.116 ms).
+  CHECK(paid[0].breakdown.moves > free_owners[0].breakdown.moves);
   CHECK(paid[0].moved_gb >= free_owners[0].moved_gb);
 }
 
