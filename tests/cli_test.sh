@@ -64,6 +64,22 @@ for cmd in "trace stats" "trace gen" ; do
   expect 0 "--microbatch-tokens N .*\\(default: 8192\\)" -- "$bin" $cmd --help
 done
 expect 0 "--prompts N .*\\(default: 256\\)" -- "$bin" simulate --help
+# trace gen generates the batch its --help shows: the defaults it runs with are the ones it prints (one step of
+# the default batch with no flags, and with the printed --prompts and --microbatch-tokens given, write the same loads).
+gen_help=$("$bin" trace gen --help)
+gen_prompts=$(sed -nE 's/^ *--prompts N .*\(default: ([0-9]+)\)$/\1/p' <<<"$gen_help")
+gen_tokens=$(sed -nE 's/^ *--microbatch-tokens N .*\(default: ([0-9]+)\)$/\1/p' <<<"$gen_help")
+if [[ -n $gen_prompts && -n $gen_tokens ]] &&
+  "$bin" trace gen --steps 1 --loads "$work/gen_default.npy" >/dev/null 2>&1 &&
+  "$bin" trace gen --steps 1 --prompts "$gen_prompts" --microbatch-tokens "$gen_tokens" \
+    --loads "$work/gen_shown.npy" >/dev/null 2>&1 &&
+  cmp -s "$work/gen_default.npy" "$work/gen_shown.npy"; then
+  passed=$((passed + 1))
+else
+  echo "FAIL: trace gen's defaults differ from the --prompts ($gen_prompts) and --microbatch-tokens ($gen_tokens) its --help shows"
+  failed=$((failed + 1))
+fi
+rm -f "$work"/gen_default* "$work"/gen_shown*
 expect 1 "missing.npy" -- "$bin" trace stats "$work/missing.npy"
 
 # generate loads and ids, then read both back
@@ -101,7 +117,7 @@ expect 2 "python -m foremoe simulate --plot" -- "$bin" simulate --plot "$work/pi
 
 # foremoe plan: one micro-step [L, E] from the first micro-step of the loads
 expect 0 "wrote" -- "$bin" trace gen "${shape[@]}" --steps 1 --microbatch-tokens 1024 --loads "$work/step.npy"
-for strategy in foremoe foremoe-free eplb eplb-oracle static ultraep moonep; do
+for strategy in foremoe foremoe-free eplb eplb-split eplb-oracle static ultraep moonep; do
   expect 0 "with $strategy( \\(two-level\\))? in" -- "$bin" plan --loads "$work/step.npy" --nodes 2 \
     --gpus-per-node 2 --slots 5 --strategy "$strategy" --out "$work/plan_$strategy.json"
   expect 0 '"micro_steps"' -- cat "$work/plan_$strategy.json"
@@ -193,7 +209,7 @@ expect 2 "use --strategy foremoe-free" -- "$bin" plan --loads "$work/one.npy" --
 expect 0 "foremoe-free +per-micro-step planning" -- "$bin" plan --strategy list
 expect 1 "cannot hold all 16 experts" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 5
 expect 1 "cannot hold all 16 experts|GPUs" -- "$bin" plan --loads "$work/step.npy" --nodes 1 --gpus-per-node 2 --slots 1
-expect 2 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, ultraep, moonep, foremoe, foremoe-free\)" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
+expect 2 "unknown strategy 'best' \(registered: static, eplb, eplb-split, eplb-oracle, ultraep, moonep, foremoe, foremoe-free\)" -- "$bin" plan --loads "$work/step.npy" --slots 5 --gpus-per-node 4 --strategy best
 expect 1 "placement is for 2 x 2 GPUs x 5 slots, the topology is 1 x 4 x 5" -- "$bin" plan --loads "$work/step.npy" \
   --nodes 1 --slots 5 --gpus-per-node 4 --resident "$work/pl.json"
 printf '{"nodes": 2' >"$work/broken.json"
@@ -214,7 +230,7 @@ expect 0 "^static " -- "$bin" simulate --config "$work/sim.json" --loads "$work/
 expect 0 "^ultraep +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json"
 expect 0 "^moonep +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json"
 expect 0 "^moonep," -- "$bin" simulate --config "$work/sim.json" --strategies static,ultraep,moonep --csv
-expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-oracle, ultraep, moonep, foremoe, foremoe-free, ideal\)" -- "$bin" simulate --config "$work/sim.json" --strategies static,best
+expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-split, eplb-oracle, ultraep, moonep, foremoe, foremoe-free, ideal\)" -- "$bin" simulate --config "$work/sim.json" --strategies static,best
 # The load cache: a second run of the same batch reads what the first generated and prints the same figures; other
 # strategies, cost or planner options share the entry, another batch does not; a corrupted or truncated entry is
 # generated again and rewritten; off never writes; an empty setting is refused.

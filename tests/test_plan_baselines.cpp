@@ -1,6 +1,7 @@
 // The re-implemented per-micro-batch baselines (strategies "ultraep" and "moonep"): property tests on random
 // instances against their published rules, the full push of every replica each micro-step (in `Planner`'s moves
-// and in the simulator's moved bytes), and their registry entries.
+// and in the simulator's moved bytes), and their registry entries. Also "eplb-split" (EPLB's placement, each
+// micro-step's tokens split exactly over its copies) against "eplb".
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <random>
 #include <vector>
 
+#include "foremoe/core/load_tensor.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/strategies/moonep.hpp"
 #include "foremoe/plan/strategies/ultraep.hpp"
@@ -283,4 +285,79 @@ TEST_CASE("baselines in the simulator: a full push of every replica per micro-st
   }
   // ForeMoE keeps resident replicas: after the first micro-step of the step the same plan moves nothing.
   CHECK(res[2].moved_gb < res[0].moved_gb / 2);
+}
+
+TEST_CASE("eplb-split: EPLB's placement, never less balanced than eplb, every expert's tokens conserved") {
+  std::mt19937_64 rng(3301);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  int better = 0, with_replicas = 0;
+  for (int it = 0; it < seeds(150); ++it) {
+    CAPTURE(it);
+    Topology topo;
+    topo.num_nodes = pick(1, 3);
+    topo.gpus_per_node = pick(1, 4);
+    const int num_gpus = topo.num_gpus(), num_layers = pick(1, 3), num_micro = pick(1, 4);
+    const int num_experts = num_gpus * pick(1, 4) + (pick(0, 1) == 0 ? 0 : pick(0, num_gpus - 1));
+    topo.slots_per_gpu = topo.owners_per_gpu(num_experts) + pick(0, 3);
+    CAPTURE(num_gpus);
+    CAPTURE(num_experts);
+    CAPTURE(topo.slots_per_gpu);
+    PlannerOptions opts;
+    opts.eplb_num_groups = num_experts % 2 == 0 && pick(0, 1) == 1 ? 2 : 1; // hierarchical where 2 | nodes
+    const double scale = std::pow(10.0, std::uniform_real_distribution<double>(1.0, 4.5)(rng));
+    const double alpha = std::uniform_real_distribution<double>(0.0, 2.5)(rng);
+    auto draw = [&] {
+      const double u = std::uniform_real_distribution<double>(0.0, 1.0)(rng);
+      return pick(0, 7) == 0 ? std::int64_t{0} : static_cast<std::int64_t>(scale * std::pow(u, 1.0 + 2 * alpha));
+    };
+    LoadTensor loads(num_micro, num_layers, num_experts);
+    for (int m = 0; m < num_micro; ++m)
+      for (int l = 0; l < num_layers; ++l)
+        for (int e = 0; e < num_experts; ++e)
+          loads.at(m, l, e) = draw();
+    // EPLB's history: another draw (the previous step), or none (the static placement, nothing to split).
+    std::vector<std::int64_t> previous;
+    if (it % 5 != 0) {
+      previous.resize(static_cast<std::size_t>(num_layers) * num_experts);
+      for (auto &x : previous)
+        x = draw();
+    }
+    opts.strategy = "eplb";
+    Planner eplb(num_layers, num_experts, topo, opts);
+    opts.strategy = "eplb-split";
+    Planner split(num_layers, num_experts, topo, opts);
+    const StepPlan a = eplb.plan_step(loads, nullptr, previous);
+    const StepPlan b = split.plan_step(loads, nullptr, previous);
+    REQUIRE(a.micro_steps.size() == b.micro_steps.size());
+    CHECK(a.owner_gpu == b.owner_gpu);
+    for (int m = 0; m < num_micro; ++m)
+      for (int l = 0; l < num_layers; ++l) {
+        CAPTURE(m);
+        CAPTURE(l);
+        const LayerPlan &pa = a.micro_steps[m][l], &pb = b.micro_steps[m][l];
+        const auto layer = loads.layer(m, l);
+        const LayerPlacement *res = m == 0 ? nullptr : &b.micro_steps[m - 1][l].placement;
+        REQUIRE_NOTHROW(validate(pb, layer, res));
+        // The same copies in the same slots, the same owners and moves: only the token split differs.
+        CHECK(pb.placement == pa.placement);
+        CHECK(pb.owner_gpu == pa.owner_gpu);
+        CHECK(pb.moves.size() == pa.moves.size());
+        if (m > 0) CHECK(pb.moves.empty()); // no moves during the step
+        // Every expert's tokens, exactly, over its copies.
+        std::vector<std::int64_t> sums(static_cast<std::size_t>(num_experts), 0);
+        for (int p = 0; p < pb.placement.num_slots(); ++p)
+          if (const std::int32_t e = pb.placement.phys_to_log()[p]; e != empty_slot) sums[e] += pb.slot_tokens[p];
+        for (int e = 0; e < num_experts; ++e)
+          CHECK(sums[e] == layer[e]);
+        // Never less balanced: EPLB's even split is one of the splits the exact one minimises over.
+        const auto ga = pa.gpu_loads(), gb = pb.gpu_loads();
+        CHECK(*std::max_element(gb.begin(), gb.end()) == pb.max_gpu_load);
+        CHECK(pb.max_gpu_load <= pa.max_gpu_load);
+        CHECK(pb.imbalance() <= pa.imbalance() + 1e-12);
+        better += pb.max_gpu_load < pa.max_gpu_load;
+        with_replicas += pb.num_replicas() > 0;
+      }
+  }
+  CHECK(with_replicas > seeds(50));
+  CHECK(better > seeds(20)); // the property is exercised where the split matters, not only on ties
 }

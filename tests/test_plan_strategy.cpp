@@ -50,8 +50,8 @@ const bool round_robin_registered = (register_strategy({"test-round-robin",
 TEST_CASE("strategy registry: the built-ins come first, in order, with help and options") {
   REQUIRE(round_robin_registered);
   const auto all = strategies();
-  REQUIRE(all.size() == 8);
-  const char *expected[] = {"static", "eplb",    "eplb-oracle",  "ultraep",
+  REQUIRE(all.size() == 9);
+  const char *expected[] = {"static", "eplb",    "eplb-split",   "eplb-oracle",     "ultraep",
                             "moonep", "foremoe", "foremoe-free", "test-round-robin"};
   for (std::size_t i = 0; i < all.size(); ++i) {
     CAPTURE(i);
@@ -59,26 +59,30 @@ TEST_CASE("strategy registry: the built-ins come first, in order, with help and 
     CHECK(!all[i]->help.empty());
     CHECK(static_cast<bool>(all[i]->make));
   }
-  CHECK(strategy_names() == "static, eplb, eplb-oracle, ultraep, moonep, foremoe, foremoe-free, test-round-robin");
-  CHECK(strategy_names("|") == "static|eplb|eplb-oracle|ultraep|moonep|foremoe|foremoe-free|test-round-robin");
+  CHECK(strategy_names() ==
+        "static, eplb, eplb-split, eplb-oracle, ultraep, moonep, foremoe, foremoe-free, test-round-robin");
+  CHECK(strategy_names("|") ==
+        "static|eplb|eplb-split|eplb-oracle|ultraep|moonep|foremoe|foremoe-free|test-round-robin");
   CHECK(find_strategy("ultraep").options == std::vector<std::string>{"ultraep_min_tokens"});
   CHECK(find_strategy("foremoe").options.front() == "move_budget");
   CHECK(find_strategy("eplb-oracle").options == std::vector<std::string>{"eplb_num_groups"});
+  CHECK(find_strategy("eplb-split").options == std::vector<std::string>{"eplb_num_groups"});
   // Schema-style spellings name the same strategy.
   CHECK(&find_strategy("foremoe_free") == &find_strategy("foremoe-free"));
   CHECK(lookup_strategy("nope") == nullptr);
 }
 
 TEST_CASE("strategy registry: unknown names, duplicates and bad entries are errors naming the value") {
-  CHECK_ERROR_CONTAINS((void)find_strategy("greedy"),
-                       "unknown strategy 'greedy' (registered: static, eplb, eplb-oracle, ultraep, moonep, foremoe, "
-                       "foremoe-free, test-round-robin)");
+  CHECK_ERROR_CONTAINS(
+      (void)find_strategy("greedy"),
+      "unknown strategy 'greedy' (registered: static, eplb, eplb-split, eplb-oracle, ultraep, moonep, foremoe, "
+      "foremoe-free, test-round-robin)");
   auto make = [] { return std::make_unique<RoundRobinStrategy>(); };
   CHECK_ERROR_CONTAINS(register_strategy({"static", "again", {}, 1, make}), "strategy 'static' is already registered");
   CHECK_ERROR_CONTAINS(register_strategy({"Bad Name", "x", {}, 1, make}), "'Bad Name' may hold only");
   CHECK_ERROR_CONTAINS(register_strategy({"", "x", {}, 1, make}), "empty strategy name");
   CHECK_ERROR_CONTAINS(register_strategy({"no-factory", "x", {}, 1, {}}), "'no-factory' has no factory");
-  CHECK(strategies().size() == 8); // nothing was added
+  CHECK(strategies().size() == 9); // nothing was added
   PlannerOptions opts;
   opts.strategy = "fastest";
   CHECK_ERROR_CONTAINS(Planner(2, 16, Topology{1, 4, 5}, opts), "unknown strategy 'fastest'");

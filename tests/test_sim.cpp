@@ -120,7 +120,10 @@ TEST_CASE("simulate: re-owning costs time unless it is free") {
   const auto free_owners = simulate(c.cfg, c.loads, c.steps, fm);
   c.cfg.reowning_free = false;
   const auto paid = simulate(c.cfg, c.loads, c.steps, fm);
-  CHECK(paid[0].step_seconds >= free_owners[0].step_seconds);
+  // Re-owning is charged as move time. The step time is not compared: when re-owning is paid the planner keeps
+  // owners where it can, which changes the plans, and kept owners keep more replicas resident (fewer gradient
+  // returns), so the step may end faster or slower (seed 9: 9.108 against 9.116 ms).
+  CHECK(paid[0].breakdown.moves > free_owners[0].breakdown.moves);
   CHECK(paid[0].moved_gb >= free_owners[0].moved_gb);
 }
 
@@ -158,7 +161,8 @@ TEST_CASE("simulate: bad input is an error naming the value") {
 
 TEST_CASE("simulate: strategies are the registered ones plus ideal") {
   CHECK(sim_strategy_names() == strategy_names() + ", ideal");
-  CHECK(sim_strategy_names(",").rfind("static,eplb,eplb-oracle,ultraep,moonep,foremoe,foremoe-free,", 0) == 0);
+  CHECK(sim_strategy_names(",").rfind("static,eplb,eplb-split,eplb-oracle,ultraep,moonep,foremoe,foremoe-free,", 0) ==
+        0);
   CHECK(parse_sim_strategy("eplb_oracle").name == "eplb-oracle");
   CHECK(!parse_sim_strategy("foremoe-free").ideal);
   CHECK(parse_sim_strategy("ideal").ideal);
@@ -432,6 +436,51 @@ TEST_CASE("simulate: gradient dtype scales the gradient volume; the last micro-s
     const auto sl = simulate(slow.cfg, slow.loads, slow.steps, st);
     CHECK(result_of(sl, "foremoe").grad_tail_seconds >= result_of(fp, "foremoe").grad_tail_seconds);
   }
+}
+
+TEST_CASE("simulate: eplb's replicas, resident for the whole step, return their fp32 gradients once per step") {
+  SimConfig cfg;
+  cfg.model = ModelSpec{2, 16, 2, 256, 128, WeightDtype::bf16};
+  cfg.topo = Topology{2, 2, 6}; // 4 owners + 2 spare slots per GPU
+  cfg.warmup_steps = 1;         // eplb plans the counted step from the warm-up step's loads
+  const int M = 4, L = 2, E = 16;
+  LoadTensor loads(2 * M, L, E);
+  std::mt19937_64 rng(29);
+  for (int m = 0; m < 2 * M; ++m)
+    for (int l = 0; l < L; ++l)
+      for (int e = 0; e < E; ++e) // skewed, every expert loaded well past its copy count in every micro-step
+        loads.at(m, l, e) = (e < 3 ? 20000 : 600) + std::uniform_int_distribution<int>(0, 400)(rng);
+  const std::vector<std::int64_t> steps{0, M, 2 * M};
+  const std::vector<SimStrategy> st{parse_sim_strategy("eplb"), parse_sim_strategy("eplb-split"),
+                                    parse_sim_strategy("ultraep")};
+  const std::vector<SimResult> res = simulate(cfg, loads, steps, st);
+  // EPLB's replicas of the counted step, from the warm-up step's totals.
+  LoadTensor warm(M, L, E), counted(M, L, E);
+  std::copy_n(loads.totals().begin(), warm.totals().size(), warm.totals().begin());
+  std::copy_n(loads.totals().begin() + static_cast<std::ptrdiff_t>(warm.totals().size()), counted.totals().size(),
+              counted.totals().begin());
+  PlannerOptions opts;
+  opts.strategy = "eplb";
+  Planner planner(L, E, cfg.topo, opts);
+  const StepPlan sp = planner.plan_step(counted, nullptr, planner.sum_steps(warm));
+  int replicas = 0;
+  for (int l = 0; l < L; ++l) {
+    replicas += sp.micro_steps[0][l].num_replicas();
+    for (int m = 1; m < M; ++m)
+      CHECK(sp.micro_steps[m][l].placement == sp.micro_steps[0][l].placement); // resident for the whole step
+  }
+  REQUIRE(replicas > 0);
+  const ModelSpec &spec = cfg.model;
+  const double grad_bytes = 3.0 * spec.hidden * spec.expert_ffn * 4; // fp32 gradient of one expert
+  // Once per step (they accumulate in place), not once per micro-step.
+  CHECK(res[0].grad_gb * 1e9 == doctest::Approx(replicas * grad_bytes));
+  // eplb-split keeps the same replicas; one that ran no token in the whole step owes nothing.
+  CHECK(res[1].grad_gb * 1e9 <= doctest::Approx(replicas * grad_bytes));
+  CHECK(res[1].grad_gb > 0);
+  // UltraEP re-pushes its replicas every micro-step, so each returns its gradient every micro-step.
+  CHECK(res[2].grad_gb * 1e9 > (M - 1) * grad_bytes);
+  for (const SimResult &r : res)
+    CHECK(r.breakdown.total() == doctest::Approx(r.step_seconds));
 }
 
 TEST_CASE("simulate: static's peak memory matches the hand count; too little memory is an error naming it") {

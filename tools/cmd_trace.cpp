@@ -25,22 +25,18 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-/// The trace `trace stats` makes when given no file: the one default batch of every command.
-SyntheticConfig stats_default_config() { return config::default_batch(); }
-
-/// The generator flags of both commands, from the synthetic schema (defaults shown from `defaults`).
-std::vector<OptionSpec> synthetic_specs(const SyntheticConfig &defaults) {
-  config::SyntheticSettings d;
-  d.config = defaults;
-  return schema_specs(config::synthetic_settings_schema(), d);
+/// The generator flags of both commands, from the synthetic schema: the defaults they show are the ones
+/// `synthetic_config` generates with, `config::SyntheticSettings`' (the one default batch of every command).
+std::vector<OptionSpec> synthetic_specs() {
+  return schema_specs(config::synthetic_settings_schema(), config::SyntheticSettings{});
 }
 
-/// The config the generator flags give over `defaults`; whatever `SyntheticConfig::validate` refuses is a usage
-/// error too, since every setting is a flag.
-SyntheticConfig synthetic_config(const Args &a, SyntheticConfig defaults) {
+/// The config the generator flags give over `config::SyntheticSettings`' defaults (those `synthetic_specs` shows);
+/// whatever `SyntheticConfig::validate` refuses is a usage error too, since every setting is a flag.
+SyntheticConfig synthetic_config(const Args &a) {
   const json::Value flags = schema_overrides(config::synthetic_settings_schema(), a);
   try {
-    return config::read_synthetic(flags, "--", defaults);
+    return config::read_synthetic(flags, "--", config::SyntheticSettings{}.config);
   } catch (const Error &e) {
     throw UsageError{e.what()}; // the generator's settings all come from flags
   }
@@ -56,12 +52,12 @@ Command make_trace_gen() {
       "OUT.steps.npy (micro-step offsets of the RL steps), and/or --ids OUT.npy (int16 [tokens, layers, topk])\n"
       "with OUT.microbatches.npy (token offsets of the micro-steps), OUT.sources.npy (token offsets per source\n"
       "rank within micro-steps) and OUT.steps.npy.";
-  c.options = synthetic_specs(config::default_batch());
+  c.options = synthetic_specs();
   c.options.emplace_back("loads", "FILE.npy", "write the per-micro-step loads here", "");
   c.options.emplace_back("ids", "FILE.npy", "write the routed ids here (memory: tokens x layers x topk x 2 bytes)", "");
   c.options.emplace_back("by-source", "", "split the loads by source rank ([M, L, E, gpus])", "");
   c.run = [](const Args &a, std::ostream &out, std::ostream &) {
-    const SyntheticConfig cfg = synthetic_config(a, SyntheticConfig{});
+    const SyntheticConfig cfg = synthetic_config(a);
     if (!a.has("loads") && !a.has("ids")) throw UsageError{"give --loads FILE.npy and/or --ids FILE.npy"};
     if (a.flag("by-source") && !a.has("loads"))
       throw UsageError{"--by-source splits the loads: give --loads FILE.npy too"};
@@ -149,7 +145,7 @@ Command make_trace_stats() {
       "is generated (the synthetic options below shape it) and compared with the real DeepSeek-V3\n"
       "statistics in --data-dir or $FOREMOE_DATA_DIR when present. With FILE, --gpus N splits the experts\n"
       "over N GPUs for the GPU skew and --microbatch-tokens N cuts routed ids into micro-steps of N tokens.";
-  c.options = synthetic_specs(stats_default_config());
+  c.options = synthetic_specs();
   c.options.emplace_back("steps-file", "FILE.npy",
                          "micro-step offsets of the RL steps (default: FILE.steps.npy if present)", "");
   c.options.emplace_back("microsteps-per-step", "N", "cut the micro-steps into steps of N", "");
@@ -174,7 +170,7 @@ Command make_trace_stats() {
     int num_gpus = 0, topk = 0;
     const auto t0 = std::chrono::steady_clock::now();
     if (a.positional().empty()) {
-      const SyntheticConfig cfg = synthetic_config(a, stats_default_config());
+      const SyntheticConfig cfg = synthetic_config(a);
       err << "generating a synthetic GRPO trace: " << cfg.num_steps << " steps x " << cfg.prompts_per_step
           << " prompts x " << cfg.responses_per_prompt << " responses, " << cfg.num_layers << " layers x "
           << cfg.num_experts << " experts, top-" << cfg.topk << ", " << cfg.num_gpus << " GPUs, seed " << cfg.seed

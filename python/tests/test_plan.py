@@ -121,12 +121,13 @@ def test_bad_loads(make, match):
 
 def test_bad_options_and_resident():
     topo = foremoe.Topology(**TOPO)
-    with pytest.raises(ValueError, match=r"unknown strategy 'greedy' \(registered: static, eplb, eplb-oracle, ultraep, "
+    with pytest.raises(ValueError, match=r"unknown strategy 'greedy' \(registered: static, eplb, eplb-split, eplb-oracle, ultraep, "
                        "moonep, foremoe, foremoe-free"):
         foremoe.Planner(topo, strategy="greedy")
     with pytest.raises(ValueError, match="Planner: unknown key 'mode'"):
         foremoe.Planner(topo, mode="free")
-    assert foremoe.STRATEGIES[:7] == ("static", "eplb", "eplb-oracle", "ultraep", "moonep", "foremoe", "foremoe-free")
+    assert foremoe.STRATEGIES[:8] == ("static", "eplb", "eplb-split", "eplb-oracle", "ultraep", "moonep", "foremoe",
+                                      "foremoe-free")
     with pytest.raises(ValueError, match=r"Planner.threads: must be in \[1, 1024\], got 0"):
         foremoe.Planner(topo, threads=0)
     with pytest.raises(ValueError, match="unknown stage 'train'"):

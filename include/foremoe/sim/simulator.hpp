@@ -15,10 +15,11 @@
 /// earlier. A GPU's moves and gradient returns of all layers queue on one link (earliest deadline first,
 /// `edf_max_lateness`), sharing it fairly with the all-to-all (`shared_link_seconds`); the largest lateness
 /// is stall time. In the update stage
-/// each replica's gradient returns to its owner on the GPU-direct path in the
-/// same window, before the slot is reused.
+/// a replica accumulates its gradient in place while it stays resident and returns it to its owner on the
+/// GPU-direct path in the window before its slot is reused, or after the stage's last backward (so a replica
+/// resident for the whole step, as EPLB's are, returns its gradient once per step).
 ///
-/// Strategies come from `Planner` (`static`, `eplb`, `eplb-oracle`, the baselines `ultraep` and
+/// Strategies come from `Planner` (`static`, `eplb`, `eplb-split`, `eplb-oracle`, the baselines `ultraep` and
 /// `moonep`, `foremoe`, `foremoe-free`) plus `ideal`: every layer perfectly balanced, moves free.
 ///
 /// Steady state: the first `warmup_steps` RL steps are planned and timed like the others (every strategy
@@ -343,25 +344,41 @@ struct GroupStep {
   // Tokens of a micro-step (before routing): its assignments over top-k, from layer 0.
   auto tokens_of = [&](int m) { return static_cast<double>(loads.layer_total(m, 0)) / spec.topk; };
 
-  // Adds to `demand` (per GPU) the seconds of returning the gradients of the replicas in `pl` to their owners
-  // (GPU-direct); returns their bytes.
-  // A replica that ran no token in that micro-step has no gradient to return (a resident copy kept idle in its
-  // slot costs nothing).
-  auto grad_demand_of = [&](const LayerPlan &plan, std::span<const std::int32_t> owner_gpu,
-                            std::vector<double> &demand) {
-    const LayerPlacement &pl = plan.placement;
+  // Replica gradients in the update stage (DESIGN: a replica that stays resident over several micro-steps
+  // accumulates its gradient in place and returns it once). `grad_owner[l][g * E + e]` is the owner GPU that the
+  // replica of expert `e` on GPU `g` owes a gradient (it ran tokens since its last return), or -1. A replica returns
+  // its gradient when the next plan of its layer no longer holds it there (its slot is reused; strategies that
+  // re-push every replica each micro-step return every micro-step) and, for those still resident, once after the
+  // stage's last backward. A resident copy that ran no token owes nothing.
+  std::vector<std::vector<std::int32_t>> grad_owner(static_cast<std::size_t>(L),
+                                                    std::vector<std::int32_t>(static_cast<std::size_t>(G) * E, -1));
+  // Adds to `demand` (per GPU) the seconds of returning, GPU-direct, the gradients layer `l`'s replicas owe that
+  // `keep` does not hold as replicas of the same owner (`keep` null: all of them); returns their bytes.
+  auto return_gradients = [&](int l, const LayerPlan *keep, bool keeps_residents, std::vector<double> &demand) {
+    std::vector<std::int32_t> &owed = grad_owner[l];
     double bytes = 0;
     for (int g = 0; g < G; ++g)
-      for (int s = 0; s < S; ++s) {
-        const std::int32_t e = pl.slot(g, s);
-        if (e == empty_slot || owner_gpu[e] == g) continue;
-        if (!plan.slot_tokens.empty() && plan.slot_tokens[static_cast<std::size_t>(g) * S + s] == 0) continue;
-        const int owner = owner_gpu[e];
+      for (int e = 0; e < E; ++e) {
+        std::int32_t &owner = owed[static_cast<std::size_t>(g) * E + e];
+        if (owner < 0) continue;
+        if (keep != nullptr && keeps_residents && keep->owner_gpu[e] == owner && keep->placement.holds(g, e)) continue;
         const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::gpu_intra : MovePath::gpu_inter;
         demand[g] += grad_reduce_seconds(cost, path, expert_bytes);
         bytes += grad_bytes_per_expert;
+        owner = -1;
       }
     return bytes;
+  };
+  // Records the replicas of `plan` (layer `l`) that ran tokens as owing their gradient.
+  auto owe_gradients = [&](int l, const LayerPlan &plan) {
+    std::vector<std::int32_t> &owed = grad_owner[l];
+    for (int g = 0; g < G; ++g)
+      for (int s = 0; s < S; ++s) {
+        const std::int32_t e = plan.placement.slot(g, s);
+        if (e == empty_slot || plan.owner_gpu[e] == g) continue;
+        if (plan.slot_tokens[static_cast<std::size_t>(g) * S + s] > 0)
+          owed[static_cast<std::size_t>(g) * E + e] = plan.owner_gpu[e];
+      }
   };
 
   // Peak memory of one micro-step (`plans` null: perfectly balanced, owners only), over its GPUs.
@@ -403,8 +420,8 @@ struct GroupStep {
   };
 
   // Times one layer under a plan (or perfectly balanced when `lp` is null).
-  auto time_layer = [&](const LayerPlan *lp, std::span<const std::int64_t> expert_loads, double tokens,
-                        const LayerPlan *prev, bool update, int &min_experts) {
+  auto time_layer = [&](const LayerPlan *lp, std::span<const std::int64_t> expert_loads, double tokens, bool update,
+                        int &min_experts) {
     LayerTiming t;
     std::vector<double> gpu_tokens(static_cast<std::size_t>(G), 0.0);
     std::vector<int> gpu_experts(static_cast<std::size_t>(G), 0);
@@ -477,9 +494,6 @@ struct GroupStep {
       if (mv.src_gpu >= 0) finish = std::max(finish, path_out[static_cast<std::size_t>(mv.src_gpu) * 3 + p]);
       t.move_demand[mv.dst_gpu] = std::max(t.move_demand[mv.dst_gpu], finish);
     }
-    // Gradients of the replicas the previous update micro-step used return to their owners before the
-    // slots are reused.
-    if (update && prev != nullptr) t.grad_bytes += grad_demand_of(*prev, lp->owner_gpu, t.grad_demand);
     return t;
   };
 
@@ -506,6 +520,7 @@ struct GroupStep {
     };
   }
   Planner planner(L, E, topo, popts);
+  const bool keeps_residents = planner.reuses_resident();
   Placement resident;
   bool has_resident = false;
   std::vector<std::int32_t> prev_owner_flat;
@@ -573,8 +588,13 @@ struct GroupStep {
         std::vector<double> &imbalance = rec.imbalance.emplace_back(static_cast<std::size_t>(L), 1.0);
         for (int l = 0; l < L; ++l) {
           const LayerPlan *lp = strat.ideal ? nullptr : &sp.micro_steps[m][l];
-          const LayerPlan *prev = prev_plans != nullptr ? &(*prev_plans)[l] : nullptr;
-          cur[l] = time_layer(lp, step.layer(m, l), tokens, prev, update, rec.min_experts);
+          cur[l] = time_layer(lp, step.layer(m, l), tokens, update, rec.min_experts);
+          // The gradients owed by replicas this plan drops return before their slots are reused, in the window
+          // before layer l's forward; this plan's replicas then owe theirs.
+          if (update && lp != nullptr) {
+            cur[l].grad_bytes += return_gradients(l, lp, keeps_residents, cur[l].grad_demand);
+            owe_gradients(l, *lp);
+          }
           if (lp != nullptr) imbalance[l] = lp->imbalance();
           if (l == cfg.gpu_load_layer) {
             std::vector<double> &per_gpu = rec.gpu_loads.emplace_back();
@@ -657,13 +677,14 @@ struct GroupStep {
         prev_t = std::move(cur);
         prev_plans = strat.ideal ? nullptr : &sp.micro_steps[m];
       }
-      // The last update micro-step's replica gradients return before the optimizer step: layer l's once its
-      // backward is over (backward runs L-1 .. 0), queued per GPU; what outlasts the backward pass is stall.
+      // The gradients still owed (the replicas resident at the end of the stage, whichever micro-steps they ran)
+      // return before the optimizer step: layer l's once its last backward is over (backward runs L-1 .. 0), queued
+      // per GPU; what outlasts the backward pass is stall.
       if (update && prev_plans != nullptr && !prev_t.empty()) {
         double tail = 0;
         std::vector<std::vector<double>> demand(static_cast<std::size_t>(L), std::vector<double>(G, 0.0));
         for (int l = 0; l < L; ++l)
-          rec.grad += grad_demand_of((*prev_plans)[l], (*prev_plans)[l].owner_gpu, demand[l]);
+          rec.grad += return_gradients(l, nullptr, keeps_residents, demand[l]);
         for (int g = 0; g < G; ++g) {
           double ready = 0, finish = 0;
           for (int l = L - 1; l >= 0; --l) {

@@ -5,6 +5,7 @@
 
 #include <foremoe/plan/strategies/eplb.hpp>
 #include <foremoe/plan/strategies/eplb_oracle.hpp>
+#include <foremoe/plan/strategies/eplb_split.hpp>
 #include <foremoe/plan/strategies/foremoe.hpp>
 #include <foremoe/plan/strategies/foremoe_free.hpp>
 #include <foremoe/plan/strategies/moonep.hpp>
