@@ -37,6 +37,7 @@ int run_cli(const std::vector<std::string> &args); // tools/main.cpp, compiled i
 namespace foremoe::python {
 void bind_runtime(nanobind::module_ &m);    // runtime_ext.cpp: the compiled runtime (transfer engine, counting)
 void bind_even_split(nanobind::module_ &m); // even_split_ext.cpp: rebalance_experts(split="even")
+void bind_packing(nanobind::module_ &m);    // packing_ext.cpp: pack_micro_batches
 } // namespace foremoe::python
 
 namespace nb = nanobind;
@@ -1090,5 +1091,6 @@ NB_MODULE(_core, m) {
   m.def("synthetic_trace", &synthetic_trace, "config"_a);
   m.def("synthetic_loads", &synthetic_loads, "config"_a, "by_source"_a);
   fm::python::bind_even_split(m);
+  fm::python::bind_packing(m);
   fm::python::bind_runtime(m);
 }

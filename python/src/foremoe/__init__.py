@@ -36,13 +36,17 @@ __all__ = [
     "TRACE_FORMATS",
     "Topology",
     "TraceRecord",
+    "MicroBatchPacking",
     "count_loads",
     "export_placement",
     "read_sglang",
     "read_trace",
     "read_verl",
     "rebalance_experts",
+    "sequence_histograms",
     "options",
+    "pack_by_tokens",
+    "pack_micro_batches",
     "plan_document",
     "simulate",
     "simulate_config",
@@ -502,3 +506,4 @@ def synthetic_loads(*, by_source: bool = False, **config: Any) -> Dict[str, Any]
 
 
 from .eplb import export_placement, rebalance_experts  # noqa: E402  (uses Planner above)
+from .packing import MicroBatchPacking, pack_by_tokens, pack_micro_batches, sequence_histograms  # noqa: E402

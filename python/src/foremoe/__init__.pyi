@@ -44,6 +44,20 @@ def rebalance_experts(
     """DeepSeek EPLB's call: float weights [L, E] -> (phy2log [L, R], log2phy [L, E, maxcnt] (-1 padded), logcnt [L, E])."""
 def export_placement(placement: Any, path: Any, format: str = "sglang", num_experts: Optional[int] = None) -> None: ...
 
+class MicroBatchPacking(NamedTuple):
+    micro_step: npt.NDArray[np.int32]
+    rank: npt.NDArray[np.int32]
+    start_deviation: float
+    deviation: float
+    def micro_batches(self, micro_steps: int, ranks: int = 1) -> List[List[List[int]]]: ...
+
+def pack_by_tokens(lengths: Any, *, micro_steps: int, token_budget: int, ranks: int = 1) -> Tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]: ...
+def sequence_histograms(routed_ids: Any, lengths: Any, num_experts: int) -> npt.NDArray[np.int64]: ...
+def pack_micro_batches(
+    lengths: Any, histograms: Any, *, micro_steps: int, token_budget: int, ranks: int = 1, gpu_of: Any = None,
+    start: Optional[Tuple[Any, Any]] = None, max_passes: int = 8, search_work: int = -1
+) -> MicroBatchPacking: ...
+
 class Planner:
     topology: Topology
     def __init__(

@@ -264,3 +264,9 @@ def runtime_count_loads(ids: Any, out: Any, num_experts: int, microbatch_offsets
 def runtime_map_tokens(ids: Any, out: Any, layer_idx: int, num_experts: int, slot_expert: npt.NDArray[np.int32],
                        slot_tokens: npt.NDArray[np.int64], num_sources: int,
                        source_offsets: Optional[npt.NDArray[np.int64]], stream: int, timeout_ms: int) -> None: ...
+
+def pack_micro_batches(
+    lengths: Any, histograms: Any, micro_steps: int, ranks: int, token_budget: int, gpu_of: Any, gpus: int,
+    start_micro_step: Any, start_rank: Any, max_passes: int, search_work: int
+) -> Tuple[Any, Any, float, float]: ...
+def pack_by_tokens(lengths: Any, micro_steps: int, ranks: int, token_budget: int) -> Tuple[Any, Any]: ...
