@@ -167,7 +167,8 @@ def _buffer(x: Any, who: str, what: str) -> Any:
     its layout ``(kind, bits, shape, strides)`` (its values are counted on the device), anything else as NumPy."""
     if isinstance(x, torch.Tensor):
         if x.device.type == "cpu":
-            return x.detach()
+            # torch 1.13's DLPack has no bool: a bool tensor goes over as the NumPy array it shares memory with.
+            return x.detach().numpy() if x.dtype == torch.bool else x.detach()
         dt = x.dtype
         kind = "b" if dt == torch.bool else "f" if dt.is_floating_point else "?" if dt.is_complex else \
             "i" if torch.iinfo(dt).min < 0 else "u"
