@@ -91,6 +91,9 @@ TEST_CASE("pack_by_routing: valid, deterministic, never worse than the token pac
     check_valid(st, shape, routed);
     const double j0 = packing_deviation(st.input(), shape, tokens), j1 = packing_deviation(st.input(), shape, routed);
     CHECK(j1 <= j0 * (1 + 1e-12) + 1e-9);
+    // The deviations it reports are packing_deviation's of its start (the token packing) and its result.
+    CHECK(routed.start_deviation == doctest::Approx(j0).epsilon(1e-9));
+    CHECK(routed.deviation == doctest::Approx(j1).epsilon(1e-9));
     const Packing again = pack_by_routing(st.input(), shape);
     CHECK(again.micro_step == routed.micro_step);
     CHECK(again.rank == routed.rank);

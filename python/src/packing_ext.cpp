@@ -59,14 +59,11 @@ nb::tuple pack(const RoArray<std::int64_t, 1> &lengths, const RoArray<std::int64
     start.micro_step.assign(start_micro_step->data(), start_micro_step->data() + start_micro_step->size());
   if (start_rank) start.rank.assign(start_rank->data(), start_rank->data() + start_rank->size());
   Packing out;
-  double before = 0, after = 0;
   {
     nb::gil_scoped_release nogil;
-    const Packing from = start.micro_step.empty() && start.rank.empty() ? pack_by_tokens(in.lengths, shape) : start;
-    before = packing_deviation(in, shape, from, opt);
-    out = pack_by_routing(in, shape, opt, from);
-    after = packing_deviation(in, shape, out, opt);
+    out = pack_by_routing(in, shape, opt, start); // an empty start: pack_by_tokens
   }
+  const double before = out.start_deviation, after = out.deviation;
   return nb::make_tuple(int32_array(std::move(out.micro_step)), int32_array(std::move(out.rank)), before, after);
 }
 

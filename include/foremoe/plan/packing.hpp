@@ -77,6 +77,8 @@ struct PackingOptions {
 /// Where each sequence runs: `micro_step[s]` in [0, M), `rank[s]` in [0, R).
 struct Packing {
   std::vector<std::int32_t> micro_step, rank;
+  /// Set by `pack_by_routing`: the objective J of its start and of this packing (`packing_deviation`'s values).
+  double start_deviation = 0, deviation = 0;
   /// Per micro-step, the sequence indices (ascending), derived from `micro_step`.
   [[nodiscard]] std::vector<std::vector<std::int64_t>> by_micro_step(std::int64_t micro_steps) const {
     std::vector<std::vector<std::int64_t>> out(static_cast<std::size_t>(micro_steps));
@@ -304,28 +306,40 @@ inline void load_packing(PackingState &st, const Packing &p, std::string_view wh
     return s;
   };
 
-  // 2. Greedy construction.
+  // Squared norms of the rows, for the greedy and the search.
+  std::vector<double> norms(static_cast<std::size_t>(S));
+  for (std::int64_t s = 0; s < S; ++s) {
+    const double *y = st.row(s);
+    double n2 = 0;
+    for (std::int64_t d = 0; d < D; ++d)
+      n2 += y[d] * y[d];
+    norms[static_cast<std::size_t>(s)] = n2;
+  }
+  const double start_j = best_j;
+
+  // 2. Greedy construction, in `st`'s loads; the start's are set aside and put back if the greedy does not win.
   {
-    detail::PackingState gs = st;
-    std::fill(gs.fill.begin(), gs.fill.end(), 0);
-    std::fill(gs.g.begin(), gs.g.end(), 0.0);
+    std::vector<double> start_g(st.g.size(), 0.0);
+    std::vector<std::int64_t> start_fill(st.fill.size(), 0);
+    std::swap(st.g, start_g);
+    std::swap(st.fill, start_fill);
     Packing gp;
     gp.micro_step.assign(static_cast<std::size_t>(S), 0);
     gp.rank.assign(static_cast<std::size_t>(S), 0);
     bool placed_all = true;
     for (const std::int64_t s : order) {
-      const double *y = gs.row(s);
-      const double yy = dot(y, y);
+      const double *y = st.row(s);
+      const double yy = norms[static_cast<std::size_t>(s)];
       std::int64_t bm = -1, br = -1;
       double bd = std::numeric_limits<double>::infinity();
       for (std::int64_t m = 0; m < M; ++m) {
-        const std::int64_t r = gs.fit(m, in.lengths[static_cast<std::size_t>(s)]);
+        const std::int64_t r = st.fit(m, in.lengths[static_cast<std::size_t>(s)]);
         if (r < 0) continue;
         // (G + y - T)^2 - (G - T)^2 summed: 2 y.(G - T) + |y|^2
-        const double *x = gs.gm(m);
+        const double *x = st.gm(m);
         double d2 = 0;
         for (std::int64_t d = 0; d < D; ++d)
-          d2 += y[d] * (x[d] - gs.target[static_cast<std::size_t>(d)]);
+          d2 += y[d] * (x[d] - st.target[static_cast<std::size_t>(d)]);
         const double delta = 2 * d2 + yy;
         if (delta < bd) bd = delta, bm = m, br = r;
       }
@@ -333,16 +347,19 @@ inline void load_packing(PackingState &st, const Packing &p, std::string_view wh
         placed_all = false;
         break;
       }
-      gs.bin(bm, br) += in.lengths[static_cast<std::size_t>(s)];
-      double *x = gs.gm(bm);
+      st.bin(bm, br) += in.lengths[static_cast<std::size_t>(s)];
+      double *x = st.gm(bm);
       for (std::int64_t d = 0; d < D; ++d)
         x[d] += y[d];
       gp.micro_step[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(bm);
       gp.rank[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(br);
     }
-    if (placed_all) {
-      const double j = gs.objective();
-      if (j < best_j) best = std::move(gp), best_j = j, st = std::move(gs);
+    const double j = placed_all ? st.objective() : std::numeric_limits<double>::infinity();
+    if (j < best_j) {
+      best = std::move(gp), best_j = j;
+    } else {
+      st.g = std::move(start_g);
+      st.fill = std::move(start_fill);
     }
   }
 
@@ -355,15 +372,6 @@ inline void load_packing(PackingState &st, const Packing &p, std::string_view wh
   std::vector<double> diff(static_cast<std::size_t>(D)), v(static_cast<std::size_t>(D));
   // A change must beat rounding: J's terms are sums of integers squared, so relative to J's scale.
   const double eps = 1e-9 * std::max(1.0, best_j);
-  work = 0; // the greedy's products do not count against the search's budget
-  std::vector<double> norms(static_cast<std::size_t>(S));
-  for (std::int64_t s = 0; s < S; ++s) {
-    const double *y = st.row(s);
-    double n2 = 0;
-    for (std::int64_t d = 0; d < D; ++d)
-      n2 += y[d] * y[d];
-    norms[static_cast<std::size_t>(s)] = n2;
-  }
   for (int pass = 0; pass < opt.max_passes && work < work_limit; ++pass) {
     bool improved = false;
     for (const std::int64_t s : order) {
@@ -449,6 +457,8 @@ inline void load_packing(PackingState &st, const Packing &p, std::string_view wh
     }
     if (!improved) break;
   }
+  best.start_deviation = start_j;
+  best.deviation = st.objective();
   return best;
 }
 
