@@ -288,7 +288,7 @@ TEST_CASE("schema: the generator's options are one schema; simulate's batch sect
     CHECK(o.range_text() == g.range_text());
     ++batch;
   }
-  CHECK(batch == 9);
+  CHECK(batch == 10);
   // Flags as `trace gen` gives them: the preset first (the MoE shape), explicit keys over it.
   const auto &s = config::synthetic_settings_schema();
   const std::pair<std::string, std::string> flags[] = {
@@ -472,7 +472,7 @@ TEST_CASE("load cache: settings") {
 TEST_CASE("load cache: the batch key changes with every generator input") {
   // A field added to SyntheticConfig must join synthetic_cache_key (tools/run_simulate.hpp); this size is
   // the struct's on x86-64 with the fields the key lists today.
-  static_assert(sizeof(SyntheticConfig) == 160 || sizeof(void *) != 8,
+  static_assert(sizeof(SyntheticConfig) == 168 || sizeof(void *) != 8,
                 "SyntheticConfig changed: add the new field to synthetic_cache_key, then update this size");
   const SyntheticConfig base;
   const std::string k0 = cli::synthetic_cache_key(base, false, 1);
@@ -508,6 +508,8 @@ TEST_CASE("load cache: the batch key changes with every generator input") {
   with([](SyntheticConfig &c) { c.persistence = 0.61; });
   with([](SyntheticConfig &c) { c.num_gpus = 63; });
   with([](SyntheticConfig &c) { c.microbatch_tokens_per_gpu = 16383; });
+  with([](SyntheticConfig &c) { c.packing = foremoe::BatchPacking::tokens; });
+  with([](SyntheticConfig &c) { c.packing = foremoe::BatchPacking::routing; });
   std::vector<std::string> keys = {k0, cli::synthetic_cache_key(base, true, 1),
                                    cli::synthetic_cache_key(base, true, 2)};
   for (const SyntheticConfig &c : changed)

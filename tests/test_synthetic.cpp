@@ -342,6 +342,96 @@ TEST_CASE("synthetic: offsets are consistent and micro-batches respect the budge
   }
 }
 
+/// Per step, the routed ids of every sequence, sorted: the same multiset means the same sequences routed the same.
+std::vector<std::vector<std::vector<std::int16_t>>> sequences_by_step(const SyntheticTrace &t) {
+  std::vector<std::vector<std::vector<std::int16_t>>> out(t.step_offsets.size() - 1);
+  const std::size_t per_token = static_cast<std::size_t>(t.num_layers) * static_cast<std::size_t>(t.topk);
+  std::size_t step = 0;
+  for (std::size_t s = 0; s + 1 < t.sequence_offsets.size(); ++s) {
+    const std::int64_t lo = t.sequence_offsets[s], hi = t.sequence_offsets[s + 1];
+    while (lo >= t.microbatch_offsets[static_cast<std::size_t>(t.step_offsets[step + 1])])
+      ++step;
+    out[step].emplace_back(t.routed_ids.begin() + static_cast<std::ptrdiff_t>(static_cast<std::size_t>(lo) * per_token),
+                           t.routed_ids.begin() +
+                               static_cast<std::ptrdiff_t>(static_cast<std::size_t>(hi) * per_token));
+  }
+  for (auto &seqs : out)
+    std::sort(seqs.begin(), seqs.end());
+  return out;
+}
+
+/// Per step, the squared deviation of the micro-steps' expert loads from the step's share (the packer's J).
+std::vector<double> step_deviations(const LoadTensor &loads, const std::vector<std::int64_t> &steps) {
+  std::vector<double> out;
+  for (std::size_t s = 0; s + 1 < steps.size(); ++s) {
+    const int m0 = static_cast<int>(steps[s]), m1 = static_cast<int>(steps[s + 1]);
+    double j = 0;
+    for (int l = 0; l < loads.num_layers(); ++l)
+      for (int e = 0; e < loads.num_experts(); ++e) {
+        double total = 0;
+        for (int m = m0; m < m1; ++m)
+          total += static_cast<double>(loads.at(m, l, e));
+        for (int m = m0; m < m1; ++m) {
+          const double d = static_cast<double>(loads.at(m, l, e)) - total / (m1 - m0);
+          j += d * d;
+        }
+      }
+    out.push_back(j);
+  }
+  return out;
+}
+
+TEST_CASE("synthetic: packing re-packs each step's sequences, routed as before, into the trainer's micro-steps") {
+  int improved = 0;
+  for (int i = 0; i < num_seeds(10); ++i) {
+    const SyntheticConfig c = random_config(7000 + static_cast<std::uint64_t>(i));
+    INFO(describe(c));
+    const SyntheticTrace t0 = generate_trace(c);
+    std::vector<std::int64_t> steps0;
+    const LoadTensor loads0 = generate_loads(c, &steps0);
+    const auto seqs0 = sequences_by_step(t0);
+    const std::vector<double> j0 = step_deviations(loads0, steps0);
+    for (const BatchPacking packing : {BatchPacking::tokens, BatchPacking::routing}) {
+      SyntheticConfig cp = c;
+      cp.packing = packing;
+      INFO("packing " << static_cast<int>(packing));
+      GeneratorOptions one, many;
+      one.num_threads = 1;
+      many.num_threads = 3;
+      const SyntheticTrace t = generate_trace(cp, one);
+      CHECK(t.step_offsets == t0.step_offsets); // the trainer's number of micro-steps
+      CHECK(t.num_tokens == t0.num_tokens);
+      CHECK(sequences_by_step(t) == seqs0); // a permutation within each step; every sequence routed as before
+      std::vector<std::int64_t> steps;
+      const LoadTensor loads = generate_loads(cp, &steps, false, many);
+      CHECK(steps == steps0);
+      CHECK(loads == naive_count(t, c.num_gpus, false)); // loads and ids agree, at any thread count
+      CHECK(generate_loads(cp, nullptr, true, one) == naive_count(t, c.num_gpus, true));
+      // Every micro-batch within the budget, raised to the step's longest sequence.
+      const std::size_t ng = static_cast<std::size_t>(c.num_gpus);
+      for (std::size_t s = 0; s + 1 < t.step_offsets.size(); ++s) {
+        const auto m0 = static_cast<std::size_t>(t.step_offsets[s]),
+                   m1 = static_cast<std::size_t>(t.step_offsets[s + 1]);
+        std::int64_t longest = 0;
+        for (std::size_t q = 0; q + 1 < t.sequence_offsets.size(); ++q)
+          if (t.sequence_offsets[q] >= t.microbatch_offsets[m0] && t.sequence_offsets[q] < t.microbatch_offsets[m1])
+            longest = std::max(longest, t.sequence_offsets[q + 1] - t.sequence_offsets[q]);
+        for (std::size_t b = m0 * ng; b < m1 * ng; ++b)
+          CHECK(t.source_offsets[b + 1] - t.source_offsets[b] <= std::max(c.microbatch_tokens_per_gpu, longest));
+      }
+      if (packing == BatchPacking::routing) { // never further from the step's share than the trainer's layout
+        const std::vector<double> j = step_deviations(loads, steps);
+        REQUIRE(j.size() == j0.size());
+        for (std::size_t s = 0; s < j.size(); ++s) {
+          CHECK(j[s] <= j0[s] * (1 + 1e-12));
+          improved += j[s] < j0[s] * (1 - 1e-9) ? 1 : 0;
+        }
+      }
+    }
+  }
+  CHECK(improved > 0); // the packer does something on these instances
+}
+
 TEST_CASE("synthetic: every slot keeps its expert with probability persistence (stream 2 drop masks)") {
   // Near-uniform routing over many experts, so that a re-draw almost never returns the dropped expert: the
   // fraction of (token, slot) pairs whose expert equals the previous token's is then the persistence, for every

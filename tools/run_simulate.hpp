@@ -64,6 +64,9 @@ struct LoadsReport {
     << " skew=" << c.skew << " skew_layer_sigma=" << c.skew_layer_sigma << " persistence=" << c.persistence
     << " gpus=" << c.num_gpus << " microbatch_tokens=" << c.microbatch_tokens_per_gpu << " by_source=" << by_source
     << " ranks_per_source=" << ranks_per_source;
+  // Absent for `none`, so that the keys of unpacked batches (the built-in default's among them) stay as they were.
+  if (c.packing != BatchPacking::none)
+    k << " packing=" << (c.packing == BatchPacking::tokens ? "tokens" : "routing") << '/' << packing_version;
   return k.str();
 }
 

@@ -129,6 +129,19 @@ inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
     o.push_back(integer<C>(
         "microbatch_tokens", 1, std::int64_t{1} << 30, "per-GPU micro-batch token budget (dynamic batch size)",
         [](auto &c) -> auto & { return c.microbatch_tokens_per_gpu; }));
+    o.push_back(choice<C>(
+        "packing", {"none", "tokens", "routing"},
+        "micro-batch packing of each step's sequences: none (shuffle, deal to ranks, fill in order), tokens "
+        "(longest first to the emptiest micro-batch, verl-style) or routing (expert loads of every micro-step close "
+        "to the step's share); the same micro-steps and ranks",
+        [](const C &c) {
+          return c.packing == BatchPacking::tokens ? "tokens" : c.packing == BatchPacking::routing ? "routing" : "none";
+        },
+        [](C &c, const std::string &v) {
+          c.packing = v == "tokens"    ? BatchPacking::tokens
+                      : v == "routing" ? BatchPacking::routing
+                                       : BatchPacking::none;
+        }));
     o.push_back(number<C>(
         "skew", 0, 20, "skew of the per-layer expert popularity (0 = uniform)",
         [](auto &c) -> auto & { return c.skew; }));
@@ -504,8 +517,8 @@ struct SimulateSettings {
         [](auto &x) -> auto & { return x.sim.ep_size; }));
     // batch: the synthetic GRPO batch (its layers, experts, top-k and GPUs follow the model and topology)
     lift(o, synthetic_schema(), "batch", [](auto &x) -> auto & { return x.batch; },
-         {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "seed", "skew",
-          "persistence"});
+         {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "packing", "seed",
+          "skew", "persistence"});
     o.push_back(bound<S>(
         "batch.workload", Type::string,
         "load generator: grpo (the synthetic GRPO batch), ultraep:A (UltraEP's: rank weight 1/r^alpha, alpha "

@@ -51,6 +51,10 @@
 namespace foremoe {
 inline namespace v0 {
 
+/// Bumped whenever `pack_by_tokens` or `pack_by_routing` may return another packing for the same input, so that
+/// loads cached under a packing (the simulator's load cache) are not reused across such a change.
+inline constexpr int packing_version = 1;
+
 /// The per-sequence routing of one optimizer step.
 struct PackingInput {
   std::int64_t layers = 0, experts = 0;

@@ -14,6 +14,11 @@
 ///   the fewest tokens so far), and each rank packs its sequences in order into micro-batches of at most
 ///   `microbatch_tokens_per_gpu` tokens. Micro-step `m` of a step is the `m`-th micro-batch of every rank.
 ///
+/// - `packing` (not `none`) then re-packs each step's sequences into the same number of micro-steps and ranks, as a
+///   trainer with routing replay could (foremoe/plan/packing.hpp): `tokens` balances token counts (verl's
+///   `rearrange_micro_batches` in spirit), `routing` balances every micro-step's expert loads from the sequences'
+///   routing, starting from the layout above. Neither changes any sequence's routing.
+///
 /// Step totals average over thousands of sequences and barely move from step to step; a micro-step holds only a
 /// fraction of them, and the sequences' topic-coherent routing makes its loads swing.
 ///
@@ -39,6 +44,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <queue>
 #include <thread>
 #include <utility>
@@ -49,6 +55,7 @@
 #include "foremoe/core/limits.hpp"
 #include "foremoe/core/load_tensor.hpp"
 #include "foremoe/core/thread_pool.hpp"
+#include "foremoe/plan/packing.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -77,6 +84,13 @@ struct LengthDistribution {
 
 /// Shape and statistics of a synthetic GRPO trace. The defaults model Qwen3-30B-A3B (48 MoE layers, 128 experts,
 /// top-8) on 64 GPUs: about 8M tokens and 10 micro-steps per RL step.
+/// How a step's sequences are packed into micro-batches (`SyntheticConfig::packing`).
+enum class BatchPacking {
+  none,    ///< the trainer's layout: shuffle, deal to the rank with the fewest tokens, fill in order
+  tokens,  ///< `pack_by_tokens`: longest first to the micro-batch with the fewest tokens (verl-style)
+  routing, ///< `pack_by_routing` from the trainer's layout: per-micro-step expert loads close to the step's share
+};
+
 struct SyntheticConfig {
   std::uint64_t seed = 1; ///< everything below is a deterministic function of this
 
@@ -116,6 +130,10 @@ struct SyntheticConfig {
 
   int num_gpus = 64;                              ///< data-parallel ranks (8 nodes x 8 GPUs)
   std::int64_t microbatch_tokens_per_gpu = 16384; ///< per-rank micro-batch token budget (dynamic batch size)
+  /// Re-packing of each step's sequences into the trainer's micro-steps (the same number of micro-steps and ranks).
+  /// A sequence longer than the budget runs alone in the trainer's layout; a re-packing raises its step's budget to
+  /// the longest sequence, as verl requires of its own (`max_token_len` at least the longest sequence).
+  BatchPacking packing = BatchPacking::none;
 
   /// DeepSeek-V3's MoE shape (58 MoE layers, 256 routed experts, top-8), with the skew calibrated so that the
   /// median step-level per-layer max/mean matches the real SGLang histograms (5.9).
@@ -166,6 +184,8 @@ struct SyntheticConfig {
     require(num_gpus <= (1 << 20), "SyntheticConfig: num_gpus ", num_gpus, " exceeds 2^20");
     require(microbatch_tokens_per_gpu > 0, "SyntheticConfig: microbatch_tokens_per_gpu must be positive, got ",
             microbatch_tokens_per_gpu);
+    require(packing == BatchPacking::none || packing == BatchPacking::tokens || packing == BatchPacking::routing,
+            "SyntheticConfig: unknown packing ", static_cast<int>(packing));
     // The work: routed ids for the expected tokens (lengths are clipped to their max, so a mean is at most that).
     const auto expected = [](const LengthDistribution &d) {
       return static_cast<std::int64_t>(std::ceil(std::min(d.mean, static_cast<double>(d.max_tokens))));
@@ -964,14 +984,108 @@ inline void count_synthetic(const SyntheticConfig &cfg, const std::vector<Synthe
   }
 }
 
+/// Per-sequence expert histograms of a step, `[S][L][E]` (prompt-major, as `plan.sequences`): the counts of the
+/// ids `route` gives each sequence. Threads over prompts; each prompt's part is counted once.
+inline std::vector<std::int64_t> sequence_histograms(const SyntheticConfig &cfg, const SyntheticWorld &world,
+                                                     const SyntheticStepPlan &plan, ThreadPool &pool) {
+  const auto ne = static_cast<std::size_t>(cfg.num_experts), nl = static_cast<std::size_t>(cfg.num_layers);
+  const auto nr = static_cast<std::size_t>(cfg.responses_per_prompt);
+  const std::size_t cells = nl * ne, num_seqs = plan.sequences.size();
+  require(static_cast<double>(num_seqs) * static_cast<double>(cells) <= static_cast<double>(limits::max_load_cells),
+          "SyntheticConfig: packing a step of ", num_seqs, " sequences x ", nl, " layers x ", ne,
+          " experts needs that many histogram cells, more than ", limits::limit_text(limits::max_load_cells));
+  std::vector<std::int64_t> hist(num_seqs * cells, 0);
+  struct Rows {
+    std::int64_t *base;
+    std::size_t ne;
+    std::int64_t *count_row(int layer_idx) const { return base + static_cast<std::size_t>(layer_idx) * ne; }
+  };
+  struct Worker {
+    SequenceRouter router;
+    std::vector<std::pair<std::int32_t, std::int32_t>> counts;
+    std::vector<std::int32_t> offsets;
+    std::vector<std::int16_t> last;
+    std::vector<std::int64_t> scratch;
+  };
+  std::vector<Worker> ws(static_cast<std::size_t>(pool.num_threads()),
+                         Worker{SequenceRouter(cfg), {}, {}, {}, std::vector<std::int64_t>(cells, 0)});
+  pool.parallel_for(num_seqs / nr, [&](std::size_t p, int w) {
+    Worker &wk = ws[static_cast<std::size_t>(w)];
+    Rows scratch{wk.scratch.data(), ne}; // count_prompt leaves its rows zero
+    wk.router.count_prompt(world, plan, static_cast<int>(p * nr), scratch, wk.counts, wk.offsets, wk.last);
+    for (std::size_t j = 0; j < nr; ++j) {
+      const std::size_t s = p * nr + j;
+      Rows rows{hist.data() + s * cells, ne};
+      for (std::size_t l = 0; l < nl; ++l)
+        for (auto c = static_cast<std::size_t>(wk.offsets[l]); c < static_cast<std::size_t>(wk.offsets[l + 1]); ++c)
+          rows.count_row(static_cast<int>(l))[wk.counts[c].first] += wk.counts[c].second;
+      wk.router.count_response(world, plan, static_cast<int>(s), wk.last.data(), rows);
+    }
+  });
+  return hist;
+}
+
+/// Re-packs `plan` (the trainer's layout) by `cfg.packing`: the same micro-steps and ranks, every micro-batch within
+/// the budget (raised to the step's longest sequence), the sequences of a micro-batch in index order.
+inline void repack_step(const SyntheticConfig &cfg, const SyntheticWorld &world, SyntheticStepPlan &plan, int step_idx,
+                        ThreadPool &pool) {
+  const std::size_t num_seqs = plan.sequences.size();
+  const auto ng = static_cast<std::size_t>(cfg.num_gpus);
+  std::vector<std::int64_t> lengths(num_seqs);
+  for (std::size_t s = 0; s < num_seqs; ++s)
+    lengths[s] = plan.sequences[s].prompt_tokens + plan.sequences[s].response_tokens;
+  const PackingShape shape{plan.num_micro_steps, cfg.num_gpus,
+                           std::max(cfg.microbatch_tokens_per_gpu, *std::max_element(lengths.begin(), lengths.end()))};
+  Packing trainer;
+  trainer.micro_step.assign(num_seqs, 0);
+  trainer.rank.assign(num_seqs, 0);
+  for (std::size_t b = 0; b + 1 < plan.block_offsets.size(); ++b)
+    for (std::int64_t i = plan.block_offsets[b]; i < plan.block_offsets[b + 1]; ++i) {
+      const auto s = static_cast<std::size_t>(plan.order[static_cast<std::size_t>(i)]);
+      trainer.micro_step[s] = static_cast<std::int32_t>(b / ng);
+      trainer.rank[s] = static_cast<std::int32_t>(b % ng);
+    }
+  Packing packed;
+  try {
+    if (cfg.packing == BatchPacking::tokens) {
+      packed = pack_by_tokens(lengths, shape);
+    } else {
+      const std::vector<std::int64_t> hist = sequence_histograms(cfg, world, plan, pool);
+      packed = pack_by_routing(PackingInput{cfg.num_layers, cfg.num_experts, lengths, hist}, shape, {}, trainer);
+    }
+  } catch (const Error &e) {
+    throw Error(std::string("SyntheticConfig: packing step ") + std::to_string(step_idx) + " into the trainer's " +
+                std::to_string(plan.num_micro_steps) + " micro-steps x " + std::to_string(cfg.num_gpus) +
+                " ranks: " + e.what());
+  }
+  std::vector<std::vector<int>> blocks(static_cast<std::size_t>(plan.num_micro_steps) * ng);
+  for (std::size_t s = 0; s < num_seqs; ++s)
+    blocks[static_cast<std::size_t>(packed.micro_step[s]) * ng + static_cast<std::size_t>(packed.rank[s])].push_back(
+        static_cast<int>(s));
+  plan.order.clear();
+  plan.block_offsets.assign(1, 0);
+  for (const std::vector<int> &blk : blocks) {
+    plan.order.insert(plan.order.end(), blk.begin(), blk.end());
+    plan.block_offsets.push_back(static_cast<std::int64_t>(plan.order.size()));
+  }
+}
+
+/// The steps' layouts, re-packed by `cfg.packing` (which routes every sequence once more to count it).
 inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std::vector<std::int64_t> &step_offsets,
-                                                 std::int64_t &num_tokens) {
+                                                 std::int64_t &num_tokens, int num_threads = 0) {
   std::vector<SyntheticStepPlan> plans;
   plans.reserve(static_cast<std::size_t>(cfg.num_steps));
   step_offsets.assign(1, 0);
   num_tokens = 0;
+  std::optional<ThreadPool> pool;
+  std::optional<SyntheticWorld> world;
+  if (cfg.packing != BatchPacking::none) {
+    pool.emplace(generator_threads(num_threads));
+    world.emplace(make_world(cfg));
+  }
   for (int s = 0; s < cfg.num_steps; ++s) {
     plans.push_back(plan_step(cfg, s));
+    if (cfg.packing != BatchPacking::none) repack_step(cfg, *world, plans.back(), s, *pool);
     step_offsets.push_back(step_offsets.back() + plans.back().num_micro_steps);
     for (const SyntheticSequence &seq : plans.back().sequences)
       num_tokens += seq.prompt_tokens + seq.response_tokens;
@@ -988,7 +1102,7 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
 [[nodiscard]] inline SyntheticTrace generate_trace(const SyntheticConfig &cfg, const GeneratorOptions &opts = {}) {
   cfg.validate();
   SyntheticTrace out;
-  const auto plans = detail::plan_steps(cfg, out.step_offsets, out.num_tokens);
+  const auto plans = detail::plan_steps(cfg, out.step_offsets, out.num_tokens, opts.num_threads);
   const double num_ids = static_cast<double>(out.num_tokens) * cfg.num_layers * cfg.topk;
   detail::require(num_ids <= static_cast<double>(std::int64_t{1} << 31), "generate_trace: ", out.num_tokens,
                   " tokens x ", cfg.num_layers, " layers x top-", cfg.topk,
@@ -1044,7 +1158,7 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
   cfg.validate();
   std::vector<std::int64_t> steps;
   std::int64_t num_tokens = 0;
-  const auto plans = detail::plan_steps(cfg, steps, num_tokens);
+  const auto plans = detail::plan_steps(cfg, steps, num_tokens, opts.num_threads);
   detail::require(opts.ranks_per_source >= 1 && cfg.num_gpus % opts.ranks_per_source == 0,
                   "generate_loads: ranks_per_source ", opts.ranks_per_source, " does not divide ", cfg.num_gpus,
                   " ranks");
