@@ -510,6 +510,10 @@ TEST_CASE("load cache: the batch key changes with every generator input") {
   with([](SyntheticConfig &c) { c.microbatch_tokens_per_gpu = 16383; });
   with([](SyntheticConfig &c) { c.packing = foremoe::BatchPacking::tokens; });
   with([](SyntheticConfig &c) { c.packing = foremoe::BatchPacking::routing; });
+  with([](SyntheticConfig &c) {
+    c.packing = foremoe::BatchPacking::routing;
+    c.packing_ranks = 8;
+  });
   std::vector<std::string> keys = {k0, cli::synthetic_cache_key(base, true, 1),
                                    cli::synthetic_cache_key(base, true, 2)};
   for (const SyntheticConfig &c : changed)

@@ -66,7 +66,8 @@ struct LoadsReport {
     << " ranks_per_source=" << ranks_per_source;
   // Absent for `none`, so that the keys of unpacked batches (the built-in default's among them) stay as they were.
   if (c.packing != BatchPacking::none)
-    k << " packing=" << (c.packing == BatchPacking::tokens ? "tokens" : "routing") << '/' << packing_version;
+    k << " packing=" << (c.packing == BatchPacking::tokens ? "tokens" : "routing") << '/' << packing_version
+      << " packing_ranks=" << c.packing_ranks;
   return k.str();
 }
 
@@ -87,6 +88,8 @@ struct SimulateBatch {
   const int ep = s.sim.effective_ep_size();
   b.by_source = ep < s.sim.topo.num_gpus();
   b.ranks_per_source = b.by_source ? ep : 1;
+  // Each EP group re-packs its own sequences: its ranks' micro-batches make its micro-steps.
+  if (b.by_source && b.config.packing != BatchPacking::none) b.config.packing_ranks = ep;
   b.key = synthetic_cache_key(b.config, b.by_source, b.ranks_per_source);
   return b;
 }

@@ -142,6 +142,11 @@ inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
                       : v == "routing" ? BatchPacking::routing
                                        : BatchPacking::none;
         }));
+    o.push_back(integer<C>(
+        "packing_ranks", 0, 1 << 20,
+        "ranks that re-pack their sequences together (an EP group; consecutive ranks, dividing gpus; 0: all); "
+        "simulate sets it to the EP size",
+        [](auto &c) -> auto & { return c.packing_ranks; }));
     o.push_back(number<C>(
         "skew", 0, 20, "skew of the per-layer expert popularity (0 = uniform)",
         [](auto &c) -> auto & { return c.skew; }));

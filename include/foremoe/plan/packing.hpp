@@ -32,6 +32,9 @@
 ///    sequence to the micro-step that lowers J most where it fits; else swap it with a sequence of that micro-step
 ///    when both micro-batches keep to the budget and J drops. Every step strictly lowers J, so the result is never
 ///    worse than the start: in particular never worse than the trainer's own packing.
+/// 4. *Ranks*: each micro-step's sequences are dealt again to its ranks, longest first to the rank with the fewest
+///    tokens, where that keeps every micro-batch within the budget and the fullest no fuller (J is unchanged: it
+///    depends only on the micro-steps), so that per-rank work evens out within each micro-step.
 /// The change of J for a move or swap is exact: moving a vector `d` from micro-step `a` to `b` changes J by
 /// `2 d.(G_b - G_a) + 2 |d|^2` (the shares T do not change).
 ///
@@ -229,6 +232,40 @@ inline void load_packing(PackingState &st, const Packing &p, std::string_view wh
     const double *y = st.row(s);
     for (std::int64_t d = 0; d < st.D; ++d)
       x[d] += y[d];
+  }
+}
+
+} // namespace detail
+
+namespace detail {
+
+/// Step 4 of `pack_by_routing`: `members[m]` are the sequences of micro-step m (any order).
+inline void balance_ranks(Packing &p, std::span<const std::int64_t> lengths, const PackingShape &shape,
+                          std::vector<std::vector<std::int64_t>> &members) {
+  const auto R = static_cast<std::size_t>(shape.ranks);
+  std::vector<std::int64_t> old_fill(R), fill(R);
+  std::vector<std::int32_t> rank_of;
+  for (std::vector<std::int64_t> &seqs : members) {
+    std::sort(seqs.begin(), seqs.end(), [&](std::int64_t a, std::int64_t b) {
+      const std::int64_t la = lengths[static_cast<std::size_t>(a)], lb = lengths[static_cast<std::size_t>(b)];
+      return la != lb ? la > lb : a < b;
+    });
+    std::fill(old_fill.begin(), old_fill.end(), 0);
+    std::fill(fill.begin(), fill.end(), 0);
+    rank_of.clear();
+    bool fits = true;
+    for (const std::int64_t s : seqs) {
+      const auto su = static_cast<std::size_t>(s);
+      old_fill[static_cast<std::size_t>(p.rank[su])] += lengths[su];
+      const auto r = static_cast<std::size_t>(std::min_element(fill.begin(), fill.end()) - fill.begin());
+      fill[r] += lengths[su];
+      fits = fits && fill[r] <= shape.token_budget;
+      rank_of.push_back(static_cast<std::int32_t>(r));
+    }
+    if (!fits || *std::max_element(fill.begin(), fill.end()) > *std::max_element(old_fill.begin(), old_fill.end()))
+      continue;
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+      p.rank[static_cast<std::size_t>(seqs[i])] = rank_of[i];
   }
 }
 
@@ -461,6 +498,11 @@ inline void load_packing(PackingState &st, const Packing &p, std::string_view wh
     }
     if (!improved) break;
   }
+  // 4. Ranks: J depends only on the micro-step a sequence runs in, so each micro-step's sequences are dealt again
+  // to its ranks, longest first to the one with the fewest tokens, and that dealing is kept where every
+  // micro-batch stays within the budget and the fullest is no fuller: per-rank work (attention, the dense layers)
+  // then evens out, where the search's best fit had filled some micro-batches and left others empty.
+  detail::balance_ranks(best, in.lengths, shape, members);
   best.start_deviation = start_j;
   best.deviation = st.objective();
   return best;

@@ -134,6 +134,10 @@ struct SyntheticConfig {
   /// A sequence longer than the budget runs alone in the trainer's layout; a re-packing raises its step's budget to
   /// the longest sequence, as verl requires of its own (`max_token_len` at least the longest sequence).
   BatchPacking packing = BatchPacking::none;
+  /// Ranks that pack their sequences together: consecutive groups of this many ranks (an EP group, whose ranks'
+  /// micro-batches make one EP group's micro-step) each re-pack only the sequences the trainer dealt them; 0: all
+  /// ranks together. Must divide `num_gpus`.
+  int packing_ranks = 0;
 
   /// DeepSeek-V3's MoE shape (58 MoE layers, 256 routed experts, top-8), with the skew calibrated so that the
   /// median step-level per-layer max/mean matches the real SGLang histograms (5.9).
@@ -186,6 +190,8 @@ struct SyntheticConfig {
             microbatch_tokens_per_gpu);
     require(packing == BatchPacking::none || packing == BatchPacking::tokens || packing == BatchPacking::routing,
             "SyntheticConfig: unknown packing ", static_cast<int>(packing));
+    require(packing_ranks >= 0 && (packing_ranks == 0 || num_gpus % packing_ranks == 0),
+            "SyntheticConfig: packing_ranks ", packing_ranks, " must be 0 (all ranks) or divide num_gpus ", num_gpus);
     // The work: routed ids for the expected tokens (lengths are clipped to their max, so a mean is at most that).
     const auto expected = [](const LengthDistribution &d) {
       return static_cast<std::int64_t>(std::ceil(std::min(d.mean, static_cast<double>(d.max_tokens))));
@@ -992,7 +998,7 @@ inline std::vector<std::int64_t> sequence_histograms(const SyntheticConfig &cfg,
   const auto nr = static_cast<std::size_t>(cfg.responses_per_prompt);
   const std::size_t cells = nl * ne, num_seqs = plan.sequences.size();
   require(static_cast<double>(num_seqs) * static_cast<double>(cells) <= static_cast<double>(limits::max_load_cells),
-          "SyntheticConfig: packing a step of ", num_seqs, " sequences x ", nl, " layers x ", ne,
+          "packing a step of ", num_seqs, " sequences x ", nl, " layers x ", ne,
           " experts needs that many histogram cells, more than ", limits::limit_text(limits::max_load_cells));
   std::vector<std::int64_t> hist(num_seqs * cells, 0);
   struct Rows {
@@ -1026,42 +1032,63 @@ inline std::vector<std::int64_t> sequence_histograms(const SyntheticConfig &cfg,
 }
 
 /// Re-packs `plan` (the trainer's layout) by `cfg.packing`: the same micro-steps and ranks, every micro-batch within
-/// the budget (raised to the step's longest sequence), the sequences of a micro-batch in index order.
+/// the budget (raised to the step's longest sequence), each group of `cfg.packing_ranks` ranks re-packing the
+/// sequences the trainer dealt it, the sequences of a micro-batch in index order.
 inline void repack_step(const SyntheticConfig &cfg, const SyntheticWorld &world, SyntheticStepPlan &plan, int step_idx,
                         ThreadPool &pool) {
   const std::size_t num_seqs = plan.sequences.size();
   const auto ng = static_cast<std::size_t>(cfg.num_gpus);
+  const std::size_t group = cfg.packing_ranks > 0 ? static_cast<std::size_t>(cfg.packing_ranks) : ng;
+  const std::size_t cells = static_cast<std::size_t>(cfg.num_layers) * static_cast<std::size_t>(cfg.num_experts);
   std::vector<std::int64_t> lengths(num_seqs);
   for (std::size_t s = 0; s < num_seqs; ++s)
     lengths[s] = plan.sequences[s].prompt_tokens + plan.sequences[s].response_tokens;
-  const PackingShape shape{plan.num_micro_steps, cfg.num_gpus,
+  const PackingShape shape{plan.num_micro_steps, static_cast<std::int64_t>(group),
                            std::max(cfg.microbatch_tokens_per_gpu, *std::max_element(lengths.begin(), lengths.end()))};
-  Packing trainer;
-  trainer.micro_step.assign(num_seqs, 0);
-  trainer.rank.assign(num_seqs, 0);
+  // The trainer's layout, by group: the group's sequences (ascending) and their micro-steps and ranks in it.
+  std::vector<std::size_t> micro_of(num_seqs), rank_of(num_seqs);
   for (std::size_t b = 0; b + 1 < plan.block_offsets.size(); ++b)
     for (std::int64_t i = plan.block_offsets[b]; i < plan.block_offsets[b + 1]; ++i) {
       const auto s = static_cast<std::size_t>(plan.order[static_cast<std::size_t>(i)]);
-      trainer.micro_step[s] = static_cast<std::int32_t>(b / ng);
-      trainer.rank[s] = static_cast<std::int32_t>(b % ng);
+      micro_of[s] = b / ng;
+      rank_of[s] = b % ng;
     }
-  Packing packed;
-  try {
-    if (cfg.packing == BatchPacking::tokens) {
-      packed = pack_by_tokens(lengths, shape);
-    } else {
-      const std::vector<std::int64_t> hist = sequence_histograms(cfg, world, plan, pool);
-      packed = pack_by_routing(PackingInput{cfg.num_layers, cfg.num_experts, lengths, hist}, shape, {}, trainer);
-    }
-  } catch (const Error &e) {
-    throw Error(std::string("SyntheticConfig: packing step ") + std::to_string(step_idx) + " into the trainer's " +
-                std::to_string(plan.num_micro_steps) + " micro-steps x " + std::to_string(cfg.num_gpus) +
-                " ranks: " + e.what());
-  }
+  const std::vector<std::int64_t> hist =
+      cfg.packing == BatchPacking::routing ? sequence_histograms(cfg, world, plan, pool) : std::vector<std::int64_t>{};
   std::vector<std::vector<int>> blocks(static_cast<std::size_t>(plan.num_micro_steps) * ng);
-  for (std::size_t s = 0; s < num_seqs; ++s)
-    blocks[static_cast<std::size_t>(packed.micro_step[s]) * ng + static_cast<std::size_t>(packed.rank[s])].push_back(
-        static_cast<int>(s));
+  for (std::size_t g0 = 0; g0 < ng; g0 += group) {
+    std::vector<std::size_t> seqs;
+    for (std::size_t s = 0; s < num_seqs; ++s)
+      if (rank_of[s] >= g0 && rank_of[s] < g0 + group) seqs.push_back(s);
+    std::vector<std::int64_t> len(seqs.size());
+    Packing trainer;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      len[i] = lengths[seqs[i]];
+      trainer.micro_step.push_back(static_cast<std::int32_t>(micro_of[seqs[i]]));
+      trainer.rank.push_back(static_cast<std::int32_t>(rank_of[seqs[i]] - g0));
+    }
+    Packing packed;
+    try {
+      if (cfg.packing == BatchPacking::tokens) {
+        packed = pack_by_tokens(len, shape);
+      } else if (group == ng) {
+        packed = pack_by_routing(PackingInput{cfg.num_layers, cfg.num_experts, len, hist}, shape, {}, trainer);
+      } else {
+        std::vector<std::int64_t> h(seqs.size() * cells);
+        for (std::size_t i = 0; i < seqs.size(); ++i)
+          std::copy_n(hist.begin() + static_cast<std::ptrdiff_t>(seqs[i] * cells), cells,
+                      h.begin() + static_cast<std::ptrdiff_t>(i * cells));
+        packed = pack_by_routing(PackingInput{cfg.num_layers, cfg.num_experts, len, h}, shape, {}, trainer);
+      }
+    } catch (const Error &e) {
+      throw Error(std::string("SyntheticConfig: packing step ") + std::to_string(step_idx) + " (ranks " +
+                  std::to_string(g0) + ".." + std::to_string(g0 + group - 1) + ") into the trainer's " +
+                  std::to_string(plan.num_micro_steps) + " micro-steps: " + e.what());
+    }
+    for (std::size_t i = 0; i < seqs.size(); ++i)
+      blocks[static_cast<std::size_t>(packed.micro_step[i]) * ng + g0 + static_cast<std::size_t>(packed.rank[i])]
+          .push_back(static_cast<int>(seqs[i]));
+  }
   plan.order.clear();
   plan.block_offsets.assign(1, 0);
   for (const std::vector<int> &blk : blocks) {
