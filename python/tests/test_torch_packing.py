@@ -12,6 +12,10 @@ packing.
 """
 
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -401,3 +405,16 @@ def test_packed_balanced_training_equals_the_trainers(tmp_path):
     pa, pb = (sum(v) / len(v) for v in per_mb)
     assert abs(pa - pb) > 1e-6 * abs(pa), (pa, pb)
     assert sum(rec["runs"][i]["replicas"] for rec in ranks for i in range(2)) > 0  # the plans did replicate
+
+
+def test_verl_packing_example_runs():
+    """examples/python/verl_packing.py: the packed micro-steps are more even under the owners' placement, recompute
+    in the batch's order equals the whole batch, and the update equals the trainer's (it asserts both itself)."""
+    examples = Path(__file__).resolve().parents[2] / "examples" / "python"
+    r = subprocess.run([sys.executable, str(examples / "verl_packing.py")], cwd=examples, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.rstrip().endswith("done"), r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("micro-step max/mean"))
+    before, after = (np.array(x.split(", "), dtype=float) for x in re.findall(r"\[([^\]]*)\]", line))
+    assert after.mean() < before.mean(), line
