@@ -8,7 +8,8 @@ input forms agree). End to end: one optimizer step with gradient accumulation, o
 and once over the routing-aware ones, gives the same gradients, weights and mini-batch-normalised loss up to the
 floating-point summation order (float64, 1e-12 of the largest magnitude), while a loss normalised per micro-batch
 changes with the packing; over 2 gloo ranks the same holds for the balanced layer planned by a driver built on the
-packing.
+packing (of the whole mini-batch over both ranks, or of each rank's own samples with the loads summed over the
+group). The verl-style example runs too.
 """
 
 import os
@@ -334,9 +335,11 @@ def test_packed_step_equals_the_trainers_step(seed):
 
 
 def packed_rank(rank, tmp):
-    """Both runs in one group: the trainer's micro-batches (each rank's loads counted and summed over the group) and
-    the routing-aware packing (a driver from the packing); per run the owned experts' accumulated gradients, the
-    weights after the optimizer step, the mini-batch-normalised and the per-micro-batch losses."""
+    """Three runs in one group: the trainer's micro-batches (each rank's loads counted and summed over the group),
+    the routing-aware packing of the whole mini-batch over both ranks (a driver from the packing), and each rank's
+    packing of the samples the trainer gave it (``ranks=1``, the trainer's packing as the start, the drivers' loads
+    summed over the group). Per run: the owned experts' accumulated gradients, the weights after the optimizer step,
+    the mini-batch-normalised and the per-micro-batch losses, the driver's loads."""
     world = 2
     tc.init_group(rank, world, tmp)
     data = e2e_data(11, S=24, H=16, E=8)
@@ -348,26 +351,35 @@ def packed_rank(rank, tmp):
     trainer = [[s for s in range(len(lengths)) if tm[s] == m and tr[s] == rank] for m in range(M)]
     packing = ft.pack_from_ids(data["ids_flat"], lengths, num_experts=E, micro_steps=M, ranks=world,
                                token_budget=budget)
+    mine = np.flatnonzero(tr == rank)  # this rank's samples, as the trainer dispatched them
+    own = ft.pack_from_ids(torch.cat([data["ids"][s] for s in mine]).reshape(-1, 1, 2), lengths[mine],
+                           num_experts=E, micro_steps=M, token_budget=budget, start=(tm[mine], np.zeros_like(tm[mine])))
     g = torch.Generator().manual_seed(3)
     logits = [torch.randn(int(n), 2, generator=g, dtype=torch.float64) for n in lengths]
     planner = foremoe.Planner(foremoe.Topology(1, world, E // world + 2))
-    rec = {"runs": [], "moved": trainer != packing.micro_batches(rank)}
-    for name in ("trainer", "packed"):
+    rec = {"runs": [], "moved": trainer != packing.micro_batches(rank), "own_loads": torch.from_numpy(own.loads.copy()),
+           "own_moved": bool(own.deviation < own.start_deviation)}
+    for name in ("trainer", "packed", "own"):
         layer = ft.BalancedMoE(ft.SwiGLUExperts(E, data["H"], 24, dtype=torch.float64,
                                                 generator=torch.Generator().manual_seed(5)), E // world + 2,
                                timeout=60.0)
         opt = torch.optim.SGD(layer.parameters(), lr=0.1)
-        mine = trainer if name == "trainer" else packing.micro_batches(rank)
+        kw = dict(owners=layer.owners, timeout=60.0)
         if name == "trainer":
-            ids = torch.cat([data["ids"][s] for mb in mine for s in mb]).reshape(-1, 1, 2)
-            offsets = np.cumsum([0] + [sum(int(lengths[s]) for s in mb) for mb in mine])
-            drv = ft.ReplayDriver.from_ids(planner, ids, offsets, num_experts=E, owners=layer.owners,
-                                           group=torch.distributed.group.WORLD, timeout=60.0)
+            batches = trainer
+            ids = torch.cat([data["ids"][s] for mb in batches for s in mb]).reshape(-1, 1, 2)
+            offsets = np.cumsum([0] + [sum(int(lengths[s]) for s in mb) for mb in batches])
+            drv = ft.ReplayDriver.from_ids(planner, ids, offsets, num_experts=E, group=torch.distributed.group.WORLD,
+                                           **kw)
+        elif name == "packed":
+            batches = packing.micro_batches(rank)
+            drv = ft.ReplayDriver.from_packing(planner, packing, **kw)
         else:
-            drv = ft.ReplayDriver.from_packing(planner, packing, owners=layer.owners, timeout=60.0)
+            batches = [[int(mine[j]) for j in mb] for mb in own.micro_batches(0)]
+            drv = ft.ReplayDriver.from_packing(planner, own, group=torch.distributed.group.WORLD, **kw)
         run = {"loss": 0.0, "per_mb": [], "replicas": 0}
         with drv:
-            for m, mb in enumerate(mine):
+            for m, mb in enumerate(batches):
                 x, ids, lg, y = (torch.cat([src[s] for s in mb]) if mb else src[0][:0]
                                  for src in (data["x"], data["ids"], logits, data["y"]))  # [:0]: an empty one
                 w = torch.softmax(lg, dim=-1)
@@ -381,6 +393,7 @@ def packed_rank(rank, tmp):
         opt.step()
         run["params"] = {n: p.detach().clone() for n, p in layer.named_parameters()}
         run["owned"] = layer.storage.owned_experts
+        run["loads"] = torch.from_numpy(drv.loads.copy())  # torch.load reads tensors only
         rec["runs"].append(run)
     tc.save_and_leave(rec, tmp, rank)
 
@@ -391,20 +404,26 @@ def test_packed_balanced_training_equals_the_trainers(tmp_path):
     tc.run_ranks(packed_rank, 2, (str(tmp_path),), str(tmp_path))
     ranks = [torch.load(f"{tmp_path}/rank{r}.pt") for r in range(2)]
     assert any(rec["moved"] for rec in ranks)  # the packing is not the trainer's
+    assert any(rec["own_moved"] for rec in ranks)  # nor are the ranks' own packings
+    for rec in ranks:  # every driver plans the micro-steps of all ranks together
+        trainer, packed, own = rec["runs"]
+        assert torch.equal(own["loads"], ranks[0]["own_loads"] + ranks[1]["own_loads"])
+        assert trainer["loads"].sum() == packed["loads"].sum() == own["loads"].sum()
     losses = []
     for r, rec in enumerate(ranks):
-        trainer, packed = rec["runs"]
-        assert trainer["owned"] == packed["owned"]
-        for n in trainer["grads"]:
-            close(packed["grads"][n], trainer["grads"][n], f"rank {r}: accumulated grad of {n}")
-            close(packed["params"][n], trainer["params"][n], f"rank {r}: {n} after the step")
-        losses.append((trainer["loss"], packed["loss"]))
-    a, b = (sum(x[i] for x in losses) for i in range(2))
-    close(torch.tensor([b]), torch.tensor([a]), "mini-batch-normalised loss over both ranks")
-    per_mb = [[s / n for rec in ranks for s, n in rec["runs"][i]["per_mb"] if n] for i in range(2)]
-    pa, pb = (sum(v) / len(v) for v in per_mb)
-    assert abs(pa - pb) > 1e-6 * abs(pa), (pa, pb)
-    assert sum(rec["runs"][i]["replicas"] for rec in ranks for i in range(2)) > 0  # the plans did replicate
+        trainer = rec["runs"][0]
+        for name, run in zip(("packed", "own"), rec["runs"][1:]):
+            assert run["owned"] == trainer["owned"]
+            for n in trainer["grads"]:
+                close(run["grads"][n], trainer["grads"][n], f"rank {r}, {name}: accumulated grad of {n}")
+                close(run["params"][n], trainer["params"][n], f"rank {r}, {name}: {n} after the step")
+        losses.append([run["loss"] for run in rec["runs"]])
+    a, b, c = (sum(x[i] for x in losses) for i in range(3))
+    close(torch.tensor([b, c]), torch.tensor([a, a]), "mini-batch-normalised loss over both ranks")
+    per_mb = [[s / n for rec in ranks for s, n in rec["runs"][i]["per_mb"] if n] for i in range(3)]
+    pa, pb, pc = (sum(v) / len(v) for v in per_mb)
+    assert abs(pa - pb) > 1e-6 * abs(pa) and abs(pa - pc) > 1e-6 * abs(pa), (pa, pb, pc)
+    assert sum(run["replicas"] for rec in ranks for run in rec["runs"]) > 0  # the plans did replicate
 
 
 def test_verl_packing_example_runs():
