@@ -73,6 +73,11 @@ print(f"{bs} samples, {int(lengths.sum())} tokens, {M} micro-batches of at most 
 print("micro-step max/mean GPU load, owners' placement: trainer's packing",
       np.round(gpu_max_over_mean(trainer_loads), 3).tolist(), "-> routing-aware",
       np.round(gpu_max_over_mean(packing.loads), 3).tolist())
+trainer_plans = planner.plan(trainer_loads, owners=owners)
+packed_plans = [driver.plan(m) for m in range(M)]  # planned in the driver's thread meanwhile
+for name, plans in (("trainer's packing", trainer_plans), ("routing-aware", packed_plans)):
+    print(f"foremoe plans over the {name}: max/mean {np.mean([p.imbalance.mean() for p in plans]):.3f}, "
+          f"{sum(p.num_moves for p in plans)} weight moves")
 
 
 # --- a tiny MoE language model whose routing is replayed (ids from rollout, weights from the current router) -----
