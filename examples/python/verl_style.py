@@ -31,6 +31,8 @@ micro_bsz_idx, cur, cur_tokens = [], [], 0
 for i in np.argsort(-lengths):
     if cur and cur_tokens + lengths[i] > max_tokens:
         micro_bsz_idx.append(cur)
+# Routing-aware micro-batches of the same shape replace micro_bsz_idx (and verl's rearrange_micro_batches output):
+# foremoe.torch.pack_from_verl(routed, attention_mask, ...).micro_batches(rank), shown in verl_packing.py.
         cur, cur_tokens = [], 0
     cur.append(int(i))
     cur_tokens += int(lengths[i])

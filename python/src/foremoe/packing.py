@@ -5,7 +5,9 @@ normalised over the whole mini-batch (not per micro-batch) and recompute and upd
 With routing replay every sequence's per-layer expert histogram is known before the stage runs, so the sequences
 can be packed so that every micro-step's expert load is close to the step's share: a step-level placement is then
 near-balanced in every micro-step. :func:`pack_micro_batches` returns such a packing; its result goes where verl's
-``rearrange_micro_batches`` output goes (per rank, the sample indices of each micro-batch).
+``rearrange_micro_batches`` output goes (per rank, the sample indices of each micro-batch). In a torch trainer,
+:func:`foremoe.torch.pack_from_verl` (and its siblings) count the samples' routing in the trainer's own layout, pack
+it and hand the micro-steps to :meth:`foremoe.torch.ReplayDriver.from_packing`.
 """
 
 from __future__ import annotations

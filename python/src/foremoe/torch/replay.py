@@ -21,6 +21,14 @@ when a device counter is bound, see :func:`loads_from_ids`). With ``group``, the
 process group first (in the caller's thread: collectives never run in the background thread), so every rank plans
 the same placement.
 
+**Packing before the stage.** Which samples form which micro-batch does not change the update when the loss is
+normalised over the mini-batch, so the micro-batches can be chosen from the routing: :func:`pack_from_verl` (and
+:func:`pack_from_ids`, :func:`pack_from_slime`) packs the step's samples into the trainer's micro-steps, ranks and
+token budget so that each micro-step's expert load is close to the step's share, and returns a
+:class:`StepPacking`: per rank, the sample indices of each micro-batch (what verl's ``rearrange_micro_batches``
+returns) and the micro-steps' loads, which :meth:`ReplayDriver.from_packing` plans. What the trainer must keep is
+in :class:`StepPacking`'s docstring.
+
 **One placement per micro-step.** The driver plans each micro-step once and keeps the :class:`foremoe.Plan`:
 :meth:`ReplayDriver.plan` returns the *same* object for every call with the same micro-step, so the recompute
 forward, the update forward and the update backward (which keeps the plan its forward ran with, and re-asks the
@@ -69,6 +77,10 @@ __all__ = [
     "loads_from_megatron",
     "loads_from_slime",
     "loads_from_verl",
+    "pack_from_ids",
+    "pack_from_slime",
+    "pack_from_verl",
+    "StepPacking",
 ]
 
 #: A device load counter: ``counter(ids [T, L, K] on the device, microbatch_offsets, *, num_experts, layer_map,
@@ -375,6 +387,156 @@ def loads_from_slime(
                         counter=counter)
 
 
+# -- packing: which sequences form which micro-batch, before the stage runs -------------------------------------------
+
+
+class StepPacking:
+    """The routing-aware packing of one optimizer step's sequences (:func:`foremoe.pack_micro_batches`), in the
+    trainer's terms, and the loads of the micro-steps it makes.
+
+    ``micro_step`` and ``rank`` (int32 ``[S]``): where every sequence runs; ``lengths`` (int64 ``[S]``): its tokens;
+    ``loads`` (int64 ``[M, L, E]``, read-only): each micro-step's routed tokens per expert, all ranks together (what
+    :meth:`ReplayDriver.from_packing` plans); ``start_deviation`` and ``deviation``: the packer's objective for the
+    start (the trainer's token-balanced packing unless one was given) and for this packing (never higher).
+
+    :meth:`micro_batches` of a rank is what verl's ``rearrange_micro_batches`` returns on that rank: one list of
+    sample indices per micro-batch, in execution order. **The trainer must keep two things** for the update to stay
+    the same (up to floating-point summation order): the loss is normalised over the whole mini-batch (e.g. the sum
+    of token losses divided by the mini-batch's token count, not a mean per micro-batch, whose weights would change
+    with the packing), and the recompute (old log-probs) and the update run the same micro-batches, so their plans,
+    placements and the ``ReplayDriver``'s micro-steps agree. Outputs gathered per micro-batch go back to the batch's
+    order by :meth:`order` (verl's ``get_reverse_idx``). A micro-batch may be empty when there are fewer sequences
+    than micro-batches or the budget leaves room: the rank still runs that micro-step (its collectives) on no
+    tokens."""
+
+    __slots__ = ("micro_step", "rank", "lengths", "loads", "token_budget", "start_deviation", "deviation", "_ranks")
+
+    def __init__(self, packing: Any, lengths: np.ndarray, loads: np.ndarray, ranks: int, token_budget: int):
+        self.micro_step = packing.micro_step
+        self.rank = packing.rank
+        self.lengths = np.array(lengths, dtype=np.int64)  # a copy: the caller's array stays writable
+        self.loads = loads
+        self.token_budget = token_budget
+        self.start_deviation = float(packing.start_deviation)
+        self.deviation = float(packing.deviation)
+        self._ranks = ranks
+        for a in (self.micro_step, self.rank, self.lengths, self.loads):
+            a.setflags(write=False)
+
+    @property
+    def num_micro_steps(self) -> int:
+        return int(self.loads.shape[0])
+
+    @property
+    def num_ranks(self) -> int:
+        return self._ranks
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def micro_batches(self, rank: Optional[int] = None) -> List[Any]:
+        """``rank`` given: that rank's micro-batches, ``[micro_step] -> sample indices`` (ascending), the shape of
+        verl's ``micro_bsz_idx``; ``None``: every rank's, ``[micro_step][rank] -> sample indices``."""
+        out: List[List[List[int]]] = [[[] for _ in range(self._ranks)] for _ in range(self.num_micro_steps)]
+        for s, (m, r) in enumerate(zip(self.micro_step.tolist(), self.rank.tolist())):
+            out[m][r].append(s)
+        if rank is None:
+            return out
+        r = integer(rank, "StepPacking.micro_batches: rank", 0, self._ranks - 1)
+        return [mb[r] for mb in out]
+
+    def order(self, rank: Optional[int] = None) -> np.ndarray:
+        """The permutation that puts per-sample outputs gathered micro-batch by micro-batch back in the batch's order
+        (verl's ``get_reverse_idx``): ``torch.cat(outputs)[order]``, where ``outputs[i]`` is micro-batch ``i``'s
+        ``[samples, ...]`` result (e.g. padded log-probs). ``rank`` given: that rank's micro-batches, back in the
+        ascending order of its samples; ``None``: every micro-batch, micro-step by micro-step, rank by rank."""
+        mbs = self.micro_batches(rank)
+        flat = [s for mb in mbs for s in mb] if rank is not None else [s for step in mbs for mb in step for s in mb]
+        return np.argsort(np.asarray(flat, dtype=np.int64), kind="stable")
+
+    def __repr__(self) -> str:
+        return (f"StepPacking(sequences={self.num_sequences}, micro_steps={self.num_micro_steps}, "
+                f"ranks={self._ranks}, token_budget={self.token_budget}, deviation {self.start_deviation:.6g} -> "
+                f"{self.deviation:.6g})")
+
+
+def _pack(who: str, lengths: np.ndarray, histograms: np.ndarray, micro_steps: Any, token_budget: Any, ranks: Any,
+          gpu_of: Any, start: Any) -> StepPacking:
+    """Packs counted sequences (``[S]`` lengths, ``[S, L, E]`` histograms) and sums the micro-steps' loads."""
+    g = None
+    if gpu_of is not None:
+        g = to_numpy(gpu_of)
+        if g.ndim == 1 and g.shape[0] == histograms.shape[2]:
+            g = np.broadcast_to(g, histograms.shape[1:])  # [E] owners: the same in every layer
+        if g.ndim != 2 or tuple(g.shape) != histograms.shape[1:]:
+            raise ValueError(f"{who}: gpu_of must be [{histograms.shape[2]}] or {list(histograms.shape[1:])} (the GPU "
+                             f"serving each expert), got shape {list(g.shape)}")
+        g = int_array(g, f"{who}: gpu_of", dtype=np.int32, lo=0)
+    try:
+        p = foremoe.pack_micro_batches(lengths, histograms, micro_steps=micro_steps, token_budget=token_budget,
+                                       ranks=ranks, gpu_of=g, start=start)
+    except ValueError as e:
+        raise ValueError(f"{who}: {e}") from None
+    M = int(micro_steps)
+    loads = np.zeros((M,) + histograms.shape[1:], dtype=np.int64)
+    np.add.at(loads, p.micro_step, histograms)
+    return StepPacking(p, lengths, loads, int(ranks), int(token_budget))
+
+
+def pack_from_verl(routed_experts: Any, attention_mask: Any, *, num_experts: int, micro_steps: int,
+                   token_budget: int, ranks: int = 1, gpu_of: Any = None, start: Any = None,
+                   layer_map: Optional[Sequence[int]] = None, counter: Optional[Counter] = None) -> StepPacking:
+    """Packs verl's padded batch (``routed_experts`` ``[bs, seq, L, K]``, ``attention_mask`` ``[bs, seq]``, as
+    :func:`loads_from_verl` reads them) into ``micro_steps`` x ``ranks`` micro-batches of at most ``token_budget``
+    valid tokens each, so that every micro-step's expert load is close to the step's share
+    (:func:`foremoe.pack_micro_batches`). Call it before the stage runs, where verl calls
+    ``rearrange_micro_batches``: :meth:`StepPacking.micro_batches` goes where its indices go.
+
+    ``ranks`` > 1 packs the whole mini-batch over the data-parallel ranks (the controller then sends each rank its
+    samples); ``ranks`` = 1 packs one rank's own samples (pass ``group`` to :meth:`ReplayDriver.from_packing` then).
+    ``gpu_of``: the placement (``[E]`` or ``[L, E]``, e.g. ``BalancedMoE.owners``) whose per-GPU loads should be
+    even in every micro-step; ``None``: every expert on its own. ``start``: the trainer's own packing
+    ``(micro_step, rank)`` (default: longest first to the micro-batch with the fewest tokens), never done worse than.
+    Each sample's routing is counted in place in C++ (masked positions not counted); its length is its count of
+    valid positions. Errors name the value (``ValueError``)."""
+    who = "pack_from_verl"
+    hist = _count_batch("verl", who, [routed_experts], mask=attention_mask, micro_batches=1,
+                        num_experts=num_experts, layer_map=layer_map, counter=counter)
+    mask = to_numpy(_host(attention_mask))  # checked by the count: [bs, seq] of 0/1
+    return _pack(who, (mask != 0).sum(axis=1).astype(np.int64), hist, micro_steps, token_budget, ranks, gpu_of,
+                 start)
+
+
+def pack_from_ids(routed_experts: Any, lengths: Any, *, num_experts: int, micro_steps: int, token_budget: int,
+                  ranks: int = 1, gpu_of: Any = None, start: Any = None, layer_map: Optional[Sequence[int]] = None,
+                  mask: Any = None, counter: Optional[Counter] = None) -> StepPacking:
+    """:func:`pack_from_verl` for sequences laid end to end: ``routed_experts`` ``[T, L, K]`` (-1 = no route) and
+    ``lengths`` ``[S]`` tokens each, in order (Megatron's packed sequences, slime's concatenated samples); ``mask``
+    ``[T]`` (0: not counted; the lengths still count every token, they are what the budget limits)."""
+    who = "pack_from_ids"
+    lens = int_array(lengths, f"{who}: lengths", lo=0)
+    if lens.ndim != 1 or lens.size == 0:
+        raise ValueError(f"{who}: lengths must be [sequences] with at least one sequence, got shape "
+                         f"{list(lens.shape)}")
+    hist = loads_from_ids(routed_experts, np.concatenate([[0], np.cumsum(lens)]), num_experts=num_experts,
+                          layer_map=layer_map, mask=mask, counter=counter)
+    return _pack(who, lens, hist, micro_steps, token_budget, ranks, gpu_of, start)
+
+
+def pack_from_slime(samples: Sequence[Any], *, num_experts: int, micro_steps: int, token_budget: int, ranks: int = 1,
+                    gpu_of: Any = None, start: Any = None, layer_map: Optional[Sequence[int]] = None,
+                    counter: Optional[Counter] = None) -> StepPacking:
+    """:func:`pack_from_verl` for slime's samples: one ``[len, L, K]`` array (or a dict holding
+    ``rollout_routed_experts``) per sample, ``len`` its tokens."""
+    who = "pack_from_slime"
+    if not isinstance(samples, (list, tuple)) or not samples:
+        raise ValueError(f"{who}: samples must be a non-empty list of per-sample [len, L, K] arrays")
+    hist = loads_from_slime([[s] for s in samples], num_experts=num_experts, layer_map=layer_map, counter=counter)
+    lens = [(s["rollout_routed_experts"] if isinstance(s, dict) else s).shape[0] for s in samples]
+    return _pack(who, np.asarray(lens, dtype=np.int64), hist, micro_steps, token_budget, ranks, gpu_of, start)
+
+
 # -- the driver -------------------------------------------------------------------------------------------------------
 
 # One planner object is not safe for concurrent calls: drivers sharing a planner take turns.
@@ -564,6 +726,21 @@ class ReplayDriver:
         return cls._counted(planner, lambda: loads_from_slime(micro_batches, num_experts=num_experts, samples=samples,
                                                               layer_map=layer_map, counter=counter), driver,
                            num_experts)
+
+    @classmethod
+    def from_packing(cls, planner: Any, packing: StepPacking, **driver: Any) -> "ReplayDriver":
+        """A driver over the micro-steps of a :class:`StepPacking` (:func:`pack_from_verl` and its siblings): its
+        micro-step ``m`` is the packing's, so plan ``m`` goes with every rank's ``packing.micro_batches(rank)[m]``.
+        With ``group``, each rank passes the packing of its own samples (``ranks`` = 1) and the loads are summed
+        over the group; a packing over several ranks already holds the whole mini-batch's loads."""
+        if not isinstance(packing, StepPacking):
+            raise ValueError(f"ReplayDriver.from_packing: packing must be a StepPacking (foremoe.torch.pack_from_*), "
+                             f"got {type(packing).__name__}")
+        if driver.get("group") is not None and packing.num_ranks != 1:
+            raise ValueError(f"ReplayDriver.from_packing: the packing spans {packing.num_ranks} ranks, so its loads "
+                             f"are the whole mini-batch's already; with group, each rank passes the packing of its "
+                             f"own samples (ranks=1)")
+        return cls(planner, packing.loads, **driver)
 
     @classmethod
     def _counted(cls, planner: Any, count: Callable[[], np.ndarray], driver: Any,
