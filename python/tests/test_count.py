@@ -155,3 +155,33 @@ def test_in_memory_formats_registry_counts_numpy_arrays():
         _core.count_batch("verl", "w", [routed], None, mask, [np.arange(5), np.arange(4, 20)], None, E, None)
     with pytest.raises(ValueError, match="unknown in-memory trace format 'nemo'"):
         _core.count_batch("nemo", "w", [routed], None, None, None, None, E, None)
+
+
+def test_synthetic_packing_keeps_each_step_and_evens_its_micro_steps():
+    # The generator's packing option (one schema entry) reaches Python: the same micro-steps and step totals, loads
+    # that are the ids' counts, and routing-aware micro-steps no further from the step's share than the trainer's.
+    cfg = dict(layers=3, experts=16, topk=2, steps=2, prompts=8, responses=4, prompt_mean=32, response_mean=48,
+               max_length=128, gpus=4, microbatch_tokens=256, seed=11, skew=1.0)
+    base = foremoe.synthetic_loads(**cfg)
+
+    def deviation(loads, steps):
+        total = 0.0
+        for a, b in zip(steps[:-1], steps[1:]):
+            part = loads[a:b].astype(np.float64)
+            total += float(((part - part.mean(axis=0)) ** 2).sum())
+        return total
+
+    for packing in ("tokens", "routing"):
+        sl = foremoe.synthetic_loads(packing=packing, **cfg)
+        np.testing.assert_array_equal(sl["step_offsets"], base["step_offsets"])
+        for a, b in zip(base["step_offsets"][:-1], base["step_offsets"][1:]):
+            np.testing.assert_array_equal(sl["loads"][a:b].sum(axis=0), base["loads"][a:b].sum(axis=0))
+        tr = foremoe.synthetic_trace(packing=packing, **cfg)
+        np.testing.assert_array_equal(
+            foremoe.count_loads(tr["routed_ids"], tr["microbatch_offsets"], num_experts=16), sl["loads"])
+    routed = foremoe.synthetic_loads(packing="routing", **cfg)
+    assert deviation(routed["loads"], routed["step_offsets"]) < deviation(base["loads"], base["step_offsets"])
+    with pytest.raises(ValueError, match="synthetic_loads.packing: must be one of none, tokens, routing, got 'best'"):
+        foremoe.synthetic_loads(packing="best", **cfg)
+    with pytest.raises(ValueError, match="packing_ranks 3 must be 0 .all ranks. or divide num_gpus 4"):
+        foremoe.synthetic_loads(packing="routing", packing_ranks=3, **cfg)
