@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "foremoe/plan/packing.hpp"
@@ -74,17 +75,32 @@ PackingShape shape_for(const Step &st, std::int64_t M, std::int64_t R, double sl
   return {M, R, std::max(budget, 2 * longest)};
 }
 
+/// Ranges of a random case: sequences `s0 + [0, s_span)`, layers `1 + [0, l_span)`, experts `2 + [0, e_span)`,
+/// lengths `1 + [0, len_span)`, micro-steps `1 + [0, m_span)`, ranks `r0 + [0, r_span)`.
+struct CaseRanges {
+  std::uint64_t s0, s_span, l_span, e_span, len_span, m_span, r0, r_span;
+};
+
+/// A random step and a shape with 1-2x its tokens as room.
+std::pair<Step, PackingShape> random_case(std::mt19937_64 &rng, const CaseRanges &c) {
+  const auto draw = [&rng](std::uint64_t base, std::uint64_t span) {
+    return static_cast<std::int64_t>(base + rng() % span);
+  };
+  const std::int64_t S = draw(c.s0, c.s_span), L = draw(1, c.l_span), E = draw(2, c.e_span);
+  Step st = random_step(rng, S, L, E, draw(1, c.len_span));
+  const std::int64_t M = draw(1, c.m_span), R = draw(c.r0, c.r_span);
+  const PackingShape shape = shape_for(st, M, R, 1.0 + static_cast<double>(rng() % 100) / 100.0);
+  return {std::move(st), shape};
+}
+
 } // namespace
 
 TEST_CASE("pack_by_routing: valid, deterministic, never worse than the token packing or a given start (property)") {
   std::mt19937_64 rng(31);
   int strictly_better = 0, cases = 0;
   for (int round = 0; round < 40 * foremoe_test::seed_multiplier(); ++round) {
-    const std::int64_t S = 4 + static_cast<std::int64_t>(rng() % 60), L = 1 + static_cast<std::int64_t>(rng() % 4),
-                       E = 2 + static_cast<std::int64_t>(rng() % 16);
-    const Step st = random_step(rng, S, L, E, 1 + static_cast<std::int64_t>(rng() % 40));
-    const std::int64_t M = 1 + static_cast<std::int64_t>(rng() % 6), R = 1 + static_cast<std::int64_t>(rng() % 3);
-    const PackingShape shape = shape_for(st, M, R, 1.0 + static_cast<double>(rng() % 100) / 100.0);
+    const auto [st, shape] = random_case(rng, {4, 60, 4, 16, 40, 6, 1, 3});
+    const std::int64_t M = shape.micro_steps;
     const Packing tokens = pack_by_tokens(st.len, shape);
     check_valid(st, shape, tokens);
     const Packing routed = pack_by_routing(st.input(), shape);
@@ -118,11 +134,8 @@ TEST_CASE("pack_by_routing: each micro-step's ranks are dealt evenly where the b
   std::mt19937_64 rng(77);
   int dealt = 0;
   for (int round = 0; round < 40 * foremoe_test::seed_multiplier(); ++round) {
-    const std::int64_t S = 8 + static_cast<std::int64_t>(rng() % 60), L = 1 + static_cast<std::int64_t>(rng() % 3),
-                       E = 2 + static_cast<std::int64_t>(rng() % 12);
-    const Step st = random_step(rng, S, L, E, 1 + static_cast<std::int64_t>(rng() % 30));
-    const std::int64_t M = 1 + static_cast<std::int64_t>(rng() % 4), R = 2 + static_cast<std::int64_t>(rng() % 4);
-    const PackingShape shape = shape_for(st, M, R, 1.0 + static_cast<double>(rng() % 100) / 100.0);
+    const auto [st, shape] = random_case(rng, {8, 60, 3, 12, 30, 4, 2, 4});
+    const std::int64_t M = shape.micro_steps, R = shape.ranks;
     const Packing p = pack_by_routing(st.input(), shape);
     check_valid(st, shape, p);
     for (std::vector<std::int64_t> seqs : p.by_micro_step(M)) {
