@@ -77,6 +77,10 @@ Command make_simulate() {
         if (a.has(o)) outputs.push_back({std::string("--") + o, a.str(o)});
       check_outputs(outputs, inputs);
     }
+    if (a.has("loads") && s.batch.packing != BatchPacking::none)
+      throw UsageError{"--packing re-packs the synthetic batch's sequences; --loads " + a.str("loads") +
+                       " holds per-micro-step loads, already packed (pack the sequences before counting them: "
+                       "foremoe plan's per-sequence input or foremoe.pack_micro_batches)"};
     const bool json_stdout = a.has("json") && a.str("json") == "-";
     if (json_stdout && a.flag("csv")) throw UsageError{"--json - and --csv both write to stdout; choose one"};
 

@@ -329,6 +329,8 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   if (groups > 1) out << " (" << groups << " data-parallel EP groups of " << ep << " GPUs)";
   out << " with " << c.topo.slots_per_gpu << " slots per GPU per layer";
   if (s.workload != "grpo") out << ", workload " << s.workload;
+  if (s.batch.packing == BatchPacking::tokens) out << ", micro-batches packed by tokens";
+  if (s.batch.packing == BatchPacking::routing) out << ", micro-batches packed by routing";
   out << "\n";
   return out.str();
 }
