@@ -56,11 +56,11 @@ std::vector<std::int64_t> sequence_lengths(std::span<const std::int64_t> offsets
                                            const std::string &name) {
   require(offsets.size() >= 2, name, " holds ", offsets.size(),
           " offsets: the sequences' token offsets [S + 1] start at 0 and end at the ids' ", tokens, " tokens");
-  require(offsets.front() == 0, name, "[0] is ", offsets.front(), ", must be 0");
+  require(offsets.front() == 0, name, ": offsets[0] is ", offsets.front(), ", must be 0");
   std::vector<std::int64_t> lengths(offsets.size() - 1);
   for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
-    require(offsets[s + 1] > offsets[s], name, ": offsets must increase (every sequence holds a token), but [", s,
-            "] = ", offsets[s], " and [", s + 1, "] = ", offsets[s + 1]);
+    require(offsets[s + 1] > offsets[s], name, ": offsets must increase (every sequence holds a token), but offsets[",
+            s, "] = ", offsets[s], " and offsets[", s + 1, "] = ", offsets[s + 1]);
     lengths[s] = offsets[s + 1] - offsets[s];
   }
   require(offsets.back() == tokens, name, " ends at token ", offsets.back(), " but --ids holds ", tokens, " tokens");
@@ -100,6 +100,8 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
   const std::vector<std::int64_t> offsets = read_offsets_npy(seq_path);
   const std::vector<std::int64_t> lengths = sequence_lengths(offsets, view.num_tokens(), seq_name);
   const auto num_seqs = static_cast<std::int64_t>(lengths.size());
+  // The budget first: no sequence above it and all of them within the micro-batches' room.
+  foremoe::detail::check_packing_shape(shape, lengths, "--token-budget");
 
   CountOptions o;
   const int dense = static_cast<int>(a.integer("dense-layers", 0, 4096));
