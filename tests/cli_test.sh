@@ -482,6 +482,9 @@ if [[ -n "$budget" ]]; then
       --packing "$method" --out-packing "$work/pk_$method.json" --out "$work/pp_$method.json" \
       --out-loads "$work/pl_$method.npy"
   done
+  expect 0 "expert load, max/mean" -- "$bin" plan --ids "$work/pids.npy" "${pack[@]}" --token-budget "$budget" \
+    --packing-by experts --out-packing "$work/pk_routing_experts.json" --out "$work/pp_routing_experts.json" \
+    --out-loads "$work/pl_routing_experts.npy"
   expect 0 "^ok packing" -- python3 - "$work" "$budget" <<'PY'
 import json, sys
 import numpy as np
@@ -499,7 +502,8 @@ for s in range(S):
         hist[s, l] += np.bincount(v[v >= 0], minlength=E)
 lens = np.diff(off)
 dev = {}
-for method in ("none", "tokens", "routing"):
+G = 4
+for method in ("none", "tokens", "routing", "routing_experts"):
     j = json.load(open(f"{work}/pk_{method}.json"))
     ms, rk = np.array(j["micro_step"]), np.array(j["rank"])
     assert j["sequences"] == S and j["tokens"] == T and len(ms) == len(rk) == S, method
@@ -517,8 +521,22 @@ for method in ("none", "tokens", "routing"):
     loads = np.zeros((M, L, E), np.int64)
     for s in range(S):
         loads[ms[s]] += hist[s]
-    share = loads.sum(axis=0) / M
-    J = float(((loads - share) ** 2).sum())
+    cols = loads  # the columns the packer balances: experts, or GPUs under the step's owners
+    if j["packing_by"] == "gpus":
+        own = np.array(j["owner_gpu"])
+        assert own.shape == (L, E) and own.min() >= 0 and own.max() < G, method
+        cols = np.zeros((M, L, G), np.int64)
+        for l in range(L):
+            for e in range(E):
+                cols[:, l, own[l, e]] += loads[:, l, e]
+    else:
+        assert method == "routing_experts" and "owner_gpu" not in j, method
+    share = cols.sum(axis=0) / M
+    J = float(((cols - share) ** 2).sum())
+    mean = cols.mean(axis=2)
+    imb = np.where(mean > 0, cols.max(axis=2) / np.where(mean > 0, mean, 1), 1.0)
+    assert np.allclose(imb, j["layer_max_over_mean"], rtol=1e-12), method
+    assert np.allclose(imb.max(axis=1), j["max_over_mean"], rtol=1e-12), method
     assert abs(J - j["deviation"]) <= 1e-9 * max(1.0, J), (method, J, j["deviation"])
     dev[method] = j
     assert (np.load(f"{work}/pl_{method}.npy") == loads).all(), (method, "--out-loads")
@@ -536,6 +554,8 @@ r, t = dev["routing"], dev["tokens"]
 assert r["start"] == "tokens" and r["start_deviation"] == t["deviation"], (r["start_deviation"], t["deviation"])
 assert r["deviation"] <= t["deviation"] and r["deviation"] <= r["start_deviation"], (r["deviation"], t["deviation"])
 assert r["deviation"] < t["deviation"], "routing gained nothing on topic-coherent sequences"
+x = dev["routing_experts"]
+assert x["start_deviation"] >= x["deviation"] and x["deviation"] < x["start_deviation"], (x["deviation"],)
 assert len(r["max_over_mean"]) == M and len(r["layer_max_over_mean"][0]) == L
 print("ok packing", S, "sequences", t["deviation"], "->", r["deviation"])
 PY

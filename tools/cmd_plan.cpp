@@ -26,7 +26,7 @@ using foremoe::detail::require;
 
 /// The options that only `--ids` takes (its per-sequence input, the packing and its outputs).
 constexpr const char *ids_only_options[] = {"sequences",    "experts", "dense-layers", "micro-steps", "ranks",
-                                            "token-budget", "packing", "out-packing",  "out-loads"};
+                                            "token-budget", "packing", "packing-by",   "out-packing", "out-loads"};
 
 /// `--packing none`: the sequences in the order given fill the micro-batches in execution order (micro-step 0's
 /// ranks 0 to R-1, then micro-step 1's, ...), each closed when the next sequence does not fit in it.
@@ -94,7 +94,8 @@ struct PackedBatch {
 /// Counts every sequence's expert histogram from the routed ids, packs the sequences into the trainer's
 /// micro-batches (`--packing`) and sums the histograms per micro-step: the loads the packed batch runs.
 PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &seq_path, const std::string &seq_name,
-                     const std::string &method, const PackingShape &shape, std::ostream &err) {
+                     const std::string &method, const PackingShape &shape, const Topology &topo,
+                     const PlannerOptions &opts, std::ostream &err) {
   const RoutedIdsFile file = read_routed_ids_npy(ids_path);
   const RoutedView view = file.view();
   const std::vector<std::int64_t> offsets = read_offsets_npy(seq_path);
@@ -119,6 +120,7 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
     err << "--experts not given: using largest id + 1 = " << o.num_experts << "\n";
   }
   const std::int64_t experts = o.num_experts;
+  const bool by_gpus = a.str("packing-by") == "gpus";
   // Sizes first: the histograms, the packed loads and the packer's work, before anything is allocated or run.
   limits::require_product("--ids", {{"sequences", num_seqs}, {"MoE layers", layers}, {"experts", experts}},
                           limits::max_load_cells, "histogram cells");
@@ -126,10 +128,12 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
                           {{"micro-steps", shape.micro_steps}, {"MoE layers", layers}, {"experts", experts}},
                           limits::max_load_cells, "load cells");
   if (method == "routing")
-    limits::require_product(
-        "--packing routing",
-        {{"sequences", num_seqs}, {"micro-steps", shape.micro_steps}, {"MoE layers", layers}, {"experts", experts}},
-        limits::max_packing_work, "packing work");
+    limits::require_product("--packing routing",
+                            {{"sequences", num_seqs},
+                             {"micro-steps", shape.micro_steps},
+                             {"MoE layers", layers},
+                             {by_gpus ? "GPUs" : "experts", by_gpus ? topo.num_gpus() : experts}},
+                            limits::max_packing_work, "packing work");
   o.microbatch_offsets = offsets;
   const LoadTensor hist = count_loads(view, o); // [S, layers, experts]: micro-steps of one sequence each
 
@@ -138,10 +142,27 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
   in.experts = experts;
   in.lengths = lengths;
   in.histograms = hist.totals();
+  // The columns the packer balances: each GPU's load under the step's owners (the same for every packing, since
+  // owners come from the step's totals), or each expert's.
+  PackingOptions po;
+  Planner::OwnerMap owners;
+  std::vector<std::int32_t> gpu_of;
+  if (by_gpus) {
+    std::vector<std::int64_t> totals(static_cast<std::size_t>(layers * experts), 0);
+    for (std::size_t i = 0; i < hist.totals().size(); ++i)
+      totals[i % totals.size()] += hist.totals()[i];
+    topo.validate(o.num_experts); // the owners' topology holds the experts
+    owners = Planner(static_cast<int>(layers), static_cast<int>(experts), topo, opts).plan_owners(totals);
+    for (const auto &row : owners)
+      gpu_of.insert(gpu_of.end(), row.begin(), row.end());
+    po.gpu_of = gpu_of;
+    po.gpus = topo.num_gpus();
+  }
   Packing start = method == "none" ? pack_in_order(lengths, shape) : pack_by_tokens(lengths, shape);
-  Packing p = method == "routing" ? pack_by_routing(in, shape, {}, start) : start;
-  const double start_dev = packing_deviation(in, shape, start), dev = packing_deviation(in, shape, p);
-  const std::vector<double> start_imb = packing_imbalance(in, shape, start), imb = packing_imbalance(in, shape, p);
+  Packing p = method == "routing" ? pack_by_routing(in, shape, po, start) : start;
+  const double start_dev = packing_deviation(in, shape, start, po), dev = packing_deviation(in, shape, p, po);
+  const std::vector<double> start_imb = packing_imbalance(in, shape, start, po),
+                            imb = packing_imbalance(in, shape, p, po);
 
   PackedBatch out;
   out.loads = LoadTensor(static_cast<int>(shape.micro_steps), static_cast<int>(layers), static_cast<int>(experts));
@@ -170,6 +191,8 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
   j["token_budget"] = shape.token_budget;
   j["num_layers"] = layers;
   j["num_experts"] = experts;
+  j["packing_by"] = by_gpus ? "gpus" : "experts";
+  if (by_gpus) j["owner_gpu"] = owners;
   j["micro_step"] = p.micro_step;
   j["rank"] = p.rank;
   json::Value mb = json::Array{}, mt = json::Array{};
@@ -198,8 +221,9 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
       << method << "\n"
       << "  deviation from the step's share: " << std::setprecision(6) << start_dev << " ("
       << (method == "routing" ? "tokens" : method) << ") -> " << dev << "\n"
-      << "  micro-step expert max/mean (worst layer): median " << std::fixed << std::setprecision(4) << before.median
-      << " -> " << after.median << ", max " << before.max << " -> " << after.max << "\n";
+      << "  micro-step " << (by_gpus ? "GPU load under the step's owners" : "expert load")
+      << ", max/mean of the worst layer: median " << std::fixed << std::setprecision(4) << before.median << " -> "
+      << after.median << ", max " << before.max << " -> " << after.max << "\n";
   out.report = rep.str();
   return out;
 }
@@ -222,7 +246,8 @@ Command make_plan() {
       "loads of the packed micro-steps are counted from the ids and planned as --loads would be. --out-packing\n"
       "writes per sequence its micro_step and rank, per micro-step and rank its sequences (micro_batches) and\n"
       "tokens, the deviation from the step's share of the start and of the packing, and per micro-step the\n"
-      "max/mean expert load of its worst layer (start_max_over_mean, max_over_mean; per layer too).";
+      "max/mean load of its worst layer (start_max_over_mean, max_over_mean; per layer too), per GPU under the\n"
+      "step's owners (owner_gpu) or per expert (--packing-by).";
   c.options = {
       {"loads", "LOADS.npy", "per-micro-step loads (this or --ids is required)", ""},
       {"ids", "IDS.npy", "routed ids [T, L, K] of one optimizer step: packed, counted and planned", ""},
@@ -233,6 +258,10 @@ Command make_plan() {
       {"ranks", "R", "--ids: data-parallel ranks, one micro-batch each per micro-step", "1"},
       {"token-budget", "B", "--ids: tokens per micro-batch at most (required with --ids)", ""},
       {"packing", "NAME", "--ids: none (the order given), tokens (token-balanced) or routing", "routing"},
+      {"packing-by", "NAME",
+       "--ids: the loads routing packing balances and the figures report: gpus (each GPU's under the step's owners, "
+       "planned from the step's totals as two-level planning does) or experts (each expert's)",
+       "gpus"},
       {"out-packing", "PACKING.json", "--ids: write the packing here", ""},
       {"out-loads", "LOADS.npy", "--ids: write the packed micro-steps' loads [M, L, E] here", ""},
       {"previous-loads", "FILE.npy", "previous step's loads: the history EPLB plans from", ""},
@@ -292,6 +321,8 @@ Command make_plan() {
       packing_method = a.str("packing");
       if (packing_method != "none" && packing_method != "tokens" && packing_method != "routing")
         throw UsageError{"--packing must be none, tokens or routing, got '" + packing_method + "'"};
+      if (a.str("packing-by") != "gpus" && a.str("packing-by") != "experts")
+        throw UsageError{"--packing-by must be gpus or experts, got '" + a.str("packing-by") + "'"};
       if (shape.micro_steps * shape.ranks > (std::int64_t{1} << 24))
         throw UsageError{"--micro-steps x --ranks = " + std::to_string(shape.micro_steps * shape.ranks) +
                          " micro-batches is more than 2^24"};
@@ -340,7 +371,7 @@ Command make_plan() {
     LoadTensor loads;
     std::string packing_report;
     if (from_ids) {
-      PackedBatch packed = pack_ids(a, a.str("ids"), seq_path, seq_name, packing_method, shape, err);
+      PackedBatch packed = pack_ids(a, a.str("ids"), seq_path, seq_name, packing_method, shape, topo, opts, err);
       loads = std::move(packed.loads);
       packing_report = std::move(packed.report);
       if (a.has("out-packing")) outputs.add_text(a.str("out-packing"), packed.document);
