@@ -242,12 +242,12 @@ Command make_plan() {
       "x --ranks R (data-parallel) micro-batches of at most --token-budget B tokens. The sequences are packed\n"
       "(--packing: none = in the order given, each micro-batch filled until the next sequence does not fit,\n"
       "micro-step 0's ranks first; tokens = token-balanced, longest first to the emptiest micro-batch with room;\n"
-      "routing = from tokens' packing towards every micro-step's expert load close to the step's share), the\n"
-      "loads of the packed micro-steps are counted from the ids and planned as --loads would be. --out-packing\n"
-      "writes per sequence its micro_step and rank, per micro-step and rank its sequences (micro_batches) and\n"
-      "tokens, the deviation from the step's share of the start and of the packing, and per micro-step the\n"
-      "max/mean load of its worst layer (start_max_over_mean, max_over_mean; per layer too), per GPU under the\n"
-      "step's owners (owner_gpu) or per expert (--packing-by).";
+      "routing = from tokens' packing, every micro-step's load close to the step's share, per GPU under the\n"
+      "step's owners or per expert: --packing-by), the loads of the packed micro-steps are counted from the\n"
+      "ids and planned as --loads would be. --out-packing writes per sequence its micro_step and rank, per\n"
+      "micro-step and rank its sequences (micro_batches) and tokens, the deviation from the step's share of the\n"
+      "start and of the packing, and per micro-step the max/mean load of its worst layer (start_max_over_mean,\n"
+      "max_over_mean; per layer too), per GPU under the step's owners (owner_gpu) or per expert.";
   c.options = {
       {"loads", "LOADS.npy", "per-micro-step loads (this or --ids is required)", ""},
       {"ids", "IDS.npy", "routed ids [T, L, K] of one optimizer step: packed, counted and planned", ""},
