@@ -127,6 +127,11 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
   limits::require_product("--micro-steps",
                           {{"micro-steps", shape.micro_steps}, {"MoE layers", layers}, {"experts", experts}},
                           limits::max_load_cells, "load cells");
+  // Both packers look at every micro-batch for every sequence.
+  if (method != "none")
+    limits::require_product("--packing " + method,
+                            {{"sequences", num_seqs}, {"micro-steps", shape.micro_steps}, {"ranks", shape.ranks}},
+                            limits::max_packing_work, "packing work");
   if (method == "routing")
     limits::require_product("--packing routing",
                             {{"sequences", num_seqs},
@@ -323,9 +328,10 @@ Command make_plan() {
         throw UsageError{"--packing must be none, tokens or routing, got '" + packing_method + "'"};
       if (a.str("packing-by") != "gpus" && a.str("packing-by") != "experts")
         throw UsageError{"--packing-by must be gpus or experts, got '" + a.str("packing-by") + "'"};
-      if (shape.micro_steps * shape.ranks > (std::int64_t{1} << 24))
+      // The packing document lists every micro-batch (2^24 of them, empty, took 2 GB): far above any trainer's.
+      if (shape.micro_steps * shape.ranks > (std::int64_t{1} << 20))
         throw UsageError{"--micro-steps x --ranks = " + std::to_string(shape.micro_steps * shape.ranks) +
-                         " micro-batches is more than 2^24"};
+                         " micro-batches is more than 2^20"};
       seq_path = a.has("sequences") ? fs::path(a.str("sequences")) : sidecar_path(a.str("ids"), "sequences");
       seq_name = a.has("sequences") ? "--sequences " + seq_path.string() : "the sequences sidecar " + seq_path.string();
       if (!a.has("sequences") && !fs::exists(seq_path))
