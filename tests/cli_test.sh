@@ -467,5 +467,119 @@ expect 2 "--placement-format must be foremoe, sglang or vllm, got 'x'" -- \
   "$bin" plan --loads "$work/pl.npy" --out-placement "$work/z.json" --placement-format x
 expect 2 "--placement-format is for --out-placement" -- "$bin" plan --loads "$work/pl.npy" --placement-format vllm
 
+# plan --ids (issue 32): one optimizer step's routed ids and sequence offsets (the sidecar trace gen writes), packed
+# into 4 micro-steps x 2 ranks, written as a packing and planned. Checked independently from the ids: every packing is
+# a permutation of the sequences within the budget, micro-batches and micro_step/rank agree, --packing none keeps the
+# order, routing's deviation is at most tokens' and its start's, the deviation the file reports is the one the ids
+# give, and the plan's loads (slot tokens summed per expert) and --out-loads are the ids counted under the packing.
+expect 0 "wrote .*pids.npy" -- "$bin" trace gen "${shape[@]}" --steps 1 --ids "$work/pids.npy"
+pack=(--nodes 2 --gpus-per-node 2 --slots 5 --micro-steps 4 --ranks 2)
+budget=$(python3 -c 'import numpy as np, sys; o = np.load(sys.argv[1]); n = np.diff(o)
+print(max(int(n.max()), -(-int(o[-1]) * 5 // 32)))' "$work/pids.sequences.npy" 2>/dev/null)
+if [[ -n "$budget" ]]; then
+  for method in none tokens routing; do
+    expect 0 "with --packing $method" -- "$bin" plan --ids "$work/pids.npy" "${pack[@]}" --token-budget "$budget" \
+      --packing "$method" --out-packing "$work/pk_$method.json" --out "$work/pp_$method.json" \
+      --out-loads "$work/pl_$method.npy"
+  done
+  expect 0 "expert load, max/mean" -- "$bin" plan --ids "$work/pids.npy" "${pack[@]}" --token-budget "$budget" \
+    --packing-by experts --out-packing "$work/pk_routing_experts.json" --out "$work/pp_routing_experts.json" \
+    --out-loads "$work/pl_routing_experts.npy"
+  expect 0 "^ok packing" -- python3 - "$work" "$budget" <<'PY'
+import json, sys
+import numpy as np
+work, budget = sys.argv[1], int(sys.argv[2])
+ids = np.load(f"{work}/pids.npy").astype(np.int64)
+off = np.load(f"{work}/pids.sequences.npy")
+T, L, K = ids.shape
+S, M, R = len(off) - 1, 4, 2
+E = int(ids.max()) + 1
+hist = np.zeros((S, L, E), np.int64)  # per-sequence histograms, counted here from the ids
+for s in range(S):
+    x = ids[off[s]:off[s + 1]]
+    for l in range(L):
+        v = x[:, l, :].ravel()
+        hist[s, l] += np.bincount(v[v >= 0], minlength=E)
+lens = np.diff(off)
+dev = {}
+G = 4
+for method in ("none", "tokens", "routing", "routing_experts"):
+    j = json.load(open(f"{work}/pk_{method}.json"))
+    ms, rk = np.array(j["micro_step"]), np.array(j["rank"])
+    assert j["sequences"] == S and j["tokens"] == T and len(ms) == len(rk) == S, method
+    assert ms.min() >= 0 and ms.max() < M and rk.min() >= 0 and rk.max() < R, method
+    seen = sorted(s for m in j["micro_batches"] for r in m for s in r)
+    assert seen == list(range(S)), (method, "not a permutation")
+    for m in range(M):
+        for r in range(R):
+            b = j["micro_batches"][m][r]
+            assert all(ms[s] == m and rk[s] == r for s in b), (method, m, r)
+            assert j["micro_batch_tokens"][m][r] == lens[b].sum() <= budget, (method, m, r)
+    if method == "none":  # the order given: bins filled in execution order, micro-step-major
+        order = [s for m in j["micro_batches"] for r in m for s in r]
+        assert order == list(range(S)), "none reordered"
+    loads = np.zeros((M, L, E), np.int64)
+    for s in range(S):
+        loads[ms[s]] += hist[s]
+    cols = loads  # the columns the packer balances: experts, or GPUs under the step's owners
+    if j["packing_by"] == "gpus":
+        own = np.array(j["owner_gpu"])
+        assert own.shape == (L, E) and own.min() >= 0 and own.max() < G, method
+        cols = np.zeros((M, L, G), np.int64)
+        for l in range(L):
+            for e in range(E):
+                cols[:, l, own[l, e]] += loads[:, l, e]
+    else:
+        assert method == "routing_experts" and "owner_gpu" not in j, method
+    share = cols.sum(axis=0) / M
+    J = float(((cols - share) ** 2).sum())
+    mean = cols.mean(axis=2)
+    imb = np.where(mean > 0, cols.max(axis=2) / np.where(mean > 0, mean, 1), 1.0)
+    assert np.allclose(imb, j["layer_max_over_mean"], rtol=1e-12), method
+    assert np.allclose(imb.max(axis=1), j["max_over_mean"], rtol=1e-12), method
+    assert abs(J - j["deviation"]) <= 1e-9 * max(1.0, J), (method, J, j["deviation"])
+    dev[method] = j
+    assert (np.load(f"{work}/pl_{method}.npy") == loads).all(), (method, "--out-loads")
+    plan = json.load(open(f"{work}/pp_{method}.json"))
+    assert len(plan["micro_steps"]) == M and plan["num_experts"] == E, method
+    for m, step in enumerate(plan["micro_steps"]):
+        for l, lay in enumerate(step["layers"]):
+            got = np.zeros(E, np.int64)
+            for slots, toks in zip(lay["gpu_slots"], lay["slot_tokens"]):
+                for e, t in zip(slots, toks):
+                    if e >= 0:
+                        got[e] += t
+            assert (got == loads[m, l]).all(), (method, m, l, got, loads[m, l])
+r, t = dev["routing"], dev["tokens"]
+assert r["start"] == "tokens" and r["start_deviation"] == t["deviation"], (r["start_deviation"], t["deviation"])
+assert r["deviation"] <= t["deviation"] and r["deviation"] <= r["start_deviation"], (r["deviation"], t["deviation"])
+assert r["deviation"] < t["deviation"], "routing gained nothing on topic-coherent sequences"
+x = dev["routing_experts"]
+assert x["start_deviation"] >= x["deviation"] and x["deviation"] < x["start_deviation"], (x["deviation"],)
+assert len(r["max_over_mean"]) == M and len(r["layer_max_over_mean"][0]) == L
+print("ok packing", S, "sequences", t["deviation"], "->", r["deviation"])
+PY
+  # Deterministic: the same packing, loads and plans (but the planner's time) from a second run.
+  expect 0 "with --packing routing" -- "$bin" plan --ids "$work/pids.npy" "${pack[@]}" --token-budget "$budget" \
+    --out-packing "$work/pk_again.json" --out "$work/pp_again.json" --out-loads "$work/pl_again.npy"
+  expect 0 "" -- cmp "$work/pk_routing.json" "$work/pk_again.json"
+  expect 0 "" -- cmp "$work/pl_routing.npy" "$work/pl_again.npy"
+  same_plans='import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:])
+print("same" if a["micro_steps"] == b["micro_steps"] else "differ")'
+  expect 0 "^same$" -- python3 -c "$same_plans" "$work/pp_routing.json" "$work/pp_again.json"
+  # The packed loads plan as --loads would: the same plan from --out-loads.
+  expect 0 "wrote" -- "$bin" plan --loads "$work/pl_routing.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
+    --out "$work/pp_loads.json"
+  expect 0 "^same$" -- python3 -c "$same_plans" "$work/pp_routing.json" "$work/pp_loads.json"
+  expect 0 "wrote .*pk_all.json" -- "$bin" plan --ids "$work/pids.npy" "${pack[@]}" --token-budget "$budget" \
+    --strategy all --out-packing "$work/pk_all.json"
+  expect 0 "" -- cmp "$work/pk_routing.json" "$work/pk_all.json"
+else
+  echo "skipped: plan --ids checks (no python3 with NumPy)"
+fi
+expect 2 "--packing is for --ids" -- "$bin" plan --loads "$work/step.npy" --packing tokens
+expect 2 "give --loads LOADS.npy or --ids IDS.npy" -- "$bin" plan
+
 echo "$passed passed, $failed failed"
 [[ $failed -eq 0 ]]

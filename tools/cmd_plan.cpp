@@ -1,20 +1,237 @@
 // `foremoe plan`: plans the micro-steps of one RL step from a load file.
 
 #include <chrono>
+#include <filesystem>
 #include <iomanip>
 #include <ostream>
+#include <sstream>
 
 #include "command.hpp"
 #include "foremoe/config/documents.hpp"
 #include "foremoe/config/placement_export.hpp"
 #include "foremoe/core/files.hpp"
+#include "foremoe/core/limits.hpp"
 #include "foremoe/plan/evaluate.hpp"
+#include "foremoe/plan/packing.hpp"
 #include "foremoe/plan/planner.hpp"
+#include "foremoe/trace/count.hpp"
 #include "foremoe/trace/io.hpp"
 #include "foremoe/transfer/transfer_plan.hpp"
 
 namespace foremoe::cli {
 namespace {
+
+namespace fs = std::filesystem;
+using foremoe::detail::require;
+
+/// The options that only `--ids` takes (its per-sequence input, the packing and its outputs).
+constexpr const char *ids_only_options[] = {"sequences",    "experts", "dense-layers", "micro-steps", "ranks",
+                                            "token-budget", "packing", "packing-by",   "out-packing", "out-loads"};
+
+/// `--packing none`: the sequences in the order given fill the micro-batches in execution order (micro-step 0's
+/// ranks 0 to R-1, then micro-step 1's, ...), each closed when the next sequence does not fit in it.
+Packing pack_in_order(std::span<const std::int64_t> lengths, const PackingShape &shape) {
+  foremoe::detail::check_packing_shape(shape, lengths, "--packing none");
+  Packing p;
+  p.micro_step.assign(lengths.size(), 0);
+  p.rank.assign(lengths.size(), 0);
+  std::int64_t bin = 0, fill = 0;
+  for (std::size_t s = 0; s < lengths.size(); ++s) {
+    if (fill + lengths[s] > shape.token_budget) ++bin, fill = 0;
+    require(bin < shape.micro_steps * shape.ranks, "--packing none: sequence ", s, " (", lengths[s],
+            " tokens) is past the last of the ", shape.micro_steps, " x ", shape.ranks, " micro-batches of ",
+            shape.token_budget,
+            " tokens when they are filled in the order given; use --packing tokens or routing, "
+            "or a larger --token-budget");
+    fill += lengths[s];
+    p.micro_step[s] = static_cast<std::int32_t>(bin / shape.ranks);
+    p.rank[s] = static_cast<std::int32_t>(bin % shape.ranks);
+  }
+  return p;
+}
+
+/// The sequences' lengths from their token offsets `[S + 1]`, checked against the ids' token count; `name` says
+/// where the offsets came from.
+std::vector<std::int64_t> sequence_lengths(std::span<const std::int64_t> offsets, std::int64_t tokens,
+                                           const std::string &name) {
+  require(offsets.size() >= 2, name, " holds ", offsets.size(),
+          " offsets: the sequences' token offsets [S + 1] start at 0 and end at the ids' ", tokens, " tokens");
+  require(offsets.front() == 0, name, ": offsets[0] is ", offsets.front(), ", must be 0");
+  std::vector<std::int64_t> lengths(offsets.size() - 1);
+  for (std::size_t s = 0; s + 1 < offsets.size(); ++s) {
+    require(offsets[s + 1] > offsets[s], name, ": offsets must increase (every sequence holds a token), but offsets[",
+            s, "] = ", offsets[s], " and offsets[", s + 1, "] = ", offsets[s + 1]);
+    lengths[s] = offsets[s + 1] - offsets[s];
+  }
+  require(offsets.back() == tokens, name, " ends at token ", offsets.back(), " but --ids holds ", tokens, " tokens");
+  return lengths;
+}
+
+/// Per micro-step, the largest of its layers' max/mean expert loads (`packing_imbalance`'s `[M, layers]` rows).
+std::vector<double> worst_layer(const std::vector<double> &by_layer, std::int64_t layers) {
+  std::vector<double> out;
+  for (std::size_t i = 0; i < by_layer.size(); i += static_cast<std::size_t>(layers))
+    out.push_back(*std::max_element(by_layer.begin() + static_cast<std::ptrdiff_t>(i),
+                                    by_layer.begin() + static_cast<std::ptrdiff_t>(i) + layers));
+  return out;
+}
+
+/// `[M][layers]` rows of a row-major `[M * layers]` vector, for JSON.
+json::Value rows_json(const std::vector<double> &v, std::int64_t layers) {
+  json::Value out = json::Array{};
+  for (std::size_t i = 0; i < v.size(); i += static_cast<std::size_t>(layers))
+    out.push_back(std::vector<double>(v.begin() + static_cast<std::ptrdiff_t>(i),
+                                      v.begin() + static_cast<std::ptrdiff_t>(i) + layers));
+  return out;
+}
+
+/// What `--ids` gives: the loads of the packed batch, the packing as a JSON document and the lines to print.
+struct PackedBatch {
+  LoadTensor loads;
+  std::string document, report;
+};
+
+/// Counts every sequence's expert histogram from the routed ids, packs the sequences into the trainer's
+/// micro-batches (`--packing`) and sums the histograms per micro-step: the loads the packed batch runs.
+PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &seq_path, const std::string &seq_name,
+                     const std::string &method, const PackingShape &shape, const Topology &topo,
+                     const PlannerOptions &opts, std::ostream &err) {
+  const RoutedIdsFile file = read_routed_ids_npy(ids_path);
+  const RoutedView view = file.view();
+  const std::vector<std::int64_t> offsets = read_offsets_npy(seq_path);
+  const std::vector<std::int64_t> lengths = sequence_lengths(offsets, view.num_tokens(), seq_name);
+  const auto num_seqs = static_cast<std::int64_t>(lengths.size());
+  // The budget first: no sequence above it and all of them within the micro-batches' room.
+  foremoe::detail::check_packing_shape(shape, lengths, "--token-budget");
+
+  CountOptions o;
+  const int dense = static_cast<int>(a.integer("dense-layers", 0, 4096));
+  if (dense > 0) {
+    if (dense >= view.num_layers())
+      throw UsageError{"--dense-layers " + std::to_string(dense) + " leaves no MoE layer of the ids' " +
+                       std::to_string(view.num_layers())};
+    o.layer_map = LayerMap::dense_prefix(view.num_layers(), dense);
+  }
+  const std::int64_t layers = view.num_layers() - dense;
+  if (a.has("experts")) {
+    o.num_experts = static_cast<int>(a.integer("experts", 1, 32767));
+  } else {
+    o.num_experts = infer_num_experts(view, {});
+    err << "--experts not given: using largest id + 1 = " << o.num_experts << "\n";
+  }
+  const std::int64_t experts = o.num_experts;
+  const bool by_gpus = a.str("packing-by") == "gpus";
+  // Sizes first: the histograms, the packed loads and the packer's work, before anything is allocated or run.
+  limits::require_product("--ids", {{"sequences", num_seqs}, {"MoE layers", layers}, {"experts", experts}},
+                          limits::max_load_cells, "histogram cells");
+  limits::require_product("--micro-steps",
+                          {{"micro-steps", shape.micro_steps}, {"MoE layers", layers}, {"experts", experts}},
+                          limits::max_load_cells, "load cells");
+  // Both packers look at every micro-batch for every sequence.
+  if (method != "none")
+    limits::require_product("--packing " + method,
+                            {{"sequences", num_seqs}, {"micro-steps", shape.micro_steps}, {"ranks", shape.ranks}},
+                            limits::max_packing_work, "packing work");
+  if (method == "routing")
+    limits::require_product("--packing routing",
+                            {{"sequences", num_seqs},
+                             {"micro-steps", shape.micro_steps},
+                             {"MoE layers", layers},
+                             {by_gpus ? "GPUs" : "experts", by_gpus ? topo.num_gpus() : experts}},
+                            limits::max_packing_work, "packing work");
+  o.microbatch_offsets = offsets;
+  const LoadTensor hist = count_loads(view, o); // [S, layers, experts]: micro-steps of one sequence each
+
+  PackingInput in;
+  in.layers = layers;
+  in.experts = experts;
+  in.lengths = lengths;
+  in.histograms = hist.totals();
+  // The columns the packer balances: each GPU's load under the step's owners (the same for every packing, since
+  // owners come from the step's totals), or each expert's.
+  PackingOptions po;
+  Planner::OwnerMap owners;
+  std::vector<std::int32_t> gpu_of;
+  if (by_gpus) {
+    std::vector<std::int64_t> totals(static_cast<std::size_t>(layers * experts), 0);
+    for (std::size_t i = 0; i < hist.totals().size(); ++i)
+      totals[i % totals.size()] += hist.totals()[i];
+    topo.validate(o.num_experts); // the owners' topology holds the experts
+    owners = Planner(static_cast<int>(layers), static_cast<int>(experts), topo, opts).plan_owners(totals);
+    for (const auto &row : owners)
+      gpu_of.insert(gpu_of.end(), row.begin(), row.end());
+    po.gpu_of = gpu_of;
+    po.gpus = topo.num_gpus();
+  }
+  Packing start = method == "none" ? pack_in_order(lengths, shape) : pack_by_tokens(lengths, shape);
+  Packing p = method == "routing" ? pack_by_routing(in, shape, po, start) : start;
+  const double start_dev = packing_deviation(in, shape, start, po), dev = packing_deviation(in, shape, p, po);
+  const std::vector<double> start_imb = packing_imbalance(in, shape, start, po),
+                            imb = packing_imbalance(in, shape, p, po);
+
+  PackedBatch out;
+  out.loads = LoadTensor(static_cast<int>(shape.micro_steps), static_cast<int>(layers), static_cast<int>(experts));
+  const std::span<const std::int64_t> h = hist.totals();
+  const std::span<std::int64_t> loads = out.loads.totals();
+  const std::size_t cells = static_cast<std::size_t>(layers * experts);
+  std::vector<std::vector<std::vector<std::int64_t>>> batches(static_cast<std::size_t>(shape.micro_steps),
+                                                              std::vector<std::vector<std::int64_t>>(shape.ranks));
+  std::vector<std::vector<std::int64_t>> batch_tokens(static_cast<std::size_t>(shape.micro_steps),
+                                                      std::vector<std::int64_t>(shape.ranks, 0));
+  for (std::size_t s = 0; s < lengths.size(); ++s) {
+    const auto m = static_cast<std::size_t>(p.micro_step[s]), r = static_cast<std::size_t>(p.rank[s]);
+    batches[m][r].push_back(static_cast<std::int64_t>(s));
+    batch_tokens[m][r] += lengths[s];
+    for (std::size_t c = 0; c < cells; ++c)
+      loads[m * cells + c] += h[s * cells + c];
+  }
+
+  json::Value j;
+  j["packing"] = method;
+  j["start"] = method == "routing" ? "tokens" : method;
+  j["sequences"] = num_seqs;
+  j["tokens"] = view.num_tokens();
+  j["micro_steps"] = shape.micro_steps;
+  j["ranks"] = shape.ranks;
+  j["token_budget"] = shape.token_budget;
+  j["num_layers"] = layers;
+  j["num_experts"] = experts;
+  j["packing_by"] = by_gpus ? "gpus" : "experts";
+  if (by_gpus) j["owner_gpu"] = owners;
+  j["micro_step"] = p.micro_step;
+  j["rank"] = p.rank;
+  json::Value mb = json::Array{}, mt = json::Array{};
+  for (std::size_t m = 0; m < batches.size(); ++m) {
+    json::Value ranks = json::Array{};
+    for (const auto &seqs : batches[m])
+      ranks.push_back(seqs);
+    mb.push_back(std::move(ranks));
+    mt.push_back(batch_tokens[m]);
+  }
+  j["micro_batches"] = std::move(mb);
+  j["micro_batch_tokens"] = std::move(mt);
+  j["start_deviation"] = start_dev;
+  j["deviation"] = dev;
+  const std::vector<double> start_worst = worst_layer(start_imb, layers), worst = worst_layer(imb, layers);
+  j["start_max_over_mean"] = start_worst;
+  j["max_over_mean"] = worst;
+  j["start_layer_max_over_mean"] = rows_json(start_imb, layers);
+  j["layer_max_over_mean"] = rows_json(imb, layers);
+  out.document = json::dump(j) + "\n";
+
+  const BalanceStats before = balance_stats(start_worst), after = balance_stats(worst);
+  std::ostringstream rep;
+  rep << "packed " << num_seqs << " sequences (" << view.num_tokens() << " tokens) into " << shape.micro_steps
+      << " micro-steps x " << shape.ranks << " ranks of at most " << shape.token_budget << " tokens with --packing "
+      << method << "\n"
+      << "  deviation from the step's share: " << std::setprecision(6) << start_dev << " ("
+      << (method == "routing" ? "tokens" : method) << ") -> " << dev << "\n"
+      << "  micro-step " << (by_gpus ? "GPU load under the step's owners" : "expert load")
+      << ", max/mean of the worst layer: median " << std::fixed << std::setprecision(4) << before.median << " -> "
+      << after.median << ", max " << before.max << " -> " << after.max << "\n";
+  out.report = rep.str();
+  return out;
+}
 
 Command make_plan() {
   Command c;
@@ -23,9 +240,35 @@ Command make_plan() {
   c.description =
       "LOADS.npy is [L, E] (one micro-step) or [M, L, E] (the micro-steps of one RL step in execution order;\n"
       "owners are planned from their sum), integer or float. Writes PLAN.json with, per micro-step and layer,\n"
-      "owner_gpu, gpu_slots, slot_tokens and moves ([expert, src_gpu or -1 for host, dst_gpu, dst_slot]).";
+      "owner_gpu, gpu_slots, slot_tokens and moves ([expert, src_gpu or -1 for host, dst_gpu, dst_slot]).\n"
+      "Per-sequence input instead of --loads: --ids IDS.npy, the routed ids [T, L, K] of one optimizer step\n"
+      "(any int dtype, -1 = no route) with --sequences OFFSETS.npy, the sequences' token offsets [S+1] (0, ..., T;\n"
+      "default IDS.sequences.npy, which trace gen --ids writes), and the trainer's micro-batches: --micro-steps M\n"
+      "x --ranks R (data-parallel) micro-batches of at most --token-budget B tokens. The sequences are packed\n"
+      "(--packing: none = in the order given, each micro-batch filled until the next sequence does not fit,\n"
+      "micro-step 0's ranks first; tokens = token-balanced, longest first to the emptiest micro-batch with room;\n"
+      "routing = from tokens' packing, every micro-step's load close to the step's share, per GPU under the\n"
+      "step's owners or per expert: --packing-by), the loads of the packed micro-steps are counted from the\n"
+      "ids and planned as --loads would be. --out-packing writes per sequence its micro_step and rank, per\n"
+      "micro-step and rank its sequences (micro_batches) and tokens, the deviation from the step's share of the\n"
+      "start and of the packing, and per micro-step the max/mean load of its worst layer (start_max_over_mean,\n"
+      "max_over_mean; per layer too), per GPU under the step's owners (owner_gpu) or per expert.";
   c.options = {
-      {"loads", "LOADS.npy", "per-micro-step loads (required)", ""},
+      {"loads", "LOADS.npy", "per-micro-step loads (this or --ids is required)", ""},
+      {"ids", "IDS.npy", "routed ids [T, L, K] of one optimizer step: packed, counted and planned", ""},
+      {"sequences", "OFFSETS.npy", "--ids: token offsets [S+1] of the sequences (default: IDS.sequences.npy)", ""},
+      {"experts", "E", "--ids: routed experts per MoE layer (default: largest id + 1)", ""},
+      {"dense-layers", "N", "--ids: leading dense layers in the ids to skip (vLLM/SGLang layout)", "0"},
+      {"micro-steps", "M", "--ids: micro-steps of the optimizer step (required with --ids)", ""},
+      {"ranks", "R", "--ids: data-parallel ranks, one micro-batch each per micro-step", "1"},
+      {"token-budget", "B", "--ids: tokens per micro-batch at most (required with --ids)", ""},
+      {"packing", "NAME", "--ids: none (the order given), tokens (token-balanced) or routing", "routing"},
+      {"packing-by", "NAME",
+       "--ids: the loads routing packing balances and the figures report: gpus (each GPU's under the step's owners, "
+       "planned from the step's totals as two-level planning does) or experts (each expert's)",
+       "gpus"},
+      {"out-packing", "PACKING.json", "--ids: write the packing here", ""},
+      {"out-loads", "LOADS.npy", "--ids: write the packed micro-steps' loads [M, L, E] here", ""},
       {"previous-loads", "FILE.npy", "previous step's loads: the history EPLB plans from", ""},
       {"resident", "PLACEMENT.json", "placement left by the previous micro-step (from --out-placement)", ""},
       {"out", "PLAN.json", "write the plan here", ""},
@@ -48,7 +291,7 @@ Command make_plan() {
     if (o.name == "strategy") o.help += "; all (side by side, no --out); list (the registered strategies)";
     c.options.push_back(std::move(o));
   }
-  c.run = [](const Args &a, std::ostream &out, std::ostream &) {
+  c.run = [](const Args &a, std::ostream &out, std::ostream &err) {
     refuse_plot(a, "plan");
     if (a.str("strategy") == "list") {
       for (const StrategyInfo *s : strategies()) {
@@ -65,7 +308,36 @@ Command make_plan() {
     }
     if (a.has("mode"))
       throw UsageError{"--mode is gone: use --strategy foremoe-free for free mode (foremoe is two-level)"};
-    if (!a.has("loads")) throw UsageError{"--loads LOADS.npy is required"};
+    const bool from_ids = a.has("ids");
+    if (from_ids == a.has("loads")) throw UsageError{"give --loads LOADS.npy or --ids IDS.npy (one of them)"};
+    if (!from_ids)
+      for (const char *o : ids_only_options)
+        if (a.has(o)) throw UsageError{std::string("--") + o + " is for --ids (the per-sequence input)"};
+    PackingShape shape;
+    std::string packing_method;
+    fs::path seq_path;
+    std::string seq_name;
+    if (from_ids) {
+      if (!a.has("micro-steps") || !a.has("token-budget"))
+        throw UsageError{"--ids needs the trainer's micro-batches: --micro-steps M and --token-budget B"};
+      shape.micro_steps = a.integer("micro-steps", 1, std::int64_t{1} << 20);
+      shape.ranks = a.integer("ranks", 1, std::int64_t{1} << 20);
+      shape.token_budget = a.integer("token-budget", 1, limits::max_load_total);
+      packing_method = a.str("packing");
+      if (packing_method != "none" && packing_method != "tokens" && packing_method != "routing")
+        throw UsageError{"--packing must be none, tokens or routing, got '" + packing_method + "'"};
+      if (a.str("packing-by") != "gpus" && a.str("packing-by") != "experts")
+        throw UsageError{"--packing-by must be gpus or experts, got '" + a.str("packing-by") + "'"};
+      // The packing document lists every micro-batch (2^24 of them, empty, took 2 GB): far above any trainer's.
+      if (shape.micro_steps * shape.ranks > (std::int64_t{1} << 20))
+        throw UsageError{"--micro-steps x --ranks = " + std::to_string(shape.micro_steps * shape.ranks) +
+                         " micro-batches is more than 2^20"};
+      seq_path = a.has("sequences") ? fs::path(a.str("sequences")) : sidecar_path(a.str("ids"), "sequences");
+      seq_name = a.has("sequences") ? "--sequences " + seq_path.string() : "the sequences sidecar " + seq_path.string();
+      if (!a.has("sequences") && !fs::exists(seq_path))
+        throw UsageError{"--ids needs the sequences' token offsets: give --sequences OFFSETS.npy (no " +
+                         seq_path.string() + ")"};
+    }
     const std::string placement_format = a.has("placement-format") ? a.str("placement-format") : "foremoe";
     {
       const auto &names = config::placement_format_names();
@@ -89,17 +361,30 @@ Command make_plan() {
       throw UsageError{e.what()}; // an unknown --strategy or a bad flag value is a usage error (exit 2)
     }
     {
-      std::vector<NamedPath> inputs{{"--loads", a.str("loads")}}, outputs;
-      for (const char *o : {"previous-loads", "resident"})
+      std::vector<NamedPath> inputs, outputs;
+      if (from_ids) inputs.push_back({a.has("sequences") ? "--sequences" : "the sequences sidecar of --ids", seq_path});
+      for (const char *o : {"loads", "ids", "previous-loads", "resident"})
         if (a.has(o)) inputs.push_back({std::string("--") + o, a.str(o)});
-      for (const char *o : {"out", "out-placement", "plot-document"})
+      for (const char *o : {"out", "out-placement", "plot-document", "out-packing", "out-loads"})
         if (a.has(o)) outputs.push_back({std::string("--") + o, a.str(o)});
       check_outputs(outputs, inputs);
     }
     const Topology topo = settings.topo;
     const PlannerOptions opts = settings.planner;
     const Stage stage = settings.stage;
-    const LoadTensor loads = read_loads_npy(a.str("loads"));
+    // Every output is staged first and renamed into place together: a failure leaves none of them behind.
+    files::OutputSet outputs;
+    LoadTensor loads;
+    std::string packing_report;
+    if (from_ids) {
+      PackedBatch packed = pack_ids(a, a.str("ids"), seq_path, seq_name, packing_method, shape, topo, opts, err);
+      loads = std::move(packed.loads);
+      packing_report = std::move(packed.report);
+      if (a.has("out-packing")) outputs.add_text(a.str("out-packing"), packed.document);
+      if (a.has("out-loads")) outputs.add(a.str("out-loads"), loads_npy_writer(loads));
+    } else {
+      loads = read_loads_npy(a.str("loads"));
+    }
     topo.validate(loads.num_experts());
 
     std::vector<std::int64_t> previous;
@@ -139,6 +424,10 @@ Command make_plan() {
             << std::setw(16) << double(moves) / double(sp.micro_steps.size()) << std::setprecision(2) << std::setw(14)
             << sp.planner_seconds * 1e3 << "\n";
       }
+      outputs.commit();
+      out << packing_report;
+      for (const char *o : {"out-packing", "out-loads"})
+        if (a.has(o)) out << "  wrote " << a.str(o) << "\n";
       return 0;
     }
 
@@ -189,8 +478,6 @@ Command make_plan() {
           path_bytes[p] += tp.path_bytes[p];
       }
     }
-    // Every output is staged first and renamed into place together: a failure leaves none of them behind.
-    files::OutputSet outputs;
     if (a.has("out") || a.has("plot-document")) {
       const config::PlanHeader h{opts.strategy, topo, loads.num_layers(), loads.num_experts(), sp.planner_seconds};
       const std::string text =
@@ -214,6 +501,7 @@ Command make_plan() {
     }
     outputs.commit();
 
+    out << packing_report;
     const BalanceStats balance = balance_stats(imbalances(sp.micro_steps));
     out << "planned " << sp.micro_steps.size() << " micro-steps x " << loads.num_layers() << " layers x "
         << loads.num_experts() << " experts on " << topo.num_nodes << " x " << topo.gpus_per_node << " GPUs x "
@@ -234,6 +522,8 @@ Command make_plan() {
     }
     if (a.has("out")) out << "  wrote " << a.str("out") << "\n";
     if (a.has("out-placement")) out << "  wrote " << a.str("out-placement") << "\n";
+    for (const char *o : {"out-packing", "out-loads"})
+      if (a.has(o)) out << "  wrote " << a.str(o) << "\n";
     return 0;
   };
   return c;

@@ -51,7 +51,8 @@ Command make_trace_gen() {
       "Writes --loads OUT.npy (int64 [micro_steps, layers, experts], or [..., gpus] with --by-source) with\n"
       "OUT.steps.npy (micro-step offsets of the RL steps), and/or --ids OUT.npy (int16 [tokens, layers, topk])\n"
       "with OUT.microbatches.npy (token offsets of the micro-steps), OUT.sources.npy (token offsets per source\n"
-      "rank within micro-steps) and OUT.steps.npy.";
+      "rank within micro-steps), OUT.steps.npy and OUT.sequences.npy (token offsets of the sequences, which\n"
+      "plan --ids packs).";
   c.options = synthetic_specs();
   c.options.emplace_back("loads", "FILE.npy", "write the per-micro-step loads here", "");
   c.options.emplace_back("ids", "FILE.npy", "write the routed ids here (memory: tokens x layers x topk x 2 bytes)", "");
@@ -66,7 +67,7 @@ Command make_trace_gen() {
     if (a.has("ids")) {
       const fs::path p = a.str("ids");
       targets.push_back({"--ids", p});
-      for (const char *side : {"microbatches", "sources", "steps"})
+      for (const char *side : {"microbatches", "sources", "steps", "sequences"})
         targets.push_back({std::string("the ") + side + " sidecar of --ids", sidecar_path(p, side)});
     }
     if (a.has("loads")) {
@@ -87,6 +88,7 @@ Command make_trace_gen() {
       outputs.add(sidecar_path(p, "microbatches"), offsets_npy_writer(tr.microbatch_offsets));
       outputs.add(sidecar_path(p, "sources"), offsets_npy_writer(tr.source_offsets));
       outputs.add(sidecar_path(p, "steps"), offsets_npy_writer(tr.step_offsets));
+      outputs.add(sidecar_path(p, "sequences"), offsets_npy_writer(tr.sequence_offsets));
       report << "wrote " << p.string() << ": routed ids [" << tr.num_tokens << ", " << tr.num_layers << ", " << tr.topk
              << "] int16, " << tr.microbatch_offsets.size() - 1 << " micro-steps, " << tr.step_offsets.size() - 1
              << " steps\n";
@@ -263,20 +265,6 @@ Command make_trace_stats() {
 }
 
 // ---------------------------------------------------------------- trace count
-/// Largest routed id + 1 over the unmasked tokens (the expert count when none is given).
-int infer_num_experts(const RoutedView &v, std::span<const std::uint8_t> mask) {
-  std::int64_t mx = -1;
-  for (std::int64_t t = 0; t < v.num_tokens(); ++t) {
-    if (!mask.empty() && mask[static_cast<std::size_t>(t)] == 0) continue;
-    for (int l = 0; l < v.num_layers(); ++l)
-      for (int k = 0; k < v.topk(); ++k)
-        mx = std::max(mx, v.at(t, l, k, 1 << 30));
-  }
-  if (mx < 0) throw UsageError{"the trace routes no token; give --experts"};
-  if (mx >= 32767) throw UsageError{"largest id " + std::to_string(mx) + " is beyond 32766; give --experts"};
-  return static_cast<int>(mx + 1);
-}
-
 /// The formats that take a per-token mask, for the message when --mask is given to another.
 std::string mask_formats() {
   std::string out;

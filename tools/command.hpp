@@ -11,11 +11,13 @@
 #include <iosfwd>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "foremoe/config/schema.hpp"
+#include "foremoe/trace/routed_view.hpp"
 
 namespace foremoe::cli {
 
@@ -136,6 +138,10 @@ struct NamedPath {
 /// `check_output_path`'s rules and name neither one of `inputs` (the same file, links resolved) nor another
 /// output. Outputs "-" (stdout) are skipped. A usage error naming both.
 void check_outputs(const std::vector<NamedPath> &outputs, const std::vector<NamedPath> &inputs);
+
+/// Largest routed id + 1 over the tokens whose `mask` byte is not 0 (every token when `mask` is empty): the expert
+/// count when `--experts` is not given. A usage error when no token is routed or the largest id is beyond 32766.
+[[nodiscard]] int infer_num_experts(const RoutedView &v, std::span<const std::uint8_t> mask);
 
 /// Progress for long work on stderr: shown only when stderr is a terminal and `--quiet` is not given, after the
 /// work has run for `delay_s` seconds, so that quick runs print nothing.

@@ -170,6 +170,19 @@ void Progress::clear() {
   shown_ = false;
 }
 
+int infer_num_experts(const RoutedView &v, std::span<const std::uint8_t> mask) {
+  std::int64_t mx = -1;
+  for (std::int64_t t = 0; t < v.num_tokens(); ++t) {
+    if (!mask.empty() && mask[static_cast<std::size_t>(t)] == 0) continue;
+    for (int l = 0; l < v.num_layers(); ++l)
+      for (int k = 0; k < v.topk(); ++k)
+        mx = std::max(mx, v.at(t, l, k, 1 << 30));
+  }
+  if (mx < 0) throw UsageError{"the trace routes no token; give --experts"};
+  if (mx >= 32767) throw UsageError{"largest id " + std::to_string(mx) + " is beyond 32766; give --experts"};
+  return static_cast<int>(mx + 1);
+}
+
 bool progress_wanted(const Args &a) { return !a.flag("quiet") && isatty(fileno(stderr)) != 0; }
 
 OptionSpec quiet_option() {

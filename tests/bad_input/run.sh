@@ -44,6 +44,14 @@ run_of() { head -c 10000000 /dev/zero | tr '\0' "$1"; } # 10 MB of one character
   printf '\x93NUMPY\x01\x00\x76\x00%s%*s\n' "$dict" "$pad" ""
 } >"$work/sparse.npy"
 truncate -s $((128 + 8 * 1048575)) "$work/sparse.npy"
+# Routed ids [2 tokens, 8193 layers, top-1] int8, all expert 0 (a hole): with 32,767 experts, per-sequence
+# histograms of 2 x 8193 x 32767 cells (plan --ids).
+{
+  dict="{'descr': '|i1', 'fortran_order': False, 'shape': (2, 8193, 1), }"
+  pad=$((128 - 10 - ${#dict} - 1))
+  printf '\x93NUMPY\x01\x00\x76\x00%s%*s\n' "$dict" "$pad" ""
+} >"$work/deep_ids.npy"
+truncate -s $((128 + 2 * 8193)) "$work/deep_ids.npy"
 # What every case must leave as it was: the inputs, byte for byte, the folder's listing (a refused command writes
 # nothing) and the device nodes a case names.
 mkdir "$work/pristine"

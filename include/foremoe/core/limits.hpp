@@ -34,6 +34,11 @@ inline constexpr std::int64_t max_load_total = std::int64_t{1} << 42;
 /// mean capped at its clip): 2^34, about 30 s on one core (the default batch is 6.3e9, the DeepSeek-V3 one 7.6e9).
 inline constexpr std::int64_t max_generator_work = std::int64_t{1} << 34;
 
+/// Work of the routing-aware packer without a placement, `sequences x micro_steps x layers x experts` (its greedy
+/// pass; the search adds a few such passes at most): 2^34, about a minute on one core (`BM_Packing`: 2,048
+/// sequences x 16 micro-steps x 48 x 128 take about a second). 4,096 sequences x 64 micro-steps x 61 x 256 fit.
+inline constexpr std::int64_t max_packing_work = std::int64_t{1} << 34;
+
 /// "2^28" for powers of two, else the number.
 [[nodiscard]] inline std::string limit_text(std::int64_t limit) {
   for (int b = 1; b < 63; ++b)
