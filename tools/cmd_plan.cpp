@@ -324,8 +324,11 @@ Command make_plan() {
       shape.ranks = a.integer("ranks", 1, std::int64_t{1} << 20);
       shape.token_budget = a.integer("token-budget", 1, limits::max_load_total);
       packing_method = a.str("packing");
-      if (packing_method != "none" && packing_method != "tokens" && packing_method != "routing")
-        throw UsageError{"--packing must be none, tokens or routing, got '" + packing_method + "'"};
+      try {
+        static_cast<void>(parse_batch_packing(packing_method, "--packing"));
+      } catch (const Error &e) {
+        throw UsageError{e.what()};
+      }
       if (a.str("packing-by") != "gpus" && a.str("packing-by") != "experts")
         throw UsageError{"--packing-by must be gpus or experts, got '" + a.str("packing-by") + "'"};
       // The packing document lists every micro-batch (2^24 of them, empty, took 2 GB): far above any trainer's.

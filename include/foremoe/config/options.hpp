@@ -130,18 +130,12 @@ inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
         "microbatch_tokens", 1, std::int64_t{1} << 30, "per-GPU micro-batch token budget (dynamic batch size)",
         [](auto &c) -> auto & { return c.microbatch_tokens_per_gpu; }));
     o.push_back(choice<C>(
-        "packing", {"none", "tokens", "routing"},
+        "packing", {batch_packing_names.begin(), batch_packing_names.end()},
         "micro-batch packing of each step's sequences: none (shuffle, deal to ranks, fill in order), tokens "
         "(longest first to the emptiest micro-batch, verl-style) or routing (expert loads of every micro-step close "
         "to the step's share); the same micro-steps and ranks",
-        [](const C &c) {
-          return c.packing == BatchPacking::tokens ? "tokens" : c.packing == BatchPacking::routing ? "routing" : "none";
-        },
-        [](C &c, const std::string &v) {
-          c.packing = v == "tokens"    ? BatchPacking::tokens
-                      : v == "routing" ? BatchPacking::routing
-                                       : BatchPacking::none;
-        }));
+        [](const C &c) { return std::string(to_string(c.packing)); },
+        [](C &c, const std::string &v) { c.packing = parse_batch_packing(v, "packing"); }));
     o.push_back(integer<C>(
         "packing_ranks", 0, 1 << 20,
         "ranks that re-pack their sequences together (an EP group; consecutive ranks, dividing gpus; 0: all); "

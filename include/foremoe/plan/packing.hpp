@@ -41,11 +41,13 @@
 /// Cost per pass: O(S (M + S/M) L G) arithmetic on the compressed histograms (`bench_plan`'s `BM_Packing`).
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <numeric>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
@@ -53,6 +55,28 @@
 
 namespace foremoe {
 inline namespace v0 {
+
+/// How a step's sequences are packed into micro-batches: the choice every front end offers (`--packing`: the
+/// synthetic batch's `SyntheticConfig::packing`, `foremoe plan --ids`).
+enum class BatchPacking {
+  none,    ///< not re-packed: the trainer's layout (the generator's), or the order given (`plan --ids`)
+  tokens,  ///< `pack_by_tokens`: longest first to the micro-batch with the fewest tokens (verl-style)
+  routing, ///< `pack_by_routing`: every micro-step's loads close to the step's share
+};
+
+/// The names of `BatchPacking`'s values, in order.
+inline constexpr std::array<std::string_view, 3> batch_packing_names{"none", "tokens", "routing"};
+
+[[nodiscard]] inline std::string_view to_string(BatchPacking p) noexcept {
+  return batch_packing_names[static_cast<std::size_t>(p)];
+}
+
+/// The packing named `name`; throws `Error` "`who` must be one of none, tokens, routing, got 'name'".
+[[nodiscard]] inline BatchPacking parse_batch_packing(std::string_view name, std::string_view who) {
+  for (std::size_t i = 0; i < batch_packing_names.size(); ++i)
+    if (name == batch_packing_names[i]) return static_cast<BatchPacking>(i);
+  throw Error(std::string(who) + " must be one of none, tokens, routing, got '" + std::string(name) + "'");
+}
 
 /// Bumped whenever `pack_by_tokens` or `pack_by_routing` may return another packing for the same input, so that
 /// loads cached under a packing (the simulator's load cache) are not reused across such a change.

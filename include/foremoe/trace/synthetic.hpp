@@ -84,13 +84,6 @@ struct LengthDistribution {
 
 /// Shape and statistics of a synthetic GRPO trace. The defaults model Qwen3-30B-A3B (48 MoE layers, 128 experts,
 /// top-8) on 64 GPUs: about 8M tokens and 10 micro-steps per RL step.
-/// How a step's sequences are packed into micro-batches (`SyntheticConfig::packing`).
-enum class BatchPacking {
-  none,    ///< the trainer's layout: shuffle, deal to the rank with the fewest tokens, fill in order
-  tokens,  ///< `pack_by_tokens`: longest first to the micro-batch with the fewest tokens (verl-style)
-  routing, ///< `pack_by_routing` from the trainer's layout: per-micro-step expert loads close to the step's share
-};
-
 struct SyntheticConfig {
   std::uint64_t seed = 1; ///< everything below is a deterministic function of this
 
