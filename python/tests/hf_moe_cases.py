@@ -251,6 +251,21 @@ def errors_rank(rank: int, case: HFCase, tmp: str) -> None:
         want = model(input_ids=mb[0]).logits
     out["good_after_errors"] = "equal" if torch.allclose(got, want, rtol=1e-12, atol=1e-12) else "differs"
     out["replicas_used"] = str(moe.replica_tokens(plans[0]))
+    # Packing before the stage: the recorded micro-batches' rows as sequences, under the model's owners.
+    import foremoe.torch as ft
+
+    ids = rollout.ids()
+    lengths = [int(x.numel()) for x in mb]
+    budget = 2 * max(lengths)
+    got = moe.pack(ids, lengths, micro_steps=case.micro, token_budget=budget)
+    want = ft.pack_from_ids(ids, lengths, num_experts=case.experts, micro_steps=case.micro, token_budget=budget,
+                            gpu_of=moe.owners)
+    same = np.array_equal(got.micro_step, want.micro_step) and np.array_equal(got.loads, want.loads)
+    order = sorted(i for m in got.micro_batches(0) for i in m)
+    out["pack"] = "ok" if same and order == list(range(len(lengths))) else f"differs: {got.micro_step}, {order}"
+    bad_ids = ids.clone()
+    bad_ids[0, 0, 0] = case.experts
+    out["pack_range"] = _catch(lambda: moe.pack(bad_ids, lengths, micro_steps=case.micro, token_budget=budget))
     # Unsupported layout: FSDP over the experts (fsdp_size == ep_size, every rank its own batch).
     from transformers.distributed import DistributedConfig
     cfg = DistributedConfig(fsdp_size=case.world, ep_size=case.world, ep_implementation="foremoe")

@@ -180,6 +180,26 @@ def bad_inputs(case: MCase, fm: Any, bal: Any, planner: Any, recorded: List[List
     kept, fm._driver = fm._driver, None
     out["set_without_driver"] = _catch(lambda: fm.set_micro_step(0))
     fm._driver = kept
+    # Packing before the stage: every recorded micro-batch cut into two samples, packed under the owners; the
+    # balancer's result must be foremoe.torch's on the same samples, a permutation within the budget.
+    from foremoe.torch.replay import pack_from_slime
+
+    samples = []
+    for layers in recorded:
+        half = layers[0].shape[0] // 2
+        samples += [[x[:half] for x in layers], [x[half:] for x in layers]]
+    budget = max(x[0].shape[0] for x in samples) * 2
+    got = fm.pack(samples, micro_steps=len(recorded), token_budget=budget)
+    want = pack_from_slime([np.stack([x.numpy() for x in layers], axis=1) for layers in samples],
+                           num_experts=case.experts, micro_steps=len(recorded), token_budget=budget,
+                           gpu_of=fm.owners)
+    same = np.array_equal(got.micro_step, want.micro_step) and np.array_equal(got.loads, want.loads)
+    order = sorted(i for mb in got.micro_batches(0) for i in mb)
+    fill = [sum(samples[i][0].shape[0] for i in mb) for mb in got.micro_batches(0)]
+    out["pack"] = "ok" if same and order == list(range(len(samples))) and max(fill) <= budget else \
+        f"differs: {got.micro_step} vs {want.micro_step}, order {order}, fill {fill}"
+    out["pack_layers"] = _catch(lambda: fm.pack([layers[:1] for layers in samples], micro_steps=2,
+                                                token_budget=budget))
     out["install_twice"] = _catch(lambda: fmeg.install(bal, case.slots))
     cfg = copy.deepcopy(bal.layers[0].config)
     for name, value in [("moe_token_dispatcher_type", "flex"), ("moe_token_dispatcher_type", "allgather"),

@@ -100,6 +100,8 @@ def test_bad_input(tmp_path_factory):
         assert "MoE layers" in e["plan_too_few_layers"]
         assert "1 MoE layers, the model 2" in e["plan_other_layer_count"]
         assert "without a driver" in e["set_without_driver"]
+        assert e["pack"] == "ok", e["pack"]
+        assert "sample 0 has 1 per-layer arrays, the model 2 MoE layers" in e["pack_layers"]
         assert "already balanced" in e["install_twice"]
         assert "moe_token_dispatcher_type='flex'" in e["config_moe_token_dispatcher_type_flex"]
         assert "moe_token_dispatcher_type='allgather'" in e["config_moe_token_dispatcher_type_allgather"]

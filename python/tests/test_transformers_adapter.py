@@ -68,4 +68,6 @@ def test_bad_input(tmp_path):
         assert out["nested"].startswith("RuntimeError") and "do not nest" in out["nested"], where
         assert out["good_after_errors"] == "equal", where
         assert int(out["replicas_used"]) > 0, where
+        assert out["pack"] == "ok", (where, out["pack"])
+        assert out["pack_range"].startswith("ValueError") and "8" in out["pack_range"], (where, out["pack_range"])
         assert "ep_implementation='foremoe' needs" in out["fsdp"] and "ep_size=2, tp_size=1" in out["fsdp"], where

@@ -93,7 +93,7 @@ import foremoe  # noqa: E402
 from foremoe._args import integer  # noqa: E402
 from foremoe.torch.distributed import DEFAULT_TIMEOUT, all_to_all, group_rank, group_size  # noqa: E402
 from foremoe.torch.layer import ExpertStorage, _prepare, _Run, _SlotExperts, contiguous_owners  # noqa: E402
-from foremoe.torch.replay import ReplayDriver  # noqa: E402
+from foremoe.torch.replay import ReplayDriver, StepPacking, pack_from_slime  # noqa: E402
 
 __doc__ = __doc__.replace("|SUPPORTED|", " / ".join(SUPPORTED_MEGATRON))
 
@@ -356,6 +356,33 @@ class MegatronBalancer:
         return ReplayDriver.from_megatron(planner, per_layer, microbatch_offsets, num_experts=self.num_experts,
                                           owners=self.owners, group=self.group, stage=stage,
                                           num_layers=len(self.layers), timeout=self.timeout, **options)
+
+    def pack(self, samples: Sequence[Sequence[Any]], *, micro_steps: int, token_budget: int, ranks: int = 1,
+             start: Any = None) -> StepPacking:
+        """The routing-aware packing of one optimizer step's samples, before the stage runs
+        (:func:`foremoe.torch.pack_from_slime` under this balancer's owners: each micro-step's load per rank close to
+        the step's share). ``samples``: per sample, router replay's recorded per-layer ``[len, K]`` indices (what
+        ``RouterReplay`` records for a micro-batch holding that sample alone), in the batch's order. The micro-batches
+        of :meth:`StepPacking.micro_batches` go where the trainer's own ones go; record or slice the routing of each
+        packed micro-batch (its samples' indices, concatenated in that order) for :meth:`driver`. The trainer keeps
+        the loss normalised over the mini-batch and the same micro-batches in recompute and update (see
+        :class:`foremoe.torch.StepPacking`)."""
+        who = "MegatronBalancer.pack"
+        if not isinstance(samples, (list, tuple)) or not samples:
+            raise ValueError(f"{who}: samples must be a non-empty list of per-sample lists of per-layer [len, K] indices")
+        stacked = []
+        for i, layers in enumerate(samples):
+            if not isinstance(layers, (list, tuple)) or len(layers) != len(self.layers):
+                got = len(layers) if isinstance(layers, (list, tuple)) else type(layers).__name__
+                raise ValueError(f"{who}: sample {i} has {got} per-layer arrays, the model {len(self.layers)} MoE layers")
+            arrays = [np.asarray(x.detach().cpu() if isinstance(x, torch.Tensor) else x) for x in layers]
+            for l, a in enumerate(arrays):
+                if a.ndim != 2 or a.shape != arrays[0].shape:
+                    raise ValueError(f"{who}: sample {i}, layer {l}: recorded indices have shape {list(a.shape)}, "
+                                     f"layer 0 {list(arrays[0].shape)} (each layer routes the sample's [len, K])")
+            stacked.append(np.stack(arrays, axis=1))
+        return pack_from_slime(stacked, num_experts=self.num_experts, micro_steps=micro_steps,
+                               token_budget=token_budget, ranks=ranks, gpu_of=self.owners, start=start)
 
     def set_micro_step(self, micro_step: Optional[int], driver: Optional[ReplayDriver] = None) -> Any:
         """Makes ``driver.plan(micro_step)`` the plan of every MoE layer until the next call (``None``: Megatron's

@@ -478,6 +478,16 @@ class ForeMoE:
         return ft.ReplayDriver.from_ids(planner, ids, microbatch_offsets, num_experts=self.num_experts,
                                         owners=self.owners, num_layers=self.num_layers, **driver)
 
+    def pack(self, ids: Any, lengths: Any, *, micro_steps: int, token_budget: int, ranks: int = 1,
+             start: Any = None) -> ft.StepPacking:
+        """The routing-aware packing of one optimizer step's sequences, before the stage runs
+        (:func:`foremoe.torch.pack_from_ids` under this model's owners): ``ids`` the recorded ``[T, L, K]`` routing of
+        the sequences laid end to end (:meth:`Recording.ids` ``()``), ``lengths`` ``[S]`` their tokens. The trainer
+        runs :meth:`StepPacking.micro_batches`, keeps the loss normalised over the mini-batch and the same
+        micro-batches in recompute and update (see :class:`foremoe.torch.StepPacking`)."""
+        return ft.pack_from_ids(ids, lengths, num_experts=self.num_experts, micro_steps=micro_steps,
+                                token_budget=token_budget, ranks=ranks, gpu_of=self.owners, start=start)
+
     def tokens_per_rank(self, ids: torch.Tensor, plan: Optional["foremoe.Plan"] = None) -> np.ndarray:
         """``[L, N]`` (token, expert) pairs each rank computes in each MoE layer for ``[T, L, K]`` ids: on the
         owners (``plan=None``) or as ``plan`` places them."""
