@@ -75,6 +75,7 @@ class Planner:
         exact_split: Optional[bool] = None,
         tolerance: Optional[float] = None,
         gradient_bytes_factor: Optional[float] = None,
+        hold_replica_gradients: Optional[bool] = None,
         min_tokens_per_replica: Optional[int] = None,
         ultraep_min_tokens: Optional[int] = None,
         eplb_num_groups: Optional[int] = None,
