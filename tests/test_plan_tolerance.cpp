@@ -15,6 +15,7 @@
 #include "foremoe/plan/held_gradients.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/replicate.hpp"
+#include "test_support.hpp"
 
 using namespace foremoe;
 
@@ -287,7 +288,7 @@ std::vector<std::int32_t> random_held(std::mt19937_64 &rng, const Case &c) {
 TEST_CASE("held gradients: valid plans, bytes never grow as the tolerance loosens, never above the unheld pick") {
   std::mt19937_64 rng(30);
   int cheaper = 0, resident_reuse = 0;
-  for (int it = 0; it < 1500; ++it) {
+  for (int it = 0; it < 1500 * foremoe_test::seed_multiplier(); ++it) {
     const Case c = random_case(rng);
     ReplicaPlanner rp(c.topo, c.num_experts);
     const std::vector<std::int32_t> held = random_held(rng, c);
@@ -374,7 +375,7 @@ std::pair<std::int64_t, std::int64_t> count_returns(const std::vector<std::vecto
 TEST_CASE("held gradients: planner chains, every setting valid, held returns never above every-micro-step ones") {
   std::mt19937_64 rng(31);
   int fewer = 0, differ = 0;
-  for (int it = 0; it < 300; ++it) {
+  for (int it = 0; it < 300 * foremoe_test::seed_multiplier(); ++it) {
     const Topology topo{1 + static_cast<int>(rng() % 2), 1 + static_cast<int>(rng() % 4),
                         2 + static_cast<int>(rng() % 3)};
     const int gpus = topo.num_gpus();
