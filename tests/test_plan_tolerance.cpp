@@ -6,6 +6,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -451,4 +452,45 @@ TEST_CASE("held gradients: HeldGradients keeps a gradient only on the same GPU f
   CHECK(h.advance(0, moved, true) == 1);
   CHECK(h.count(0) == 0); // the new owner's own copy owes nothing
   CHECK_THROWS_AS((void)detail::new_gradients(p, std::vector<std::int32_t>(3, -1)), Error);
+}
+
+TEST_CASE("held gradients: one micro-step per call with a chained HeldGradients plans as one call over the stage") {
+  std::mt19937_64 rng(32);
+  int held_some = 0;
+  for (int it = 0; it < 100 * foremoe_test::seed_multiplier(); ++it) {
+    const Topology topo{1 + static_cast<int>(rng() % 2), 2 + static_cast<int>(rng() % 3),
+                        3 + static_cast<int>(rng() % 2)};
+    const int gpus = topo.num_gpus(), experts = gpus * (topo.slots_per_gpu - 1);
+    const int layers = 1 + static_cast<int>(rng() % 2), micro = 2 + static_cast<int>(rng() % 4);
+    LoadTensor loads(micro, layers, experts);
+    for (auto &x : loads.totals())
+      x = static_cast<std::int64_t>(rng() % 400) * (rng() % 5 == 0 ? 8 : 1);
+    PlannerOptions o;
+    o.tolerance = tolerances[1 + rng() % 6];
+    Planner planner(layers, experts, topo, o);
+    const Planner::OwnerMap owners = planner.plan_owners(loads);
+    const StepPlan whole = planner.plan_step_with_owners(loads, owners);
+    HeldGradients held(layers, gpus, experts);
+    Placement prev;
+    for (int m = 0; m < micro; ++m) {
+      LoadTensor one(1, layers, experts);
+      std::copy_n(loads.totals().begin() + static_cast<std::ptrdiff_t>(m) * layers * experts, one.totals().size(),
+                  one.totals().begin());
+      const StepPlan sp = planner.plan_step_with_owners(one, owners, m > 0 ? &prev : nullptr, Stage::update, &held);
+      CAPTURE(it);
+      CAPTURE(m);
+      for (int l = 0; l < layers; ++l) {
+        CHECK(sp.micro_steps[0][l].placement == whole.micro_steps[m][l].placement);
+        CHECK(sp.micro_steps[0][l].slot_tokens == whole.micro_steps[m][l].slot_tokens);
+      }
+      prev = to_placement(sp.micro_steps[0]);
+    }
+    for (int l = 0; l < layers; ++l)
+      held_some += held.count(l) > 0;
+    CHECK_THROWS_AS(
+        (void)planner.plan_step_with_owners(loads, owners, nullptr, Stage::update,
+                                            std::addressof(held = HeldGradients(layers + 1, gpus, experts))),
+        Error);
+  }
+  CHECK(held_some > 0);
 }

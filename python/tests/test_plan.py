@@ -231,3 +231,26 @@ def test_hold_replica_gradients_keyword(seed):
         assert counts[hold][0] <= counts[hold][1]
     with pytest.raises(ValueError, match="hold_replica_gradients"):
         foremoe.Planner(topo, hold_replica_gradients="yes")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_held_chains_single_micro_steps_like_one_call(seed):
+    # A stage planned one micro-step per call under fixed owners, with one HeldGradients passed to every call, gets
+    # the plans of one call over the whole stage (the replay driver's streaming path).
+    loads = loads_mle(seed, M=5, L=3, E=32)
+    topo = foremoe.Topology(**TOPO)
+    planner = foremoe.Planner(topo, strategy="foremoe", tolerance=1.02)
+    owners = np.asarray(planner.plan(loads)[0].owner_gpu)
+    whole = planner.plan(loads, owners=owners)
+    held = foremoe.HeldGradients(loads.shape[1], topo.num_gpus, loads.shape[2])
+    prev = None
+    for m in range(loads.shape[0]):
+        p = planner.plan(loads[m], resident=prev, owners=owners, held=held)
+        for name in ("phys_to_log", "slot_tokens", "num_moves"):
+            assert np.array_equal(np.asarray(getattr(p, name)), np.asarray(getattr(whole[m], name))), (m, name)
+        prev = p
+    assert sum(held.count(l) for l in range(loads.shape[1])) > 0  # replicas hold gradients after the stage
+    with pytest.raises(ValueError, match="held needs owners"):
+        planner.plan(loads, held=held)
+    with pytest.raises(ValueError, match="held gradients are"):
+        planner.plan(loads, owners=owners, held=foremoe.HeldGradients(1, topo.num_gpus, loads.shape[2]))

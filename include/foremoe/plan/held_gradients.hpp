@@ -37,6 +37,8 @@ public:
   }
 
   [[nodiscard]] int num_layers() const noexcept { return static_cast<int>(owner_.size()); }
+  [[nodiscard]] int num_gpus() const noexcept { return num_gpus_; }
+  [[nodiscard]] int num_experts() const noexcept { return num_experts_; }
   /// `[gpus * experts]` of layer `l`: the owner each replica's held gradient goes to, or -1.
   [[nodiscard]] std::span<const std::int32_t> layer(int l) const { return owner_.at(static_cast<std::size_t>(l)); }
   /// Gradients held in layer `l`.

@@ -195,13 +195,17 @@ public:
 
   /// `plan_step` with the owners fixed to `owners` (`[layers][experts]` owner GPU, checked as `set_owners` checks
   /// them) instead of the strategy's step-level choice: for a trainer whose expert sharding is given (each rank's
-  /// optimizer state is where it is). The micro-steps chain as in `plan_step`.
+  /// optimizer state is where it is). The micro-steps chain as in `plan_step`. `held` (may be null: none before
+  /// the first micro-step): the gradients held before the first micro-step, updated in place to those held after
+  /// the last, so that a stage planned a few micro-steps per call (a replay driver publishing each as soon as it is
+  /// planned) gets the plans of one call over all of them.
   [[nodiscard]] StepPlan plan_step_with_owners(const LoadTensor &micro_steps, OwnerMap owners,
-                                               const Placement *resident = nullptr, Stage stage = Stage::update) {
+                                               const Placement *resident = nullptr, Stage stage = Stage::update,
+                                               HeldGradients *held = nullptr) {
     check_tensor(micro_steps, "plan_step_with_owners");
     const auto start = std::chrono::steady_clock::now();
     set_owners(std::move(owners));
-    StepPlan sp = plan_micro_steps(micro_steps, resident, stage);
+    StepPlan sp = plan_micro_steps(micro_steps, resident, stage, held);
     sp.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return sp;
   }
@@ -227,12 +231,21 @@ private:
   /// Every micro-step in order under the current owners, each from the previous one's placement (the first from
   /// `resident`, which may be null). In the update stage with `hold_replica_gradients` the held gradients chain too
   /// (none at the start: the stage before returned them all).
-  [[nodiscard]] StepPlan plan_micro_steps(const LoadTensor &micro_steps, const Placement *resident, Stage stage) {
+  [[nodiscard]] StepPlan plan_micro_steps(const LoadTensor &micro_steps, const Placement *resident, Stage stage,
+                                          HeldGradients *chain = nullptr) {
     StepPlan sp;
     sp.owner_gpu = owners_;
     Placement prev;
     const bool hold = stage == Stage::update && opts_.hold_replica_gradients && strategy_->reuses_resident();
-    HeldGradients held = hold ? HeldGradients(num_layers_, topo_.num_gpus(), num_experts_) : HeldGradients{};
+    if (chain != nullptr)
+      detail::require(chain->num_layers() == num_layers_ && chain->num_gpus() == topo_.num_gpus() &&
+                          chain->num_experts() == num_experts_,
+                      "plan: held gradients are [", chain->num_layers(), ", ", chain->num_gpus(), ", ",
+                      chain->num_experts(), "], expected [layers, GPUs, experts] = [", num_layers_, ", ",
+                      topo_.num_gpus(), ", ", num_experts_, "]");
+    HeldGradients local =
+        hold && chain == nullptr ? HeldGradients(num_layers_, topo_.num_gpus(), num_experts_) : HeldGradients{};
+    HeldGradients &held = chain != nullptr ? *chain : local;
     for (int m = 0; m < micro_steps.num_micro_steps(); ++m) {
       sp.micro_steps.push_back(
           plan(step_span(micro_steps, m), stage, m == 0 ? resident : &prev, hold ? &held : nullptr));

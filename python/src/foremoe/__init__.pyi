@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 import numpy as np
 import numpy.typing as npt
 
-from ._core import Placement as Placement, Plan as Plan, Topology as Topology
+from ._core import HeldGradients as HeldGradients, Placement as Placement, Plan as Plan, Topology as Topology
 
 __version__: str
 STRATEGIES: Tuple[str, ...]
@@ -97,6 +97,7 @@ class Planner:
         previous_loads: Any = None,
         stage: str = "update",
         owners: Any = None,
+        held: Optional[HeldGradients] = None,
     ) -> Union[Plan, List[Plan]]:
         """[L, E] loads -> Plan; [M, L, E] -> list of Plans (one per micro-step)."""
 
