@@ -99,7 +99,9 @@ TEST_CASE("pack_by_routing: valid, deterministic, never worse than the token pac
   std::mt19937_64 rng(31);
   int strictly_better = 0, cases = 0;
   for (int round = 0; round < 40 * foremoe_test::seed_multiplier(); ++round) {
-    const auto [st, shape] = random_case(rng, {4, 60, 4, 16, 40, 6, 1, 3});
+    const auto drawn = random_case(rng, {4, 60, 4, 16, 40, 6, 1, 3});
+    const Step &st = drawn.first;
+    const PackingShape &shape = drawn.second;
     const std::int64_t M = shape.micro_steps;
     const Packing tokens = pack_by_tokens(st.len, shape);
     check_valid(st, shape, tokens);
@@ -134,7 +136,9 @@ TEST_CASE("pack_by_routing: each micro-step's ranks are dealt evenly where the b
   std::mt19937_64 rng(77);
   int dealt = 0;
   for (int round = 0; round < 40 * foremoe_test::seed_multiplier(); ++round) {
-    const auto [st, shape] = random_case(rng, {8, 60, 3, 12, 30, 4, 2, 4});
+    const auto drawn = random_case(rng, {8, 60, 3, 12, 30, 4, 2, 4});
+    const Step &st = drawn.first;
+    const PackingShape &shape = drawn.second;
     const std::int64_t M = shape.micro_steps, R = shape.ranks;
     const Packing p = pack_by_routing(st.input(), shape);
     check_valid(st, shape, p);

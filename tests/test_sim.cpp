@@ -55,6 +55,37 @@ const SimResult &result_of(const std::vector<SimResult> &res, std::string_view n
   return *it;
 }
 
+/// Two RL steps of `M` micro-steps (2 layers x 16 experts, 2 x 2 GPUs x 6 slots), skewed so that every expert is
+/// loaded well past its copy count in every micro-step; one warm-up step, from whose totals eplb plans the other.
+struct EplbCase {
+  static constexpr int M = 4, L = 2, E = 16;
+  SimConfig cfg;
+  LoadTensor loads{2 * M, L, E};
+  std::vector<std::int64_t> steps{0, M, 2 * M};
+
+  explicit EplbCase(std::uint64_t seed) {
+    cfg.model = ModelSpec{2, 16, 2, 256, 128, WeightDtype::bf16};
+    cfg.topo = Topology{2, 2, 6}; // 4 owners + 2 spare slots per GPU
+    cfg.warmup_steps = 1;         // eplb plans the counted step from the warm-up step's loads
+    std::mt19937_64 rng(seed);
+    for (int m = 0; m < 2 * M; ++m)
+      for (int l = 0; l < L; ++l)
+        for (int e = 0; e < E; ++e)
+          loads.at(m, l, e) = (e < 3 ? 20000 : 600) + std::uniform_int_distribution<int>(0, 400)(rng);
+  }
+  /// EPLB's plans of the counted step, from the warm-up step's totals.
+  [[nodiscard]] StepPlan eplb_plans() const {
+    LoadTensor warm(M, L, E), counted(M, L, E);
+    std::copy_n(loads.totals().begin(), warm.totals().size(), warm.totals().begin());
+    std::copy_n(loads.totals().begin() + static_cast<std::ptrdiff_t>(warm.totals().size()), counted.totals().size(),
+                counted.totals().begin());
+    PlannerOptions opts;
+    opts.strategy = "eplb";
+    Planner planner(L, E, cfg.topo, opts);
+    return planner.plan_step(counted, nullptr, planner.sum_steps(warm));
+  }
+};
+
 } // namespace
 
 TEST_CASE("simulate: physical limits and accounting hold on random traces (property)") {
@@ -439,30 +470,13 @@ TEST_CASE("simulate: gradient dtype scales the gradient volume; the last micro-s
 }
 
 TEST_CASE("simulate: eplb's replicas, resident for the whole step, return their fp32 gradients once per step") {
-  SimConfig cfg;
-  cfg.model = ModelSpec{2, 16, 2, 256, 128, WeightDtype::bf16};
-  cfg.topo = Topology{2, 2, 6}; // 4 owners + 2 spare slots per GPU
-  cfg.warmup_steps = 1;         // eplb plans the counted step from the warm-up step's loads
-  const int M = 4, L = 2, E = 16;
-  LoadTensor loads(2 * M, L, E);
-  std::mt19937_64 rng(29);
-  for (int m = 0; m < 2 * M; ++m)
-    for (int l = 0; l < L; ++l)
-      for (int e = 0; e < E; ++e) // skewed, every expert loaded well past its copy count in every micro-step
-        loads.at(m, l, e) = (e < 3 ? 20000 : 600) + std::uniform_int_distribution<int>(0, 400)(rng);
-  const std::vector<std::int64_t> steps{0, M, 2 * M};
+  const EplbCase c(29);
+  const SimConfig &cfg = c.cfg;
+  const int M = EplbCase::M, L = EplbCase::L;
   const std::vector<SimStrategy> st{parse_sim_strategy("eplb"), parse_sim_strategy("eplb-split"),
                                     parse_sim_strategy("ultraep")};
-  const std::vector<SimResult> res = simulate(cfg, loads, steps, st);
-  // EPLB's replicas of the counted step, from the warm-up step's totals.
-  LoadTensor warm(M, L, E), counted(M, L, E);
-  std::copy_n(loads.totals().begin(), warm.totals().size(), warm.totals().begin());
-  std::copy_n(loads.totals().begin() + static_cast<std::ptrdiff_t>(warm.totals().size()), counted.totals().size(),
-              counted.totals().begin());
-  PlannerOptions opts;
-  opts.strategy = "eplb";
-  Planner planner(L, E, cfg.topo, opts);
-  const StepPlan sp = planner.plan_step(counted, nullptr, planner.sum_steps(warm));
+  const std::vector<SimResult> res = simulate(cfg, c.loads, c.steps, st);
+  const StepPlan sp = c.eplb_plans();
   int replicas = 0;
   for (int l = 0; l < L; ++l) {
     replicas += sp.micro_steps[0][l].num_replicas();
@@ -480,6 +494,32 @@ TEST_CASE("simulate: eplb's replicas, resident for the whole step, return their 
   // UltraEP re-pushes its replicas every micro-step, so each returns its gradient every micro-step.
   CHECK(res[2].grad_gb * 1e9 > (M - 1) * grad_bytes);
   for (const SimResult &r : res)
+    CHECK(r.breakdown.total() == doctest::Approx(r.step_seconds));
+}
+
+TEST_CASE("simulate: with hold_replica_gradients off every used replica returns every update micro-step") {
+  // eplb's plans do not depend on the rule, so its gradient volume off is the used replicas summed over the update
+  // micro-steps, counted here from its plans; on, at most that.
+  EplbCase c(30);
+  const std::vector<SimStrategy> st{parse_sim_strategy("eplb"), parse_sim_strategy("foremoe")};
+  const std::vector<SimResult> on = simulate(c.cfg, c.loads, c.steps, st);
+  c.cfg.hold_replica_gradients = false;
+  const std::vector<SimResult> off = simulate(c.cfg, c.loads, c.steps, st);
+  const SimConfig &cfg = c.cfg;
+  const StepPlan sp = c.eplb_plans();
+  std::int64_t used = 0;
+  for (const auto &plans : sp.micro_steps)
+    for (const LayerPlan &lp : plans)
+      used += detail::new_gradients(lp, {});
+  REQUIRE(used > 0);
+  const double grad_bytes = 3.0 * cfg.model.hidden * cfg.model.expert_ffn * 4;
+  CHECK(off[0].grad_gb * 1e9 == doctest::Approx(static_cast<double>(used) * grad_bytes));
+  CHECK(on[0].grad_gb < off[0].grad_gb);
+  CHECK(on[0].moved_gb == off[0].moved_gb);
+  // foremoe (tolerance 0: plans independent of the rule) returns no more held than off.
+  CHECK(on[1].moved_gb == off[1].moved_gb);
+  CHECK(on[1].grad_gb <= off[1].grad_gb);
+  for (const SimResult &r : off)
     CHECK(r.breakdown.total() == doctest::Approx(r.step_seconds));
 }
 

@@ -629,7 +629,7 @@ fm::Planner::OwnerMap owner_map(const RoOwners &owners, int L, int E) {
 
 std::vector<PyPlan> plan_step(PyPlanner &self, const RoLoads &loads, const PyPlacement *resident,
                               std::optional<RoLayerLoads> previous, const std::string &stage_name,
-                              std::optional<RoOwners> owners) {
+                              std::optional<RoOwners> owners, fm::HeldGradients *held) {
   const fm::Stage stage = parse_stage(stage_name);
   const int L = static_cast<int>(loads.shape(1)), E = static_cast<int>(loads.shape(2));
   std::span<const std::int64_t> prev;
@@ -646,8 +646,10 @@ std::vector<PyPlan> plan_step(PyPlanner &self, const RoLoads &loads, const PyPla
   const fm::Placement *res = check_resident(resident, self.topo, L, E);
   require(!(owners && previous), "plan: owners and previous_loads cannot be combined (fixed owners skip the "
                                  "step-level planning that previous_loads feeds)");
+  require(held == nullptr || owners, "plan: held needs owners (it chains one stage's micro-steps under fixed owners)");
   const auto sp = std::make_shared<const fm::StepPlan>(
-      owners ? p.plan_step_with_owners(t, owner_map(*owners, L, E), res, stage) : p.plan_step(t, res, prev, stage));
+      owners ? p.plan_step_with_owners(t, owner_map(*owners, L, E), res, stage, held)
+             : p.plan_step(t, res, prev, stage));
   self.last_planner_seconds = sp->planner_seconds;
   out.reserve(sp->micro_steps.size());
   for (std::size_t m = 0; m < sp->micro_steps.size(); ++m) {
@@ -1022,6 +1024,14 @@ NB_MODULE(_core, m) {
            "max_chunk_bytes"_a = std::int64_t{64} << 20, "split_paths"_a = true, "host_mirror"_a = true,
            "allow_network"_a = true);
 
+  nb::class_<fm::HeldGradients>(m, "HeldGradients")
+      .def(nb::init<int, int, int>(), "layers"_a, "gpus"_a, "experts"_a)
+      .def_prop_ro("num_layers", &fm::HeldGradients::num_layers)
+      .def_prop_ro("num_gpus", &fm::HeldGradients::num_gpus)
+      .def_prop_ro("num_experts", &fm::HeldGradients::num_experts)
+      .def("count", &fm::HeldGradients::count, "layer"_a)
+      .def("clear", &fm::HeldGradients::clear);
+
   nb::class_<PyPlanner>(m, "Planner")
       .def(nb::new_(&make_planner), "topology"_a, "options"_a)
       .def_prop_ro("topology", [](const PyPlanner &p) { return p.topo; })
@@ -1034,7 +1044,7 @@ NB_MODULE(_core, m) {
       .def_prop_ro("threads", [](const PyPlanner &p) { return p.opts.num_threads; })
       .def_ro("last_planner_seconds", &PyPlanner::last_planner_seconds)
       .def("plan_step", &plan_step, "loads"_a, "resident"_a.none(), "previous_loads"_a.none(), "stage"_a,
-           "owners"_a.none() = nb::none())
+           "owners"_a.none() = nb::none(), "held"_a.none() = nb::none())
       .def("_bench_cpp_plan", &bench_cpp_plan, "loads"_a, "resident"_a.none(), "iters"_a);
 
   m.def(

@@ -191,3 +191,66 @@ def test_tolerance_met_matches_max_gpu_load(seed):
                 limit = np.floor(loads[m, l].sum() / topo.num_gpus * tol * (1 + 1e-12))
                 want = tol == 0.0 or p.max_gpu_load[l] <= limit
                 assert p.tolerance_met[l] == want, (tol, m, l, p.max_gpu_load[l], limit)
+
+
+def _gradient_returns(plans, gpus, slots):
+    """(held returns, every-micro-step returns) of a chain of update plans, counted here on their own: a replica that
+    runs tokens holds a gradient for its owner until a plan no longer keeps it on that GPU for that owner."""
+    held = every = 0
+    owes = {}  # (layer, gpu, expert) -> owner
+    for p in plans:
+        owner = np.asarray(p.owner_gpu)
+        placed = np.asarray(p.phys_to_log).reshape(p.num_layers, gpus, slots)
+        tokens = np.asarray(p.slot_tokens).reshape(p.num_layers, gpus, slots)
+        keep, runs = {}, {}
+        for l, g, s in zip(*np.nonzero(placed >= 0)):
+            e = int(placed[l, g, s])
+            if owner[l, e] != g:
+                keep[(int(l), int(g), e)] = int(owner[l, e])
+                if tokens[l, g, s] > 0:
+                    runs[(int(l), int(g), e)] = int(owner[l, e])
+        every += len(runs)
+        held += sum(1 for k, o in owes.items() if keep.get(k) != o)
+        owes = {k: o for k, o in owes.items() if keep.get(k) == o}
+        owes.update(runs)
+    return held + len(owes), every
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_hold_replica_gradients_keyword(seed):
+    # The keyword reaches the planner: plans stay valid under both settings, and held returns never exceed
+    # every-micro-step returns of the same plans.
+    loads = loads_mle(seed, M=5, L=3, E=32)
+    topo = foremoe.Topology(**TOPO)
+    counts = {}
+    for hold in (True, False):
+        plans = foremoe.Planner(topo, strategy="foremoe", tolerance=1.02, hold_replica_gradients=hold).plan(loads)
+        for m, p in enumerate(plans):
+            check_plan(p, loads[m], topo)
+        counts[hold] = _gradient_returns(plans, topo.num_gpus, topo.slots)
+        assert counts[hold][0] <= counts[hold][1]
+    with pytest.raises(ValueError, match="hold_replica_gradients"):
+        foremoe.Planner(topo, hold_replica_gradients="yes")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_held_chains_single_micro_steps_like_one_call(seed):
+    # A stage planned one micro-step per call under fixed owners, with one HeldGradients passed to every call, gets
+    # the plans of one call over the whole stage (the replay driver's streaming path).
+    loads = loads_mle(seed, M=5, L=3, E=32)
+    topo = foremoe.Topology(**TOPO)
+    planner = foremoe.Planner(topo, strategy="foremoe", tolerance=1.02)
+    owners = np.asarray(planner.plan(loads)[0].owner_gpu)
+    whole = planner.plan(loads, owners=owners)
+    held = foremoe.HeldGradients(loads.shape[1], topo.num_gpus, loads.shape[2])
+    prev = None
+    for m in range(loads.shape[0]):
+        p = planner.plan(loads[m], resident=prev, owners=owners, held=held)
+        for name in ("phys_to_log", "slot_tokens", "num_moves"):
+            assert np.array_equal(np.asarray(getattr(p, name)), np.asarray(getattr(whole[m], name))), (m, name)
+        prev = p
+    assert sum(held.count(l) for l in range(loads.shape[1])) > 0  # replicas hold gradients after the stage
+    with pytest.raises(ValueError, match="held needs owners"):
+        planner.plan(loads, held=held)
+    with pytest.raises(ValueError, match="held gradients are"):
+        planner.plan(loads, owners=owners, held=foremoe.HeldGradients(1, topo.num_gpus, loads.shape[2]))

@@ -213,8 +213,11 @@ def test_background_plans_equal_synchronous_plans(seed):
         warm = np.maximum(loads[::-1] + rng.integers(0, 5, size=loads.shape), 0)
         resident = foremoe.Planner(topo).plan(warm, owners=owners)[-1]
     kw = dict(owners=owners, resident=resident, stage="recompute" if seed % 4 == 3 else "update")
-    want = foremoe.Planner(topo).plan(loads, **kw)
-    with ft.ReplayDriver(foremoe.Planner(topo), loads, num_layers=L, **kw) as d:
+    # With a tolerance the update stage's plans depend on the replica gradients held so far, which the driver's
+    # one-micro-step-per-call path (owners given) chains like one call over the stage.
+    tol = 1.02 if seed >= 6 else None
+    want = foremoe.Planner(topo, tolerance=tol).plan(loads, **kw)
+    with ft.ReplayDriver(foremoe.Planner(topo, tolerance=tol), loads, num_layers=L, **kw) as d:
         got = [d.plan(m) for m in reversed(range(len(d)))][::-1]  # asked last first: each waits
         assert [p for p in d] == got
         for m, p in enumerate(got):

@@ -131,9 +131,10 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: str, what: str) -> None:
     assert err <= tol * max(scale, 1e-30), f"{what}: max abs error {err:.3e} vs max |ref| {scale:.3e} (tol {tol})"
 
 
-def assert_equals_reference(case: Case, ranks: List[Dict[str, Any]], ref: Dict[str, Any]) -> None:
+def assert_equals_reference(case: Case, ranks: List[Dict[str, Any]], ref: Dict[str, Any], held: bool = False) -> None:
     """Every rank's record of a balanced run equals :func:`reference`: outputs, input and routing gradients and
-    accumulated owner gradients of every micro-step, and the owner weights after every optimizer step."""
+    accumulated owner gradients of every micro-step (``held``: of the last micro-step of each step, where the held
+    replica gradients have been flushed), and the owner weights after every optimizer step."""
     n_micro = case.steps * case.micro
     for r, rec in enumerate(ranks):
         owned = torch.tensor(rec["owned"])
@@ -142,7 +143,7 @@ def assert_equals_reference(case: Case, ranks: List[Dict[str, Any]], ref: Dict[s
             close(rec["out"][i], ref["out"][i][r], case.dtype, f"rank {r} micro-step {i} output")
             close(rec["x_grad"][i], ref["x_grad"][i][r], case.dtype, f"rank {r} micro-step {i} input grad")
             close(rec["w_grad"][i], ref["w_grad"][i][r], case.dtype, f"rank {r} micro-step {i} routing grad")
-            for n in rec["names"]:
+            for n in rec["names"] if not held or i % case.micro == case.micro - 1 else ():
                 close(rec["grads"][i][n], ref["grads"][i][n][owned], case.dtype,
                       f"rank {r} micro-step {i} accumulated grad of {n}")
         assert len(rec["params"]) == case.steps
@@ -170,7 +171,9 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
     failed call is recorded, then retried and the run continued with the fault injector off); ``prefetch``
     (``"after_backward"`` or ``"before_backward"``: where micro-step ``m + 1`` is prefetched, the first one of a
     step after the optimizer step); ``driver`` (plans from a ``ReplayDriver``); ``double_buffer`` (the layer's);
-    ``lag`` (pipelined: the backward of micro-step ``m`` runs after the forward of ``m + 1``)."""
+    ``lag`` (pipelined: the backward of micro-step ``m`` runs after the forward of ``m + 1``); ``hold`` (held
+    replica gradients: ``gradients="hold"``, the last micro-step of each step ``"flush"``; ``"no_flush"``: never
+    flushed, so the first call after an optimizer step must fail)."""
     opts = opts or {}
     data = make_data(case)
     faults = ft.FaultSchedule(**opts["faults"]) if opts.get("faults") else None
@@ -183,7 +186,7 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
     rec: Dict[str, Any] = {"out": [], "x_grad": [], "w_grad": [], "grads": [], "params": [], "sync": [],
                            "owned": layer.storage.owned_experts, "names": list(layer.storage.names),
                            "param_names": [n for n, _ in layer.named_parameters()], "replica_tokens": 0,
-                           "state_dict": list(layer.state_dict()), "errors": [], "max_row": -1}
+                           "state_dict": list(layer.state_dict()), "errors": [], "max_row": -1, "held": []}
     ahead = opts.get("prefetch")  # None, "after_backward" or "before_backward": when micro-step m + 1 is prefetched
     for s, step in enumerate(data):
         driver = ft.ReplayDriver(planner, step_loads(case, step), owners=layer.owners) if opts.get("driver") else None
@@ -204,9 +207,11 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
             x = d["x"].clone().requires_grad_(True)
             logits = d["logits"].clone().requires_grad_(True)
             plan = plan_of[m]
+            hold = opts.get("hold")
+            gradients = "reduce" if not hold else "flush" if m + 1 == case.micro and hold != "no_flush" else "hold"
             start = time.monotonic()
             try:
-                out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
+                out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan, gradients=gradients)
             except RuntimeError as e:
                 rec["errors"].append({"step": s, "micro": m, "message": str(e), "seconds": time.monotonic() - start})
                 if opts.get("faults_off_on_error"):
@@ -215,8 +220,9 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
                     layer.refresh_mirror()
                 else:
                     raise
-                out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan)
+                out = layer(x, d["ids"], torch.softmax(logits, dim=-1), plan, gradients=gradients)
             rec["sync"].append(asdict(layer.last_sync))
+            rec["held"].append(sorted(layer.storage._held))  # (holder, expert) of the gradients held now
             rec["max_row"] = max([rec["max_row"], *layer.storage.replica_experts().values()])
             nxt = plan_of[m + 1] if ahead and m + 1 < case.micro else None
             if nxt is not None and ahead == "before_backward":

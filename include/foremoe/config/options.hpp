@@ -311,6 +311,17 @@ struct CountSettings {
   return s;
 }
 
+/// The held-gradient rule (`PlannerOptions::hold_replica_gradients`, `SimConfig::hold_replica_gradients`): one
+/// definition for the planner's schema and the simulator's, so `--[no-]hold-replica-gradients` reads the same in
+/// `foremoe plan`, `foremoe simulate`, config files and Python.
+template <class T, class F> [[nodiscard]] Option<T> hold_replica_gradients_option(std::string key, F field) {
+  return boolean<T>(std::move(key),
+                    "update stage: a resident replica accumulates its gradient in place and returns it once, when "
+                    "its slot is reused or before the optimizer step, and the tolerance charges it once (off: every "
+                    "used replica returns its gradient every micro-step)",
+                    field);
+}
+
 /// The planner's options (`PlannerOptions`), as `foremoe plan` flags and Python `Planner(...)` keywords.
 [[nodiscard]] inline const Schema<PlannerOptions> &planner_schema() {
   using P = PlannerOptions;
@@ -358,6 +369,8 @@ struct CountSettings {
               "with a tolerance, update stage: a used replica's gradient bytes per weight byte (fp32 gradients of "
               "bf16 weights: 2; 0: count moves alone)",
               [](auto &o) -> auto & { return o.gradient_bytes_factor; }),
+          hold_replica_gradients_option<P>(
+              "hold_replica_gradients", [](auto &o) -> auto & { return o.hold_replica_gradients; }),
           integer<P>(
               "min_tokens_per_replica", 0, std::int64_t{1} << 40,
               "fewest tokens a replica may run (0: any); lighter pieces go back to another copy",
@@ -582,6 +595,8 @@ struct SimulateSettings {
     o.push_back(integer<S>(
         "sim.min_tokens_per_replica", 0, std::int64_t{1} << 40, "fewest tokens a replica may run (0: any)",
         [](auto &x) -> auto & { return x.sim.min_tokens_per_replica; }));
+    o.push_back(hold_replica_gradients_option<S>(
+        "sim.hold_replica_gradients", [](auto &x) -> auto & { return x.sim.hold_replica_gradients; }));
     o.push_back(boolean<S>(
         "sim.cost_gate", "a new replica only when the expert compute it saves exceeds its move and gradient cost",
         [](auto &x) -> auto & { return x.sim.cost_gate; }));

@@ -21,6 +21,7 @@
 #include "foremoe/core/placement.hpp"
 #include "foremoe/core/thread_pool.hpp"
 #include "foremoe/core/topology.hpp"
+#include "foremoe/plan/held_gradients.hpp"
 #include "foremoe/plan/owners.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/plan/planner_options.hpp"
@@ -101,12 +102,19 @@ public:
 
   /// Plans one micro-step, `loads` `[layers][experts]` (C order). `resident` (may be null) is the placement left
   /// by the previous micro-step. Two-level planning without owners set plans them from `loads`; `eplb` without
-  /// history uses the static placement.
+  /// history uses the static placement. `held` (may be null: none; read only in the update stage with
+  /// `hold_replica_gradients`): the gradients the resident replicas hold from the stage's earlier micro-steps,
+  /// which the tolerance's byte count does not charge again (see `HeldGradients::advance` to chain it).
   [[nodiscard]] std::vector<LayerPlan> plan(std::span<const std::int64_t> loads, Stage stage = Stage::update,
-                                            const Placement *resident = nullptr) {
+                                            const Placement *resident = nullptr, const HeldGradients *held = nullptr) {
     check_layer_loads(loads, "plan");
     if (resident != nullptr)
       detail::require(resident->num_layers() == num_layers_, "plan: resident placement has ", resident->num_layers(),
+                      " layers, expected ", num_layers_);
+    // Strategies that re-push every replica return every gradient every micro-step: nothing stays held.
+    if (stage != Stage::update || !opts_.hold_replica_gradients || !strategy_->reuses_resident()) held = nullptr;
+    if (held != nullptr)
+      detail::require(held->num_layers() == num_layers_, "plan: held gradients of ", held->num_layers(),
                       " layers, expected ", num_layers_);
     const PlanShape sh = shape();
     strategy_->begin_micro_step(sh, loads, owners_);
@@ -138,7 +146,14 @@ public:
                              owners_.empty() ? std::span<const std::int32_t>{}
                                              : std::span<const std::int32_t>(owners_[l]),
                              ropts};
-      out[l] = strategy_->plan_layer(req, rp);
+      if (held != nullptr && ropts.gradient_weight > 0 && ropts.tolerance > 0) {
+        ReplicaOptions with_held = ropts;
+        with_held.held_gradients = held->layer(l);
+        out[l] = strategy_->plan_layer(
+            LayerRequest{req.shape, req.layer, req.loads, req.resident, req.owners, with_held}, rp);
+      } else {
+        out[l] = strategy_->plan_layer(req, rp);
+      }
       if (!reuses_resident)
         out[l].moves = full_push_moves(out[l].placement, out[l].owner_gpu, res, topo_.gpus_per_node);
     };
@@ -180,13 +195,17 @@ public:
 
   /// `plan_step` with the owners fixed to `owners` (`[layers][experts]` owner GPU, checked as `set_owners` checks
   /// them) instead of the strategy's step-level choice: for a trainer whose expert sharding is given (each rank's
-  /// optimizer state is where it is). The micro-steps chain as in `plan_step`.
+  /// optimizer state is where it is). The micro-steps chain as in `plan_step`. `held` (may be null: none before
+  /// the first micro-step): the gradients held before the first micro-step, updated in place to those held after
+  /// the last, so that a stage planned a few micro-steps per call (a replay driver publishing each as soon as it is
+  /// planned) gets the plans of one call over all of them.
   [[nodiscard]] StepPlan plan_step_with_owners(const LoadTensor &micro_steps, OwnerMap owners,
-                                               const Placement *resident = nullptr, Stage stage = Stage::update) {
+                                               const Placement *resident = nullptr, Stage stage = Stage::update,
+                                               HeldGradients *held = nullptr) {
     check_tensor(micro_steps, "plan_step_with_owners");
     const auto start = std::chrono::steady_clock::now();
     set_owners(std::move(owners));
-    StepPlan sp = plan_micro_steps(micro_steps, resident, stage);
+    StepPlan sp = plan_micro_steps(micro_steps, resident, stage, held);
     sp.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return sp;
   }
@@ -210,14 +229,30 @@ public:
 
 private:
   /// Every micro-step in order under the current owners, each from the previous one's placement (the first from
-  /// `resident`, which may be null).
-  [[nodiscard]] StepPlan plan_micro_steps(const LoadTensor &micro_steps, const Placement *resident, Stage stage) {
+  /// `resident`, which may be null). In the update stage with `hold_replica_gradients` the held gradients chain too
+  /// (none at the start: the stage before returned them all).
+  [[nodiscard]] StepPlan plan_micro_steps(const LoadTensor &micro_steps, const Placement *resident, Stage stage,
+                                          HeldGradients *chain = nullptr) {
     StepPlan sp;
     sp.owner_gpu = owners_;
     Placement prev;
+    const bool hold = stage == Stage::update && opts_.hold_replica_gradients && strategy_->reuses_resident();
+    if (chain != nullptr)
+      detail::require(chain->num_layers() == num_layers_ && chain->num_gpus() == topo_.num_gpus() &&
+                          chain->num_experts() == num_experts_,
+                      "plan: held gradients are [", chain->num_layers(), ", ", chain->num_gpus(), ", ",
+                      chain->num_experts(), "], expected [layers, GPUs, experts] = [", num_layers_, ", ",
+                      topo_.num_gpus(), ", ", num_experts_, "]");
+    HeldGradients local =
+        hold && chain == nullptr ? HeldGradients(num_layers_, topo_.num_gpus(), num_experts_) : HeldGradients{};
+    HeldGradients &held = chain != nullptr ? *chain : local;
     for (int m = 0; m < micro_steps.num_micro_steps(); ++m) {
-      sp.micro_steps.push_back(plan(step_span(micro_steps, m), stage, m == 0 ? resident : &prev));
+      sp.micro_steps.push_back(
+          plan(step_span(micro_steps, m), stage, m == 0 ? resident : &prev, hold ? &held : nullptr));
       prev = to_placement(sp.micro_steps.back());
+      if (hold)
+        for (int l = 0; l < num_layers_; ++l)
+          (void)held.advance(l, sp.micro_steps.back()[l], true);
     }
     return sp;
   }

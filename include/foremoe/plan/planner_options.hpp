@@ -44,6 +44,11 @@ struct PlannerOptions {
   /// within the tolerance counts gradients out beside weights in (fp32 gradients of bf16 weights: 2; 0: moves
   /// alone).
   double gradient_bytes_factor = 2.0;
+  /// Update stage: a replica that stays resident over consecutive micro-steps accumulates its gradient in place and
+  /// returns it once, when its slot is reused or before the optimizer step (`HeldGradients`), so with a tolerance
+  /// a plan pays `gradient_bytes_factor` only for the used replicas that hold no gradient yet. false: every used
+  /// replica returns its gradient every update micro-step (and is charged for it every time).
+  bool hold_replica_gradients = true;
   /// `ultraep`: fewest tokens a replica runs (UltraEP, arXiv:2606.04101: at least 1,024 tokens per replica).
   std::int64_t ultraep_min_tokens = 1024;
   /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.

@@ -135,7 +135,8 @@ public:
         pick = i;
     }
     if (pick == cands_.size()) pick = 0; // unreachable: the best candidate meets its limit unless it is the kept one
-    if (opts.tolerance > 0) pick = pick_within_tolerance(loads, opts.tolerance, opts.gradient_weight, pick);
+    if (opts.tolerance > 0)
+      pick = pick_within_tolerance(loads, opts.tolerance, opts.gradient_weight, opts.held_gradients, pick);
     LayerPlan out = std::move(cands_[pick]);
     if (opts.min_tokens_per_replica > 0) {
       detail::enforce_min_tokens(out, resident, opts.min_tokens_per_replica, topo_.gpus_per_node);
@@ -175,7 +176,8 @@ private:
   /// maximum, then the earlier), else the most balanced one (`fallback` where it is as balanced), marked as not
   /// meeting it.
   [[nodiscard]] std::size_t pick_within_tolerance(std::span<const std::int64_t> loads, double tol,
-                                                  double gradient_weight, std::size_t fallback) {
+                                                  double gradient_weight, std::span<const std::int32_t> held,
+                                                  std::size_t fallback) {
     const std::int64_t limit = tolerance_limit(total_of(loads), topo_.num_gpus(), tol);
     std::size_t pick = cands_.size(), most = fallback;
     double pick_bytes = 0;
@@ -183,7 +185,7 @@ private:
       const LayerPlan &c = cands_[i];
       if (c.max_gpu_load < cands_[most].max_gpu_load) most = i;
       if (c.max_gpu_load > limit) continue;
-      const double b = detail::tolerance_bytes(c, gradient_weight);
+      const double b = detail::tolerance_bytes(c, gradient_weight, held);
       if (pick == cands_.size() || b < pick_bytes || (b == pick_bytes && c.max_gpu_load < cands_[pick].max_gpu_load)) {
         pick = i;
         pick_bytes = b;

@@ -91,6 +91,10 @@ struct SimConfig {
   int move_budget = -1;                    ///< new replicas per GPU per micro-step for `foremoe`; < 0: the spare slots
   double tolerance = 0.0;                  ///< the planner's imbalance tolerance (0: as balanced as possible)
   std::int64_t min_tokens_per_replica = 0; ///< the planner's fewest tokens per replica (0: any)
+  /// Update stage: resident replicas accumulate their gradients in place and return them once (`HeldGradients`),
+  /// in the simulated traffic and the planner's byte count alike; false: every used replica returns its gradient
+  /// every update micro-step (the planner's `hold_replica_gradients`).
+  bool hold_replica_gradients = true;
   /// The planner's cost gate: a new replica only when the expert compute it saves on the slowest GPU (this
   /// model's grouped-GEMM time, forward plus backward) exceeds its move plus, in the update
   /// stage, its gradient reduction (all counted as unhidden).
@@ -345,41 +349,25 @@ struct GroupStep {
   auto tokens_of = [&](int m) { return static_cast<double>(loads.layer_total(m, 0)) / spec.topk; };
 
   // Replica gradients in the update stage (DESIGN: a replica that stays resident over several micro-steps
-  // accumulates its gradient in place and returns it once). `grad_owner[l][g * E + e]` is the owner GPU that the
-  // replica of expert `e` on GPU `g` owes a gradient (it ran tokens since its last return), or -1. A replica returns
-  // its gradient when the next plan of its layer no longer holds it there (its slot is reused; strategies that
-  // re-push every replica each micro-step return every micro-step) and, for those still resident, once after the
-  // stage's last backward. A resident copy that ran no token owes nothing.
-  std::vector<std::vector<std::int32_t>> grad_owner(static_cast<std::size_t>(L),
-                                                    std::vector<std::int32_t>(static_cast<std::size_t>(G) * E, -1));
-  // Adds to `demand` (per GPU) the seconds of returning, GPU-direct, the gradients layer `l`'s replicas owe that
-  // `keep` does not hold as replicas of the same owner (`keep` null: all of them); returns their bytes.
+  // accumulates its gradient in place and returns it once; `HeldGradients` is the rule the planner counts by too).
+  // A replica that ran tokens holds a gradient for its owner. It returns it when the next plan of its layer no
+  // longer holds it there (its slot is reused; strategies that re-push every replica each micro-step, and every
+  // strategy with `hold_replica_gradients` off, return every micro-step) and, for those still resident, once after
+  // the stage's last backward. A resident copy that ran no token owes nothing.
+  HeldGradients held(L, G, E);
+  // Adds to `demand` (per GPU) the seconds of returning, GPU-direct, the gradients layer `l`'s replicas hold that
+  // `keep` does not keep (`keep` null: all of them); returns their bytes.
   auto return_gradients = [&](int l, const LayerPlan *keep, bool keeps_residents, std::vector<double> &demand) {
-    std::vector<std::int32_t> &owed = grad_owner[l];
     double bytes = 0;
-    for (int g = 0; g < G; ++g)
-      for (int e = 0; e < E; ++e) {
-        std::int32_t &owner = owed[static_cast<std::size_t>(g) * E + e];
-        if (owner < 0) continue;
-        if (keep != nullptr && keeps_residents && keep->owner_gpu[e] == owner && keep->placement.holds(g, e)) continue;
-        const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::gpu_intra : MovePath::gpu_inter;
-        demand[g] += grad_reduce_seconds(cost, path, expert_bytes);
-        bytes += grad_bytes_per_expert;
-        owner = -1;
-      }
+    held.release(l, keep, cfg.hold_replica_gradients && keeps_residents, [&](int g, int, std::int32_t owner) {
+      const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::gpu_intra : MovePath::gpu_inter;
+      demand[g] += grad_reduce_seconds(cost, path, expert_bytes);
+      bytes += grad_bytes_per_expert;
+    });
     return bytes;
   };
-  // Records the replicas of `plan` (layer `l`) that ran tokens as owing their gradient.
-  auto owe_gradients = [&](int l, const LayerPlan &plan) {
-    std::vector<std::int32_t> &owed = grad_owner[l];
-    for (int g = 0; g < G; ++g)
-      for (int s = 0; s < S; ++s) {
-        const std::int32_t e = plan.placement.slot(g, s);
-        if (e == empty_slot || plan.owner_gpu[e] == g) continue;
-        if (plan.slot_tokens[static_cast<std::size_t>(g) * S + s] > 0)
-          owed[static_cast<std::size_t>(g) * E + e] = plan.owner_gpu[e];
-      }
-  };
+  // Records the replicas of `plan` (layer `l`) that ran tokens as holding their gradient.
+  auto owe_gradients = [&](int l, const LayerPlan &plan) { held.hold(l, plan); };
 
   // Peak memory of one micro-step (`plans` null: perfectly balanced, owners only), over its GPUs.
   const int owners_per_gpu = topo.owners_per_gpu(E);
@@ -505,6 +493,7 @@ struct GroupStep {
   popts.tolerance = cfg.tolerance;
   popts.min_tokens_per_replica = cfg.min_tokens_per_replica;
   popts.gradient_bytes_factor = cost.grad.grad_bytes_factor; // from `grad_dtype` and the model's weight dtype
+  popts.hold_replica_gradients = cfg.hold_replica_gradients;
   if (cfg.cost_gate) {
     // The slowest GPU's expert compute for its token count, on a GPU with every slot in use.
     popts.token_time = [&compute, S](std::int64_t t) {

@@ -23,11 +23,12 @@ import numpy as np
 
 from . import _core
 from ._args import describe, integer, int_array, int_list, to_numpy
-from ._core import Placement, Plan, Topology
+from ._core import HeldGradients, Placement, Plan, Topology
 
 __version__: str = _core.__version__
 
 __all__ = [
+    "HeldGradients",
     "Placement",
     "Plan",
     "Planner",
@@ -348,7 +349,8 @@ class Planner:
         replicas in spare slots; ``foremoe-free`` lets any slot hold anything), ``move_budget`` (new replicas per GPU per micro-step; ``None``: the spare
         slots), ``threads``, ``hierarchical_owners``, ``reowning_free``, ``owner_keep_tolerance``,
         ``local_search_rounds``, ``free_search_rounds``, ``exact_split``, ``tolerance``,
-        ``gradient_bytes_factor``, ``min_tokens_per_replica``, ``ultraep_min_tokens``, ``eplb_num_groups``.
+        ``gradient_bytes_factor``, ``hold_replica_gradients``, ``min_tokens_per_replica``, ``ultraep_min_tokens``,
+        ``eplb_num_groups``.
         ``None`` (or leaving one out) takes the library's default.
 
     One planner object is not safe for concurrent calls; use one per thread.
@@ -382,6 +384,7 @@ class Planner:
         previous_loads: Any = None,
         stage: str = "update",
         owners: Any = None,
+        held: Optional[HeldGradients] = None,
     ) -> Union[Plan, List[Plan]]:
         """Plans one micro-step (``loads`` ``[L, E]``) or the micro-steps of one RL step (``[M, L, E]``).
 
@@ -394,6 +397,10 @@ class Planner:
         ``owners`` (``[L, E]`` or ``[E]`` for every layer: the owner GPU of every
         expert, e.g. a trainer's expert-parallel sharding) fixes the owners
         instead of planning them from the step totals (two-level strategies).
+        ``held`` (with ``owners``): a :class:`HeldGradients` ``(layers, gpus, experts)`` made for the update stage,
+        the replica gradients held before these micro-steps, updated to those held after them; pass the same one to
+        every call of a stage planned a few micro-steps at a time, so the tolerance's byte count charges a resident
+        replica's gradient once, as one call over the whole stage does (``hold_replica_gradients``).
 
         Returns a :class:`Plan` for ``[L, E]`` loads, a list of them for ``[M, L, E]``.
         """
@@ -420,7 +427,7 @@ class Planner:
             if o.ndim == 1:
                 o = np.broadcast_to(o, (a.shape[1],) + o.shape)
             own = np.ascontiguousarray(o)
-        plans = self._core.plan_step(a, res, prev, str(stage), own)
+        plans = self._core.plan_step(a, res, prev, str(stage), own, held)
         return plans[0] if single else plans
 
     def __repr__(self) -> str:

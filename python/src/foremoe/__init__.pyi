@@ -5,7 +5,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tup
 import numpy as np
 import numpy.typing as npt
 
-from ._core import Placement as Placement, Plan as Plan, Topology as Topology
+from ._core import HeldGradients as HeldGradients, Placement as Placement, Plan as Plan, Topology as Topology
 
 __version__: str
 STRATEGIES: Tuple[str, ...]
@@ -75,6 +75,7 @@ class Planner:
         exact_split: Optional[bool] = None,
         tolerance: Optional[float] = None,
         gradient_bytes_factor: Optional[float] = None,
+        hold_replica_gradients: Optional[bool] = None,
         min_tokens_per_replica: Optional[int] = None,
         ultraep_min_tokens: Optional[int] = None,
         eplb_num_groups: Optional[int] = None,
@@ -96,6 +97,7 @@ class Planner:
         previous_loads: Any = None,
         stage: str = "update",
         owners: Any = None,
+        held: Optional[HeldGradients] = None,
     ) -> Union[Plan, List[Plan]]:
         """[L, E] loads -> Plan; [M, L, E] -> list of Plans (one per micro-step)."""
 

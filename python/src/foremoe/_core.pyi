@@ -132,6 +132,16 @@ class Plan:
         (columns in `chunk_columns`; path 0 nvlink, 1 pcie, 2 network), `est_seconds`, `link_bound_seconds`,
         `num_rounds` per layer and `path_bytes` [L, 3]."""
 
+class HeldGradients:
+    """Replica gradients held in place over an update stage (`plan/held_gradients.hpp`), chained through
+    `Planner.plan(..., held=)`."""
+    def __init__(self, layers: int, gpus: int, experts: int) -> None: ...
+    num_layers: int
+    num_gpus: int
+    num_experts: int
+    def count(self, layer: int) -> int: ...
+    def clear(self) -> None: ...
+
 class Planner:
     def __init__(self, topology: Topology, options: str) -> None: ...
     topology: Topology
@@ -146,6 +156,7 @@ class Planner:
         previous_loads: Optional[npt.NDArray[np.int64]],
         stage: str,
         owners: Optional[npt.NDArray[np.int32]] = None,
+        held: Optional[HeldGradients] = None,
     ) -> List[Plan]: ...
     def _bench_cpp_plan(self, loads: npt.NDArray[np.int64], resident: Optional[Placement], iters: int) -> float: ...
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "foremoe/core/placement.hpp"
+#include "foremoe/plan/held_gradients.hpp"
 #include "foremoe/plan/plan.hpp"
 
 namespace foremoe {
@@ -24,19 +25,15 @@ inline namespace v0 {
 namespace detail {
 
 /// What a plan costs the imbalance tolerance, in expert weights: its moves, plus `gradient_weight` for every
-/// replica (a copy off its owner GPU) that runs tokens, whose gradient the update stage returns to the owner.
-[[nodiscard]] inline double tolerance_bytes(const LayerPlan &plan, double gradient_weight) {
+/// replica (a copy off its owner GPU) that runs tokens, whose gradient the update stage returns to the owner,
+/// except those that already hold a gradient for that owner there (`held`, see `HeldGradients`; empty: none), which
+/// accumulate into it and return it once.
+[[nodiscard]] inline double tolerance_bytes(const LayerPlan &plan, double gradient_weight,
+                                            std::span<const std::int32_t> held = {}) {
   const auto moves = static_cast<double>(plan.moves.size());
   if (gradient_weight <= 0) return moves;
-  const LayerPlacement &p = plan.placement;
-  const int slots = p.slots_per_gpu();
-  std::int64_t used = 0;
-  for (int q = 0; q < p.num_slots(); ++q)
-    if (const std::int32_t e = p.phys_to_log()[q];
-        e != empty_slot && plan.owner_gpu[e] != q / slots && plan.slot_tokens[static_cast<std::size_t>(q)] > 0)
-      ++used;
   // The same expression as the two-level planner's `construction_cost`, so that equal plans compare equal.
-  return moves + gradient_weight * static_cast<double>(used);
+  return moves + gradient_weight * static_cast<double>(new_gradients(plan, held));
 }
 
 /// Gives every replica piece below `min_tokens` (copies off their owner GPU) to the expert's copy on the least

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 
 namespace foremoe {
 inline namespace v0 {
@@ -37,6 +38,10 @@ struct ReplicaOptions {
   /// returns its gradient to the owner; `PlannerOptions::gradient_bytes_factor` there, 0 elsewhere). The pick
   /// within the tolerance is then the fewest moves plus this per used replica.
   double gradient_weight = 0.0;
+  /// With `gradient_weight`: `[gpus * experts]`, the owner GPU whose gradient the replica of each expert on each
+  /// GPU already holds from earlier update micro-steps, or -1 (`HeldGradients::layer`; empty: none held). A used
+  /// replica that holds one for its owner accumulates into it and costs no new gradient.
+  std::span<const std::int32_t> held_gradients;
   /// Optional cost gate: a new replica stays only if the compute time it saves exceeds `replica_cost`. Both
   /// callbacks must be set for the gate to act.
   ReplicaCostFn replica_cost;

@@ -176,7 +176,9 @@ private:
       total += x;
     const std::int64_t limit = foremoe::tolerance_limit(total, num_gpus_, opts.tolerance);
     plan.tolerance_met = plan.max_gpu_load <= limit;
-    auto bytes_of = [&](const LayerPlan &c) { return detail::tolerance_bytes(c, opts.gradient_weight); };
+    auto bytes_of = [&](const LayerPlan &c) {
+      return detail::tolerance_bytes(c, opts.gradient_weight, opts.held_gradients);
+    };
     if (plan.tolerance_met && bytes_of(plan) == 0) return;
     const std::int64_t reach = std::max(limit, plan.max_gpu_load);
     // Best feasible (fewest bytes) and most balanced candidate so far, each a plan or, for the constructions, a
@@ -211,7 +213,7 @@ private:
       }
     };
     auto consider_solution = [&](const detail::ReplicaSolution &s) {
-      const auto [b, m] = construction_cost(s, loads, resident, opts.gradient_weight);
+      const auto [b, m] = construction_cost(s, loads, resident, opts.gradient_weight, opts.held_gradients);
       const auto [better_feasible, more_balanced] = rank(b, m);
       if (more_balanced) {
         bp = {b, m, true};
@@ -275,10 +277,9 @@ private:
   /// Bytes (`detail::tolerance_bytes` with `gradient_weight`) and largest GPU load of the plan `realize(s, loads,
   /// owner_, resident, -1, true)` would build, without building it: the construction's tokens, and a move for every
   /// expert a GPU wants that its row of `resident` does not hold (each replica without a resident placement).
-  [[nodiscard]] std::pair<double, std::int64_t> construction_cost(const detail::ReplicaSolution &s,
-                                                                  std::span<const std::int64_t> loads,
-                                                                  const LayerPlacement *resident,
-                                                                  double gradient_weight) {
+  [[nodiscard]] std::pair<double, std::int64_t>
+  construction_cost(const detail::ReplicaSolution &s, std::span<const std::int64_t> loads,
+                    const LayerPlacement *resident, double gradient_weight, std::span<const std::int32_t> held = {}) {
     owner_tokens_.assign(loads.begin(), loads.end());
     for (int g = 0; g < num_gpus_; ++g)
       for (int j = 0; j < s.cnt[g]; ++j)
@@ -291,7 +292,10 @@ private:
         load += owner_tokens_[own_list_[j]];
       for (int j = 0; j < s.cnt[g]; ++j) {
         load += s.amt[g * slots_ + j];
-        used += s.amt[g * slots_ + j] > 0;
+        // A replica already holding a gradient for its owner there accumulates into it (`new_gradients`).
+        used += s.amt[g * slots_ + j] > 0 &&
+                (held.empty() || held[static_cast<std::size_t>(g) * num_experts_ + s.rep[g * slots_ + j]] !=
+                                     owner_[s.rep[g * slots_ + j]]);
       }
       peak = std::max(peak, load);
       if (resident == nullptr) {

@@ -32,6 +32,9 @@ The backward sends the gradients back the same way, and every replica's weight g
 and added to the owner's gradient (its ``.grad``, or whatever the trainer's gradient hooks accumulate into)
 in a fixed order (owner's own first, then the replicas in ascending rank order) before autograd hands it on,
 all or nothing: a failed or late transfer raises and no gradient of that layer reaches the parameters.
+With ``gradients="hold"`` (issue 30) a replica that later plans keep on its rank accumulates its gradient beside
+its row and sends it once, in the backward of the first call whose plan drops it, or with ``gradients="flush"``
+(the last micro-step before the optimizer step), in the same fixed order at the owner.
 """
 
 from __future__ import annotations
@@ -178,6 +181,10 @@ class ExpertStorage:
         self.verify, self.faults = bool(verify), faults
         self.num_syncs = 0  # syncs so far (the same on every rank): the fault injector's micro-step key
         self._pending: Optional[Dict[str, Any]] = None  # moves posted by prefetch(), installed at the next sync
+        # Held replica gradients (``balanced_moe(..., gradients="hold")``): on every rank the same table of
+        # (holder rank, expert) -> owner of the gradients held now, and on this rank the held tensors per expert.
+        self._held: Dict[Tuple[int, int], int] = {}
+        self._held_grads: Dict[int, List[torch.Tensor]] = {}
         self.mirror: Optional[HostMirror] = HostMirror(self) if mirror else None
         if self.mirror is not None and _full is not None:
             self.mirror.fill(_full, self)
@@ -586,6 +593,12 @@ class _Run:
         self.generations = storage.row_generation.copy()
         self.replica_slots = np.flatnonzero(self.rows >= storage.num_owned).tolist()
         self.need_grad = True
+        # Held gradients: the (expert, holder) gradients this call's backward returns, ascending (None: every
+        # replica's now, as `grad_transfers` says), and the expert of each of this rank's plan slots.
+        self.hold: Optional[List[Tuple[int, int]]] = None
+        self.slot_expert: Optional[np.ndarray] = None
+        self.plan: Any = None  # the plan this call ran (the owner plan for plan=None) and its layer there
+        self.plan_layer = 0
 
 
 class _SlotExperts(torch.autograd.Function):
@@ -649,39 +662,108 @@ class _SlotExperts(torch.autograd.Function):
         go = grads[:nk]
         rep_grad = {j: grads[nk + i * nk:nk + (i + 1) * nk] for i, j in enumerate(rep_slots)}
         row_slot = {int(run.rows[j]): j for j in rep_slots}
-        go = _reduce_replica_grads(run, go, rep_grad, row_slot)
+        if run.hold is not None:
+            go = _return_held_grads(run, go, rep_grad)
+        else:
+            go = _reduce_replica_grads(run, go, rep_grad, row_slot)
         ctx.inner = None
         return (gx, gs, None, *go)
 
 
 def _reduce_replica_grads(run: _Run, go: List[torch.Tensor], rep_grad: Dict[int, List[torch.Tensor]],
                           row_slot: Dict[int, int]) -> List[torch.Tensor]:
+    r = run.storage.rank
+    items = [(e, g, i, rep_grad[row_slot[row]] if g == r else None) for e, g, row, i in run.grad_transfers]
+    return _to_owners(run, go, items, f"replica gradient reduction of layer {run.layer}")
+
+
+def _to_owners(run: _Run, go: List[torch.Tensor], items: Sequence[Tuple[int, int, int, Optional[List[torch.Tensor]]]],
+               what: str) -> List[torch.Tensor]:
+    """Sends replica gradients to their owners and adds them to the owners' ``go``: ``items`` (expert, holder rank,
+    tag, the tensors when this rank is the holder), ascending (expert, holder), added in that order after the
+    owner's own (a fixed order)."""
     st = run.storage
     r, nk = st.rank, len(st.names)
     ops = []
-    received: List[Tuple[int, int, List[torch.Tensor]]] = []  # (expert, holder, grads)
-    for e, g, row, i in run.grad_transfers:
+    received: List[Tuple[int, List[torch.Tensor]]] = []  # (expert, grads)
+    for e, g, i, send in items:
         owner = int(st.owners[e])
         if g == r:
             for k in range(nk):
-                ops.append(dist.P2POp(dist.isend, rep_grad[row_slot[row]][k].contiguous(),
-                                      global_rank(run.group, owner), run.group, i * nk + k))
+                ops.append(dist.P2POp(dist.isend, send[k].contiguous(), global_rank(run.group, owner), run.group,
+                                      i * nk + k))
         elif owner == r:
             bufs = [torch.empty_like(go[k][0]) for k in range(nk)]
             for k in range(nk):
                 ops.append(dist.P2POp(dist.irecv, bufs[k], global_rank(run.group, g), run.group, i * nk + k))
-            received.append((e, g, bufs))
+            received.append((e, bufs))
     if ops:
         for w in dist.batch_isend_irecv(ops):
-            wait(w, run.timeout, f"replica gradient reduction of layer {run.layer}")
+            wait(w, run.timeout, what)
     if not received:
         return go
     go = [t.clone() for t in go]
-    for e, _g, bufs in received:  # ascending (expert, holder rank): a fixed order
+    for e, bufs in received:
         row = int(st.own_row[e])
         for k in range(nk):
             go[k][row] += bufs[k]
     return go
+
+
+def _hold_schedule(st: ExpertStorage, plan: "foremoe.Plan", layer: int, gradients: str,
+                   changed: Sequence[int]) -> List[Tuple[int, int]]:
+    """Updates the held table for ``plan`` (the same on every rank) and returns the (expert, holder) gradients
+    this call's backward sends to their owners, ascending: those held whose replica ``plan`` no longer keeps on
+    the same rank (its slot is reused), and with ``gradients`` ``"flush"`` (or ``"reduce"`` with some still held)
+    every held one, this call's included. This call's replicas that run tokens hold theirs from now on."""
+    if st._held and changed:
+        raise RuntimeError(f"foremoe.torch: layer {layer}: replica gradients are still held but the owner weights of "
+                           f"ranks {list(changed)} changed (an optimizer step?): run the last micro-step before "
+                           f"the optimizer step with gradients='flush'")
+    place, taken = np.asarray(plan.gpu_slots[layer]), np.asarray(plan.slot_tokens[layer])
+    present: Dict[Tuple[int, int], int] = {}
+    used = []
+    for g, j in zip(*np.nonzero(place >= 0)):
+        e = int(place[g, j])
+        if int(st.owners[e]) != int(g):
+            present[(int(g), e)] = int(st.owners[e])
+            if taken[g, j] > 0:
+                used.append((int(g), e))
+    sends = [(e, g) for (g, e), o in st._held.items() if present.get((g, e)) != o]
+    for e, g in sends:
+        del st._held[(g, e)]
+    for g, e in used:
+        st._held[(g, e)] = int(st.owners[e])
+    if gradients != "hold":
+        sends += [(e, g) for (g, e) in st._held]
+        st._held.clear()
+    return sorted(set(sends))
+
+
+def _return_held_grads(run: _Run, go: List[torch.Tensor],
+                       rep_grad: Dict[int, List[torch.Tensor]]) -> List[torch.Tensor]:
+    """Held mode's backward: this call's replica gradients accumulate into the held ones (per expert), then the
+    gradients ``run.hold`` names go to their owners and are added there in ascending (expert, holder) order, after
+    the owner's own."""
+    st = run.storage
+    r, nk = st.rank, len(st.names)
+    for j, grads in rep_grad.items():
+        e = int(run.slot_expert[j])
+        held = st._held_grads.get(e)
+        if held is None:
+            st._held_grads[e] = [t.detach().clone() for t in grads]
+        else:
+            for k in range(nk):
+                held[k].add_(grads[k])
+    items = []
+    for i, (e, g) in enumerate(run.hold):
+        send = None
+        if g == r:
+            send = st._held_grads.pop(e, None)
+            if send is None:  # a replica given tokens by the plan that received none here: nothing accumulated
+                send = [torch.zeros_like(go[k][0]) for k in range(nk)]
+        items.append((e, g, i, send))
+    return _to_owners(run, go, items, f"held replica gradient return of layer {run.layer}")
 
 
 def _input_error(x: Any, expert_ids: Any, routing_weights: Any, storage: ExpertStorage,
@@ -717,6 +799,7 @@ def balanced_moe(
     group: Any = None,
     hidden: Optional[int] = None,
     timeout: float = DEFAULT_TIMEOUT,
+    gradients: str = "reduce",
 ) -> torch.Tensor:
     """One MoE layer of one micro-step under ``plan`` (its layer ``layer``), functional form.
 
@@ -726,8 +809,24 @@ def balanced_moe(
     Returns ``[T, H]``: ``sum_k routing_weights[t, k] * expert_fn(x[t], W[expert_ids[t, k]])``.
     ``plan=None`` runs plain expert parallelism (every expert on its owner, no replica): the run without
     ForeMoE, and a rollout's forward before any routing is known.
+
+    ``gradients`` (the same on every rank): ``"reduce"`` (default) reduces every replica's weight gradient into
+    its owner's in this call's backward. ``"hold"``: a replica kept resident by the following calls' plans
+    accumulates its gradient in place (in a buffer beside its row) and returns it once, in the backward of the
+    first call whose plan no longer keeps it on that rank (its slot is reused), so each replica's gradient crosses
+    the network once per residency (issue 30; the planner's ``hold_replica_gradients`` counts bytes the same way).
+    ``"flush"``: as ``"hold"``, and this call's backward returns every held gradient: pass it on the last
+    micro-step before the optimizer step (before anything reads the owners' gradients, e.g. DDP's last backward).
+    Held gradients left at an optimizer step raise at the next call. Backwards must run in call order. Owner
+    gradients then equal the unheld run's at each flush, summed in another order (float64: within 1e-12).
     """
+    if gradients not in ("reduce", "hold", "flush"):
+        raise ValueError(f"balanced_moe: gradients must be 'reduce', 'hold' or 'flush', got {gradients!r}")
     run = _prepare(x, expert_ids, routing_weights, plan, storage, expert_fn, layer, group, hidden, timeout)
+    if run.need_grad and (gradients != "reduce" or storage._held):
+        changed = [g for g in range(storage.world) if run.layout.flags[g, 0]]
+        run.hold = _hold_schedule(storage, run.plan, run.plan_layer, gradients, changed)
+        run.slot_expert = np.asarray(run.plan.gpu_slots[run.plan_layer])[storage.rank]
     layout = run.layout
     T, K = expert_ids.shape
     send = x.index_select(0, layout.send_tokens)
@@ -769,6 +868,7 @@ def _prepare(x: Any, expert_ids: Any, routing_weights: Any, plan: Optional["fore
     book = storage.sync(plan, layer, changed, group=group, timeout=timeout, stale_mirrors=stale,
                         prefetch_state=layout.flags[:, 2:4])
     run = _Run(storage, expert_fn, book, layout, layer, group, timeout)
+    run.plan, run.plan_layer = plan, layer
     run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
                                                                          for p in storage.params.values()))
     return run
@@ -870,6 +970,7 @@ class BalancedMoE(nn.Module):
         self.storage.refresh_mirror(self.group, self.timeout)
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
-                plan: Optional["foremoe.Plan"]) -> torch.Tensor:
+                plan: Optional["foremoe.Plan"], gradients: str = "reduce") -> torch.Tensor:
+        """``gradients``: :func:`balanced_moe`'s (``"reduce"``, ``"hold"`` or ``"flush"``)."""
         return balanced_moe(x, expert_ids, routing_weights, plan, self.storage, self.expert_fn, layer=self.layer,
-                            group=self.group, hidden=self.hidden, timeout=self.timeout)
+                            group=self.group, hidden=self.hidden, timeout=self.timeout, gradients=gradients)

@@ -818,11 +818,18 @@ class ReplayDriver:
                 self._publish(0, plans)
             else:  # each micro-step from the previous one's placement, published as soon as it is planned
                 prev = self.resident
+                # foremoe's planner also chains the replica gradients held so far, so the plans are those of one
+                # call over the stage (other planners are called as before).
+                extra = {}
+                if isinstance(self.planner, foremoe.Planner):
+                    extra["held"] = foremoe.HeldGradients(self.loads.shape[1], self.planner.topology.num_gpus,
+                                                          self.loads.shape[2])
                 for m in range(self.num_micro_steps):
                     if self._stop.is_set():
                         return
                     with lock:
-                        p = self.planner.plan(self.loads[m], resident=prev, stage=self.stage, owners=self.owners)
+                        p = self.planner.plan(self.loads[m], resident=prev, stage=self.stage, owners=self.owners,
+                                              **extra)
                     self._publish(m, [p])
                     prev = p
         except BaseException as e:  # noqa: BLE001 - handed to the caller by plan()
