@@ -406,8 +406,18 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
                                ? doc.find("config")->find("cost")->find("a2a_model")
                                : nullptr;
   const bool flat = a2a != nullptr && a2a->is_string() && a2a->as_string() == "flat";
+  // The overlap settings, from the effective config (0 where a document has none).
+  auto sim_setting = [&](const char *key) {
+    const json::Value *c = doc.find("config");
+    const json::Value *sim = c != nullptr ? c->find("sim") : nullptr;
+    const json::Value *v = sim != nullptr ? sim->find(key) : nullptr;
+    return v != nullptr && v->is_number() ? v->as_double() : 0.0;
+  };
   out << "model: " << (flat ? "per-GPU uniform (flat)" : "hierarchical (DeepEP-style, per-node dedup)")
-      << " all-to-all, grouped-GEMM fit, move windows (docs/simulator.md); warm-up: " << warm
+      << " all-to-all, " << std::defaultfloat << std::setprecision(3) << sim_setting("a2a_overlap")
+      << " of it under compute (sim.a2a_overlap), expert-gradient sync across EP-group copies "
+      << sim_setting("dp_grad_overlap") << " under the backward (sim.dp_grad_overlap), LM head and optimizer from "
+      << "the model, grouped-GEMM fit, move windows (docs/simulator.md)\nwarm-up: " << warm
       << (warm == 1 ? " RL step" : " RL steps") << " simulated and not counted; eplb rebalances every " << every
       << (every == 1 ? " step" : " steps") << "\n";
   return out.str();
