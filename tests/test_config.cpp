@@ -523,3 +523,28 @@ TEST_CASE("load cache: the batch key changes with every generator input") {
   CHECK(std::adjacent_find(keys.begin(), keys.end()) == keys.end());
   CHECK(k0.find("stream=" + std::to_string(synthetic_stream_version)) != std::string::npos);
 }
+
+TEST_CASE("schema: the overlap, LM head and optimizer settings reach SimConfig; presets set the vocabulary") {
+  using L = config::Schema<config::SimulateSettings>::Layer;
+  const config::SimulateSettings d = config::simulate_settings({});
+  CHECK(d.sim.a2a_overlap == 0.0); // Megatron-core's defaults: no EP all-to-all overlap, no grad-reduce overlap
+  CHECK(d.sim.dp_grad_overlap == 0.0);
+  CHECK(d.sim.dense.vocab == 151936.0); // Qwen3-30B-A3B's vocab_size
+  CHECK(d.sim.optimizer_traffic_bytes_per_param == 30.0);
+  const json::Value ds = json::parse(R"({"preset": "deepseek-v3"})");
+  const L dl[] = {{&ds, "config"}};
+  CHECK(config::simulate_settings(dl).sim.dense.vocab == 129280.0); // DeepSeek-V3's vocab_size
+  const json::Value file = json::parse(
+      R"({"model": {"vocab": 0}, "sim": {"a2a_overlap": 0.5, "dp_grad_overlap": 1, "optimizer_traffic_bytes_per_param": 16}})");
+  const std::pair<std::string, std::string> flag[] = {{"a2a-overlap", "0.75"}};
+  const json::Value flags = config::simulate_schema().flags_document(flag);
+  const L a[] = {{&file, "config"}, {&flags, "--"}};
+  const config::SimulateSettings x = config::simulate_settings(a);
+  CHECK(x.sim.a2a_overlap == 0.75); // the flag over the file
+  CHECK(x.sim.dp_grad_overlap == 1.0);
+  CHECK(x.sim.dense.vocab == 0.0);
+  CHECK(x.sim.optimizer_traffic_bytes_per_param == 16.0);
+  const std::pair<std::string, std::string> bad[] = {{"dp-grad-overlap", "2"}};
+  CHECK(error_of([&] { (void)config::simulate_schema().flags_document(bad); }) ==
+        "--dp-grad-overlap must be in [0, 1], got 2");
+}

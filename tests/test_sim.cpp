@@ -118,7 +118,8 @@ TEST_CASE("simulate: physical limits and accounting hold on random traces (prope
         double layers = 0;
         for (double v : x.layer_seconds[m])
           layers += v;
-        CHECK(x.micro_breakdown[m].total() == doctest::Approx(layers + x.micro_breakdown[m].stall));
+        CHECK(x.micro_breakdown[m].total() ==
+              doctest::Approx(layers + x.micro_breakdown[m].stall + x.micro_breakdown[m].lm_head));
         CHECK(x.micro_breakdown[m].expert_compute > 0);
       }
     }
@@ -236,8 +237,17 @@ TEST_CASE("simulate: a hand-computed tiny case (2 GPUs, 2 experts, one layer, st
       return c.backward_factor * attn(tokens) + 2 * a2a(g0, g1) +
              std::max(ec.backward_seconds(g0, 1), ec.backward_seconds(g1, 1));
     };
-    const double recompute = fwd(300, 100, 400) + fwd(50, 150, 200);
-    const double update = recompute + bwd(300, 100, 400) + bwd(50, 150, 200);
+    // The LM head: V x H weights streamed once, 2 V H FLOPs per token at the dense efficiency, per GPU's tokens.
+    const double vh = 151936.0 * 1024;
+    const double hbm = c.gemm.hbm_tb_per_s * 1e12 * c.gemm.hbm_efficiency;
+    auto head = [&](double tokens) {
+      return vh * 2 / hbm + tokens / 2 * 2 * vh / (c.gemm.peak_tflops_bf16 * 1e12 * 0.40);
+    };
+    // The optimizer: 30 bytes per parameter of the GPU (its one expert, the layer's dense part, embedding and head).
+    const double params = 3.0 * 1024 * 512 + 19136512 + 2 * vh;
+    const double recompute = fwd(300, 100, 400) + fwd(50, 150, 200) + head(400) + head(200);
+    const double update = recompute + bwd(300, 100, 400) + bwd(50, 150, 200) +
+                          c.backward_factor * (head(400) + head(200)) + params * 30 / hbm;
     CHECK(r[0].recompute_seconds == doctest::Approx(recompute).epsilon(1e-12));
     CHECK(r[0].update_seconds == doctest::Approx(update).epsilon(1e-12));
     CHECK(r[0].imbalance_median == doctest::Approx(1.5)); // (300, 100): 300 / 200 and (50, 150): 150 / 100
@@ -382,8 +392,17 @@ TEST_CASE("simulate: beyond the experts' count the cluster is data-parallel EP g
     const auto st = simulate(one, mine, c.steps, std::vector<SimStrategy>{parse_sim_strategy("static")});
     alone.push_back(st[0].step_seconds);
   }
-  CHECK(result_of(res, "ideal").step_seconds == doctest::Approx(std::max(alone[0], alone[2])).epsilon(1e-12));
-  CHECK(result_of(res, "static").step_seconds == doctest::Approx(std::max(alone[1], alone[3])).epsilon(1e-12));
+  // ... plus the all-reduce of the expert gradients across the two copies (alone, a group has none): a ring over
+  // the NIC, 2 (n - 1) / n of each GPU's owned gradients (one fp32 expert per layer) and 2 (n - 1) latencies per
+  // layer's bucket, none of it under the backward by default.
+  const PathParams &nic = c.cfg.cost.move.gpu_inter;
+  const double sync = 2 * (2 * nic.latency_us * 1e-6 + 2.0 * 1 / 2 * (3.0 * 256 * 128 * 4) / (nic.gb_per_s * 1e9));
+  for (const SimResult &r : res) {
+    CAPTURE(r.strategy);
+    CHECK(r.breakdown.dp_grad_sync == doctest::Approx(sync).epsilon(1e-12));
+  }
+  CHECK(result_of(res, "ideal").step_seconds == doctest::Approx(std::max(alone[0], alone[2]) + sync).epsilon(1e-12));
+  CHECK(result_of(res, "static").step_seconds == doctest::Approx(std::max(alone[1], alone[3]) + sync).epsilon(1e-12));
   // An explicit group size: 4 groups of 64, one source each.
   SimConfig four = c.cfg;
   four.ep_size = 64;
@@ -591,4 +610,177 @@ TEST_CASE("dense part from the model shape: FLOPs at the cited efficiency plus w
   SimConfig bad;
   bad.dense_efficiency = 0;
   CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("dense_efficiency must be in (0, 1], got 0"), Error);
+}
+
+TEST_CASE("simulate: more overlap is never slower; ideal is never slower than any strategy (property)") {
+  const int rounds = 3 * foremoe_test::seed_multiplier();
+  std::mt19937_64 rng(4242);
+  std::uniform_real_distribution<double> unit(0.0, 1.0);
+  for (int r = 0; r < rounds; ++r) {
+    // Random traces, shapes and deployments: one EP group of 2 x 2 GPUs, or two copies of an EP group of 2 GPUs.
+    Case c = small_case(500 + r);
+    c.cfg.model.hidden = 256 << (rng() % 4);
+    c.cfg.model.expert_ffn = 128 << (rng() % 4);
+    if (rng() % 2 == 1) {
+      c.cfg.ep_size = 2;
+      c.cfg.topo.slots_per_gpu = 9; // 8 owners + 1 spare
+    }
+    c.cfg.double_buffer = rng() % 2 == 1;
+    const double lo = unit(rng), hi = lo + (1 - lo) * unit(rng);
+    const double dp_lo = unit(rng), dp_hi = dp_lo + (1 - dp_lo) * unit(rng);
+    CAPTURE(r);
+    CAPTURE(lo);
+    CAPTURE(hi);
+    const auto strategies = all_strategies();
+    std::vector<std::vector<SimResult>> runs;
+    for (const auto &[f, dp] : {std::pair{0.0, 0.0}, std::pair{lo, dp_lo}, std::pair{hi, dp_hi}, std::pair{1.0, 1.0}}) {
+      SimConfig cfg = c.cfg;
+      cfg.a2a_overlap = f;
+      cfg.dp_grad_overlap = dp;
+      runs.push_back(simulate(cfg, c.loads, c.steps, strategies));
+      const SimResult &ideal = result_of(runs.back(), "ideal");
+      for (const SimResult &x : runs.back()) {
+        CAPTURE(x.strategy);
+        CHECK(x.step_seconds >= ideal.step_seconds);
+        CHECK(x.breakdown.total() == doctest::Approx(x.step_seconds));
+        CHECK(x.a2a_hidden_seconds >= 0);
+        if (f == 0.0) CHECK(x.a2a_hidden_seconds == 0.0);
+        CHECK((c.cfg.ep_size == 2) == (x.breakdown.dp_grad_sync > 0)); // only with copies to synchronise
+      }
+    }
+    for (std::size_t k = 1; k < runs.size(); ++k)
+      for (std::size_t i = 0; i < strategies.size(); ++i) {
+        CAPTURE(runs[k][i].strategy);
+        CAPTURE(k);
+        CHECK(runs[k][i].step_seconds <= runs[k - 1][i].step_seconds * (1 + 1e-12));
+        CHECK(runs[k][i].breakdown.all_to_all <= runs[k - 1][i].breakdown.all_to_all * (1 + 1e-12));
+        CHECK(runs[k][i].a2a_hidden_seconds >= runs[k - 1][i].a2a_hidden_seconds * (1 - 1e-12));
+      }
+    // The sync's exposed part alone shrinks with its own overlap; with more all-to-all overlap it may grow (a
+    // shorter backward hides less of it), so it is compared at one all-to-all overlap.
+    std::vector<SimResult> prev;
+    for (const double dp : {0.0, dp_lo, dp_hi, 1.0}) {
+      SimConfig cfg = c.cfg;
+      cfg.a2a_overlap = lo;
+      cfg.dp_grad_overlap = dp;
+      std::vector<SimResult> cur = simulate(cfg, c.loads, c.steps, strategies);
+      for (std::size_t i = 0; i < prev.size(); ++i) {
+        CAPTURE(cur[i].strategy);
+        CHECK(cur[i].breakdown.dp_grad_sync <= prev[i].breakdown.dp_grad_sync * (1 + 1e-12));
+        CHECK(cur[i].step_seconds <= prev[i].step_seconds * (1 + 1e-12));
+      }
+      prev = std::move(cur);
+    }
+  }
+}
+
+TEST_CASE("simulate: the all-to-all hides under compute up to a2a_overlap of it, never more than the compute") {
+  Case c = small_case(11);
+  c.cfg.dense_from_shape = false;
+  const std::vector<SimStrategy> st{parse_sim_strategy("static")};
+  const SimResult none = simulate(c.cfg, c.loads, c.steps, st)[0];
+  CHECK(none.a2a_hidden_seconds == 0.0);
+  const double a2a = none.breakdown.all_to_all, compute = none.breakdown.expert_compute + none.breakdown.dense;
+  for (double f : {0.25, 0.5, 1.0}) {
+    CAPTURE(f);
+    SimConfig cfg = c.cfg;
+    cfg.a2a_overlap = f;
+    const SimResult r = simulate(cfg, c.loads, c.steps, st)[0];
+    // Static has no moves, so its layer times are its whole step: what hides is exactly what leaves the total.
+    CHECK(r.breakdown.all_to_all + r.a2a_hidden_seconds == doctest::Approx(a2a).epsilon(1e-12));
+    CHECK(r.a2a_hidden_seconds <= f * a2a * (1 + 1e-12));
+    CHECK(r.a2a_hidden_seconds <= compute * (1 + 1e-12));
+    CHECK(r.step_seconds == doctest::Approx(none.step_seconds - r.a2a_hidden_seconds).epsilon(1e-12));
+    CHECK(r.breakdown.expert_compute == doctest::Approx(none.breakdown.expert_compute).epsilon(1e-12));
+  }
+  // A slow network: full overlap hides at most the compute, the rest stays.
+  SimConfig slow = c.cfg;
+  slow.cost.a2a.intra_gb_per_s = slow.cost.a2a.inter_gb_per_s = 0.01;
+  slow.a2a_overlap = 1.0;
+  const SimResult s = simulate(slow, c.loads, c.steps, st)[0];
+  CHECK(s.a2a_hidden_seconds > 0);
+  CHECK(s.a2a_hidden_seconds == doctest::Approx(s.breakdown.expert_compute + s.breakdown.dense).epsilon(1e-12));
+  CHECK(s.breakdown.all_to_all > 0);
+  SimConfig bad = c.cfg;
+  bad.a2a_overlap = 1.5;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("a2a_overlap must be in [0, 1], got 1.5"), Error);
+  bad = c.cfg;
+  bad.dp_grad_overlap = -0.1;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("dp_grad_overlap must be in [0, 1], got -0.1"), Error);
+}
+
+TEST_CASE("simulate: expert-gradient sync across EP-group copies: none for one group, hidden only under the "
+          "last backward") {
+  Case c = small_case(13);
+  const std::vector<SimStrategy> st{parse_sim_strategy("static"), parse_sim_strategy("ideal")};
+  for (const SimResult &r : simulate(c.cfg, c.loads, c.steps, st))
+    CHECK(r.breakdown.dp_grad_sync == 0.0); // one EP group: nothing to synchronise
+  c.cfg.ep_size = 2;                        // two copies of 2 GPUs (one node each: the ring crosses the NIC)
+  c.cfg.topo.slots_per_gpu = 9;
+  c.cfg.model.hidden = 2048; // gradients large enough to outlast a backward
+  const auto serial = simulate(c.cfg, c.loads, c.steps, st);
+  const PathParams &nic = c.cfg.cost.move.gpu_inter;
+  const double owned = 8 * 3.0 * 2048 * 128 * 4; // 8 experts per GPU per layer, fp32 gradients
+  const double bucket = 2 * nic.latency_us * 1e-6 + owned / (nic.gb_per_s * 1e9);
+  for (const SimResult &r : serial)
+    CHECK(r.breakdown.dp_grad_sync == doctest::Approx(4 * bucket).epsilon(1e-12));
+  // Two optimizer steps per RL step synchronise twice.
+  SimConfig two = c.cfg;
+  two.minibatches_per_step = 2;
+  CHECK(simulate(two, c.loads, c.steps, st)[0].breakdown.dp_grad_sync == doctest::Approx(8 * bucket).epsilon(1e-12));
+  // With overlap, at most the last micro-step's backward hides (each bucket once its layer's backward is over).
+  SimConfig over = c.cfg;
+  over.dp_grad_overlap = 1.0;
+  const auto hidden = simulate(over, c.loads, c.steps, st);
+  for (std::size_t i = 0; i < st.size(); ++i) {
+    CHECK(hidden[i].breakdown.dp_grad_sync < serial[i].breakdown.dp_grad_sync);
+    CHECK(hidden[i].breakdown.dp_grad_sync >= bucket); // the first layer's bucket starts after the last backward
+    CHECK(hidden[i].step_seconds < serial[i].step_seconds);
+  }
+  // bf16 gradients halve the bytes.
+  SimConfig half = c.cfg;
+  half.grad_dtype = WeightDtype::bf16;
+  CHECK(simulate(half, c.loads, c.steps, st)[0].breakdown.dp_grad_sync ==
+        doctest::Approx(4 * (2 * nic.latency_us * 1e-6 + owned / 2 / (nic.gb_per_s * 1e9))).epsilon(1e-12));
+}
+
+TEST_CASE("simulate: the LM head and the optimizer step follow the model shape and parameter count") {
+  Case c = small_case(17);
+  const std::vector<SimStrategy> st{parse_sim_strategy("static")};
+  const SimResult base = simulate(c.cfg, c.loads, c.steps, st)[0];
+  CHECK(base.breakdown.lm_head > 0);
+  CHECK(base.breakdown.optimizer > 0);
+  // Without a vocabulary there is no LM head, and the step is that much shorter.
+  SimConfig none = c.cfg;
+  none.dense.vocab = 0;
+  none.optimizer_traffic_bytes_per_param = 0;
+  const SimResult bare = simulate(none, c.loads, c.steps, st)[0];
+  CHECK(bare.breakdown.lm_head == 0.0);
+  CHECK(bare.breakdown.optimizer == 0.0);
+  CHECK(bare.step_seconds ==
+        doctest::Approx(base.step_seconds - base.breakdown.lm_head - base.breakdown.optimizer).epsilon(1e-12));
+  // The optimizer: a fixed part plus bytes per parameter at the HBM bandwidth; 4 GPUs of 4 experts per layer each.
+  SimConfig fixed = none;
+  fixed.optimizer_seconds = 0.125;
+  CHECK(simulate(fixed, c.loads, c.steps, st)[0].breakdown.optimizer == doctest::Approx(0.125));
+  const double params = 4.0 * 4 * 3 * 256 * 128 + 4 * 19136512.0 + 2 * 151936.0 * 256;
+  CHECK(base.breakdown.optimizer ==
+        doctest::Approx(params * 30 / (c.cfg.cost.gemm.hbm_tb_per_s * 1e12 * c.cfg.cost.gemm.hbm_efficiency))
+            .epsilon(1e-12));
+  // The head's GEMM is 2 V H FLOPs per token: DeepSeek-V3's (129,280 x 7,168) is 2.98x Qwen3-30B-A3B's
+  // (151,936 x 2,048) at large token counts.
+  SimConfig qwen, ds;
+  qwen.model.hidden = 2048;
+  ds.model.hidden = 7168;
+  ds.dense = DenseShape::deepseek_v3();
+  CHECK(ds.lm_head_forward_seconds(1e6) / qwen.lm_head_forward_seconds(1e6) ==
+        doctest::Approx(129280.0 * 7168 / (151936.0 * 2048)).epsilon(1e-3));
+  CHECK(qwen.lm_head_forward_seconds(0) == 0.0);
+  SimConfig bad;
+  bad.dense.vocab = -1;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("vocab -1"), Error);
+  bad = SimConfig{};
+  bad.optimizer_traffic_bytes_per_param = -2;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("optimizer_traffic_bytes_per_param must be >= 0, got -2"),
+                       Error);
 }

@@ -35,6 +35,24 @@ def test_simulate_keys_and_values():
     assert all(s["step_seconds"] > 0 for s in r["strategies"])
 
 
+def test_breakdown_fields_are_the_plots_and_add_up():
+    """The plot stacks every breakdown field the document writes (none missing, none stale), and they add up to the
+    step; the overlap setting moves all-to-all time into a2a_hidden_seconds."""
+    from foremoe.plot import BREAKDOWN  # no matplotlib needed to import the table
+
+    r = foremoe.simulate(seeded(3))
+    for s in r["strategies"]:
+        b = s["breakdown"]
+        assert set(b) - {"total_seconds"} == {key for key, _, _ in BREAKDOWN}
+        assert b["total_seconds"] == pytest.approx(s["step_seconds"])
+        assert sum(b[key] for key, _, _ in BREAKDOWN) == pytest.approx(s["step_seconds"])
+        assert s["a2a_hidden_seconds"] == 0
+    o = foremoe.simulate(dict(seeded(3), sim={"a2a_overlap": 1.0}))
+    for s, t in zip(r["strategies"], o["strategies"]):
+        assert t["step_seconds"] <= s["step_seconds"] * (1 + 1e-12)
+        assert t["a2a_hidden_seconds"] > 0
+
+
 def test_per_gpu_loads_and_layer_imbalance():
     """micro_step_gpu_load [micro-step, gpu] of layer gpu_load_layer and micro_step_layer_imbalance [micro-step,
     layer]: the same tokens under every strategy, and each row's max/mean is that layer's imbalance."""

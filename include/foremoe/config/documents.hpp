@@ -218,8 +218,10 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   j["expert_compute_seconds"] = b.expert_compute;
   j["all_to_all_seconds"] = b.all_to_all;
   j["dense_seconds"] = b.dense;
+  j["lm_head_seconds"] = b.lm_head;
   j["moves_seconds"] = b.moves;
   j["stall_seconds"] = b.stall;
+  j["dp_grad_sync_seconds"] = b.dp_grad_sync;
   j["optimizer_seconds"] = b.optimizer;
   j["total_seconds"] = b.total();
   return j;
@@ -268,6 +270,7 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
     d["planner_critical_seconds"] = r.planner_critical_seconds; // wall time: not in step_seconds
     d["step_with_planner_seconds"] = r.step_seconds + r.planner_critical_seconds;
     d["grad_tail_seconds"] = r.grad_tail_seconds;
+    d["a2a_hidden_seconds"] = r.a2a_hidden_seconds; // under compute (sim.a2a_overlap): not in the breakdown
     json::Value mem;
     mem["weights_gb"] = r.memory.weights * 1e-9;
     mem["grads_gb"] = r.memory.grads * 1e-9;
@@ -339,7 +342,8 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
 [[nodiscard]] inline std::string simulate_csv(const json::Value &doc) {
   std::ostringstream out;
   out << "strategy,step_s,recompute_s,update_s,median_max_mean,p99_max_mean,moved_gb,stall_ms,speedup_static,"
-         "speedup_eplb,expert_compute_s,all_to_all_s,dense_s,moves_s,optimizer_s,peak_memory_gb,rl_step_s\n";
+         "speedup_eplb,expert_compute_s,all_to_all_s,dense_s,moves_s,optimizer_s,peak_memory_gb,rl_step_s,"
+         "lm_head_s,dp_grad_sync_s\n";
   for (const json::Value &r : doc.find("strategies")->as_array()) {
     auto f = [&](const char *k) { return r.find(k)->as_double(); };
     out << r.find("strategy")->as_string() << "," << f("step_seconds") << "," << f("recompute_seconds") << ","
@@ -349,7 +353,10 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
     for (const char *k :
          {"expert_compute_seconds", "all_to_all_seconds", "dense_seconds", "moves_seconds", "optimizer_seconds"})
       out << "," << b.find(k)->as_double();
-    out << "," << r.find("peak_memory")->find("total_gb")->as_double() << "," << f("end_to_end_seconds") << "\n";
+    out << "," << r.find("peak_memory")->find("total_gb")->as_double() << "," << f("end_to_end_seconds");
+    for (const char *k : {"lm_head_seconds", "dp_grad_sync_seconds"}) // appended: earlier columns keep their place
+      out << "," << b.find(k)->as_double();
+    out << "\n";
   }
   return out.str();
 }
@@ -399,8 +406,18 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
                                ? doc.find("config")->find("cost")->find("a2a_model")
                                : nullptr;
   const bool flat = a2a != nullptr && a2a->is_string() && a2a->as_string() == "flat";
+  // The overlap settings, from the effective config (0 where a document has none).
+  auto sim_setting = [&](const char *key) {
+    const json::Value *c = doc.find("config");
+    const json::Value *sim = c != nullptr ? c->find("sim") : nullptr;
+    const json::Value *v = sim != nullptr ? sim->find(key) : nullptr;
+    return v != nullptr && v->is_number() ? v->as_double() : 0.0;
+  };
   out << "model: " << (flat ? "per-GPU uniform (flat)" : "hierarchical (DeepEP-style, per-node dedup)")
-      << " all-to-all, grouped-GEMM fit, move windows (docs/simulator.md); warm-up: " << warm
+      << " all-to-all, " << std::defaultfloat << std::setprecision(3) << sim_setting("a2a_overlap")
+      << " of it under compute (sim.a2a_overlap), expert-gradient sync across EP-group copies "
+      << sim_setting("dp_grad_overlap") << " under the backward (sim.dp_grad_overlap), LM head and optimizer from "
+      << "the model, grouped-GEMM fit, move windows (docs/simulator.md)\nwarm-up: " << warm
       << (warm == 1 ? " RL step" : " RL steps") << " simulated and not counted; eplb rebalances every " << every
       << (every == 1 ? " step" : " steps") << "\n";
   return out.str();

@@ -520,6 +520,10 @@ struct SimulateSettings {
         "model.attention_context", 0, 1e9,
         "mean attended context per token (0: half the batch's mean prompt + response length)",
         [](auto &x) -> auto & { return x.sim.dense.context; }));
+    o.push_back(number<S>(
+        "model.vocab", 0, 1e9,
+        "vocabulary of the LM head and embedding (Qwen3-30B-A3B 151,936, DeepSeek-V3 129,280; 0: no LM head)",
+        [](auto &x) -> auto & { return x.sim.dense.vocab; }));
     lift(
         o, topology_schema(), "topology", [](auto &x) -> auto & { return x.sim.topo; });
     o.push_back(integer<S>(
@@ -574,8 +578,24 @@ struct SimulateSettings {
         "sim.minibatches_per_step", 1, 1 << 16, "optimizer steps per RL step",
         [](auto &x) -> auto & { return x.sim.minibatches_per_step; }));
     o.push_back(number<S>(
-        "sim.optimizer_seconds", 0, max_seconds, "time of one optimizer step",
+        "sim.optimizer_seconds", 0, max_seconds,
+        "fixed time of one optimizer step, on top of sim.optimizer_traffic_bytes_per_param",
         [](auto &x) -> auto & { return x.sim.optimizer_seconds; }));
+    o.push_back(number<S>(
+        "sim.optimizer_traffic_bytes_per_param", 0, 1024,
+        "HBM bytes an optimizer step moves per parameter on a GPU (fused Adam, fp32 master and gradients: reads 16, "
+        "writes 12 + 2 bf16 = 30; 0: only sim.optimizer_seconds)",
+        [](auto &x) -> auto & { return x.sim.optimizer_traffic_bytes_per_param; }));
+    o.push_back(number<S>(
+        "sim.a2a_overlap", 0, 1,
+        "fraction of each layer's all-to-all that may hide under its compute (Megatron-core "
+        "overlap_moe_expert_parallel_comm, DeepEP hooks; 0: none, Megatron's default; 1: full)",
+        [](auto &x) -> auto & { return x.sim.a2a_overlap; }));
+    o.push_back(number<S>(
+        "sim.dp_grad_overlap", 0, 1,
+        "fraction of the expert-gradient all-reduce across EP-group copies that may run under the last backward "
+        "(Megatron DDP overlap_grad_reduce; 0: none, its default; 1: every layer's bucket once its backward ends)",
+        [](auto &x) -> auto & { return x.sim.dp_grad_overlap; }));
     o.push_back(number<S>(
         "sim.rollout_seconds", 0, max_seconds, "rollout time (end-to-end figure only)",
         [](auto &x) -> auto & { return x.sim.rollout_seconds; }));

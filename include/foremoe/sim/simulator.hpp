@@ -65,11 +65,16 @@ struct DenseShape {
   double params = 19136512.0;  ///< non-routed parameters per MoE layer: attention projections, shared experts, router
   double attention_dim = 4096; ///< width of QK^T and PV per token: query heads x head dim (their mean under MLA)
   double context = 0; ///< mean attended context per token (`simulate` front ends: half the batch's mean sequence)
+  /// Vocabulary of the LM head (and the input embedding), for its GEMM and the optimizer's parameter count:
+  /// Qwen3-30B-A3B's `vocab_size` 151,936 (its public config.json; `tie_word_embeddings` false, so the embedding
+  /// is a second V x H matrix). 0: no LM head.
+  double vocab = 151936.0;
 
   /// DeepSeek-V3 (its public config: MLA with q_lora_rank 1536, kv_lora_rank 512, 128 heads, qk 128 + 64 rope,
   /// v 128; one shared expert of 3 x 7168 x 2048; router 7168 x 256): 232,980,480 parameters; QK^T is 128 x 192
   /// wide and PV 128 x 128, mean 20,480.
-  [[nodiscard]] static DenseShape deepseek_v3() { return {232980480.0, 20480.0, 0.0}; }
+  /// Vocabulary 129,280 (its config.json `vocab_size`; embedding and head untied).
+  [[nodiscard]] static DenseShape deepseek_v3() { return {232980480.0, 20480.0, 0.0, 129280.0}; }
 };
 
 /// What is simulated besides the loads.
@@ -79,10 +84,30 @@ struct SimConfig {
   CostParams cost{};
   int recompute_passes = 1;       ///< forward-only passes over the batch (old policy, reference model, ...)
   int minibatches_per_step = 1;   ///< optimizer steps per RL step (the update micro-steps split evenly)
-  double optimizer_seconds = 0.0; ///< time of one optimizer step (same for every strategy)
+  double optimizer_seconds = 0.0; ///< fixed time of one optimizer step, added to the traffic model's (below)
   double rollout_seconds = 0.0;   ///< rollout time, only for the end-to-end figure
   bool double_buffer = false;     ///< a second buffer per replica slot: moves may start a micro-step early
   int activation_bytes = 2;       ///< bytes per hidden element in dispatch and combine (bf16)
+  /// HBM bytes the optimizer step moves per parameter a GPU holds (its owned experts, the dense parts of every
+  /// layer, the embedding and LM head), timed at `cost.gemm.hbm_tb_per_s x cost.gemm.hbm_efficiency`. Default: a
+  /// fused Adam step with fp32 master weights (Apex / Transformer Engine FusedAdam, as Megatron-LM runs it) reads
+  /// the fp32 main gradient, master weight and both moments (16 B) and writes master and moments (12 B) and the
+  /// bf16 model weight (2 B): 30 B. The state it streams is ZeRO's 2 + 2 + 12 bytes per parameter (Rajbhandari et
+  /// al. 2020, sec. 3.1) with fp32 gradients. 0: only `optimizer_seconds`.
+  double optimizer_traffic_bytes_per_param = 30.0;
+  /// Fraction in [0, 1] of each layer's all-to-all (dispatch and combine, each pass) that may hide under the same
+  /// layer's compute (attention, dense parts and expert GEMM), at most all of it: `layer = compute + a2a -
+  /// min(a2a_overlap x a2a, compute)`. Real stacks hide it across micro-batches: Megatron-core's batch-level EP
+  /// overlap (`overlap_moe_expert_parallel_comm`, MCore v0.14; one micro-batch's all-to-all under another's
+  /// compute in 1F1B) and DeepEP's hook-based receive (communication without SMs). Default 0: both are opt-in
+  /// (Megatron-core's `overlap_moe_expert_parallel_comm` defaults to False, model_parallel_config.py), and the
+  /// RL trainers run Megatron's defaults unless told otherwise; 1 is the upper bound of full overlap.
+  double a2a_overlap = 0.0;
+  /// Fraction in [0, 1] of the data-parallel expert-gradient synchronisation across EP-group copies that may
+  /// overlap the last update micro-step's backward (per-layer buckets reduced as soon as that layer's backward is
+  /// over, Megatron DDP's `overlap_grad_reduce`). Default 0: Megatron-core's `DistributedDataParallelConfig`
+  /// defaults `overlap_grad_reduce` to False (distributed_data_parallel_config.py).
+  double dp_grad_overlap = 0.0;
   /// Colocated trainers reload optimizer state after rollout, so a new owner map is free; otherwise every
   /// expert whose owner changes moves its weights plus `optimizer_state_factor` x their size.
   bool reowning_free = true;
@@ -139,6 +164,22 @@ struct SimConfig {
     return launch + weights + tokens_per_gpu * flops / (cost.gemm.peak_tflops_bf16 * 1e12 * dense_efficiency);
   }
 
+  /// Forward seconds of the LM head (a vocab x hidden GEMM per token: 2 V H FLOPs at `dense_efficiency` of the
+  /// bf16 peak, its bf16 weights streamed once) on a GPU processing `tokens_per_gpu` tokens; 0 without a vocab.
+  [[nodiscard]] double lm_head_forward_seconds(double tokens_per_gpu) const {
+    if (dense.vocab <= 0 || tokens_per_gpu <= 0) return 0.0;
+    const double vh = dense.vocab * model.hidden;
+    const double weights = vh * 2.0 / (cost.gemm.hbm_tb_per_s * 1e12 * cost.gemm.hbm_efficiency);
+    return weights + tokens_per_gpu * 2.0 * vh / (cost.gemm.peak_tflops_bf16 * 1e12 * dense_efficiency);
+  }
+
+  /// Seconds of one optimizer step on a GPU holding `params` parameters (`optimizer_seconds` plus their
+  /// `optimizer_traffic_bytes_per_param` at the HBM bandwidth).
+  [[nodiscard]] double optimizer_step_seconds(double params) const {
+    return optimizer_seconds +
+           params * optimizer_traffic_bytes_per_param / (cost.gemm.hbm_tb_per_s * 1e12 * cost.gemm.hbm_efficiency);
+  }
+
   /// The EP group size in use: `ep_size`, or `default_ep_size` of the cluster and the experts.
   [[nodiscard]] int effective_ep_size() const {
     return ep_size > 0 ? ep_size : default_ep_size(topo.num_gpus(), model.num_experts);
@@ -166,6 +207,13 @@ struct SimConfig {
                     "SimConfig: optimizer_seconds must be >= 0, got ", optimizer_seconds);
     detail::require(std::isfinite(rollout_seconds) && rollout_seconds >= 0,
                     "SimConfig: rollout_seconds must be >= 0, got ", rollout_seconds);
+    detail::require(std::isfinite(optimizer_traffic_bytes_per_param) && optimizer_traffic_bytes_per_param >= 0,
+                    "SimConfig: optimizer_traffic_bytes_per_param must be >= 0, got ",
+                    optimizer_traffic_bytes_per_param);
+    detail::require(std::isfinite(a2a_overlap) && a2a_overlap >= 0 && a2a_overlap <= 1,
+                    "SimConfig: a2a_overlap must be in [0, 1], got ", a2a_overlap);
+    detail::require(std::isfinite(dp_grad_overlap) && dp_grad_overlap >= 0 && dp_grad_overlap <= 1,
+                    "SimConfig: dp_grad_overlap must be in [0, 1], got ", dp_grad_overlap);
     detail::require(activation_bytes > 0, "SimConfig: activation_bytes must be positive, got ", activation_bytes);
     detail::require(planner_threads >= 1, "SimConfig: planner_threads must be >= 1, got ", planner_threads);
     detail::require(std::isfinite(optimizer_bytes_per_param) && optimizer_bytes_per_param >= 0,
@@ -175,9 +223,10 @@ struct SimConfig {
     detail::require(std::isfinite(dense_efficiency) && dense_efficiency > 0 && dense_efficiency <= 1,
                     "SimConfig: dense_efficiency must be in (0, 1], got ", dense_efficiency);
     detail::require(std::isfinite(dense.params) && dense.params >= 0 && std::isfinite(dense.attention_dim) &&
-                        dense.attention_dim >= 0 && std::isfinite(dense.context) && dense.context >= 0,
+                        dense.attention_dim >= 0 && std::isfinite(dense.context) && dense.context >= 0 &&
+                        std::isfinite(dense.vocab) && dense.vocab >= 0,
                     "SimConfig: dense shape must be >= 0, got params ", dense.params, ", attention_dim ",
-                    dense.attention_dim, ", context ", dense.context);
+                    dense.attention_dim, ", context ", dense.context, ", vocab ", dense.vocab);
   }
 };
 
@@ -202,20 +251,24 @@ struct SimStrategy {
 /// Where time goes: parts that add up to a step (or micro-step) time, in seconds.
 struct SimBreakdown {
   double expert_compute = 0; ///< grouped-GEMM time of the busiest GPU per layer, forward and backward
-  double all_to_all = 0;     ///< dispatch and combine, forward and backward
+  double all_to_all = 0;     ///< dispatch and combine, forward and backward, less what hides under compute
   double dense = 0;          ///< attention and dense layers, forward and backward
+  double lm_head = 0;        ///< the LM head's GEMM, forward (and backward in the update stage)
   double moves = 0;          ///< weight moves outside the overlap windows: re-owning and host-mirror refreshes
   double stall = 0;          ///< layers waiting for replica weights or gradient returns
+  double dp_grad_sync = 0;   ///< expert gradients all-reduced across EP-group copies, not under the backward
   double optimizer = 0;      ///< optimizer steps
   [[nodiscard]] double total() const noexcept {
-    return expert_compute + all_to_all + dense + moves + stall + optimizer;
+    return expert_compute + all_to_all + dense + lm_head + moves + stall + dp_grad_sync + optimizer;
   }
   SimBreakdown &operator+=(const SimBreakdown &o) noexcept {
     expert_compute += o.expert_compute;
     all_to_all += o.all_to_all;
     dense += o.dense;
+    lm_head += o.lm_head;
     moves += o.moves;
     stall += o.stall;
+    dp_grad_sync += o.dp_grad_sync;
     optimizer += o.optimizer;
     return *this;
   }
@@ -259,6 +312,8 @@ struct SimResult {
   SimBreakdown breakdown;                    ///< mean per counted RL step; its total is `step_seconds`
   std::vector<SimBreakdown> step_breakdown;  ///< per counted RL step (its slowest EP group)
   std::vector<SimBreakdown> micro_breakdown; ///< per counted micro-step (the rows of `layer_seconds`)
+  /// Per step: the all-to-all hidden under compute (`SimConfig::a2a_overlap`), not in `breakdown.all_to_all`.
+  double a2a_hidden_seconds = 0;
 };
 
 namespace detail {
@@ -266,7 +321,9 @@ namespace detail {
 /// Per-layer timing of one micro-step under one plan.
 struct LayerTiming {
   double forward = 0, backward = 0;
-  double expert = 0, a2a = 0, dense = 0; ///< the parts of forward + backward
+  double expert = 0, a2a = 0, dense = 0; ///< the parts of forward + backward (`a2a`: the part not hidden)
+  double a2a_link = 0;                   ///< the whole all-to-all: how long it occupies the links
+  double a2a_hidden = 0;                 ///< the part of `a2a_link` hidden under compute
   std::vector<double> move_demand;       ///< per GPU: seconds of incoming moves (max over paths)
   std::vector<double> grad_demand;       ///< per GPU: seconds of gradient reductions it sends
   double moved_bytes = 0, grad_bytes = 0;
@@ -276,7 +333,7 @@ struct LayerTiming {
 /// What one EP group did in one RL step.
 struct GroupStep {
   double recompute = 0, update = 0, extra = 0, stall = 0, mirror = 0, moved = 0, grad = 0, planner = 0;
-  double planner_critical = 0, grad_tail = 0;
+  double planner_critical = 0, grad_tail = 0, a2a_hidden = 0;
   SimMemory memory;
   int min_experts = std::numeric_limits<int>::max(); ///< fewest experts on a GPU in any (micro-step, layer)
   SimBreakdown parts;
@@ -344,6 +401,8 @@ struct GroupStep {
   const double grad_bytes_per_expert = expert_params * static_cast<double>(dtype_bytes(cfg.grad_dtype));
   CostParams cost = cfg.cost; // gradients in `grad_dtype`
   cost.grad.grad_bytes_factor = grad_bytes_per_expert / expert_bytes;
+
+  const int num_copies = cfg.topo.num_gpus() / G; // data-parallel copies of this EP group
 
   // Tokens of a micro-step (before routing): its assignments over top-k, from layer 0.
   auto tokens_of = [&](int m) { return static_cast<double>(loads.layer_total(m, 0)) / spec.topk; };
@@ -447,14 +506,21 @@ struct GroupStep {
         cfg.cost.a2a, lp != nullptr ? lp->placement.phys_to_log() : std::span<const std::int32_t>{},
         lp != nullptr ? std::span<const std::int64_t>(lp->slot_tokens) : std::span<const std::int64_t>{}, gpu_tokens, S,
         topo.gpus_per_node, E, tokens, row_bytes);
-    t.forward = attn + a2a + fwd_expert + a2a;
+    // Each pass's dispatch and combine may hide under its compute, `a2a_overlap` of it at most.
+    const double fwd_hidden = std::min(cfg.a2a_overlap * 2 * a2a, attn + fwd_expert);
+    t.forward = attn + a2a + fwd_expert + a2a - fwd_hidden;
     t.expert = fwd_expert;
-    t.a2a = 2 * a2a;
+    t.a2a = 2 * a2a - fwd_hidden;
+    t.a2a_link = 2 * a2a;
+    t.a2a_hidden = fwd_hidden;
     t.dense = attn;
     if (update) {
-      t.backward = cfg.cost.backward_factor * attn + a2a + bwd_expert + a2a;
+      const double bwd_hidden = std::min(cfg.a2a_overlap * 2 * a2a, cfg.cost.backward_factor * attn + bwd_expert);
+      t.backward = cfg.cost.backward_factor * attn + a2a + bwd_expert + a2a - bwd_hidden;
       t.expert += bwd_expert;
-      t.a2a += 2 * a2a;
+      t.a2a += 2 * a2a - bwd_hidden;
+      t.a2a_link += 2 * a2a;
+      t.a2a_hidden += bwd_hidden;
       t.dense += cfg.cost.backward_factor * attn;
     }
     t.move_demand.assign(static_cast<std::size_t>(G), 0.0);
@@ -570,7 +636,7 @@ struct GroupStep {
       bool used_mirror = false;
       std::vector<LayerTiming> prev_t;
       const std::vector<LayerPlan> *prev_plans = nullptr;
-      double stage_time = 0;
+      double stage_time = 0, last_a2a_share = 0;
       for (int m = 0; m < M; ++m) {
         const double tokens = tokens_of(m0 + m);
         std::vector<LayerTiming> cur(static_cast<std::size_t>(L));
@@ -612,7 +678,7 @@ struct GroupStep {
         // The all-to-all's share of the micro-step's time: moves share NVLink, the NIC and PCIe with it.
         double a2a_time = 0, layer_time = 0;
         for (const LayerTiming &lt : cur) {
-          a2a_time += lt.a2a;
+          a2a_time += lt.a2a_link;
           layer_time += lt.forward + lt.backward;
         }
         const double a2a_share = layer_time > 0 ? std::min(1.0, a2a_time / layer_time) : 0.0;
@@ -649,11 +715,17 @@ struct GroupStep {
           parts.expert_compute += cur[l].expert;
           parts.all_to_all += cur[l].a2a;
           parts.dense += cur[l].dense;
+          rec.a2a_hidden += cur[l].a2a_hidden;
         }
         parts.stall = stall;
+        // The LM head after the last layer's forward (and its backward before the first layer's backward); the
+        // move windows do not count it.
+        const double head = cfg.lm_head_forward_seconds(tokens / G) * (update ? 1 + cfg.cost.backward_factor : 1.0);
+        parts.lm_head = head;
+        last_a2a_share = a2a_share;
         step_parts += parts;
         rec.micro.push_back(parts);
-        micro += stall;
+        micro += stall + head;
         rec.stall += stall;
         stage_time += micro;
         // Planning: an equal share of the stage's planner time per micro-step. The first micro-step's plan is on
@@ -688,9 +760,36 @@ struct GroupStep {
         rec.micro.back().stall += tail;
         stage_time += tail;
       }
+      if (update && num_copies > 1 && !prev_t.empty()) {
+        // Before each optimizer step the copies all-reduce their owned experts' gradients (ring: 2 (n - 1) / n of
+        // the bytes each way per GPU, 2 (n - 1) steps; the copies of a GPU's experts sit on other nodes unless
+        // the cluster is one node), one bucket per layer. `dp_grad_overlap` of it may run under the last
+        // micro-step's backward: layer l's bucket once its backward is over (L-1 .. 0), queued on the link it
+        // shares with that micro-step's all-to-all; what outlasts the backward is exposed.
+        const MovePath path = cfg.topo.num_nodes > 1 ? MovePath::gpu_inter : MovePath::gpu_intra;
+        const PathParams &link = path_params(cfg.cost.move, path);
+        const double n = num_copies;
+        const double bucket = 2.0 * (n - 1) * link.latency_us * 1e-6 +
+                              2.0 * (n - 1) / n * owners_per_gpu * grad_bytes_per_expert / (link.gb_per_s * 1e9);
+        const double serial = L * bucket;
+        double ready = 0, finish = 0;
+        for (int l = L - 1; l >= 0; --l) {
+          ready += prev_t[l].backward;
+          finish = std::max(finish, ready) + shared_link_seconds(bucket, last_a2a_share);
+        }
+        const double overlapped = std::min(serial, finish - ready);
+        const double exposed =
+            cfg.minibatches_per_step * ((1 - cfg.dp_grad_overlap) * serial + cfg.dp_grad_overlap * overlapped);
+        stage_time += exposed;
+        step_parts.dp_grad_sync += exposed;
+      }
       if (update) {
-        stage_time += cfg.optimizer_seconds * cfg.minibatches_per_step;
-        step_parts.optimizer += cfg.optimizer_seconds * cfg.minibatches_per_step;
+        // Every GPU steps its parameters: owned experts, the dense parts of every layer, embedding and LM head.
+        const double params = static_cast<double>(owners_per_gpu) * L * expert_params + L * cfg.dense.params +
+                              2.0 * cfg.dense.vocab * spec.hidden;
+        const double opt = cfg.optimizer_step_seconds(params) * cfg.minibatches_per_step;
+        stage_time += opt;
+        step_parts.optimizer += opt;
         // After each optimizer step every GPU copies its owned experts' new weights to the node's pinned
         // mirror over its PCIe link, before the next mini-batch may read them; only strategies that read
         // the mirror pay it.
@@ -776,7 +875,7 @@ struct GroupStep {
     res.min_experts_per_gpu = std::numeric_limits<int>::max();
     std::vector<double> imbalance;
     double total_recompute = 0, total_update = 0, total_extra = 0, total_stall = 0, total_moved = 0, total_grad = 0,
-           total_mirror = 0, total_planner_critical = 0, total_grad_tail = 0;
+           total_mirror = 0, total_planner_critical = 0, total_grad_tail = 0, total_a2a_hidden = 0;
     for (int i = 0; i < num_groups; ++i)
       for (const detail::GroupStep &g : runs[i])
         if (g.memory.total() > res.memory.total()) res.memory = g.memory;
@@ -793,6 +892,7 @@ struct GroupStep {
       total_mirror += w.mirror;
       total_planner_critical += w.planner_critical;
       total_grad_tail += w.grad_tail;
+      total_a2a_hidden += w.a2a_hidden;
       res.step_breakdown.push_back(w.parts);
       res.breakdown += w.parts;
       res.micro_breakdown.insert(res.micro_breakdown.end(), w.micro.begin(), w.micro.end());
@@ -822,6 +922,7 @@ struct GroupStep {
     res.mirror_seconds = total_mirror / counted;
     res.planner_critical_seconds = total_planner_critical / counted;
     res.grad_tail_seconds = total_grad_tail / counted;
+    res.a2a_hidden_seconds = total_a2a_hidden / counted;
     const double limit = cfg.gpu_memory_gb * 1e9;
     const SimMemory &pk = res.memory;
     detail::require(pk.total() <= limit, "simulate: strategy ", strat.name, " needs ", pk.total() * 1e-9, " GB on GPU ",
@@ -829,8 +930,9 @@ struct GroupStep {
                     " GB, optimizer state ", pk.optimizer * 1e-9, " GB, activations ", pk.activations * 1e-9,
                     " GB), more than sim.gpu_memory_gb = ", cfg.gpu_memory_gb,
                     " GB; use more GPUs, fewer slots, sim.optimizer_offload or a larger sim.gpu_memory_gb");
-    for (double *part : {&res.breakdown.expert_compute, &res.breakdown.all_to_all, &res.breakdown.dense,
-                         &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.optimizer})
+    for (double *part :
+         {&res.breakdown.expert_compute, &res.breakdown.all_to_all, &res.breakdown.dense, &res.breakdown.lm_head,
+          &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.dp_grad_sync, &res.breakdown.optimizer})
       *part /= counted;
     results.push_back(std::move(res));
   }

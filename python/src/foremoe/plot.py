@@ -37,8 +37,10 @@ BREAKDOWN = (
     ("expert_compute_seconds", "expert compute (slowest GPU)", "#4C72B0"),
     ("all_to_all_seconds", "all-to-all", "#DD8452"),
     ("dense_seconds", "dense (attention etc.)", "#8C8C8C"),
+    ("lm_head_seconds", "LM head", "#937860"),
     ("moves_seconds", "moves (re-owning, mirror refresh)", "#55A868"),
     ("stall_seconds", "stall (waiting for weights/gradients)", "#C44E52"),
+    ("dp_grad_sync_seconds", "expert-gradient sync across EP-group copies", "#DA8BC3"),
     ("optimizer_seconds", "optimizer", "#8172B3"),
 )
 
