@@ -165,9 +165,12 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
   }
   Packing start = method == "none" ? pack_in_order(lengths, shape) : pack_by_tokens(lengths, shape);
   Packing p = method == "routing" ? pack_by_routing(in, shape, po, start) : start;
-  const double start_dev = packing_deviation(in, shape, start, po), dev = packing_deviation(in, shape, p, po);
-  const std::vector<double> start_imb = packing_imbalance(in, shape, start, po),
-                            imb = packing_imbalance(in, shape, p, po);
+  // pack_by_routing reports both deviations; the other packings are their own start.
+  const bool routed = method == "routing";
+  const double start_dev = routed ? p.start_deviation : packing_deviation(in, shape, start, po);
+  const double dev = routed ? p.deviation : start_dev;
+  const std::vector<double> start_imb = packing_imbalance(in, shape, start, po);
+  const std::vector<double> imb = routed ? packing_imbalance(in, shape, p, po) : start_imb;
 
   PackedBatch out;
   out.loads = LoadTensor(static_cast<int>(shape.micro_steps), static_cast<int>(layers), static_cast<int>(experts));

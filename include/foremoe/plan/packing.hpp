@@ -263,17 +263,16 @@ inline void load_packing(PackingState &st, const Packing &p, std::string_view wh
 
 namespace detail {
 
-/// Step 4 of `pack_by_routing`: `members[m]` are the sequences of micro-step m (any order).
+/// Step 4 of `pack_by_routing`: `order` is every sequence, longest first (`longest_first`).
 inline void balance_ranks(Packing &p, std::span<const std::int64_t> lengths, const PackingShape &shape,
-                          std::vector<std::vector<std::int64_t>> &members) {
+                          std::span<const std::int64_t> order) {
   const auto R = static_cast<std::size_t>(shape.ranks);
+  std::vector<std::vector<std::int64_t>> members(static_cast<std::size_t>(shape.micro_steps));
+  for (const std::int64_t s : order) // each micro-step's sequences, longest first
+    members[static_cast<std::size_t>(p.micro_step[static_cast<std::size_t>(s)])].push_back(s);
   std::vector<std::int64_t> old_fill(R), fill(R);
   std::vector<std::int32_t> rank_of;
-  for (std::vector<std::int64_t> &seqs : members) {
-    std::sort(seqs.begin(), seqs.end(), [&](std::int64_t a, std::int64_t b) {
-      const std::int64_t la = lengths[static_cast<std::size_t>(a)], lb = lengths[static_cast<std::size_t>(b)];
-      return la != lb ? la > lb : a < b;
-    });
+  for (const std::vector<std::int64_t> &seqs : members) {
     std::fill(old_fill.begin(), old_fill.end(), 0);
     std::fill(fill.begin(), fill.end(), 0);
     rank_of.clear();
@@ -526,7 +525,7 @@ inline void balance_ranks(Packing &p, std::span<const std::int64_t> lengths, con
   // to its ranks, longest first to the one with the fewest tokens, and that dealing is kept where every
   // micro-batch stays within the budget and the fullest is no fuller: per-rank work (attention, the dense layers)
   // then evens out, where the search's best fit had filled some micro-batches and left others empty.
-  detail::balance_ranks(best, in.lengths, shape, members);
+  detail::balance_ranks(best, in.lengths, shape, order);
   best.start_deviation = start_j;
   best.deviation = st.objective();
   return best;

@@ -1048,11 +1048,12 @@ inline void repack_step(const SyntheticConfig &cfg, const SyntheticWorld &world,
     }
   const std::vector<std::int64_t> hist =
       cfg.packing == BatchPacking::routing ? sequence_histograms(cfg, world, plan, pool) : std::vector<std::int64_t>{};
+  std::vector<std::vector<std::size_t>> by_group(ng / group); // each group's sequences, ascending
+  for (std::size_t s = 0; s < num_seqs; ++s)
+    by_group[rank_of[s] / group].push_back(s);
   std::vector<std::vector<int>> blocks(static_cast<std::size_t>(plan.num_micro_steps) * ng);
   for (std::size_t g0 = 0; g0 < ng; g0 += group) {
-    std::vector<std::size_t> seqs;
-    for (std::size_t s = 0; s < num_seqs; ++s)
-      if (rank_of[s] >= g0 && rank_of[s] < g0 + group) seqs.push_back(s);
+    const std::vector<std::size_t> &seqs = by_group[g0 / group];
     std::vector<std::int64_t> len(seqs.size());
     Packing trainer;
     for (std::size_t i = 0; i < seqs.size(); ++i) {
