@@ -236,7 +236,8 @@ expect 1 "unknown strategy 'best' \(registered: static, eplb, eplb-split, eplb-o
 # strategies, cost or planner options share the entry, another batch does not; a corrupted or truncated entry is
 # generated again and rewritten; off never writes; an empty setting is refused.
 lc="$work/loadcache"
-sim_csv() { "$bin" simulate --config "$work/sim.json" --csv "$@" 2>"$work/sim_err.txt"; }
+# (the configured deployment's batch alone: the deployment search's batches are checked below)
+sim_csv() { "$bin" simulate --config "$work/sim.json" --csv --no-best-deployment "$@" 2>"$work/sim_err.txt"; }
 if sim_csv --cache "$lc" >"$work/c1.csv" && grep -q "loads generated in" "$work/sim_err.txt" &&
    sim_csv --cache "$lc" >"$work/c2.csv" && grep -Eq "loads read from the cache in .*/loadcache/loads-[0-9a-f]{16}\.bin" "$work/sim_err.txt" &&
    cmp -s "$work/c1.csv" "$work/c2.csv" &&
@@ -269,9 +270,29 @@ FOREMOE_CACHE_DIR=off sim_csv >/dev/null && [[ $off_ok -eq 0 && ! -e "$work/cach
 # The main job's batch is built in: its first run unpacks the loads instead of generating them, whatever the cache
 # setting, and writes no cache entry.
 expect 0 "loads of the default batch built into the program, unpacked in [0-9.]+ s" -- \
-  "$bin" simulate --strategies static --cache "$work/cache-default"
+  "$bin" simulate --strategies static --cache "$work/cache-default" --no-best-deployment
 [[ ! -e "$work/cache-default" ]] && passed=$((passed + 1)) ||
   { echo "FAIL: the built-in default batch wrote a cache entry"; failed=$((failed + 1)); }
+# The deployment search's batch (one for every EP size, counted by source) is cached like any other; a second run
+# reads it and prints the same best deployments.
+ls="$work/searchcache"
+if "$bin" simulate --config "$work/sim.json" --cache "$ls" --json "$work/s1.json" 2>"$work/sim_err.txt" &&
+   grep -q "its batches generated in" "$work/sim_err.txt" &&
+   "$bin" simulate --config "$work/sim.json" --cache "$ls" --json "$work/s2.json" 2>"$work/sim_err.txt" &&
+   grep -q "its batches read in" "$work/sim_err.txt" &&
+   python3 -c 'import json,sys; a,b=(json.load(open(p))["best_deployment"]["strategies"] for p in sys.argv[1:]); sys.exit(a!=b)' \
+     "$work/s1.json" "$work/s2.json"; then
+  passed=$((passed + 1))
+else
+  echo "FAIL: the deployment search's batch was not cached or gave other figures:"; cat "$work/sim_err.txt"
+  failed=$((failed + 1))
+fi
+expect 0 "each strategy in its best deployment: the fastest of" -- "$bin" simulate --config "$work/sim.json"
+expect 0 "^foremoe +[0-9.]+ " -- "$bin" simulate --config "$work/sim.json" --no-best-deployment
+expect 2 "deployment search: EP size 3 is not a group of whole nodes" -- "$bin" simulate --ep-sizes 3,8
+expect 1 "deployment search: EP size 3 is not a group of whole nodes" -- "$bin" simulate --config "$work/sim.json" --ep-sizes 3
+expect 2 "--spare-slots .*'x' in '1,x' is not an integer" -- "$bin" simulate --spare-slots 1,x
+expect 2 "--microbatches .*'0' in '0' is outside" -- "$bin" simulate --microbatches 0
 expect 1 "--cache must be auto, off or a directory, got an empty string" -- "$bin" simulate --config "$work/sim.json" --cache ""
 expect 0 "note: could not write the load cache entry" -- "$bin" simulate --config "$work/sim.json" --cache /proc/foremoe-cache
 printf '{"model": {"layerz": 4}}' >"$work/typo.json"

@@ -98,6 +98,9 @@ Command make_simulate() {
                    static_cast<double>(total));
     };
     progress.simulate = [&](int done, int total) { meter.update("simulating (strategy-steps)", done, total); };
+    progress.search = [&](int done, int total) {
+      meter.update("searching each strategy's best deployment (strategy-deployments)", done, total);
+    };
     LoadsReport rep;
     const auto t0 = std::chrono::steady_clock::now();
     const json::Value doc = [&] {
@@ -110,7 +113,8 @@ Command make_simulate() {
         throw;
       }
     }();
-    const double sim_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - rep.seconds;
+    const double sim_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() - rep.seconds -
+                         rep.search_load_seconds;
     meter.clear();
 
     if (a.flag("csv")) {
@@ -128,7 +132,12 @@ Command make_simulate() {
         err << "loads read from the cache in " << rep.seconds << " s (" << rep.cache_file.string() << "), ";
       else if (rep.generated)
         err << "loads generated in " << rep.seconds << " s, ";
-      err << "simulation and planning in " << sim_s << " s\n";
+      err << "simulation and planning in " << sim_s << " s";
+      if (const json::Value *best = doc.find("best_deployment"); best != nullptr)
+        err << " (the deployment search's " << best->find("runs")->as_array().size()
+            << " runs: " << best->find("search_seconds")->as_double() << " s; its batches "
+            << (rep.search_generated ? "generated" : "read") << " in " << rep.search_load_seconds << " s)";
+      err << "\n";
       if (rep.generated && !rep.from_cache && !rep.cache_file.empty() && !rep.cache_written)
         err << "note: could not write the load cache entry " << rep.cache_file.string() << " (--cache)\n";
     }

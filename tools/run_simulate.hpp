@@ -9,6 +9,9 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
+#include <memory>
+#include <numeric>
 #include <optional>
 #include <span>
 #include <sstream>
@@ -20,6 +23,7 @@
 #include "foremoe/config/options.hpp"
 #include "foremoe/core/json.hpp"
 #include "foremoe/core/load_tensor.hpp"
+#include "foremoe/sim/deployment.hpp"
 #include "foremoe/sim/simulator.hpp"
 #include "foremoe/trace/baseline_workloads.hpp"
 #include "foremoe/trace/load_cache.hpp"
@@ -32,6 +36,7 @@ namespace foremoe::cli {
 struct SimulateProgress {
   std::function<void(std::int64_t, std::int64_t)> generate;
   std::function<void(int, int)> simulate;
+  std::function<void(int, int)> search; ///< (strategy, deployment) runs of the deployment search done, of the total
 };
 
 /// Where `run_simulate`'s loads came from.
@@ -42,6 +47,8 @@ struct LoadsReport {
   bool built_in = false;            ///< unpacked from the copy built into the program instead of generated
   std::filesystem::path cache_file; ///< the cache entry read or written; empty when none
   bool cache_written = false;       ///< a new entry was written
+  double search_load_seconds = 0;   ///< the deployment search's batches: generating or reading them
+  bool search_generated = false;    ///< some batch of the deployment search was generated
 };
 
 /// The cache key of a GRPO batch: every `SyntheticConfig` field (doubles exactly, in hex) and what else decides
@@ -80,68 +87,168 @@ struct SimulateBatch {
   std::string key;          ///< `synthetic_cache_key` of the above
 };
 
-[[nodiscard]] inline SimulateBatch simulate_batch(const config::SimulateSettings &s) {
+/// The GRPO batch of `s` for an EP group size `ep`, its tokens counted by source in blocks of `ranks_per_source`
+/// ranks (`ep` for the configured deployment; a divisor of several searched EP sizes, whose groups' loads are sums
+/// of its sources), with `microbatch` tokens per GPU per micro-batch (0: the batch's).
+[[nodiscard]] inline SimulateBatch simulate_batch(const config::SimulateSettings &s, int ep, int ranks_per_source,
+                                                  std::int64_t microbatch = 0) {
   SimulateBatch b;
   b.config = s.batch;
   b.config.num_steps += s.sim.warmup_steps;
+  if (microbatch > 0) b.config.microbatch_tokens_per_gpu = microbatch;
   b.config.validate();
-  const int ep = s.sim.effective_ep_size();
-  b.by_source = ep < s.sim.topo.num_gpus();
-  b.ranks_per_source = b.by_source ? ep : 1;
+  b.by_source = ranks_per_source < s.sim.topo.num_gpus();
+  b.ranks_per_source = b.by_source ? ranks_per_source : 1;
   // Each EP group re-packs its own sequences: its ranks' micro-batches make its micro-steps.
-  if (b.by_source && b.config.packing != BatchPacking::none) b.config.packing_ranks = ep;
+  if (ep < s.sim.topo.num_gpus() && b.config.packing != BatchPacking::none) b.config.packing_ranks = ep;
   b.key = synthetic_cache_key(b.config, b.by_source, b.ranks_per_source);
   return b;
+}
+
+/// The configured deployment's batch.
+[[nodiscard]] inline SimulateBatch simulate_batch(const config::SimulateSettings &s) {
+  const int ep = s.sim.effective_ep_size();
+  return simulate_batch(s, ep, ep);
+}
+
+/// Loads and their RL step offsets, owned.
+struct OwnedLoads {
+  LoadTensor loads;
+  std::vector<std::int64_t> step_offsets;
+};
+
+/// Generates the loads of `batch` (GRPO: from `built_in` when they are that batch's, else the cache that
+/// `s.cache` names when it holds them, and stored there when not; a baseline workload for EP size `ep`).
+[[nodiscard]] inline OwnedLoads simulate_loads(const config::SimulateSettings &s, const SimulateBatch &batch, int ep,
+                                               const SimulateProgress &progress, LoadsReport &rep,
+                                               std::span<const unsigned char> built_in) {
+  const auto t0 = std::chrono::steady_clock::now();
+  OwnedLoads out;
+  GeneratorOptions gen;
+  gen.progress = progress.generate;
+  gen.ranks_per_source = batch.ranks_per_source;
+  const WorkloadSpec workload = parse_workload(s.workload);
+  rep.generated = true;
+  if (workload.kind == WorkloadKind::grpo) {
+    const LoadCache cache = LoadCache::from_setting(s.cache);
+    std::optional<CachedLoads> hit = unpack_loads(built_in, batch.key);
+    rep.built_in = hit.has_value();
+    if (!rep.built_in) {
+      if (cache.enabled()) rep.cache_file = cache.file_of(batch.key);
+      hit = cache.read(batch.key);
+      rep.from_cache = hit.has_value();
+    }
+    if (hit) {
+      out.loads = std::move(hit->loads);
+      out.step_offsets = std::move(hit->step_offsets);
+    } else {
+      out.loads = generate_loads(batch.config, &out.step_offsets, batch.by_source, gen);
+      const LoadCache::Write w = cache.write(batch.key, out.loads, out.step_offsets);
+      rep.cache_written = w == LoadCache::Write::written;
+      if (w == LoadCache::Write::too_large) rep.cache_file.clear(); // not kept, and not a failure to report
+    }
+  } else { // the baselines' generators route the same micro-steps; the copies split them evenly (not cached)
+    out.loads = generate_baseline_loads(workload, batch.config, ep, &out.step_offsets);
+  }
+  rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return out;
+}
+
+/// Each strategy's best deployment (`s.search`) for the run of `run_simulate`: over `given` when the loads were
+/// given (EP sizes whose groups are whole sources, and slots), else over the batches the space needs, generated or
+/// cached (`configured`: the configured deployment's batch, reused where the space needs it); `rep` adds up their
+/// generation.
+[[nodiscard]] inline DeploymentSearch search_simulate(const config::SimulateSettings &s,
+                                                      std::span<const SimStrategy> strategies,
+                                                      const DeploymentLoads *given, const SimulateProgress &progress,
+                                                      LoadsReport &rep, std::span<const unsigned char> built_in,
+                                                      const DeploymentLoads *configured = nullptr) {
+  DeploymentSpace space = s.search;
+  if (given != nullptr) space.microbatch_tokens.clear();
+  std::vector<Deployment> candidates =
+      deployment_candidates(s.sim, space, given != nullptr ? 0 : s.batch.microbatch_tokens_per_gpu);
+  const int G = s.sim.topo.num_gpus();
+  if (given != nullptr && given->loads->has_sources()) // only EP sizes whose groups are whole sources
+    std::erase_if(candidates, [&](const Deployment &d) { return given->loads->num_sources() % (G / d.ep_size) != 0; });
+  // One batch per micro-batch size serves every EP size when the groups' loads are sums of its sources (the GRPO
+  // batch without per-group packing): counted by source at the gcd of the EP sizes below the cluster.
+  const bool per_ep = parse_workload(s.workload).kind != WorkloadKind::grpo || s.batch.packing != BatchPacking::none;
+  int rps = G;
+  for (const Deployment &d : candidates)
+    if (d.ep_size < G) rps = std::gcd(rps, d.ep_size);
+  std::map<std::pair<std::int64_t, int>, OwnedLoads> made; // node-based: the loads stay where they are
+  const auto loads_of = [&](const Deployment &d) -> DeploymentLoads {
+    if (given != nullptr) return *given;
+    const std::pair<std::int64_t, int> key{d.microbatch_tokens, per_ep ? d.ep_size : 0};
+    auto it = made.find(key);
+    if (it == made.end()) {
+      LoadsReport r;
+      const SimulateBatch batch = per_ep ? simulate_batch(s, d.ep_size, d.ep_size, d.microbatch_tokens)
+                                         : simulate_batch(s, G, rps, d.microbatch_tokens);
+      if (configured != nullptr && batch.key == simulate_batch(s).key &&
+          (!per_ep || d.ep_size == s.sim.effective_ep_size()))
+        return *configured; // the configured deployment's own batch, already made
+      it = made.emplace(key, simulate_loads(s, batch, d.ep_size, progress, r, built_in)).first;
+      rep.seconds += r.seconds;
+      rep.generated = rep.generated || (!r.from_cache && !r.built_in);
+    }
+    return {&it->second.loads, it->second.step_offsets};
+  };
+  // Loads first, so that a deployment whose loads cannot be made is left out (with its reason), not the search.
+  std::vector<Deployment> kept;
+  std::vector<DeploymentLoads> kept_loads;
+  std::vector<std::pair<Deployment, std::string>> skipped;
+  for (const Deployment &d : candidates) {
+    try {
+      kept_loads.push_back(loads_of(d));
+      kept.push_back(d);
+    } catch (const Error &e) {
+      skipped.emplace_back(d, e.what());
+    }
+  }
+  if (kept.empty()) throw Error("deployment search: no deployment's loads could be made: " + skipped.front().second);
+  DeploymentSearch out = search_deployments(
+      s.sim, strategies, kept,
+      [&](const Deployment &d) {
+        return kept_loads[static_cast<std::size_t>(std::find(kept.begin(), kept.end(), d) - kept.begin())];
+      },
+      0, progress.search);
+  out.skipped = std::move(skipped);
+  return out;
 }
 
 /// Runs a simulation from settings: the synthetic batch unless `loads` is given (with its `step_offsets`). The
 /// GRPO batch's loads come from `built_in` (a packed entry, foremoe/trace/packed_loads.hpp: the front ends pass
 /// the default batch's, built into them) when it is that batch's, else from the cache that `s.cache` names when
-/// it holds them, and are stored there when not.
+/// it holds them, and are stored there when not. With `s.best_deployment` the document also holds each strategy's
+/// best deployment (`search_simulate`).
 [[nodiscard]] inline json::Value run_simulate(const config::SimulateSettings &s, const LoadTensor *loads,
                                               std::vector<std::int64_t> step_offsets,
                                               const SimulateProgress &progress = {}, LoadsReport *report = nullptr,
                                               std::span<const unsigned char> built_in = {}) {
   const std::vector<SimStrategy> strategies = s.strategy_list();
-  LoadTensor generated;
+  OwnedLoads generated;
   LoadsReport rep;
-  if (loads == nullptr) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const SimulateBatch batch = simulate_batch(s);
-    GeneratorOptions gen;
-    gen.progress = progress.generate;
-    gen.ranks_per_source = batch.ranks_per_source;
-    const WorkloadSpec workload = parse_workload(s.workload);
-    rep.generated = true;
-    if (workload.kind == WorkloadKind::grpo) {
-      const LoadCache cache = LoadCache::from_setting(s.cache);
-      std::optional<CachedLoads> hit = unpack_loads(built_in, batch.key);
-      rep.built_in = hit.has_value();
-      if (!rep.built_in) {
-        if (cache.enabled()) rep.cache_file = cache.file_of(batch.key);
-        hit = cache.read(batch.key);
-        rep.from_cache = hit.has_value();
-      }
-      if (hit) {
-        generated = std::move(hit->loads);
-        step_offsets = std::move(hit->step_offsets);
-      } else {
-        generated = generate_loads(batch.config, &step_offsets, batch.by_source, gen);
-        const LoadCache::Write w = cache.write(batch.key, generated, step_offsets);
-        rep.cache_written = w == LoadCache::Write::written;
-        if (w == LoadCache::Write::too_large) rep.cache_file.clear(); // not kept, and not a failure to report
-      }
-    } else { // the baselines' generators route the same micro-steps; the copies split them evenly (not cached)
-      generated = generate_baseline_loads(workload, batch.config, s.sim.effective_ep_size(), &step_offsets);
-    }
-    loads = &generated;
-    rep.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const bool given = loads != nullptr;
+  if (!given) {
+    generated = simulate_loads(s, simulate_batch(s), s.sim.effective_ep_size(), progress, rep, built_in);
+    loads = &generated.loads;
+    step_offsets = std::move(generated.step_offsets);
   }
-  if (report != nullptr) *report = rep;
   const std::vector<SimResult> res = simulate(s.sim, *loads, step_offsets, strategies, progress.simulate);
   const int num_steps = step_offsets.empty() ? 1 : static_cast<int>(step_offsets.size() - 1);
   const std::int64_t warmup_micro = step_offsets.empty() ? 0 : step_offsets[s.sim.warmup_steps];
-  return config::simulate_document(s, num_steps - s.sim.warmup_steps, loads->num_micro_steps() - warmup_micro, res);
+  std::optional<DeploymentSearch> search;
+  if (s.best_deployment) {
+    LoadsReport search_rep;
+    const DeploymentLoads mine{loads, step_offsets};
+    search = search_simulate(s, strategies, given ? &mine : nullptr, progress, search_rep, built_in, &mine);
+    rep.search_load_seconds = search_rep.seconds;
+    rep.search_generated = search_rep.generated;
+  }
+  if (report != nullptr) *report = rep;
+  return config::simulate_document(s, num_steps - s.sim.warmup_steps, loads->num_micro_steps() - warmup_micro, res,
+                                   search ? &*search : nullptr);
 }
 
 } // namespace foremoe::cli

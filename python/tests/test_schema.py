@@ -57,6 +57,7 @@ def strip(doc):
     for s in doc["strategies"]:
         for k in ("planner_seconds", "planner_critical_seconds", "step_with_planner_seconds"):  # wall time
             s.pop(k)
+    doc.get("best_deployment", {}).pop("search_seconds", None)  # wall time
     return doc
 
 

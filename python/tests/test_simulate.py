@@ -23,6 +23,7 @@ def strip(doc):
     for s in doc["strategies"]:
         for k in ("planner_seconds", "planner_critical_seconds", "step_with_planner_seconds"):  # wall time
             s.pop(k)
+    doc.get("best_deployment", {}).pop("search_seconds", None)  # wall time
     return doc
 
 
@@ -171,10 +172,28 @@ def test_default_batch_is_built_in(tmp_path):
     """The default batch's loads are built into the extension as into the program: the main job unpacks them instead
     of generating them, writes no cache entry, and simulate() gives the same document."""
     cache, out = tmp_path / "cache", tmp_path / "doc.json"
+    # (the configured deployment alone: the deployment search's batch, counted by source, is not built in)
     r = subprocess.run([sys.executable, "-m", "foremoe", "simulate", "--strategies", "static", "--cache", str(cache),
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+                        "--no-best-deployment", "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "loads of the default batch built into the program" in r.stderr
-    doc = foremoe.simulate({"batch": {"cache": str(cache)}}, strategies="static")
+    doc = foremoe.simulate({"batch": {"cache": str(cache)}, "search": {"best_deployment": False}}, strategies="static")
     assert strip(doc) == strip(json.loads(out.read_text()))
     assert not cache.exists()
+
+
+def test_best_deployment_is_never_slower_than_the_configured_one():
+    """Each strategy's best deployment is its fastest fitting run of the search, the configured deployment among
+    them, so it is never slower than the configured deployment's figure; off, the document has no search."""
+    for seed in (3, 4):
+        doc = foremoe.simulate(seeded(seed))
+        best = {b["strategy"]: b for b in doc["best_deployment"]["strategies"]}
+        runs = doc["best_deployment"]["runs"]
+        assert {c["ep_size"] for c in doc["best_deployment"]["candidates"]} >= {doc["ep_size"]}
+        for s in doc["strategies"]:
+            b = best[s["strategy"]]
+            assert b["fits"] and b["step_seconds"] <= s["step_seconds"]
+            fastest = min(r["step_seconds"] for r in runs if r["strategy"] == s["strategy"] and r["fits"])
+            assert b["step_seconds"] == fastest
+    off = foremoe.simulate(dict(seeded(3), search={"best_deployment": False}))
+    assert "best_deployment" not in off

@@ -227,9 +227,96 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   return j;
 }
 
-/// The simulate results document (`foremoe simulate --json`, Python `simulate()`).
+/// A deployment as JSON fields of `j`.
+inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
+  j["ep_size"] = d.ep_size;
+  j["num_ep_groups"] = num_gpus / d.ep_size;
+  j["slots"] = d.slots;
+  j["microbatch_tokens"] = d.microbatch_tokens; // 0: the loads as given
+}
+
+/// The deployment search's part of the results document: each strategy's best deployment and every run.
+[[nodiscard]] inline json::Value best_deployment_json(const SimulateSettings &s, const DeploymentSearch &search) {
+  const int G = s.sim.topo.num_gpus();
+  auto best_of = [&](std::string_view name) -> const DeploymentRun * {
+    for (std::size_t i = 0; i < search.strategies.size(); ++i)
+      if (search.strategies[i].name == name && search.best[i] >= 0)
+        return &search.runs[static_cast<std::size_t>(search.best[i])];
+    return nullptr;
+  };
+  const DeploymentRun *st = best_of("static"), *ep = best_of("eplb"), *fm = best_of("foremoe");
+  json::Value j;
+  json::Value cands = json::Array{};
+  for (const Deployment &d : search.candidates) {
+    json::Value c;
+    deployment_json(c, d, G);
+    cands.push_back(std::move(c));
+  }
+  j["candidates"] = std::move(cands);
+  j["gpu_memory_gb"] = s.sim.gpu_memory_gb;
+  j["search_seconds"] = search.seconds; // wall time of the simulations
+  json::Value rows = json::Array{};
+  for (std::size_t i = 0; i < search.strategies.size(); ++i) {
+    json::Value d;
+    d["strategy"] = search.strategies[i].name;
+    d["fits"] = search.best[i] >= 0;
+    if (search.best[i] >= 0) {
+      const DeploymentRun &b = search.runs[static_cast<std::size_t>(search.best[i])];
+      const SimResult &r = b.result;
+      deployment_json(d, b.deployment, G);
+      d["step_seconds"] = r.step_seconds;
+      d["recompute_seconds"] = r.recompute_seconds;
+      d["update_seconds"] = r.update_seconds;
+      d["end_to_end_seconds"] = r.end_to_end_seconds;
+      d["imbalance_median"] = r.imbalance_median;
+      d["imbalance_p99"] = r.imbalance_p99;
+      d["moved_gb"] = r.moved_gb;
+      d["grad_gb"] = r.grad_gb;
+      d["stall_seconds"] = r.stall_seconds;
+      d["peak_memory_gb"] = r.memory.total() * 1e-9;
+      d["breakdown"] = breakdown_json(r.breakdown);
+      // Each against the other's best deployment: >1 means this strategy's best is the faster.
+      d["speedup_over_static"] = st != nullptr ? st->result.step_seconds / r.step_seconds : 0.0;
+      d["speedup_over_eplb"] = ep != nullptr ? ep->result.step_seconds / r.step_seconds : 0.0;
+      d["foremoe_speedup"] = fm != nullptr ? r.step_seconds / fm->result.step_seconds : 0.0;
+    }
+    rows.push_back(std::move(d));
+  }
+  j["strategies"] = std::move(rows);
+  json::Value runs = json::Array{};
+  for (std::size_t t = 0; t < search.runs.size(); ++t) {
+    const DeploymentRun &r = search.runs[t];
+    json::Value d;
+    d["strategy"] = search.strategies[t % search.strategies.size()].name;
+    deployment_json(d, r.deployment, G);
+    if (r.error.empty()) {
+      d["step_seconds"] = r.result.step_seconds;
+      d["imbalance_median"] = r.result.imbalance_median;
+      d["peak_memory_gb"] = r.result.memory.total() * 1e-9;
+      d["fits"] = r.fits;
+    } else {
+      d["fits"] = false;
+      d["error"] = r.error;
+    }
+    runs.push_back(std::move(d));
+  }
+  j["runs"] = std::move(runs);
+  json::Value skipped = json::Array{};
+  for (const auto &[d, why] : search.skipped) {
+    json::Value k;
+    deployment_json(k, d, G);
+    k["reason"] = why;
+    skipped.push_back(std::move(k));
+  }
+  j["skipped"] = std::move(skipped);
+  return j;
+}
+
+/// The simulate results document (`foremoe simulate --json`, Python `simulate()`); with `search`, its
+/// `best_deployment`.
 [[nodiscard]] inline json::Value simulate_document(const SimulateSettings &s, int num_steps,
-                                                   std::int64_t num_micro_steps, const std::vector<SimResult> &res) {
+                                                   std::int64_t num_micro_steps, const std::vector<SimResult> &res,
+                                                   const DeploymentSearch *search = nullptr) {
   const SimResult *base_static = nullptr, *base_eplb = nullptr;
   for (const auto &r : res) {
     if (r.strategy == "static") base_static = &r;
@@ -300,6 +387,7 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
     list.push_back(std::move(d));
   }
   j["strategies"] = std::move(list);
+  if (search != nullptr) j["best_deployment"] = best_deployment_json(s, *search);
   // What each array's axes are, so that a reader need not guess.
   json::Value axes;
   axes["strategies[].steps"] = json::Array{"rl_step"};
@@ -361,6 +449,67 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   return out.str();
 }
 
+/// A speed-up as the tables print it: "1.234x", or "n/a" where there is no baseline (0).
+[[nodiscard]] inline std::string ratio_text(double v) {
+  std::ostringstream os;
+  if (v > 0)
+    os << std::fixed << std::setprecision(3) << v << "x";
+  else
+    os << "n/a";
+  return os.str();
+}
+
+/// The `best_deployment` part of a results document as a text table: the space searched, then each strategy's
+/// fastest deployment that fits.
+[[nodiscard]] inline std::string best_deployment_table(const json::Value &best) {
+  std::ostringstream out;
+  std::vector<std::int64_t> eps, mbs;
+  const json::Array &cands = best.find("candidates")->as_array();
+  for (const json::Value &c : cands) {
+    eps.push_back(c.find("ep_size")->as_integer());
+    mbs.push_back(c.find("microbatch_tokens")->as_integer());
+  }
+  auto distinct = [](std::vector<std::int64_t> v) {
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+    std::string t;
+    for (const std::int64_t x : v)
+      t.append(t.empty() ? "" : ", ").append(std::to_string(x));
+    return t;
+  };
+  out << "\neach strategy in its best deployment: the fastest of " << cands.size() << " (EP " << distinct(eps)
+      << "; slots per EP size: the owners + "
+      << "spares; micro-batch tokens per GPU "
+      << (mbs.size() == 1 && mbs.front() == 0 ? std::string("as given") : distinct(mbs)) << ") that fits "
+      << std::defaultfloat << best.find("gpu_memory_gb")->as_double() << " GB, on the same batch\n";
+  out << std::left << std::setw(14) << "strategy" << std::right << std::setw(5) << "EP" << std::setw(7) << "slots"
+      << std::setw(11) << "mb tokens" << std::setw(10) << "step s" << std::setw(9) << "median" << std::setw(11)
+      << "moved GB" << std::setw(9) << "peak GB" << std::setw(11) << "vs static" << std::setw(9) << "vs eplb"
+      << std::setw(12) << "foremoe is"
+      << "\n";
+  for (const json::Value &r : best.find("strategies")->as_array()) {
+    out << std::left << std::setw(14) << r.find("strategy")->as_string() << std::right;
+    if (!r.find("fits")->as_bool()) {
+      out << "  no deployment of the space fits or plans\n";
+      continue;
+    }
+    auto f = [&](const char *k) { return r.find(k)->as_double(); };
+    const std::int64_t mb = r.find("microbatch_tokens")->as_integer();
+    out << std::setw(5) << r.find("ep_size")->as_integer() << std::setw(7) << r.find("slots")->as_integer()
+        << std::setw(11) << (mb > 0 ? std::to_string(mb) : std::string("given")) << std::fixed << std::setprecision(3)
+        << std::setw(10) << f("step_seconds") << std::setw(9) << f("imbalance_median") << std::setprecision(1)
+        << std::setw(11) << f("moved_gb") << std::setw(9) << f("peak_memory_gb") << std::setw(11)
+        << ratio_text(f("speedup_over_static")) << std::setw(9) << ratio_text(f("speedup_over_eplb")) << std::setw(12)
+        << ratio_text(f("foremoe_speedup")) << "\n";
+  }
+  for (const json::Value &k : best.find("skipped")->as_array())
+    out << "left out: EP " << k.find("ep_size")->as_integer() << ", " << k.find("reason")->as_string() << "\n";
+  out << "(vs static, vs eplb: against their best deployments; foremoe is: how much faster foremoe's best deployment "
+         "is\n than this strategy's best, below 1 where this one is faster; every run: best_deployment.runs in "
+         "--json)\n";
+  return out.str();
+}
+
 /// The results as the aligned text table with its legend line.
 [[nodiscard]] inline std::string simulate_table(const json::Value &doc) {
   std::ostringstream out;
@@ -369,22 +518,14 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
       << std::setw(11) << "moved GB" << std::setw(10) << "stall ms" << std::setw(11) << "vs static" << std::setw(9)
       << "vs eplb" << std::setw(9) << "peak GB" << std::setw(9) << "plan ms"
       << "\n";
-  auto ratio = [](double v) {
-    std::ostringstream os;
-    if (v > 0)
-      os << std::fixed << std::setprecision(3) << v << "x";
-    else
-      os << "n/a";
-    return os.str();
-  };
   for (const json::Value &r : doc.find("strategies")->as_array()) {
     auto f = [&](const char *k) { return r.find(k)->as_double(); };
     out << std::left << std::setw(14) << r.find("strategy")->as_string() << std::right << std::fixed
         << std::setprecision(3) << std::setw(10) << f("step_seconds") << std::setw(13) << f("recompute_seconds")
         << std::setw(10) << f("update_seconds") << std::setw(9) << f("imbalance_median") << std::setw(9)
         << f("imbalance_p99") << std::setprecision(1) << std::setw(11) << f("moved_gb") << std::setw(10)
-        << f("stall_seconds") * 1e3 << std::setw(11) << ratio(f("speedup_over_static")) << std::setw(9)
-        << ratio(f("speedup_over_eplb")) << std::setw(9) << r.find("peak_memory")->find("total_gb")->as_double()
+        << f("stall_seconds") * 1e3 << std::setw(11) << ratio_text(f("speedup_over_static")) << std::setw(9)
+        << ratio_text(f("speedup_over_eplb")) << std::setw(9) << r.find("peak_memory")->find("total_gb")->as_double()
         << std::setw(9) << f("planner_critical_seconds") * 1e3 << "\n";
   }
   out << "(step/recompute/update: seconds per RL step; median/p99: per-layer max/mean GPU load; moved GB: weights\n"
@@ -397,10 +538,11 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
         << "vs static, vs eplb):";
     for (const json::Value &r : doc.find("strategies")->as_array())
       out << " " << r.find("strategy")->as_string() << " " << r.find("end_to_end_seconds")->as_double() << " s "
-          << ratio(r.find("rl_speedup_over_static")->as_double()) << " "
-          << ratio(r.find("rl_speedup_over_eplb")->as_double()) << ";";
+          << ratio_text(r.find("rl_speedup_over_static")->as_double()) << " "
+          << ratio_text(r.find("rl_speedup_over_eplb")->as_double()) << ";";
     out << "\n";
   }
+  if (const json::Value *best = doc.find("best_deployment"); best != nullptr) out << best_deployment_table(*best);
   const std::int64_t warm = doc.find("warmup_steps")->as_integer(), every = doc.find("eplb_interval")->as_integer();
   const json::Value *a2a = doc.find("config") != nullptr && doc.find("config")->find("cost") != nullptr
                                ? doc.find("config")->find("cost")->find("a2a_model")

@@ -17,6 +17,7 @@
 #include "foremoe/core/model_spec.hpp"
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/planner.hpp"
+#include "foremoe/sim/deployment.hpp"
 #include "foremoe/sim/simulator.hpp"
 #include "foremoe/trace/baseline_workloads.hpp"
 #include "foremoe/trace/formats/builtin.hpp"
@@ -425,6 +426,9 @@ struct SimulateSettings {
   /// Where generated GRPO loads are kept for the next run with the same batch: "auto", "off" or a directory
   /// (`LoadCache::from_setting`, foremoe/trace/load_cache.hpp). Changes no figure.
   std::string cache = "auto";
+  /// Also search each strategy's best deployment (foremoe/sim/deployment.hpp) over `search`'s space.
+  bool best_deployment = true;
+  DeploymentSpace search;
 
   /// The defaults of a preset: Qwen3-30B-A3B on 8 x 8 GPUs x 3 slots, or DeepSeek-V3 (fp8) on 8 x 8 x 5 with
   /// 128 prompts per step.
@@ -456,6 +460,7 @@ struct SimulateSettings {
     if (sim.dense.context == 0) sim.dense.context = 0.5 * (batch.prompt_length.mean + batch.response_length.mean);
     sim.validate();
     (void)strategy_list(); // a bad list fails here, before the batch is generated
+    if (best_deployment) (void)deployment_candidates(sim, search, batch.microbatch_tokens_per_gpu); // and the space
   }
 
   /// The strategies to simulate, parsed; throws `Error` for an unknown or repeated name or an empty list.
@@ -475,6 +480,36 @@ struct SimulateSettings {
     return out;
   }
 };
+
+/// A comma-separated list of integers in `[lo, hi]` ("" for none), as the search settings write them.
+template <class I> [[nodiscard]] std::string int_list_text(const std::vector<I> &v) {
+  std::string out;
+  for (const I x : v)
+    out.append(out.empty() ? "" : ",").append(std::to_string(x));
+  return out;
+}
+
+/// Parses `int_list_text`'s form; throws `Error` naming the bad item.
+template <class I>
+[[nodiscard]] std::vector<I> parse_int_list(const std::string &text, std::int64_t lo, std::int64_t hi) {
+  std::vector<I> out;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    std::size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception &) {
+      used = 0;
+    }
+    detail::require(used > 0 && used == item.size(), "'", item, "' in '", text, "' is not an integer");
+    detail::require(v >= lo && v <= hi, "'", item, "' in '", text, "' is outside [", lo, ", ", hi, "]");
+    out.push_back(static_cast<I>(v));
+  }
+  detail::require(!out.empty(), "'", text, "' lists no value");
+  return out;
+}
 
 [[nodiscard]] inline const Schema<SimulateSettings> &simulate_schema() {
   using S = SimulateSettings;
@@ -555,6 +590,45 @@ struct SimulateSettings {
           x.cache = v.as_string();
         }));
     o.back().metavar = "auto|off|DIR";
+    // search: each strategy's best deployment (foremoe/sim/deployment.hpp defines the space)
+    o.push_back(boolean<S>(
+        "search.best_deployment",
+        "also simulate every strategy in every deployment of the search space (EP sizes x slots x micro-batches) "
+        "and report each one's fastest that fits GPU memory (off: the configured deployment only)",
+        [](auto &x) -> auto & { return x.best_deployment; }));
+    o.push_back(bound<S>(
+        "search.ep_sizes", Type::string,
+        "EP group sizes to search: auto (every divisor of the GPUs that is whole nodes and at most the experts) or a "
+        "comma-separated list; the configured one is always searched",
+        [](const S &x) { return json::Value(x.search.ep_sizes.empty() ? "auto" : int_list_text(x.search.ep_sizes)); },
+        [](S &x, const json::Value &v) {
+          x.search.ep_sizes = v.as_string() == "auto"
+                                  ? std::vector<int>{}
+                                  : parse_int_list<int>(v.as_string(), 1, max_nodes * max_gpus_per_node);
+        }));
+    o.back().metavar = "auto|N,N,...";
+    o.push_back(bound<S>(
+        "search.spare_slots", Type::string,
+        "spare slots per GPU per layer to search above each EP size's owners, comma-separated (the configured "
+        "slots are searched too)",
+        [](const S &x) { return json::Value(int_list_text(x.search.spare_slots)); },
+        [](S &x, const json::Value &v) {
+          x.search.spare_slots = parse_int_list<int>(v.as_string(), 0, max_spare_slots);
+        }));
+    o.back().metavar = "N,N,...";
+    o.push_back(bound<S>(
+        "search.microbatches", Type::string,
+        "micro-batch tokens per GPU to search, comma-separated (batch: the batch's own; each size's batch is "
+        "generated once, then cached)",
+        [](const S &x) {
+          return json::Value(x.search.microbatch_tokens.empty() ? "batch" : int_list_text(x.search.microbatch_tokens));
+        },
+        [](S &x, const json::Value &v) {
+          x.search.microbatch_tokens = v.as_string() == "batch"
+                                           ? std::vector<std::int64_t>{}
+                                           : parse_int_list<std::int64_t>(v.as_string(), 1, std::int64_t{1} << 30);
+        }));
+    o.back().metavar = "batch|N,N,...";
     for (Option<S> &opt : o)
       if (opt.key == "batch.steps")
         opt.help = "RL steps to simulate and count (the generator adds sim.warmup_steps warm-up steps in front)";

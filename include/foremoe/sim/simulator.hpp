@@ -820,14 +820,31 @@ struct GroupStep {
 
 } // namespace detail
 
+/// Whether a strategy's peak memory fits one GPU (`SimConfig::gpu_memory_gb`).
+[[nodiscard]] inline bool memory_fits(const SimConfig &cfg, const SimMemory &peak) noexcept {
+  return peak.total() <= cfg.gpu_memory_gb * 1e9;
+}
+
+/// Why `res` does not fit: its peak, part by part, against `SimConfig::gpu_memory_gb`.
+[[nodiscard]] inline std::string memory_refusal(const SimConfig &cfg, const SimResult &res) {
+  const SimMemory &pk = res.memory;
+  return detail::concat("simulate: strategy ", res.strategy, " needs ", pk.total() * 1e-9, " GB on GPU ", pk.gpu,
+                        " of its EP group (expert weights ", pk.weights * 1e-9, " GB, gradients ", pk.grads * 1e-9,
+                        " GB, optimizer state ", pk.optimizer * 1e-9, " GB, activations ", pk.activations * 1e-9,
+                        " GB), more than sim.gpu_memory_gb = ", cfg.gpu_memory_gb,
+                        " GB; use more GPUs, fewer slots, sim.optimizer_offload or a larger sim.gpu_memory_gb");
+}
+
 /// Simulates `loads` (micro-steps of consecutive RL steps cut by `step_offsets`, `[S + 1]` micro-step offsets;
 /// empty = one step) under each strategy. The first `cfg.warmup_steps` steps are simulated but not counted, so
 /// there must be at least one more step than that. `progress`, if set, is called with (done, total) planning
-/// units (strategy x EP group x step).
+/// units (strategy x EP group x step). A strategy whose peak memory exceeds one GPU's is an error naming its parts
+/// unless `check_memory` is false (the deployment search, which reports it as not fitting, `memory_fits`).
 [[nodiscard]] inline std::vector<SimResult> simulate(const SimConfig &cfg, const LoadTensor &loads,
                                                      std::span<const std::int64_t> step_offsets,
                                                      std::span<const SimStrategy> strategies,
-                                                     const std::function<void(int, int)> &progress = {}) {
+                                                     const std::function<void(int, int)> &progress = {},
+                                                     bool check_memory = true) {
   cfg.validate();
   loads.validate();
   const ModelSpec &spec = cfg.model;
@@ -923,13 +940,7 @@ struct GroupStep {
     res.planner_critical_seconds = total_planner_critical / counted;
     res.grad_tail_seconds = total_grad_tail / counted;
     res.a2a_hidden_seconds = total_a2a_hidden / counted;
-    const double limit = cfg.gpu_memory_gb * 1e9;
-    const SimMemory &pk = res.memory;
-    detail::require(pk.total() <= limit, "simulate: strategy ", strat.name, " needs ", pk.total() * 1e-9, " GB on GPU ",
-                    pk.gpu, " of its EP group (expert weights ", pk.weights * 1e-9, " GB, gradients ", pk.grads * 1e-9,
-                    " GB, optimizer state ", pk.optimizer * 1e-9, " GB, activations ", pk.activations * 1e-9,
-                    " GB), more than sim.gpu_memory_gb = ", cfg.gpu_memory_gb,
-                    " GB; use more GPUs, fewer slots, sim.optimizer_offload or a larger sim.gpu_memory_gb");
+    if (check_memory) detail::require(memory_fits(cfg, res.memory), memory_refusal(cfg, res));
     for (double *part :
          {&res.breakdown.expert_compute, &res.breakdown.all_to_all, &res.breakdown.dense, &res.breakdown.lm_head,
           &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.dp_grad_sync, &res.breakdown.optimizer})
