@@ -227,6 +227,20 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   return j;
 }
 
+/// A strategy's figures per RL step as JSON fields of `d` (both result tables: the configured deployment's and the
+/// best deployments').
+inline void result_figures_json(json::Value &d, const SimResult &r) {
+  d["step_seconds"] = r.step_seconds;
+  d["recompute_seconds"] = r.recompute_seconds;
+  d["update_seconds"] = r.update_seconds;
+  d["end_to_end_seconds"] = r.end_to_end_seconds;
+  d["imbalance_median"] = r.imbalance_median;
+  d["imbalance_p99"] = r.imbalance_p99;
+  d["moved_gb"] = r.moved_gb;
+  d["grad_gb"] = r.grad_gb;
+  d["stall_seconds"] = r.stall_seconds;
+}
+
 /// A deployment as JSON fields of `j`.
 inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   j["ep_size"] = d.ep_size;
@@ -264,15 +278,7 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
       const DeploymentRun &b = search.runs[static_cast<std::size_t>(search.best[i])];
       const SimResult &r = b.result;
       deployment_json(d, b.deployment, G);
-      d["step_seconds"] = r.step_seconds;
-      d["recompute_seconds"] = r.recompute_seconds;
-      d["update_seconds"] = r.update_seconds;
-      d["end_to_end_seconds"] = r.end_to_end_seconds;
-      d["imbalance_median"] = r.imbalance_median;
-      d["imbalance_p99"] = r.imbalance_p99;
-      d["moved_gb"] = r.moved_gb;
-      d["grad_gb"] = r.grad_gb;
-      d["stall_seconds"] = r.stall_seconds;
+      result_figures_json(d, r);
       d["peak_memory_gb"] = r.memory.total() * 1e-9;
       d["breakdown"] = breakdown_json(r.breakdown);
       // Each against the other's best deployment: >1 means this strategy's best is the faster.
@@ -343,15 +349,7 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   for (const auto &r : res) {
     json::Value d;
     d["strategy"] = r.strategy;
-    d["step_seconds"] = r.step_seconds;
-    d["recompute_seconds"] = r.recompute_seconds;
-    d["update_seconds"] = r.update_seconds;
-    d["end_to_end_seconds"] = r.end_to_end_seconds;
-    d["imbalance_median"] = r.imbalance_median;
-    d["imbalance_p99"] = r.imbalance_p99;
-    d["moved_gb"] = r.moved_gb;
-    d["grad_gb"] = r.grad_gb;
-    d["stall_seconds"] = r.stall_seconds;
+    result_figures_json(d, r);
     d["mirror_refresh_seconds"] = r.mirror_seconds;
     d["planner_seconds"] = r.planner_seconds;
     d["planner_critical_seconds"] = r.planner_critical_seconds; // wall time: not in step_seconds
