@@ -16,7 +16,7 @@ from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["gradients_mode", "guard_optimizer_steps", "held_gradients"]
+__all__ = ["driver_position", "gradients_mode", "guard_optimizer_steps", "held_gradients"]
 
 _HOLDERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _HOOK: Optional[Any] = None
@@ -81,3 +81,19 @@ def _refuse_held(optimizer: Any, args: Any, kwargs: Any) -> None:
             params = _stepped(optimizer)
         if _touches(params, holder.guarded_parameters()):
             raise RuntimeError(holder.held_error(held))
+
+
+def driver_position(plan: Any) -> Optional[Tuple[str, bool]]:
+    """``(stage, whether it is the stage's last micro-step)`` of the running or finished
+    :class:`~foremoe.torch.ReplayDriver` whose :meth:`~foremoe.torch.ReplayDriver.plan` handed out ``plan`` (the
+    same object), or ``None`` when no driver did (a plan made another way, or ``None``)."""
+    if plan is None:
+        return None
+    from .replay import _DRIVERS
+
+    for driver in list(_DRIVERS):
+        plans = driver._plans
+        for m, p in enumerate(plans):
+            if p is plan:
+                return str(driver.stage), m == len(plans) - 1
+    return None
