@@ -228,6 +228,7 @@ def errors_rank(rank: int, case: HFCase, tmp: str) -> None:
     mb = batches(case)[0]
     out["before_attach"] = _catch(lambda: model(input_ids=mb[0]))
     out["too_many_spare"] = _catch(lambda: fmt.ForeMoE(model, spare_slots=case.experts))
+    out["hold_not_bool"] = _catch(lambda: fmt.ForeMoE(model, spare_slots=case.spare, hold_replica_gradients=1))
     moe = fmt.ForeMoE(model, spare_slots=case.spare, timeout=30.0)
     out["attach_twice"] = _catch(lambda: fmt.ForeMoE(model, spare_slots=case.spare))
     with torch.no_grad(), moe.record() as rollout:
@@ -252,6 +253,12 @@ def errors_rank(rank: int, case: HFCase, tmp: str) -> None:
     bad[0, 0, 0] = case.experts
     out["ids_range"] = _catch(lambda: step(plans[0], bad))
     out["plan_type"] = _catch(lambda: step("plan", rollout.ids(0)))
+
+    def last_not_bool() -> None:
+        with moe.micro_step(plans[0], rollout.ids(0), last="yes"):
+            pass
+
+    out["last_not_bool"] = _catch(last_not_bool)
 
     def nested() -> None:
         with moe.micro_step(None), moe.micro_step(None):

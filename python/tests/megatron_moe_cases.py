@@ -33,6 +33,7 @@ class MCase:
     ddp: bool = False  # the balanced model inside Megatron's DistributedDataParallel (gradients in main_grad)
     hold: bool = True  # install(..., hold_replica_gradients=hold)
     no_flush: bool = False  # every update micro-step set with last=False: the optimizer step must be refused
+    seed: int = 5  # torch's generator before the model is built (else every process draws other weights)
 
     @property
     def slots(self) -> int:
@@ -62,6 +63,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     import foremoe.megatron as fmeg
 
     dt = getattr(torch, case.dtype)
+    torch.manual_seed(case.seed)  # the same weights in every run and on every rank
     cfg = mc.make_config(layers=case.layers, hidden=case.hidden, ffn=case.ffn, experts=case.experts,
                          topk=case.topk, ep=case.world, dtype=dt)
     ref = mc.TinyMoE(cfg)
@@ -209,6 +211,10 @@ def bad_inputs(case: MCase, fm: Any, bal: Any, planner: Any, recorded: List[List
     out["pack_layers"] = _catch(lambda: fm.pack([layers[:1] for layers in samples], micro_steps=2,
                                                 token_budget=budget))
     out["install_twice"] = _catch(lambda: fmeg.install(bal, case.slots))
+    out["hold_not_bool"] = _catch(lambda: fmeg.install(bal, case.slots, hold_replica_gradients="yes"))
+    with fm.driver(planner, recorded, stage="update") as drv:
+        out["last_not_bool"] = _catch(lambda: fm.set_micro_step(0, drv, last=1))
+    fm.set_micro_step(None)
     cfg = copy.deepcopy(bal.layers[0].config)
     for name, value in [("moe_token_dispatcher_type", "flex"), ("moe_token_dispatcher_type", "allgather"),
                         ("expert_tensor_parallel_size", 2), ("moe_expert_capacity_factor", 1.0)]:

@@ -150,6 +150,8 @@ def test_bad_input(tmp_path_factory):
         assert e["pack"] == "ok", e["pack"]
         assert "sample 0 has 1 per-layer arrays, the model 2 MoE layers" in e["pack_layers"]
         assert "already balanced" in e["install_twice"]
+        assert "hold_replica_gradients must be True or False, got 'yes'" in e["hold_not_bool"]
+        assert "last must be True, False or None, got 1" in e["last_not_bool"]
         assert "moe_token_dispatcher_type='flex'" in e["config_moe_token_dispatcher_type_flex"]
         assert "moe_token_dispatcher_type='allgather'" in e["config_moe_token_dispatcher_type_allgather"]
         assert "expert_tensor_parallel_size=2" in e["config_expert_tensor_parallel_size_2"]

@@ -94,6 +94,8 @@ def test_bad_input(tmp_path):
             out["before_attach"], where
         assert "spare_slots 8 gives 12 slots per rank, more than the 8 experts" in out["too_many_spare"], where
         assert "already has a ForeMoE attachment" in out["attach_twice"], where
+        assert "hold_replica_gradients must be True or False, got 1" in out["hold_not_bool"], where
+        assert "last must be True, False or None, got 'yes'" in out["last_not_bool"], where
         for k in ("plan_other_micro_step", "plan_layers_swapped"):  # caught by the loads check of the first layer
             assert out[k].startswith("ValueError") and "plan layer 0" in out[k] and "micro-step" in out[k], (where, k)
         assert "the plan has 1 layers, the model 2 MoE layers" in out["plan_one_layer"], where

@@ -536,6 +536,9 @@ def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, stats_l
     ``storage_options``: :class:`ExpertStorage`'s ``verify``, ``mirror``, ``faults``, ``double_buffer``.
 
     Raises ``ValueError`` naming the setting for a configuration the adapter does not support."""
+    if not isinstance(hold_replica_gradients, bool):
+        raise ValueError(f"foremoe.megatron.install: hold_replica_gradients must be True or False, got "
+                         f"{hold_replica_gradients!r}")
     layers = _moe_layers(model)
     if not layers:
         raise ValueError("foremoe.megatron.install: the model has no MoELayer")
