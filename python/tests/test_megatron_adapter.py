@@ -174,3 +174,44 @@ def test_import_without_megatron():
     assert r.returncode == 0, r.stderr
     assert "ImportError: foremoe.megatron needs megatron-core 0.16.1" in r.stdout, r.stdout
     assert "pip install 'megatron-core==0.16.1'" in r.stdout
+
+
+def test_optimizer_guard_covers_main_param_copies():
+    """The guard refuses a step of an optimizer over the guarded parameters or over their ``main_param`` copies
+    (Megatron's mixed-precision optimizer steps those) while a gradient is held, and lets every other step run."""
+    from types import SimpleNamespace
+
+    from foremoe.torch import held
+
+    class Holder:
+        def __init__(self) -> None:
+            self.storages = [SimpleNamespace(_held={}, _held_grads={}, rank=0),
+                             SimpleNamespace(_held={(1, 3): 0}, _held_grads={}, rank=0)]
+            self.param = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+            self.param.main_param = torch.nn.Parameter(torch.zeros(2))
+
+        def guarded_parameters(self) -> list:
+            return [self.param]
+
+        def held_error(self, got: list) -> str:
+            return f"held {got}"
+
+    h = Holder()
+    held.guard_optimizer_steps(h)
+    main = h.param.main_param
+    main.grad = torch.ones(2)
+    opt = torch.optim.SGD([main], lr=0.5)
+    with pytest.raises(RuntimeError, match=r"^held \[\(1, 1, 3\)\]$"):
+        opt.step()
+    assert torch.equal(main, torch.zeros(2))  # refused before the step changed anything
+    other = torch.nn.Parameter(torch.zeros(1))
+    other.grad = torch.ones(1)
+    torch.optim.SGD([other], lr=0.5).step()  # not the holder's parameters: runs
+    assert torch.equal(other.detach(), torch.full((1,), -0.5))
+    h.storages[1]._held.clear()
+    h.storages[0]._held_grads[7] = [torch.zeros(1)]  # a gradient accumulated on this rank, not yet returned
+    with pytest.raises(RuntimeError, match=r"^held \[\(0, 0, 7\)\]$"):
+        opt.step()
+    h.storages[0]._held_grads.clear()
+    opt.step()  # nothing held: the step runs
+    assert torch.equal(main.detach(), torch.full((2,), -0.5))
