@@ -39,6 +39,8 @@ class HFCase:
     dtype: str = "float64"
     seed: int = 3
     checkpointing: bool = False  # activation recomputation in the update backward (reruns the MoE layers)
+    hold: bool = True  # ForeMoE(..., hold_replica_gradients=hold)
+    no_flush: bool = False  # the update micro-steps run with last=False: the optimizer step must be refused
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -134,7 +136,8 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
     if impl == "foremoe":
-        moe = fmt.ForeMoE(model, spare_slots=case.spare if spare is None else spare, timeout=60.0)
+        moe = fmt.ForeMoE(model, spare_slots=case.spare if spare is None else spare, timeout=60.0,
+                          hold_replica_gradients=case.hold)
         routing = moe.routing
         planner = foremoe.Planner(moe.topology())
     else:
@@ -142,7 +145,7 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False)
     rec: Dict[str, Any] = {"ids": [], "recompute": [], "logits": [], "loss": [], "x_grad": [], "weights": [],
                            "replica_tokens": [], "placements": [], "splits": [], "moves": 0,
-                           "prefetched": 0,
+                           "prefetched": 0, "held": [], "grads": [],
                            "param_names": [n for n, _ in model.named_parameters()]}
     resident = None
     for step in batches(case):
@@ -155,10 +158,10 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
         if moe is not None:
             driver = moe.replay_driver(planner, rollout.ids(), rollout.offsets(), resident=resident, stage="recompute")
 
-        def micro(m: int) -> Any:
+        def micro(m: int, last: Optional[bool] = None) -> Any:
             if moe is None:
                 return routing.replay(ids[m])
-            return moe.micro_step(driver.plan(m), ids[m])
+            return moe.micro_step(driver.plan(m), ids[m], last=last)
 
         with torch.no_grad():
             for m, mb in enumerate(step):
@@ -169,8 +172,11 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
                 if moe is not None:
                     rec["moves"] += sum(st.last_sync.moves for st in moe.storages)
                     rec["prefetched"] += sum(st.last_sync.prefetched for st in moe.storages)
+        if driver is not None:  # the update stage's own plans, from the recompute stage's last placement
+            driver.close()
+            driver = moe.replay_driver(planner, rollout.ids(), rollout.offsets(), resident=driver.last_plan)
         for m, mb in enumerate(step):
-            with micro(m):
+            with micro(m, last=False if case.no_flush else None):
                 emb = model.get_input_embeddings()(mb)
                 emb = local(emb).requires_grad_(True)
                 logits = model(inputs_embeds=emb).logits
@@ -185,9 +191,16 @@ def run(case: HFCase, path: str, impl: str, spare: Optional[int] = None) -> Dict
                 rec["placements"].append(np.asarray(plan.gpu_slots).copy())
                 rec["splits"].append(np.asarray(plan.slot_tokens).copy())
                 rec["moves"] += sum(st.last_sync.moves for st in moe.storages)
+                rec["held"].append(moe.held_gradients())  # (layer, holder, expert) held after this backward
         if driver is not None:
             resident = driver.last_plan
             driver.close()
+        rec["grads"].append({n: local(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        if moe is not None and case.no_flush:  # the optimizer step must be refused, before any parameter changes
+            before = weights(model)
+            rec["no_flush_step"] = _catch(opt.step)
+            rec["unchanged"] = all(torch.equal(w, before[n]) for n, w in weights(model).items())
+            break
         opt.step()
         opt.zero_grad(set_to_none=True)
         rec["weights"].append(weights(model))
@@ -215,6 +228,7 @@ def errors_rank(rank: int, case: HFCase, tmp: str) -> None:
     mb = batches(case)[0]
     out["before_attach"] = _catch(lambda: model(input_ids=mb[0]))
     out["too_many_spare"] = _catch(lambda: fmt.ForeMoE(model, spare_slots=case.experts))
+    out["hold_not_bool"] = _catch(lambda: fmt.ForeMoE(model, spare_slots=case.spare, hold_replica_gradients=1))
     moe = fmt.ForeMoE(model, spare_slots=case.spare, timeout=30.0)
     out["attach_twice"] = _catch(lambda: fmt.ForeMoE(model, spare_slots=case.spare))
     with torch.no_grad(), moe.record() as rollout:
@@ -239,6 +253,12 @@ def errors_rank(rank: int, case: HFCase, tmp: str) -> None:
     bad[0, 0, 0] = case.experts
     out["ids_range"] = _catch(lambda: step(plans[0], bad))
     out["plan_type"] = _catch(lambda: step("plan", rollout.ids(0)))
+
+    def last_not_bool() -> None:
+        with moe.micro_step(plans[0], rollout.ids(0), last="yes"):
+            pass
+
+    out["last_not_bool"] = _catch(last_not_bool)
 
     def nested() -> None:
         with moe.micro_step(None), moe.micro_step(None):
@@ -287,7 +307,8 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: str, what: str) -> float
 
 def assert_equal_runs(case: HFCase, ranks: List[Dict[str, Any]]) -> float:
     """Every rank's balanced run equals its unbalanced one: recorded routing, recompute and update logits, losses,
-    input gradients, and every weight (experts, routers, dense shards) after every optimizer step; the plans change
+    input gradients, the accumulated gradients before and every weight (experts, routers, dense shards) after every
+    optimizer step; the plans change
     every micro-step and give tokens to replicas. Returns the largest relative error."""
     worst = 0.0
     n = case.steps * case.micro
@@ -303,8 +324,12 @@ def assert_equal_runs(case: HFCase, ranks: List[Dict[str, Any]]) -> float:
                         close(torch.tensor(fm["loss"][i]), torch.tensor(ref["loss"][i]), case.dtype,
                               f"rank {r} #{i} loss"),
                         close(fm["x_grad"][i], ref["x_grad"][i], case.dtype, f"rank {r} #{i} input grad"))
-        assert len(fm["weights"]) == case.steps
+        assert len(fm["weights"]) == len(fm["grads"]) == case.steps
         for s in range(case.steps):
+            # The accumulated gradients the optimizer reads (after the held replica gradients were flushed).
+            assert fm["grads"][s].keys() == ref["grads"][s].keys()
+            for k, want in ref["grads"][s].items():
+                worst = max(worst, close(fm["grads"][s][k], want, case.dtype, f"rank {r} step {s} grad of {k}"))
             assert fm["weights"][s].keys() == ref["weights"][s].keys()
             assert any(k.endswith("experts.gate_up_proj") for k in fm["weights"][s])
             for k, want in ref["weights"][s].items():
@@ -330,3 +355,23 @@ def assert_equal_runs(case: HFCase, ranks: List[Dict[str, Any]]) -> float:
         else:
             assert fm["syncs"] == [calls] * case.layers, f"rank {r}: layer calls {fm['syncs']}, expected {calls}"
     return worst
+
+
+def assert_held(case: HFCase, ranks: List[Dict[str, Any]], dropped: bool = False) -> None:
+    """The held replica gradients after every update micro-step, the same on every rank: with the rule on, some are
+    held, some from one micro-step to the next (the plan kept the replica; with 3 or more micro-steps) and none after
+    the stage's last micro-step; with
+    ``dropped`` also some returned before the stage's end (a plan dropped the replica); with the rule off, none."""
+    held = ranks[0]["fm"]["held"]
+    assert all(rec["fm"]["held"] == held for rec in ranks), "ranks disagree on the held gradients"
+    assert len(held) == case.steps * case.micro
+    if not case.hold:
+        assert not any(held)
+        return
+    steps = [held[s * case.micro:(s + 1) * case.micro] for s in range(case.steps)]
+    assert all(h[-1] == [] for h in steps)  # the last micro-step's backward returned every held gradient
+    assert any(held)
+    if case.micro > 2:  # kept resident from one micro-step to the next before the last: still held
+        assert any(set(a) & set(b) for h in steps for a, b in zip(h[:-2], h[1:-1])), held
+    if dropped:
+        assert any(set(a) - set(b) for h in steps for a, b in zip(h[:-2], h[1:-1])), held

@@ -31,6 +31,9 @@ class MCase:
     recompute: bool = False  # activation recompute of the balanced model's MoE layers
     errors: bool = False  # also run the bad-input checks
     ddp: bool = False  # the balanced model inside Megatron's DistributedDataParallel (gradients in main_grad)
+    hold: bool = True  # install(..., hold_replica_gradients=hold)
+    no_flush: bool = False  # every update micro-step set with last=False: the optimizer step must be refused
+    seed: int = 5  # torch's generator before the model is built (else every process draws other weights)
 
     @property
     def slots(self) -> int:
@@ -60,6 +63,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     import foremoe.megatron as fmeg
 
     dt = getattr(torch, case.dtype)
+    torch.manual_seed(case.seed)  # the same weights in every run and on every rank
     cfg = mc.make_config(layers=case.layers, hidden=case.hidden, ffn=case.ffn, experts=case.experts,
                          topk=case.topk, ep=case.world, dtype=dt)
     ref = mc.TinyMoE(cfg)
@@ -68,7 +72,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
         bal_cfg.recompute_granularity, bal_cfg.recompute_modules = "selective", ["moe"]
     bal = mc.TinyMoE(bal_cfg)
     bal.load_state_dict(ref.state_dict())
-    fm = fmeg.install(bal, case.slots, timeout=60.0)
+    fm = fmeg.install(bal, case.slots, timeout=60.0, hold_replica_gradients=case.hold)
     run_bal = bal
     if case.ddp:  # Megatron's DDP hook adds each parameter's .grad into its main_grad and clears .grad
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -76,7 +80,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
         run_bal = DistributedDataParallel(bal_cfg, DistributedDataParallelConfig(use_distributed_optimizer=False),
                                           module=bal)
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(ref.parameters(), bal.parameters()))
-    rec: Dict[str, Any] = {"cmp": [], "stats": None, "placements": [], "slot_tokens": [], "errors": {},
+    rec: Dict[str, Any] = {"cmp": [], "stats": None, "placements": [], "slot_tokens": [], "errors": {}, "held": [],
                            "param_names": [n for n, _ in bal.named_parameters()],
                            "state_dict": sorted(bal.state_dict())}
 
@@ -123,9 +127,10 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                 xb = b["x"].clone().requires_grad_(True)
                 out_r = ref(xr)
                 (out_r * b["target"]).sum().backward()
-                with fm.micro_step(m, drv) as plan:
+                with fm.micro_step(m, drv, last=False if case.no_flush else None) as plan:
                     out_b = run_bal(xb)
                     (out_b * b["target"]).sum().backward()
+                rec["held"].append(fm.held_gradients())  # (layer, holder, expert) held after this backward
                 rec["placements"].append(np.array(plan.gpu_slots))
                 rec["slot_tokens"].append(np.array(plan.slot_tokens))
                 compare(f"step {s} update micro-batch {m} output", out_b, out_r)
@@ -136,6 +141,11 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                 assert pb.grad is None
                 pb.grad = pb.main_grad.clone()
             compare(f"step {s} accumulated grad of {n}", pb.grad, pr.grad)
+        if case.no_flush:  # the optimizer step must be refused, before any parameter changes
+            before = [p.detach().clone() for p in bal.parameters()]
+            rec["no_flush_step"] = _catch(opt_bal.step)
+            rec["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, bal.parameters()))
+            break
         opt_ref.step()
         opt_bal.step()
         opt_ref.zero_grad(set_to_none=True)
@@ -201,6 +211,10 @@ def bad_inputs(case: MCase, fm: Any, bal: Any, planner: Any, recorded: List[List
     out["pack_layers"] = _catch(lambda: fm.pack([layers[:1] for layers in samples], micro_steps=2,
                                                 token_budget=budget))
     out["install_twice"] = _catch(lambda: fmeg.install(bal, case.slots))
+    out["hold_not_bool"] = _catch(lambda: fmeg.install(bal, case.slots, hold_replica_gradients="yes"))
+    with fm.driver(planner, recorded, stage="update") as drv:
+        out["last_not_bool"] = _catch(lambda: fm.set_micro_step(0, drv, last=1))
+    fm.set_micro_step(None)
     cfg = copy.deepcopy(bal.layers[0].config)
     for name, value in [("moe_token_dispatcher_type", "flex"), ("moe_token_dispatcher_type", "allgather"),
                         ("expert_tensor_parallel_size", 2), ("moe_expert_capacity_factor", 1.0)]:

@@ -5,6 +5,11 @@ steps (rollout recording the routing, a recompute stage, an update stage of seve
 accumulation and an optimizer step) through the adapter and, in the same processes, through Megatron's own
 unbalanced layer on the same replayed routing: outputs, input gradients, accumulated gradients and the weights after
 every optimizer step must be equal, plans must change every micro-step and replica rows must take tokens.
+
+Held replica gradients (issue 30, ``hold_replica_gradients``, on by default): a replica kept resident by the next
+micro-step's plan holds its gradient, one the plan drops returns it, the last micro-step returns the rest; the
+accumulated gradients still equal the reference (float64 within 1e-12), with the rule off too, and without the flush
+(``last=False`` on the last micro-step) the gradients differ and the optimizer step is refused.
 """
 
 from __future__ import annotations
@@ -28,11 +33,16 @@ from megatron_moe_cases import MCase, train_rank  # noqa: E402
 from torch_moe_cases import close, run_ranks  # noqa: E402
 
 CASES = {
-    "ep2_top2_fp64": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", errors=True,
+    "ep2_top2_fp64": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", micro=4, errors=True,
                            ddp=True),
     "ep4_top4_fp32": MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24, dtype="float32",
                            recompute=True),
+    "ep2_top2_fp64_spare1": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", spare=1, steps=2,
+                                  micro=4),
+    "ep2_top2_fp64_reduce": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=2, micro=4,
+                                  hold=False),
 }
+NO_FLUSH = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=1, micro=4, no_flush=True)
 
 
 def _run(case: MCase, tmp_path) -> list:
@@ -62,6 +72,43 @@ def test_equals_megatron_unbalanced(trained):
         assert len(rec["cmp"]) == n_out + 2 * case.steps * len(rec["param_names"])
         for what, got, want in rec["cmp"]:
             close(got, want, case.dtype, f"rank {r}: {what}")
+
+
+def test_held_gradients(trained):
+    """Gradients are held across micro-steps where the plans keep a replica, returned where a plan drops it before
+    the stage ends, and none is held after the last micro-step (with the rule off: none ever)."""
+    case, ranks = trained
+    held = ranks[0]["held"]
+    assert all(rec["held"] == held for rec in ranks), "ranks disagree on the held gradients"
+    assert len(held) == case.steps * case.micro
+    if not case.hold:
+        assert not any(held)
+        return
+    steps = [held[s * case.micro:(s + 1) * case.micro] for s in range(case.steps)]
+    assert all(h[-1] == [] for h in steps)  # flushed by the last micro-step's backward
+    assert any(set(a) & set(b) for h in steps for a, b in zip(h, h[1:]))  # kept resident: still held
+    if case.spare == 1:  # one spare slot: a plan drops a held replica before the stage's end, which returns it
+        assert any(set(a) - set(b) for h in steps for a, b in zip(h[:-2], h[1:-1]))
+
+
+def test_optimizer_step_without_flush_is_refused(tmp_path):
+    """The last micro-step run with last=False: gradients stay held, the accumulated gradients differ from the
+    reference, and the optimizer step raises naming them, with every parameter unchanged."""
+    case = NO_FLUSH
+    ranks = _run(case, tmp_path)
+    for r, rec in enumerate(ranks):
+        assert rec["held"][-1], "nothing held after the last micro-step"
+        grads = [c for c in rec["cmp"] if "accumulated grad" in c[0]]
+        assert grads
+        off = [what for what, got, want in grads
+               if float((got - want).abs().max()) > 1e-12 * float(want.abs().max())]
+        assert off, f"rank {r}: the unflushed gradients equal the reference (nothing was held?)"
+        msg = rec["no_flush_step"]
+        assert msg.startswith("RuntimeError: foremoe.megatron: optimizer step while"), msg
+        layer, holder, expert = rec["held"][-1][0]
+        assert f"layer {layer} expert {expert} on rank {holder}" in msg
+        assert "last=True" in msg and "hold_replica_gradients=False" in msg
+        assert rec["unchanged"]
 
 
 def test_replicas_used_and_plans_change(trained):
@@ -103,6 +150,8 @@ def test_bad_input(tmp_path_factory):
         assert e["pack"] == "ok", e["pack"]
         assert "sample 0 has 1 per-layer arrays, the model 2 MoE layers" in e["pack_layers"]
         assert "already balanced" in e["install_twice"]
+        assert "hold_replica_gradients must be True or False, got 'yes'" in e["hold_not_bool"]
+        assert "last must be True, False or None, got 1" in e["last_not_bool"]
         assert "moe_token_dispatcher_type='flex'" in e["config_moe_token_dispatcher_type_flex"]
         assert "moe_token_dispatcher_type='allgather'" in e["config_moe_token_dispatcher_type_allgather"]
         assert "expert_tensor_parallel_size=2" in e["config_expert_tensor_parallel_size_2"]
@@ -125,3 +174,44 @@ def test_import_without_megatron():
     assert r.returncode == 0, r.stderr
     assert "ImportError: foremoe.megatron needs megatron-core 0.16.1" in r.stdout, r.stdout
     assert "pip install 'megatron-core==0.16.1'" in r.stdout
+
+
+def test_optimizer_guard_covers_main_param_copies():
+    """The guard refuses a step of an optimizer over the guarded parameters or over their ``main_param`` copies
+    (Megatron's mixed-precision optimizer steps those) while a gradient is held, and lets every other step run."""
+    from types import SimpleNamespace
+
+    from foremoe.torch import held
+
+    class Holder:
+        def __init__(self) -> None:
+            self.storages = [SimpleNamespace(_held={}, _held_grads={}, rank=0),
+                             SimpleNamespace(_held={(1, 3): 0}, _held_grads={}, rank=0)]
+            self.param = torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))
+            self.param.main_param = torch.nn.Parameter(torch.zeros(2))
+
+        def guarded_parameters(self) -> list:
+            return [self.param]
+
+        def held_error(self, got: list) -> str:
+            return f"held {got}"
+
+    h = Holder()
+    held.guard_optimizer_steps(h)
+    main = h.param.main_param
+    main.grad = torch.ones(2)
+    opt = torch.optim.SGD([main], lr=0.5)
+    with pytest.raises(RuntimeError, match=r"^held \[\(1, 1, 3\)\]$"):
+        opt.step()
+    assert torch.equal(main, torch.zeros(2))  # refused before the step changed anything
+    other = torch.nn.Parameter(torch.zeros(1))
+    other.grad = torch.ones(1)
+    torch.optim.SGD([other], lr=0.5).step()  # not the holder's parameters: runs
+    assert torch.equal(other.detach(), torch.full((1,), -0.5))
+    h.storages[1]._held.clear()
+    h.storages[0]._held_grads[7] = [torch.zeros(1)]  # a gradient accumulated on this rank, not yet returned
+    with pytest.raises(RuntimeError, match=r"^held \[\(0, 0, 7\)\]$"):
+        opt.step()
+    h.storages[0]._held_grads.clear()
+    opt.step()  # nothing held: the step runs
+    assert torch.equal(main.detach(), torch.full((2,), -0.5))

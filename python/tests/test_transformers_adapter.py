@@ -46,8 +46,44 @@ def test_equals_transformers_all_to_all(case, tmp_path):
     start = time.monotonic()
     ranks = _run(cases.train_rank, case, tmp_path)
     worst = cases.assert_equal_runs(case, ranks)
+    cases.assert_held(case, ranks)
     print(f"{case.family} EP{case.world}: largest relative difference {worst:.1e}, "
           f"{time.monotonic() - start:.1f} s")
+
+
+HELD = {
+    "spare1": cases.HFCase(family="qwen3_moe", world=2, experts=8, topk=2, spare=1, steps=2, micro=4),
+    "off": cases.HFCase(family="qwen3_moe", world=2, experts=8, topk=2, spare=1, steps=2, micro=4, hold=False),
+}
+
+
+@pytest.mark.parametrize("name", list(HELD))
+def test_held_gradients(name, tmp_path):
+    """Held replica gradients over 2 ranks, float64: the run equals transformers' own (gradients before every
+    optimizer step within 1e-12); gradients stay held where the next plan keeps the replica, return where a plan
+    drops it before the stage's end (one spare slot), none is held after the last micro-step; with the rule off none
+    is ever held."""
+    case = HELD[name]
+    ranks = _run(cases.train_rank, case, tmp_path)
+    cases.assert_equal_runs(case, ranks)
+    cases.assert_held(case, ranks, dropped=True)
+
+
+def test_optimizer_step_without_flush_is_refused(tmp_path):
+    """Every update micro-step with last=False: gradients stay held after the last one, the gradients differ from
+    transformers' own, and the optimizer step raises naming them with every parameter unchanged."""
+    case = cases.HFCase(family="qwen3_moe", world=2, experts=8, topk=2, spare=2, steps=1, micro=3, no_flush=True)
+    for r, rec in enumerate(_run(cases.train_rank, case, tmp_path)):
+        fm, ref = rec["fm"], rec["ref"]
+        assert fm["held"][-1], f"rank {r}: nothing held after the last micro-step"
+        off = [k for k, want in ref["grads"][0].items()
+               if float((fm["grads"][0][k] - want).abs().max()) > 1e-12 * float(want.abs().max())]
+        assert off and all(".experts." in k for k in off), (r, off)
+        msg = fm["no_flush_step"]
+        assert msg.startswith("RuntimeError: foremoe.transformers: optimizer step while"), msg
+        layer, holder, expert = fm["held"][-1][0]
+        assert f"layer {layer} expert {expert} on rank {holder}" in msg and "last=True" in msg, msg
+        assert fm["unchanged"], f"rank {r}: a parameter changed"
 
 
 def test_bad_input(tmp_path):
@@ -58,6 +94,8 @@ def test_bad_input(tmp_path):
             out["before_attach"], where
         assert "spare_slots 8 gives 12 slots per rank, more than the 8 experts" in out["too_many_spare"], where
         assert "already has a ForeMoE attachment" in out["attach_twice"], where
+        assert "hold_replica_gradients must be True or False, got 1" in out["hold_not_bool"], where
+        assert "last must be True, False or None, got 'yes'" in out["last_not_bool"], where
         for k in ("plan_other_micro_step", "plan_layers_swapped"):  # caught by the loads check of the first layer
             assert out[k].startswith("ValueError") and "plan layer 0" in out[k] and "micro-step" in out[k], (where, k)
         assert "the plan has 1 layers, the model 2 MoE layers" in out["plan_one_layer"], where

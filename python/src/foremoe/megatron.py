@@ -15,6 +15,19 @@ the model in DDP or builds its optimizer:
   autograd hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into
   ``main_grad`` sees owner and replicas summed).
 
+**Held replica gradients** (``hold_replica_gradients=True``, the default, the planner's rule of the same name; issue
+30): in the update stage a replica that the next micro-steps' plans keep on its rank accumulates its weight gradient
+in place and returns it once, in the backward of the first micro-step whose plan drops it (its slot is reused), and
+every gradient still held returns in the backward of the update driver's last micro-step
+(``driver.num_micro_steps - 1``, the stage's last backward), where it reaches the owner through autograd like any
+other: Megatron's DDP hook, the bucket all-reduce (with ``overlap_grad_reduce`` too) and ``finalize_model_grads``
+read the complete ``main_grad``. The signal is the driver, never a guess: one update-stage driver is one optimizer
+step's micro-batches (as the planner assumes), run in micro-step order. A trainer that steps the optimizer at another
+micro-step says so with ``set_micro_step(m, driver, last=True)`` (``last=False`` holds on). An optimizer step over the
+model's expert parameters (a ``torch.optim`` optimizer or Megatron's, whose inner ``torch.optim`` step covers the
+``main_param`` copies) while any replica gradient is still held raises ``RuntimeError`` naming the held gradients,
+before any parameter changes. ``hold_replica_gradients=False`` returns every replica's gradient in every backward.
+
 The micro-step is set by the trainer, never guessed: ``with balancer.micro_step(m, driver): ...`` (or
 :meth:`MegatronBalancer.set_micro_step` inside Megatron's ``forward_step_func``) hands the driver's plan of
 micro-step ``m`` to every MoE layer; the recompute forward, the update forward, the update backward and an activation
@@ -92,7 +105,9 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 import foremoe  # noqa: E402
 from foremoe._args import integer  # noqa: E402
 from foremoe.torch.distributed import DEFAULT_TIMEOUT, all_to_all, group_rank, group_size  # noqa: E402
-from foremoe.torch.layer import ExpertStorage, _prepare, _Run, _SlotExperts, contiguous_owners  # noqa: E402
+from foremoe.torch.held import describe, gradients_mode, guard_optimizer_steps, held_gradients  # noqa: E402
+from foremoe.torch.layer import ExpertStorage, _prepare, _Run, _schedule_gradients, _SlotExperts  # noqa: E402
+from foremoe.torch.layer import contiguous_owners  # noqa: E402
 from foremoe.torch.replay import ReplayDriver, StepPacking, pack_from_slime  # noqa: E402
 
 __doc__ = __doc__.replace("|SUPPORTED|", " / ".join(SUPPORTED_MEGATRON))
@@ -306,6 +321,7 @@ class _BalancedSequentialMLP(SequentialMLP):
         if run is None:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         run.need_grad = torch.is_grad_enabled()
+        _schedule_gradients(run, st.balancer._gradients_mode())
         blocks = _OwnerRows.apply(st.storage, *st.params)
         y = _SlotExperts.apply(permuted_local_hidden_states, permuted_probs, run, *blocks)
         return y, None
@@ -316,13 +332,18 @@ class MegatronBalancer:
 
     Attributes: ``layers`` (the ``MoELayer`` modules, in the order of their routers: the order of
     ``RouterReplay.get_recorded_data()``), ``storages`` (their :class:`ExpertStorage`), ``owners`` (``[E]`` owner
-    rank of every expert: the plans must keep them), ``group`` (the expert-parallel process group), ``slots``.
+    rank of every expert: the plans must keep them), ``group`` (the expert-parallel process group), ``slots``,
+    ``hold_replica_gradients`` (see the module docstring).
     ``stats``: one dict per balanced layer call, the last ``stats_limit`` (see :attr:`stats`)."""
 
     def __init__(self, layers: Sequence[MoELayer], slots: int, *, timeout: float = DEFAULT_TIMEOUT,
-                 stats_limit: int = 10000, **storage_options: Any):
+                 stats_limit: int = 10000, hold_replica_gradients: bool = True, **storage_options: Any):
         if not layers:
             raise ValueError("foremoe.megatron.install: the model has no MoELayer")
+        if not isinstance(hold_replica_gradients, bool):
+            raise ValueError(f"foremoe.megatron.install: hold_replica_gradients must be True or False, got "
+                             f"{hold_replica_gradients!r}")
+        self.hold_replica_gradients = hold_replica_gradients
         self.timeout = float(timeout)
         self.slots = integer(slots, "foremoe.megatron.install: slots")
         self.layers = list(layers)
@@ -340,7 +361,9 @@ class MegatronBalancer:
         self._driver: Optional[ReplayDriver] = None
         self._micro: Optional[int] = None
         self._plan: Any = None
+        self._last: Optional[bool] = None  # set_micro_step's `last` (None: the update driver's last micro-step)
         self._calls: Deque[Tuple[Any, ...]] = collections.deque(maxlen=stats_limit)
+        guard_optimizer_steps(self)
 
     # -- drivers and micro-steps ------------------------------------------------------------------------------
 
@@ -384,37 +407,72 @@ class MegatronBalancer:
         return pack_from_slime(stacked, num_experts=self.num_experts, micro_steps=micro_steps,
                                token_budget=token_budget, ranks=ranks, gpu_of=self.owners, start=start)
 
-    def set_micro_step(self, micro_step: Optional[int], driver: Optional[ReplayDriver] = None) -> Any:
+    def set_micro_step(self, micro_step: Optional[int], driver: Optional[ReplayDriver] = None, *,
+                       last: Optional[bool] = None) -> Any:
         """Makes ``driver.plan(micro_step)`` the plan of every MoE layer until the next call (``None``: Megatron's
-        own path). ``driver`` is kept for later calls. Returns the plan."""
+        own path). ``driver`` is kept for later calls. Returns the plan.
+
+        ``last`` (with ``hold_replica_gradients``): whether this is the last micro-step before the optimizer step,
+        whose backward returns every held replica gradient. ``None`` (default): the update-stage driver's last
+        micro-step is (``micro_step == driver.num_micro_steps - 1``; every micro-step of a recompute-stage driver
+        returns them too). Pass it when the optimizer steps elsewhere; the same on every rank."""
+        if last is not None and not isinstance(last, bool):
+            raise ValueError(f"foremoe.megatron: set_micro_step: last must be True, False or None, got {last!r}")
         if driver is not None:
             if not isinstance(driver, ReplayDriver):
                 raise ValueError(f"foremoe.megatron: driver must be a foremoe.torch.ReplayDriver, got "
                                  f"{type(driver).__name__}")
             self._driver = driver
         if micro_step is None:
-            self._micro, self._plan = None, None
+            self._micro, self._plan, self._last = None, None, None
             return None
         if self._driver is None:
             raise ValueError("foremoe.megatron: set_micro_step without a driver (pass driver=...)")
         plan = self._driver.plan(micro_step)
         self._check_plan(plan, micro_step)
-        self._micro, self._plan = int(micro_step), plan
+        self._micro, self._plan, self._last = int(micro_step), plan, last
         return plan
 
     @contextlib.contextmanager
-    def micro_step(self, micro_step: int, driver: Optional[ReplayDriver] = None) -> Iterator[Any]:
+    def micro_step(self, micro_step: int, driver: Optional[ReplayDriver] = None, *,
+                   last: Optional[bool] = None) -> Iterator[Any]:
         """``with balancer.micro_step(m, driver):`` runs the forward and backward inside under the plan of
-        micro-step ``m`` (yielded); the micro-step set before is restored after."""
-        before = (self._micro, self._plan, self._driver)
+        micro-step ``m`` (yielded); the micro-step set before is restored after. ``last``: :meth:`set_micro_step`'s."""
+        before = (self._micro, self._plan, self._driver, self._last)
         try:
-            yield self.set_micro_step(micro_step, driver)
+            yield self.set_micro_step(micro_step, driver, last=last)
         finally:
-            self._micro, self._plan, self._driver = before
+            self._micro, self._plan, self._driver, self._last = before
 
     @property
     def current_micro_step(self) -> Optional[int]:
         return self._micro
+
+    # -- held replica gradients -------------------------------------------------------------------------------
+
+    def _gradients_mode(self) -> str:
+        """``balanced_moe``'s ``gradients`` for the layer calls of the current micro-step."""
+        last = self._last
+        if last is None:
+            d = self._driver
+            last = d is None or d.stage != "update" or self._micro == d.num_micro_steps - 1
+        return gradients_mode(self.hold_replica_gradients, last)
+
+    def held_gradients(self) -> List[Tuple[int, int, int]]:
+        """``(layer, holder rank, expert)`` of the replica gradients held now (empty after the last micro-step's
+        backward, and always with ``hold_replica_gradients=False``)."""
+        return held_gradients(self.storages)
+
+    def guarded_parameters(self) -> List[torch.Tensor]:
+        """The expert parameters an optimizer step must not touch while replica gradients are held."""
+        return [p for st in self._states for p in st.params]
+
+    def held_error(self, held: Sequence[Tuple[int, int, int]]) -> str:
+        return (f"foremoe.megatron: optimizer step while {len(held)} replica gradient(s) are still held "
+                f"({describe(held)}): their owners' gradients are incomplete. "
+                f"Run the update driver's last micro-step (driver.num_micro_steps - 1) before the optimizer step, "
+                f"mark the last one with set_micro_step(m, driver, last=True), or install with "
+                f"hold_replica_gradients=False")
 
     def _check_plan(self, plan: Any, m: int) -> None:
         if not isinstance(plan, foremoe.Plan):
@@ -468,15 +526,19 @@ def _moe_layers(model: Any) -> List[MoELayer]:
 
 
 def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, stats_limit: int = 10000,
-            **storage_options: Any) -> MegatronBalancer:
+            hold_replica_gradients: bool = True, **storage_options: Any) -> MegatronBalancer:
     """Makes every ``MoELayer`` of ``model`` (a module or a list of model chunks) balanced per micro-step, in
     place, and returns their :class:`MegatronBalancer`. Call it on every rank after building the model and before
     DDP and the optimizer. ``slots``: expert rows per rank (the local experts plus spare replica rows);
     ``timeout``: seconds any collective or transfer of a layer call may take; ``stats_limit``: calls kept in
-    :attr:`MegatronBalancer.stats`.
+    :attr:`MegatronBalancer.stats`; ``hold_replica_gradients``: hold a resident replica's gradient until its slot is
+    reused or the update stage's last backward (see the module docstring; ``False``: return it every micro-step).
     ``storage_options``: :class:`ExpertStorage`'s ``verify``, ``mirror``, ``faults``, ``double_buffer``.
 
     Raises ``ValueError`` naming the setting for a configuration the adapter does not support."""
+    if not isinstance(hold_replica_gradients, bool):
+        raise ValueError(f"foremoe.megatron.install: hold_replica_gradients must be True or False, got "
+                         f"{hold_replica_gradients!r}")
     layers = _moe_layers(model)
     if not layers:
         raise ValueError("foremoe.megatron.install: the model has no MoELayer")
@@ -491,7 +553,8 @@ def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, stats_l
         if type(layer.experts) is not SequentialMLP:
             raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(layer.experts).__name__} experts; only "
                              f"SequentialMLP (moe_grouped_gemm=False) is supported")
-    balancer = MegatronBalancer(layers, slots, timeout=timeout, stats_limit=stats_limit, **storage_options)
+    balancer = MegatronBalancer(layers, slots, timeout=timeout, stats_limit=stats_limit,
+                                hold_replica_gradients=hold_replica_gradients, **storage_options)
     for st in balancer._states:
         layer = st.module
         layer.token_dispatcher.__class__ = ForeMoEAlltoAllTokenDispatcher

@@ -32,13 +32,27 @@ Use, on every rank (see ``examples/python/transformers_train.py``)::
     for m, mb in enumerate(micro_batches):             # recompute / update: replayed routing, balanced
         with moe.micro_step(driver.plan(m), rollout.ids(m)):   # forward and backward inside
             model(input_ids=mb, labels=mb).loss.backward()
-    opt.step()
+    opt.step()                                         # after the last micro-step: no replica gradient held
 
 **Parameters.** :class:`ForeMoE` replaces each experts module's ``gate_up_proj`` and ``down_proj`` (transformers'
 ``Shard(0)`` DTensors) by the owner rows of an :class:`~foremoe.torch.ExpertStorage` (plain ``nn.Parameter`` views
 ``[E / N, ...]``): the optimizer (create it after :class:`ForeMoE`) sees exactly the experts the rank owns; the spare
 rows the replicas go to are never parameters. A replica's weight gradient is added to its owner's in the backward
 (``balanced_moe``).
+
+**Held replica gradients** (``ForeMoE(..., hold_replica_gradients=True)``, the default, the planner's rule of the
+same name; issue 30). In the update stage a replica that the next micro-steps' plans keep on its rank accumulates its
+weight gradient in place and returns it once: in the backward of the first micro-step whose plan drops it (its slot
+is reused), and every gradient still held in the backward of the stage's last micro-step, through autograd into the
+owner's ``.grad`` (and any hook on it), before anything after that backward reads ``.grad`` (gradient clipping, the
+optimizer step). The last micro-step is known from the plan: :meth:`ForeMoE.micro_step` with the plan of micro-step
+``num_micro_steps - 1`` of an update-stage :class:`~foremoe.torch.ReplayDriver` (``driver.plan(m)``, the same object)
+returns them all; with a recompute-stage driver's plans nothing is held. With plans made another way, say which
+micro-step is the last before the optimizer step: ``moe.micro_step(plan, ids, last=True)`` (``last=False`` holds on
+at a driver's last micro-step). An optimizer step (any ``torch.optim`` optimizer, through torch's global step
+pre-hook) over the expert parameters while a replica gradient is still held raises ``RuntimeError`` naming the held
+gradients, before any parameter changes. ``hold_replica_gradients=False`` returns every replica's gradient in every
+backward. Activation checkpointing reruns a layer under the same plan: the rerun holds and returns nothing twice.
 
 **Routing replay.** :meth:`ForeMoE.record` records each router's top-k ids (a forward hook on the router).
 :meth:`ForeMoE.micro_step` replays them: each router's output is replaced by the recorded ids and routing weights
@@ -62,6 +76,7 @@ import foremoe
 import foremoe.torch as ft
 from foremoe._args import integer
 from foremoe.torch.distributed import DEFAULT_TIMEOUT, group_rank, group_size
+from foremoe.torch.held import describe, driver_position, gradients_mode, guard_optimizer_steps, held_gradients
 
 __all__ = [
     "SUPPORTED_TRANSFORMERS",
@@ -156,7 +171,7 @@ class ForeMoEEP(EPImplementation):
         st = self.storage
         out = ft.balanced_moe(hidden_states.contiguous(), top_k_index, top_k_weights, self.attachment.current_plan,
                               st, self.attachment.expert_fns[self.layer], layer=self.layer, group=self.group,
-                              hidden=hidden, timeout=self.attachment.timeout)
+                              hidden=hidden, timeout=self.attachment.timeout, gradients=self.attachment.gradients)
         if not sliced:
             return out
         return DTensor.from_local(out.contiguous(), self.tp_mesh, [Shard(0)], shape=(num_tokens, hidden),
@@ -333,17 +348,23 @@ class ForeMoE:
             per rank are ``E / N + spare_slots``, at most ``E``).
         timeout: seconds every collective of a layer call may take.
         double_buffer: :class:`foremoe.torch.ExpertStorage`'s.
+        hold_replica_gradients: hold a resident replica's weight gradient until its slot is reused or the update
+            stage's last backward (see the module docstring); ``False``: return it in every backward.
 
     Attributes: ``layers`` (the :class:`ForeMoEEP` of every MoE layer, model order: ``ReplayDriver.prefetch(m,
     moe.layers)`` posts micro-step ``m``'s replica moves ahead), ``storages`` (their
     :class:`~foremoe.torch.ExpertStorage`), ``owners``
     (``[E]`` owner rank of every expert: the plans must keep it), ``slots``, ``num_layers``, ``num_experts``,
-    ``top_k``, ``current_plan`` (the plan of the active :meth:`micro_step`, else ``None``).
+    ``top_k``, ``current_plan`` (the plan of the active :meth:`micro_step`, else ``None``), ``gradients`` (the
+    layer calls' ``balanced_moe`` mode: ``"reduce"``, ``"hold"`` or ``"flush"``), ``hold_replica_gradients``.
     """
 
     def __init__(self, model: nn.Module, spare_slots: int, *, timeout: float = DEFAULT_TIMEOUT,
-                 double_buffer: bool = False):
+                 double_buffer: bool = False, hold_replica_gradients: bool = True):
         check_transformers_version()
+        if not isinstance(hold_replica_gradients, bool):
+            raise ValueError(f"ForeMoE: hold_replica_gradients must be True or False, got {hold_replica_gradients!r}")
+        self.hold_replica_gradients = hold_replica_gradients
         spare_slots = integer(spare_slots, "ForeMoE: spare_slots")
         if spare_slots < 0:
             raise ValueError(f"ForeMoE: spare_slots must be >= 0, got {spare_slots}")
@@ -399,8 +420,10 @@ class ForeMoE:
         self.owners = self.storages[0].owners
         self.num_layers = len(self.layers)
         self.current_plan: Optional[foremoe.Plan] = None
+        self.gradients = "reduce"  # outside a micro-step: every replica gradient (and any still held) returns
         self._active = False
         self.routing = RoutingReplay(model, _blocks=[n.rpartition(".")[0] for n in self.names])
+        guard_optimizer_steps(self)
 
     # -- set-up -------------------------------------------------------------------------------------------------
 
@@ -433,15 +456,24 @@ class ForeMoE:
         return self.routing.record()
 
     @contextlib.contextmanager
-    def micro_step(self, plan: Optional["foremoe.Plan"], ids: Optional[torch.Tensor] = None) -> Iterator[None]:
+    def micro_step(self, plan: Optional["foremoe.Plan"], ids: Optional[torch.Tensor] = None, *,
+                   last: Optional[bool] = None) -> Iterator[None]:
         """Runs the block as one micro-step: every MoE layer under ``plan`` (a :class:`foremoe.Plan` with one layer
         per MoE layer, e.g. ``ReplayDriver.plan(m)``; ``None``: plain expert parallelism) and, with ``ids``
         (``[T, L, K]``, :meth:`Recording.ids`), every router replaying them (:meth:`RoutingReplay.replay`). Run the
         micro-step's forward *and* backward inside it (activation recomputation reruns the layers). A plan whose
         loads are not those of the replayed ids (another micro-step's, another layer's) fails every rank with a
-        ``ValueError`` at the first MoE layer."""
+        ``ValueError`` at the first MoE layer.
+
+        ``last`` (with ``hold_replica_gradients``): whether this is the last micro-step before the optimizer step,
+        whose backward returns every held replica gradient. ``None`` (default): it is when ``plan`` is the last
+        micro-step's plan of an update-stage :class:`~foremoe.torch.ReplayDriver` (every micro-step of a
+        recompute-stage driver returns them too); a plan that no driver handed out holds, and the optimizer step
+        is refused until a ``last=True`` micro-step has run. The same on every rank."""
         if self._active:
             raise RuntimeError("ForeMoE.micro_step: a micro-step is already active (they do not nest)")
+        if last is not None and not isinstance(last, bool):
+            raise ValueError(f"ForeMoE.micro_step: last must be True, False or None, got {last!r}")
         if plan is not None:
             if not isinstance(plan, foremoe.Plan):
                 raise ValueError(f"ForeMoE.micro_step: plan must be a foremoe.Plan or None, got "
@@ -453,12 +485,33 @@ class ForeMoE:
                 raise ValueError(f"ForeMoE.micro_step: the plan is for {plan.num_experts} experts on {plan.num_gpus} "
                                  f"ranks x {plan.slots} slots, the model has {self.num_experts} experts on "
                                  f"{self.world} ranks x {self.slots} slots")
+        if last is None:
+            where = driver_position(plan)
+            last = where is not None and (where[0] != "update" or where[1])
         with self.routing.replay(ids) if ids is not None else contextlib.nullcontext():
             self._active, self.current_plan = True, plan
+            self.gradients = gradients_mode(self.hold_replica_gradients, last)
             try:
                 yield
             finally:
-                self._active, self.current_plan = False, None
+                self._active, self.current_plan, self.gradients = False, None, "reduce"
+
+    # -- held replica gradients -----------------------------------------------------------------------------------
+
+    def held_gradients(self) -> List[Any]:
+        """``(layer, holder rank, expert)`` of the replica gradients held now (empty after the last micro-step's
+        backward, and always with ``hold_replica_gradients=False``)."""
+        return held_gradients(self.storages)
+
+    def guarded_parameters(self) -> List[torch.Tensor]:
+        """The expert parameters an optimizer step must not touch while replica gradients are held."""
+        return [p for st in self.storages for p in st.params.values()]
+
+    def held_error(self, held: Sequence[Any]) -> str:
+        return (f"foremoe.transformers: optimizer step while {len(held)} replica gradient(s) are still held "
+                f"({describe(held)}): their owners' gradients are incomplete. Run the update stage's last "
+                f"micro-step (the last plan of its ReplayDriver) before the optimizer step, mark the last one with "
+                f"moe.micro_step(plan, ids, last=True), or attach with ForeMoE(..., hold_replica_gradients=False)")
 
     # -- planning -------------------------------------------------------------------------------------------------
 

@@ -823,10 +823,7 @@ def balanced_moe(
     if gradients not in ("reduce", "hold", "flush"):
         raise ValueError(f"balanced_moe: gradients must be 'reduce', 'hold' or 'flush', got {gradients!r}")
     run = _prepare(x, expert_ids, routing_weights, plan, storage, expert_fn, layer, group, hidden, timeout)
-    if run.need_grad and (gradients != "reduce" or storage._held):
-        changed = [g for g in range(storage.world) if run.layout.flags[g, 0]]
-        run.hold = _hold_schedule(storage, run.plan, run.plan_layer, gradients, changed)
-        run.slot_expert = np.asarray(run.plan.gpu_slots[run.plan_layer])[storage.rank]
+    _schedule_gradients(run, gradients)
     layout = run.layout
     T, K = expert_ids.shape
     send = x.index_select(0, layout.send_tokens)
@@ -837,6 +834,16 @@ def balanced_moe(
     back = all_to_all(y_recv, layout.input_splits, layout.output_splits, group=group, timeout=timeout)
     y_routes = x.new_zeros((T * K, back.shape[1])).index_copy(0, layout.order, back)
     return _combine(y_routes, routing_weights, T, K)
+
+
+def _schedule_gradients(run: _Run, gradients: str) -> None:
+    """Sets which held replica gradients ``run``'s backward returns (``gradients``: :func:`balanced_moe`'s); a call
+    without autograd holds and returns nothing. Every rank calls it after :func:`_prepare`, with the same mode."""
+    storage = run.storage
+    if run.need_grad and (gradients != "reduce" or storage._held):
+        changed = [g for g in range(storage.world) if run.layout.flags[g, 0]]
+        run.hold = _hold_schedule(storage, run.plan, run.plan_layer, gradients, changed)
+        run.slot_expert = np.asarray(run.plan.gpu_slots[run.plan_layer])[storage.rank]
 
 
 def _prepare(x: Any, expert_ids: Any, routing_weights: Any, plan: Optional["foremoe.Plan"], storage: ExpertStorage,
