@@ -361,3 +361,59 @@ TEST_CASE("eplb-split: EPLB's placement, never less balanced than eplb, every ex
   CHECK(with_replicas > seeds(50));
   CHECK(better > seeds(20)); // the property is exercised where the split matters, not only on ties
 }
+
+TEST_CASE("baselines' balancing domain: a node by default; the whole EP group lets replicas cross nodes and balances "
+          "between them (property)") {
+  std::mt19937_64 rng(4242);
+  int crossed = 0, group_exact = 0;
+  for (int it = 0; it < seeds(300); ++it) {
+    CAPTURE(it);
+    const Instance in = random_instance(rng);
+    const int G = in.topo.num_gpus(), per_gpu = in.topo.owners_per_gpu(static_cast<int>(in.loads.size()));
+    // A node given explicitly is the default, plan for plan.
+    UltraepOptions un;
+    un.domain_gpus = in.topo.gpus_per_node;
+    CHECK(ultraep_plan_layer(in.loads, in.topo, un).plan.placement ==
+          ultraep_plan_layer(in.loads, in.topo).plan.placement);
+    MoonepOptions mn;
+    mn.domain_gpus = in.topo.gpus_per_node;
+    CHECK(moonep_plan_layer(in.loads, in.topo, mn).plan.placement ==
+          moonep_plan_layer(in.loads, in.topo).plan.placement);
+    // The whole group: valid plans, static owners, every expert's tokens conserved, at most R replicas per GPU.
+    UltraepOptions ug;
+    ug.domain_gpus = -1;
+    MoonepOptions mg;
+    mg.domain_gpus = -1;
+    const UltraepLayerResult u = ultraep_plan_layer(in.loads, in.topo, ug);
+    const MoonepLayerResult m = moonep_plan_layer(in.loads, in.topo, mg);
+    for (const LayerPlan *lp : {&u.plan, &m.plan}) {
+      REQUIRE_NOTHROW(validate(*lp, in.loads, nullptr));
+      CHECK(lp->max_gpu_load <= static_max(in));
+      for (int g = 0; g < G; ++g) {
+        int replicas = 0;
+        for (int s = 0; s < in.topo.slots_per_gpu; ++s) {
+          const std::int32_t e = lp->placement.slot(g, s);
+          if (e == empty_slot || lp->owner_gpu[e] == g) continue;
+          ++replicas;
+          crossed += in.topo.node_of(g) != in.topo.node_of(lp->owner_gpu[e]) ? 1 : 0;
+        }
+        CHECK(replicas <= in.spare);
+      }
+    }
+    // MoonEP over the group: its exact share is the group's, so when exact no GPU runs more than ceil(mean).
+    std::int64_t total = 0;
+    for (const std::int64_t x : in.loads)
+      total += x;
+    if (m.exact) CHECK(m.plan.max_gpu_load <= (total + G - 1) / G);
+    if (m.exact && in.spare >= per_gpu) ++group_exact;
+    // A domain that does not divide the group is an error naming it.
+    if (G > 1) {
+      UltraepOptions bad;
+      bad.domain_gpus = G + 1;
+      const std::string want = "domain of " + std::to_string(G + 1) + " GPUs";
+      CHECK_THROWS_WITH_AS((void)ultraep_plan_layer(in.loads, in.topo, bad), doctest::Contains(want.c_str()), Error);
+    }
+  }
+  CHECK(crossed > 0);
+  CHECK(group_exact > seeds(30));
+}

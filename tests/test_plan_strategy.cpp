@@ -63,7 +63,8 @@ TEST_CASE("strategy registry: the built-ins come first, in order, with help and 
         "static, eplb, eplb-split, eplb-oracle, ultraep, moonep, foremoe, foremoe-free, test-round-robin");
   CHECK(strategy_names("|") ==
         "static|eplb|eplb-split|eplb-oracle|ultraep|moonep|foremoe|foremoe-free|test-round-robin");
-  CHECK(find_strategy("ultraep").options == std::vector<std::string>{"ultraep_min_tokens"});
+  CHECK(find_strategy("ultraep").options == std::vector<std::string>{"ultraep_min_tokens", "peer_domain_gpus"});
+  CHECK(find_strategy("moonep").options == std::vector<std::string>{"peer_domain_gpus"});
   CHECK(find_strategy("foremoe").options.front() == "move_budget");
   CHECK(find_strategy("eplb-oracle").options == std::vector<std::string>{"eplb_num_groups"});
   CHECK(find_strategy("eplb-split").options == std::vector<std::string>{"eplb_num_groups"});

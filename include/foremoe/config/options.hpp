@@ -323,6 +323,15 @@ template <class T, class F> [[nodiscard]] Option<T> hold_replica_gradients_optio
                     field);
 }
 
+/// The baselines' balancing domain (`PlannerOptions::peer_domain_gpus`, `SimConfig::peer_domain_gpus`): one
+/// definition for the planner's schema and the simulator's.
+template <class T, class F> [[nodiscard]] Option<T> peer_domain_option(std::string key, F field) {
+  return integer<T>(std::move(key), -1, max_nodes * max_gpus_per_node,
+                    "ultraep, moonep: GPUs per balancing domain, where their replicas may go (0: a node, as "
+                    "published; -1: the whole EP group, moved over the network across nodes)",
+                    field);
+}
+
 /// The planner's options (`PlannerOptions`), as `foremoe plan` flags and Python `Planner(...)` keywords.
 [[nodiscard]] inline const Schema<PlannerOptions> &planner_schema() {
   using P = PlannerOptions;
@@ -380,6 +389,8 @@ template <class T, class F> [[nodiscard]] Option<T> hold_replica_gradients_optio
               "ultraep_min_tokens", 0, std::int64_t{1} << 40,
               "ultraep: fewest tokens a replica runs (UltraEP's published 1,024)",
               [](auto &o) -> auto & { return o.ultraep_min_tokens; }),
+          peer_domain_option<P>(
+              "peer_domain_gpus", [](auto &o) -> auto & { return o.peer_domain_gpus; }),
           integer<P>(
               "eplb_num_groups", 1, 32767, "expert groups for EPLB (hierarchical when they divide over nodes)",
               [](auto &o) -> auto & { return o.eplb_num_groups; }),
@@ -691,6 +702,8 @@ template <class I>
         [](auto &x) -> auto & { return x.sim.min_tokens_per_replica; }));
     o.push_back(hold_replica_gradients_option<S>(
         "sim.hold_replica_gradients", [](auto &x) -> auto & { return x.sim.hold_replica_gradients; }));
+    o.push_back(peer_domain_option<S>(
+        "sim.peer_domain_gpus", [](auto &x) -> auto & { return x.sim.peer_domain_gpus; }));
     o.push_back(boolean<S>(
         "sim.cost_gate", "a new replica only when the expert compute it saves exceeds its move and gradient cost",
         [](auto &x) -> auto & { return x.sim.cost_gate; }));

@@ -51,6 +51,10 @@ struct PlannerOptions {
   bool hold_replica_gradients = true;
   /// `ultraep`: fewest tokens a replica runs (UltraEP, arXiv:2606.04101: at least 1,024 tokens per replica).
   std::int64_t ultraep_min_tokens = 1024;
+  /// `ultraep`, `moonep`: GPUs per balancing domain, the scale-up domain their replicas stay in (0: a node, as the
+  /// published systems run on one NVLink domain; -1: the whole EP group, replicas anywhere in it, moved over the
+  /// network where they cross nodes).
+  int peer_domain_gpus = 0;
   /// Optional cost gate (both must be set): a new replica stays only if its compute saving exceeds its cost.
   StageReplicaCostFn replica_cost;
   TokenTimeFn token_time;
@@ -72,6 +76,7 @@ struct PlannerOptions {
     detail::require(min_tokens_per_replica >= 0, "Planner: min_tokens_per_replica must be >= 0, got ",
                     min_tokens_per_replica);
     detail::require(ultraep_min_tokens >= 0, "Planner: ultraep_min_tokens must be >= 0, got ", ultraep_min_tokens);
+    detail::require(peer_domain_gpus >= -1, "Planner: peer_domain_gpus must be >= -1, got ", peer_domain_gpus);
   }
 };
 

@@ -113,8 +113,9 @@ struct SimConfig {
   bool reowning_free = true;
   double optimizer_state_factor = 6.0; ///< fp32 master + Adam moments over bf16 weights
   int planner_threads = 1;
-  int move_budget = -1;                    ///< new replicas per GPU per micro-step for `foremoe`; < 0: the spare slots
-  double tolerance = 0.0;                  ///< the planner's imbalance tolerance (0: as balanced as possible)
+  int peer_domain_gpus = 0; ///< `ultraep`, `moonep`: GPUs per balancing domain (`PlannerOptions::peer_domain_gpus`)
+  int move_budget = -1;     ///< new replicas per GPU per micro-step for `foremoe`; < 0: the spare slots
+  double tolerance = 0.0;   ///< the planner's imbalance tolerance (0: as balanced as possible)
   std::int64_t min_tokens_per_replica = 0; ///< the planner's fewest tokens per replica (0: any)
   /// Update stage: resident replicas accumulate their gradients in place and return them once (`HeldGradients`),
   /// in the simulated traffic and the planner's byte count alike; false: every used replica returns its gradient
@@ -560,6 +561,7 @@ struct GroupStep {
   popts.min_tokens_per_replica = cfg.min_tokens_per_replica;
   popts.gradient_bytes_factor = cost.grad.grad_bytes_factor; // from `grad_dtype` and the model's weight dtype
   popts.hold_replica_gradients = cfg.hold_replica_gradients;
+  popts.peer_domain_gpus = cfg.peer_domain_gpus;
   if (cfg.cost_gate) {
     // The slowest GPU's expert compute for its token count, on a GPU with every slot in use.
     popts.token_time = [&compute, S](std::int64_t t) {

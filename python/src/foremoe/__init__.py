@@ -350,7 +350,7 @@ class Planner:
         slots), ``threads``, ``hierarchical_owners``, ``reowning_free``, ``owner_keep_tolerance``,
         ``local_search_rounds``, ``free_search_rounds``, ``exact_split``, ``tolerance``,
         ``gradient_bytes_factor``, ``hold_replica_gradients``, ``min_tokens_per_replica``, ``ultraep_min_tokens``,
-        ``eplb_num_groups``.
+        ``peer_domain_gpus``, ``eplb_num_groups``.
         ``None`` (or leaving one out) takes the library's default.
 
     One planner object is not safe for concurrent calls; use one per thread.

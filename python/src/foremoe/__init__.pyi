@@ -78,6 +78,7 @@ class Planner:
         hold_replica_gradients: Optional[bool] = None,
         min_tokens_per_replica: Optional[int] = None,
         ultraep_min_tokens: Optional[int] = None,
+        peer_domain_gpus: Optional[int] = None,
         eplb_num_groups: Optional[int] = None,
     ) -> None:
         """None takes the library default (foremoe.options("planner"))."""

@@ -39,6 +39,15 @@ struct BaselineQuota {
 }
 
 /// Checks one layer's loads and resident placement (may be null) for a baseline strategy named `who`.
+/// GPUs per balancing domain of a per-micro-batch baseline: `domain` (0: a node of the topology; -1: the whole EP
+/// group), which must divide the EP group's GPUs; throws `Error` naming it otherwise.
+[[nodiscard]] inline int baseline_domain(const Topology &topo, int domain, const char *who) {
+  const int n = domain == 0 ? topo.gpus_per_node : domain < 0 ? topo.num_gpus() : domain;
+  require(domain >= -1 && topo.num_gpus() % n == 0, who, ": a balancing domain of ", domain,
+          " GPUs does not divide the ", topo.num_gpus(), " GPUs of the EP group (0: a node, -1: the whole group)");
+  return n;
+}
+
 inline void check_baseline_inputs(std::span<const std::int64_t> loads, const Topology &topo,
                                   const LayerPlacement *resident, const char *who) {
   const int num_experts = static_cast<int>(loads.size());

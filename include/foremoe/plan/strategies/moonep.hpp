@@ -52,6 +52,9 @@ inline namespace v0 {
 /// Options of `moonep_plan_layer`.
 struct MoonepOptions {
   int max_replicas_per_gpu = -1; ///< remote experts per destination; < 0: the topology's spare slots per GPU
+  /// GPUs per balancing domain (MoonEP's NVLink domain, where replicas may go), consecutive GPUs from 0; 0: a node
+  /// of the topology; -1: the whole EP group. It must divide the EP group's GPUs.
+  int domain_gpus = 0;
 };
 
 /// One layer planned as MoonEP plans it.
@@ -73,7 +76,7 @@ struct MoonepLayerResult {
   const int num_experts = static_cast<int>(loads.size()), per_gpu = topo.owners_per_gpu(num_experts);
   const int R = opts.max_replicas_per_gpu < 0 ? topo.spare_slots_per_gpu(num_experts)
                                               : std::min(opts.max_replicas_per_gpu, topo.slots_per_gpu - per_gpu);
-  const int n = topo.gpus_per_node;
+  const int n = detail::baseline_domain(topo, opts.domain_gpus, "moonep");
   const std::vector<std::int64_t> rank = detail::static_rank_loads(loads, topo);
   MoonepLayerResult res;
   res.targets.assign(static_cast<std::size_t>(topo.num_gpus()), 0);
@@ -82,8 +85,7 @@ struct MoonepLayerResult {
   std::vector<std::int64_t> balance(static_cast<std::size_t>(n)), z(static_cast<std::size_t>(n) * n), left, open;
   std::vector<int> order(static_cast<std::size_t>(n)), remote(static_cast<std::size_t>(n));
   std::vector<std::int32_t> remote_experts(static_cast<std::size_t>(n) * std::max(R, 1));
-  for (int node = 0; node < topo.num_nodes; ++node) {
-    const int first = node * n;
+  for (int first = 0; first < topo.num_gpus(); first += n) {
     std::int64_t total = 0;
     for (int i = 0; i < n; ++i)
       total += rank[first + i];
@@ -158,7 +160,9 @@ public:
     if (owners.empty()) owners = shape.static_owners();
   }
   [[nodiscard]] LayerPlan plan_layer(const LayerRequest &req, ReplicaPlanner &) const override {
-    return moonep_plan_layer(req.loads, req.shape.topo, {}, req.resident).plan;
+    MoonepOptions o;
+    o.domain_gpus = req.shape.opts.peer_domain_gpus;
+    return moonep_plan_layer(req.loads, req.shape.topo, o, req.resident).plan;
   }
   [[nodiscard]] bool reuses_resident() const noexcept override { return false; }
 };
@@ -168,7 +172,7 @@ inline const bool moonep_strategy_registered =
     (register_strategy({"moonep",
                         "baseline, re-implemented: MoonEP's exact per-micro-batch balance (one home group per rank, "
                         "replicas in the node, weights re-pushed every micro-step)",
-                        {},
+                        {"peer_domain_gpus"},
                         36,
                         [] { return std::make_unique<MoonepStrategy>(); }}),
      true);

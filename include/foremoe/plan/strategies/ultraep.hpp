@@ -56,6 +56,9 @@ inline namespace v0 {
 struct UltraepOptions {
   std::int64_t min_tokens_per_replica = 1024; ///< UltraEP's published minimum (arXiv:2606.04101)
   int max_replicas_per_gpu = -1;              ///< `R`; < 0: the topology's spare slots per GPU
+  /// GPUs per balancing domain (UltraEP's scale-up domain, where replicas may go), consecutive GPUs from 0; 0: a
+  /// node of the topology; -1: the whole EP group. It must divide the EP group's GPUs.
+  int domain_gpus = 0;
 };
 
 /// One layer planned as UltraEP plans it.
@@ -136,16 +139,17 @@ namespace detail {
   const int R = opts.max_replicas_per_gpu < 0 ? topo.spare_slots_per_gpu(num_experts)
                                               : std::min(opts.max_replicas_per_gpu, topo.slots_per_gpu - per_gpu);
   const std::vector<std::int64_t> rank = detail::static_rank_loads(loads, topo);
+  const int n = detail::baseline_domain(topo, opts.domain_gpus, "ultraep");
   UltraepLayerResult res;
   std::vector<detail::BaselineQuota> quotas, trial;
-  for (int node = 0; node < topo.num_nodes; ++node) {
-    const int first = node * topo.gpus_per_node, last = first + topo.gpus_per_node;
+  for (int first = 0; first < topo.num_gpus(); first += n) {
+    const int last = first + n;
     std::int64_t total = 0, hi = 0;
     for (int g = first; g < last; ++g) {
       total += rank[g];
       hi = std::max(hi, rank[g]);
     }
-    const std::int64_t lb = (total + topo.gpus_per_node - 1) / topo.gpus_per_node;
+    const std::int64_t lb = (total + n - 1) / n;
     res.lower_bound = std::max(res.lower_bound, lb);
     // `hi` (nothing exported) is feasible; bisect for the smallest feasible threshold, keeping its quotas.
     std::vector<detail::BaselineQuota> best;
@@ -182,6 +186,7 @@ public:
   [[nodiscard]] LayerPlan plan_layer(const LayerRequest &req, ReplicaPlanner &) const override {
     UltraepOptions o;
     o.min_tokens_per_replica = req.shape.opts.ultraep_min_tokens;
+    o.domain_gpus = req.shape.opts.peer_domain_gpus;
     return ultraep_plan_layer(req.loads, req.shape.topo, o, req.resident).plan;
   }
   [[nodiscard]] bool reuses_resident() const noexcept override { return false; }
@@ -192,7 +197,7 @@ inline const bool ultraep_strategy_registered =
     (register_strategy({"ultraep",
                         "baseline, re-implemented: UltraEP's per-micro-batch threshold-quota balancer (replicas in the "
                         "node, weights re-pushed every micro-step)",
-                        {"ultraep_min_tokens"},
+                        {"ultraep_min_tokens", "peer_domain_gpus"},
                         33,
                         [] { return std::make_unique<UltraepStrategy>(); }}),
      true);
