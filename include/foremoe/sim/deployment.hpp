@@ -37,6 +37,9 @@
 namespace foremoe {
 inline namespace v0 {
 
+/// The most deployments one search simulates (each strategy in each): a space past it would run for hours.
+inline constexpr std::size_t max_deployment_candidates = 512;
+
 /// The most spare slots per GPU a search may add (the topology's slot bound is far above any that fits memory).
 inline constexpr int max_spare_slots = 4096;
 
@@ -105,6 +108,9 @@ struct Deployment {
     for (const int ep : deployment_ep_sizes(cfg, space))
       for (const int slots : deployment_slots(cfg, space, ep))
         out.push_back({ep, slots, mb});
+  detail::require(out.size() <= max_deployment_candidates, "deployment search: ", out.size(),
+                  " deployments (micro-batch sizes x EP sizes x slot counts) are more than ", max_deployment_candidates,
+                  "; give fewer search.ep_sizes, search.spare_slots or search.microbatches");
   return out;
 }
 
