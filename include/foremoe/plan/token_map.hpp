@@ -8,16 +8,43 @@
 /// `(token, k)` order goes to the copy whose range contains `i`. With a split by source rank (see
 /// `split_by_source`), the tokens of one micro-step are grouped by source rank (`source_offsets`), and ranks and
 /// ranges are kept per (source, expert): the `i`-th occurrence of `e` among the tokens of source `s` goes to the
-/// copy whose range over `s`'s counts contains `i`. Copies given no tokens receive none.
+/// copy whose range over `s`'s counts contains `i`. Copies given no tokens receive none. This is the `positional`
+/// rule, the one the runtime's device mapping matches.
+///
+/// The `node_affine` rule (host only: ForeMoE knows each micro-step's ids before it runs) gives every copy exactly
+/// the same number of tokens from every source, but chooses *which* of an expert's occurrences each copy takes so
+/// that a token reaches few nodes: a token crosses to a remote node once however many of its top-k experts live
+/// there, so the inter-node bytes of the hierarchical all-to-all are the distinct remote nodes per token. Per
+/// source (one when the split is not by source), with `home` the source's GPU (source `s` is GPU `s`; with one
+/// source `TokenMapOptions::source_gpu`, or none):
+///   1. An expert with one copy given tokens from the source ("fixed") sends all its occurrences there. Every
+///      token's visited nodes and GPUs start as `home`'s and those of its fixed experts.
+///   2. The occurrences of experts with several such copies ("flexible") take, while its count lasts, a copy on a
+///      node the token already visits: first the occurrences with exactly one such copy (they have no other
+///      choice), then the rest, preferring a copy on a GPU the token visits, then the one with the most tokens
+///      left, then the lowest physical slot.
+///   3. The occurrences left, token by token in `(token, k)` order, each take a copy on a node the token visits by
+///      now if one has tokens left, else the copy on the node where most of the token's still unmapped
+///      occurrences could also go (then most tokens left, then lowest slot); the node joins the token's set.
+/// Every step takes an occurrence only into a copy with tokens left, and the occurrences of an expert equal the
+/// copies' counts (checked, as for `positional`), so every copy ends with exactly its count. Finally, per source,
+/// the result is kept only if its remote node hits (then remote GPU hits) are not above the positional map's for
+/// the same tokens, else that source keeps the positional map: never more node hits than `positional` by
+/// construction. Cost O(T k c k) for `T` tokens, top-`k`, `c` copies per expert (a few), plus the positional map;
+/// deterministic (no hashing, no randomness, fixed tie-breaks).
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
 #include "foremoe/core/placement.hpp"
+#include "foremoe/core/topology.hpp"
 #include "foremoe/plan/plan.hpp"
 #include "foremoe/trace/count.hpp"
 #include "foremoe/trace/routed_view.hpp"
@@ -268,6 +295,328 @@ inline void map_tokens(std::span<const TokenRanges> ranges, const RoutedView &id
     ranges.push_back(token_ranges(p));
   std::vector<std::int32_t> out(static_cast<std::size_t>(ids.num_tokens()) * ids.num_layers() * ids.topk());
   map_tokens(ranges, ids, layer_map, out);
+  return out;
+}
+
+/// How `map_tokens` chooses among an expert's copies (see the file comment); every rule gives every copy exactly
+/// its count from the split.
+enum class TokenMapRule : std::uint8_t {
+  positional,  ///< the copies in slot order take consecutive occurrence ranges (the runtime's device rule)
+  node_affine, ///< a token goes to a copy on a node (then a GPU) it already visits
+};
+
+/// The names of `TokenMapRule`'s values, in order.
+inline constexpr std::array<std::string_view, 2> token_map_rule_names{"positional", "node_affine"};
+
+[[nodiscard]] inline std::string_view to_string(TokenMapRule r) noexcept {
+  return token_map_rule_names[static_cast<std::size_t>(r)];
+}
+
+/// The rule named `name`; throws `Error` "`who` must be one of positional, node_affine, got 'name'".
+[[nodiscard]] inline TokenMapRule parse_token_map_rule(std::string_view name, std::string_view who) {
+  for (std::size_t i = 0; i < token_map_rule_names.size(); ++i)
+    if (name == token_map_rule_names[i]) return static_cast<TokenMapRule>(i);
+  throw Error(std::string(who) + " must be one of positional, node_affine, got '" + std::string(name) + "'");
+}
+
+/// What `map_tokens` needs beyond the ranges for a rule other than `positional`.
+struct TokenMapOptions {
+  TokenMapRule rule = TokenMapRule::positional;
+  /// `node_affine`: where the slots sit (slot `p` on GPU `p / slots_per_gpu`, GPU `g` on node `g / gpus_per_node`);
+  /// its slot count must be the ranges'.
+  Topology topo{};
+  /// `node_affine` with one source: the GPU all tokens come from (a rank's own dispatch), or -1 for none known.
+  /// With a split by source, source `s` is GPU `s` and this is not read.
+  int source_gpu = -1;
+};
+
+/// Token-node hits of a token -> slot map: what the hierarchical all-to-all sends. Sums over tokens.
+struct NodeHits {
+  std::int64_t tokens = 0;       ///< tokens with at least one route
+  std::int64_t routed = 0;       ///< routed `(token, k)` pairs
+  std::int64_t nodes = 0;        ///< distinct nodes each token reaches
+  std::int64_t remote_nodes = 0; ///< of those, other than its source GPU's node: the inter-node token copies
+  std::int64_t gpus = 0;         ///< distinct GPUs each token reaches
+  std::int64_t remote_gpus = 0;  ///< of those, other than its source GPU: the token copies that leave the GPU
+  friend bool operator==(const NodeHits &, const NodeHits &) = default;
+};
+
+namespace detail {
+
+/// Adds token `slots[0, topk)`'s hits (slot -> GPU -> node by `slots_per_gpu`, `gpus_per_node`) from `home_gpu`
+/// (-1: none, every node and GPU is remote). Distinct values by an O(k^2) scan: k is small, no allocation.
+inline void add_token_hits(NodeHits &h, const std::int32_t *slots, int topk, int slots_per_gpu, int gpus_per_node,
+                           int home_gpu) noexcept {
+  const int home_node = home_gpu < 0 ? -1 : home_gpu / gpus_per_node;
+  bool any = false;
+  for (int k = 0; k < topk; ++k) {
+    if (slots[k] < 0) continue;
+    ++h.routed;
+    any = true;
+    const int gpu = slots[k] / slots_per_gpu, node = gpu / gpus_per_node;
+    bool new_gpu = true, new_node = true;
+    for (int j = 0; j < k && (new_gpu || new_node); ++j) {
+      if (slots[j] < 0) continue;
+      const int g = slots[j] / slots_per_gpu;
+      new_gpu = new_gpu && g != gpu;
+      new_node = new_node && g / gpus_per_node != node;
+    }
+    if (new_gpu) {
+      ++h.gpus;
+      if (gpu != home_gpu) ++h.remote_gpus;
+    }
+    if (new_node) {
+      ++h.nodes;
+      if (node != home_node) ++h.remote_nodes;
+    }
+  }
+  if (any) ++h.tokens;
+}
+
+/// Checks that `topo` describes the `num_slots` slots of a map; `who` names the caller.
+inline void check_slot_topology(const Topology &topo, std::int64_t num_slots, const char *who) {
+  require(topo.slots_per_gpu > 0 && topo.gpus_per_node > 0 && topo.num_nodes > 0, who, ": the topology needs ",
+          "positive nodes, GPUs per node and slots per GPU, got ", topo.num_nodes, " x ", topo.gpus_per_node, " x ",
+          topo.slots_per_gpu);
+  require(topo.num_slots() == num_slots, who, ": the topology has ", topo.num_nodes, " x ", topo.gpus_per_node,
+          " GPUs x ", topo.slots_per_gpu, " slots = ", topo.num_slots(), " slots, the map ", num_slots);
+}
+
+/// The node-affine assignment of one source's tokens `[b, e)` (see the file comment), rewriting the positional
+/// map `pos` (already checked against the ranges) into `out`; both are `[tokens][topk]` over the whole layer.
+class NodeAffineMapper {
+public:
+  NodeAffineMapper(const TokenRanges &r, const Topology &topo) : r_(r), topo_(topo) {
+    const std::size_t nc = r.copy_slot.size();
+    copy_of_slot_.assign(static_cast<std::size_t>(r.num_slots), -1);
+    copy_expert_.resize(nc);
+    copy_gpu_.resize(nc);
+    copy_node_.resize(nc);
+    for (int e = 0; e < r.num_experts; ++e)
+      for (std::int32_t c = r.copy_offsets[e]; c < r.copy_offsets[e + 1]; ++c) {
+        copy_of_slot_[static_cast<std::size_t>(r.copy_slot[c])] = c;
+        copy_expert_[c] = e;
+        copy_gpu_[c] = r.copy_slot[c] / topo.slots_per_gpu;
+        copy_node_[c] = copy_gpu_[c] / topo.gpus_per_node;
+      }
+    rem_.resize(nc);
+    quota_.resize(nc);
+    live_.resize(static_cast<std::size_t>(r.num_experts));
+  }
+
+  void map_source(int src, int home_gpu, std::int64_t b, std::int64_t e, int topk, const std::int32_t *pos,
+                  std::int32_t *out) {
+    const std::size_t nc = r_.copy_slot.size();
+    const std::int64_t *end = r_.copy_end.data() + static_cast<std::size_t>(src) * nc;
+    for (int x = 0; x < r_.num_experts; ++x) {
+      live_[x] = 0;
+      for (std::int32_t c = r_.copy_offsets[x]; c < r_.copy_offsets[x + 1]; ++c) {
+        quota_[c] = rem_[c] = end[c] - (c > r_.copy_offsets[x] ? end[c - 1] : 0);
+        live_[x] += rem_[c] > 0 ? 1 : 0;
+      }
+    }
+    const std::size_t num_tokens = static_cast<std::size_t>(e - b), width = static_cast<std::size_t>(topk) + 1;
+    topk_ = topk;
+    vnode_.assign(num_tokens * width, -1);
+    vgpu_.assign(num_tokens * width, -1);
+    nv_.assign(num_tokens, 0);
+    ngv_.assign(num_tokens, 0);
+    const std::int32_t *p = pos + b * topk;
+    std::int32_t *o = out + b * topk;
+    const std::size_t n = num_tokens * static_cast<std::size_t>(topk);
+    // Pass 1: fixed experts; flexible occurrences are marked -2.
+    for (std::size_t t = 0; t < num_tokens; ++t) {
+      if (home_gpu >= 0) visit(t, home_gpu);
+      for (int k = 0; k < topk; ++k) {
+        const std::size_t i = t * static_cast<std::size_t>(topk) + k;
+        if (p[i] < 0) {
+          o[i] = -1;
+          continue;
+        }
+        const std::int32_t c = copy_of_slot_[static_cast<std::size_t>(p[i])];
+        if (live_[copy_expert_[c]] > 1) {
+          o[i] = -2;
+          continue;
+        }
+        o[i] = p[i];
+        --rem_[c];
+        visit(t, copy_gpu_[c]);
+      }
+    }
+    // Pass 2: flexible occurrences into copies on visited nodes; those with one such copy first.
+    for (int round = 0; round < 2; ++round)
+      for (std::size_t i = 0; i < n; ++i) {
+        if (o[i] != -2) continue;
+        const std::size_t t = i / static_cast<std::size_t>(topk);
+        const int x = copy_expert_[copy_of_slot_[static_cast<std::size_t>(p[i])]];
+        if (round == 0 && visited_options(t, x) != 1) continue;
+        if (const std::int32_t c = pick_visited(t, x); c >= 0) take(o[i], c);
+      }
+    // Pass 3: the rest, token by token; each may open a node for the token's later occurrences.
+    for (std::size_t t = 0; t < num_tokens; ++t)
+      for (int k = 0; k < topk; ++k) {
+        const std::size_t i = t * static_cast<std::size_t>(topk) + k;
+        if (o[i] != -2) continue;
+        const int x = copy_expert_[copy_of_slot_[static_cast<std::size_t>(p[i])]];
+        std::int32_t c = pick_visited(t, x);
+        if (c < 0) c = pick_new_node(x, k, p + t * static_cast<std::size_t>(topk), o + t * topk);
+        take(o[i], c);
+        visit(t, copy_gpu_[c]);
+      }
+  }
+
+private:
+  void visit(std::size_t t, int gpu) {
+    const std::size_t w = static_cast<std::size_t>(topk_) + 1;
+    const int node = gpu / topo_.gpus_per_node;
+    std::int32_t *vn = vnode_.data() + t * w, *vg = vgpu_.data() + t * w;
+    if (std::find(vn, vn + nv_[t], node) == vn + nv_[t]) vn[nv_[t]++] = node;
+    if (std::find(vg, vg + ngv_[t], gpu) == vg + ngv_[t]) vg[ngv_[t]++] = gpu;
+  }
+  [[nodiscard]] bool node_visited(std::size_t t, int node) const {
+    const std::int32_t *vn = vnode_.data() + t * (static_cast<std::size_t>(topk_) + 1);
+    return std::find(vn, vn + nv_[t], node) != vn + nv_[t];
+  }
+  [[nodiscard]] bool gpu_visited(std::size_t t, int gpu) const {
+    const std::int32_t *vg = vgpu_.data() + t * (static_cast<std::size_t>(topk_) + 1);
+    return std::find(vg, vg + ngv_[t], gpu) != vg + ngv_[t];
+  }
+  /// Copies of `x` given tokens by the source that sit on a node token `t` visits.
+  [[nodiscard]] int visited_options(std::size_t t, int x) const {
+    int n = 0;
+    for (std::int32_t c = r_.copy_offsets[x]; c < r_.copy_offsets[x + 1]; ++c)
+      n += quota_[c] > 0 && node_visited(t, copy_node_[c]) ? 1 : 0;
+    return n;
+  }
+  /// The copy of `x` on a visited node with tokens left: a visited GPU first, then most left, then lowest slot.
+  [[nodiscard]] std::int32_t pick_visited(std::size_t t, int x) const {
+    std::int32_t best = -1;
+    bool best_gpu = false;
+    for (std::int32_t c = r_.copy_offsets[x]; c < r_.copy_offsets[x + 1]; ++c) {
+      if (rem_[c] <= 0 || !node_visited(t, copy_node_[c])) continue;
+      const bool g = gpu_visited(t, copy_gpu_[c]);
+      if (best < 0 || (g && !best_gpu) || (g == best_gpu && rem_[c] > rem_[best])) best = c, best_gpu = g;
+    }
+    return best;
+  }
+  /// A copy of `x` with tokens left on a node the token does not visit yet: the node most of its other unmapped
+  /// occurrences (`-2` in `o`) could also use, then most tokens left, then lowest slot.
+  [[nodiscard]] std::int32_t pick_new_node(int x, int k, const std::int32_t *p, const std::int32_t *o) const {
+    std::int32_t best = -1;
+    int best_share = -1;
+    for (std::int32_t c = r_.copy_offsets[x]; c < r_.copy_offsets[x + 1]; ++c) {
+      if (rem_[c] <= 0) continue;
+      int share = 0;
+      for (int j = k + 1; j < topk_; ++j) {
+        if (o[j] != -2) continue;
+        const int y = copy_expert_[copy_of_slot_[static_cast<std::size_t>(p[j])]];
+        for (std::int32_t d = r_.copy_offsets[y]; d < r_.copy_offsets[y + 1]; ++d)
+          if (rem_[d] > 0 && copy_node_[d] == copy_node_[c]) {
+            ++share;
+            break;
+          }
+      }
+      if (best < 0 || share > best_share || (share == best_share && rem_[c] > rem_[best])) best = c, best_share = share;
+    }
+    return best; // never -1: the expert's unmapped occurrences equal its copies' tokens left
+  }
+  void take(std::int32_t &slot, std::int32_t c) {
+    slot = r_.copy_slot[c];
+    --rem_[c];
+  }
+
+  const TokenRanges &r_;
+  const Topology &topo_;
+  int topk_ = 1;
+  std::vector<std::int32_t> copy_of_slot_, copy_expert_, copy_gpu_, copy_node_;
+  std::vector<std::int64_t> rem_, quota_;  ///< tokens left and given of each copy from the source
+  std::vector<int> live_;                  ///< copies of each expert given tokens from the source
+  std::vector<std::int32_t> vnode_, vgpu_; ///< `[tokens][topk + 1]` visited nodes and GPUs of each token
+  std::vector<std::int32_t> nv_, ngv_;     ///< how many of each are set
+};
+
+} // namespace detail
+
+/// Adds the token-node hits of `slots` (`[tokens][topk]` physical slots, -1 = no route, as `map_tokens` writes
+/// them) on `topo` to `hits`. `source_offsets` (`[G + 1]` token offsets, G = `topo.num_gpus()`) groups the tokens
+/// by source GPU (source `s` is GPU `s`, as in `split_by_source`); empty means no source is known and every node
+/// and GPU counts as remote. Throws `Error` naming a slot outside the topology or malformed offsets.
+inline void add_node_hits(NodeHits &hits, std::span<const std::int32_t> slots, int topk, const Topology &topo,
+                          std::span<const std::int64_t> source_offsets = {}) {
+  using detail::require;
+  require(topk > 0, "count_node_hits: topk must be positive, got ", topk);
+  require(slots.size() % static_cast<std::size_t>(topk) == 0, "count_node_hits: ", slots.size(),
+          " slots are not whole tokens of top-", topk);
+  detail::check_slot_topology(topo, topo.num_slots(), "count_node_hits");
+  const auto num_tokens = static_cast<std::int64_t>(slots.size() / static_cast<std::size_t>(topk));
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    require(slots[i] >= -1 && slots[i] < topo.num_slots(), "count_node_hits: slot ", slots[i], " at token ",
+            i / static_cast<std::size_t>(topk), ", k ", i % static_cast<std::size_t>(topk), " is outside [0, ",
+            topo.num_slots(), ") and not -1 (no route)");
+  if (source_offsets.empty()) {
+    for (std::int64_t t = 0; t < num_tokens; ++t)
+      detail::add_token_hits(hits, slots.data() + t * topk, topk, topo.slots_per_gpu, topo.gpus_per_node, -1);
+    return;
+  }
+  require(static_cast<int>(source_offsets.size()) == topo.num_gpus() + 1, "count_node_hits: ", source_offsets.size(),
+          " source offsets for ", topo.num_gpus(), " GPUs, expected ", topo.num_gpus() + 1);
+  detail::check_offsets(source_offsets, num_tokens, "count_node_hits: source_offsets");
+  for (int s = 0; s < topo.num_gpus(); ++s)
+    for (std::int64_t t = source_offsets[s]; t < source_offsets[s + 1]; ++t)
+      detail::add_token_hits(hits, slots.data() + t * topk, topk, topo.slots_per_gpu, topo.gpus_per_node, s);
+}
+
+/// The token-node hits of `slots` alone (see `add_node_hits`).
+[[nodiscard]] inline NodeHits count_node_hits(std::span<const std::int32_t> slots, int topk, const Topology &topo,
+                                              std::span<const std::int64_t> source_offsets = {}) {
+  NodeHits h;
+  add_node_hits(h, slots, topk, topo, source_offsets);
+  return h;
+}
+
+/// `map_tokens` under `opts.rule`: `positional` as above; `node_affine` (see the file comment) gives every copy
+/// the same counts per source and never more remote node hits than `positional` on the same tokens. Throws
+/// `Error` as the positional map does, and for a `node_affine` topology whose slot count is not the ranges', a
+/// source count other than 1 or the topology's GPUs, or a `source_gpu` outside `[-1, G)`.
+inline void map_tokens(const TokenRanges &ranges, const RoutedView &ids, int layer_idx, std::span<std::int32_t> out,
+                       std::span<const std::int64_t> source_offsets, const TokenMapOptions &opts) {
+  using detail::require;
+  if (opts.rule == TokenMapRule::positional) {
+    map_tokens(ranges, ids, layer_idx, out, source_offsets);
+    return;
+  }
+  require(opts.rule == TokenMapRule::node_affine, "map_tokens: unknown token map rule ", static_cast<int>(opts.rule));
+  detail::check_slot_topology(opts.topo, ranges.num_slots, "map_tokens: node_affine");
+  const int num_gpus = opts.topo.num_gpus();
+  require(ranges.num_sources == 1 || ranges.num_sources == num_gpus, "map_tokens: node_affine needs one source or ",
+          "one per GPU (source s = GPU s), got ", ranges.num_sources, " sources for ", num_gpus, " GPUs");
+  require(opts.source_gpu >= -1 && opts.source_gpu < num_gpus, "map_tokens: node_affine source_gpu ", opts.source_gpu,
+          " outside [-1, ", num_gpus, ")");
+  std::vector<std::int32_t> pos(out.size());
+  map_tokens(ranges, ids, layer_idx, pos, source_offsets); // checks everything and gives each occurrence's expert
+  const auto so = detail::source_ranges(source_offsets, ranges.num_sources, ids.num_tokens());
+  const int topk = ids.topk(), spg = opts.topo.slots_per_gpu, gpn = opts.topo.gpus_per_node;
+  detail::NodeAffineMapper mapper(ranges, opts.topo);
+  for (int s = 0; s < ranges.num_sources; ++s) {
+    const int home = ranges.num_sources > 1 ? s : opts.source_gpu;
+    mapper.map_source(s, home, so[s], so[s + 1], topk, pos.data(), out.data());
+    NodeHits mine, theirs;
+    for (std::int64_t t = so[s]; t < so[s + 1]; ++t) {
+      detail::add_token_hits(mine, out.data() + t * topk, topk, spg, gpn, home);
+      detail::add_token_hits(theirs, pos.data() + t * topk, topk, spg, gpn, home);
+    }
+    const bool worse = mine.remote_nodes > theirs.remote_nodes ||
+                       (mine.remote_nodes == theirs.remote_nodes && mine.remote_gpus > theirs.remote_gpus);
+    if (worse) std::copy(pos.begin() + so[s] * topk, pos.begin() + so[s + 1] * topk, out.begin() + so[s] * topk);
+  }
+}
+
+/// Maps trace layer `layer_idx` of `ids` through `plan`'s split (one source) under `opts`; returns `[tokens][topk]`
+/// slots.
+[[nodiscard]] inline std::vector<std::int32_t> map_tokens(const LayerPlan &plan, const RoutedView &ids, int layer_idx,
+                                                          const TokenMapOptions &opts) {
+  std::vector<std::int32_t> out(static_cast<std::size_t>(ids.num_tokens()) * ids.topk());
+  map_tokens(token_ranges(plan), ids, layer_idx, out, {}, opts);
   return out;
 }
 
