@@ -159,7 +159,7 @@ struct Tally {
     node_affine += aff;
   }
   void report(const char *what) const {
-    MESSAGE(what, ": remote node hits ", positional, " positional, ", node_affine, " node_affine");
+    MESSAGE(std::string(what), ": remote node hits ", positional, " positional, ", node_affine, " node_affine");
     CHECK(node_affine < positional);
   }
 };
@@ -235,6 +235,36 @@ TEST_CASE("token affinity: one source with and without a home GPU (property)") {
   }
   MESSAGE("one source: fewer remote node hits on ", fewer, " of ", rounds);
   CHECK(fewer > rounds / 10);
+}
+
+TEST_CASE("token affinity: one source with every token's home chooses the split by source (property)") {
+  std::mt19937_64 rng(5150);
+  const int rounds = 2000 * foremoe_test::seed_multiplier();
+  Tally tally;
+  for (int it = 0; it < rounds; ++it) {
+    const Instance in = random_instance(rng);
+    const int G = in.topo.num_gpus();
+    const TokenRanges ranges = token_ranges(in.placement, in.slot_tokens);
+    const RoutedView view = view_of(in);
+    std::vector<std::int32_t> pos(in.ids.size()), aff(in.ids.size());
+    map_tokens(ranges, view, 0, pos);
+    TokenMapOptions o = affine(in.topo);
+    o.home_offsets = in.source_offsets;
+    map_tokens(ranges, view, 0, aff, {}, o);
+    check_valid(in, aff, 1);
+    tally.add(count_node_hits(pos, in.topk, in.topo, in.source_offsets).remote_nodes,
+              count_node_hits(aff, in.topk, in.topo, in.source_offsets).remote_nodes);
+    // The split it chose keeps every copy's total, and mapping by it (any rule) reproduces its counts.
+    const auto split = source_split(aff, in.topk, in.topo, in.source_offsets);
+    std::vector<std::int64_t> per_slot(in.slot_tokens.size(), 0);
+    for (std::size_t i = 0; i < split.size(); ++i)
+      per_slot[i / std::size_t(G)] += split[i];
+    REQUIRE(per_slot == in.slot_tokens);
+    std::vector<std::int32_t> again(in.ids.size());
+    map_tokens(token_ranges(in.placement, split, G), view, 0, again, in.source_offsets, affine(in.topo));
+    CHECK(source_split(again, in.topk, in.topo, in.source_offsets) == split);
+  }
+  tally.report("one source with homes");
 }
 
 TEST_CASE("token affinity: planner plans split by source (property)") {
@@ -427,6 +457,16 @@ TEST_CASE("token affinity: rule names and bad input are named") {
         static_cast<void>(count_node_hits(ids, 2, Topology{2, 1, 2}, so_bad));
       },
       "source_offsets decrease at index 2");
+  TokenMapOptions two_sources = affine(Topology{2, 1, 2});
+  const std::vector<std::int64_t> homes_short{0, 2};
+  two_sources.home_offsets = homes_short;
+  throws_with([&] { map_tokens(r, view, 0, out, {}, two_sources); },
+              "map_tokens: node_affine: 2 home offsets for 2 GPUs, expected 3");
+  throws_with(
+      [&] {
+        static_cast<void>(source_split(ids, 2, Topology{2, 1, 2}, homes_short));
+      },
+      "source_split: 2 source offsets for 2 GPUs, expected 3");
   const std::vector<std::int64_t> split(8, 0);
   throws_with(
       [&] {

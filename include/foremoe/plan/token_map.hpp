@@ -328,6 +328,10 @@ struct TokenMapOptions {
   /// `node_affine` with one source: the GPU all tokens come from (a rank's own dispatch), or -1 for none known.
   /// With a split by source, source `s` is GPU `s` and this is not read.
   int source_gpu = -1;
+  /// `node_affine` with one source (the plan's split, not by source): `[G + 1]` token offsets grouping the tokens
+  /// by source GPU, so that every token counts its own node as visited; overrides `source_gpu`. The map then also
+  /// decides how each copy's count divides among the sources (`source_split` reads it back). Empty: not used.
+  std::span<const std::int64_t> home_offsets;
 };
 
 /// Token-node hits of a token -> slot map: what the hierarchical all-to-all sends. Sums over tokens.
@@ -343,35 +347,52 @@ struct NodeHits {
 
 namespace detail {
 
-/// Adds token `slots[0, topk)`'s hits (slot -> GPU -> node by `slots_per_gpu`, `gpus_per_node`) from `home_gpu`
-/// (-1: none, every node and GPU is remote). Distinct values by an O(k^2) scan: k is small, no allocation.
-inline void add_token_hits(NodeHits &h, const std::int32_t *slots, int topk, int slots_per_gpu, int gpus_per_node,
-                           int home_gpu) noexcept {
-  const int home_node = home_gpu < 0 ? -1 : home_gpu / gpus_per_node;
-  bool any = false;
-  for (int k = 0; k < topk; ++k) {
-    if (slots[k] < 0) continue;
-    ++h.routed;
-    any = true;
-    const int gpu = slots[k] / slots_per_gpu, node = gpu / gpus_per_node;
-    bool new_gpu = true, new_node = true;
-    for (int j = 0; j < k && (new_gpu || new_node); ++j) {
-      if (slots[j] < 0) continue;
-      const int g = slots[j] / slots_per_gpu;
-      new_gpu = new_gpu && g != gpu;
-      new_node = new_node && g / gpus_per_node != node;
-    }
-    if (new_gpu) {
-      ++h.gpus;
-      if (gpu != home_gpu) ++h.remote_gpus;
-    }
-    if (new_node) {
-      ++h.nodes;
-      if (node != home_node) ++h.remote_nodes;
+/// The GPU and node of every physical slot of a topology, and per-token hit counting: O(k) per token through
+/// stamps (the token's number in the node and GPU seen by it), no O(k^2) scan and no bit-width limit.
+class HitCounter {
+public:
+  explicit HitCounter(const Topology &topo)
+      : gpus_per_node_(topo.gpus_per_node), node_seen_(static_cast<std::size_t>(topo.num_nodes), 0),
+        gpu_seen_(static_cast<std::size_t>(topo.num_gpus()), 0) {
+    const auto n = static_cast<std::size_t>(topo.num_slots());
+    gpu.resize(n);
+    node.resize(n);
+    for (std::size_t p = 0; p < n; ++p) {
+      gpu[p] = static_cast<std::int32_t>(p / static_cast<std::size_t>(topo.slots_per_gpu));
+      node[p] = gpu[p] / topo.gpus_per_node;
     }
   }
-  if (any) ++h.tokens;
-}
+  std::vector<std::int32_t> gpu, node; ///< `[slots]` the GPU and node of each physical slot
+
+  /// Adds token `slots[0, topk)`'s hits from `home_gpu` (-1: none, every node and GPU is remote) to `h`.
+  void add(NodeHits &h, const std::int32_t *slots, int topk, int home_gpu) noexcept {
+    const std::int32_t home_node = home_gpu < 0 ? -1 : home_gpu / gpus_per_node_;
+    ++stamp_;
+    bool any = false;
+    for (int k = 0; k < topk; ++k) {
+      if (slots[k] < 0) continue;
+      ++h.routed;
+      any = true;
+      const std::int32_t g = gpu[static_cast<std::size_t>(slots[k])], n = node[static_cast<std::size_t>(slots[k])];
+      if (gpu_seen_[static_cast<std::size_t>(g)] != stamp_) {
+        gpu_seen_[static_cast<std::size_t>(g)] = stamp_;
+        ++h.gpus;
+        h.remote_gpus += g != home_gpu ? 1 : 0;
+      }
+      if (node_seen_[static_cast<std::size_t>(n)] != stamp_) {
+        node_seen_[static_cast<std::size_t>(n)] = stamp_;
+        ++h.nodes;
+        h.remote_nodes += n != home_node ? 1 : 0;
+      }
+    }
+    h.tokens += any ? 1 : 0;
+  }
+
+private:
+  int gpus_per_node_ = 1;
+  std::uint64_t stamp_ = 0;
+  std::vector<std::uint64_t> node_seen_, gpu_seen_;
+};
 
 /// Checks that `topo` describes the `num_slots` slots of a map; `who` names the caller.
 inline void check_slot_topology(const Topology &topo, std::int64_t num_slots, const char *who) {
@@ -386,7 +407,9 @@ inline void check_slot_topology(const Topology &topo, std::int64_t num_slots, co
 /// map `pos` (already checked against the ranges) into `out`; both are `[tokens][topk]` over the whole layer.
 class NodeAffineMapper {
 public:
-  NodeAffineMapper(const TokenRanges &r, const Topology &topo) : r_(r), topo_(topo) {
+  NodeAffineMapper(const TokenRanges &r, const HitCounter &at, const Topology &topo)
+      : r_(r), gpus_per_node_(topo.gpus_per_node), node_words_((static_cast<std::size_t>(topo.num_nodes) + 63) / 64),
+        gpu_words_((static_cast<std::size_t>(topo.num_gpus()) + 63) / 64) {
     const std::size_t nc = r.copy_slot.size();
     copy_of_slot_.assign(static_cast<std::size_t>(r.num_slots), -1);
     copy_expert_.resize(nc);
@@ -396,15 +419,16 @@ public:
       for (std::int32_t c = r.copy_offsets[e]; c < r.copy_offsets[e + 1]; ++c) {
         copy_of_slot_[static_cast<std::size_t>(r.copy_slot[c])] = c;
         copy_expert_[c] = e;
-        copy_gpu_[c] = r.copy_slot[c] / topo.slots_per_gpu;
-        copy_node_[c] = copy_gpu_[c] / topo.gpus_per_node;
+        copy_gpu_[c] = at.gpu[static_cast<std::size_t>(r.copy_slot[c])];
+        copy_node_[c] = at.node[static_cast<std::size_t>(r.copy_slot[c])];
       }
     rem_.resize(nc);
     quota_.resize(nc);
     live_.resize(static_cast<std::size_t>(r.num_experts));
   }
 
-  void map_source(int src, int home_gpu, std::int64_t b, std::int64_t e, int topk, const std::int32_t *pos,
+  /// `homes[t - b]` is token `t`'s source GPU (-1: none).
+  void map_source(int src, const std::int32_t *homes, std::int64_t b, std::int64_t e, int topk, const std::int32_t *pos,
                   std::int32_t *out) {
     const std::size_t nc = r_.copy_slot.size();
     const std::int64_t *end = r_.copy_end.data() + static_cast<std::size_t>(src) * nc;
@@ -415,18 +439,15 @@ public:
         live_[x] += rem_[c] > 0 ? 1 : 0;
       }
     }
-    const std::size_t num_tokens = static_cast<std::size_t>(e - b), width = static_cast<std::size_t>(topk) + 1;
+    const auto num_tokens = static_cast<std::size_t>(e - b);
     topk_ = topk;
-    vnode_.assign(num_tokens * width, -1);
-    vgpu_.assign(num_tokens * width, -1);
-    nv_.assign(num_tokens, 0);
-    ngv_.assign(num_tokens, 0);
+    vnode_.assign(num_tokens * node_words_, 0);
+    vgpu_.assign(num_tokens * gpu_words_, 0);
     const std::int32_t *p = pos + b * topk;
     std::int32_t *o = out + b * topk;
-    const std::size_t n = num_tokens * static_cast<std::size_t>(topk);
     // Pass 1: fixed experts; flexible occurrences are marked -2.
     for (std::size_t t = 0; t < num_tokens; ++t) {
-      if (home_gpu >= 0) visit(t, home_gpu);
+      if (homes[t] >= 0) visit(t, homes[t], homes[t] / gpus_per_node_);
       for (int k = 0; k < topk; ++k) {
         const std::size_t i = t * static_cast<std::size_t>(topk) + k;
         if (p[i] < 0) {
@@ -440,18 +461,18 @@ public:
         }
         o[i] = p[i];
         --rem_[c];
-        visit(t, copy_gpu_[c]);
+        visit(t, copy_gpu_[c], copy_node_[c]);
       }
     }
     // Pass 2: flexible occurrences into copies on visited nodes; those with one such copy first.
     for (int round = 0; round < 2; ++round)
-      for (std::size_t i = 0; i < n; ++i) {
-        if (o[i] != -2) continue;
-        const std::size_t t = i / static_cast<std::size_t>(topk);
-        const int x = copy_expert_[copy_of_slot_[static_cast<std::size_t>(p[i])]];
-        if (round == 0 && visited_options(t, x) != 1) continue;
-        if (const std::int32_t c = pick_visited(t, x); c >= 0) take(o[i], c);
-      }
+      for (std::size_t t = 0, i = 0; t < num_tokens; ++t)
+        for (int k = 0; k < topk; ++k, ++i) {
+          if (o[i] != -2) continue;
+          const int x = copy_expert_[copy_of_slot_[static_cast<std::size_t>(p[i])]];
+          if (round == 0 && visited_options(t, x) != 1) continue;
+          if (const std::int32_t c = pick_visited(t, x); c >= 0) take(o[i], c);
+        }
     // Pass 3: the rest, token by token; each may open a node for the token's later occurrences.
     for (std::size_t t = 0; t < num_tokens; ++t)
       for (int k = 0; k < topk; ++k) {
@@ -461,26 +482,21 @@ public:
         std::int32_t c = pick_visited(t, x);
         if (c < 0) c = pick_new_node(x, k, p + t * static_cast<std::size_t>(topk), o + t * topk);
         take(o[i], c);
-        visit(t, copy_gpu_[c]);
+        visit(t, copy_gpu_[c], copy_node_[c]);
       }
   }
 
 private:
-  void visit(std::size_t t, int gpu) {
-    const std::size_t w = static_cast<std::size_t>(topk_) + 1;
-    const int node = gpu / topo_.gpus_per_node;
-    std::int32_t *vn = vnode_.data() + t * w, *vg = vgpu_.data() + t * w;
-    if (std::find(vn, vn + nv_[t], node) == vn + nv_[t]) vn[nv_[t]++] = node;
-    if (std::find(vg, vg + ngv_[t], gpu) == vg + ngv_[t]) vg[ngv_[t]++] = gpu;
+  static void set_bit(std::uint64_t *w, int i) noexcept { w[i >> 6] |= std::uint64_t{1} << (i & 63); }
+  [[nodiscard]] static bool has_bit(const std::uint64_t *w, int i) noexcept { return (w[i >> 6] >> (i & 63)) & 1u; }
+  void visit(std::size_t t, int gpu, int node) {
+    set_bit(vnode_.data() + t * node_words_, node);
+    set_bit(vgpu_.data() + t * gpu_words_, gpu);
   }
   [[nodiscard]] bool node_visited(std::size_t t, int node) const {
-    const std::int32_t *vn = vnode_.data() + t * (static_cast<std::size_t>(topk_) + 1);
-    return std::find(vn, vn + nv_[t], node) != vn + nv_[t];
+    return has_bit(vnode_.data() + t * node_words_, node);
   }
-  [[nodiscard]] bool gpu_visited(std::size_t t, int gpu) const {
-    const std::int32_t *vg = vgpu_.data() + t * (static_cast<std::size_t>(topk_) + 1);
-    return std::find(vg, vg + ngv_[t], gpu) != vg + ngv_[t];
-  }
+  [[nodiscard]] bool gpu_visited(std::size_t t, int gpu) const { return has_bit(vgpu_.data() + t * gpu_words_, gpu); }
   /// Copies of `x` given tokens by the source that sit on a node token `t` visits.
   [[nodiscard]] int visited_options(std::size_t t, int x) const {
     int n = 0;
@@ -526,13 +542,13 @@ private:
   }
 
   const TokenRanges &r_;
-  const Topology &topo_;
+  int gpus_per_node_ = 1;
+  std::size_t node_words_ = 1, gpu_words_ = 1; ///< 64-bit words of a token's node and GPU sets
   int topk_ = 1;
   std::vector<std::int32_t> copy_of_slot_, copy_expert_, copy_gpu_, copy_node_;
-  std::vector<std::int64_t> rem_, quota_;  ///< tokens left and given of each copy from the source
-  std::vector<int> live_;                  ///< copies of each expert given tokens from the source
-  std::vector<std::int32_t> vnode_, vgpu_; ///< `[tokens][topk + 1]` visited nodes and GPUs of each token
-  std::vector<std::int32_t> nv_, ngv_;     ///< how many of each are set
+  std::vector<std::int64_t> rem_, quota_;   ///< tokens left and given of each copy from the source
+  std::vector<int> live_;                   ///< copies of each expert given tokens from the source
+  std::vector<std::uint64_t> vnode_, vgpu_; ///< `[tokens][words]` bit sets: the nodes and GPUs each token visits
 };
 
 } // namespace detail
@@ -553,9 +569,10 @@ inline void add_node_hits(NodeHits &hits, std::span<const std::int32_t> slots, i
     require(slots[i] >= -1 && slots[i] < topo.num_slots(), "count_node_hits: slot ", slots[i], " at token ",
             i / static_cast<std::size_t>(topk), ", k ", i % static_cast<std::size_t>(topk), " is outside [0, ",
             topo.num_slots(), ") and not -1 (no route)");
+  detail::HitCounter at(topo);
   if (source_offsets.empty()) {
     for (std::int64_t t = 0; t < num_tokens; ++t)
-      detail::add_token_hits(hits, slots.data() + t * topk, topk, topo.slots_per_gpu, topo.gpus_per_node, -1);
+      at.add(hits, slots.data() + t * topk, topk, -1);
     return;
   }
   require(static_cast<int>(source_offsets.size()) == topo.num_gpus() + 1, "count_node_hits: ", source_offsets.size(),
@@ -563,7 +580,7 @@ inline void add_node_hits(NodeHits &hits, std::span<const std::int32_t> slots, i
   detail::check_offsets(source_offsets, num_tokens, "count_node_hits: source_offsets");
   for (int s = 0; s < topo.num_gpus(); ++s)
     for (std::int64_t t = source_offsets[s]; t < source_offsets[s + 1]; ++t)
-      detail::add_token_hits(hits, slots.data() + t * topk, topk, topo.slots_per_gpu, topo.gpus_per_node, s);
+      at.add(hits, slots.data() + t * topk, topk, s);
 }
 
 /// The token-node hits of `slots` alone (see `add_node_hits`).
@@ -575,9 +592,10 @@ inline void add_node_hits(NodeHits &hits, std::span<const std::int32_t> slots, i
 }
 
 /// `map_tokens` under `opts.rule`: `positional` as above; `node_affine` (see the file comment) gives every copy
-/// the same counts per source and never more remote node hits than `positional` on the same tokens. Throws
-/// `Error` as the positional map does, and for a `node_affine` topology whose slot count is not the ranges', a
-/// source count other than 1 or the topology's GPUs, or a `source_gpu` outside `[-1, G)`.
+/// the same counts per source and never more remote node hits than `positional` on the same tokens (from the
+/// same homes). Throws `Error` as the positional map does, and for a `node_affine` topology whose slot count is
+/// not the ranges', a source count other than 1 or the topology's GPUs, a `source_gpu` outside `[-1, G)` or
+/// malformed `home_offsets`.
 inline void map_tokens(const TokenRanges &ranges, const RoutedView &ids, int layer_idx, std::span<std::int32_t> out,
                        std::span<const std::int64_t> source_offsets, const TokenMapOptions &opts) {
   using detail::require;
@@ -592,18 +610,34 @@ inline void map_tokens(const TokenRanges &ranges, const RoutedView &ids, int lay
           "one per GPU (source s = GPU s), got ", ranges.num_sources, " sources for ", num_gpus, " GPUs");
   require(opts.source_gpu >= -1 && opts.source_gpu < num_gpus, "map_tokens: node_affine source_gpu ", opts.source_gpu,
           " outside [-1, ", num_gpus, ")");
+  const std::int64_t num_tokens = ids.num_tokens();
+  // Every token's source GPU: its source's, or `home_offsets`', or `source_gpu`.
+  std::vector<std::int32_t> homes(static_cast<std::size_t>(num_tokens), static_cast<std::int32_t>(opts.source_gpu));
+  if (!opts.home_offsets.empty()) {
+    require(ranges.num_sources == 1, "map_tokens: node_affine home_offsets are for one source; with ",
+            ranges.num_sources, " sources the source offsets give the homes");
+    require(static_cast<int>(opts.home_offsets.size()) == num_gpus + 1,
+            "map_tokens: node_affine: ", opts.home_offsets.size(), " home offsets for ", num_gpus, " GPUs, expected ",
+            num_gpus + 1);
+    detail::check_offsets(opts.home_offsets, num_tokens, "map_tokens: node_affine home_offsets");
+    for (int g = 0; g < num_gpus; ++g)
+      std::fill(homes.begin() + opts.home_offsets[g], homes.begin() + opts.home_offsets[g + 1], g);
+  }
   std::vector<std::int32_t> pos(out.size());
   map_tokens(ranges, ids, layer_idx, pos, source_offsets); // checks everything and gives each occurrence's expert
-  const auto so = detail::source_ranges(source_offsets, ranges.num_sources, ids.num_tokens());
-  const int topk = ids.topk(), spg = opts.topo.slots_per_gpu, gpn = opts.topo.gpus_per_node;
-  detail::NodeAffineMapper mapper(ranges, opts.topo);
+  const auto so = detail::source_ranges(source_offsets, ranges.num_sources, num_tokens);
+  if (ranges.num_sources > 1)
+    for (int s = 0; s < ranges.num_sources; ++s)
+      std::fill(homes.begin() + so[s], homes.begin() + so[s + 1], s);
+  const int topk = ids.topk();
+  detail::HitCounter at(opts.topo);
+  detail::NodeAffineMapper mapper(ranges, at, opts.topo);
   for (int s = 0; s < ranges.num_sources; ++s) {
-    const int home = ranges.num_sources > 1 ? s : opts.source_gpu;
-    mapper.map_source(s, home, so[s], so[s + 1], topk, pos.data(), out.data());
+    mapper.map_source(s, homes.data() + so[s], so[s], so[s + 1], topk, pos.data(), out.data());
     NodeHits mine, theirs;
     for (std::int64_t t = so[s]; t < so[s + 1]; ++t) {
-      detail::add_token_hits(mine, out.data() + t * topk, topk, spg, gpn, home);
-      detail::add_token_hits(theirs, pos.data() + t * topk, topk, spg, gpn, home);
+      at.add(mine, out.data() + t * topk, topk, homes[static_cast<std::size_t>(t)]);
+      at.add(theirs, pos.data() + t * topk, topk, homes[static_cast<std::size_t>(t)]);
     }
     const bool worse = mine.remote_nodes > theirs.remote_nodes ||
                        (mine.remote_nodes == theirs.remote_nodes && mine.remote_gpus > theirs.remote_gpus);
@@ -618,6 +652,31 @@ inline void map_tokens(const TokenRanges &ranges, const RoutedView &ids, int lay
   std::vector<std::int32_t> out(static_cast<std::size_t>(ids.num_tokens()) * ids.topk());
   map_tokens(token_ranges(plan), ids, layer_idx, out, {}, opts);
   return out;
+}
+
+/// The split a map realises: `[slots][G]` tokens each physical slot takes from each source GPU, for `slots`
+/// (`[tokens][topk]`, -1 = no route) whose tokens `source_offsets` (`[G + 1]`) groups by source GPU, on `topo`.
+/// What a one-source `node_affine` map with `home_offsets` chose, in `split_by_source`'s form (the dispatch's input).
+[[nodiscard]] inline std::vector<std::int64_t> source_split(std::span<const std::int32_t> slots, int topk,
+                                                            const Topology &topo,
+                                                            std::span<const std::int64_t> source_offsets) {
+  using detail::require;
+  const int num_gpus = topo.num_gpus();
+  require(topk > 0 && slots.size() % static_cast<std::size_t>(topk) == 0, "source_split: ", slots.size(),
+          " slots are not whole tokens of top-", topk);
+  require(static_cast<int>(source_offsets.size()) == num_gpus + 1, "source_split: ", source_offsets.size(),
+          " source offsets for ", num_gpus, " GPUs, expected ", num_gpus + 1);
+  const auto num_tokens = static_cast<std::int64_t>(slots.size() / static_cast<std::size_t>(topk));
+  detail::check_offsets(source_offsets, num_tokens, "source_split: source_offsets");
+  std::vector<std::int64_t> split(static_cast<std::size_t>(topo.num_slots()) * num_gpus, 0);
+  for (int g = 0; g < num_gpus; ++g)
+    for (std::int64_t i = source_offsets[g] * topk; i < source_offsets[g + 1] * topk; ++i) {
+      const std::int32_t p = slots[static_cast<std::size_t>(i)];
+      require(p >= -1 && p < topo.num_slots(), "source_split: slot ", p, " at token ", i / topk, " is outside [0, ",
+              topo.num_slots(), ") and not -1 (no route)");
+      if (p >= 0) ++split[static_cast<std::size_t>(p) * num_gpus + g];
+    }
+  return split;
 }
 
 } // namespace v0
