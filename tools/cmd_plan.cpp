@@ -251,9 +251,11 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
 
 /// `--node-hits`: the token-node hits of the packed micro-steps under their plans, per token map.
 struct TokenMapHits {
-  NodeHits positional;        ///< the plan's split by source (`split_by_source`), positional map: today's dispatch
-  NodeHits node_affine;       ///< the same split, node_affine map
-  NodeHits node_affine_split; ///< the plan's per-copy totals, node_affine choosing the split by source too
+  NodeHits positional;  ///< the plan's split by source (`split_by_source`), positional map: today's dispatch
+  NodeHits node_affine; ///< the same split, node_affine map
+  /// the plan's per-copy totals, node_affine choosing the split by source too (`home_offsets`, `source_split`),
+  /// then mapped by source with node_affine under that split as the ranks' dispatch does
+  NodeHits node_affine_split;
 };
 
 /// Maps every MoE layer of every packed micro-step under its plan with each token map and counts the node hits.
@@ -304,9 +306,13 @@ TokenMapHits token_map_hits(const PackedBatch &b, const StepPlan &sp, const Topo
       add_node_hits(h.positional, pos, topk, topo, so);
       map_tokens(by_source, one, 0, aff, so, affine);
       add_node_hits(h.node_affine, aff, topk, topo, so);
+      // The split the node-affine map chooses from the plan's totals, then mapped by source as each rank's
+      // dispatch maps its column of it (dispatch_layout with node_affine): what the dispatch would send.
       TokenMapOptions homes = affine;
       homes.home_offsets = so;
       map_tokens(token_ranges(plan), one, 0, aff, {}, homes);
+      const TokenRanges chosen = token_ranges(plan.placement, source_split(aff, topk, topo, so), num_gpus);
+      map_tokens(chosen, one, 0, aff, so, affine);
       add_node_hits(h.node_affine_split, aff, topk, topo, so);
     }
   }
