@@ -433,6 +433,16 @@ TEST_CASE("token affinity: rule names and bad input are named") {
                    affine(Topology{2, 1, 2}));
       },
       "got 3 sources for 2 GPUs");
+  // Homes per token with a split by source (the source offsets give them).
+  throws_with(
+      [&] {
+        const std::vector<std::int32_t> none{-1, -1, -1, -1};
+        const std::vector<std::int64_t> split2(8, 0), so{0, 1, 2};
+        TokenMapOptions o = affine(Topology{2, 1, 2});
+        o.home_offsets = so;
+        map_tokens(token_ranges(p, split2, 2), RoutedView(std::span<const std::int32_t>(none), 2, 1, 2), 0, out, so, o);
+      },
+      "home_offsets are for one source; with 2 sources the source offsets give the homes");
   // Counts that differ from the routing fail as in the positional map, naming both.
   const std::vector<std::int64_t> wrong{2, 0, 1, 1};
   throws_with(
