@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cstdint>
 #include <limits>
 #include <span>
@@ -418,7 +419,8 @@ class NodeAffineMapper {
 public:
   NodeAffineMapper(const TokenRanges &r, const HitCounter &at, const Topology &topo)
       : r_(r), gpus_per_node_(topo.gpus_per_node), node_words_((static_cast<std::size_t>(topo.num_nodes) + 63) / 64),
-        gpu_words_((static_cast<std::size_t>(topo.num_gpus()) + 63) / 64) {
+        gpu_words_((static_cast<std::size_t>(topo.num_gpus()) + 63) / 64),
+        share_(static_cast<std::size_t>(topo.num_nodes), 0), seen_(static_cast<std::size_t>(topo.num_nodes), 0) {
     const std::size_t nc = r.copy_slot.size();
     copy_of_slot_.assign(static_cast<std::size_t>(r.num_slots), -1);
     copy_expert_.resize(nc);
@@ -450,6 +452,7 @@ public:
     }
     const auto num_tokens = static_cast<std::size_t>(e - b);
     topk_ = topk;
+    flex_.clear();
     vnode_.assign(num_tokens * node_words_, 0);
     vgpu_.assign(num_tokens * gpu_words_, 0);
     const std::int32_t *p = pos + b * topk;
@@ -466,6 +469,7 @@ public:
         const std::int32_t c = copy_of_slot_[static_cast<std::size_t>(p[i])];
         if (live_[copy_expert_[c]] > 1) {
           o[i] = -2;
+          flex_.push_back(i);
           continue;
         }
         o[i] = p[i];
@@ -474,28 +478,47 @@ public:
       }
     }
     // Pass 2: flexible occurrences into copies on visited nodes; those with one such copy first.
+    const auto K = static_cast<std::size_t>(topk);
     for (int round = 0; round < 2; ++round)
-      for (std::size_t t = 0, i = 0; t < num_tokens; ++t)
-        for (int k = 0; k < topk; ++k, ++i) {
-          if (o[i] != -2) continue;
-          const int x = copy_expert_[copy_of_slot_[static_cast<std::size_t>(p[i])]];
-          if (round == 0 && visited_options(t, x) != 1) continue;
-          if (const std::int32_t c = pick_visited(t, x); c >= 0) take(o[i], c);
-        }
-    // Pass 3: the rest, token by token; each may open a node for the token's later occurrences.
-    for (std::size_t t = 0; t < num_tokens; ++t)
-      for (int k = 0; k < topk; ++k) {
-        const std::size_t i = t * static_cast<std::size_t>(topk) + k;
+      for (const std::size_t i : flex_) {
         if (o[i] != -2) continue;
+        const std::size_t t = i / K;
         const int x = copy_expert_[copy_of_slot_[static_cast<std::size_t>(p[i])]];
-        std::int32_t c = pick_visited(t, x);
-        if (c < 0) c = pick_new_node(x, k, p + t * static_cast<std::size_t>(topk), o + t * topk);
-        take(o[i], c);
-        visit(t, copy_gpu_[c], copy_node_[c]);
+        if (round == 0 && visited_options(t, x) != 1) continue;
+        if (const std::int32_t c = pick_visited(t, x); c >= 0) {
+          take(o[i], c);
+          visit(t, copy_gpu_[c], copy_node_[c]); // the node is visited already; the GPU may be new
+        }
       }
+    // Pass 3: the rest, token by token; each may open a node for the token's later occurrences.
+    for (const std::size_t i : flex_) {
+      if (o[i] != -2) continue;
+      const std::size_t t = i / K;
+      const int x = copy_expert_[copy_of_slot_[static_cast<std::size_t>(p[i])]];
+      std::int32_t c = pick_visited(t, x);
+      if (c < 0) c = pick_new_node(x, static_cast<int>(i % K), p + t * K, o + t * K);
+      take(o[i], c);
+      visit(t, copy_gpu_[c], copy_node_[c]);
+    }
+  }
+
+  /// Remote nodes and GPUs of the last `map_source`'s tokens: every token's visited sets hold exactly its home and
+  /// the nodes and GPUs of its slots.
+  void add_remote_hits(NodeHits &h, const std::int32_t *homes, std::int64_t num_tokens) const {
+    for (std::size_t t = 0; t < static_cast<std::size_t>(num_tokens); ++t) {
+      const std::int64_t at_home = homes[t] >= 0 ? 1 : 0;
+      h.remote_nodes += count_bits(vnode_.data() + t * node_words_, node_words_) - at_home;
+      h.remote_gpus += count_bits(vgpu_.data() + t * gpu_words_, gpu_words_) - at_home;
+    }
   }
 
 private:
+  [[nodiscard]] static std::int64_t count_bits(const std::uint64_t *w, std::size_t n) noexcept {
+    std::int64_t c = 0;
+    for (std::size_t j = 0; j < n; ++j)
+      c += std::popcount(w[j]);
+    return c;
+  }
   static void set_bit(std::uint64_t *w, int i) noexcept { w[i >> 6] |= std::uint64_t{1} << (i & 63); }
   [[nodiscard]] static bool has_bit(const std::uint64_t *w, int i) noexcept { return (w[i >> 6] >> (i & 63)) & 1u; }
   void visit(std::size_t t, int gpu, int node) {
@@ -526,23 +549,29 @@ private:
   }
   /// A copy of `x` with tokens left on a node the token does not visit yet: the node most of its other unmapped
   /// occurrences (`-2` in `o`) could also use, then most tokens left, then lowest slot.
-  [[nodiscard]] std::int32_t pick_new_node(int x, int k, const std::int32_t *p, const std::int32_t *o) const {
+  /// O(k c): each later unmapped occurrence counts once on every node where its expert has tokens left (a node's
+  /// last counting occurrence in `seen_`), then each candidate reads its node's count.
+  [[nodiscard]] std::int32_t pick_new_node(int x, int k, const std::int32_t *p, const std::int32_t *o) {
+    for (int j = k + 1; j < topk_; ++j) {
+      if (o[j] != -2) continue;
+      const int y = copy_expert_[copy_of_slot_[static_cast<std::size_t>(p[j])]];
+      for (std::int32_t d = r_.copy_offsets[y]; d < r_.copy_offsets[y + 1]; ++d) {
+        const auto n = static_cast<std::size_t>(copy_node_[d]);
+        if (rem_[d] <= 0 || seen_[n] == stamp_ + static_cast<std::uint64_t>(j)) continue;
+        if (seen_[n] <= stamp_) share_[n] = 0; // first count of this call
+        seen_[n] = stamp_ + static_cast<std::uint64_t>(j);
+        ++share_[n];
+      }
+    }
     std::int32_t best = -1;
     int best_share = -1;
     for (std::int32_t c = r_.copy_offsets[x]; c < r_.copy_offsets[x + 1]; ++c) {
       if (rem_[c] <= 0) continue;
-      int share = 0;
-      for (int j = k + 1; j < topk_; ++j) {
-        if (o[j] != -2) continue;
-        const int y = copy_expert_[copy_of_slot_[static_cast<std::size_t>(p[j])]];
-        for (std::int32_t d = r_.copy_offsets[y]; d < r_.copy_offsets[y + 1]; ++d)
-          if (rem_[d] > 0 && copy_node_[d] == copy_node_[c]) {
-            ++share;
-            break;
-          }
-      }
+      const auto n = static_cast<std::size_t>(copy_node_[c]);
+      const int share = seen_[n] > stamp_ ? share_[n] : 0;
       if (best < 0 || share > best_share || (share == best_share && rem_[c] > rem_[best])) best = c, best_share = share;
     }
+    stamp_ += static_cast<std::uint64_t>(topk_); // past every stamp this call wrote
     return best; // never -1: the expert's unmapped occurrences equal its copies' tokens left
   }
   void take(std::int32_t &slot, std::int32_t c) {
@@ -555,8 +584,12 @@ private:
   std::size_t node_words_ = 1, gpu_words_ = 1; ///< 64-bit words of a token's node and GPU sets
   int topk_ = 1;
   std::vector<std::int32_t> copy_of_slot_, copy_expert_, copy_gpu_, copy_node_;
-  std::vector<std::int64_t> rem_, quota_;   ///< tokens left and given of each copy from the source
-  std::vector<int> live_;                   ///< copies of each expert given tokens from the source
+  std::vector<std::int64_t> rem_, quota_; ///< tokens left and given of each copy from the source
+  std::vector<int> live_;                 ///< copies of each expert given tokens from the source
+  std::vector<int> share_;                ///< `[nodes]` pick_new_node's counts, valid where `seen_` > `stamp_`
+  std::vector<std::uint64_t> seen_;       ///< `[nodes]` stamp of the last occurrence counted on each node
+  std::uint64_t stamp_ = 0;
+  std::vector<std::size_t> flex_;           ///< entries of the source's `[tokens][topk]` of flexible experts
   std::vector<std::uint64_t> vnode_, vgpu_; ///< `[tokens][words]` bit sets: the nodes and GPUs each token visits
 };
 
@@ -644,10 +677,9 @@ inline void map_tokens(const TokenRanges &ranges, const RoutedView &ids, int lay
   for (int s = 0; s < ranges.num_sources; ++s) {
     mapper.map_source(s, homes.data() + so[s], so[s], so[s + 1], topk, pos.data(), out.data());
     NodeHits mine, theirs;
-    for (std::int64_t t = so[s]; t < so[s + 1]; ++t) {
-      at.add(mine, out.data() + t * topk, topk, homes[static_cast<std::size_t>(t)]);
+    mapper.add_remote_hits(mine, homes.data() + so[s], so[s + 1] - so[s]);
+    for (std::int64_t t = so[s]; t < so[s + 1]; ++t)
       at.add(theirs, pos.data() + t * topk, topk, homes[static_cast<std::size_t>(t)]);
-    }
     const bool worse = mine.remote_nodes > theirs.remote_nodes ||
                        (mine.remote_nodes == theirs.remote_nodes && mine.remote_gpus > theirs.remote_gpus);
     if (worse) std::copy(pos.begin() + so[s] * topk, pos.begin() + so[s + 1] * topk, out.begin() + so[s] * topk);
