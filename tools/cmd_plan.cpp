@@ -372,7 +372,8 @@ Command make_plan() {
       {"out-loads", "LOADS.npy", "--ids: write the packed micro-steps' loads [M, L, E] here", ""},
       {"node-hits", "",
        "--ids: map every token under the plans with both token maps (positional; node_affine, a token to the copy "
-       "on a node it already visits) and report each token's distinct remote nodes and GPUs (node_hits in --out)",
+       "on a node it already visits) and report each token's distinct remote nodes and GPUs (node_hits in --out: "
+       "counts summed over micro-steps and MoE layers)",
        ""},
       {"previous-loads", "FILE.npy", "previous step's loads: the history EPLB plans from", ""},
       {"resident", "PLACEMENT.json", "placement left by the previous micro-step (from --out-placement)", ""},
