@@ -6,12 +6,14 @@
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/split.hpp"
 #include "foremoe/plan/token_map.hpp"
 #include "foremoe/trace/count.hpp"
+#include "skewed_ids.hpp"
 #if defined(FOREMOE_BENCH_RUNTIME)
 #include "foremoe/runtime/token_map.hpp"
 #endif
@@ -31,36 +33,15 @@ struct MicroStep {
   std::vector<std::vector<std::int64_t>> source_splits;
 };
 
-// Skewed, distinct top-8 experts per (token, layer), each layer with its own hot experts, so the plan replicates.
+// Skewed, distinct top-8 experts per (token, layer) (skewed_ids), so the plan replicates.
 const MicroStep &micro_step() {
   static const MicroStep ms = [] {
     MicroStep m;
-    m.ids.resize(static_cast<std::size_t>(num_tokens) * num_layers * topk);
-    std::uint64_t s = 0x9E3779B97F4A7C15ull;
-    auto next = [&s] {
-      s ^= s << 13;
-      s ^= s >> 7;
-      s ^= s << 17;
-      return s;
-    };
-    std::size_t i = 0;
-    for (std::int64_t t = 0; t < num_tokens; ++t)
-      for (int l = 0; l < num_layers; ++l) {
-        const double u = static_cast<double>(next() % 1000000) / 1e6;
-        const auto hot = static_cast<int>(num_experts * u * u * u);    // cubic skew towards low ranks
-        const int base = (hot * 37 + l * 11) % num_experts;            // a per-layer permutation of ranks
-        const int step = 1 + 2 * static_cast<int>((next() >> 20) % 8); // odd: 8 distinct ids
-        for (int k = 0; k < topk; ++k)
-          m.ids[i++] = static_cast<std::uint16_t>((base + k * step) % num_experts);
-      }
     const int num_gpus = topo.num_gpus();
-    for (int g = 0; g <= num_gpus; ++g)
-      m.source_offsets.push_back(num_tokens * g / num_gpus);
-    foremoe::CountOptions o;
-    o.num_experts = num_experts;
-    o.num_sources = num_gpus;
-    o.source_offsets = m.source_offsets;
-    m.loads = foremoe::count_loads(std::span<const std::uint16_t>(m.ids), num_tokens, num_layers, topk, o);
+    foremoe_bench::SkewedStep step = foremoe_bench::skewed_step(num_tokens, num_layers, topk, num_experts, num_gpus);
+    m.ids = std::move(step.ids);
+    m.source_offsets = std::move(step.source_offsets);
+    m.loads = std::move(step.loads);
     foremoe::Planner planner(num_layers, num_experts, topo);
     m.plans = planner.plan(m.loads, 0);
     for (int l = 0; l < num_layers; ++l) {

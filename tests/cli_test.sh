@@ -596,6 +596,31 @@ print("same" if a["micro_steps"] == b["micro_steps"] else "differ")'
   expect 0 "wrote .*pk_all.json" -- "$bin" plan --ids "$work/pids.npy" "${pack[@]}" --token-budget "$budget" \
     --strategy all --out-packing "$work/pk_all.json"
   expect 0 "" -- cmp "$work/pk_routing.json" "$work/pk_all.json"
+  # --node-hits (issue 30): the packed tokens mapped under the plans by both token maps. Checked against the ids: every
+  # rule counts the same routed (token, layer) pairs and ids, node_affine never reaches more remote nodes than
+  # positional on the same split, and the plan itself is the one without --node-hits.
+  expect 0 "inter-node token copies per token: positional" -- "$bin" plan --ids "$work/pids.npy" --nodes 2 \
+    --gpus-per-node 2 --slots 5 --micro-steps 4 --ranks 4 --token-budget "$budget" --node-hits \
+    --out "$work/pp_hits.json"
+  expect 0 "^ok node hits" -- python3 - "$work" <<'PY'
+import json, sys
+import numpy as np
+work = sys.argv[1]
+ids = np.load(f"{work}/pids.npy").astype(np.int64)
+routed = ids >= 0
+h = json.load(open(f"{work}/pp_hits.json"))["node_hits"]
+for rule in ("positional", "node_affine", "node_affine_split"):
+    x = h[rule]
+    assert x["routed"] == int(routed.sum()), (rule, x["routed"])
+    assert x["tokens"] == int(routed.any(axis=2).sum()), (rule, x["tokens"])
+    assert x["remote_nodes"] <= x["nodes"] <= x["gpus"] <= x["routed"], (rule, x)
+    assert x["remote_gpus"] <= x["gpus"] and x["nodes"] <= 2 * x["tokens"], (rule, x)
+assert h["node_affine"]["remote_nodes"] <= h["positional"]["remote_nodes"], h
+print("ok node hits", h["positional"]["remote_nodes"], h["node_affine"]["remote_nodes"],
+      h["node_affine_split"]["remote_nodes"])
+PY
+  expect 2 "--node-hits need one strategy" -- "$bin" plan --ids "$work/pids.npy" "${pack[@]}" \
+    --token-budget "$budget" --strategy all --node-hits
 else
   echo "skipped: plan --ids checks (no python3 with NumPy)"
 fi

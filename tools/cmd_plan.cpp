@@ -5,6 +5,7 @@
 #include <iomanip>
 #include <ostream>
 #include <sstream>
+#include <utility>
 
 #include "command.hpp"
 #include "foremoe/config/documents.hpp"
@@ -14,6 +15,8 @@
 #include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/packing.hpp"
 #include "foremoe/plan/planner.hpp"
+#include "foremoe/plan/split.hpp"
+#include "foremoe/plan/token_map.hpp"
 #include "foremoe/trace/count.hpp"
 #include "foremoe/trace/io.hpp"
 #include "foremoe/transfer/transfer_plan.hpp"
@@ -25,8 +28,9 @@ namespace fs = std::filesystem;
 using foremoe::detail::require;
 
 /// The options that only `--ids` takes (its per-sequence input, the packing and its outputs).
-constexpr const char *ids_only_options[] = {"sequences",    "experts", "dense-layers", "micro-steps", "ranks",
-                                            "token-budget", "packing", "packing-by",   "out-packing", "out-loads"};
+constexpr const char *ids_only_options[] = {"sequences",   "experts",      "dense-layers", "micro-steps",
+                                            "ranks",       "token-budget", "packing",      "packing-by",
+                                            "out-packing", "out-loads",    "node-hits"};
 
 /// `--packing none`: the sequences in the order given fill the micro-batches in execution order (micro-step 0's
 /// ranks 0 to R-1, then micro-step 1's, ...), each closed when the next sequence does not fit in it.
@@ -85,10 +89,15 @@ json::Value rows_json(const std::vector<double> &v, std::int64_t layers) {
   return out;
 }
 
-/// What `--ids` gives: the loads of the packed batch, the packing as a JSON document and the lines to print.
+/// What `--ids` gives: the loads of the packed batch, the packing as a JSON document and the lines to print, and
+/// what `--node-hits` maps again: the ids, the sequences' token offsets and each micro-step's sequences per rank.
 struct PackedBatch {
   LoadTensor loads;
   std::string document, report;
+  RoutedIdsFile ids;
+  std::vector<std::int64_t> offsets;                        ///< `[S + 1]` the sequences' token offsets
+  std::vector<std::vector<std::vector<std::int64_t>>> seqs; ///< `[M][R]` the sequences of each micro-batch
+  int dense_layers = 0, experts = 0;
 };
 
 /// Counts every sequence's expert histogram from the routed ids, packs the sequences into the trainer's
@@ -96,8 +105,9 @@ struct PackedBatch {
 PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &seq_path, const std::string &seq_name,
                      const std::string &method, const PackingShape &shape, const Topology &topo,
                      const PlannerOptions &opts, std::ostream &err) {
-  const RoutedIdsFile file = read_routed_ids_npy(ids_path);
-  const RoutedView view = file.view();
+  PackedBatch out;
+  out.ids = read_routed_ids_npy(ids_path);
+  const RoutedView view = out.ids.view();
   const std::vector<std::int64_t> offsets = read_offsets_npy(seq_path);
   const std::vector<std::int64_t> lengths = sequence_lengths(offsets, view.num_tokens(), seq_name);
   const auto num_seqs = static_cast<std::int64_t>(lengths.size());
@@ -172,7 +182,6 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
   const std::vector<double> start_imb = packing_imbalance(in, shape, start, po);
   const std::vector<double> imb = routed ? packing_imbalance(in, shape, p, po) : start_imb;
 
-  PackedBatch out;
   out.loads = LoadTensor(static_cast<int>(shape.micro_steps), static_cast<int>(layers), static_cast<int>(experts));
   const std::span<const std::int64_t> h = hist.totals();
   const std::span<std::int64_t> loads = out.loads.totals();
@@ -233,7 +242,96 @@ PackedBatch pack_ids(const Args &a, const fs::path &ids_path, const fs::path &se
       << ", max/mean of the worst layer: median " << std::fixed << std::setprecision(4) << before.median << " -> "
       << after.median << ", max " << before.max << " -> " << after.max << "\n";
   out.report = rep.str();
+  out.offsets = offsets;
+  out.seqs = std::move(batches);
+  out.dense_layers = dense;
+  out.experts = o.num_experts;
   return out;
+}
+
+/// `--node-hits`: the token-node hits of the packed micro-steps under their plans, per token map.
+struct TokenMapHits {
+  NodeHits positional;  ///< the plan's split by source (`split_by_source`), positional map: today's dispatch
+  NodeHits node_affine; ///< the same split, node_affine map
+  /// the plan's per-copy totals, node_affine choosing the split by source too (`home_offsets`, `source_split`),
+  /// then mapped by source with node_affine under that split as the ranks' dispatch does
+  NodeHits node_affine_split;
+};
+
+/// Maps every MoE layer of every packed micro-step under its plan with each token map and counts the node hits.
+/// A micro-step's tokens are its micro-batches' in rank order; with one rank per GPU (`--ranks` = GPUs) rank `r`'s
+/// tokens come from GPU `r`, otherwise the micro-step's tokens are cut into equal source ranges (as `count_loads`
+/// splits a micro-step by source).
+TokenMapHits token_map_hits(const PackedBatch &b, const StepPlan &sp, const Topology &topo) {
+  const RoutedView view = b.ids.view();
+  const int num_gpus = topo.num_gpus(), topk = view.topk(), experts = b.experts;
+  TokenMapHits h;
+  TokenMapOptions affine;
+  affine.rule = TokenMapRule::node_affine;
+  affine.topo = topo;
+  std::vector<std::int32_t> ids, pos, aff;
+  std::vector<std::int64_t> src_loads;
+  for (std::size_t m = 0; m < b.seqs.size(); ++m) {
+    std::vector<std::int64_t> tokens, rank_ends{0}; // the micro-step's tokens in rank order
+    for (const auto &rank : b.seqs[m]) {
+      for (const std::int64_t seq : rank)
+        for (std::int64_t t = b.offsets[static_cast<std::size_t>(seq)];
+             t < b.offsets[static_cast<std::size_t>(seq) + 1]; ++t)
+          tokens.push_back(t);
+      rank_ends.push_back(static_cast<std::int64_t>(tokens.size()));
+    }
+    const auto num_tokens = static_cast<std::int64_t>(tokens.size());
+    std::vector<std::int64_t> so;
+    for (int g = 0; g <= num_gpus; ++g)
+      so.push_back(static_cast<int>(b.seqs[m].size()) == num_gpus ? rank_ends[static_cast<std::size_t>(g)]
+                                                                  : num_tokens * g / num_gpus);
+    ids.resize(tokens.size() * static_cast<std::size_t>(topk));
+    pos.resize(ids.size());
+    aff.resize(ids.size());
+    for (std::size_t ml = 0; ml < sp.micro_steps[m].size(); ++ml) {
+      const LayerPlan &plan = sp.micro_steps[m][ml];
+      const int l = static_cast<int>(ml) + b.dense_layers;
+      src_loads.assign(static_cast<std::size_t>(experts) * num_gpus, 0);
+      for (int g = 0; g < num_gpus; ++g)
+        for (std::int64_t i = so[static_cast<std::size_t>(g)]; i < so[static_cast<std::size_t>(g) + 1]; ++i)
+          for (int k = 0; k < topk; ++k) {
+            const std::int64_t e = view.at(tokens[static_cast<std::size_t>(i)], l, k, experts);
+            ids[static_cast<std::size_t>(i * topk + k)] = static_cast<std::int32_t>(e);
+            if (e >= 0 && e < experts) ++src_loads[static_cast<std::size_t>(e * num_gpus + g)];
+          }
+      const RoutedView one(std::span<const std::int32_t>(ids), num_tokens, 1, topk);
+      const auto split = split_by_source(plan.placement, plan.slot_tokens, src_loads, num_gpus, topo.gpus_per_node);
+      const TokenRanges by_source = token_ranges(plan.placement, split, num_gpus);
+      map_tokens(by_source, one, 0, pos, so);
+      add_node_hits(h.positional, pos, topk, topo, so);
+      map_tokens(by_source, one, 0, aff, so, affine);
+      add_node_hits(h.node_affine, aff, topk, topo, so);
+      // The split the node-affine map chooses from the plan's totals, then mapped by source as each rank's
+      // dispatch maps its column of it (dispatch_layout with node_affine): what the dispatch would send.
+      TokenMapOptions homes = affine;
+      homes.home_offsets = so;
+      map_tokens(token_ranges(plan), one, 0, aff, {}, homes);
+      const TokenRanges chosen = token_ranges(plan.placement, source_split(aff, topk, topo, so), num_gpus);
+      map_tokens(chosen, one, 0, aff, so, affine);
+      add_node_hits(h.node_affine_split, aff, topk, topo, so);
+    }
+  }
+  return h;
+}
+
+/// `NodeHits` as JSON: its counts under their field names (tokens and ids summed over MoE layers too).
+json::Value node_hits_json(const NodeHits &h) {
+  static constexpr std::pair<const char *, std::int64_t NodeHits::*> fields[] = {
+      {"tokens", &NodeHits::tokens},
+      {"routed", &NodeHits::routed},
+      {"nodes", &NodeHits::nodes},
+      {"gpus", &NodeHits::gpus},
+      {"remote_nodes", &NodeHits::remote_nodes},
+      {"remote_gpus", &NodeHits::remote_gpus}};
+  json::Value j;
+  for (const auto &[name, field] : fields)
+    j[name] = h.*field;
+  return j;
 }
 
 Command make_plan() {
@@ -272,6 +370,11 @@ Command make_plan() {
        "gpus"},
       {"out-packing", "PACKING.json", "--ids: write the packing here", ""},
       {"out-loads", "LOADS.npy", "--ids: write the packed micro-steps' loads [M, L, E] here", ""},
+      {"node-hits", "",
+       "--ids: map every token under the plans with both token maps (positional; node_affine, a token to the copy "
+       "on a node it already visits) and report each token's distinct remote nodes and GPUs (node_hits in --out: "
+       "counts summed over micro-steps and MoE layers)",
+       ""},
       {"previous-loads", "FILE.npy", "previous step's loads: the history EPLB plans from", ""},
       {"resident", "PLACEMENT.json", "placement left by the previous micro-step (from --out-placement)", ""},
       {"out", "PLAN.json", "write the plan here", ""},
@@ -353,8 +456,9 @@ Command make_plan() {
         throw UsageError{"--placement-format is for --out-placement"};
     }
     const bool all = a.str("strategy") == "all";
-    if (all && (a.has("out") || a.has("out-placement") || a.has("plot-document")))
-      throw UsageError{"--strategy all prints a comparison; --out, --out-placement and --plot need one strategy"};
+    if (all && (a.has("out") || a.has("out-placement") || a.has("plot-document") || a.flag("node-hits")))
+      throw UsageError{
+          "--strategy all prints a comparison; --out, --out-placement, --plot and --node-hits need one strategy"};
     const json::Value flags = all ? schema_overrides(config::plan_schema(), a, {"planner.strategy"})
                                   : schema_overrides(config::plan_schema(), a);
     config::PlanSettings settings;
@@ -382,8 +486,9 @@ Command make_plan() {
     files::OutputSet outputs;
     LoadTensor loads;
     std::string packing_report;
+    PackedBatch packed;
     if (from_ids) {
-      PackedBatch packed = pack_ids(a, a.str("ids"), seq_path, seq_name, packing_method, shape, topo, opts, err);
+      packed = pack_ids(a, a.str("ids"), seq_path, seq_name, packing_method, shape, topo, opts, err);
       loads = std::move(packed.loads);
       packing_report = std::move(packed.report);
       if (a.has("out-packing")) outputs.add_text(a.str("out-packing"), packed.document);
@@ -484,10 +589,20 @@ Command make_plan() {
           path_bytes[p] += tp.path_bytes[p];
       }
     }
+    const bool node_hits = a.flag("node-hits");
+    TokenMapHits hits;
+    if (node_hits) hits = token_map_hits(packed, sp, topo);
     if (a.has("out") || a.has("plot-document")) {
       const config::PlanHeader h{opts.strategy, topo, loads.num_layers(), loads.num_experts(), sp.planner_seconds};
-      const std::string text =
-          json::dump(config::plan_document(h, sp.micro_steps, transfers ? &transfer_plans : nullptr)) + "\n";
+      json::Value doc = config::plan_document(h, sp.micro_steps, transfers ? &transfer_plans : nullptr);
+      if (node_hits) {
+        json::Value nh;
+        nh["positional"] = node_hits_json(hits.positional);
+        nh["node_affine"] = node_hits_json(hits.node_affine);
+        nh["node_affine_split"] = node_hits_json(hits.node_affine_split);
+        doc["node_hits"] = std::move(nh);
+      }
+      const std::string text = json::dump(doc) + "\n";
       if (a.has("out")) outputs.add_text(a.str("out"), text);
       if (a.has("plot-document")) outputs.add_text(a.str("plot-document"), text);
     }
@@ -525,6 +640,21 @@ Command make_plan() {
           << std::setprecision(1) << (total > 0 ? 100.0 * double(path_bytes[0]) / total : 0.0) << "% NVLink, "
           << (total > 0 ? 100.0 * double(path_bytes[1]) / total : 0.0) << "% host mirror, "
           << (total > 0 ? 100.0 * double(path_bytes[2]) / total : 0.0) << "% network\n";
+    }
+    if (node_hits) {
+      const double tokens = std::max<double>(1.0, static_cast<double>(hits.positional.tokens));
+      auto per = [&](const NodeHits &x) { return static_cast<double>(x.remote_nodes) / tokens; };
+      auto cut = [&](const NodeHits &x) {
+        const auto p = static_cast<double>(hits.positional.remote_nodes);
+        return p > 0 ? 100.0 * (p - static_cast<double>(x.remote_nodes)) / p : 0.0;
+      };
+      out << "  inter-node token copies per token: positional " << std::setprecision(4) << per(hits.positional)
+          << ", node_affine " << per(hits.node_affine) << " (" << std::setprecision(2) << -cut(hits.node_affine)
+          << "%), node_affine choosing the split by source " << std::setprecision(4) << per(hits.node_affine_split)
+          << " (" << std::setprecision(2) << -cut(hits.node_affine_split) << "%); remote GPUs per token "
+          << std::setprecision(4) << static_cast<double>(hits.positional.remote_gpus) / tokens << ", "
+          << static_cast<double>(hits.node_affine.remote_gpus) / tokens << ", "
+          << static_cast<double>(hits.node_affine_split.remote_gpus) / tokens << "\n";
     }
     if (a.has("out")) out << "  wrote " << a.str("out") << "\n";
     if (a.has("out-placement")) out << "  wrote " << a.str("out-placement") << "\n";

@@ -716,7 +716,8 @@ nb::ndarray<nb::numpy, std::int64_t> plan_source_split(const PyPlan &p, nb::hand
 /// `recv_perm` the received row of each position grouped by local slot (sources in rank order inside a slot)
 /// and `recv_inverse` its inverse.
 nb::dict plan_dispatch(const PyPlan &p, nb::handle layer_arg, const RoIds &ids, nb::handle split_arg,
-                       nb::handle rank_arg) {
+                       nb::handle rank_arg, const std::string &rule_name) {
+  const fm::TokenMapRule rule = fm::parse_token_map_rule(rule_name, "dispatch: rule");
   const fm::LayerPlan &lp = layer_plan(p, int_arg(layer_arg, "dispatch: layer"), "dispatch");
   const int rank = int_arg(rank_arg, "dispatch: rank");
   const auto split = int_array_arg<std::int64_t>(split_arg, "dispatch: split", 0);
@@ -728,7 +729,7 @@ nb::dict plan_dispatch(const PyPlan &p, nb::handle layer_arg, const RoIds &ids, 
   fm::DispatchLayout d;
   {
     nb::gil_scoped_release nogil;
-    d = fm::dispatch_layout(lp.placement, {split.data(), split.size()}, view, rank);
+    d = fm::dispatch_layout(lp.placement, {split.data(), split.size()}, view, rank, rule, p.topo.gpus_per_node);
   }
   auto vec1 = [](std::vector<std::int64_t> &&v) {
     const std::size_t m = v.size();
@@ -1019,7 +1020,8 @@ NB_MODULE(_core, m) {
               "was not met (the plan is then the best found)")
       .def("map_tokens", &plan_map_tokens, "routed_experts"_a, "layer_map"_a.none() = nb::none())
       .def("source_split", &plan_source_split, "layer"_a, "source_loads"_a)
-      .def("dispatch", &plan_dispatch, "layer"_a, "routed_experts"_a, "split"_a, "rank"_a)
+      .def("dispatch", &plan_dispatch, "layer"_a, "routed_experts"_a, "split"_a, "rank"_a,
+           "rule"_a = std::string(fm::to_string(fm::TokenMapRule::positional)))
       .def("transfers", &plan_transfers, "resident"_a.none() = nb::none(), "expert_bytes"_a,
            "max_chunk_bytes"_a = std::int64_t{64} << 20, "split_paths"_a = true, "host_mirror"_a = true,
            "allow_network"_a = true);

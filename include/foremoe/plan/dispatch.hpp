@@ -37,8 +37,13 @@ struct DispatchLayout {
 /// returns). The received rows arrive source by source, each source's rows in slot order, as `all_to_all_single`
 /// delivers them with `output_splits`. Throws `Error` naming a split of the wrong shape, a negative count, a rank
 /// outside `[0, G)`, or routed ids whose counts differ from the split's column for `rank` (through `map_tokens`).
-[[nodiscard]] inline DispatchLayout
-dispatch_layout(const LayerPlacement &placement, std::span<const std::int64_t> split, const RoutedView &ids, int rank) {
+/// `rule` chooses which of an expert's occurrences each copy takes (`map_tokens`); `node_affine` needs
+/// `gpus_per_node` (dividing `G`) and treats `rank` as the tokens' source GPU. Every rule gives the same counts, so
+/// the splits and the receive side are the same for both.
+[[nodiscard]] inline DispatchLayout dispatch_layout(const LayerPlacement &placement,
+                                                    std::span<const std::int64_t> split, const RoutedView &ids,
+                                                    int rank, TokenMapRule rule = TokenMapRule::positional,
+                                                    int gpus_per_node = 0) {
   using detail::require;
   const int num_gpus = placement.num_gpus(), num_slots = placement.slots_per_gpu();
   require(ids.num_layers() == 1, "dispatch: routed ids must be [tokens, 1, topk], got ", ids.num_layers(), " layers");
@@ -59,7 +64,15 @@ dispatch_layout(const LayerPlacement &placement, std::span<const std::int64_t> s
   for (std::size_t q = 0; q < P; ++q)
     column[q] = split[q * G + r];
   const TokenRanges ranges = token_ranges(placement.phys_to_log(), placement.num_experts(), column);
-  map_tokens(ranges, ids, 0, out.slots);
+  TokenMapOptions mopts;
+  mopts.rule = rule;
+  if (rule == TokenMapRule::node_affine) {
+    require(gpus_per_node > 0 && num_gpus % gpus_per_node == 0, "dispatch: node_affine needs the GPUs per node, ",
+            "a divisor of the ", num_gpus, " ranks, got ", gpus_per_node);
+    mopts.topo = Topology{num_gpus / gpus_per_node, gpus_per_node, num_slots};
+    mopts.source_gpu = rank;
+  }
+  map_tokens(ranges, ids, 0, out.slots, {}, mopts);
   // A counting sort over the exact per-slot counts: `next[q]` is the next free position of slot q's rows.
   std::vector<std::int64_t> next(P + 1, 0);
   for (std::size_t q = 0; q < P; ++q) {

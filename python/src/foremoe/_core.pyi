@@ -113,11 +113,15 @@ class Plan:
     def source_split(self, layer: int, source_loads: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """[G * S, G] tokens each physical slot takes from each source rank, from the layer's [E, G] per-source
         loads (a copy on the source's rank first, then on its node, then anywhere)."""
-    def dispatch(self, layer: int, routed_experts: Any, split: npt.NDArray[np.int64], rank: int) -> Dict[str, Any]:
+    def dispatch(
+        self, layer: int, routed_experts: Any, split: npt.NDArray[np.int64], rank: int, rule: str = "positional"
+    ) -> Dict[str, Any]:
         """Rank `rank`'s [T, 1, K] ids through the layer's placement with its column of the [G * S, G] split:
         slots [T, K] int32 (-1 = no route), order / send_tokens (routes sorted by slot: the send order),
         input_splits / output_splits [G], slot_counts [S], recv_perm / recv_inverse (received rows grouped by
-        local slot)."""
+        local slot). `rule`: positional (copies in slot order take consecutive occurrences, as the runtime's
+        device map) or node_affine (a token to the copy on a node, then a GPU, it already visits; the same
+        counts, so the splits and the receive side are the same)."""
     def transfers(
         self,
         resident: Optional[Placement] = None,
