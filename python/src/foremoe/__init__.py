@@ -456,14 +456,17 @@ def simulate(
     Args:
         config: the document ``foremoe simulate --config FILE.json`` reads (any subset of what
             ``foremoe simulate --print-config`` or :func:`simulate_config` writes: ``preset``, ``strategies``,
-            ``model``, ``topology``, ``batch``, ``sim``, ``cost``; keys in :func:`options`). Read by the same C++
+            ``model``, ``topology``, ``batch``, ``sim``, ``cost``, ``search``; keys in :func:`options`). Read by the same C++
             reader, so a config is accepted or refused with the same message. ``None``: the defaults.
         loads: ``[M, L, E]`` per-micro-step loads instead of the synthetic batch.
         step_offsets: ``[S + 1]`` micro-step offsets of the RL steps in ``loads``.
         strategies: names (list or comma-separated), overriding ``config["strategies"]``.
 
     Returns:
-        The JSON document ``foremoe simulate --json`` writes, parsed.
+        The JSON document ``foremoe simulate --json`` writes, parsed. Unless ``config["search"]["best_deployment"]``
+        is false it holds ``best_deployment``: every strategy simulated in every deployment of the search space
+        (EP sizes, slots, micro-batch sizes: ``search.ep_sizes``, ``search.spare_slots``, ``search.microbatches``)
+        and each one's fastest that fits GPU memory (docs/simulator.md, "Each strategy in its best deployment").
     """
     cfg = _simulate_config(config, strategies)
     arr = None
