@@ -3,6 +3,7 @@
 /// The single exception type of the algorithm library and helpers that build
 /// messages naming the offending value.
 
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -55,6 +56,18 @@ template <class... Parts> [[noreturn]] void fail(Parts &&...parts) {
 template <class... Parts> void require(bool cond, Parts &&...parts) {
   if (!cond) [[unlikely]]
     fail(std::forward<Parts>(parts)...);
+}
+
+/// The value of the enum `E` whose name is `name`, `names[i]` naming the value `i`; throws `Error` "`who` must be
+/// one of a, b, c, got 'name'". The one parser behind each enum's `parse_...` (packing, token-map rule).
+template <class E>
+[[nodiscard]] E enum_from_name(std::span<const std::string_view> names, std::string_view name, std::string_view who) {
+  std::string list;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (name == names[i]) return static_cast<E>(i);
+    list.append(i == 0 ? "" : ", ").append(names[i]);
+  }
+  throw Error(std::string(who) + " must be one of " + list + ", got '" + std::string(name) + "'");
 }
 
 } // namespace detail

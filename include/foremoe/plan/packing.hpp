@@ -73,9 +73,7 @@ inline constexpr std::array<std::string_view, 3> batch_packing_names{"none", "to
 
 /// The packing named `name`; throws `Error` "`who` must be one of none, tokens, routing, got 'name'".
 [[nodiscard]] inline BatchPacking parse_batch_packing(std::string_view name, std::string_view who) {
-  for (std::size_t i = 0; i < batch_packing_names.size(); ++i)
-    if (name == batch_packing_names[i]) return static_cast<BatchPacking>(i);
-  throw Error(std::string(who) + " must be one of none, tokens, routing, got '" + std::string(name) + "'");
+  return detail::enum_from_name<BatchPacking>(batch_packing_names, name, who);
 }
 
 /// Bumped whenever `pack_by_tokens` or `pack_by_routing` may return another packing for the same input, so that

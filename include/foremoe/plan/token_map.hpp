@@ -324,9 +324,7 @@ inline constexpr std::array<std::string_view, 2> token_map_rule_names{"positiona
 
 /// The rule named `name`; throws `Error` "`who` must be one of positional, node_affine, got 'name'".
 [[nodiscard]] inline TokenMapRule parse_token_map_rule(std::string_view name, std::string_view who) {
-  for (std::size_t i = 0; i < token_map_rule_names.size(); ++i)
-    if (name == token_map_rule_names[i]) return static_cast<TokenMapRule>(i);
-  throw Error(std::string(who) + " must be one of positional, node_affine, got '" + std::string(name) + "'");
+  return detail::enum_from_name<TokenMapRule>(token_map_rule_names, name, who);
 }
 
 /// What `map_tokens` needs beyond the ranges for a rule other than `positional`.
