@@ -171,12 +171,10 @@ TEST_CASE("deployment search: a deployment over GPU memory is never chosen; none
   std::vector<std::int64_t> steps;
   const LoadTensor loads = generate_loads(cli::simulate_batch(s).config, &steps);
   const std::vector<SimStrategy> strategies = s.strategy_list();
-  const DeploymentSearch none = search_deployments(
-      s.sim, strategies, deployment_candidates(s.sim, s.search, 0),
-      [&](const Deployment &) {
-        return DeploymentLoads{&loads, steps};
-      },
-      1);
+  const std::vector<Deployment> candidates = deployment_candidates(s.sim, s.search, 0);
+  const DeploymentSearch none =
+      search_deployments(s.sim, strategies, candidates,
+                         std::vector<DeploymentLoads>(candidates.size(), DeploymentLoads{&loads, steps}), 1);
   CHECK(std::all_of(none.best.begin(), none.best.end(), [](int b) { return b < 0; }));
   const std::string table = config::best_deployment_table(config::best_deployment_json(s, none));
   CHECK(table.find("no deployment of the space fits") != std::string::npos);

@@ -176,43 +176,50 @@ struct OwnedLoads {
   int rps = G;
   for (const Deployment &d : candidates)
     if (d.ep_size < G) rps = std::gcd(rps, d.ep_size);
+  const std::string configured_key = simulate_batch(s).key;
+  // Per (micro-batch, EP size or 0 when one batch serves every EP size): the loads made, or why they could not be.
   std::map<std::pair<std::int64_t, int>, OwnedLoads> made; // node-based: the loads stay where they are
-  const auto loads_of = [&](const Deployment &d) -> DeploymentLoads {
-    if (given != nullptr) return *given;
-    const std::pair<std::int64_t, int> key{d.microbatch_tokens, per_ep ? d.ep_size : 0};
-    auto it = made.find(key);
-    if (it == made.end()) {
-      LoadsReport r;
-      const SimulateBatch batch = per_ep ? simulate_batch(s, d.ep_size, d.ep_size, d.microbatch_tokens)
-                                         : simulate_batch(s, G, rps, d.microbatch_tokens);
-      if (configured != nullptr && batch.key == simulate_batch(s).key &&
-          (!per_ep || d.ep_size == s.sim.effective_ep_size()))
-        return *configured; // the configured deployment's own batch, already made
-      it = made.emplace(key, simulate_loads(s, batch, d.ep_size, progress, r, built_in)).first;
-      rep.seconds += r.seconds;
-      rep.generated = rep.generated || (!r.from_cache && !r.built_in);
-    }
-    return {&it->second.loads, it->second.step_offsets};
-  };
-  // Loads first, so that a deployment whose loads cannot be made is left out (with its reason), not the search.
+  std::map<std::pair<std::int64_t, int>, std::string> failed;
   std::vector<Deployment> kept;
   std::vector<DeploymentLoads> kept_loads;
   std::vector<std::pair<Deployment, std::string>> skipped;
+  // Loads first, so that a deployment whose loads cannot be made is left out (with its reason), not the search.
   for (const Deployment &d : candidates) {
-    try {
-      kept_loads.push_back(loads_of(d));
-      kept.push_back(d);
-    } catch (const Error &e) {
-      skipped.emplace_back(d, e.what());
+    const std::pair<std::int64_t, int> key{d.microbatch_tokens, per_ep ? d.ep_size : 0};
+    if (const auto f = failed.find(key); f != failed.end()) {
+      skipped.emplace_back(d, f->second);
+      continue;
     }
+    DeploymentLoads dl;
+    if (given != nullptr) {
+      dl = *given;
+    } else if (const auto it = made.find(key); it != made.end()) {
+      dl = {&it->second.loads, it->second.step_offsets};
+    } else {
+      const SimulateBatch batch = per_ep ? simulate_batch(s, d.ep_size, d.ep_size, d.microbatch_tokens)
+                                         : simulate_batch(s, G, rps, d.microbatch_tokens);
+      if (configured != nullptr && batch.key == configured_key && (!per_ep || d.ep_size == s.sim.effective_ep_size())) {
+        dl = *configured; // the configured deployment's own batch, already made
+      } else {
+        LoadsReport r;
+        try {
+          const auto at = made.emplace(key, simulate_loads(s, batch, d.ep_size, progress, r, built_in)).first;
+          dl = {&at->second.loads, at->second.step_offsets};
+        } catch (const Error &e) {
+          failed.emplace(key, e.what());
+          skipped.emplace_back(d, e.what());
+          continue;
+        }
+        rep.seconds += r.seconds;
+        rep.generated = rep.generated || (!r.from_cache && !r.built_in);
+      }
+    }
+    kept.push_back(d);
+    kept_loads.push_back(dl);
   }
   if (kept.empty()) throw Error("deployment search: no deployment's loads could be made: " + skipped.front().second);
-  DeploymentSearch out = search_deployments(
-      s.sim, strategies, kept,
-      [&](const Deployment &d) {
-        return kept_loads[static_cast<std::size_t>(std::find(kept.begin(), kept.end(), d) - kept.begin())];
-      },
-      0, progress.search);
+  DeploymentSearch out =
+      search_deployments(s.sim, strategies, std::move(kept), std::move(kept_loads), 0, progress.search);
   out.skipped = std::move(skipped);
   return out;
 }

@@ -149,23 +149,22 @@ struct DeploymentSearch {
 }
 
 /// Simulates every strategy in every candidate deployment and picks each strategy's fastest one that fits.
-/// `loads_of(d)` gives the loads of deployment `d` (called once per candidate, in order, before any simulation;
-/// it may return the same object for several). `progress(done, total)` counts (candidate, strategy) runs.
-[[nodiscard]] inline DeploymentSearch
-search_deployments(const SimConfig &cfg, std::span<const SimStrategy> strategies, std::vector<Deployment> candidates,
-                   const std::function<DeploymentLoads(const Deployment &)> &loads_of, int threads = 0,
-                   const std::function<void(int, int)> &progress = {}) {
+/// `loads[c]` are the loads of `candidates[c]` (several may share one tensor). `progress(done, total)` counts
+/// (candidate, strategy) runs.
+[[nodiscard]] inline DeploymentSearch search_deployments(const SimConfig &cfg, std::span<const SimStrategy> strategies,
+                                                         std::vector<Deployment> candidates,
+                                                         std::vector<DeploymentLoads> loads, int threads = 0,
+                                                         const std::function<void(int, int)> &progress = {}) {
   detail::require(!candidates.empty(), "deployment search: no candidate deployment");
   detail::require(!strategies.empty(), "deployment search: no strategy");
+  detail::require(loads.size() == candidates.size(), "deployment search: loads for ", loads.size(), " of ",
+                  candidates.size(), " deployments");
   DeploymentSearch out;
   out.candidates = std::move(candidates);
   out.strategies.assign(strategies.begin(), strategies.end());
-  std::vector<DeploymentLoads> loads;
-  loads.reserve(out.candidates.size());
-  for (const Deployment &d : out.candidates) {
-    deployed(cfg, d).validate(); // a bad candidate fails before hours of simulation
-    loads.push_back(loads_of(d));
-    detail::require(loads.back().loads != nullptr, "deployment search: no loads for EP ", d.ep_size);
+  for (std::size_t c = 0; c < out.candidates.size(); ++c) {
+    deployed(cfg, out.candidates[c]).validate(); // a bad candidate fails before hours of simulation
+    detail::require(loads[c].loads != nullptr, "deployment search: no loads for EP ", out.candidates[c].ep_size);
   }
   const std::size_t S = out.strategies.size(), n = out.candidates.size() * S;
   out.runs.resize(n);

@@ -942,7 +942,7 @@ struct GroupStep {
     res.planner_critical_seconds = total_planner_critical / counted;
     res.grad_tail_seconds = total_grad_tail / counted;
     res.a2a_hidden_seconds = total_a2a_hidden / counted;
-    if (check_memory) detail::require(memory_fits(cfg, res.memory), memory_refusal(cfg, res));
+    if (check_memory && !memory_fits(cfg, res.memory)) throw Error(memory_refusal(cfg, res)); // built only then
     for (double *part :
          {&res.breakdown.expert_compute, &res.breakdown.all_to_all, &res.breakdown.dense, &res.breakdown.lm_head,
           &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.dp_grad_sync, &res.breakdown.optimizer})
