@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <numeric>
 #include <random>
 #include <set>
 #include <sstream>
@@ -17,6 +18,7 @@
 #include "foremoe/cost/expert_compute.hpp"
 #include "foremoe/cost/least_squares.hpp"
 #include "foremoe/cost/params.hpp"
+#include "foremoe/plan/token_map.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -480,6 +482,135 @@ TEST_CASE("hierarchical all-to-all: properties on random instances") {
     flat.model = A2aModel::flat;
     CHECK(layer_a2a_seconds(bw_only, slot, rows, gpu_rows, S, P, E, tokens, rb) <=
           layer_a2a_seconds(flat, slot, rows, gpu_rows, S, P, E, tokens, rb) * (1 + 1e-12) + 1e-15);
+  }
+}
+
+TEST_CASE("hierarchical all-to-all from routes: a hand-computed case and bad input") {
+  // 2 nodes x 2 GPUs, one slot each (slot = GPU), top-2. Rank 0's token goes to GPUs 1 and 2: it crosses to node 1
+  // once, from rank 0's NIC to GPU 2 (the same local index), which holds the expert itself; on node 0 rank 0 sends
+  // it to GPU 1 over NVLink. Rank 3's token goes to GPUs 0 and 1: it crosses once to GPU 1 (local index 1), which
+  // keeps one row and forwards the token to GPU 0.
+  const std::vector<std::int32_t> slots{1, 2, 0, 1};
+  const std::vector<std::int64_t> src{0, 1, 1, 1, 2};
+  const A2aVolumes v = a2a_volumes_from_routes(slots, 2, 1, 2, 4, src);
+  CHECK(v.nic_send == std::vector<double>{1, 0, 0, 1});
+  CHECK(v.nic_recv == std::vector<double>{0, 1, 1, 0});
+  CHECK(v.nvl_send == std::vector<double>{1, 1, 0, 0});
+  CHECK(v.nvl_recv == std::vector<double>{1, 1, 0, 0});
+  CHECK(v.nic_peers == std::vector<double>{1, 1, 1, 1});
+  CHECK(v.nvl_peers == std::vector<double>{1, 1, 0, 0});
+  CHECK(v.inter_node_rows() == 2);
+  // Row bytes 1000, the parameters of the hand-computed case above: NIC 20 us + 2 us x 1 node + 1 kB / 10 GB/s.
+  CHECK(hierarchical_a2a_seconds(a2a_params(1, 2), v, 1000) == doctest::Approx(22.1e-6));
+  // A token's two experts on one GPU count once; no route (-1) counts nothing.
+  const std::vector<std::int32_t> same{2, 2, -1, -1};
+  const std::vector<std::int64_t> src2{0, 2, 2, 2, 2};
+  const A2aVolumes w = a2a_volumes_from_routes(same, 2, 1, 2, 4, src2);
+  CHECK(w.nic_send[0] == 1);
+  CHECK(w.nic_recv[2] == 1);
+  CHECK(w.inter_node_rows() == 1);
+  CHECK(error_of([&] { (void)a2a_volumes_from_routes(slots, 3, 1, 2, 4, src); }).find("top-3") != std::string::npos);
+  const std::vector<std::int64_t> short_src{0, 1, 2};
+  CHECK(error_of([&] { (void)a2a_volumes_from_routes(slots, 2, 1, 2, 4, short_src); }).find("3 source offsets") !=
+        std::string::npos);
+  const std::vector<std::int32_t> far{1, 9, 0, 1};
+  CHECK(error_of([&] { (void)a2a_volumes_from_routes(far, 2, 1, 2, 4, src); }).find("slot 9 of 4") !=
+        std::string::npos);
+  const std::vector<std::int64_t> back{0, 2, 1, 2, 2};
+  CHECK(error_of([&] { (void)a2a_volumes_from_routes(slots, 2, 1, 2, 4, back); }).find("decrease at 1") !=
+        std::string::npos);
+}
+
+namespace {
+/// Random routes of `tokens` tokens over `G` ranks, one route column per expert (-1 where not picked): a token
+/// picks each expert independently with probability `k / E` and then one of its copies uniformly, exactly what the
+/// estimate from the slots' rows assumes; or, with `coactive`, with probability `2 k / E` the experts whose first
+/// copy lies on one random node and `k / (4 E)` the others, as co-activated experts placed together would be.
+/// `slot_rows` counts the rows each slot gets.
+struct RandomRoutes {
+  std::vector<std::int32_t> slots;
+  std::vector<std::int64_t> source_offsets;
+  std::vector<std::int64_t> slot_rows;
+};
+RandomRoutes random_routes(std::mt19937_64 &rng, const std::vector<std::int32_t> &slot_expert, int E, int k, int G,
+                           int P, int S, std::int64_t tokens, bool coactive) {
+  RandomRoutes out;
+  out.slot_rows.assign(slot_expert.size(), 0);
+  std::vector<std::vector<int>> copies(static_cast<std::size_t>(E));
+  for (std::size_t p = 0; p < slot_expert.size(); ++p)
+    if (slot_expert[p] >= 0) copies[static_cast<std::size_t>(slot_expert[p])].push_back(static_cast<int>(p));
+  out.source_offsets.assign(1, 0);
+  for (int r = 0; r < G; ++r)
+    out.source_offsets.push_back(tokens * (r + 1) / G);
+  std::uniform_real_distribution<double> u(0, 1);
+  const double q = static_cast<double>(k) / E;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    const int node = static_cast<int>(rng() % static_cast<std::uint64_t>(G / P));
+    for (int e = 0; e < E; ++e) {
+      const auto &cs = copies[static_cast<std::size_t>(e)];
+      const double pick = !coactive ? q : cs.front() / S / P == node ? 2 * q : q / 4;
+      if (u(rng) >= pick) {
+        out.slots.push_back(-1);
+        continue;
+      }
+      const int p = cs[rng() % cs.size()];
+      out.slots.push_back(p);
+      ++out.slot_rows[static_cast<std::size_t>(p)];
+    }
+  }
+  return out;
+}
+} // namespace
+
+TEST_CASE("hierarchical all-to-all from routes: conservation, the node-hit count, and the independence estimate") {
+  std::mt19937_64 rng(31);
+  const int rounds = 12 * foremoe_test::seed_multiplier();
+  for (int round = 0; round < rounds; ++round) {
+    const int P = 2, N = 2 + static_cast<int>(rng() % 3), G = N * P, S = 3;
+    const int E = G * 2 + static_cast<int>(rng() % 3), k = 2 + static_cast<int>(rng() % 3);
+    // Every expert once, the slots left over hold second copies of random experts.
+    std::vector<std::int32_t> perm(static_cast<std::size_t>(E));
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    std::vector<std::int32_t> slot_expert(static_cast<std::size_t>(G) * S);
+    for (std::size_t p = 0; p < slot_expert.size(); ++p)
+      slot_expert[p] = p < perm.size() ? perm[p] : perm[rng() % perm.size()];
+    std::shuffle(slot_expert.begin(), slot_expert.end(), rng);
+    const std::int64_t tokens = 30000;
+    for (const bool coactive : {false, true}) {
+      CAPTURE(round);
+      CAPTURE(coactive);
+      const RandomRoutes rr = random_routes(rng, slot_expert, E, k, G, P, S, tokens, coactive);
+      const A2aVolumes v = a2a_volumes_from_routes(rr.slots, E, S, P, G, rr.source_offsets);
+      double nic_s = 0, nic_r = 0, nvl_s = 0, nvl_r = 0;
+      for (int g = 0; g < G; ++g) {
+        nic_s += v.nic_send[g];
+        nic_r += v.nic_recv[g];
+        nvl_s += v.nvl_send[g];
+        nvl_r += v.nvl_recv[g];
+        CHECK(v.nic_peers[g] <= N - 1);
+        CHECK(v.nvl_peers[g] <= P - 1);
+      }
+      CHECK(nic_s == nic_r);
+      CHECK(nvl_s == nvl_r);
+      // The inter-node copies are the distinct remote nodes per token, as count_node_hits counts them on its own.
+      const Topology topo{N, P, S};
+      CHECK(v.inter_node_rows() ==
+            static_cast<double>(count_node_hits(rr.slots, E, topo, rr.source_offsets).remote_nodes));
+      // The estimate from the slots' rows: right within sampling error for independent picks, far above the count
+      // for co-activated experts placed together.
+      const A2aHits h = a2a_hits_from_slots(slot_expert, rr.slot_rows, S, P, E, static_cast<double>(tokens));
+      const A2aVolumes est = a2a_volumes(h, static_cast<double>(tokens), P);
+      if (!coactive) {
+        CHECK(v.inter_node_rows() == doctest::Approx(est.inter_node_rows()).epsilon(0.02));
+        double nvl_est = 0;
+        for (const double x : est.nvl_send)
+          nvl_est += x;
+        CHECK(nvl_s == doctest::Approx(nvl_est).epsilon(0.02));
+      } else {
+        CHECK(v.inter_node_rows() < 0.95 * est.inter_node_rows());
+      }
+    }
   }
 }
 

@@ -5,6 +5,7 @@
 #include <string_view>
 #include <vector>
 
+#include "foremoe/plan/token_map.hpp"
 #include "foremoe/sim/simulator.hpp"
 #include "foremoe/trace/synthetic.hpp"
 #include "test_support.hpp"
@@ -17,6 +18,7 @@ struct Case {
   SimConfig cfg;
   LoadTensor loads;
   std::vector<std::int64_t> steps;
+  SyntheticConfig batch; ///< what generated the loads
 };
 
 Case small_case(std::uint64_t seed, int num_steps = 2) {
@@ -36,6 +38,7 @@ Case small_case(std::uint64_t seed, int num_steps = 2) {
   b.num_gpus = 4;
   b.microbatch_tokens_per_gpu = 512;
   c.loads = generate_loads(b, &c.steps);
+  c.batch = b;
   return c;
 }
 
@@ -783,4 +786,106 @@ TEST_CASE("simulate: the LM head and the optimizer step follow the model shape a
   bad.optimizer_traffic_bytes_per_param = -2;
   CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("optimizer_traffic_bytes_per_param must be >= 0, got -2"),
                        Error);
+}
+
+TEST_CASE("SyntheticMicroSteps: each micro-step's ids are generate_trace's, layer-major") {
+  const Case c = small_case(11, 2);
+  const SyntheticMicroSteps ms(c.batch);
+  const SyntheticTrace tr = generate_trace(c.batch);
+  REQUIRE(ms.num_micro_steps() == c.loads.num_micro_steps());
+  CHECK(ms.step_offsets() == c.steps);
+  const int L = c.batch.num_layers, K = c.batch.topk, G = c.batch.num_gpus;
+  std::vector<std::int16_t> ids;
+  std::vector<std::int64_t> so;
+  for (int m = 0; m < ms.num_micro_steps(); ++m) {
+    ms.route(m, ids, so);
+    const std::int64_t t0 = tr.microbatch_offsets[m], T = tr.microbatch_offsets[m + 1] - t0;
+    REQUIRE(so.size() == static_cast<std::size_t>(G) + 1);
+    REQUIRE(so.back() == T);
+    for (int r = 0; r <= G; ++r)
+      CHECK(so[r] == tr.source_offsets[static_cast<std::size_t>(m) * G + r] - t0);
+    REQUIRE(ids.size() == static_cast<std::size_t>(T) * L * K);
+    std::int64_t differ = 0;
+    for (int l = 0; l < L; ++l)
+      for (std::int64_t t = 0; t < T; ++t)
+        for (int k = 0; k < K; ++k)
+          differ += ids[(static_cast<std::size_t>(l) * T + t) * K + k] !=
+                    tr.routed_ids[(static_cast<std::size_t>(t0 + t) * L + l) * K + k];
+    CHECK(differ == 0);
+  }
+  CHECK_THROWS_WITH_AS(ms.route(ms.num_micro_steps(), ids, so), doctest::Contains("outside [0, "), Error);
+}
+
+TEST_CASE("simulate: the all-to-all counted from the routed ids (sim.a2a_hits = ids)") {
+  const Case c = small_case(5, 3);
+  const SyntheticMicroSteps ms(c.batch);
+  const MicroStepRoutes routes = [&](int m, RoutedMicroStep &out) { ms.route(m, out.ids, out.source_offsets); };
+  SimConfig ids_cfg = c.cfg;
+  ids_cfg.a2a_hits = A2aHitsSource::ids;
+  const std::vector<SimStrategy> st = all_strategies();
+  const std::vector<SimResult> ind = simulate(c.cfg, c.loads, c.steps, st);
+  const std::vector<SimResult> rou = simulate(ids_cfg, c.loads, c.steps, st, {}, true, routes);
+  for (const SimStrategy &s : st) {
+    CAPTURE(s.name);
+    const SimResult &a = result_of(ind, s.name), &b = result_of(rou, s.name);
+    // The same plans: only the all-to-all (and what waits on it) changes.
+    CHECK(a.imbalance_median == b.imbalance_median);
+    CHECK(a.moved_gb == b.moved_gb);
+    CHECK(a.grad_gb == b.grad_gb);
+    CHECK(a.breakdown.expert_compute == b.breakdown.expert_compute);
+    CHECK(b.inter_node_gb > 0);
+    if (s.ideal) { // keeps its independence bound
+      CHECK(a.step_seconds == b.step_seconds);
+      CHECK(a.inter_node_gb == b.inter_node_gb);
+    }
+  }
+  // static has one copy per expert: the inter-node bytes are every counted token's distinct remote nodes under its
+  // placement, counted here with count_node_hits, for dispatch and combine of each pass (recompute: forward only).
+  PlannerOptions po;
+  po.strategy = "static";
+  Planner planner(c.cfg.model.num_layers, c.cfg.model.num_experts, c.cfg.topo, po);
+  LoadTensor first(1, c.cfg.model.num_layers, c.cfg.model.num_experts);
+  std::copy_n(c.loads.totals().begin(), first.totals().size(), first.totals().begin());
+  const StepPlan sp = planner.plan_step(first);
+  const int L = c.cfg.model.num_layers, K = c.cfg.model.topk;
+  std::vector<std::int16_t> ids;
+  std::vector<std::int64_t> so;
+  double rows = 0;
+  for (std::int64_t m = c.steps[static_cast<std::size_t>(c.cfg.warmup_steps)]; m < c.steps.back(); ++m) {
+    ms.route(static_cast<int>(m), ids, so);
+    const std::int64_t T = so.back();
+    std::vector<std::int32_t> slots(static_cast<std::size_t>(T) * K);
+    for (int l = 0; l < L; ++l) {
+      const auto l2p = sp.micro_steps[0][static_cast<std::size_t>(l)].placement.log_to_phys();
+      for (std::int64_t x = 0; x < T * K; ++x)
+        slots[static_cast<std::size_t>(x)] =
+            l2p.phys[static_cast<std::size_t>(l2p.offsets[ids[static_cast<std::size_t>(l) * T * K + x]])];
+      rows += static_cast<double>(count_node_hits(slots, K, c.cfg.topo, so).remote_nodes);
+    }
+  }
+  const int counted = static_cast<int>(c.steps.size()) - 1 - c.cfg.warmup_steps;
+  const double row_bytes = c.cfg.model.hidden * c.cfg.activation_bytes;
+  CHECK(result_of(rou, "static").inter_node_gb ==
+        doctest::Approx(rows * row_bytes * (2.0 * c.cfg.recompute_passes + 4.0) / counted * 1e-9).epsilon(1e-12));
+
+  // Bad input names what is wrong.
+  const std::vector<SimStrategy> one{parse_sim_strategy("foremoe")};
+  CHECK_THROWS_WITH_AS((void)simulate(ids_cfg, c.loads, c.steps, one), doctest::Contains("none were given"), Error);
+  CHECK_THROWS_WITH_AS((void)simulate(c.cfg, c.loads, c.steps, one, {}, true, routes),
+                       doctest::Contains("sim.a2a_hits is independent"), Error);
+  const Case other = small_case(6, 3); // another batch's routes
+  const SyntheticMicroSteps other_ms(other.batch);
+  const MicroStepRoutes wrong = [&](int m, RoutedMicroStep &out) {
+    other_ms.route(std::min(m, other_ms.num_micro_steps() - 1), out.ids, out.source_offsets);
+  };
+  CHECK_THROWS_WITH_AS((void)simulate(ids_cfg, c.loads, c.steps, one, {}, true, wrong), doctest::Contains("routes"),
+                       Error);
+  SimConfig two_groups = ids_cfg;
+  two_groups.ep_size = 2;
+  two_groups.topo.slots_per_gpu = 9; // 2 GPUs per group hold all 16 experts
+  CHECK_THROWS_WITH_AS((void)simulate(two_groups, c.loads, c.steps, one, {}, true, routes),
+                       doctest::Contains("one EP group over all 4 GPUs"), Error);
+  CHECK(parse_a2a_hits_source("ids", "sim.a2a_hits") == A2aHitsSource::ids);
+  CHECK_THROWS_WITH_AS((void)parse_a2a_hits_source("exact", "sim.a2a_hits"),
+                       doctest::Contains("sim.a2a_hits must be one of independent, ids, got 'exact'"), Error);
 }

@@ -81,6 +81,10 @@ Command make_simulate() {
       throw UsageError{"--packing re-packs the synthetic batch's sequences; --loads " + a.str("loads") +
                        " holds per-micro-step loads, already packed (pack the sequences before counting them: "
                        "foremoe plan's per-sequence input or foremoe.pack_micro_batches)"};
+    if (a.has("loads") && s.sim.a2a_hits == A2aHitsSource::ids)
+      throw UsageError{"sim.a2a_hits = ids counts the routed ids of the synthetic batch; loads given without their "
+                       "ids have none (--loads " +
+                       a.str("loads") + ")"};
     const bool json_stdout = a.has("json") && a.str("json") == "-";
     if (json_stdout && a.flag("csv")) throw UsageError{"--json - and --csv both write to stdout; choose one"};
 

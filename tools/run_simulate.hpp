@@ -242,7 +242,18 @@ struct OwnedLoads {
     loads = &generated.loads;
     step_offsets = std::move(generated.step_offsets);
   }
-  const std::vector<SimResult> res = simulate(s.sim, *loads, step_offsets, strategies, progress.simulate);
+  // Counting the all-to-all from the ids: each micro-step routed again from the batch's settings when simulated
+  // (the simulator checks that their counts are the loads').
+  std::optional<SyntheticMicroSteps> batch_routes;
+  MicroStepRoutes routes;
+  if (s.sim.a2a_hits == A2aHitsSource::ids) {
+    detail::require(!given, "sim.a2a_hits = ids counts the routed ids of the synthetic batch; loads given without ",
+                    "their ids have none");
+    batch_routes.emplace(simulate_batch(s).config);
+    routes = [&batch_routes](int m, RoutedMicroStep &out) { batch_routes->route(m, out.ids, out.source_offsets); };
+  }
+  const std::vector<SimResult> res =
+      simulate(s.sim, *loads, step_offsets, strategies, progress.simulate, /*check_memory=*/true, routes);
   const int num_steps = step_offsets.empty() ? 1 : static_cast<int>(step_offsets.size() - 1);
   const std::int64_t warmup_micro = step_offsets.empty() ? 0 : step_offsets[s.sim.warmup_steps];
   std::optional<DeploymentSearch> search;

@@ -238,6 +238,7 @@ inline void result_figures_json(json::Value &d, const SimResult &r) {
   d["imbalance_p99"] = r.imbalance_p99;
   d["moved_gb"] = r.moved_gb;
   d["grad_gb"] = r.grad_gb;
+  d["inter_node_gb"] = r.inter_node_gb;
   d["stall_seconds"] = r.stall_seconds;
 }
 
@@ -429,7 +430,7 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   std::ostringstream out;
   out << "strategy,step_s,recompute_s,update_s,median_max_mean,p99_max_mean,moved_gb,stall_ms,speedup_static,"
          "speedup_eplb,expert_compute_s,all_to_all_s,dense_s,moves_s,optimizer_s,peak_memory_gb,rl_step_s,"
-         "lm_head_s,dp_grad_sync_s\n";
+         "lm_head_s,dp_grad_sync_s,inter_node_gb\n";
   for (const json::Value &r : doc.find("strategies")->as_array()) {
     auto f = [&](const char *k) { return r.find(k)->as_double(); };
     out << r.find("strategy")->as_string() << "," << f("step_seconds") << "," << f("recompute_seconds") << ","
@@ -442,7 +443,7 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
     out << "," << r.find("peak_memory")->find("total_gb")->as_double() << "," << f("end_to_end_seconds");
     for (const char *k : {"lm_head_seconds", "dp_grad_sync_seconds"}) // appended: earlier columns keep their place
       out << "," << b.find(k)->as_double();
-    out << "\n";
+    out << "," << f("inter_node_gb") << "\n";
   }
   return out.str();
 }
@@ -514,7 +515,7 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   out << std::left << std::setw(14) << "strategy" << std::right << std::setw(10) << "step s" << std::setw(13)
       << "recompute s" << std::setw(10) << "update s" << std::setw(9) << "median" << std::setw(9) << "p99"
       << std::setw(11) << "moved GB" << std::setw(10) << "stall ms" << std::setw(11) << "vs static" << std::setw(9)
-      << "vs eplb" << std::setw(9) << "peak GB" << std::setw(9) << "plan ms"
+      << "vs eplb" << std::setw(9) << "peak GB" << std::setw(9) << "plan ms" << std::setw(11) << "x-node GB"
       << "\n";
   for (const json::Value &r : doc.find("strategies")->as_array()) {
     auto f = [&](const char *k) { return r.find(k)->as_double(); };
@@ -524,13 +525,15 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
         << f("imbalance_p99") << std::setprecision(1) << std::setw(11) << f("moved_gb") << std::setw(10)
         << f("stall_seconds") * 1e3 << std::setw(11) << ratio_text(f("speedup_over_static")) << std::setw(9)
         << ratio_text(f("speedup_over_eplb")) << std::setw(9) << r.find("peak_memory")->find("total_gb")->as_double()
-        << std::setw(9) << f("planner_critical_seconds") * 1e3 << "\n";
+        << std::setw(9) << f("planner_critical_seconds") * 1e3 << std::setprecision(0) << std::setw(11)
+        << f("inter_node_gb") << "\n";
   }
   out << "(step/recompute/update: seconds per RL step; median/p99: per-layer max/mean GPU load; moved GB: weights\n"
          " moved per step; stall ms: per step, layers waiting for moved weights or returning gradients; vs: step-time\n"
          " speed-up. foremoe-free may put copies in any slot, but foremoe's plan is one of its candidates: where that\n"
          " plan already balances perfectly (median 1.000) foremoe-free keeps it, and the figures agree; peak GB:\n"
-         " memory of the fullest GPU; plan ms: per step, planning on the critical path, wall time, not in step s)\n";
+         " memory of the fullest GPU; plan ms: per step, planning on the critical path, wall time, not in step s;\n"
+         " x-node GB: per step, all-to-all token bytes sent between nodes, dispatch and combine, every EP group)\n";
   if (const double rollout = doc.find("rollout_seconds")->as_double(); rollout > 0) {
     out << "whole RL step with " << std::setprecision(3) << rollout << " s rollout (training s + rollout s; speed-up "
         << "vs static, vs eplb):";
@@ -553,7 +556,13 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
     const json::Value *v = sim != nullptr ? sim->find(key) : nullptr;
     return v != nullptr && v->is_number() ? v->as_double() : 0.0;
   };
-  out << "model: " << (flat ? "per-GPU uniform (flat)" : "hierarchical (DeepEP-style, per-node dedup)")
+  const json::Value *sim_cfg = doc.find("config") != nullptr ? doc.find("config")->find("sim") : nullptr;
+  const json::Value *hits = sim_cfg != nullptr ? sim_cfg->find("a2a_hits") : nullptr;
+  const bool from_ids = hits != nullptr && hits->is_string() && hits->as_string() == "ids";
+  out << "model: "
+      << (flat       ? "per-GPU uniform (flat)"
+          : from_ids ? "hierarchical (DeepEP-style, per-node dedup; hits counted from the routed ids)"
+                     : "hierarchical (DeepEP-style, per-node dedup)")
       << " all-to-all, " << std::defaultfloat << std::setprecision(3) << sim_setting("a2a_overlap")
       << " of it under compute (sim.a2a_overlap), expert-gradient sync across EP-group copies "
       << sim_setting("dp_grad_overlap") << " under the backward (sim.dp_grad_overlap), LM head and optimizer from "

@@ -472,6 +472,18 @@ struct SimulateSettings {
     sim.validate();
     (void)strategy_list(); // a bad list fails here, before the batch is generated
     if (best_deployment) (void)deployment_candidates(sim, search, batch.microbatch_tokens_per_gpu); // and the space
+    if (sim.a2a_hits == A2aHitsSource::ids) {
+      detail::require(workload == "grpo", "sim.a2a_hits = ids counts the routed ids of the synthetic GRPO batch; the ",
+                      "workload '", workload, "' has none");
+      detail::require(!best_deployment, "sim.a2a_hits = ids routes every token of every micro-step under each plan ",
+                      "and runs the configured deployment only: turn search.best_deployment off ",
+                      "(--no-best-deployment)");
+      detail::require(sim.effective_ep_size() == sim.topo.num_gpus(), "sim.a2a_hits = ids needs one EP group over ",
+                      "all ", sim.topo.num_gpus(), " GPUs, got sim.ep_size ", sim.effective_ep_size());
+      detail::require(sim.cost.a2a.model == A2aModel::hierarchical,
+                      "sim.a2a_hits = ids counts the hierarchical all-to-all; cost.a2a_model is ",
+                      to_string(sim.cost.a2a.model));
+    }
   }
 
   /// The strategies to simulate, parsed; throws `Error` for an unknown or repeated name or an empty list.
@@ -676,6 +688,14 @@ template <class I>
         "fraction of each layer's all-to-all that may hide under its compute (Megatron-core "
         "overlap_moe_expert_parallel_comm, DeepEP hooks; 0: none, Megatron's default; 1: full)",
         [](auto &x) -> auto & { return x.sim.a2a_overlap; }));
+    o.push_back(choice<S>(
+        "sim.a2a_hits", std::vector<std::string>(std::begin(a2a_hits_source_names), std::end(a2a_hits_source_names)),
+        "the hierarchical all-to-all's distinct nodes and GPUs per token: independent (estimated from each slot's "
+        "rows) or ids (counted from the synthetic batch's routed ids, as the runtime dispatches them; slower, one EP "
+        "group, no deployment search)",
+        [](const S &x) { return std::string(to_string(x.sim.a2a_hits)); },
+        [](S &x, const std::string &v) { x.sim.a2a_hits = parse_a2a_hits_source(v, "sim.a2a_hits"); }));
+    o.back().metavar = "SOURCE";
     o.push_back(number<S>(
         "sim.dp_grad_overlap", 0, 1,
         "fraction of the expert-gradient all-reduce across EP-group copies that may run under the last backward "

@@ -179,58 +179,214 @@ struct A2aHits {
   return h;
 }
 
-/// DeepEP-style dispatch seconds of one layer (combine is the same exchange reversed, with the partial sums
-/// reduced at the forwarding GPU, so it costs the same). `tokens` of the micro-step are spread evenly over
-/// the G = N P ranks (data parallel), T_s = tokens / G each. A token of rank (a, i) that hits remote node b
-/// crosses once, from its rank's NIC to GPU (b, i), which forwards it over NVLink to the hit GPUs of b; a
-/// token crosses to a local GPU once however many of its experts that GPU holds. Expected volumes in tokens
-/// (rows of `row_bytes` bytes) for GPU g = (b, i):
+/// One layer's hierarchical (DeepEP-style) dispatch per GPU, in tokens (rows of `row_bytes` bytes), and the peers
+/// each GPU exchanges with: the larger of the peers it sends to and receives from with traffic, per link class.
+/// Combine is the same exchange reversed (the partial sums reduced at the forwarding GPU), so it has the same
+/// volumes. A token of rank (a, i) that hits remote node b crosses once, from its rank's NIC to GPU (b, i), which
+/// forwards it over NVLink to the hit GPUs of b; its own node's hit GPUs get it from the rank itself; a token
+/// crosses to a GPU once however many of its experts that GPU holds.
+struct A2aVolumes {
+  int gpus_per_node = 1;
+  std::vector<double> nic_send, nic_recv;   ///< `[num_gpus]`: tokens over the GPU's NIC
+  std::vector<double> nvl_send, nvl_recv;   ///< `[num_gpus]`: tokens over its NVLink (own and forwarded)
+  std::vector<double> nic_peers, nvl_peers; ///< `[num_gpus]`: remote nodes / local GPUs with traffic
+
+  [[nodiscard]] int num_gpus() const noexcept { return static_cast<int>(nic_send.size()); }
+  /// Token copies that cross between nodes: the NIC sends summed over the GPUs.
+  [[nodiscard]] double inter_node_rows() const noexcept {
+    double s = 0;
+    for (const double v : nic_send)
+      s += v;
+    return s;
+  }
+};
+
+/// Expected volumes from hit probabilities (the independence estimate, see `a2a_hits_from_slots`). `tokens` of the
+/// micro-step are spread evenly over the G = N P ranks (data parallel), T_s = tokens / G each. For GPU g = (b, i):
 ///   NIC   send  T_s sum_{b' != b} h_b'        receive  (N - 1) T_s h_b
 ///   NVLink send (tokens / P) sum_{j in b, j != g} q_j (own tokens and forwarded ones)
 ///          receive tokens q_g (P - 1) / P
-/// Per link class: latency + per_message x peers with traffic (the larger of sent-to and received-from) +
-/// max(send, receive) / bandwidth; the classes overlap (`max`), and the layer ends with the slowest GPU.
-[[nodiscard]] inline double hierarchical_a2a_seconds(const AllToAllParams &p, const A2aHits &hits, double tokens,
-                                                     int gpus_per_node, double row_bytes) {
+/// Peers: the nodes (GPUs of the node) hit at all, as every rank sends some token to each with probability near 1.
+[[nodiscard]] inline A2aVolumes a2a_volumes(const A2aHits &hits, double tokens, int gpus_per_node) {
   const auto G = static_cast<int>(hits.gpu.size()), P = gpus_per_node;
-  detail::require(P > 0 && G % P == 0 && static_cast<int>(hits.node.size()) * P == G, "hierarchical_a2a_seconds: ", G,
-                  " GPU and ", hits.node.size(), " node hit probabilities for ", gpus_per_node, " GPUs per node");
-  detail::require(tokens >= 0 && row_bytes > 0, "hierarchical_a2a_seconds: tokens must be >= 0 and row bytes > 0");
-  if (G == 0 || tokens == 0) return 0.0;
+  detail::require(P > 0 && G % P == 0 && static_cast<int>(hits.node.size()) * P == G, "a2a_volumes: ", G, " GPU and ",
+                  hits.node.size(), " node hit probabilities for ", gpus_per_node, " GPUs per node");
+  detail::require(tokens >= 0 && std::isfinite(tokens), "a2a_volumes: tokens must be >= 0 and finite, got ", tokens);
+  A2aVolumes v;
+  v.gpus_per_node = P;
+  for (auto *x : {&v.nic_send, &v.nic_recv, &v.nvl_send, &v.nvl_recv, &v.nic_peers, &v.nvl_peers})
+    x->assign(static_cast<std::size_t>(G), 0.0);
+  if (G == 0) return v;
   const int N = G / P;
   const double ts = tokens / G;
   double node_sum = 0;
   int nodes_hit = 0;
-  for (double h : hits.node) {
+  for (const double h : hits.node) {
     node_sum += h;
     nodes_hit += h > 0;
   }
-  auto part = [&](double lat_us, double msg_us, double msgs, double bytes, double gb_per_s) {
-    return bytes > 0 ? lat_us * 1e-6 + msg_us * 1e-6 * msgs + bytes / (gb_per_s * 1e9) : 0.0;
-  };
-  double worst = 0;
   for (int b = 0; b < N; ++b) {
     const double hb = hits.node[b];
-    const double nic_send = ts * (node_sum - hb), nic_recv = (N - 1) * ts * hb;
-    const double nic_msgs = std::max<double>(nodes_hit - (hb > 0), hb > 0 ? N - 1 : 0);
     double local_sum = 0;
     int local_hit = 0;
     for (int g = b * P; g < (b + 1) * P; ++g) {
       local_sum += hits.gpu[g];
       local_hit += hits.gpu[g] > 0;
     }
-    const double nic = part(p.inter_latency_us, p.inter_per_message_us, nic_msgs,
-                            std::max(nic_send, nic_recv) * row_bytes, p.inter_gb_per_s);
     for (int g = b * P; g < (b + 1) * P; ++g) {
       const double q = hits.gpu[g];
-      const double nvl_send = tokens / P * (local_sum - q), nvl_recv = tokens * q * (P - 1) / P;
-      const double nvl_msgs = std::max<double>(local_hit - (q > 0), q > 0 ? P - 1 : 0);
-      const double nvl = part(p.intra_latency_us, p.per_message_us, nvl_msgs, std::max(nvl_send, nvl_recv) * row_bytes,
-                              p.intra_gb_per_s);
-      worst = std::max({worst, nic, nvl});
+      v.nic_send[g] = ts * (node_sum - hb);
+      v.nic_recv[g] = (N - 1) * ts * hb;
+      v.nic_peers[g] = std::max<double>(nodes_hit - (hb > 0), hb > 0 ? N - 1 : 0);
+      v.nvl_send[g] = tokens / P * (local_sum - q);
+      v.nvl_recv[g] = tokens * q * (P - 1) / P;
+      v.nvl_peers[g] = std::max<double>(local_hit - (q > 0), q > 0 ? P - 1 : 0);
     }
   }
+  return v;
+}
+
+/// Volumes counted from the routes themselves: `slots` is `[tokens][topk]` physical slots (`gpu * slots_per_gpu +
+/// slot`, -1 for no route) and `source_offsets` (`[num_gpus + 1]`) groups the tokens by the rank that holds them.
+/// Each token counts the distinct nodes and GPUs its routes reach, so co-activated experts and a token map that
+/// keeps a token's copies together show as they are. Throws `Error` for inconsistent sizes, a slot outside the
+/// GPUs or malformed offsets. O(tokens x topk) plus O(num_gpus x (nodes + gpus_per_node)) for the peers.
+[[nodiscard]] inline A2aVolumes a2a_volumes_from_routes(std::span<const std::int32_t> slots, int topk,
+                                                        int slots_per_gpu, int gpus_per_node, int num_gpus,
+                                                        std::span<const std::int64_t> source_offsets) {
+  using detail::require;
+  require(topk > 0 && slots_per_gpu > 0 && gpus_per_node > 0 && num_gpus > 0 && num_gpus % gpus_per_node == 0,
+          "a2a_volumes_from_routes: top-", topk, ", ", slots_per_gpu, " slots per GPU, ", num_gpus, " GPUs of ",
+          gpus_per_node, " per node");
+  require(slots.size() % static_cast<std::size_t>(topk) == 0, "a2a_volumes_from_routes: ", slots.size(),
+          " routes are not whole tokens of top-", topk);
+  const auto num_tokens = static_cast<std::int64_t>(slots.size() / static_cast<std::size_t>(topk));
+  require(static_cast<int>(source_offsets.size()) == num_gpus + 1 && source_offsets.front() == 0 &&
+              source_offsets.back() == num_tokens,
+          "a2a_volumes_from_routes: ", source_offsets.size(), " source offsets must run from 0 to ", num_tokens,
+          " over ", num_gpus, " GPUs");
+  const int P = gpus_per_node, N = num_gpus / P, G = num_gpus;
+  require(static_cast<double>(G) * (N + P) <= 1e9, "a2a_volumes_from_routes: ", G, " GPUs x ", N + P,
+          " peer cells exceed 1e9");
+  const std::int64_t num_slots = static_cast<std::int64_t>(G) * slots_per_gpu;
+  A2aVolumes v;
+  v.gpus_per_node = P;
+  for (auto *x : {&v.nic_send, &v.nic_recv, &v.nvl_send, &v.nvl_recv, &v.nic_peers, &v.nvl_peers})
+    x->assign(static_cast<std::size_t>(G), 0.0);
+  if (const auto bad =
+          std::find_if(slots.begin(), slots.end(), [num_slots](std::int32_t p) { return p < -1 || p >= num_slots; });
+      bad != slots.end()) {
+    const auto x = static_cast<std::size_t>(bad - slots.begin());
+    detail::fail("a2a_volumes_from_routes: token ", x / static_cast<std::size_t>(topk), " k ",
+                 x % static_cast<std::size_t>(topk), " goes to slot ", *bad, " of ", num_slots);
+  }
+  for (int r = 0; r < G; ++r)
+    require(source_offsets[r + 1] >= source_offsets[r], "a2a_volumes_from_routes: source offsets decrease at ", r);
+  // Integer counts in the loop (no divisions: the GPU of every slot and the node of every GPU looked up).
+  std::vector<std::int32_t> gpu_of(static_cast<std::size_t>(num_slots));
+  for (std::int64_t p = 0; p < num_slots; ++p)
+    gpu_of[static_cast<std::size_t>(p)] = static_cast<std::int32_t>(p / slots_per_gpu);
+  std::vector<std::int32_t> node_of(static_cast<std::size_t>(G)), local_of(node_of.size());
+  for (int g = 0; g < G; ++g) {
+    node_of[g] = g / P;
+    local_of[g] = g % P;
+  }
+  std::vector<std::int64_t> nic_send(static_cast<std::size_t>(G), 0), nic_recv(nic_send), nvl_send(nic_send),
+      nvl_recv(nic_send);
+  // Peers with traffic: [gpu][node] sent to / received from over the NIC, [gpu][local gpu] over NVLink.
+  std::vector<std::uint8_t> nic_to(static_cast<std::size_t>(G) * N, 0), nic_from(nic_to.size(), 0);
+  std::vector<std::uint8_t> nvl_to(static_cast<std::size_t>(G) * P, 0), nvl_from(nvl_to.size(), 0);
+  std::vector<std::int32_t> gpus(static_cast<std::size_t>(topk)), nodes(static_cast<std::size_t>(topk));
+  std::vector<std::int64_t> gpu_mark(static_cast<std::size_t>(G), -1), node_mark(static_cast<std::size_t>(N), -1);
+  for (int r = 0; r < G; ++r) {
+    const int a = r / P, i = r % P;
+    for (std::int64_t t = source_offsets[r]; t < source_offsets[r + 1]; ++t) {
+      int ng = 0, nn = 0; // distinct GPUs and nodes of the token
+      const std::int32_t *row = slots.data() + t * topk;
+      for (int k = 0; k < topk; ++k) {
+        if (row[k] < 0) continue;
+        const std::int32_t g = gpu_of[static_cast<std::size_t>(row[k])];
+        if (gpu_mark[g] == t) continue;
+        gpu_mark[g] = t;
+        gpus[ng++] = g;
+        const std::int32_t b = node_of[g];
+        if (node_mark[b] != t) {
+          node_mark[b] = t;
+          nodes[nn++] = b;
+        }
+      }
+      for (int x = 0; x < nn; ++x)
+        if (const std::int32_t b = nodes[x]; b != a) { // crosses once, from the rank's NIC to GPU (b, i)
+          const int f = b * P + i;
+          ++nic_send[r];
+          ++nic_recv[f];
+          nic_to[static_cast<std::size_t>(r) * N + b] = 1;
+          nic_from[static_cast<std::size_t>(f) * N + a] = 1;
+        }
+      for (int x = 0; x < ng; ++x) {
+        const std::int32_t g = gpus[x], j = local_of[g];
+        if (j == i) continue; // g fans the token out on its node itself (the rank itself on its own node)
+        const int f = g - j + i;
+        ++nvl_send[f];
+        ++nvl_recv[g];
+        nvl_to[static_cast<std::size_t>(f) * P + j] = 1;
+        nvl_from[static_cast<std::size_t>(g) * P + i] = 1;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    v.nic_send[g] = static_cast<double>(nic_send[g]);
+    v.nic_recv[g] = static_cast<double>(nic_recv[g]);
+    v.nvl_send[g] = static_cast<double>(nvl_send[g]);
+    v.nvl_recv[g] = static_cast<double>(nvl_recv[g]);
+  }
+  auto peers = [](const std::vector<std::uint8_t> &to, const std::vector<std::uint8_t> &from, int g, int width) {
+    int out = 0, in = 0;
+    for (int x = 0; x < width; ++x) {
+      out += to[static_cast<std::size_t>(g) * width + x];
+      in += from[static_cast<std::size_t>(g) * width + x];
+    }
+    return static_cast<double>(std::max(out, in));
+  };
+  for (int g = 0; g < G; ++g) {
+    v.nic_peers[g] = peers(nic_to, nic_from, g, N);
+    v.nvl_peers[g] = peers(nvl_to, nvl_from, g, P);
+  }
+  return v;
+}
+
+/// DeepEP-style dispatch seconds of one layer from its volumes (combine costs the same). Per GPU and link class:
+/// `latency + per_message x peers + max(send, receive) / bandwidth`; the classes overlap (`max`), and the layer
+/// ends with the slowest GPU.
+[[nodiscard]] inline double hierarchical_a2a_seconds(const AllToAllParams &p, const A2aVolumes &v, double row_bytes) {
+  detail::require(row_bytes > 0, "hierarchical_a2a_seconds: row bytes must be > 0, got ", row_bytes);
+  auto part = [&](double lat_us, double msg_us, double msgs, double bytes, double gb_per_s) {
+    return bytes > 0 ? lat_us * 1e-6 + msg_us * 1e-6 * msgs + bytes / (gb_per_s * 1e9) : 0.0;
+  };
+  double worst = 0;
+  for (int g = 0; g < v.num_gpus(); ++g) {
+    const double nic = part(p.inter_latency_us, p.inter_per_message_us, v.nic_peers[g],
+                            std::max(v.nic_send[g], v.nic_recv[g]) * row_bytes, p.inter_gb_per_s);
+    const double nvl = part(p.intra_latency_us, p.per_message_us, v.nvl_peers[g],
+                            std::max(v.nvl_send[g], v.nvl_recv[g]) * row_bytes, p.intra_gb_per_s);
+    worst = std::max({worst, nic, nvl});
+  }
   return worst;
+}
+
+/// The same from hit probabilities (`a2a_volumes`). Throws `Error` for inconsistent sizes, negative tokens or
+/// non-positive row bytes.
+[[nodiscard]] inline double hierarchical_a2a_seconds(const AllToAllParams &p, const A2aHits &hits, double tokens,
+                                                     int gpus_per_node, double row_bytes) {
+  detail::require(tokens >= 0 && row_bytes > 0, "hierarchical_a2a_seconds: tokens must be >= 0 and row bytes > 0");
+  if (hits.gpu.empty() || tokens == 0) {
+    detail::require(gpus_per_node > 0 &&
+                        static_cast<int>(hits.node.size()) * gpus_per_node == static_cast<int>(hits.gpu.size()),
+                    "hierarchical_a2a_seconds: ", hits.gpu.size(), " GPU and ", hits.node.size(),
+                    " node hit probabilities for ", gpus_per_node, " GPUs per node");
+    return 0.0;
+  }
+  return hierarchical_a2a_seconds(p, a2a_volumes(hits, tokens, gpus_per_node), row_bytes);
 }
 
 /// The earlier per-GPU model (`A2aModel::flat`): every GPU's received token-expert rows `recv_rows` come
@@ -263,19 +419,42 @@ struct A2aHits {
   return worst;
 }
 
-/// One layer's dispatch (= combine) seconds under `p.model`. `slot_expert`/`slot_rows` as in
-/// `a2a_hits_from_slots`; empty spans mean the physical limit (`ideal`): `gpu_rows` per GPU with hit
-/// probabilities from `a2a_hits_spread`. `gpu_rows` are the rows each GPU receives (the flat model's input).
+/// One layer's dispatch (= combine): its seconds and the token copies it sends between nodes.
+struct LayerA2a {
+  double seconds = 0;
+  double inter_node_rows = 0; ///< rows (tokens) crossing between nodes in one dispatch
+};
+
+/// One layer's dispatch (= combine) under `p.model`. `slot_expert`/`slot_rows` as in `a2a_hits_from_slots`;
+/// empty spans mean the physical limit (`ideal`): `gpu_rows` per GPU with hit probabilities from
+/// `a2a_hits_spread`. `gpu_rows` are the rows each GPU receives (the flat model's input; it has no deduplication,
+/// so every row received from another node crosses: the total times (G - P) / G).
+[[nodiscard]] inline LayerA2a layer_a2a(const AllToAllParams &p, std::span<const std::int32_t> slot_expert,
+                                        std::span<const std::int64_t> slot_rows, std::span<const double> gpu_rows,
+                                        int slots_per_gpu, int gpus_per_node, int num_experts, double tokens,
+                                        double row_bytes) {
+  if (p.model == A2aModel::flat) {
+    double total = 0;
+    for (const double r : gpu_rows)
+      total += r;
+    const auto G = static_cast<double>(gpu_rows.size());
+    return {flat_a2a_seconds(p, gpu_rows, gpus_per_node, row_bytes), G > 0 ? total * (G - gpus_per_node) / G : 0.0};
+  }
+  if (tokens <= 0) return {};
+  const A2aHits hits = slot_expert.empty() ? a2a_hits_spread(gpu_rows, gpus_per_node, num_experts, tokens)
+                                           : a2a_hits_from_slots(slot_expert, slot_rows, slots_per_gpu, gpus_per_node,
+                                                                 num_experts, tokens);
+  const A2aVolumes v = a2a_volumes(hits, tokens, gpus_per_node);
+  return {hierarchical_a2a_seconds(p, v, row_bytes), v.inter_node_rows()};
+}
+
+/// The seconds of `layer_a2a`.
 [[nodiscard]] inline double layer_a2a_seconds(const AllToAllParams &p, std::span<const std::int32_t> slot_expert,
                                               std::span<const std::int64_t> slot_rows, std::span<const double> gpu_rows,
                                               int slots_per_gpu, int gpus_per_node, int num_experts, double tokens,
                                               double row_bytes) {
-  if (p.model == A2aModel::flat) return flat_a2a_seconds(p, gpu_rows, gpus_per_node, row_bytes);
-  if (tokens <= 0) return 0.0;
-  const A2aHits hits = slot_expert.empty() ? a2a_hits_spread(gpu_rows, gpus_per_node, num_experts, tokens)
-                                           : a2a_hits_from_slots(slot_expert, slot_rows, slots_per_gpu, gpus_per_node,
-                                                                 num_experts, tokens);
-  return hierarchical_a2a_seconds(p, hits, tokens, gpus_per_node, row_bytes);
+  return layer_a2a(p, slot_expert, slot_rows, gpu_rows, slots_per_gpu, gpus_per_node, num_experts, tokens, row_bytes)
+      .seconds;
 }
 
 /// The largest lateness `finish - deadline` (0 when none is late) of jobs on one link served by preemptive

@@ -39,14 +39,17 @@
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "foremoe/core/error.hpp"
 #include "foremoe/core/load_tensor.hpp"
 #include "foremoe/core/model_spec.hpp"
+#include "foremoe/core/thread_pool.hpp"
 #include "foremoe/core/topology.hpp"
 #include "foremoe/cost/comm.hpp"
 #include "foremoe/cost/expert_compute.hpp"
@@ -54,6 +57,9 @@
 #include "foremoe/plan/ep_groups.hpp"
 #include "foremoe/plan/evaluate.hpp"
 #include "foremoe/plan/planner.hpp"
+#include "foremoe/plan/split.hpp"
+#include "foremoe/plan/token_map.hpp"
+#include "foremoe/trace/routed_view.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -78,6 +84,27 @@ struct DenseShape {
 };
 
 /// What is simulated besides the loads.
+/// Where the hierarchical all-to-all's hits come from (`SimConfig::a2a_hits`).
+enum class A2aHitsSource : std::uint8_t {
+  /// Estimated from each slot's rows, a token picking experts independently (`a2a_hits_from_slots`).
+  independent,
+  /// Counted from every token's routed ids (`simulate`'s `routes`): each token's experts mapped to copies as the
+  /// runtime dispatches them (`split_by_source`, then the positional map by source) and its distinct nodes and
+  /// GPUs counted (`a2a_volumes_from_routes`).
+  ids,
+};
+
+inline constexpr std::string_view a2a_hits_source_names[] = {"independent", "ids"};
+
+[[nodiscard]] inline std::string_view to_string(A2aHitsSource s) noexcept {
+  return a2a_hits_source_names[static_cast<std::size_t>(s)];
+}
+
+/// The source named `name`; throws `Error` "`who` must be one of independent, ids, got 'name'".
+[[nodiscard]] inline A2aHitsSource parse_a2a_hits_source(std::string_view name, std::string_view who) {
+  return detail::enum_from_name<A2aHitsSource>(a2a_hits_source_names, name, who);
+}
+
 struct SimConfig {
   ModelSpec model{};
   Topology topo{8, 8, 3};
@@ -103,6 +130,10 @@ struct SimConfig {
   /// (Megatron-core's `overlap_moe_expert_parallel_comm` defaults to False, model_parallel_config.py), and the
   /// RL trainers run Megatron's defaults unless told otherwise; 1 is the upper bound of full overlap.
   double a2a_overlap = 0.0;
+  /// Hits of the hierarchical all-to-all: `independent` (default; needs only the loads) or counted from the routed
+  /// ids (`ids`; `simulate` then needs them for every micro-step, one EP group over every GPU, and `ideal` keeps its
+  /// independence bound, which co-activated routing can beat).
+  A2aHitsSource a2a_hits = A2aHitsSource::independent;
   /// Fraction in [0, 1] of the data-parallel expert-gradient synchronisation across EP-group copies that may
   /// overlap the last update micro-step's backward (per-layer buckets reduced as soon as that layer's backward is
   /// over, Megatron DDP's `overlap_grad_reduce`). Default 0: Megatron-core's `DistributedDataParallelConfig`
@@ -315,7 +346,18 @@ struct SimResult {
   std::vector<SimBreakdown> micro_breakdown; ///< per counted micro-step (the rows of `layer_seconds`)
   /// Per step: the all-to-all hidden under compute (`SimConfig::a2a_overlap`), not in `breakdown.all_to_all`.
   double a2a_hidden_seconds = 0;
+  /// Per step: token bytes the all-to-all sends between nodes (dispatch and combine, every pass, every EP group), GB.
+  double inter_node_gb = 0;
 };
+
+/// One micro-step's routing, for counting its all-to-all from the tokens (`SimConfig::a2a_hits`).
+struct RoutedMicroStep {
+  std::vector<std::int16_t> ids;            ///< layer-major `[layers][tokens][topk]`
+  std::vector<std::int64_t> source_offsets; ///< `[num_gpus + 1]`: the tokens each rank holds
+};
+
+/// Fills `out` with the routing of micro-step `m` (an index into the loads' micro-steps).
+using MicroStepRoutes = std::function<void(int m, RoutedMicroStep &out)>;
 
 namespace detail {
 
@@ -328,13 +370,14 @@ struct LayerTiming {
   std::vector<double> move_demand;       ///< per GPU: seconds of incoming moves (max over paths)
   std::vector<double> grad_demand;       ///< per GPU: seconds of gradient reductions it sends
   double moved_bytes = 0, grad_bytes = 0;
-  bool host_moves = false; ///< some move read the host mirror
+  double inter_node_bytes = 0; ///< all-to-all token bytes between nodes (dispatch and combine, both directions)
+  bool host_moves = false;     ///< some move read the host mirror
 };
 
 /// What one EP group did in one RL step.
 struct GroupStep {
   double recompute = 0, update = 0, extra = 0, stall = 0, mirror = 0, moved = 0, grad = 0, planner = 0;
-  double planner_critical = 0, grad_tail = 0, a2a_hidden = 0;
+  double planner_critical = 0, grad_tail = 0, a2a_hidden = 0, inter_node = 0;
   SimMemory memory;
   int min_experts = std::numeric_limits<int>::max(); ///< fewest experts on a GPU in any (micro-step, layer)
   SimBreakdown parts;
@@ -387,11 +430,10 @@ struct GroupStep {
 
 /// Simulates one EP group (`topo` is the group's topology, `loads` its own tokens) under `strat`, every RL step
 /// cut by `step_offsets`; `step_done` is called after each step.
-[[nodiscard]] inline std::vector<GroupStep> simulate_group(const SimConfig &cfg, const Topology &topo,
-                                                           const LoadTensor &loads,
-                                                           std::span<const std::int64_t> step_offsets,
-                                                           const SimStrategy &strat,
-                                                           const std::function<void()> &step_done) {
+[[nodiscard]] inline std::vector<GroupStep>
+simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loads,
+               std::span<const std::int64_t> step_offsets, const SimStrategy &strat,
+               const std::function<void()> &step_done, const MicroStepRoutes &routes = {}) {
   const ModelSpec &spec = cfg.model;
   const int num_steps = static_cast<int>(step_offsets.size() - 1);
   const int G = topo.num_gpus(), L = spec.num_layers, E = spec.num_experts, S = topo.slots_per_gpu;
@@ -467,9 +509,61 @@ struct GroupStep {
     return peak;
   };
 
-  // Times one layer under a plan (or perfectly balanced when `lp` is null).
+  // The all-to-all of every layer of one micro-step counted from its routed ids `rm` (`SimConfig::a2a_hits`), the
+  // layers on the pool's threads: the plan's copies take each source's tokens as the runtime dispatches them
+  // (`split_by_source`, then the positional map), and each token's distinct nodes and GPUs are counted.
+  const int K = spec.topk, P = topo.gpus_per_node;
+  std::optional<ThreadPool> route_pool;
+  struct RouteScratch {
+    std::vector<std::int64_t> source_loads;
+    std::vector<std::int32_t> slots;
+  };
+  std::vector<RouteScratch> route_scratch;
+  if (routes) {
+    route_pool.emplace(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+    route_scratch.resize(static_cast<std::size_t>(route_pool->num_threads()));
+  }
+  auto routed_a2a = [&](const std::vector<LayerPlan> &plans, const LoadTensor &step_loads, int sm,
+                        const RoutedMicroStep &rm, int m, std::vector<LayerA2a> &out) {
+    const std::int64_t T = rm.source_offsets.back();
+    out.assign(static_cast<std::size_t>(L), LayerA2a{});
+    route_pool->parallel_for(static_cast<std::size_t>(L), [&](std::size_t li, int w) {
+      const int l = static_cast<int>(li);
+      RouteScratch &sc = route_scratch[static_cast<std::size_t>(w)];
+      const LayerPlan &lp = plans[li];
+      const std::int16_t *ids = rm.ids.data() + li * static_cast<std::size_t>(T) * K;
+      sc.source_loads.assign(static_cast<std::size_t>(E) * G, 0);
+      for (int r = 0; r < G; ++r)
+        for (std::int64_t t = rm.source_offsets[r]; t < rm.source_offsets[r + 1]; ++t)
+          for (int k = 0; k < K; ++k) {
+            const int e = ids[static_cast<std::size_t>(t) * K + k];
+            require(e >= 0 && e < E, "simulate: routed id ", e, " of micro-step ", m, " layer ", l, " token ", t,
+                    " is not an expert of ", E);
+            ++sc.source_loads[static_cast<std::size_t>(e) * G + r];
+          }
+      const auto expert_loads = step_loads.layer(sm, l);
+      for (int e = 0; e < E; ++e) {
+        std::int64_t n = 0;
+        for (int r = 0; r < G; ++r)
+          n += sc.source_loads[static_cast<std::size_t>(e) * G + r];
+        require(n == expert_loads[e], "simulate: the routed ids of micro-step ", m, " layer ", l, " give expert ", e,
+                " ", n, " tokens, the loads ", expert_loads[e], " (routes and loads of different batches)");
+      }
+      const std::vector<std::int64_t> split = split_by_source(lp.placement, lp.slot_tokens, sc.source_loads, G, P);
+      sc.slots.resize(static_cast<std::size_t>(T) * K);
+      // Layer l alone, as a one-layer view.
+      map_tokens(token_ranges(lp.placement, split, G),
+                 RoutedView(std::span<const std::int16_t>(ids, static_cast<std::size_t>(T) * K), T, 1, K), 0, sc.slots,
+                 rm.source_offsets);
+      const A2aVolumes v = a2a_volumes_from_routes(sc.slots, K, S, P, G, rm.source_offsets);
+      out[li] = LayerA2a{hierarchical_a2a_seconds(cfg.cost.a2a, v, row_bytes), v.inter_node_rows()};
+    });
+  };
+
+  // Times one layer under a plan (or perfectly balanced when `lp` is null); `routed`, if set, is its all-to-all
+  // counted from the routed ids.
   auto time_layer = [&](const LayerPlan *lp, std::span<const std::int64_t> expert_loads, double tokens, bool update,
-                        int &min_experts) {
+                        int &min_experts, const LayerA2a *routed) {
     LayerTiming t;
     std::vector<double> gpu_tokens(static_cast<std::size_t>(G), 0.0);
     std::vector<int> gpu_experts(static_cast<std::size_t>(G), 0);
@@ -502,11 +596,18 @@ struct GroupStep {
       bwd_expert = std::max(bwd_expert, compute.backward_factor() * fwd);
     }
     const double attn = cfg.dense_forward_seconds(tokens / G);
-    // Dispatch (= combine): hierarchical from the slots' experts and rows, `ideal` from its lower bound.
-    const double a2a = layer_a2a_seconds(
-        cfg.cost.a2a, lp != nullptr ? lp->placement.phys_to_log() : std::span<const std::int32_t>{},
-        lp != nullptr ? std::span<const std::int64_t>(lp->slot_tokens) : std::span<const std::int64_t>{}, gpu_tokens, S,
-        topo.gpus_per_node, E, tokens, row_bytes);
+    // Dispatch (= combine): hierarchical from the slots' experts and rows or from the routed ids, `ideal` from its
+    // lower bound.
+    const LayerA2a layer_a2a_cost =
+        routed != nullptr
+            ? *routed
+            : layer_a2a(cfg.cost.a2a, lp != nullptr ? lp->placement.phys_to_log() : std::span<const std::int32_t>{},
+                        lp != nullptr ? std::span<const std::int64_t>(lp->slot_tokens)
+                                      : std::span<const std::int64_t>{},
+                        gpu_tokens, S, topo.gpus_per_node, E, tokens, row_bytes);
+    const double a2a = layer_a2a_cost.seconds;
+    // Dispatch and combine each pass: forward, and backward in the update stage.
+    t.inter_node_bytes = (update ? 4.0 : 2.0) * layer_a2a_cost.inter_node_rows * row_bytes;
     // Each pass's dispatch and combine may hide under its compute, `a2a_overlap` of it at most.
     const double fwd_hidden = std::min(cfg.a2a_overlap * 2 * a2a, attn + fwd_expert);
     t.forward = attn + a2a + fwd_expert + a2a - fwd_hidden;
@@ -639,13 +740,31 @@ struct GroupStep {
       std::vector<LayerTiming> prev_t;
       const std::vector<LayerPlan> *prev_plans = nullptr;
       double stage_time = 0, last_a2a_share = 0;
+      RoutedMicroStep routed;
+      std::vector<LayerA2a> routed_cost;
       for (int m = 0; m < M; ++m) {
         const double tokens = tokens_of(m0 + m);
+        const bool use_routes = routes && !strat.ideal;
+        if (use_routes) {
+          routes(m0 + m, routed);
+          require(routed.source_offsets.size() == static_cast<std::size_t>(G) + 1 &&
+                      routed.source_offsets.front() == 0 &&
+                      static_cast<double>(routed.source_offsets.back()) == tokens &&
+                      routed.ids.size() == static_cast<std::size_t>(routed.source_offsets.back()) * L * K,
+                  "simulate: the routes of micro-step ", m0 + m, " hold ", routed.ids.size(), " ids over ",
+                  routed.source_offsets.size(), " source offsets; expected ", tokens, " tokens x ", L, " layers x top-",
+                  K, " over ", G + 1);
+          for (int r = 0; r < G; ++r)
+            require(routed.source_offsets[r + 1] >= routed.source_offsets[r], "simulate: the routes of micro-step ",
+                    m0 + m, ": source offsets decrease at rank ", r);
+          routed_a2a(sp.micro_steps[m], step, m, routed, m0 + m, routed_cost);
+        }
         std::vector<LayerTiming> cur(static_cast<std::size_t>(L));
         std::vector<double> &imbalance = rec.imbalance.emplace_back(static_cast<std::size_t>(L), 1.0);
         for (int l = 0; l < L; ++l) {
           const LayerPlan *lp = strat.ideal ? nullptr : &sp.micro_steps[m][l];
-          cur[l] = time_layer(lp, step.layer(m, l), tokens, update, rec.min_experts);
+          cur[l] = time_layer(lp, step.layer(m, l), tokens, update, rec.min_experts,
+                              use_routes ? &routed_cost[static_cast<std::size_t>(l)] : nullptr);
           // The gradients owed by replicas this plan drops return before their slots are reused, in the window
           // before layer l's forward; this plan's replicas then owe theirs.
           if (update && lp != nullptr) {
@@ -665,6 +784,7 @@ struct GroupStep {
             }
           }
           rec.moved += cur[l].moved_bytes;
+          rec.inter_node += cur[l].inter_node_bytes;
           used_mirror = used_mirror || cur[l].host_moves;
           rec.grad += cur[l].grad_bytes;
         }
@@ -842,11 +962,13 @@ struct GroupStep {
 /// there must be at least one more step than that. `progress`, if set, is called with (done, total) planning
 /// units (strategy x EP group x step). A strategy whose peak memory exceeds one GPU's is an error naming its parts
 /// unless `check_memory` is false (the deployment search, which reports it as not fitting, `memory_fits`).
+/// `routes` gives each micro-step's routed ids when `cfg.a2a_hits` is `ids` (and must be empty otherwise); their
+/// counts must equal the loads'.
 [[nodiscard]] inline std::vector<SimResult> simulate(const SimConfig &cfg, const LoadTensor &loads,
                                                      std::span<const std::int64_t> step_offsets,
                                                      std::span<const SimStrategy> strategies,
                                                      const std::function<void(int, int)> &progress = {},
-                                                     bool check_memory = true) {
+                                                     bool check_memory = true, const MicroStepRoutes &routes = {}) {
   cfg.validate();
   loads.validate();
   const ModelSpec &spec = cfg.model;
@@ -873,6 +995,17 @@ struct GroupStep {
   const int ep = cfg.effective_ep_size();
   const Topology group_topo = ep_group_topology(cfg.topo, ep);
   const int num_groups = cfg.topo.num_gpus() / ep;
+  if (cfg.a2a_hits == A2aHitsSource::ids) {
+    detail::require(static_cast<bool>(routes), "simulate: sim.a2a_hits = ids counts the all-to-all from the routed ids "
+                                               "of every micro-step, and none were given (a synthetic batch has them)");
+    detail::require(num_groups == 1, "simulate: sim.a2a_hits = ids needs one EP group over all ", cfg.topo.num_gpus(),
+                    " GPUs, got EP size ", ep);
+    detail::require(cfg.cost.a2a.model == A2aModel::hierarchical,
+                    "simulate: sim.a2a_hits = ids counts the hierarchical all-to-all; cost.a2a_model is ",
+                    to_string(cfg.cost.a2a.model));
+  } else {
+    detail::require(!routes, "simulate: routed ids were given but sim.a2a_hits is independent");
+  }
   std::vector<LoadTensor> split;
   if (num_groups > 1) split = detail::split_loads_by_group(loads, num_groups);
   auto group_loads = [&](int i) -> const LoadTensor & { return num_groups > 1 ? split[i] : loads; };
@@ -888,13 +1021,13 @@ struct GroupStep {
     std::vector<std::vector<detail::GroupStep>> runs;
     runs.reserve(static_cast<std::size_t>(num_groups));
     for (int i = 0; i < num_groups; ++i)
-      runs.push_back(detail::simulate_group(cfg, group_topo, group_loads(i), step_offsets, strat, step_done));
+      runs.push_back(detail::simulate_group(cfg, group_topo, group_loads(i), step_offsets, strat, step_done, routes));
     SimResult res;
     res.strategy = strat.name;
     res.min_experts_per_gpu = std::numeric_limits<int>::max();
     std::vector<double> imbalance;
     double total_recompute = 0, total_update = 0, total_extra = 0, total_stall = 0, total_moved = 0, total_grad = 0,
-           total_mirror = 0, total_planner_critical = 0, total_grad_tail = 0, total_a2a_hidden = 0;
+           total_mirror = 0, total_planner_critical = 0, total_grad_tail = 0, total_a2a_hidden = 0, total_inter = 0;
     for (int i = 0; i < num_groups; ++i)
       for (const detail::GroupStep &g : runs[i])
         if (g.memory.total() > res.memory.total()) res.memory = g.memory;
@@ -922,6 +1055,7 @@ struct GroupStep {
         const detail::GroupStep &g = runs[i][s];
         total_moved += g.moved; // volumes: the whole cluster
         total_grad += g.grad;
+        total_inter += g.inter_node;
         res.planner_seconds += g.planner;
         res.min_experts_per_gpu = std::min(res.min_experts_per_gpu, g.min_experts);
         for (const std::vector<double> &row : g.imbalance)
@@ -937,6 +1071,7 @@ struct GroupStep {
     res.end_to_end_seconds = res.step_seconds + cfg.rollout_seconds;
     res.moved_gb = total_moved / counted * 1e-9;
     res.grad_gb = total_grad / counted * 1e-9;
+    res.inter_node_gb = total_inter / counted * 1e-9;
     res.stall_seconds = total_stall / counted;
     res.mirror_seconds = total_mirror / counted;
     res.planner_critical_seconds = total_planner_critical / counted;

@@ -1191,5 +1191,73 @@ inline std::vector<SyntheticStepPlan> plan_steps(const SyntheticConfig &cfg, std
   return out;
 }
 
+/// The routed ids of a synthetic batch one micro-step at a time: micro-step `m`'s tokens of `generate_trace(cfg)`,
+/// the same ids in the same order, without materialising the batch (the simulator counts each micro-step's
+/// all-to-all from them, `SimConfig::a2a_hits`). Routing a micro-step costs what generating its tokens costs.
+class SyntheticMicroSteps {
+public:
+  /// Plans the batch's steps (sequences, packing); throws `Error` for an invalid config.
+  explicit SyntheticMicroSteps(const SyntheticConfig &cfg, int num_threads = 0) : cfg_(cfg), threads_(num_threads) {
+    cfg_.validate();
+    std::int64_t tokens = 0;
+    plans_ = detail::plan_steps(cfg_, step_offsets_, tokens, num_threads);
+  }
+
+  [[nodiscard]] int num_micro_steps() const noexcept { return static_cast<int>(step_offsets_.back()); }
+  /// `[num_steps + 1]` micro-step offsets of the steps (as `generate_loads` gives them).
+  [[nodiscard]] const std::vector<std::int64_t> &step_offsets() const noexcept { return step_offsets_; }
+
+  /// Micro-step `m`'s ids, layer-major `[num_layers][tokens][topk]` (each layer's ids contiguous, as a layer at a
+  /// time reads them), and `[num_gpus + 1]` token offsets of its ranks. Throws
+  /// `Error` for `m` outside `[0, num_micro_steps())` or more than 2^31 ids.
+  void route(int m, std::vector<std::int16_t> &ids, std::vector<std::int64_t> &source_offsets) const {
+    detail::require(m >= 0 && m < num_micro_steps(), "SyntheticMicroSteps: micro-step ", m, " outside [0, ",
+                    num_micro_steps(), ")");
+    const auto step = static_cast<std::size_t>(
+        std::upper_bound(step_offsets_.begin(), step_offsets_.end(), static_cast<std::int64_t>(m)) -
+        step_offsets_.begin() - 1);
+    const detail::SyntheticStepPlan &plan = plans_[step];
+    const auto ng = static_cast<std::size_t>(cfg_.num_gpus);
+    const auto first = static_cast<std::size_t>(m - step_offsets_[step]) * ng;
+    // The step's layout with only this micro-step's blocks (one per rank).
+    std::vector<detail::SyntheticStepPlan> one{plan};
+    one[0].block_offsets.assign(plan.block_offsets.begin() + static_cast<std::ptrdiff_t>(first),
+                                plan.block_offsets.begin() + static_cast<std::ptrdiff_t>(first + ng + 1));
+    source_offsets.assign(1, 0);
+    for (std::size_t r = 0; r < ng; ++r) {
+      std::int64_t t = source_offsets.back();
+      for (std::int64_t i = one[0].block_offsets[r]; i < one[0].block_offsets[r + 1]; ++i) {
+        const detail::SyntheticSequence &seq =
+            plan.sequences[static_cast<std::size_t>(plan.order[static_cast<std::size_t>(i)])];
+        t += seq.prompt_tokens + seq.response_tokens;
+      }
+      source_offsets.push_back(t);
+    }
+    const double num_ids = static_cast<double>(source_offsets.back()) * cfg_.num_layers * cfg_.topk;
+    detail::require(num_ids <= static_cast<double>(std::int64_t{1} << 31), "SyntheticMicroSteps: micro-step ", m,
+                    " has ", source_offsets.back(), " tokens x ", cfg_.num_layers, " layers x top-", cfg_.topk,
+                    ", more than 2^31 routed ids");
+    ids.assign(static_cast<std::size_t>(num_ids), std::int16_t{0});
+    struct Routes {
+      std::vector<std::int16_t> &ids;
+      std::size_t tokens, k;
+      void route(std::int64_t token_idx, int layer_idx, const std::int16_t *row) {
+        std::copy(row, row + k,
+                  ids.data() +
+                      (static_cast<std::size_t>(layer_idx) * tokens + static_cast<std::size_t>(token_idx)) * k);
+      }
+    } routes{ids, static_cast<std::size_t>(source_offsets.back()), static_cast<std::size_t>(cfg_.topk)};
+    const std::function<void(std::int64_t, std::int64_t)> none;
+    detail::ProgressMeter meter(none, source_offsets.back());
+    detail::route_synthetic(cfg_, one, threads_, meter, [&](int) -> Routes & { return routes; });
+  }
+
+private:
+  SyntheticConfig cfg_;
+  int threads_ = 0;
+  std::vector<detail::SyntheticStepPlan> plans_;
+  std::vector<std::int64_t> step_offsets_;
+};
+
 } // namespace v0
 } // namespace foremoe
