@@ -109,6 +109,7 @@ public:
   Status accumulate(int gpu, float *dst, const float *src, std::int64_t n) override {
     return inner_->accumulate(gpu, dst, src, n);
   }
+  Status zero(int gpu, float *dst, std::int64_t n) override { return inner_->zero(gpu, dst, n); }
   Status alloc(int gpu, std::int64_t n, std::byte *&out) override { return inner_->alloc(gpu, n, out); }
   void free(int gpu, std::byte *p) noexcept override { inner_->free(gpu, p); }
   Status alloc_flags(std::int64_t n, volatile std::uint32_t *&flags) override { return inner_->alloc_flags(n, flags); }

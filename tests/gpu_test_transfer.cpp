@@ -5,6 +5,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <random>
 #include <vector>
@@ -239,6 +240,17 @@ TEST_CASE("CUDA engine: replica gradients reduce on the device") {
   REQUIRE(cudaMemcpy(got.data(), d0, n * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
   for (int i = 0; i < n; ++i)
     REQUIRE(got[i] == g0[i] + g1[n + i]);
+  // Held-gradient rule: the selected replica returns once more, then its gradient is zeroed on its device.
+  const std::vector<rt::ReplicaRef> returns{{1, 0}};
+  rb.select = true;
+  rb.returns = returns;
+  REQUIRE(c.engine->submit_reduce(rb, t).ok());
+  REQUIRE(t.wait_for(30s).ok());
+  REQUIRE(cudaMemcpy(got.data(), d0, n * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  for (int i = 0; i < n; ++i)
+    REQUIRE(got[i] == (g0[i] + g1[n + i]) + g1[n + i]);
+  REQUIRE(cudaMemcpy(got.data(), static_cast<float *>(d1) + n, n * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  CHECK(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.0f; }));
   cudaFree(d0);
   cudaFree(d1);
 }

@@ -441,6 +441,22 @@ TEST_CASE("multi-process replica gradients: owners receive every replica's gradi
           grp.grad_mem[g][static_cast<std::size_t>(s * n + i)] =
               static_cast<float>(g + 1) + 0.25f * static_cast<float>(i % 5);
     const auto before = grp.grad_mem;
+    // Every fourth seed (no faults) under the held-gradient rule: a random half of the replicas returns (then
+    // zeroed by the process driving the replica's GPU), the others stay held; every process submits the same.
+    const bool select = seed % 4 == 0;
+    std::vector<rt::ReplicaRef> returns;
+    std::vector<std::int32_t> held(static_cast<std::size_t>(grp.topo.num_gpus()) * grp.num_experts, -1);
+    auto returned = [&](int g, int e) {
+      return !select || std::find(returns.begin(), returns.end(), rt::ReplicaRef{g, e}) != returns.end();
+    };
+    for (int g = 0; g < grp.topo.num_gpus() && select; ++g)
+      for (int e = 0; e < grp.num_experts; ++e)
+        if (g != owner[e] && p.holds(g, e)) {
+          if (rng() % 2 == 0)
+            returns.push_back({g, e});
+          else
+            held[static_cast<std::size_t>(g) * grp.num_experts + e] = owner[e];
+        }
     std::vector<rt::Status> st(static_cast<std::size_t>(grp.num_procs));
     std::vector<std::vector<rt::MoveTelemetry>> tel(static_cast<std::size_t>(grp.num_procs));
     std::vector<std::thread> procs;
@@ -449,6 +465,9 @@ TEST_CASE("multi-process replica gradients: owners receive every replica's gradi
         rt::ReduceBatch b;
         b.owner_gpu = owner;
         b.timeout = 5s;
+        b.select = select;
+        b.returns = returns;
+        b.held = held;
         rt::Ticket t;
         st[q] = grp.engines[q]->submit_reduce(b, t);
         if (st[q].ok()) st[q] = t.wait_for(8s);
@@ -468,7 +487,15 @@ TEST_CASE("multi-process replica gradients: owners receive every replica's gradi
       if (o_slot < 0) continue;
       std::vector<int> replicas;
       for (int g = 0; g < grp.topo.num_gpus(); ++g)
-        if (g != o_gpu && p.holds(g, e)) replicas.push_back(g);
+        if (g != o_gpu && p.holds(g, e) && returned(g, e)) replicas.push_back(g);
+      for (int g = 0; g < grp.topo.num_gpus() && select; ++g)
+        for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+          if (g != o_gpu && p.slot(g, s) == e)
+            for (std::int64_t i = 0; i < n; ++i) {
+              const auto at = static_cast<std::size_t>(s * n + i);
+              CHECK_MESSAGE(grp.grad_mem[g][at] == (returned(g, e) ? 0.0f : before[g][at]), "seed ", seed,
+                            " replica of ", e, " on GPU ", g);
+            }
       for (std::int64_t i = 0; i < n; ++i) {
         const float own = before[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
         float all = own;

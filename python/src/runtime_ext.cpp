@@ -398,14 +398,28 @@ public:
     return start(b, &rt::TransferEngine::submit);
   }
 
-  PyTicket submit_reduce(int layer, nb::ndarray<nb::ro, const std::int32_t, nb::c_contig, nb::device::cpu> owner_gpu,
-                         nb::handle grads_ready, double timeout) {
+  using RoI32 = nb::ndarray<nb::ro, const std::int32_t, nb::c_contig, nb::device::cpu>;
+  /// `returns` (`[n * 2]`: (GPU, expert) pairs) and `held` (`[gpus * experts]`): the held-gradient rule's
+  /// selection (`ReduceBatch::select`), given when either is.
+  PyTicket submit_reduce(int layer, RoI32 owner_gpu, nb::handle grads_ready, double timeout,
+                         std::optional<RoI32> returns, std::optional<RoI32> held) {
     check_layer(layer, "submit_reduce");
     rt::ReduceBatch b;
     b.layer = layer;
     b.owner_gpu = {owner_gpu.data(), owner_gpu.size()};
     b.grads_ready = gate(grads_ready, "grads_ready");
     b.timeout = millis(timeout, "submit_reduce: timeout");
+    std::vector<rt::ReplicaRef> pairs;
+    b.select = returns.has_value() || held.has_value();
+    if (returns) {
+      if (returns->size() % 2 != 0)
+        raise(PyExc_ValueError,
+              str("submit_reduce: returns has ", returns->size(), " values, not (gpu, expert) pairs"));
+      for (std::size_t i = 0; i < returns->size(); i += 2)
+        pairs.push_back({returns->data()[i], returns->data()[i + 1]});
+      b.returns = pairs;
+    }
+    if (held) b.held = {held->data(), held->size()};
     return start(b, &rt::TransferEngine::submit_reduce);
   }
 
@@ -732,7 +746,8 @@ void bind_runtime(nb::module_ &m) {
       .def("resident", &PyEngine::resident, "layer"_a)
       .def("submit", &PyEngine::submit, "layer"_a, "moves"_a, "sources_ready"_a.none(), "slots_free"_a.none(),
            "dst_buffer"_a, "timeout"_a)
-      .def("submit_reduce", &PyEngine::submit_reduce, "layer"_a, "owner_gpu"_a, "grads_ready"_a.none(), "timeout"_a)
+      .def("submit_reduce", &PyEngine::submit_reduce, "layer"_a, "owner_gpu"_a, "grads_ready"_a.none(), "timeout"_a,
+           "returns"_a.none() = nb::none(), "held"_a.none() = nb::none())
       .def(
           "valid_expert",
           [](PyEngine &e, int layer, int gpu, int slot) { return e.engine().valid_expert(layer, gpu, slot); },

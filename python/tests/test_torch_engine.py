@@ -342,6 +342,38 @@ def test_replica_gradients_reduce_into_owners():
     assert torch.equal(grads[0][0], want)
 
 
+def test_held_replica_gradients_return_once_and_guard_their_slot():
+    topo = foremoe.Topology(1, 2, 2)
+    eng = fe.TransferEngine(topology=topo, num_layers=1, num_experts=3, expert_bytes=64)
+    slots = [torch.zeros(2, 16) for _ in range(2)]
+    grads = [torch.zeros(2, 16) for _ in range(2)]
+    for g in range(2):
+        eng.register_slots(0, g, slots[g])
+        eng.register_grads(0, g, grads[g])
+    eng.set_resident(0, [[0, 1], [2, 0]])  # expert 0 owned by GPU 0 (slot 0), replicated on GPU 1 (slot 1)
+    owners = [0, 0, 1]
+    grads[1][1] += 3.0  # the replica's first micro-step
+    eng.submit_reduce(0, owners, held=[[-1, -1, -1], [0, -1, -1]]).wait(10.0)  # kept: stays in place
+    assert torch.equal(grads[0][0], torch.zeros(16)) and torch.equal(grads[1][1], torch.full((16,), 3.0))
+    with pytest.raises(ValueError, match="layer 0 GPU 1 slot 1 holds the gradient of expert 0 for owner GPU 0"):
+        eng.set_resident(0, [[0, 1], [2, 1]])
+    with pytest.raises(ValueError, match="held by an earlier reduction"):
+        eng.submit_reduce(0, owners, returns=[])
+    grads[1][1] += 4.0  # the second micro-step accumulates in place
+    eng.submit_reduce(0, owners, returns=[[1, 0]]).wait(10.0)  # the next plan drops it: returned once
+    assert torch.equal(grads[0][0], torch.full((16,), 7.0))
+    assert torch.equal(grads[1][1], torch.zeros(16))  # zeroed after its return
+    eng.set_resident(0, [[0, 1], [2, 1]])  # the slot may be reused now
+    eng.set_resident(0, [[0, 1], [2, 0]])
+    for bad, match in [([[1, 0], [1, 0]], "GPU 1 expert 0 twice"), ([[0, 0]], "its owner, not a replica"),
+                       ([[5, 0]], "returns names GPU 5"), ([[1, 7]], "returns names expert 7"),
+                       ([[0, 2]], "layer 0 GPU 0 holds no valid copy"), ([1, 0, 1], "pairs")]:
+        with pytest.raises(ValueError, match=match):
+            eng.submit_reduce(0, owners, returns=bad)
+    with pytest.raises(ValueError, match="held has 2 entries, expected GPUs x experts = 6"):
+        eng.submit_reduce(0, owners, held=[-1, -1])
+
+
 def test_runtime_count_loads_and_map_tokens_on_cpu_tensors():
     rng = np.random.default_rng(11)
     T, L, K, E = 300, 3, 2, 8

@@ -44,6 +44,9 @@ struct LayerState {
   std::vector<std::uint8_t> buffer; // per physical slot: the buffer holding the valid copy
   transfer::TransferPlan last_plan;
   std::uint64_t generation = 0; // bumped by whatever changes what planning reads (submit, registration)
+  // Per physical slot: the owner GPU its replica's gradient is held for (`ReduceBatch::held` of the last
+  // reduction), or -1; empty: none held.
+  std::vector<std::int32_t> held;
 };
 
 // Who carries a chunk in this process: itself (both ends local, or the local mirror), one side of a paired
@@ -146,7 +149,8 @@ struct ReduceRun {
   Role role = Role::local;
   std::byte *staging = nullptr;
   ChunkRun copy;
-  bool ok = false; // its expert's replicas were all added into the owner (or, remote owner: its copy landed)
+  bool ok = false;   // its expert's replicas were all added into the owner (or, remote owner: its copy landed)
+  bool zero = false; // held-gradient rule: clear the replica's gradient once it was added
   double start = -1.0, end = 0.0;
 };
 
@@ -243,6 +247,13 @@ private:
     return {StatusCode::invalid_argument, foremoe::detail::concat(a...)};
   }
   Status check_layer(int layer, const char *what) const;
+  // A slot of `placement` whose held gradient (`LayerState::held`) would be overwritten by expert `incoming`:
+  // `invalid_argument` naming layer, GPU, slot and expert, else ok. The caller holds `mu_`.
+  Status check_not_held(const char *what, int layer, const LayerPlacement &placement, int gpu, int slot,
+                        std::int32_t incoming) const;
+  // Checks `b`'s selection against the placement `where` and the layer's held records; `chosen` gets per
+  // (GPU, expert) whether it returns. The caller holds `mu_`.
+  Status check_selection(const ReduceBatch &b, const LayerPlacement &where, std::vector<char> &chosen) const;
   std::int64_t span_end() const;
   // Busy batches of `layer` that write what a new batch touches or reads, or read what it writes (all sorted);
   // the caller holds `mu_`.

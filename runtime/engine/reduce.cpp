@@ -1,4 +1,5 @@
-// Replica gradients: staged on the owner GPU, then added in a fixed order, all or nothing per expert.
+// Replica gradients: staged on the owner GPU, then added in a fixed order, all or nothing per expert; under the
+// held-gradient rule (`ReduceBatch::select`) each returned replica gradient is then zeroed.
 
 #include "engine.hpp"
 
@@ -88,18 +89,26 @@ void EngineImpl::step_reduce(TicketImpl &t, double now_s) {
     if (!local_[t.reduces[i].owner]) {
       for (std::size_t k = i; k < j; ++k) // another process adds them; sends report their own outcome
         t.reduces[k].ok = t.reduces[k].copy.done();
-      i = j;
-      continue;
+    } else {
+      if (ok)
+        for (std::size_t k = i; k < j; ++k) {
+          const ReduceRun &r = t.reduces[k];
+          const SlotRegion &og = ls.grads[r.owner];
+          auto *dst =
+              reinterpret_cast<float *>(static_cast<std::byte *>(og.base) + r.owner_slot * og.slot_stride_bytes);
+          if (!transport_->accumulate(r.owner, dst, reinterpret_cast<const float *>(r.staging), n).ok()) ok = false;
+        }
+      for (std::size_t k = i; k < j; ++k)
+        t.reduces[k].ok = ok;
     }
-    if (ok)
-      for (std::size_t k = i; k < j; ++k) {
-        const ReduceRun &r = t.reduces[k];
-        const SlotRegion &og = ls.grads[r.owner];
-        auto *dst = reinterpret_cast<float *>(static_cast<std::byte *>(og.base) + r.owner_slot * og.slot_stride_bytes);
-        if (!transport_->accumulate(r.owner, dst, reinterpret_cast<const float *>(r.staging), n).ok()) ok = false;
-      }
-    for (std::size_t k = i; k < j; ++k)
-      t.reduces[k].ok = ok;
+    // Held-gradient rule: a returned gradient restarts from zero on its (local) replica GPU.
+    for (std::size_t k = i; k < j; ++k) {
+      ReduceRun &r = t.reduces[k];
+      if (!r.zero || !r.ok || !local_[r.gpu]) continue;
+      const SlotRegion &rg = ls.grads[r.gpu];
+      auto *src = reinterpret_cast<float *>(static_cast<std::byte *>(rg.base) + r.slot * rg.slot_stride_bytes);
+      r.ok = transport_->zero(r.gpu, src, n).ok();
+    }
     i = j;
   }
   end(t);

@@ -115,6 +115,12 @@ Status EngineImpl::set_resident(int layer, const LayerPlacement &p) {
   for (auto &t : active_)
     if (t->layer == layer && t->busy())
       return {StatusCode::invalid_argument, "set_resident: layer " + std::to_string(layer) + " has batches in flight"};
+  for (int g = 0; g < p.num_gpus(); ++g)
+    for (int s = 0; s < p.slots_per_gpu(); ++s)
+      if (Status st = check_not_held("set_resident", layer, spmd_ ? layers_[layer].planned : layers_[layer].resident, g,
+                                     s, p.slot(g, s));
+          !st.ok())
+        return st;
   ++layers_[layer].generation;
   layers_[layer].resident = p;
   layers_[layer].planned = p;

@@ -36,6 +36,13 @@ Status EngineImpl::submit(const MoveBatch &b, Ticket &out, std::shared_ptr<Ticke
           return bad("submit: dst_buffer ", b.dst_buffer, " but GPU ", m.dst_gpu, " has ",
                      ls.slots[m.dst_gpu].num_buffers, " buffers per slot");
       }
+      // A move never overwrites a slot whose replica still holds its gradient (every process checks every move).
+      for (const Move &m : b.moves)
+        if (m.dst_slot >= 0 && m.dst_slot < slots)
+          if (Status st =
+                  check_not_held("submit", b.layer, spmd_ ? ls.planned : ls.resident, m.dst_gpu, m.dst_slot, m.expert);
+              !st.ok())
+            return st;
       if (spmd_) {
         // Every process must derive the same chunks: plan on the placement as planned, whatever has landed yet. A
         // source still being written is waited for (slot hazards below), and one whose move failed sends a header
@@ -142,7 +149,10 @@ Status EngineImpl::submit_reduce(const ReduceBatch &b, Ticket &out, std::shared_
   if (static_cast<int>(b.owner_gpu.size()) != opts_.num_experts)
     return bad("submit_reduce: owner_gpu has ", b.owner_gpu.size(), " entries for ", opts_.num_experts, " experts");
   const Topology &topo = opts_.topology;
-  const int slots = topo.slots_per_gpu;
+  const int slots = topo.slots_per_gpu, num_experts = opts_.num_experts;
+  for (int e = 0; e < num_experts; ++e)
+    if (const int o = b.owner_gpu[e]; o < 0 || o >= topo.num_gpus())
+      return bad("submit_reduce: expert ", e, " has owner GPU ", o);
   auto t = std::make_shared<TicketImpl>();
   t->kind = TicketImpl::Kind::reduce;
   t->layer = b.layer;
@@ -152,21 +162,24 @@ Status EngineImpl::submit_reduce(const ReduceBatch &b, Ticket &out, std::shared_
   // Multi-process: every process enumerates the same replicas (from the planned placement); a sender whose
   // replica is not valid says so in its header.
   const LayerPlacement &where = spmd_ ? ls.planned : ls.resident;
-  for (int e = 0; e < opts_.num_experts; ++e) {
+  std::vector<char> chosen; // select: per (GPU, expert), whether the replica returns
+  if (b.select)
+    if (Status st = check_selection(b, where, chosen); !st.ok()) return st;
+  for (int e = 0; e < num_experts; ++e) {
     const int o = b.owner_gpu[e];
-    if (o < 0 || o >= topo.num_gpus()) return bad("submit_reduce: expert ", e, " has owner GPU ", o);
     int owner_slot = -1;
     for (int s = 0; s < slots; ++s)
       if (where.slot(o, s) == e) owner_slot = s;
     bool any = false;
     for (int g = 0; g < topo.num_gpus(); ++g)
       for (int s = 0; s < slots; ++s)
-        if (g != o && where.slot(g, s) == e) {
+        if (g != o && where.slot(g, s) == e &&
+            (!b.select || chosen[static_cast<std::size_t>(g) * num_experts + e] != 0)) {
           if (owner_slot < 0)
             return bad("submit_reduce: expert ", e, " has a replica on GPU ", g, " but its owner GPU ", o,
                        " holds no valid copy");
           ReduceRun r;
-          r.expert = e, r.gpu = g, r.slot = s, r.owner = o, r.owner_slot = owner_slot;
+          r.expert = e, r.gpu = g, r.slot = s, r.owner = o, r.owner_slot = owner_slot, r.zero = b.select;
           r.role = local_[g] && local_[o] ? Role::local : local_[o] ? Role::recv : local_[g] ? Role::send : Role::none;
           for (int x : {g, o})
             if (local_[x] && ls.grads[x].base == nullptr)
@@ -191,7 +204,85 @@ Status EngineImpl::submit_reduce(const ReduceBatch &b, Ticket &out, std::shared_
     r.copy.c.dst_gpu = r.owner;
     r.copy.c.num_bytes = ls.grad_bytes;
   }
-  return finish_submit(t, b.timeout, {b.grads_ready, Gate{}}, out, made);
+  if (Status st = finish_submit(t, b.timeout, {b.grads_ready, Gate{}}, out, made); !st.ok()) return st;
+  // The gradients this reduction leaves in place, by slot; without a selection every replica returned.
+  ls.held.clear();
+  if (b.select && !b.held.empty()) {
+    ls.held.assign(static_cast<std::size_t>(where.num_slots()), -1);
+    for (int g = 0; g < topo.num_gpus(); ++g)
+      for (int s = 0; s < slots; ++s)
+        if (const std::int32_t e = where.slot(g, s); e != empty_slot)
+          ls.held[static_cast<std::size_t>(g) * slots + s] = b.held[static_cast<std::size_t>(g) * num_experts + e];
+  }
+  return Status::success();
+}
+
+Status EngineImpl::check_selection(const ReduceBatch &b, const LayerPlacement &where, std::vector<char> &chosen) const {
+  const int num_gpus = opts_.topology.num_gpus(), num_experts = opts_.num_experts, slots = where.slots_per_gpu();
+  const std::size_t pairs = static_cast<std::size_t>(num_gpus) * num_experts;
+  if (!b.held.empty() && b.held.size() != pairs)
+    return bad("submit_reduce: held has ", b.held.size(), " entries, expected GPUs x experts = ", pairs);
+  // A replica the selection names: a valid copy off its owner.
+  auto replica = [&](const char *what, int g, int e) -> Status {
+    if (g == b.owner_gpu[e])
+      return bad("submit_reduce: ", what, " GPU ", g, " expert ", e, ", but GPU ", g, " is its owner, not a replica");
+    if (!where.holds(g, e))
+      return bad("submit_reduce: ", what, " GPU ", g, " expert ", e, ", but layer ", b.layer, " GPU ", g,
+                 " holds no valid copy of it");
+    return Status::success();
+  };
+  chosen.assign(pairs, 0);
+  for (const ReplicaRef &r : b.returns) {
+    if (r.gpu < 0 || r.gpu >= num_gpus)
+      return bad("submit_reduce: returns names GPU ", r.gpu, " (expert ", r.expert, "), outside [0, ", num_gpus, ")");
+    if (r.expert < 0 || r.expert >= num_experts)
+      return bad("submit_reduce: returns names expert ", r.expert, " (GPU ", r.gpu, "), outside [0, ", num_experts,
+                 ")");
+    char &c = chosen[static_cast<std::size_t>(r.gpu) * num_experts + r.expert];
+    if (c != 0) return bad("submit_reduce: returns names GPU ", r.gpu, " expert ", r.expert, " twice");
+    c = 1;
+    if (Status st = replica("returns names", r.gpu, r.expert); !st.ok()) return st;
+  }
+  for (int g = 0; g < num_gpus && !b.held.empty(); ++g)
+    for (int e = 0; e < num_experts; ++e) {
+      const std::size_t i = static_cast<std::size_t>(g) * num_experts + e;
+      const std::int32_t h = b.held[i];
+      if (h == -1) continue;
+      if (h != b.owner_gpu[e])
+        return bad("submit_reduce: held names owner GPU ", h, " for GPU ", g, " expert ", e, ", but owner_gpu says ",
+                   b.owner_gpu[e]);
+      if (chosen[i] != 0) return bad("submit_reduce: GPU ", g, " expert ", e, " is both returned and held");
+      if (Status st = replica("held names", g, e); !st.ok()) return st;
+    }
+  // Gradients an earlier reduction left in place are returned or held again, for the same owner.
+  const std::vector<std::int32_t> &before = layers_[b.layer].held;
+  for (std::size_t q = 0; q < before.size(); ++q) {
+    const std::int32_t o = before[q];
+    if (o < 0) continue;
+    const int g = static_cast<int>(q) / slots, s = static_cast<int>(q) % slots;
+    const std::int32_t e = where.slot(g, s);
+    if (e == empty_slot)
+      return bad("submit_reduce: layer ", b.layer, " GPU ", g, " slot ", s, " held a gradient for owner GPU ", o,
+                 " but holds no valid expert now");
+    const std::size_t i = static_cast<std::size_t>(g) * num_experts + e;
+    const bool returned = chosen[i] != 0 && b.owner_gpu[e] == o, kept = !b.held.empty() && b.held[i] == o;
+    if (!returned && !kept)
+      return bad("submit_reduce: layer ", b.layer, " GPU ", g, " slot ", s, " holds the gradient of expert ", e,
+                 " for owner GPU ", o, " (held by an earlier reduction); return it to that owner or hold it again");
+  }
+  return Status::success();
+}
+
+Status EngineImpl::check_not_held(const char *what, int layer, const LayerPlacement &placement, int gpu, int slot,
+                                  std::int32_t incoming) const {
+  const std::vector<std::int32_t> &held = layers_[layer].held;
+  if (gpu < 0 || gpu >= placement.num_gpus() || held.empty()) return Status::success();
+  const std::int32_t o = held[static_cast<std::size_t>(gpu) * placement.slots_per_gpu() + slot];
+  const std::int32_t e = placement.slot(gpu, slot);
+  if (o < 0 || e == incoming) return Status::success();
+  return bad(what, ": layer ", layer, " GPU ", gpu, " slot ", slot, " holds the gradient of expert ", e,
+             " for owner GPU ", o, " (held-gradient rule); return it with submit_reduce before replacing expert ", e,
+             " there");
 }
 
 // Busy batches of `layer` that write what a new batch touches or reads, or read what it writes (all sorted);

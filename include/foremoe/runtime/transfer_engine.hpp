@@ -186,12 +186,42 @@ struct MoveBatch {
   std::chrono::milliseconds timeout{10000}; ///< the batch ends `timed_out` after this
 };
 
+/// A replica: the copy of `expert` on GPU `gpu`, a GPU other than the expert's owner.
+struct ReplicaRef {
+  std::int32_t gpu = 0;
+  std::int32_t expert = 0;
+  friend bool operator==(const ReplicaRef &, const ReplicaRef &) = default;
+};
+
 /// One layer's replica gradients to add into their owners' gradients (update stage).
+///
+/// Held-gradient rule (issue 30, `plan/held_gradients.hpp`; `runtime/held_reduce.hpp` fills the three fields
+/// below from a `HeldGradients` and the plans). With `select` false (the default) every resident replica returns
+/// and its gradient slot is left as it is (the caller clears it), as before the rule. With `select` true:
+///   - only the replicas in `returns` are added into their owners (each a resident replica: its GPU validly holds
+///     the expert and is not `owner_gpu[expert]`; no pair twice), in the same fixed order as without a selection
+///     (experts ascending, an expert's replicas by GPU), whatever the order of `returns`;
+///   - a returned replica's gradient slot (its `grad_bytes`) is zeroed once it was added (its expert's additions
+///     all succeeded; a replica whose owner another process drives: once its send landed), so that the in-place
+///     accumulation restarts from zero. A replica whose return failed keeps its gradient (and a failed zeroing
+///     reports the return failed, the gradient added yet still in place: redo the step);
+///   - `held` (`[gpus * experts]`, `HeldGradients::layer` after the release; empty: none) names the replicas whose
+///     gradient stays in place, each with the owner it is held for: a resident replica of that owner, not in
+///     `returns`. The engine records their slots until the layer's next reduction. A held gradient of an earlier
+///     reduction must be returned or held again (never dropped), a move batch writing a slot that holds one is
+///     refused unless it writes the same expert, and so is `set_resident` changing such a slot's expert (each
+///     naming layer, GPU, slot and expert). A reduction without a selection returns every replica and forgets the
+///     records. Owner gradients are never zeroed (the optimizer step and the trainer's `zero_grad` own them).
+/// Replicas neither returned nor held must hold a zero gradient (they ran no tokens since their last return):
+/// zero the gradient slots before the update stage's first micro-step, as a trainer's `zero_grad` does.
 struct ReduceBatch {
   int layer = 0;
   std::span<const std::int32_t> owner_gpu; ///< `[experts]`
   Gate grads_ready{};                      ///< backward of the layer wrote the gradients
   std::chrono::milliseconds timeout{10000};
+  bool select = false;                 ///< true: the held-gradient rule's selection below
+  std::span<const ReplicaRef> returns; ///< `select`: the replicas that return (added, then zeroed)
+  std::span<const std::int32_t> held;  ///< `select`: `[gpus * experts]` owner each replica still holds for, or -1
 };
 
 /// Executes moves and reductions. Thread-safe: several threads may submit; one progress thread drives all batches.
@@ -215,8 +245,9 @@ public:
 
   /// Plans and starts `batch`; `out` is valid only when the status is ok.
   [[nodiscard]] Status submit(const MoveBatch &batch, Ticket &out);
-  /// Adds every replica's gradient of `batch.layer` (per the resident placement) into its owner's gradient, in a
-  /// fixed order (replicas by GPU), so results are the same on every run.
+  /// Adds every replica's gradient of `batch.layer` (per the resident placement), or with `batch.select` those in
+  /// `batch.returns` (then zeroed), into its owner's gradient, in a fixed order (experts ascending, replicas by
+  /// GPU), so results are the same on every run. See `ReduceBatch` for the held-gradient rule.
   [[nodiscard]] Status submit_reduce(const ReduceBatch &batch, Ticket &out);
 
   /// The expert that GPU `gpu` slot `slot` of `layer` validly holds, or `empty_slot` (never partial bytes). For

@@ -21,7 +21,7 @@
 /// - Paired transfers (`start_peer`, optional) pair sends and receives between two GPUs in posting order;
 ///   a posted group cannot be cancelled, and the engine keeps its `PeerOp`s alive until the group's `query`
 ///   answered anything but `in_progress`.
-/// - `checksum` and `accumulate` are synchronous; they run on the progress thread, never on a caller's thread.
+/// - `checksum`, `accumulate` and `zero` are synchronous; they run on the progress thread, never on a caller's thread.
 /// - `alloc`/`alloc_flags` are called at registration and while pools warm up, never per chunk; the engine
 ///   pools what they return and frees it at its destruction.
 
@@ -82,6 +82,12 @@ public:
   [[nodiscard]] virtual Status checksum(int gpu, const std::byte *p, std::int64_t num_bytes, std::uint64_t &out) = 0;
   /// `dst[i] += src[i]` for `n` floats on GPU `gpu`; synchronous.
   [[nodiscard]] virtual Status accumulate(int gpu, float *dst, const float *src, std::int64_t n) = 0;
+  /// `dst[i] = 0` for `n` floats on GPU `gpu`; synchronous. Reductions under the held-gradient rule
+  /// (`ReduceBatch::select`) clear each returned replica gradient with it; the default answers `unavailable`.
+  [[nodiscard]] virtual Status zero(int gpu, float *dst, std::int64_t n) {
+    (void)dst, (void)n;
+    return {StatusCode::unavailable, "zero: this transport cannot clear GPU " + std::to_string(gpu) + "'s memory"};
+  }
   /// Staging memory on GPU `gpu` (replica gradients on their way to the owner, scratch of abandoned exchanges).
   [[nodiscard]] virtual Status alloc(int gpu, std::int64_t num_bytes, std::byte *&out) = 0;
   virtual void free(int gpu, std::byte *p) noexcept = 0;

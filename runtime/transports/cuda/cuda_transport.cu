@@ -467,6 +467,18 @@ public:
       return {StatusCode::device_error, e.what()};
     }
   }
+  Status zero(int gpu, float *dst, std::int64_t n) override {
+    const int d = dev_[gpu];
+    if (d < 0) return {StatusCode::unavailable, "zero: GPU " + std::to_string(gpu) + " is not local"};
+    try {
+      FOREMOE_CUDA_CHECK(cudaSetDevice(d));
+      cudaStream_t s = streams_[d][transfer::num_paths];
+      FOREMOE_CUDA_CHECK(cudaMemsetAsync(dst, 0, static_cast<std::size_t>(n) * sizeof(float), s));
+      return wait_stream(s, "zero");
+    } catch (const DeviceError &e) {
+      return {StatusCode::device_error, e.what()};
+    }
+  }
   Status alloc(int gpu, std::int64_t n, std::byte *&out) override {
     const int d = dev_[gpu];
     if (d < 0) return {StatusCode::unavailable, "alloc: GPU " + std::to_string(gpu) + " is not local"};

@@ -1,6 +1,7 @@
 // Host backend of the transfer engine: "device memory" is host memory and copies are memcpy on worker threads, one
 // pool per path, so that CPU tests run the engine's real state machine with real concurrency.
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -106,6 +107,10 @@ public:
   Status accumulate(int, float *dst, const float *src, std::int64_t n) override {
     for (std::int64_t i = 0; i < n; ++i)
       dst[i] += src[i];
+    return Status::success();
+  }
+  Status zero(int, float *dst, std::int64_t n) override {
+    std::fill(dst, dst + n, 0.0f);
     return Status::success();
   }
   Status alloc(int, std::int64_t n, std::byte *&out) override {

@@ -276,12 +276,30 @@ class TransferEngine:
         return self._ticket(t, sources_ready, slots_free)
 
     def submit_reduce(self, layer: int, owner_gpu: Any, *, grads_ready: Any = None,
-                      timeout: float = DEFAULT_TIMEOUT) -> Ticket:
+                      timeout: float = DEFAULT_TIMEOUT, returns: Any = None, held: Any = None) -> Ticket:
         """Adds every replica's gradient of ``layer`` into its owner's (``owner_gpu``: ``[experts]``, e.g.
-        ``plan.owner_gpu[layer]``), in a fixed order."""
+        ``plan.owner_gpu[layer]``), in a fixed order (experts ascending, an expert's replicas by GPU).
+
+        Held-gradient rule (issue 30), given ``returns`` or ``held``: only the replicas in ``returns`` (``[n, 2]``
+        (gpu, expert) pairs, each a resident replica, none twice) are added, each replica's gradient row then zeroed;
+        ``held`` (``[gpus, experts]``: the owner GPU each replica's gradient stays held for, -1 none; default none)
+        names those left in place, whose slots moves may not overwrite until a later reduction returns them.
+        Without either every replica returns and its gradient is left as it is."""
+        pairs = None
+        if returns is not None:
+            pairs = _int_array(returns, "submit_reduce: returns")
+            if pairs.size == 0:
+                pairs = pairs.reshape(0, 2)
+            if pairs.ndim != 2 or pairs.shape[1] != 2:
+                raise ValueError(f"submit_reduce: returns must be [n, 2] (gpu, expert) pairs, got shape "
+                                 f"{tuple(pairs.shape)}")
+            pairs = np.ascontiguousarray(pairs.reshape(-1))
+        table = None
+        if held is not None:
+            table = np.ascontiguousarray(_int_array(held, "submit_reduce: held").reshape(-1))
         t = self._e.submit_reduce(integer(layer, "submit_reduce: layer"),
                                   _int_array(owner_gpu, "submit_reduce: owner_gpu"),
-                                  _gate(grads_ready, "grads_ready"), float(timeout))
+                                  _gate(grads_ready, "grads_ready"), float(timeout), pairs, table)
         return self._ticket(t, grads_ready)
 
     def _ticket(self, t: Any, *gates: Any) -> Ticket:
