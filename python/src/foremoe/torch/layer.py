@@ -174,6 +174,9 @@ class ExpertStorage:
         self.resident_rows = np.full((world, self.slots), -1, dtype=np.int64)
         self.row_generation = np.zeros(rows_total, dtype=np.int64)  # bumped when a row of this rank is rewritten
         self._bound: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (trainer parameter, its row): bind_parameters
+        self._bound_ptrs: List[int] = []
+        self._bound_shapes: List[torch.Size] = []
+        self._checked: Optional[Tuple[Any, int, np.ndarray]] = None  # check_plan's last (plan, layer, placement)
         self._versions = self._param_versions()
         self._ptrs = self._param_ptrs()
         self._invalid = False
@@ -266,6 +269,8 @@ class ExpertStorage:
                 row.copy_(p.detach())
                 p.data = row
         self._bound.extend(bound)
+        self._bound_ptrs = [int(row.data_ptr()) for _, row in self._bound]  # what check_aliasing compares with
+        self._bound_shapes = [row.shape for _, row in self._bound]
         self._versions = self._param_versions()
 
     def invalidate(self) -> None:
@@ -301,6 +306,9 @@ class ExpertStorage:
             if int(p.data_ptr()) != ptr or p.shape[0] != self.num_owned:
                 raise ValueError(f"ExpertStorage: owner parameter {name!r} no longer aliases the slot storage "
                                  f"(its .data was replaced); update it in place instead")
+        if [p.data_ptr() for p, _ in self._bound] == self._bound_ptrs and \
+                [p.shape for p, _ in self._bound] == self._bound_shapes:
+            return
         for p, row in self._bound:
             if int(p.data_ptr()) != int(row.data_ptr()) or p.shape != row.shape:
                 raise ValueError("ExpertStorage: a bound trainer parameter no longer aliases its slot storage row "
@@ -322,7 +330,11 @@ class ExpertStorage:
 
     def check_plan(self, plan: "foremoe.Plan", layer: int) -> np.ndarray:
         """Checks that ``plan``'s layer ``layer`` fits this storage (ranks, slots, experts, owners; that it keeps
-        every owned expert on its owner is checked by :meth:`bookkeep`); returns its ``[G, S]`` placement."""
+        every owned expert on its owner is checked by :meth:`bookkeep`); returns its ``[G, S]`` placement.
+        The plan checked last is remembered (a plan is immutable): checking it again costs nothing."""
+        memo = self._checked
+        if memo is not None and memo[0] is plan and type(layer) is int and memo[1] == layer:
+            return memo[2]
         if plan.num_gpus != self.world:
             raise ValueError(f"ExpertStorage: the plan is for {plan.num_gpus} ranks, the storage for {self.world}")
         if plan.slots != self.slots:
@@ -337,7 +349,9 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: plan layer {layer} makes GPU {int(owner[e])} the owner of expert {e}, "
                              f"the storage rank {int(self.owners[e])} (plan with owners=... the trainer's "
                              f"sharding)")
-        return np.asarray(plan.gpu_slots[layer])
+        placement = np.asarray(plan.gpu_slots[layer])
+        self._checked = (plan, layer, placement)
+        return placement
 
     def bookkeep(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int]) -> Dict[str, Any]:
         """The bookkeeping of :meth:`sync` without the transfers (C++, the same on every rank): updates the
@@ -721,14 +735,15 @@ def _hold_schedule(st: ExpertStorage, plan: "foremoe.Plan", layer: int, gradient
                            f"ranks {list(changed)} changed (an optimizer step?): run the last micro-step before "
                            f"the optimizer step with gradients='flush'")
     place, taken = np.asarray(plan.gpu_slots[layer]), np.asarray(plan.slot_tokens[layer])
+    owner = np.where(place >= 0, st.owners[np.maximum(place, 0)], -1)
+    holders, cols = np.nonzero((place >= 0) & (owner != np.arange(st.world)[:, None]))  # the replicas, row-major
     present: Dict[Tuple[int, int], int] = {}
     used = []
-    for g, j in zip(*np.nonzero(place >= 0)):
-        e = int(place[g, j])
-        if int(st.owners[e]) != int(g):
-            present[(int(g), e)] = int(st.owners[e])
-            if taken[g, j] > 0:
-                used.append((int(g), e))
+    for g, e, o, n in zip(holders.tolist(), place[holders, cols].tolist(), owner[holders, cols].tolist(),
+                          taken[holders, cols].tolist()):
+        present[(g, e)] = o
+        if n > 0:
+            used.append((g, e))
     sends = [(e, g) for (g, e), o in st._held.items() if present.get((g, e)) != o]
     for e, g in sends:
         del st._held[(g, e)]
