@@ -656,11 +656,7 @@ class _SlotExperts(torch.autograd.Function):
         st = run.storage
         if ctx.inner is None:
             raise RuntimeError("foremoe.torch: backward of a balanced MoE layer that ran without autograd")
-        for j in run.replica_slots:
-            row = int(run.rows[j])
-            if st.row_generation[row] != run.generations[row]:
-                raise RuntimeError(f"foremoe.torch: layer {run.layer}: replica row {row} was rewritten by a later "
-                                   f"micro-step before this micro-step's backward")
+        _check_rows(run)
         xd, sd, od, rep, y = ctx.inner
         rep_slots = sorted(rep)
         ns = int(sd is not None and sd.requires_grad)
@@ -682,6 +678,65 @@ class _SlotExperts(torch.autograd.Function):
             go = _reduce_replica_grads(run, go, rep_grad, row_slot)
         ctx.inner = None
         return (gx, gs, None, *go)
+
+
+def _check_rows(run: _Run) -> None:
+    """Raises when a replica row of ``run`` was rewritten (by a later micro-step's moves) before its backward."""
+    st = run.storage
+    for j in run.replica_slots:
+        row = int(run.rows[j])
+        if st.row_generation[row] != run.generations[row]:
+            raise RuntimeError(f"foremoe.torch: layer {run.layer}: replica row {row} was rewritten by a later "
+                               f"micro-step before this micro-step's backward")
+
+
+class _SlotWeights(torch.autograd.Function):
+    """The weights of every slot of ``run`` that takes tokens, as separate outputs (kind after kind, slot after
+    slot; views of the storage rows, copying nothing), with the per-expert owner parameters (kind-major) as inputs:
+    the slot compute then runs in the caller's autograd graph, without a nested one. Backward adds the replica
+    gradients into the owners' as :class:`_SlotExperts` does and hands each parameter its gradient (zero for an
+    owner row without tokens)."""
+
+    @staticmethod
+    def forward(ctx: Any, run: _Run, slots: List[int], *params: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        st = run.storage
+        ctx.run, ctx.slots = run, slots
+        return tuple(st.storage[n][int(run.rows[j])].detach() for j in slots for n in st.names)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Any, ...]:
+        run: _Run = ctx.run
+        st = run.storage
+        _check_rows(run)
+        n, nk = st.num_owned, len(st.names)
+        go = [torch.zeros_like(st.storage[name][:n]) for name in st.names]
+        rep_grad: Dict[int, List[torch.Tensor]] = {}
+        for i, j in enumerate(ctx.slots):
+            row = int(run.rows[j])
+            gs = [torch.zeros_like(st.storage[name][row]) if g is None else g
+                  for name, g in zip(st.names, grads[i * nk:(i + 1) * nk])]
+            if row < n:
+                for k in range(nk):
+                    go[k][row] = gs[k]
+            else:
+                rep_grad[j] = gs
+        if run.hold is not None:
+            go = _return_held_grads(run, go, rep_grad)
+        else:
+            go = _reduce_replica_grads(run, go, rep_grad, {int(run.rows[j]): j for j in rep_grad})
+        return (None, None, *[g for k in range(nk) for g in go[k].unbind(0)])
+
+
+def slot_compute(run: _Run, x: torch.Tensor, scale: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The expert compute of ``run``'s local slots on ``x`` (rows grouped by slot) with Megatron's per-row
+    ``scale``, in the caller's autograd graph (:class:`_SlotWeights`); ``params``: the per-expert owner
+    parameters, kind-major. The same numbers as :class:`_SlotExperts`."""
+    counts = run.layout.slot_counts
+    slots = [j for j, c in enumerate(counts) if c > 0]
+    nk = len(run.storage.names)
+    ws = _SlotWeights.apply(run, slots, *params)
+    xs, ss = x.split(counts), scale.split(counts)
+    return torch.cat([run.expert_fn(xs[j], *ws[i * nk:(i + 1) * nk], scale=ss[j]) for i, j in enumerate(slots)])
 
 
 def _reduce_replica_grads(run: _Run, go: List[torch.Tensor], rep_grad: Dict[int, List[torch.Tensor]],
