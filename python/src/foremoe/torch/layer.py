@@ -137,6 +137,8 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: slots {slots} must be in [1, {self.num_experts}]: a rank holds distinct "
                              f"experts, at most the {self.num_experts} there are")
         self.owners = own
+        self._owner_of = np.append(own, -1)  # indexed by a placement: an empty slot (-1) has owner -1
+        self._ranks = np.arange(world)[:, None]
         self.owned = [np.flatnonzero(own == g).astype(np.int64) for g in range(world)]
         self.own_row = np.zeros(self.num_experts, dtype=np.int64)
         for g in range(world):
@@ -709,17 +711,21 @@ class _SlotWeights(torch.autograd.Function):
         st = run.storage
         _check_rows(run)
         n, nk = st.num_owned, len(st.names)
-        go = [torch.zeros_like(st.storage[name][:n]) for name in st.names]
+        rows: Dict[int, Sequence[Optional[torch.Tensor]]] = {}  # owner row -> its gradients, one per kind
         rep_grad: Dict[int, List[torch.Tensor]] = {}
         for i, j in enumerate(ctx.slots):
             row = int(run.rows[j])
-            gs = [torch.zeros_like(st.storage[name][row]) if g is None else g
-                  for name, g in zip(st.names, grads[i * nk:(i + 1) * nk])]
             if row < n:
-                for k in range(nk):
-                    go[k][row] = gs[k]
+                rows[row] = grads[i * nk:(i + 1) * nk]
             else:
-                rep_grad[j] = gs
+                rep_grad[j] = [torch.zeros_like(st.storage[name][row]) if g is None else g
+                               for name, g in zip(st.names, grads[i * nk:(i + 1) * nk])]
+        go = []  # [n, ...] per kind: an owner row without tokens gets zeros
+        for k, name in enumerate(st.names):
+            got = [rows[i][k] if i in rows else None for i in range(n)]
+            zero = st.storage[name][0]
+            go.append(torch.stack([torch.zeros_like(zero) if g is None else g for g in got]) if n else
+                      torch.zeros_like(st.storage[name][:0]))
         if run.hold is not None:
             go = _return_held_grads(run, go, rep_grad)
         else:
@@ -790,14 +796,13 @@ def _hold_schedule(st: ExpertStorage, plan: "foremoe.Plan", layer: int, gradient
                            f"ranks {list(changed)} changed (an optimizer step?): run the last micro-step before "
                            f"the optimizer step with gradients='flush'")
     place, taken = np.asarray(plan.gpu_slots[layer]), np.asarray(plan.slot_tokens[layer])
-    owner = np.where(place >= 0, st.owners[np.maximum(place, 0)], -1)
-    holders, cols = np.nonzero((place >= 0) & (owner != np.arange(st.world)[:, None]))  # the replicas, row-major
+    owner = st._owner_of[place]  # -1 for an empty slot
     present: Dict[Tuple[int, int], int] = {}
     used = []
-    for g, e, o, n in zip(holders.tolist(), place[holders, cols].tolist(), owner[holders, cols].tolist(),
-                          taken[holders, cols].tolist()):
-        present[(g, e)] = o
-        if n > 0:
+    for g, j in zip(*np.nonzero((owner != st._ranks) & (place >= 0))):  # the replicas, row-major
+        e, g = int(place[g, j]), int(g)
+        present[(g, e)] = int(owner[g, j])
+        if taken[g, j] > 0:
             used.append((g, e))
     sends = [(e, g) for (g, e), o in st._held.items() if present.get((g, e)) != o]
     for e, g in sends:
