@@ -179,6 +179,7 @@ class ExpertStorage:
         self._bound_ptrs: List[int] = []
         self._bound_shapes: List[torch.Size] = []
         self._checked: Optional[Tuple[Any, int, np.ndarray]] = None  # check_plan's last (plan, layer, placement)
+        self._row_views: Optional[List[List[torch.Tensor]]] = None
         self._versions = self._param_versions()
         self._ptrs = self._param_ptrs()
         self._invalid = False
@@ -225,6 +226,13 @@ class ExpertStorage:
     def replicas(self, name: str) -> torch.Tensor:
         """The spare replica rows of weight kind ``name`` (a view, not a parameter)."""
         return self.storage[name][self.num_owned:]
+
+    def _views(self) -> List[List[torch.Tensor]]:
+        """Every storage row of every weight kind as a view, ``[kind][row]`` (made once: the storage tensors are
+        only ever written in place)."""
+        if self._row_views is None:
+            self._row_views = [list(self.storage[n].unbind(0)) for n in self.names]
+        return self._row_views
 
     def replica_experts(self) -> Dict[int, int]:
         """Replicas resident on this rank: expert -> storage row."""
@@ -701,9 +709,9 @@ class _SlotWeights(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, run: _Run, slots: List[int], *params: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        st = run.storage
+        rows, views = run.rows.tolist(), run.storage._views()
         ctx.run, ctx.slots = run, slots
-        return tuple(st.storage[n][int(run.rows[j])].detach() for j in slots for n in st.names)
+        return tuple(v[rows[j]].detach() for j in slots for v in views)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Any, ...]:
