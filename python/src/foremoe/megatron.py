@@ -106,8 +106,8 @@ import foremoe  # noqa: E402
 from foremoe._args import integer  # noqa: E402
 from foremoe.torch.distributed import DEFAULT_TIMEOUT, all_to_all, group_rank, group_size  # noqa: E402
 from foremoe.torch.held import describe, gradients_mode, guard_optimizer_steps, held_gradients  # noqa: E402
-from foremoe.torch.layer import ExpertStorage, _prepare, _Run, _schedule_gradients, _SlotExperts  # noqa: E402
-from foremoe.torch.layer import contiguous_owners, slot_compute  # noqa: E402
+from foremoe.torch.layer import ExpertStorage, _prepare, _Run, _schedule_gradients, _slot_compute  # noqa: E402
+from foremoe.torch.layer import _SlotExperts, contiguous_owners  # noqa: E402
 from foremoe.torch.replay import ReplayDriver, StepPacking, pack_from_slime  # noqa: E402
 
 __doc__ = __doc__.replace("|SUPPORTED|", " / ".join(SUPPORTED_MEGATRON))
@@ -336,7 +336,7 @@ class _BalancedSequentialMLP(SequentialMLP):
         run.need_grad = torch.is_grad_enabled()
         _schedule_gradients(run, st.balancer._gradients_mode())
         if any(run.layout.slot_counts):  # the slots compute in Megatron's graph
-            return slot_compute(run, permuted_local_hidden_states, permuted_probs, st.params), None
+            return _slot_compute(run, permuted_local_hidden_states, permuted_probs, st.params), None
         blocks = _OwnerRows.apply(st.storage, *st.params)  # no tokens here: the parameters' gradients are zeros
         y = _SlotExperts.apply(permuted_local_hidden_states, permuted_probs, run, *blocks)
         return y, None

@@ -327,7 +327,7 @@ def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequ
 
 
 def _splits(sizes: Sequence[int], name: str) -> List[int]:
-    """Split sizes as a new list of ints (a list of non-negative ints, such as a layout's, is taken as it is)."""
+    """Split sizes as a new list of ints (a list of non-negative ints, such as a layout's, is copied as it is)."""
     if type(sizes) is list and all(type(n) is int and 0 <= n <= INT64_MAX for n in sizes):
         return list(sizes)
     return int_list(sizes, name, 0, INT64_MAX)

@@ -741,7 +741,7 @@ class _SlotWeights(torch.autograd.Function):
         return (None, None, *[g for k in range(nk) for g in go[k].unbind(0)])
 
 
-def slot_compute(run: _Run, x: torch.Tensor, scale: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+def _slot_compute(run: _Run, x: torch.Tensor, scale: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
     """The expert compute of ``run``'s local slots on ``x`` (rows grouped by slot) with Megatron's per-row
     ``scale``, in the caller's autograd graph (:class:`_SlotWeights`); ``params``: the per-expert owner
     parameters, kind-major. The same numbers as :class:`_SlotExperts`."""
