@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -39,6 +39,8 @@ def integer(value: Any, name: str, lo: int = INT32_MIN, hi: int = INT32_MAX) -> 
     """``value`` as an ``int`` in ``[lo, hi]`` (the default: a C++ ``int``). Accepts ``int``, NumPy integers and
     anything with ``__index__``, and floats holding a whole number (``8.0``); refuses ``bool`` and other types
     (``TypeError``), non-integral or non-finite floats and values outside the range (``ValueError``)."""
+    if type(value) is int and lo <= value <= hi:  # the common case, before any other test
+        return value
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an integer, got {describe(value)}")
     try:
@@ -88,6 +90,17 @@ def _at(idx: Any) -> str:
     return "[" + ", ".join(str(int(i)) for i in idx) + "]" if len(idx) else ""
 
 
+_IINFO: Dict[Any, Any] = {}
+
+
+def _iinfo(dtype: Any) -> Any:
+    """``np.iinfo(dtype)``, made once per dtype (making one costs more than the checks that read it)."""
+    info = _IINFO.get(dtype)
+    if info is None:
+        info = _IINFO[dtype] = np.iinfo(dtype)
+    return info
+
+
 def int_array(value: Any, name: str, *, dtype: Any = np.int64, lo: Optional[int] = None,
               hi: Optional[int] = None) -> np.ndarray:
     """``value`` (an array, a tensor or nested sequences) as a C-contiguous array of ``dtype`` whose every
@@ -98,9 +111,9 @@ def int_array(value: Any, name: str, *, dtype: Any = np.int64, lo: Optional[int]
         a = to_numpy(value)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{name} must be an array of integers: {e}") from None
-    info = np.iinfo(dtype)
+    info = _iinfo(dtype)
     lo_, hi_ = (info.min if lo is None else lo), (info.max if hi is None else hi)
-    typed = np.dtype(dtype).name if (lo, hi) == (None, None) else ""
+    typed = info.dtype.name if (lo, hi) == (None, None) else ""
     if a.size == 0:
         return np.ascontiguousarray(a, dtype=dtype)
     kind = a.dtype.kind

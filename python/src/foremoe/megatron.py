@@ -106,8 +106,8 @@ import foremoe  # noqa: E402
 from foremoe._args import integer  # noqa: E402
 from foremoe.torch.distributed import DEFAULT_TIMEOUT, all_to_all, group_rank, group_size  # noqa: E402
 from foremoe.torch.held import describe, gradients_mode, guard_optimizer_steps, held_gradients  # noqa: E402
-from foremoe.torch.layer import ExpertStorage, _prepare, _Run, _schedule_gradients, _SlotExperts  # noqa: E402
-from foremoe.torch.layer import contiguous_owners  # noqa: E402
+from foremoe.torch.layer import ExpertStorage, _prepare, _Run, _schedule_gradients, _slot_compute  # noqa: E402
+from foremoe.torch.layer import _SlotExperts, contiguous_owners  # noqa: E402
 from foremoe.torch.replay import ReplayDriver, StepPacking, pack_from_slime  # noqa: E402
 
 __doc__ = __doc__.replace("|SUPPORTED|", " / ".join(SUPPORTED_MEGATRON))
@@ -181,6 +181,24 @@ def _swap_call(template: torch.nn.Module, slots: Sequence[Tuple[torch.nn.Module,
     return out
 
 
+def _routes(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``[T, K]`` routed experts of every token in ascending id (-1 where a token has fewer routes, e.g. padding)
+    and their ``probs``, from Megatron's ``[T, E]`` routing map."""
+    T = routing_map.shape[0]
+    hits = routing_map.nonzero()  # (token, expert), row by row, experts ascending
+    if hits.shape[0] == T * topk:
+        rows, tokens = hits[:, 0], torch.arange(T, device=hits.device)
+        # rows never decrease: when the first and the last of every K hits are token t's, each token has exactly K
+        if torch.equal(rows[::topk], tokens) and torch.equal(rows[topk - 1::topk], tokens):
+            ids = hits[:, 1].view(T, topk)
+            return ids, probs.gather(1, ids)
+    # Some token has fewer routes: a stable descending sort of the 0/1 map puts each token's routed experts first.
+    taken, order = routing_map.to(torch.int8).sort(dim=1, descending=True, stable=True)
+    routed = taken[:, :topk] > 0
+    ids = torch.where(routed, order[:, :topk], torch.full_like(order[:, :topk], -1))
+    return ids, probs.gather(1, ids.clamp(min=0)) * routed.to(probs.dtype)
+
+
 class _LayerState:
     """What one balanced MoE layer keeps: its index, storage, expert function and the call in flight."""
 
@@ -239,12 +257,7 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         T = x.shape[0]
-        # [T, K] routed experts of every token in ascending id (-1 where a token has fewer routes, e.g. padding):
-        # a stable descending sort of the 0/1 map puts each token's routed experts first.
-        taken, order = routing_map.to(torch.int8).sort(dim=1, descending=True, stable=True)
-        routed = taken[:, :st.topk] > 0
-        ids = torch.where(routed, order[:, :st.topk], torch.full_like(order[:, :st.topk], -1))
-        weights = probs.gather(1, ids.clamp(min=0)) * routed.to(probs.dtype)
+        ids, weights = _routes(routing_map, probs, st.topk)
         ids_cpu = ids.cpu()
         try:
             run = _prepare(x, ids_cpu, weights, plan, st.storage, st.expert_fn, st.index, st.group, None,
@@ -322,7 +335,9 @@ class _BalancedSequentialMLP(SequentialMLP):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         run.need_grad = torch.is_grad_enabled()
         _schedule_gradients(run, st.balancer._gradients_mode())
-        blocks = _OwnerRows.apply(st.storage, *st.params)
+        if any(run.layout.slot_counts):  # the slots compute in Megatron's graph
+            return _slot_compute(run, permuted_local_hidden_states, permuted_probs, st.params), None
+        blocks = _OwnerRows.apply(st.storage, *st.params)  # no tokens here: the parameters' gradients are zeros
         y = _SlotExperts.apply(permuted_local_hidden_states, permuted_probs, run, *blocks)
         return y, None
 

@@ -97,7 +97,7 @@ def gather_checked(values: Sequence[int], error: Optional[str], group: Any, time
     message) makes this rank raise ``ValueError`` with it; every other rank raises ``ValueError`` with
     ``rejected`` formatted with ``rank``, the first rank that failed. Used wherever ranks check their own input
     before a collective that needs every rank's (counts, shapes, move status)."""
-    row = torch.tensor([0 if error is None else 1] + [int(v) for v in values], dtype=torch.int64)
+    row = torch.from_numpy(np.concatenate(([0 if error is None else 1], np.asarray(values, dtype=np.int64))))
     rows = gather_rows(row, group, timeout, what).numpy()
     if error is not None:
         raise ValueError(error) from None
@@ -152,7 +152,7 @@ def gather_source_loads(
             counts = local_counts(expert_ids, num_experts, f"{what}: rank {group_rank(group)}")
         except ValueError as e:
             error = str(e)
-    a = gather_checked(list(counts) + [int(f) for f in flags], error, group, timeout,
+    a = gather_checked(np.concatenate((counts, np.asarray(flags, dtype=np.int64))), error, group, timeout,
                        f"{what}: all_gather of expert counts",
                        f"{what}: rank {{rank}} of the group rejected its input (its error names the value)")
     return np.ascontiguousarray(a[:, :num_experts].T), np.ascontiguousarray(a[:, num_experts:])
@@ -322,5 +322,12 @@ def all_to_all(x: torch.Tensor, output_splits: Sequence[int], input_splits: Sequ
                timeout: float = DEFAULT_TIMEOUT) -> torch.Tensor:
     """``all_to_all_single`` of the rows of ``x`` with autograd (the backward sends the gradients back the same
     way) and a timeout on the wait."""
-    return _AllToAll.apply(x, int_list(output_splits, "all_to_all: output_splits", 0, INT64_MAX),
-                           int_list(input_splits, "all_to_all: input_splits", 0, INT64_MAX), group, float(timeout))
+    return _AllToAll.apply(x, _splits(output_splits, "all_to_all: output_splits"),
+                           _splits(input_splits, "all_to_all: input_splits"), group, float(timeout))
+
+
+def _splits(sizes: Sequence[int], name: str) -> List[int]:
+    """Split sizes as a new list of ints (a list of non-negative ints, such as a layout's, is copied as it is)."""
+    if type(sizes) is list and all(type(n) is int and 0 <= n <= INT64_MAX for n in sizes):
+        return list(sizes)
+    return int_list(sizes, name, 0, INT64_MAX)

@@ -137,6 +137,8 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: slots {slots} must be in [1, {self.num_experts}]: a rank holds distinct "
                              f"experts, at most the {self.num_experts} there are")
         self.owners = own
+        self._owner_of = np.append(own, -1)  # indexed by a placement: an empty slot (-1) has owner -1
+        self._ranks = np.arange(world)[:, None]
         self.owned = [np.flatnonzero(own == g).astype(np.int64) for g in range(world)]
         self.own_row = np.zeros(self.num_experts, dtype=np.int64)
         for g in range(world):
@@ -174,6 +176,10 @@ class ExpertStorage:
         self.resident_rows = np.full((world, self.slots), -1, dtype=np.int64)
         self.row_generation = np.zeros(rows_total, dtype=np.int64)  # bumped when a row of this rank is rewritten
         self._bound: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (trainer parameter, its row): bind_parameters
+        self._bound_ptrs: List[int] = []
+        self._bound_shapes: List[torch.Size] = []
+        self._checked: Optional[Tuple[Any, int, np.ndarray]] = None  # check_plan's last (plan, layer, placement)
+        self._row_views: Optional[List[List[torch.Tensor]]] = None
         self._versions = self._param_versions()
         self._ptrs = self._param_ptrs()
         self._invalid = False
@@ -221,6 +227,13 @@ class ExpertStorage:
         """The spare replica rows of weight kind ``name`` (a view, not a parameter)."""
         return self.storage[name][self.num_owned:]
 
+    def _views(self) -> List[List[torch.Tensor]]:
+        """Every storage row of every weight kind as a view, ``[kind][row]`` (made once: the storage tensors are
+        only ever written in place)."""
+        if self._row_views is None:
+            self._row_views = [list(self.storage[n].unbind(0)) for n in self.names]
+        return self._row_views
+
     def replica_experts(self) -> Dict[int, int]:
         """Replicas resident on this rank: expert -> storage row."""
         rows = np.flatnonzero(self.resident_rows[self.rank] >= 0)
@@ -266,6 +279,8 @@ class ExpertStorage:
                 row.copy_(p.detach())
                 p.data = row
         self._bound.extend(bound)
+        self._bound_ptrs = [int(row.data_ptr()) for _, row in self._bound]  # what check_aliasing compares with
+        self._bound_shapes = [row.shape for _, row in self._bound]
         self._versions = self._param_versions()
 
     def invalidate(self) -> None:
@@ -301,6 +316,9 @@ class ExpertStorage:
             if int(p.data_ptr()) != ptr or p.shape[0] != self.num_owned:
                 raise ValueError(f"ExpertStorage: owner parameter {name!r} no longer aliases the slot storage "
                                  f"(its .data was replaced); update it in place instead")
+        if [p.data_ptr() for p, _ in self._bound] == self._bound_ptrs and \
+                [p.shape for p, _ in self._bound] == self._bound_shapes:
+            return
         for p, row in self._bound:
             if int(p.data_ptr()) != int(row.data_ptr()) or p.shape != row.shape:
                 raise ValueError("ExpertStorage: a bound trainer parameter no longer aliases its slot storage row "
@@ -322,7 +340,11 @@ class ExpertStorage:
 
     def check_plan(self, plan: "foremoe.Plan", layer: int) -> np.ndarray:
         """Checks that ``plan``'s layer ``layer`` fits this storage (ranks, slots, experts, owners; that it keeps
-        every owned expert on its owner is checked by :meth:`bookkeep`); returns its ``[G, S]`` placement."""
+        every owned expert on its owner is checked by :meth:`bookkeep`); returns its ``[G, S]`` placement.
+        The plan checked last is remembered (a plan is immutable): checking it again costs nothing."""
+        memo = self._checked
+        if memo is not None and memo[0] is plan and type(layer) is int and memo[1] == layer:
+            return memo[2]
         if plan.num_gpus != self.world:
             raise ValueError(f"ExpertStorage: the plan is for {plan.num_gpus} ranks, the storage for {self.world}")
         if plan.slots != self.slots:
@@ -337,7 +359,9 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: plan layer {layer} makes GPU {int(owner[e])} the owner of expert {e}, "
                              f"the storage rank {int(self.owners[e])} (plan with owners=... the trainer's "
                              f"sharding)")
-        return np.asarray(plan.gpu_slots[layer])
+        placement = np.asarray(plan.gpu_slots[layer])
+        self._checked = (plan, layer, placement)
+        return placement
 
     def bookkeep(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int]) -> Dict[str, Any]:
         """The bookkeeping of :meth:`sync` without the transfers (C++, the same on every rank): updates the
@@ -642,11 +666,7 @@ class _SlotExperts(torch.autograd.Function):
         st = run.storage
         if ctx.inner is None:
             raise RuntimeError("foremoe.torch: backward of a balanced MoE layer that ran without autograd")
-        for j in run.replica_slots:
-            row = int(run.rows[j])
-            if st.row_generation[row] != run.generations[row]:
-                raise RuntimeError(f"foremoe.torch: layer {run.layer}: replica row {row} was rewritten by a later "
-                                   f"micro-step before this micro-step's backward")
+        _check_rows(run)
         xd, sd, od, rep, y = ctx.inner
         rep_slots = sorted(rep)
         ns = int(sd is not None and sd.requires_grad)
@@ -668,6 +688,69 @@ class _SlotExperts(torch.autograd.Function):
             go = _reduce_replica_grads(run, go, rep_grad, row_slot)
         ctx.inner = None
         return (gx, gs, None, *go)
+
+
+def _check_rows(run: _Run) -> None:
+    """Raises when a replica row of ``run`` was rewritten (by a later micro-step's moves) before its backward."""
+    st = run.storage
+    for j in run.replica_slots:
+        row = int(run.rows[j])
+        if st.row_generation[row] != run.generations[row]:
+            raise RuntimeError(f"foremoe.torch: layer {run.layer}: replica row {row} was rewritten by a later "
+                               f"micro-step before this micro-step's backward")
+
+
+class _SlotWeights(torch.autograd.Function):
+    """The weights of every slot of ``run`` that takes tokens, as separate outputs (kind after kind, slot after
+    slot; views of the storage rows, copying nothing), with the per-expert owner parameters (kind-major) as inputs:
+    the slot compute then runs in the caller's autograd graph, without a nested one. Backward adds the replica
+    gradients into the owners' as :class:`_SlotExperts` does and hands each parameter its gradient (zero for an
+    owner row without tokens)."""
+
+    @staticmethod
+    def forward(ctx: Any, run: _Run, slots: List[int], *params: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        rows, views = run.rows.tolist(), run.storage._views()
+        ctx.run, ctx.slots = run, slots
+        return tuple(v[rows[j]].detach() for j in slots for v in views)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Any, ...]:
+        run: _Run = ctx.run
+        st = run.storage
+        _check_rows(run)
+        n, nk = st.num_owned, len(st.names)
+        rows: Dict[int, Sequence[Optional[torch.Tensor]]] = {}  # owner row -> its gradients, one per kind
+        rep_grad: Dict[int, List[torch.Tensor]] = {}
+        for i, j in enumerate(ctx.slots):
+            row = int(run.rows[j])
+            if row < n:
+                rows[row] = grads[i * nk:(i + 1) * nk]
+            else:
+                rep_grad[j] = [torch.zeros_like(st.storage[name][row]) if g is None else g
+                               for name, g in zip(st.names, grads[i * nk:(i + 1) * nk])]
+        go = []  # [n, ...] per kind: an owner row without tokens gets zeros
+        for k, name in enumerate(st.names):
+            got = [rows[i][k] if i in rows else None for i in range(n)]
+            zero = st.storage[name][0]
+            go.append(torch.stack([torch.zeros_like(zero) if g is None else g for g in got]) if n else
+                      torch.zeros_like(st.storage[name][:0]))
+        if run.hold is not None:
+            go = _return_held_grads(run, go, rep_grad)
+        else:
+            go = _reduce_replica_grads(run, go, rep_grad, {int(run.rows[j]): j for j in rep_grad})
+        return (None, None, *[g for k in range(nk) for g in go[k].unbind(0)])
+
+
+def _slot_compute(run: _Run, x: torch.Tensor, scale: torch.Tensor, params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The expert compute of ``run``'s local slots on ``x`` (rows grouped by slot) with Megatron's per-row
+    ``scale``, in the caller's autograd graph (:class:`_SlotWeights`); ``params``: the per-expert owner
+    parameters, kind-major. The same numbers as :class:`_SlotExperts`."""
+    counts = run.layout.slot_counts
+    slots = [j for j, c in enumerate(counts) if c > 0]
+    nk = len(run.storage.names)
+    ws = _SlotWeights.apply(run, slots, *params)
+    xs, ss = x.split(counts), scale.split(counts)
+    return torch.cat([run.expert_fn(xs[j], *ws[i * nk:(i + 1) * nk], scale=ss[j]) for i, j in enumerate(slots)])
 
 
 def _reduce_replica_grads(run: _Run, go: List[torch.Tensor], rep_grad: Dict[int, List[torch.Tensor]],
@@ -721,14 +804,14 @@ def _hold_schedule(st: ExpertStorage, plan: "foremoe.Plan", layer: int, gradient
                            f"ranks {list(changed)} changed (an optimizer step?): run the last micro-step before "
                            f"the optimizer step with gradients='flush'")
     place, taken = np.asarray(plan.gpu_slots[layer]), np.asarray(plan.slot_tokens[layer])
+    owner = st._owner_of[place]  # -1 for an empty slot
     present: Dict[Tuple[int, int], int] = {}
     used = []
-    for g, j in zip(*np.nonzero(place >= 0)):
-        e = int(place[g, j])
-        if int(st.owners[e]) != int(g):
-            present[(int(g), e)] = int(st.owners[e])
-            if taken[g, j] > 0:
-                used.append((int(g), e))
+    for g, j in zip(*np.nonzero((owner != st._ranks) & (place >= 0))):  # the replicas, row-major
+        e, g = int(place[g, j]), int(g)
+        present[(g, e)] = int(owner[g, j])
+        if taken[g, j] > 0:
+            used.append((g, e))
     sends = [(e, g) for (g, e), o in st._held.items() if present.get((g, e)) != o]
     for e, g in sends:
         del st._held[(g, e)]
