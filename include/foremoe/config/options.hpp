@@ -592,7 +592,7 @@ template <class I>
     // batch: the synthetic GRPO batch (its layers, experts, top-k and GPUs follow the model and topology)
     lift(o, synthetic_schema(), "batch", [](auto &x) -> auto & { return x.batch; },
          {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "packing", "seed",
-          "skew", "persistence"});
+          "skew", "persistence", "topic_concentration"});
     o.push_back(bound<S>(
         "batch.workload", Type::string,
         "load generator: grpo (the synthetic GRPO batch), ultraep:A (UltraEP's: rank weight 1/r^alpha, alpha "
