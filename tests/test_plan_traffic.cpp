@@ -22,8 +22,9 @@ using namespace foremoe;
 
 namespace {
 
-/// Routed ids `[T][L][K]`: with `clusters > 0` each token (per layer) draws a cluster and takes its experts from
-/// it with probability `stay`, else anywhere; `clusters == 0`: skewed draws. Some ids are -1 or repeated.
+/// Routed ids `[T][L][K]`: with `clusters > 0` each token (per layer) has a cluster (in turn) and takes its experts
+/// from it with probability `stay`, else any expert uniformly; `clusters == 0`: skewed draws. Some ids are -1 or
+/// repeated.
 struct Ids {
   std::vector<std::int32_t> ids;
   std::int64_t tokens = 0;
@@ -31,18 +32,18 @@ struct Ids {
   [[nodiscard]] RoutedView view() const { return RoutedView(std::span<const std::int32_t>(ids), tokens, layers, topk); }
 };
 
-Ids random_ids(std::mt19937_64 &rng, std::int64_t tokens, int layers, int topk, int experts, int clusters,
-               double stay, bool holes) {
+Ids random_ids(std::mt19937_64 &rng, std::int64_t tokens, int layers, int topk, int experts, int clusters, double stay,
+               bool holes) {
   Ids out{std::vector<std::int32_t>(static_cast<std::size_t>(tokens * layers * topk)), tokens, layers, topk, experts};
   std::uniform_real_distribution<double> u(0.0, 1.0);
   std::vector<double> weight(static_cast<std::size_t>(experts));
   for (auto &w : weight)
-    w = 0.2 + u(rng) * u(rng) * 3.0;
+    w = clusters > 0 ? 1.0 : 0.2 + u(rng) * u(rng) * 3.0; // planted clusters: balanced, so one per node fits
   std::discrete_distribution<int> skewed(weight.begin(), weight.end());
   const int size = clusters > 0 ? experts / clusters : experts;
   for (std::int64_t t = 0; t < tokens; ++t)
     for (int l = 0; l < layers; ++l) {
-      const int c = clusters > 0 ? static_cast<int>(rng() % static_cast<std::uint64_t>(clusters)) : 0;
+      const int c = clusters > 0 ? static_cast<int>((t + l) % clusters) : 0; // every cluster as many tokens
       for (int k = 0; k < topk; ++k) {
         int e = 0;
         if (clusters > 0 && u(rng) < stay)
@@ -160,9 +161,9 @@ TEST_CASE("traffic_aware_owners keeps counts and node balance and never raises t
     opts.node_tolerance = 1.0 + double(rng() % 20) / 100.0;
     opts.max_passes = int(rng() % 20);
     const bool clustered = rng() % 2 == 0;
-    const Ids in = random_ids(rng, 20 + std::int64_t(rng() % 300), 1 + int(rng() % 3),
-                              1 + int(rng() % std::min(8, experts)), experts, clustered ? std::max(1, nodes) : 0, 0.8,
-                              rng() % 3 == 0);
+    const Ids in =
+        random_ids(rng, 20 + std::int64_t(rng() % 300), 1 + int(rng() % 3), 1 + int(rng() % std::min(8, experts)),
+                   experts, clustered ? std::min(nodes, experts) : 0, 0.8, rng() % 3 == 0);
     OwnerMap start, got;
     const Checked c = check_rules(in, topo, opts, start, got);
     before += c.cut_before;
@@ -177,7 +178,9 @@ TEST_CASE("traffic_aware_owners keeps counts and node balance and never raises t
 
 TEST_CASE("traffic_aware_owners cuts remote node hits on planted co-activation clusters") {
   std::mt19937_64 rng(0xc1a5);
-  for (int it = 0; it < 12 * foremoe_test::seed_multiplier(); ++it) {
+  const int runs = 12 * foremoe_test::seed_multiplier();
+  double sum_start = 0, sum_got = 0;
+  for (int it = 0; it < runs; ++it) {
     const int nodes = 2 + int(rng() % 4), gpn = 1 + int(rng() % 3), G = nodes * gpn;
     const int experts = nodes * (2 + int(rng() % 6)) * gpn;
     const Topology topo{nodes, gpn, experts / G + 1};
@@ -191,15 +194,32 @@ TEST_CASE("traffic_aware_owners cuts remote node hits on planted co-activation c
     const std::int64_t hb = owner_node_hits(in, start, topo), ha = owner_node_hits(in, got, topo);
     INFO("nodes ", nodes, " x ", gpn, ", experts ", experts, ", top-", topk, ": cut ", c.cut_before, " -> ",
          c.cut_after, ", remote node hits ", hb, " -> ", ha);
-    CHECK(c.cut_after < c.cut_before);
-    CHECK(ha < hb);
-    // Planted clusters are found nearly exactly: within 25% of the hits of the clusters placed one per node.
+    // The clusters placed one per node: what the search should find when that placement is within the node cap.
     OwnerMap ideal = start;
     for (auto &row : ideal)
       for (int e = 0; e < experts; ++e)
         row[e] = (e / (experts / nodes)) * gpn + e % gpn;
-    CHECK(double(ha) <= 1.25 * double(owner_node_hits(in, ideal, topo)));
+    const std::int64_t hi = owner_node_hits(in, ideal, topo);
+    const CoActivation co = count_coactivation(in.view(), in.experts);
+    double ideal_ratio = 0; // the worst layer's max/mean node load of the planted placement
+    for (int l = 0; l < in.layers; ++l) {
+      std::vector<std::int64_t> node_load(std::size_t(nodes), 0);
+      std::int64_t total = 0;
+      for (int e = 0; e < experts; ++e) {
+        node_load[std::size_t(e / (experts / nodes))] += co.loads[std::size_t(l * experts + e)];
+        total += co.loads[std::size_t(l * experts + e)];
+      }
+      ideal_ratio = std::max(ideal_ratio, double(*std::max_element(node_load.begin(), node_load.end())) * nodes /
+                                              double(std::max<std::int64_t>(total, 1)));
+    }
+    INFO("planted placement: ", hi, " hits, node max/mean ", ideal_ratio);
+    CHECK((ha < hb || double(hb) <= 1.05 * double(hi))); // only a start near the planted optimum may stay
+    if (ideal_ratio <= opts.node_tolerance) CHECK(double(ha) <= 1.02 * double(hi));
+    sum_start += double(hb) / double(hi);
+    sum_got += double(ha) / double(hi);
   }
+  MESSAGE("planted clusters: remote node hits over the planted placement's, mean ", sum_start / runs,
+          " (load-only) -> ", sum_got / runs, " (traffic-aware)");
 }
 
 TEST_CASE("traffic-aware owners refuse bad input, naming the value") {

@@ -29,10 +29,9 @@ namespace fs = std::filesystem;
 using foremoe::detail::require;
 
 /// The options that only `--ids` takes (its per-sequence input, the packing and its outputs).
-constexpr const char *ids_only_options[] = {"sequences",   "experts",      "dense-layers", "micro-steps",
-                                            "ranks",       "token-budget", "packing",      "packing-by",
-                                            "out-packing", "out-loads",    "node-hits",
-                                            "traffic-aware", "traffic-tolerance"};
+constexpr const char *ids_only_options[] = {
+    "sequences",  "experts",     "dense-layers", "micro-steps", "ranks",         "token-budget",     "packing",
+    "packing-by", "out-packing", "out-loads",    "node-hits",   "traffic-aware", "traffic-tolerance"};
 
 /// `--packing none`: the sequences in the order given fill the micro-batches in execution order (micro-step 0's
 /// ranks 0 to R-1, then micro-step 1's, ...), each closed when the next sequence does not fit in it.
@@ -338,7 +337,7 @@ json::Value node_hits_json(const NodeHits &h) {
 
 /// `--traffic-aware`: what the owner search did, summed over MoE layers.
 struct TrafficReport {
-  std::int64_t cut_before = 0, cut_after = 0; ///< co-activation weight of pairs owned on different nodes
+  std::int64_t cut_before = 0, cut_after = 0;         ///< co-activation weight of pairs owned on different nodes
   double node_ratio_before = 0, node_ratio_after = 0; ///< worst layer's max/mean node load under the owners
   double count_seconds = 0, owner_seconds = 0;        ///< co-activation count; owner search
 
