@@ -538,8 +538,8 @@ Command make_plan() {
     const bool all = a.str("strategy") == "all";
     if (all && (a.has("out") || a.has("out-placement") || a.has("plot-document") || a.flag("node-hits") ||
                 a.flag("traffic-aware")))
-      throw UsageError{"--strategy all prints a comparison; --out, --out-placement, --plot, --node-hits and "
-                       "--traffic-aware need one strategy"};
+      throw UsageError{"--strategy all prints a comparison; --out, --out-placement, --plot, --traffic-aware and "
+                       "--node-hits need one strategy"};
     const bool traffic = a.flag("traffic-aware");
     TrafficOptions traffic_opts;
     if (a.has("traffic-tolerance") && !traffic) throw UsageError{"--traffic-tolerance is for --traffic-aware"};

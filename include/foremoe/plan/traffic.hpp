@@ -15,6 +15,7 @@
 /// planner) then fix each GPU's balance; the owners fix where most of every expert's tokens go.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <numeric>
@@ -72,30 +73,46 @@ struct CoActivation {
   co.pairs.assign(static_cast<std::size_t>(layers) * E * E, 0);
   co.loads.assign(static_cast<std::size_t>(layers) * E, 0);
   const int topk = ids.topk();
+  const std::array<std::int64_t, 3> st = ids.strides();
   std::vector<std::int32_t> seen;
   seen.reserve(static_cast<std::size_t>(topk));
-  for (int tl = 0; tl < ids.num_layers(); ++tl) {
-    const int l = layer_map.empty() ? tl : layer_map.moe_layer(tl);
-    if (l < 0) continue;
-    std::int64_t *pairs = co.pairs.data() + static_cast<std::size_t>(l) * E * E;
-    std::int64_t *loads = co.loads.data() + static_cast<std::size_t>(l) * E;
-    for (std::int64_t t = begin; t < end; ++t) {
-      seen.clear();
-      for (int k = 0; k < topk; ++k) {
-        const std::int64_t e = ids.at(t, tl, k, num_experts);
-        if (e == -1) continue;
-        require(e >= 0 && e < num_experts, "count_coactivation: id ", e, " at token ", t, ", layer ", tl, ", k ", k,
-                " is outside [0, ", num_experts, ") and not -1 (no route)");
-        ++loads[e];
-        const auto a = static_cast<std::int32_t>(e);
-        if (std::find(seen.begin(), seen.end(), a) != seen.end()) continue;
-        for (const std::int32_t b : seen) {
-          ++pairs[static_cast<std::size_t>(a) * E + static_cast<std::size_t>(b)];
-          ++pairs[static_cast<std::size_t>(b) * E + static_cast<std::size_t>(a)];
+  // Blocks of tokens, every layer of a block in turn: the block's ids stay in cache while each layer's matrix is
+  // written. Only the upper triangle is counted; it is mirrored at the end.
+  constexpr std::int64_t block = 256;
+  visit_id_dtype(ids.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    const T *data = static_cast<const T *>(ids.data());
+    for (std::int64_t t0 = begin; t0 < end; t0 += block) {
+      const std::int64_t t1 = std::min(end, t0 + block);
+      for (int tl = 0; tl < ids.num_layers(); ++tl) {
+        const int l = layer_map.empty() ? tl : layer_map.moe_layer(tl);
+        if (l < 0) continue;
+        std::int64_t *pairs = co.pairs.data() + static_cast<std::size_t>(l) * E * E;
+        std::int64_t *loads = co.loads.data() + static_cast<std::size_t>(l) * E;
+        for (std::int64_t t = t0; t < t1; ++t) {
+          const T *row = data + t * st[0] + tl * st[1];
+          seen.clear();
+          for (int k = 0; k < topk; ++k) {
+            const std::int64_t e = RoutedView::widen(row[k * st[2]], num_experts);
+            if (e == -1) continue;
+            require(e >= 0 && e < num_experts, "count_coactivation: id ", e, " at token ", t, ", layer ", tl, ", k ", k,
+                    " is outside [0, ", num_experts, ") and not -1 (no route)");
+            ++loads[e];
+            const auto a = static_cast<std::int32_t>(e);
+            if (std::find(seen.begin(), seen.end(), a) != seen.end()) continue;
+            for (const std::int32_t b : seen)
+              ++pairs[static_cast<std::size_t>(std::min(a, b)) * E + static_cast<std::size_t>(std::max(a, b))];
+            seen.push_back(a);
+          }
         }
-        seen.push_back(a);
       }
     }
+  });
+  for (int l = 0; l < layers; ++l) {
+    std::int64_t *pairs = co.pairs.data() + static_cast<std::size_t>(l) * E * E;
+    for (std::size_t a = 0; a < E; ++a)
+      for (std::size_t b = a + 1; b < E; ++b)
+        pairs[b * E + a] = pairs[a * E + b];
   }
   return co;
 }
