@@ -91,7 +91,7 @@ Checked check_rules(const Ids &in, const Topology &topo, const TrafficOptions &o
     std::vector<std::int64_t> node_start(static_cast<std::size_t>(topo.num_nodes), 0), node_got = node_start;
     std::int64_t total = 0;
     for (int e = 0; e < in.experts; ++e) {
-      const std::int64_t w = co.loads[static_cast<std::size_t>(l * in.experts + e)];
+      const std::int64_t w = co.loads[static_cast<std::size_t>(l) * std::size_t(in.experts) + std::size_t(e)];
       REQUIRE(got[l][e] >= 0);
       REQUIRE(got[l][e] < topo.num_gpus());
       ++count_start[start[l][e]];
@@ -114,7 +114,7 @@ Checked check_rules(const Ids &in, const Topology &topo, const TrafficOptions &o
 
 } // namespace
 
-TEST_CASE("count_coactivation equals a direct count, with dense layers skipped and ranges") {
+TEST_CASE("count_coactivation equals a direct count, with dense layers skipped, ranges and samples") {
   std::mt19937_64 rng(0x7a11c);
   for (int it = 0; it < 60 * foremoe_test::seed_multiplier(); ++it) {
     const int experts = 2 + int(rng() % 20), layers = 1 + int(rng() % 3), topk = 1 + int(rng() % 6);
@@ -123,12 +123,13 @@ TEST_CASE("count_coactivation equals a direct count, with dense layers skipped a
     const std::int64_t e = b + (in.tokens == b ? 0 : std::int64_t(rng() % std::uint64_t(in.tokens - b + 1)));
     const bool dense = layers > 1 && rng() % 2 == 0;
     const LayerMap map = dense ? LayerMap::dense_prefix(layers, 1) : LayerMap{};
-    const CoActivation co = count_coactivation(in.view(), experts, b, e, map);
+    const std::int64_t every = 1 + std::int64_t(rng() % 3);
+    const CoActivation co = count_coactivation(in.view(), experts, b, e, map, every);
     const int first = dense ? 1 : 0;
     REQUIRE(co.num_layers == layers - first);
     for (int l = first; l < layers; ++l) {
       std::vector<std::int64_t> pairs(std::size_t(experts * experts), 0), loads(std::size_t(experts), 0);
-      for (std::int64_t t = b; t < e; ++t) {
+      for (std::int64_t t = b; t < e; t += every) {
         std::set<int> distinct;
         for (int k = 0; k < topk; ++k) {
           const int x = in.ids[std::size_t((t * layers + l) * topk + k)];
@@ -138,13 +139,13 @@ TEST_CASE("count_coactivation equals a direct count, with dense layers skipped a
         }
         for (int x : distinct)
           for (int y : distinct)
-            if (x != y) ++pairs[std::size_t(x * experts + y)];
+            if (x != y) ++pairs[std::size_t(x) * std::size_t(experts) + std::size_t(y)];
       }
       const int ml = l - first;
       for (int x = 0; x < experts; ++x) {
-        CHECK(co.loads[std::size_t(ml * experts + x)] == loads[std::size_t(x)]);
+        CHECK(co.loads[std::size_t(ml) * std::size_t(experts) + std::size_t(x)] == loads[std::size_t(x)]);
         for (int y = 0; y < experts; ++y)
-          CHECK(co.pair(ml, x, y) == pairs[std::size_t(x * experts + y)]);
+          CHECK(co.pair(ml, x, y) == pairs[std::size_t(x) * std::size_t(experts) + std::size_t(y)]);
       }
     }
   }
@@ -206,8 +207,9 @@ TEST_CASE("traffic_aware_owners cuts remote node hits on planted co-activation c
       std::vector<std::int64_t> node_load(std::size_t(nodes), 0);
       std::int64_t total = 0;
       for (int e = 0; e < experts; ++e) {
-        node_load[std::size_t(e / (experts / nodes))] += co.loads[std::size_t(l * experts + e)];
-        total += co.loads[std::size_t(l * experts + e)];
+        node_load[std::size_t(e / (experts / nodes))] +=
+            co.loads[std::size_t(l) * std::size_t(experts) + std::size_t(e)];
+        total += co.loads[std::size_t(l) * std::size_t(experts) + std::size_t(e)];
       }
       ideal_ratio = std::max(ideal_ratio, double(*std::max_element(node_load.begin(), node_load.end())) * nodes /
                                               double(std::max<std::int64_t>(total, 1)));
@@ -228,6 +230,7 @@ TEST_CASE("traffic-aware owners refuse bad input, naming the value") {
   CHECK_ERROR_CONTAINS((void)count_coactivation(v, 4), "id 7 at token 2, layer 0, k 1");
   CHECK_ERROR_CONTAINS((void)count_coactivation(v, 8, 2, 5), "token range [2, 5)");
   CHECK_ERROR_CONTAINS((void)count_coactivation(v, 0), "num_experts must be positive, got 0");
+  CHECK_ERROR_CONTAINS((void)count_coactivation(v, 8, 0, -1, {}, 0), "every must be >= 1, got 0");
   CHECK_ERROR_CONTAINS((void)count_coactivation(v, 8, 0, -1, LayerMap::identity(2)), "covers 2 trace layers");
   const CoActivation co = count_coactivation(v, 8);
   const Topology topo{2, 2, 2};

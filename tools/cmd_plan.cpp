@@ -340,6 +340,7 @@ struct TrafficReport {
   std::int64_t cut_before = 0, cut_after = 0;         ///< co-activation weight of pairs owned on different nodes
   double node_ratio_before = 0, node_ratio_after = 0; ///< worst layer's max/mean node load under the owners
   double count_seconds = 0, owner_seconds = 0;        ///< co-activation count; owner search
+  std::int64_t counted_tokens = 0;                    ///< tokens the co-activation was counted on
 
   [[nodiscard]] json::Value json() const {
     json::Value j;
@@ -347,6 +348,7 @@ struct TrafficReport {
     j["cut_after"] = cut_after;
     j["node_max_over_mean_before"] = node_ratio_before;
     j["node_max_over_mean_after"] = node_ratio_after;
+    j["counted_tokens"] = counted_tokens;
     j["count_seconds"] = count_seconds;
     j["owner_seconds"] = owner_seconds;
     return j;
@@ -357,7 +359,7 @@ struct TrafficReport {
     o << "  traffic-aware owners: co-activation cut " << cut_before << " -> " << cut_after << " (-" << std::fixed
       << std::setprecision(2) << cut << "%), worst layer's node load max/mean " << std::setprecision(4)
       << node_ratio_before << " -> " << node_ratio_after << "; " << std::setprecision(2) << count_seconds * 1e3
-      << " ms counting, " << owner_seconds * 1e3 << " ms searching\n";
+      << " ms counting " << counted_tokens << " tokens, " << owner_seconds * 1e3 << " ms searching\n";
     return o.str();
   }
 };
@@ -380,16 +382,18 @@ double worst_node_ratio(const Planner::OwnerMap &owners, std::span<const std::in
   return worst;
 }
 
-/// `--traffic-aware`: the step's co-activation counted from the packed ids, the load-only owners improved by
-/// `traffic_aware_owners`, then every micro-step planned under them.
+/// `--traffic-aware`: the step's co-activation counted from the packed ids (about `sample` tokens of them; 0: all), the
+/// load-only owners improved by `traffic_aware_owners`, then every micro-step planned under them.
 StepPlan plan_traffic_aware(Planner &planner, const LoadTensor &loads, const PackedBatch &b, const TrafficOptions &o,
-                            const Placement *resident, Stage stage, TrafficReport &r) {
+                            std::int64_t sample, const Placement *resident, Stage stage, TrafficReport &r) {
   using clock = std::chrono::steady_clock;
   const Topology &topo = planner.topology();
   auto t = clock::now();
   const RoutedView view = b.ids.view();
   const LayerMap map = b.dense_layers > 0 ? LayerMap::dense_prefix(view.num_layers(), b.dense_layers) : LayerMap{};
-  const CoActivation co = count_coactivation(view, b.experts, 0, -1, map);
+  const std::int64_t every = sample > 0 ? std::max<std::int64_t>(1, (view.num_tokens() + sample - 1) / sample) : 1;
+  const CoActivation co = count_coactivation(view, b.experts, 0, -1, map, every);
+  r.counted_tokens = (view.num_tokens() + every - 1) / every;
   r.count_seconds = std::chrono::duration<double>(clock::now() - t).count();
   t = clock::now();
   const std::vector<std::int64_t> totals = planner.sum_steps(loads);
@@ -455,6 +459,9 @@ Command make_plan() {
        "--traffic-aware: every node's owned load stays at most X times the mean node load (or the load-only owners' "
        "most loaded node if higher); X >= 1",
        "1.05"},
+      {"traffic-tokens", "N",
+       "--traffic-aware: count the co-activation on about N of the step's tokens (every ceil(T / N)-th; 0: all)",
+       "65536"},
       {"previous-loads", "FILE.npy", "previous step's loads: the history EPLB plans from", ""},
       {"resident", "PLACEMENT.json", "placement left by the previous micro-step (from --out-placement)", ""},
       {"out", "PLAN.json", "write the plan here", ""},
@@ -542,7 +549,9 @@ Command make_plan() {
                        "--node-hits need one strategy"};
     const bool traffic = a.flag("traffic-aware");
     TrafficOptions traffic_opts;
-    if (a.has("traffic-tolerance") && !traffic) throw UsageError{"--traffic-tolerance is for --traffic-aware"};
+    for (const char *o : {"traffic-tolerance", "traffic-tokens"})
+      if (a.has(o) && !traffic) throw UsageError{std::string("--") + o + " is for --traffic-aware"};
+    const std::int64_t traffic_tokens = traffic ? a.integer("traffic-tokens", 0, limits::max_load_total) : 0;
     if (traffic) traffic_opts.node_tolerance = a.real("traffic-tolerance", 1.0, 100.0);
     const json::Value flags = all ? schema_overrides(config::plan_schema(), a, {"planner.strategy"})
                                   : schema_overrides(config::plan_schema(), a);
@@ -648,8 +657,9 @@ Command make_plan() {
 
     Planner planner(loads.num_layers(), loads.num_experts(), topo, opts);
     TrafficReport traffic_report;
-    const StepPlan sp = traffic ? plan_traffic_aware(planner, loads, packed, traffic_opts, res, stage, traffic_report)
-                                : planner.plan_step(loads, res, previous, stage);
+    const StepPlan sp =
+        traffic ? plan_traffic_aware(planner, loads, packed, traffic_opts, traffic_tokens, res, stage, traffic_report)
+                : planner.plan_step(loads, res, previous, stage);
 
     // Sources are what the slots held before each micro-step: the previous one's placement, or --resident, or
     // (micro-step 0 without --resident) what the planner assumed resident: every slot its moves do not write.

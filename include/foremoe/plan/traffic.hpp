@@ -50,16 +50,19 @@ struct CoActivation {
 
 /// Counts the co-activation of tokens `[begin, end)` of `ids` (`end < 0`: every token; several micro-steps of one
 /// step are one range of the step's ids). `layer_map` maps trace layers to MoE layers (empty: identity; dense layers
-/// are skipped). A token routing one expert twice counts the pair once; `-1` is no route. Throws `Error` naming an
-/// id outside `[-1, num_experts)` with its token, layer and k, a bad range, or a matrix above the supported size.
-/// Cost O(T L k^2) plus the `L E^2` matrix.
+/// are skipped). A token routing one expert twice counts the pair once; `-1` is no route. `every > 1` counts only
+/// tokens `begin, begin + every, ...` (a sample: the search needs the pairs' proportions, not every token). Throws
+/// `Error` naming an id outside `[-1, num_experts)` with its token, layer and k, a bad range or `every`, or a matrix
+/// above the supported size. Cost O((T / every) L k^2) plus the `L E^2` matrix.
 [[nodiscard]] inline CoActivation count_coactivation(const RoutedView &ids, int num_experts, std::int64_t begin = 0,
-                                                     std::int64_t end = -1, const LayerMap &layer_map = {}) {
+                                                     std::int64_t end = -1, const LayerMap &layer_map = {},
+                                                     std::int64_t every = 1) {
   using detail::require;
   require(num_experts > 0, "count_coactivation: num_experts must be positive, got ", num_experts);
   if (end < 0) end = ids.num_tokens();
   require(begin >= 0 && begin <= end && end <= ids.num_tokens(), "count_coactivation: token range [", begin, ", ", end,
           ") is not within the ids' ", ids.num_tokens(), " tokens");
+  require(every >= 1, "count_coactivation: every must be >= 1, got ", every);
   require(layer_map.empty() || layer_map.num_trace_layers() == ids.num_layers(), "count_coactivation: the layer map ",
           "covers ", layer_map.num_trace_layers(), " trace layers, the ids have ", ids.num_layers());
   const int layers = layer_map.empty() ? ids.num_layers() : layer_map.num_moe_layers();
@@ -82,14 +85,14 @@ struct CoActivation {
   visit_id_dtype(ids.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T *data = static_cast<const T *>(ids.data());
-    for (std::int64_t t0 = begin; t0 < end; t0 += block) {
-      const std::int64_t t1 = std::min(end, t0 + block);
+    for (std::int64_t t0 = begin; t0 < end; t0 += block * every) {
+      const std::int64_t t1 = std::min(end, t0 + block * every);
       for (int tl = 0; tl < ids.num_layers(); ++tl) {
         const int l = layer_map.empty() ? tl : layer_map.moe_layer(tl);
         if (l < 0) continue;
         std::int64_t *pairs = co.pairs.data() + static_cast<std::size_t>(l) * E * E;
         std::int64_t *loads = co.loads.data() + static_cast<std::size_t>(l) * E;
-        for (std::int64_t t = t0; t < t1; ++t) {
+        for (std::int64_t t = t0; t < t1; t += every) {
           const T *row = data + t * st[0] + tl * st[1];
           seen.clear();
           for (int k = 0; k < topk; ++k) {
