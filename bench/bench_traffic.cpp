@@ -5,6 +5,7 @@
 // owner search, routed ids for the count.
 //
 //   BM_coactivation_count   count_coactivation over the step's 65,536 tokens
+//   BM_count_loads          count_loads over the same tokens, for scale
 //   BM_traffic_owners       traffic_aware_owners from plan_owners' map (counters: cut and owner-only remote node
 //                           hits per token before and after)
 //   BM_plan_step/0 and /1   the whole step's planning, traffic-aware off (plan_step) and on (co-activation count,
@@ -91,6 +92,20 @@ void BM_coactivation_count(benchmark::State &state) {
   state.SetItemsProcessed(state.iterations() * num_tokens * num_layers * topk);
 }
 
+/// For scale: `count_loads` over the same tokens (what every step counts already).
+void BM_count_loads(benchmark::State &state) {
+  const Step &s = step();
+  foremoe::CountOptions o;
+  o.num_experts = num_experts;
+  o.microbatch_offsets = s.offsets;
+  for (auto _ : state) {
+    const foremoe::LoadTensor t =
+        foremoe::count_loads(std::span<const std::uint16_t>(s.ids), num_tokens, num_layers, topk, o);
+    benchmark::DoNotOptimize(t.totals().data());
+  }
+  state.SetItemsProcessed(state.iterations() * num_tokens * num_layers * topk);
+}
+
 void BM_traffic_owners(benchmark::State &state) {
   const Step &s = step();
   const foremoe::CoActivation co = foremoe::count_coactivation(s.view(), num_experts);
@@ -137,6 +152,7 @@ void BM_plan_step(benchmark::State &state) {
 }
 
 BENCHMARK(BM_coactivation_count)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_count_loads)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_traffic_owners)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_plan_step)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
 

@@ -101,11 +101,15 @@ struct CoActivation {
             require(e >= 0 && e < num_experts, "count_coactivation: id ", e, " at token ", t, ", layer ", tl, ", k ", k,
                     " is outside [0, ", num_experts, ") and not -1 (no route)");
             ++loads[e];
-            const auto a = static_cast<std::int32_t>(e);
-            if (std::find(seen.begin(), seen.end(), a) != seen.end()) continue;
-            for (const std::int32_t b : seen)
-              ++pairs[static_cast<std::size_t>(std::min(a, b)) * E + static_cast<std::size_t>(std::max(a, b))];
-            seen.push_back(a);
+            seen.push_back(static_cast<std::int32_t>(e));
+          }
+          // Sorted and deduplicated, every pair a < b is one increment along row a.
+          std::sort(seen.begin(), seen.end());
+          seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
+          for (std::size_t i = 0; i + 1 < seen.size(); ++i) {
+            std::int64_t *r = pairs + static_cast<std::size_t>(seen[i]) * E;
+            for (std::size_t j = i + 1; j < seen.size(); ++j)
+              ++r[seen[j]];
           }
         }
       }
