@@ -621,6 +621,26 @@ print("ok node hits", h["positional"]["remote_nodes"], h["node_affine"]["remote_
 PY
   expect 2 "--node-hits need one strategy" -- "$bin" plan --ids "$work/pids.npy" "${pack[@]}" \
     --token-budget "$budget" --strategy all --node-hits
+  # --traffic-aware (issue 30 part 2): owners from the step's co-activation; the cut never rises, every GPU owns as
+  # many experts as under the load-only owners, and node hits are reported for the plans under them.
+  expect 0 "traffic-aware owners: co-activation cut" -- "$bin" plan --ids "$work/pids.npy" --nodes 2 \
+    --gpus-per-node 2 --slots 5 --micro-steps 4 --ranks 4 --token-budget "$budget" --node-hits --traffic-aware \
+    --out "$work/pp_traffic.json"
+  expect 0 "^ok traffic" -- python3 - "$work" <<'PY'
+import json, sys
+from collections import Counter
+work = sys.argv[1]
+t = json.load(open(f"{work}/pp_traffic.json"))
+a = json.load(open(f"{work}/pp_hits.json"))
+x = t["traffic_aware"]
+assert 0 <= x["cut_after"] <= x["cut_before"], x
+assert x["node_max_over_mean_after"] <= max(1.05, x["node_max_over_mean_before"]) + 1e-9, x
+for lt, la in zip(t["micro_steps"][0]["layers"], a["micro_steps"][0]["layers"]):
+    assert sorted(Counter(lt["owner_gpu"]).values()) == sorted(Counter(la["owner_gpu"]).values()), (lt, la)
+assert t["node_hits"]["positional"]["routed"] == a["node_hits"]["positional"]["routed"]
+print("ok traffic", x["cut_before"], x["cut_after"], a["node_hits"]["positional"]["remote_nodes"],
+      t["node_hits"]["positional"]["remote_nodes"])
+PY
 else
   echo "skipped: plan --ids checks (no python3 with NumPy)"
 fi

@@ -17,6 +17,7 @@
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/split.hpp"
 #include "foremoe/plan/token_map.hpp"
+#include "foremoe/plan/traffic.hpp"
 #include "foremoe/trace/count.hpp"
 #include "foremoe/trace/io.hpp"
 #include "foremoe/transfer/transfer_plan.hpp"
@@ -28,9 +29,9 @@ namespace fs = std::filesystem;
 using foremoe::detail::require;
 
 /// The options that only `--ids` takes (its per-sequence input, the packing and its outputs).
-constexpr const char *ids_only_options[] = {"sequences",   "experts",      "dense-layers", "micro-steps",
-                                            "ranks",       "token-budget", "packing",      "packing-by",
-                                            "out-packing", "out-loads",    "node-hits"};
+constexpr const char *ids_only_options[] = {
+    "sequences",  "experts",     "dense-layers", "micro-steps", "ranks",         "token-budget",     "packing",
+    "packing-by", "out-packing", "out-loads",    "node-hits",   "traffic-aware", "traffic-tolerance"};
 
 /// `--packing none`: the sequences in the order given fill the micro-batches in execution order (micro-step 0's
 /// ranks 0 to R-1, then micro-step 1's, ...), each closed when the next sequence does not fit in it.
@@ -334,6 +335,80 @@ json::Value node_hits_json(const NodeHits &h) {
   return j;
 }
 
+/// `--traffic-aware`: what the owner search did, summed over MoE layers.
+struct TrafficReport {
+  std::int64_t cut_before = 0, cut_after = 0;         ///< co-activation weight of pairs owned on different nodes
+  double node_ratio_before = 0, node_ratio_after = 0; ///< worst layer's max/mean node load under the owners
+  double count_seconds = 0, owner_seconds = 0;        ///< co-activation count; owner search
+  std::int64_t counted_tokens = 0;                    ///< tokens the co-activation was counted on
+
+  [[nodiscard]] json::Value json() const {
+    json::Value j;
+    j["cut_before"] = cut_before;
+    j["cut_after"] = cut_after;
+    j["node_max_over_mean_before"] = node_ratio_before;
+    j["node_max_over_mean_after"] = node_ratio_after;
+    j["counted_tokens"] = counted_tokens;
+    j["count_seconds"] = count_seconds;
+    j["owner_seconds"] = owner_seconds;
+    return j;
+  }
+  [[nodiscard]] std::string text() const {
+    std::ostringstream o;
+    const double cut = cut_before > 0 ? 100.0 * double(cut_before - cut_after) / double(cut_before) : 0.0;
+    o << "  traffic-aware owners: co-activation cut " << cut_before << " -> " << cut_after << " (-" << std::fixed
+      << std::setprecision(2) << cut << "%), worst layer's node load max/mean " << std::setprecision(4)
+      << node_ratio_before << " -> " << node_ratio_after << "; " << std::setprecision(2) << count_seconds * 1e3
+      << " ms counting " << counted_tokens << " tokens, " << owner_seconds * 1e3 << " ms searching\n";
+    return o.str();
+  }
+};
+
+/// The worst layer's max/mean node load of `owners` under `totals` (`[layers][experts]`).
+double worst_node_ratio(const Planner::OwnerMap &owners, std::span<const std::int64_t> totals, const Topology &topo) {
+  double worst = 0;
+  std::vector<std::int64_t> node(static_cast<std::size_t>(topo.num_nodes));
+  for (std::size_t l = 0; l < owners.size(); ++l) {
+    std::fill(node.begin(), node.end(), 0);
+    std::int64_t total = 0;
+    for (std::size_t e = 0; e < owners[l].size(); ++e) {
+      const std::int64_t w = totals[l * owners[l].size() + e];
+      node[static_cast<std::size_t>(topo.node_of(owners[l][e]))] += w;
+      total += w;
+    }
+    if (total > 0)
+      worst = std::max(worst, double(*std::max_element(node.begin(), node.end())) * topo.num_nodes / double(total));
+  }
+  return worst;
+}
+
+/// `--traffic-aware`: the step's co-activation counted from the packed ids (about `sample` tokens of them; 0: all), the
+/// load-only owners improved by `traffic_aware_owners`, then every micro-step planned under them.
+StepPlan plan_traffic_aware(Planner &planner, const LoadTensor &loads, const PackedBatch &b, const TrafficOptions &o,
+                            std::int64_t sample, const Placement *resident, Stage stage, TrafficReport &r) {
+  using clock = std::chrono::steady_clock;
+  const Topology &topo = planner.topology();
+  auto t = clock::now();
+  const RoutedView view = b.ids.view();
+  const LayerMap map = b.dense_layers > 0 ? LayerMap::dense_prefix(view.num_layers(), b.dense_layers) : LayerMap{};
+  const std::int64_t every = sample > 0 ? std::max<std::int64_t>(1, (view.num_tokens() + sample - 1) / sample) : 1;
+  const CoActivation co = count_coactivation(view, b.experts, 0, -1, map, every);
+  r.counted_tokens = (view.num_tokens() + every - 1) / every;
+  r.count_seconds = std::chrono::duration<double>(clock::now() - t).count();
+  t = clock::now();
+  const std::vector<std::int64_t> totals = planner.sum_steps(loads);
+  const Planner::OwnerMap start = planner.plan_owners(totals);
+  Planner::OwnerMap owners = traffic_aware_owners(totals, co, topo, start, o);
+  r.owner_seconds = std::chrono::duration<double>(clock::now() - t).count();
+  for (int l = 0; l < co.num_layers; ++l) {
+    r.cut_before += coactivation_cut(co, l, start[static_cast<std::size_t>(l)], topo);
+    r.cut_after += coactivation_cut(co, l, owners[static_cast<std::size_t>(l)], topo);
+  }
+  r.node_ratio_before = worst_node_ratio(start, totals, topo);
+  r.node_ratio_after = worst_node_ratio(owners, totals, topo);
+  return planner.plan_step_with_owners(loads, std::move(owners), resident, stage);
+}
+
 Command make_plan() {
   Command c;
   c.words = {"plan"};
@@ -375,6 +450,18 @@ Command make_plan() {
        "on a node it already visits) and report each token's distinct remote nodes and GPUs (node_hits in --out: "
        "counts summed over micro-steps and MoE layers)",
        ""},
+      {"traffic-aware", "",
+       "--ids, --strategy foremoe: owners chosen from the step's ids so that experts routed together share a node "
+       "(fewer distinct nodes per token in the hierarchical all-to-all), each node's load within "
+       "--traffic-tolerance, then replicas per micro-step as usual; reports the co-activation cut before and after",
+       ""},
+      {"traffic-tolerance", "X",
+       "--traffic-aware: every node's owned load stays at most X times the mean node load (or the load-only owners' "
+       "most loaded node if higher); X >= 1",
+       "1.05"},
+      {"traffic-tokens", "N",
+       "--traffic-aware: count the co-activation on about N of the step's tokens (every ceil(T / N)-th; 0: all)",
+       "65536"},
       {"previous-loads", "FILE.npy", "previous step's loads: the history EPLB plans from", ""},
       {"resident", "PLACEMENT.json", "placement left by the previous micro-step (from --out-placement)", ""},
       {"out", "PLAN.json", "write the plan here", ""},
@@ -456,9 +543,16 @@ Command make_plan() {
         throw UsageError{"--placement-format is for --out-placement"};
     }
     const bool all = a.str("strategy") == "all";
-    if (all && (a.has("out") || a.has("out-placement") || a.has("plot-document") || a.flag("node-hits")))
-      throw UsageError{
-          "--strategy all prints a comparison; --out, --out-placement, --plot and --node-hits need one strategy"};
+    if (all && (a.has("out") || a.has("out-placement") || a.has("plot-document") || a.flag("node-hits") ||
+                a.flag("traffic-aware")))
+      throw UsageError{"--strategy all prints a comparison; --out, --out-placement, --plot, --traffic-aware and "
+                       "--node-hits need one strategy"};
+    const bool traffic = a.flag("traffic-aware");
+    TrafficOptions traffic_opts;
+    for (const char *o : {"traffic-tolerance", "traffic-tokens"})
+      if (a.has(o) && !traffic) throw UsageError{std::string("--") + o + " is for --traffic-aware"};
+    const std::int64_t traffic_tokens = traffic ? a.integer("traffic-tokens", 0, limits::max_load_total) : 0;
+    if (traffic) traffic_opts.node_tolerance = a.real("traffic-tolerance", 1.0, 100.0);
     const json::Value flags = all ? schema_overrides(config::plan_schema(), a, {"planner.strategy"})
                                   : schema_overrides(config::plan_schema(), a);
     config::PlanSettings settings;
@@ -481,6 +575,9 @@ Command make_plan() {
     }
     const Topology topo = settings.topo;
     const PlannerOptions opts = settings.planner;
+    if (traffic && find_strategy(opts.strategy).name != "foremoe")
+      throw UsageError{"--traffic-aware chooses the owners of two-level planning: it needs --strategy foremoe, got '" +
+                       opts.strategy + "'"};
     const Stage stage = settings.stage;
     // Every output is staged first and renamed into place together: a failure leaves none of them behind.
     files::OutputSet outputs;
@@ -559,7 +656,10 @@ Command make_plan() {
     }
 
     Planner planner(loads.num_layers(), loads.num_experts(), topo, opts);
-    const StepPlan sp = planner.plan_step(loads, res, previous, stage);
+    TrafficReport traffic_report;
+    const StepPlan sp =
+        traffic ? plan_traffic_aware(planner, loads, packed, traffic_opts, traffic_tokens, res, stage, traffic_report)
+                : planner.plan_step(loads, res, previous, stage);
 
     // Sources are what the slots held before each micro-step: the previous one's placement, or --resident, or
     // (micro-step 0 without --resident) what the planner assumed resident: every slot its moves do not write.
@@ -602,6 +702,7 @@ Command make_plan() {
         nh["node_affine_split"] = node_hits_json(hits.node_affine_split);
         doc["node_hits"] = std::move(nh);
       }
+      if (traffic) doc["traffic_aware"] = traffic_report.json();
       const std::string text = json::dump(doc) + "\n";
       if (a.has("out")) outputs.add_text(a.str("out"), text);
       if (a.has("plot-document")) outputs.add_text(a.str("plot-document"), text);
@@ -641,6 +742,7 @@ Command make_plan() {
           << (total > 0 ? 100.0 * double(path_bytes[1]) / total : 0.0) << "% host mirror, "
           << (total > 0 ? 100.0 * double(path_bytes[2]) / total : 0.0) << "% network\n";
     }
+    if (traffic) out << traffic_report.text();
     if (node_hits) {
       const double tokens = std::max<double>(1.0, static_cast<double>(hits.positional.tokens));
       auto per = [&](const NodeHits &x) { return static_cast<double>(x.remote_nodes) / tokens; };

@@ -27,6 +27,7 @@
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/replica_sync.hpp"
 #include "foremoe/plan/token_map.hpp"
+#include "foremoe/plan/traffic.hpp"
 
 #include "foremoe/sim/simulator.hpp"
 #include "foremoe/transfer/transfer_plan.hpp"

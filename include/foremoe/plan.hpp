@@ -18,3 +18,4 @@
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/replica_sync.hpp"
 #include "foremoe/plan/token_map.hpp"
+#include "foremoe/plan/traffic.hpp"
