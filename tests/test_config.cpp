@@ -288,7 +288,7 @@ TEST_CASE("schema: the generator's options are one schema; simulate's batch sect
     CHECK(o.range_text() == g.range_text());
     ++batch;
   }
-  CHECK(batch == 10);
+  CHECK(batch == 11);
   // Flags as `trace gen` gives them: the preset first (the MoE shape), explicit keys over it.
   const auto &s = config::synthetic_settings_schema();
   const std::pair<std::string, std::string> flags[] = {
