@@ -129,7 +129,7 @@ def test_plan_plot_needs_a_picture_format(tmp_path):
     r = _py(*_loads(tmp_path), "--plot", str(tmp_path / "placement.txt"))
     assert r.returncode == 2 and ".png" in r.stderr and r.stdout == ""
     r = _py(*_loads(tmp_path), "--plot", str(tmp_path / "p.png"), "--strategy", "all")
-    assert r.returncode == 2 and "--plot and --node-hits need one strategy" in r.stderr
+    assert r.returncode == 2 and "--traffic-aware and --node-hits need one strategy" in r.stderr
 
 
 def test_without_matplotlib_plot_is_a_one_line_error(tmp_path):

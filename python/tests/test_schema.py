@@ -211,7 +211,7 @@ def test_simulate_batch_entries_are_the_synthetic_entries():
     # options
     batch = [o for o in foremoe.options("simulate")
              if o["key"].startswith("batch.") and o["key"] not in ("batch.workload", "batch.cache")]
-    assert len(batch) == 10
+    assert len(batch) == 11
     for o in batch:
         s = syn[o["key"].removeprefix("batch.")]
         # simulate counts its steps (the warm-up steps are generated in front): only that help text differs
