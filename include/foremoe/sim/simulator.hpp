@@ -83,7 +83,6 @@ struct DenseShape {
   [[nodiscard]] static DenseShape deepseek_v3() { return {232980480.0, 20480.0, 0.0, 129280.0}; }
 };
 
-/// What is simulated besides the loads.
 /// Where the hierarchical all-to-all's hits come from (`SimConfig::a2a_hits`).
 enum class A2aHitsSource : std::uint8_t {
   /// Estimated from each slot's rows, a token picking experts independently (`a2a_hits_from_slots`).
@@ -105,6 +104,7 @@ inline constexpr std::string_view a2a_hits_source_names[] = {"independent", "ids
   return detail::enum_from_name<A2aHitsSource>(a2a_hits_source_names, name, who);
 }
 
+/// What is simulated besides the loads.
 struct SimConfig {
   ModelSpec model{};
   Topology topo{8, 8, 3};
