@@ -677,6 +677,120 @@ TEST_CASE("simulate: more overlap is never slower; ideal is never slower than an
   }
 }
 
+TEST_CASE("simulate: links shared both ways slow only strategies that move; one PCIe ingress budget (property)") {
+  const int rounds = 3 * foremoe_test::seed_multiplier();
+  std::mt19937_64 rng(777);
+  const auto strategies = all_strategies();
+  bool some_yield = false, some_pcie = false;
+  for (int r = 0; r < rounds; ++r) {
+    Case c = small_case(900 + r);
+    c.cfg.model.hidden = 512 << (rng() % 3); // weights large enough for moves to matter
+    c.cfg.model.expert_ffn = 256 << (rng() % 3);
+    c.cfg.reowning_free = rng() % 2 == 1;
+    CAPTURE(r);
+    SimConfig one_way = c.cfg;
+    one_way.two_way_link_sharing = false;
+    SimConfig narrow = c.cfg;
+    narrow.cost.move.pcie_ingress_gb_per_s = 1.0; // far below the NIC's and the mirror's own rates
+    SimConfig wide = c.cfg;
+    wide.cost.move.pcie_ingress_gb_per_s = 1e6;
+    const auto both = simulate(c.cfg, c.loads, c.steps, strategies);
+    const auto moves_only = simulate(one_way, c.loads, c.steps, strategies);
+    const auto slow = simulate(narrow, c.loads, c.steps, strategies);
+    const auto fast = simulate(wide, c.loads, c.steps, strategies);
+    for (std::size_t i = 0; i < strategies.size(); ++i) {
+      CAPTURE(both[i].strategy);
+      // The all-to-all only ever yields: never faster both ways; the same where nothing moves or returns.
+      CHECK(both[i].breakdown.all_to_all >= moves_only[i].breakdown.all_to_all * (1 - 1e-12));
+      CHECK(both[i].step_seconds >= moves_only[i].step_seconds * (1 - 1e-12));
+      CHECK(both[i].breakdown.total() == doctest::Approx(both[i].step_seconds));
+      if (both[i].moved_gb == 0 && both[i].grad_gb == 0) {
+        CHECK(both[i].step_seconds == moves_only[i].step_seconds);
+      }
+      some_yield = some_yield || both[i].breakdown.all_to_all > moves_only[i].breakdown.all_to_all * (1 + 1e-9);
+      // A narrower PCIe link is never faster, and a wide one changes nothing against the paths' own rates (each
+      // below 1e6 GB/s); strategies that move nothing do not see it.
+      CHECK(slow[i].step_seconds >= both[i].step_seconds * (1 - 1e-12));
+      CHECK(fast[i].step_seconds == both[i].step_seconds);
+      if (both[i].moved_gb == 0) CHECK(slow[i].step_seconds == both[i].step_seconds);
+      some_pcie = some_pcie || slow[i].step_seconds > both[i].step_seconds * (1 + 1e-9);
+    }
+    CHECK(result_of(both, "static").step_seconds == result_of(moves_only, "static").step_seconds);
+  }
+  CHECK(some_yield); // the instances do move weights, so the properties above were tested on real sharing
+  CHECK(some_pcie);
+  SimConfig bad;
+  bad.cost.move.pcie_ingress_gb_per_s = 0;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("pcie_ingress_gb_per_s must be positive and finite, got 0"),
+                       Error);
+}
+
+TEST_CASE("simulate: fp8 dispatch sends one byte per element plus a scale per 128, the rest stays bf16") {
+  Case c = small_case(21);
+  c.cfg.model.hidden = 1024;
+  c.cfg.recompute_passes = 0; // update only: forward dispatch fp8; combine, and both backward exchanges, bf16
+  const std::vector<SimStrategy> st{parse_sim_strategy("static"), parse_sim_strategy("ideal")};
+  SimConfig fp8 = c.cfg;
+  fp8.dispatch_dtype = WeightDtype::fp8;
+  CHECK(c.cfg.dispatch_row_bytes() == c.cfg.row_bytes());
+  CHECK(fp8.dispatch_row_bytes() == 1024 + 8 * 4); // 8 fp32 scales of 128 elements
+  const auto bf = simulate(c.cfg, c.loads, c.steps, st), f8 = simulate(fp8, c.loads, c.steps, st);
+  for (std::size_t i = 0; i < st.size(); ++i) {
+    CAPTURE(st[i].name);
+    // The same placement and rows: the inter-node bytes scale by (dispatch + 3 x bf16) / (4 x bf16).
+    CHECK(bf[i].inter_node_gb > 0);
+    CHECK(f8[i].inter_node_gb == doctest::Approx(bf[i].inter_node_gb * (1056.0 + 3 * 2048.0) / (4 * 2048.0)));
+    CHECK(f8[i].breakdown.all_to_all < bf[i].breakdown.all_to_all);
+    CHECK(f8[i].breakdown.expert_compute == bf[i].breakdown.expert_compute);
+  }
+  // One exchange's time at each row size: the dispatch's own, or the combine's when they match.
+  const std::vector<std::int32_t> slot_expert{0, 1, 2, 3};
+  const std::vector<std::int64_t> slot_rows{300, 200, 100, 400};
+  const std::vector<double> gpu_rows{300, 200, 100, 400};
+  const AllToAllParams p;
+  const LayerA2a same = layer_a2a(p, slot_expert, slot_rows, gpu_rows, 1, 2, 4, 500, 2048);
+  CHECK(same.dispatch_seconds == same.seconds);
+  const LayerA2a half = layer_a2a(p, slot_expert, slot_rows, gpu_rows, 1, 2, 4, 500, 2048, 1024);
+  CHECK(half.seconds == same.seconds);
+  CHECK(half.dispatch_seconds < same.seconds);
+  CHECK(half.inter_node_rows == same.inter_node_rows);
+  CHECK_THROWS_WITH_AS((void)layer_a2a(p, slot_expert, slot_rows, gpu_rows, 1, 2, 4, 500, 2048, -1),
+                       doctest::Contains("dispatch row bytes must be >= 0"), Error);
+  SimConfig bad = c.cfg;
+  bad.dispatch_dtype = WeightDtype::fp32;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("dispatch_dtype must be bf16 or fp8, got fp32"), Error);
+}
+
+TEST_CASE("simulate: the rollout is sim.rollout_seconds, else its share of the static step, the same for all") {
+  Case c = small_case(23);
+  const auto strategies = all_strategies();
+  const auto def = simulate(c.cfg, c.loads, c.steps, strategies);
+  const double st = result_of(def, "static").step_seconds;
+  for (const SimResult &r : def) {
+    CAPTURE(r.strategy);
+    CHECK(r.rollout_seconds == doctest::Approx(0.7 / 0.3 * st)); // the default share, 0.7
+    CHECK(r.end_to_end_seconds == doctest::Approx(r.step_seconds + r.rollout_seconds));
+  }
+  // Static's step is 30% of its whole RL step.
+  CHECK(st / result_of(def, "static").end_to_end_seconds == doctest::Approx(0.3));
+  SimConfig fixed = c.cfg;
+  fixed.rollout_seconds = 2.5;
+  for (const SimResult &r : simulate(fixed, c.loads, c.steps, strategies))
+    CHECK(r.rollout_seconds == 2.5);
+  SimConfig none = c.cfg;
+  none.rollout_share = 0;
+  for (const SimResult &r : simulate(none, c.loads, c.steps, strategies))
+    CHECK(r.end_to_end_seconds == r.step_seconds);
+  // Without static the slowest strategy is the reference.
+  const std::vector<SimStrategy> two{parse_sim_strategy("eplb"), parse_sim_strategy("foremoe")};
+  const auto pair = simulate(c.cfg, c.loads, c.steps, two);
+  const double slowest = std::max(pair[0].step_seconds, pair[1].step_seconds);
+  CHECK(pair[1].rollout_seconds == doctest::Approx(0.7 / 0.3 * slowest));
+  SimConfig bad = c.cfg;
+  bad.rollout_share = 1.0;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("rollout_share must be in [0, 1), got 1"), Error);
+}
+
 TEST_CASE("simulate: the all-to-all hides under compute up to a2a_overlap of it, never more than the compute") {
   Case c = small_case(11);
   c.cfg.dense_from_shape = false;

@@ -342,7 +342,8 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   j["eplb_interval"] = s.sim.eplb_interval;
   j["gpu_load_layer"] = s.sim.gpu_load_layer;
   j["workload"] = s.workload;
-  j["rollout_seconds"] = s.sim.rollout_seconds;
+  j["rollout_seconds"] = res.empty() ? s.sim.rollout_seconds : res.front().rollout_seconds; // the one in use
+  j["rollout_share"] = s.sim.rollout_share;
   j["gpu_memory_gb"] = s.sim.gpu_memory_gb;
   j["ep_size"] = s.sim.effective_ep_size();
   j["num_ep_groups"] = s.sim.topo.num_gpus() / s.sim.effective_ep_size();

@@ -455,6 +455,8 @@ struct SimulateSettings {
       // the 64 GPUs' 9.0 TB of HBM: the preset keeps the optimizer state in host memory (ZeRO-Offload).
       s.sim.optimizer_offload = true;
       s.sim.dense = DenseShape::deepseek_v3();
+      // DeepSeek-V3 dispatches fp8 and combines bf16 (arXiv:2412.19437 sec. 3.3.2; DeepEP's kernels).
+      s.sim.dispatch_dtype = WeightDtype::fp8;
     } else {
       detail::require(name == "qwen3-30b-a3b", "unknown preset '", name, "' (expected qwen3-30b-a3b or deepseek-v3)");
     }
@@ -689,6 +691,13 @@ template <class I>
         "overlap_moe_expert_parallel_comm, DeepEP hooks; 0: none, Megatron's default; 1: full)",
         [](auto &x) -> auto & { return x.sim.a2a_overlap; }));
     o.push_back(choice<S>(
+        "sim.dispatch_dtype", {"bf16", "fp8"},
+        "dtype of the forward dispatch's token rows (fp8: 1 B per element plus an fp32 scale per 128, as DeepEP "
+        "dispatches; the combine and the backward exchanges stay bf16)",
+        [](const S &x) { return to_string(x.sim.dispatch_dtype); },
+        [](S &x, const std::string &v) { x.sim.dispatch_dtype = parse_weight_dtype(v); }));
+    o.back().metavar = "DTYPE";
+    o.push_back(choice<S>(
         "sim.a2a_hits", std::vector<std::string>(std::begin(a2a_hits_source_names), std::end(a2a_hits_source_names)),
         "the hierarchical all-to-all's distinct nodes and GPUs per token: independent (estimated from each slot's "
         "rows) or ids (counted from the synthetic batch's routed ids, as the runtime dispatches them; slower, one EP "
@@ -702,8 +711,18 @@ template <class I>
         "(Megatron DDP overlap_grad_reduce; 0: none, its default; 1: every layer's bucket once its backward ends)",
         [](auto &x) -> auto & { return x.sim.dp_grad_overlap; }));
     o.push_back(number<S>(
-        "sim.rollout_seconds", 0, max_seconds, "rollout time (end-to-end figure only)",
+        "sim.rollout_seconds", 0, max_seconds, "rollout time (end-to-end figure only; 0: from sim.rollout_share)",
         [](auto &x) -> auto & { return x.sim.rollout_seconds; }));
+    o.push_back(number<S>(
+        "sim.rollout_share", 0, 0.99,
+        "without sim.rollout_seconds, the rollout's share of an RL step with the static placement (end-to-end figure "
+        "only; 0.7: RollPacker, arXiv:2509.21009, synchronous veRL; 0: training only)",
+        [](auto &x) -> auto & { return x.sim.rollout_share; }));
+    o.push_back(boolean<S>(
+        "sim.two_way_link_sharing",
+        "the all-to-all also yields half a GPU's link to its moves and gradient returns while they run (off: only "
+        "the moves yield to it)",
+        [](auto &x) -> auto & { return x.sim.two_way_link_sharing; }));
     o.push_back(boolean<S>(
         "sim.double_buffer", "a second buffer per replica slot: moves may start a micro-step early",
         [](auto &x) -> auto & { return x.sim.double_buffer; }));
@@ -827,6 +846,10 @@ template <class I>
     cost(
         "move_host_latency_us", 0, max_us, "fixed us of a move from the host mirror",
         [](auto &x) -> auto & { return x.sim.cost.move.host.latency_us; });
+    cost(
+        "pcie_ingress_gb_per_s", min_gb_per_s, max_gb_per_s,
+        "one GPU's PCIe ingress GB/s, shared by the moves it receives over the NIC and from the host mirror",
+        [](auto &x) -> auto & { return x.sim.cost.move.pcie_ingress_gb_per_s; });
     cost(
         "grad_add_gb_per_s", min_gb_per_s, max_gb_per_s, "replica gradient accumulate GB/s",
         [](auto &x) -> auto & { return x.sim.cost.grad.add_gb_per_s; });

@@ -419,33 +419,51 @@ struct A2aVolumes {
   return worst;
 }
 
-/// One layer's dispatch (= combine): its seconds and the token copies it sends between nodes.
+/// One layer's all-to-all: the seconds of one exchange at the combine's row size (the combine, and both exchanges
+/// of the backward pass, whose gradients travel at that size), the forward dispatch's seconds at its own row size
+/// (fp8 dispatch: DeepEP sends fp8 rows with their scales and combines in bf16), and the token copies one exchange
+/// sends between nodes.
 struct LayerA2a {
   double seconds = 0;
-  double inter_node_rows = 0; ///< rows (tokens) crossing between nodes in one dispatch
+  double inter_node_rows = 0;   ///< rows (tokens) crossing between nodes in one dispatch
+  double dispatch_seconds = 0;  ///< the forward dispatch (= `seconds` when it has the combine's row size)
 };
+
+/// `LayerA2a` of hierarchical volumes: one exchange at `row_bytes`, the forward dispatch at `dispatch_row_bytes`
+/// (0: `row_bytes`).
+[[nodiscard]] inline LayerA2a layer_a2a_of(const AllToAllParams &p, const A2aVolumes &v, double row_bytes,
+                                           double dispatch_row_bytes = 0) {
+  const double t = hierarchical_a2a_seconds(p, v, row_bytes);
+  const bool same = dispatch_row_bytes == 0 || dispatch_row_bytes == row_bytes;
+  return {t, v.inter_node_rows(), same ? t : hierarchical_a2a_seconds(p, v, dispatch_row_bytes)};
+}
 
 /// One layer's dispatch (= combine) under `p.model`. `slot_expert`/`slot_rows` as in `a2a_hits_from_slots`;
 /// empty spans mean the physical limit (`ideal`): `gpu_rows` per GPU with hit probabilities from
 /// `a2a_hits_spread`. `gpu_rows` are the rows each GPU receives (the flat model's input; it has no deduplication,
-/// so every row received from another node crosses: the total times (G - P) / G).
+/// so every row received from another node crosses: the total times (G - P) / G). `dispatch_row_bytes` (0: the
+/// same as `row_bytes`) is the forward dispatch's row size, timed into `LayerA2a::dispatch_seconds`.
 [[nodiscard]] inline LayerA2a layer_a2a(const AllToAllParams &p, std::span<const std::int32_t> slot_expert,
                                         std::span<const std::int64_t> slot_rows, std::span<const double> gpu_rows,
                                         int slots_per_gpu, int gpus_per_node, int num_experts, double tokens,
-                                        double row_bytes) {
+                                        double row_bytes, double dispatch_row_bytes = 0) {
+  detail::require(std::isfinite(dispatch_row_bytes) && dispatch_row_bytes >= 0,
+                  "layer_a2a: dispatch row bytes must be >= 0 (0: the combine's), got ", dispatch_row_bytes);
+  const bool same = dispatch_row_bytes == 0 || dispatch_row_bytes == row_bytes;
   if (p.model == A2aModel::flat) {
     double total = 0;
     for (const double r : gpu_rows)
       total += r;
     const auto G = static_cast<double>(gpu_rows.size());
-    return {flat_a2a_seconds(p, gpu_rows, gpus_per_node, row_bytes), G > 0 ? total * (G - gpus_per_node) / G : 0.0};
+    const double t = flat_a2a_seconds(p, gpu_rows, gpus_per_node, row_bytes);
+    return {t, G > 0 ? total * (G - gpus_per_node) / G : 0.0,
+            same ? t : flat_a2a_seconds(p, gpu_rows, gpus_per_node, dispatch_row_bytes)};
   }
   if (tokens <= 0) return {};
   const A2aHits hits = slot_expert.empty() ? a2a_hits_spread(gpu_rows, gpus_per_node, num_experts, tokens)
                                            : a2a_hits_from_slots(slot_expert, slot_rows, slots_per_gpu, gpus_per_node,
                                                                  num_experts, tokens);
-  const A2aVolumes v = a2a_volumes(hits, tokens, gpus_per_node);
-  return {hierarchical_a2a_seconds(p, v, row_bytes), v.inter_node_rows()};
+  return layer_a2a_of(p, a2a_volumes(hits, tokens, gpus_per_node), row_bytes, dispatch_row_bytes);
 }
 
 /// The seconds of `layer_a2a`.

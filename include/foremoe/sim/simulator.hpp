@@ -112,9 +112,21 @@ struct SimConfig {
   int recompute_passes = 1;       ///< forward-only passes over the batch (old policy, reference model, ...)
   int minibatches_per_step = 1;   ///< optimizer steps per RL step (the update micro-steps split evenly)
   double optimizer_seconds = 0.0; ///< fixed time of one optimizer step, added to the traffic model's (below)
-  double rollout_seconds = 0.0;   ///< rollout time, only for the end-to-end figure
+  double rollout_seconds = 0.0;   ///< rollout time, only for the end-to-end figure (0: from `rollout_share`)
+  /// Without `rollout_seconds`, the rollout's share of an RL step run unbalanced: rollout seconds =
+  /// `share / (1 - share)` x the static strategy's training step (the slowest strategy's when static is not
+  /// simulated), the same for every strategy. Default 0.7: "the rollout stage, which accounts for approximately
+  /// 70% of total training time" in synchronous veRL RL post-training of Qwen2.5 models on H800 (Gao et al. 2025,
+  /// RollPacker, arXiv:2509.21009, sec. 1); APRIL (Zhou et al. 2025, arXiv:2509.18521) reports more than 90% for
+  /// long reasoning rollouts. 0: training only.
+  double rollout_share = 0.7;
   bool double_buffer = false;     ///< a second buffer per replica slot: moves may start a micro-step early
-  int activation_bytes = 2;       ///< bytes per hidden element in dispatch and combine (bf16)
+  int activation_bytes = 2;       ///< bytes per hidden element in the combine and the backward exchanges (bf16)
+  /// Dtype of the forward dispatch's token rows: bf16 (`activation_bytes` per element, as the combine) or fp8 (1 B
+  /// per element plus one fp32 scale per 128 elements: DeepEP's normal and low-latency kernels dispatch fp8 and
+  /// combine bf16, deepseek-ai/DeepEP README; DeepSeek-V3 trains with fp8 dispatch, arXiv:2412.19437 sec. 3.3.2).
+  /// The backward pass's exchanges carry bf16 gradients either way.
+  WeightDtype dispatch_dtype = WeightDtype::bf16;
   /// HBM bytes the optimizer step moves per parameter a GPU holds (its owned experts, the dense parts of every
   /// layer, the embedding and LM head), timed at `cost.gemm.hbm_tb_per_s x cost.gemm.hbm_efficiency`. Default: a
   /// fused Adam step with fp32 master weights (Apex / Transformer Engine FusedAdam, as Megatron-LM runs it) reads
@@ -134,6 +146,9 @@ struct SimConfig {
   /// ids (`ids`; `simulate` then needs them for every micro-step, one EP group over every GPU, and `ideal` keeps its
   /// independence bound, which co-activated routing can beat).
   A2aHitsSource a2a_hits = A2aHitsSource::independent;
+  /// Links shared both ways: the all-to-all also yields to a GPU's moves and gradient returns (it gets half the
+  /// link while they run, as they get half while it runs). false: only the moves yield (the earlier model).
+  bool two_way_link_sharing = true;
   /// Fraction in [0, 1] of the data-parallel expert-gradient synchronisation across EP-group copies that may
   /// overlap the last update micro-step's backward (per-layer buckets reduced as soon as that layer's backward is
   /// over, Megatron DDP's `overlap_grad_reduce`). Default 0: Megatron-core's `DistributedDataParallelConfig`
@@ -205,11 +220,28 @@ struct SimConfig {
     return weights + tokens_per_gpu * 2.0 * vh / (cost.gemm.peak_tflops_bf16 * 1e12 * dense_efficiency);
   }
 
+  /// The rollout seconds of an RL step whose unbalanced training step takes `reference_step_seconds`.
+  [[nodiscard]] double rollout_time(double reference_step_seconds) const {
+    if (rollout_seconds > 0) return rollout_seconds;
+    return rollout_share / (1.0 - rollout_share) * reference_step_seconds;
+  }
+
   /// Seconds of one optimizer step on a GPU holding `params` parameters (`optimizer_seconds` plus their
   /// `optimizer_traffic_bytes_per_param` at the HBM bandwidth).
   [[nodiscard]] double optimizer_step_seconds(double params) const {
     return optimizer_seconds +
            params * optimizer_traffic_bytes_per_param / (cost.gemm.hbm_tb_per_s * 1e12 * cost.gemm.hbm_efficiency);
+  }
+
+  /// Bytes of one token row in the combine and the backward exchanges: `hidden x activation_bytes`.
+  [[nodiscard]] double row_bytes() const { return static_cast<double>(model.hidden) * activation_bytes; }
+
+  /// Bytes of one token row in the forward dispatch: `row_bytes()`, or for fp8 one byte per element plus an fp32
+  /// scale per 128 elements (rounded up).
+  [[nodiscard]] double dispatch_row_bytes() const {
+    if (dispatch_dtype != WeightDtype::fp8) return row_bytes();
+    const auto h = static_cast<double>(model.hidden);
+    return h + 4.0 * std::ceil(h / 128.0);
   }
 
   /// The EP group size in use: `ep_size`, or `default_ep_size` of the cluster and the experts.
@@ -239,6 +271,8 @@ struct SimConfig {
                     "SimConfig: optimizer_seconds must be >= 0, got ", optimizer_seconds);
     detail::require(std::isfinite(rollout_seconds) && rollout_seconds >= 0,
                     "SimConfig: rollout_seconds must be >= 0, got ", rollout_seconds);
+    detail::require(std::isfinite(rollout_share) && rollout_share >= 0 && rollout_share < 1,
+                    "SimConfig: rollout_share must be in [0, 1), got ", rollout_share);
     detail::require(std::isfinite(optimizer_traffic_bytes_per_param) && optimizer_traffic_bytes_per_param >= 0,
                     "SimConfig: optimizer_traffic_bytes_per_param must be >= 0, got ",
                     optimizer_traffic_bytes_per_param);
@@ -247,6 +281,8 @@ struct SimConfig {
     detail::require(std::isfinite(dp_grad_overlap) && dp_grad_overlap >= 0 && dp_grad_overlap <= 1,
                     "SimConfig: dp_grad_overlap must be in [0, 1], got ", dp_grad_overlap);
     detail::require(activation_bytes > 0, "SimConfig: activation_bytes must be positive, got ", activation_bytes);
+    detail::require(dispatch_dtype == WeightDtype::bf16 || dispatch_dtype == WeightDtype::fp8,
+                    "SimConfig: dispatch_dtype must be bf16 or fp8, got ", to_string(dispatch_dtype));
     detail::require(planner_threads >= 1, "SimConfig: planner_threads must be >= 1, got ", planner_threads);
     detail::require(std::isfinite(optimizer_bytes_per_param) && optimizer_bytes_per_param >= 0,
                     "SimConfig: optimizer_bytes_per_param must be >= 0, got ", optimizer_bytes_per_param);
@@ -322,6 +358,7 @@ struct SimResult {
   double recompute_seconds = 0;                   ///< mean per step
   double update_seconds = 0;                      ///< mean per step, optimizer steps included
   double end_to_end_seconds = 0;                  ///< step + rollout
+  double rollout_seconds = 0; ///< the rollout in `end_to_end_seconds` (`SimConfig::rollout_time`), same for all
   double imbalance_median = 1, imbalance_p99 = 1; ///< per (micro-step, layer) max/mean GPU load, both stages
   double moved_gb = 0;                            ///< weights moved per step (replicas in, re-owning), GB
   double grad_gb = 0;                             ///< replica gradients reduced per step, GB
@@ -439,7 +476,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
   const int G = topo.num_gpus(), L = spec.num_layers, E = spec.num_experts, S = topo.slots_per_gpu;
   const ExpertComputeModel compute(cfg.cost, ExpertShape::from(spec));
   const double expert_bytes = static_cast<double>(spec.bytes_per_expert());
-  const double row_bytes = static_cast<double>(spec.hidden) * cfg.activation_bytes;
+  const double row_bytes = cfg.row_bytes(), dispatch_row_bytes = cfg.dispatch_row_bytes();
   const double expert_params = static_cast<double>(spec.num_matrices) * spec.hidden * spec.expert_ffn;
   const double grad_bytes_per_expert = expert_params * static_cast<double>(dtype_bytes(cfg.grad_dtype));
   CostParams cost = cfg.cost; // gradients in `grad_dtype`
@@ -556,7 +593,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
                  RoutedView(std::span<const std::int16_t>(ids, static_cast<std::size_t>(T) * K), T, 1, K), 0, sc.slots,
                  rm.source_offsets);
       const A2aVolumes v = a2a_volumes_from_routes(sc.slots, K, S, P, G, rm.source_offsets);
-      out[li] = LayerA2a{hierarchical_a2a_seconds(cfg.cost.a2a, v, row_bytes), v.inter_node_rows()};
+      out[li] = layer_a2a_of(cfg.cost.a2a, v, row_bytes, dispatch_row_bytes);
     });
   };
 
@@ -604,16 +641,16 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
             : layer_a2a(cfg.cost.a2a, lp != nullptr ? lp->placement.phys_to_log() : std::span<const std::int32_t>{},
                         lp != nullptr ? std::span<const std::int64_t>(lp->slot_tokens)
                                       : std::span<const std::int64_t>{},
-                        gpu_tokens, S, topo.gpus_per_node, E, tokens, row_bytes);
-    const double a2a = layer_a2a_cost.seconds;
-    // Dispatch and combine each pass: forward, and backward in the update stage.
-    t.inter_node_bytes = (update ? 4.0 : 2.0) * layer_a2a_cost.inter_node_rows * row_bytes;
+                        gpu_tokens, S, topo.gpus_per_node, E, tokens, row_bytes, dispatch_row_bytes);
+    const double a2a = layer_a2a_cost.seconds, fwd_a2a = layer_a2a_cost.dispatch_seconds + a2a;
+    // Dispatch and combine each pass: forward (the dispatch at its own row size), and backward in the update stage.
+    t.inter_node_bytes = layer_a2a_cost.inter_node_rows * (dispatch_row_bytes + (update ? 3.0 : 1.0) * row_bytes);
     // Each pass's dispatch and combine may hide under its compute, `a2a_overlap` of it at most.
-    const double fwd_hidden = std::min(cfg.a2a_overlap * 2 * a2a, attn + fwd_expert);
-    t.forward = attn + a2a + fwd_expert + a2a - fwd_hidden;
+    const double fwd_hidden = std::min(cfg.a2a_overlap * fwd_a2a, attn + fwd_expert);
+    t.forward = attn + layer_a2a_cost.dispatch_seconds + fwd_expert + a2a - fwd_hidden;
     t.expert = fwd_expert;
-    t.a2a = 2 * a2a - fwd_hidden;
-    t.a2a_link = 2 * a2a;
+    t.a2a = fwd_a2a - fwd_hidden;
+    t.a2a_link = fwd_a2a;
     t.a2a_hidden = fwd_hidden;
     t.dense = attn;
     if (update) {
@@ -644,12 +681,26 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
       t.moved_bytes += expert_bytes;
       if (path == MovePath::host) t.host_moves = true;
     }
+    // The NIC and the host mirror reach a GPU over its one PCIe link: what it receives on the two paths together
+    // takes at least their bytes at the PCIe ingress rate (after the first move's latency).
+    std::vector<double> pcie_bytes(static_cast<std::size_t>(G), 0.0), pcie_latency(static_cast<std::size_t>(G), 0.0);
     for (const Move &mv : lp->moves) {
-      const int p = static_cast<int>(path_of(mv));
+      const MovePath path = path_of(mv);
+      const int p = static_cast<int>(path);
       double finish = path_in[static_cast<std::size_t>(mv.dst_gpu) * 3 + p];
       if (mv.src_gpu >= 0) finish = std::max(finish, path_out[static_cast<std::size_t>(mv.src_gpu) * 3 + p]);
       t.move_demand[mv.dst_gpu] = std::max(t.move_demand[mv.dst_gpu], finish);
+      if (path != MovePath::gpu_intra) {
+        const double lat = path_params(cfg.cost.move, path).latency_us * 1e-6;
+        const auto d = static_cast<std::size_t>(mv.dst_gpu);
+        pcie_latency[d] = pcie_bytes[d] > 0 ? std::min(pcie_latency[d], lat) : lat;
+        pcie_bytes[d] += expert_bytes;
+      }
     }
+    for (int g = 0; g < G; ++g)
+      if (pcie_bytes[g] > 0)
+        t.move_demand[g] = std::max(t.move_demand[g], pcie_latency[g] + pcie_bytes[g] /
+                                                                            (cfg.cost.move.pcie_ingress_gb_per_s * 1e9));
     return t;
   };
 
@@ -829,13 +880,28 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
           stall = std::max(stall,
                            edf_max_lateness(release, std::span<const double>(fwd_prefix).first(L),
                                             std::span<const double>(work).subspan(static_cast<std::size_t>(g) * L, L)));
+        // Both ways: while a GPU's link carries its moves and gradient returns the all-to-all gets half of it, so
+        // it needs `a2a / (1 - sigma / 2)`, `sigma` the share of the micro-step the busiest GPU's link carries them
+        // (the same fair-share rule as `shared_link_seconds`; the all-to-all ends with its slowest GPU).
+        double a2a_yield = 0; // extra all-to-all seconds per second of it
+        if (cfg.two_way_link_sharing && layer_time > 0 && a2a_time > 0) {
+          double sigma = 0;
+          for (int g = 0; g < G; ++g) {
+            double busy = 0;
+            for (int l = 0; l < L; ++l)
+              busy += work[static_cast<std::size_t>(g) * L + l];
+            sigma = std::max(sigma, std::min(1.0, busy / layer_time));
+          }
+          a2a_yield = sigma / (2.0 - sigma);
+        }
         std::vector<double> layer_times(static_cast<std::size_t>(L));
         SimBreakdown parts;
         for (int l = 0; l < L; ++l) {
-          layer_times[l] = cur[l].forward + cur[l].backward;
+          const double yield = cur[l].a2a_link * a2a_yield;
+          layer_times[l] = cur[l].forward + cur[l].backward + yield;
           micro += layer_times[l];
           parts.expert_compute += cur[l].expert;
-          parts.all_to_all += cur[l].a2a;
+          parts.all_to_all += cur[l].a2a + yield;
           parts.dense += cur[l].dense;
           rec.a2a_hidden += cur[l].a2a_hidden;
         }
@@ -1068,7 +1134,6 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     res.recompute_seconds = total_recompute / counted;
     res.update_seconds = total_update / counted;
     res.step_seconds = (total_recompute + total_update + total_extra) / counted;
-    res.end_to_end_seconds = res.step_seconds + cfg.rollout_seconds;
     res.moved_gb = total_moved / counted * 1e-9;
     res.grad_gb = total_grad / counted * 1e-9;
     res.inter_node_gb = total_inter / counted * 1e-9;
@@ -1083,6 +1148,16 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
           &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.dp_grad_sync, &res.breakdown.optimizer})
       *part /= counted;
     results.push_back(std::move(res));
+  }
+  // The rollout, the same for every strategy: `rollout_seconds`, or its share of the unbalanced (static) step.
+  double reference = 0;
+  for (const SimResult &r : results)
+    reference = std::max(reference, r.step_seconds);
+  for (const SimResult &r : results)
+    if (r.strategy == "static") reference = r.step_seconds;
+  for (SimResult &r : results) {
+    r.rollout_seconds = cfg.rollout_time(reference);
+    r.end_to_end_seconds = r.step_seconds + r.rollout_seconds;
   }
   return results;
 }
