@@ -822,6 +822,13 @@ TEST_CASE("real H200 data: expert GEMM and NCCL alltoall fits") {
     CHECK(detail::quantile(test_power, 0.5) < 0.2);
     CHECK(detail::quantile(test_power, 0.9) < 0.4);
     if (key == std::pair<int, int>{2048, static_cast<int>(WeightDtype::bf16)}) {
+      // The scan term pays for itself on the held-out pairs too (see also the large-M check below).
+      const auto no_scan = fit_expert_compute(train, {}, {.scan = false});
+      const auto no_scan_err = expert_compute_errors(no_scan.params, test);
+      MESSAGE(name, ", scan held at 0: held-out median ", detail::quantile(no_scan_err, 0.5), " p90 ",
+              detail::quantile(no_scan_err, 0.9));
+      CHECK(detail::quantile(test_err, 0.5) < detail::quantile(no_scan_err, 0.5));
+      CHECK(detail::quantile(test_err, 0.9) < detail::quantile(no_scan_err, 0.9));
       // The defaults (params.hpp) are this shape's fit on all its rows.
       const auto whole = fit_expert_compute(samples);
       const auto &w = whole.params;
@@ -955,6 +962,10 @@ TEST_CASE("real H200 data: expert GEMM held out by size (large-M check)") {
           "num_tokens 16384: ", e_largest.text(), "busiest expert >= 8192 rows: ", e_hot.text(),
           "ep 1 (the kernel scans only its own rows): ", e_local.text());
   MESSAGE("same split, scan held at 0: held out num_tokens >= 8192: ", e0_large.text());
+  const ExpertGemmParams defaults; // the fit on all rows (the large ones included)
+  MESSAGE("the defaults on num_tokens >= 8192: ", SplitErrors(defaults, large).text(),
+          "num_tokens 16384: ", SplitErrors(defaults, largest).text(),
+          "ep 1: ", SplitErrors(defaults, local_only).text());
   // Regression guards: the measured values (docs/simulator.md, "Large-M check") plus a margin of 0.05 on
   // the median, p90 and |bias|. They bound today's model; a better model passes, a worse one fails.
   struct Bound {
