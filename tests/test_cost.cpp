@@ -970,7 +970,7 @@ TEST_CASE("real H200 data: expert GEMM held out by size (large-M check)") {
   // the median, p90 and |bias|. They bound today's model; a better model passes, a worse one fails.
   struct Bound {
     const SplitErrors &e;
-    double med_b, p90_b, bias_b, med_p, p90_p, bias_p;
+    double med_b, p90_b, bias_b, med_p, p90_p, bias_p; // balanced, power-law (unused where no such rows)
   };
   CHECK(hot.size() == 130);
   CHECK(e_hot.abs_balanced.empty()); // no balanced row has more than 1,024 rows per expert
