@@ -207,6 +207,12 @@ struct ExpertComputeFit {
   return err;
 }
 
+/// Which terms `fit_expert_compute` fits.
+struct ExpertFitOptions {
+  /// Fit `scan_ps_per_element`; false holds it at 0 (for checking what the term buys: tests/test_cost.cpp).
+  bool scan = true;
+};
+
 /// Fits launch, per-expert time, scan time, HBM efficiency and compute efficiency by non-negative least
 /// squares on relative error (rows weighted by 1 / measured time). `n_half` comes from a small grid and the
 /// combination (`overlap`: max or sum) is tried both ways; the max form is fitted by alternating between
@@ -214,7 +220,8 @@ struct ExpertComputeFit {
 /// wins. Peaks come from `base`. All samples should share one dtype. Throws `Error` for fewer than 5
 /// samples or a non-positive measured time.
 [[nodiscard]] inline ExpertComputeFit fit_expert_compute(std::span<const ExpertComputeSample> samples,
-                                                         const ExpertGemmParams &base = {}) {
+                                                         const ExpertGemmParams &base = {},
+                                                         const ExpertFitOptions &options = {}) {
   constexpr std::size_t n = 5;
   detail::require(samples.size() >= n, "fit_expert_compute: need at least ", n, " samples, got ", samples.size());
   const std::size_t m = samples.size();
@@ -284,7 +291,7 @@ struct ExpertComputeFit {
         const auto &s = samples[i];
         a[i * n + 0] = 1.0;
         a[i * n + 1] = act[i];
-        a[i * n + 2] = std::max(s.scanned, s.tokens) * s.shape.hidden;
+        a[i * n + 2] = options.scan ? std::max(s.scanned, s.tokens) * s.shape.hidden : 0.0;
         mem[i] = act[i] * s.shape.weight_bytes();
         comp[i] = (padded[i] + n_half * act[i]) * s.shape.flops_per_token() / peak_flops(base, s.shape.dtype);
       }
