@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
@@ -182,15 +183,16 @@ Status node_mirror_name(const NodeMirrorOptions &o, std::string &out) {
   if (key.size() > NodeMirrorOptions::max_job_key_chars)
     return invalid("job_key '" + key.substr(0, 16) + "...' is " + std::to_string(key.size()) + " characters, at most " +
                    std::to_string(NodeMirrorOptions::max_job_key_chars));
-  for (std::size_t i = 0; i < key.size(); ++i) {
-    const auto c = static_cast<unsigned char>(key[i]);
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
-    if (!ok) {
-      const std::string where = " at index " + std::to_string(i) + "; use letters, digits, '_' and '-'";
-      if (c < 0x20 || c >= 0x7F) return invalid("job_key has the byte " + hex(c, 2) + where);
-      const std::string shown{'\'', key[i], '\''};
-      return invalid("job_key '" + key + "' has " + shown + where);
-    }
+  const auto bad = std::find_if_not(key.begin(), key.end(), [](char ch) {
+    const auto c = static_cast<unsigned char>(ch);
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-';
+  });
+  if (bad != key.end()) {
+    const auto c = static_cast<unsigned char>(*bad);
+    const std::string where = " at index " + std::to_string(bad - key.begin()) + "; use letters, digits, '_' and '-'";
+    if (c < 0x20 || c >= 0x7F) return invalid("job_key has the byte " + hex(c, 2) + where);
+    const std::string shown{'\'', *bad, '\''};
+    return invalid("job_key '" + key + "' has " + shown + where);
   }
   if (o.node < 0) return invalid("node must not be negative, got " + std::to_string(o.node));
   if (o.layer < 0) return invalid("layer must not be negative, got " + std::to_string(o.layer));
