@@ -113,9 +113,8 @@ Status check_options(const NodeMirrorOptions &o, std::string &name) {
     return invalid("open_timeout must not be negative, got " + std::to_string(o.open_timeout.count()) + " ms");
 #if !defined(FOREMOE_HAVE_CUDA)
   if (o.pin)
-    return {StatusCode::unavailable, "node mirror: pin needs cudaHostRegister, and this runtime was built without "
-                                     "CUDA (segment " +
-                                         name + ")"};
+    return {StatusCode::unavailable,
+            "node mirror: pin needs cudaHostRegister, and this runtime was built without CUDA (segment " + name + ")"};
 #endif
   return {};
 }
@@ -139,9 +138,7 @@ Status try_open(const std::string &name, const NodeMirrorOptions &o, Map &map, b
     retry = true;
     return invalid("segment " + name + " is " + std::to_string(size) + " bytes, smaller than its " +
                    std::to_string(node_mirror_header_bytes) +
-                   "-byte header: not a node mirror, or still being "
-                   "created (" +
-                   remove_hint(name) + ")");
+                   "-byte header: not a node mirror, or still being created (" + remove_hint(name) + ")");
   }
   if (Status s = map.map(fd.get(), size, name); !s.ok()) return s;
   const Header &h = header_of(map.get());
@@ -159,15 +156,14 @@ Status try_open(const std::string &name, const NodeMirrorOptions &o, Map &map, b
   if (!ready) {
     retry = true;
     return {StatusCode::unavailable, "node mirror: segment " + name +
-                                         " is not ready (its creator has not finished creating it, or died "
-                                         "while doing so; " +
+                                         " is not ready (its creator has not finished creating it, or died while "
+                                         "doing so; " +
                                          remove_hint(name) + ")"};
   }
   if (h.payload_bytes != o.payload_bytes)
-    return invalid("segment " + name + " holds " + std::to_string(h.payload_bytes) + " payload bytes, this rank " +
-                   "expects " + std::to_string(o.payload_bytes) +
-                   " (another layer shape or another job with the "
-                   "same key)");
+    return invalid("segment " + name + " holds " + std::to_string(h.payload_bytes) +
+                   " payload bytes, this rank expects " + std::to_string(o.payload_bytes) +
+                   " (another layer shape, or another job with the same key)");
   if (size != node_mirror_segment_bytes(h.payload_bytes))
     return invalid("segment " + name + " is " + std::to_string(size) + " bytes, its header's " +
                    std::to_string(h.payload_bytes) + " payload bytes need " +

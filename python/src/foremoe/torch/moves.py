@@ -146,8 +146,10 @@ class HostMirror:
         if G != storage.world:
             raise ValueError(f"refresh_mirror: the process group has {G} ranks, the storage was made for "
                              f"{storage.world}")
-        if any(t.is_cuda for t in storage.storage.values()):
-            torch.cuda.synchronize()  # this rank's earlier copies out of the mirror are done before anyone rewrites it
+        if self.mode == "node" and any(t.is_cuda for t in storage.storage.values()):
+            # This rank's earlier copies out of the shared mirror are done before another local rank rewrites it
+            # (which happens only after the all_gather below, which this rank enters after this point).
+            torch.cuda.synchronize()
         busiest = int(storage.num_owned_by.max())
         n_own = storage.num_owned
         gathered = {}
