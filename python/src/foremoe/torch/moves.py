@@ -25,7 +25,7 @@ import torch.distributed as dist
 from foremoe import _core
 from foremoe._args import integer
 
-from .distributed import DEFAULT_TIMEOUT, gather_checked, gather_rows, group_size, wait
+from .distributed import DEFAULT_TIMEOUT, _a2a, gather_checked, gather_rows, group_size, wait
 
 __all__ = ["HostMirror", "NodeMirror", "injected_fault", "resolve_local_world", "row_checksum"]
 
@@ -140,16 +140,11 @@ class HostMirror:
     def refresh(self, storage: Any, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Gathers every owner's current rows over ``group`` (every rank calls it, after each optimizer step): one
         ``all_gather`` per weight kind of ``max owned experts`` rows per rank, so each rank receives about the
-        layer's whole weights (``E x expert bytes``) and copies its share of them into the mirror (all of them for a
-        per-rank mirror; device to host on CUDA)."""
+        layer's whole weights (``E x expert bytes``) and copies them into the mirror (device to host on CUDA)."""
         G = group_size(group)
         if G != storage.world:
             raise ValueError(f"refresh_mirror: the process group has {G} ranks, the storage was made for "
                              f"{storage.world}")
-        if self.mode == "node" and any(t.is_cuda for t in storage.storage.values()):
-            # This rank's earlier copies out of the shared mirror are done before another local rank rewrites it
-            # (which happens only after the all_gather below, which this rank enters after this point).
-            torch.cuda.synchronize()
         busiest = int(storage.num_owned_by.max())
         n_own = storage.num_owned
         gathered = {}
@@ -205,7 +200,8 @@ class NodeMirror(HostMirror):
     Construction is a collective over ``group``: the ranks agree on a key, the node's first local rank creates the
     segment, the others open it (a segment of another size is refused, naming both sizes), and the name is removed
     at once (the mappings stay), so that nothing is left in ``/dev/shm`` when a process dies. A refresh is
-    collective too: each local rank writes its contiguous share of the experts, all ranks pass a barrier, then the
+    collective too: each local rank receives its contiguous share of the experts from their owners (an
+    ``all_to_all``, ``1 / local_world`` of the layer per rank) and writes it, all ranks pass a barrier, then the
     segment's generation moves on; a rank whose mirror is not at the generation of its last refresh (a refresh
     without it, or one that was interrupted) sees it stale."""
 
@@ -266,6 +262,42 @@ class NodeMirror(HostMirror):
     @property
     def pinned(self) -> bool:
         return bool(self._m.pinned)
+
+    def refresh(self, storage: Any, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+        """Every rank receives only the rows of its share of its node's mirror from their owners: one
+        ``all_to_all_single`` per weight kind (about ``E / local_world`` experts' bytes per rank, where a per-rank
+        mirror's ``all_gather`` brings ``E``), then writes them (:meth:`_write`)."""
+        G = group_size(group)
+        if G != storage.world:
+            raise ValueError(f"refresh_mirror: the process group has {G} ranks, the storage was made for "
+                             f"{storage.world}")
+        if any(t.is_cuda for t in storage.storage.values()):
+            # This rank's earlier copies out of the shared mirror are done before another local rank rewrites it
+            # (only after the exchange below, which this rank enters after this point).
+            torch.cuda.synchronize()
+        E, L = storage.num_experts, self.local_world
+        mine = storage.owned[storage.rank]  # ascending: owner row i holds expert mine[i]
+        send = [np.flatnonzero((mine >= E * (r % L) // L) & (mine < E * (r % L + 1) // L)) for r in range(G)]
+        recv = [o[(o >= self.lo) & (o < self.hi)] for o in storage.owned]
+        send_rows = torch.from_numpy(np.concatenate(send))
+        place = torch.from_numpy(np.concatenate(recv) - self.lo)  # where each received row goes in the share
+        in_splits, out_splits = [int(i.size) for i in send], [int(e.size) for e in recv]
+        got = {}
+        for name in self.tensors:
+            t = storage.storage[name]
+            rows = t.detach().index_select(0, send_rows.to(t.device)).reshape(len(send_rows), t[0].numel())
+            # Sent as raw bytes, so every dtype travels (gloo lacks some, such as bfloat16).
+            got[name] = _a2a(rows.view(torch.uint8), out_splits, in_splits, group, timeout,
+                             f"refresh_mirror: all_to_all of the owner rows of {name!r}")
+
+        def share(name: str, lo: int, hi: int) -> torch.Tensor:
+            m = self.tensors[name]
+            out = torch.empty((hi - lo,) + tuple(m.shape[1:]), dtype=m.dtype)
+            received = got[name].cpu().view(m.dtype).reshape((len(place),) + tuple(m.shape[1:]))
+            out[place] = received
+            return out
+
+        self._write(storage, group, timeout, share)
 
     def _write(self, storage: Any, group: Any, timeout: float, rows: Callable[[str, int, int], torch.Tensor]) -> None:
         """Writes this rank's share between the runtime's begin and end of a refresh, with a barrier over ``group``
