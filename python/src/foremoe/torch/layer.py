@@ -344,8 +344,8 @@ class ExpertStorage:
     def refresh_mirror(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Refreshes the host mirror from every owner's current weights (every rank of ``group`` calls it, after
         each optimizer step): :meth:`moves.HostMirror.refresh`, about the layer's whole weights received per rank;
-        with ``mirror="node"`` each local rank writes its share of the node's mirror, then a barrier over ``group``
-        and the segment's generation moves on (:class:`moves.NodeMirror`)."""
+        with ``mirror="node"`` each local rank receives and writes only its share of the node's mirror, then a
+        barrier over ``group`` and the segment's generation moves on (:meth:`moves.NodeMirror.refresh`)."""
         if self.mirror is None:
             raise ValueError("refresh_mirror: this ExpertStorage has no host mirror (construct it with mirror=True or "
                              "mirror='node')")
