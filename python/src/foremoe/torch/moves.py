@@ -99,6 +99,14 @@ def resolve_local_world(local_world: Optional[int], world: int, mirror: Any) -> 
     return value
 
 
+def group_of(storage: Any, group: Any, who: str) -> int:
+    """The size of ``group``, which must be the storage's."""
+    G = group_size(group)
+    if G != storage.world:
+        raise ValueError(f"{who}: the process group has {G} ranks, the storage was made for {storage.world}")
+    return G
+
+
 class HostMirror:
     """Every expert's weights of one layer on this rank, ``{kind: [E, ...]}`` in host memory (pinned when the slot
     storage is on CUDA), with the owner parameter versions it was taken at: ``ExpertStorage(..., mirror=True)``.
@@ -141,10 +149,7 @@ class HostMirror:
         """Gathers every owner's current rows over ``group`` (every rank calls it, after each optimizer step): one
         ``all_gather`` per weight kind of ``max owned experts`` rows per rank, so each rank receives about the
         layer's whole weights (``E x expert bytes``) and copies them into the mirror (device to host on CUDA)."""
-        G = group_size(group)
-        if G != storage.world:
-            raise ValueError(f"refresh_mirror: the process group has {G} ranks, the storage was made for "
-                             f"{storage.world}")
+        G = group_of(storage, group, "refresh_mirror")
         busiest = int(storage.num_owned_by.max())
         n_own = storage.num_owned
         gathered = {}
@@ -208,10 +213,7 @@ class NodeMirror(HostMirror):
     mode = "node"
 
     def __init__(self, storage: Any, local_world: int, group: Any = None, timeout: float = DEFAULT_TIMEOUT):
-        G = group_size(group)
-        if G != storage.world:
-            raise ValueError(f"ExpertStorage: mirror='node': the process group has {G} ranks, the storage was made "
-                             f"for {storage.world}")
+        G = group_of(storage, group, "ExpertStorage: mirror='node'")
         self.local_world = int(local_world)
         self.node, local = divmod(storage.rank, self.local_world)
         E = storage.num_experts
@@ -267,10 +269,7 @@ class NodeMirror(HostMirror):
         """Every rank receives only the rows of its share of its node's mirror from their owners: one
         ``all_to_all_single`` per weight kind (about ``E / local_world`` experts' bytes per rank, where a per-rank
         mirror's ``all_gather`` brings ``E``), then writes them (:meth:`_write`)."""
-        G = group_size(group)
-        if G != storage.world:
-            raise ValueError(f"refresh_mirror: the process group has {G} ranks, the storage was made for "
-                             f"{storage.world}")
+        G = group_of(storage, group, "refresh_mirror")
         if any(t.is_cuda for t in storage.storage.values()):
             # This rank's earlier copies out of the shared mirror are done before another local rank rewrites it
             # (only after the exchange below, which this rank enters after this point).
