@@ -80,6 +80,11 @@ def mirror_rank(rank: int, tmp: str) -> None:
     rec["stale_repaired"] = node.mirror_stale()
     rec["generation_repaired"] = node.mirror_stats().generation
     rec["repaired"] = same(stepped)
+    # bfloat16 weights (which gloo's collectives do not all take) travel as raw bytes.
+    half = {n: w.to(torch.bfloat16) for n, w in mine.items()}
+    bf16 = ft.ExpertStorage(half, owners, G4.slots, rank=rank, world=G4.world, mirror="node", local_world=2)
+    rec["bf16"] = all(torch.equal(bf16.mirror.tensors[n], w.to(torch.bfloat16)) for n, w in full.items())
+    del bf16
     # Rank 3 (node 1's second local rank) has other expert shapes: its node's segment has another size.
     bad = {n: torch.cat([w, w], dim=-1) for n, w in mine.items()} if rank == 3 else mine
     try:
@@ -122,6 +127,7 @@ def test_node_mirror_equals_the_per_rank_mirror(tmp_path_factory):
             assert all(all(v) for v in rec[when].values()), (r, when, rec[when])
         assert rec["stale_after_step"] == (True, True), r
         assert rec["stale_after_refresh"] == (False, False), r
+        assert rec["bf16"], r
 
 
 def test_memory_per_node_is_one_copy(tmp_path_factory):
