@@ -239,10 +239,15 @@ class NodeMirror(HostMirror):
             error = None
             if (local == 0) == creating:
                 try:
+                    # The creator has finished before this round began, so opening does not wait: a segment that
+                    # is not there means this rank is on another host than its node's first rank.
                     self._m = (_core.NodeMirror.create(key, self.node, 0, payload, pin) if creating else
-                               _core.NodeMirror.open(key, self.node, 0, payload, pin, open_timeout=timeout))
+                               _core.NodeMirror.open(key, self.node, 0, payload, pin))
                 except (ValueError, RuntimeError, TimeoutError) as e:
-                    error = f"{what}: {e}"
+                    first = self.node * self.local_world
+                    error = (f"{what}: {e}" if creating or "does not exist" not in str(e) else
+                             f"{what}: {e}; is rank {first} on this host? (local_world={self.local_world}: ranks "
+                             f"[{first}, {first + self.local_world}) must share one host)")
             gather_checked([], error, group, timeout, f"{what}: {'creating' if creating else 'opening'}",
                            rejected)
         self._m.unlink()  # every local rank has mapped it
