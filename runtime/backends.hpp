@@ -1,6 +1,9 @@
 #pragma once
 // Internal interface between the runtime's front end and its backends.
 
+#include <cstdint>
+#include <string>
+
 #include "foremoe/core/thread_pool.hpp"
 #include "foremoe/runtime/runtime.hpp"
 
@@ -13,6 +16,10 @@ Status host_count_loads(const CountRequest &req, int num_moe_layers, std::int64_
 
 #if defined(FOREMOE_HAVE_CUDA)
 int cuda_num_devices() noexcept;
+/// Pins `bytes` of host memory at `ptr` for every device (`cudaHostRegister`, portable); `device_error` naming
+/// `what` when CUDA refuses (no device, memory already registered).
+Status cuda_host_register(void *ptr, std::int64_t bytes, const std::string &what);
+void cuda_host_unregister(void *ptr) noexcept;
 #endif
 
 } // namespace runtime::detail

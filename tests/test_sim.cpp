@@ -573,6 +573,20 @@ TEST_CASE("simulate: static's peak memory matches the hand count; too little mem
                        doctest::Contains("more than sim.gpu_memory_gb"), Error);
 }
 
+TEST_CASE("simulate: the node-shared host mirror holds every expert of every layer once, for strategies reading it") {
+  Case c = small_case(5);
+  const ModelSpec &m = c.cfg.model;
+  const double all = 16.0 * m.num_layers * static_cast<double>(m.bytes_per_expert());
+  int readers = 0, others = 0;
+  for (const SimResult &r : simulate(c.cfg, c.loads, c.steps, all_strategies())) {
+    CAPTURE(r.strategy);
+    CHECK(r.memory.host_mirror_per_node == (r.mirror_seconds > 0 ? all : 0.0));
+    (r.mirror_seconds > 0 ? readers : others) += 1;
+  }
+  CHECK(readers > 0); // both kinds are among the strategies, so the check above sees both branches
+  CHECK(others > 0);
+}
+
 TEST_CASE("simulate: planning on the critical path is at most the planning time, all of it without overlap") {
   Case c = small_case(11, 3);
   const std::vector<SimStrategy> st = {parse_sim_strategy("foremoe"), parse_sim_strategy("ideal")};

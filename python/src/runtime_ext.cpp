@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "foremoe/runtime/node_mirror.hpp"
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/token_map.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
@@ -585,9 +586,81 @@ void map_tokens(const Array &ids, const Array &out, int layer_idx, int num_exper
   check(st);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Node-shared host mirror
+
+/// Unmapped when the last reference goes (the arrays of `array()` hold one).
+struct PyNodeMirror {
+  std::unique_ptr<rt::NodeMirror> mirror;
+  [[nodiscard]] rt::NodeMirror &get() const { return *mirror; }
+};
+
+rt::NodeMirrorOptions mirror_options(const std::string &job_key, int node, int layer, std::int64_t payload_bytes,
+                                     bool pin, double open_timeout) {
+  if (!(open_timeout >= 0) || open_timeout > 1e7)
+    raise(PyExc_ValueError, str("NodeMirror.open: open_timeout must be seconds >= 0, got ", open_timeout));
+  rt::NodeMirrorOptions o;
+  o.job_key = job_key, o.node = node, o.layer = layer, o.payload_bytes = payload_bytes, o.pin = pin;
+  o.open_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(open_timeout * 1000.0 + 0.5));
+  return o;
+}
+
+PyNodeMirror make_node_mirror(const rt::NodeMirrorOptions &o, bool create) {
+  PyNodeMirror out;
+  rt::Status st;
+  {
+    nb::gil_scoped_release nogil; // open may wait for the creator
+    st = create ? rt::NodeMirror::create(o, out.mirror) : rt::NodeMirror::open(o, out.mirror);
+  }
+  check(st);
+  return out;
+}
+
+void bind_node_mirror(nb::module_ &m) {
+  nb::class_<PyNodeMirror>(m, "NodeMirror",
+                           "One local rank's mapping of its node's shared host mirror (foremoe::runtime::NodeMirror; "
+                           "internal: see foremoe.torch.moves.NodeMirror).")
+      .def_static(
+          "create",
+          [](const std::string &job_key, int node, int layer, std::int64_t payload_bytes, bool pin) {
+            return make_node_mirror(mirror_options(job_key, node, layer, payload_bytes, pin, 0.0), true);
+          },
+          "job_key"_a, "node"_a, "layer"_a, "payload_bytes"_a, "pin"_a = false)
+      .def_static(
+          "open",
+          [](const std::string &job_key, int node, int layer, std::int64_t payload_bytes, bool pin,
+             double open_timeout) {
+            return make_node_mirror(mirror_options(job_key, node, layer, payload_bytes, pin, open_timeout), false);
+          },
+          "job_key"_a, "node"_a, "layer"_a, "payload_bytes"_a, "pin"_a = false, "open_timeout"_a = 0.0)
+      .def_prop_ro("name", [](const PyNodeMirror &p) { return p.get().name(); })
+      .def_prop_ro("payload_bytes", [](const PyNodeMirror &p) { return p.get().payload_bytes(); })
+      .def_prop_ro("segment_bytes", [](const PyNodeMirror &p) { return p.get().segment_bytes(); })
+      .def_prop_ro("is_creator", [](const PyNodeMirror &p) { return p.get().is_creator(); })
+      .def_prop_ro("pinned", [](const PyNodeMirror &p) { return p.get().pinned(); })
+      .def_prop_ro("generation", [](const PyNodeMirror &p) { return p.get().generation(); })
+      .def_prop_ro("seen_generation", [](const PyNodeMirror &p) { return p.get().seen_generation(); })
+      .def("stale", [](const PyNodeMirror &p) { return p.get().stale(); })
+      .def("begin_refresh", [](const PyNodeMirror &p) { check(p.get().begin_refresh()); })
+      .def("end_refresh", [](const PyNodeMirror &p) { check(p.get().end_refresh()); })
+      .def("unlink", [](const PyNodeMirror &p) { check(p.get().unlink()); })
+      .def(
+          "array",
+          [](nb::handle self) {
+            const rt::NodeMirror &mir = nb::cast<const PyNodeMirror &>(self).get();
+            const std::size_t shape[1] = {static_cast<std::size_t>(mir.payload_bytes())};
+            // The array keeps this object (and so the mapping) alive.
+            return nb::ndarray<nb::numpy, std::uint8_t>(mir.payload().data(), 1, shape, self);
+          },
+          "The payload as a writable uint8 NumPy array over the shared mapping (no copy).");
+  m.def("node_mirror_segment_bytes", &rt::node_mirror_segment_bytes, "payload_bytes"_a,
+        "Host bytes one node mirror of `payload_bytes` takes on its node (-1 for a size out of range).");
+}
+
 } // namespace
 
 void bind_runtime(nb::module_ &m) {
+  bind_node_mirror(m);
   options_class<rt::FaultSchedule>(m, "FaultSchedule",
                                    "The seeded fault injector's schedule (a test double): each chunk copy fails, is "
                                    "truncated (caught only with `verify`) or delayed with these probabilities, decided "

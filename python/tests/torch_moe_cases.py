@@ -165,10 +165,11 @@ def train_rank(rank: int, case: Case, tmp: str) -> None:
 
 
 def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """One rank's balanced run in an initialised group. ``opts``: ``mirror``, ``verify`` and ``faults`` (the
-    fields of a ``FaultSchedule``) of the layer; ``skip_refresh`` (optimizer steps after which the mirror is not
-    refreshed: the next call must fail, then it is refreshed and the call retried); ``faults_off_on_error`` (a
-    failed call is recorded, then retried and the run continued with the fault injector off); ``prefetch``
+    """One rank's balanced run in an initialised group. ``opts``: ``mirror`` (``True`` or ``"node"``),
+    ``local_world``, ``verify`` and ``faults`` (the fields of a ``FaultSchedule``) of the layer; ``skip_refresh``
+    (optimizer steps after which the mirror is not refreshed: the next call must fail, then it is refreshed and the
+    call retried); ``faults_off_on_error`` (a failed call is recorded, then retried and the run continued with the
+    fault injector off); ``prefetch``
     (``"after_backward"`` or ``"before_backward"``: where micro-step ``m + 1`` is prefetched, the first one of a
     step after the optimizer step); ``driver`` (plans from a ``ReplayDriver``); ``double_buffer`` (the layer's);
     ``lag`` (pipelined: the backward of micro-step ``m`` runs after the forward of ``m + 1``); ``hold`` (held
@@ -177,10 +178,10 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
     opts = opts or {}
     data = make_data(case)
     faults = ft.FaultSchedule(**opts["faults"]) if opts.get("faults") else None
-    mirror = bool(opts.get("mirror"))
+    mirror = opts.get("mirror", False)  # False, True (per rank) or "node"
     layer = ft.BalancedMoE(make_experts(case), case.slots, timeout=opts.get("timeout", 60.0), mirror=mirror,
                            verify=opts.get("verify", True), faults=faults,
-                           double_buffer=bool(opts.get("double_buffer")))
+                           double_buffer=bool(opts.get("double_buffer")), local_world=opts.get("local_world"))
     opt = make_optimizer(layer.parameters())
     planner = foremoe.Planner(foremoe.Topology(case.nodes, case.world // case.nodes, case.slots))
     rec: Dict[str, Any] = {"out": [], "x_grad": [], "w_grad": [], "grads": [], "params": [], "sync": [],

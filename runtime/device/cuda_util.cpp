@@ -21,6 +21,16 @@ int cuda_num_devices() noexcept {
   return n;
 }
 
+Status cuda_host_register(void *ptr, std::int64_t bytes, const std::string &what) {
+  const cudaError_t err = cudaHostRegister(ptr, static_cast<std::size_t>(bytes), cudaHostRegisterPortable);
+  if (err == cudaSuccess) return {};
+  (void)cudaGetLastError();
+  return {StatusCode::device_error, "cudaHostRegister of " + std::to_string(bytes) + " bytes of " + what +
+                                        " failed with " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")"};
+}
+
+void cuda_host_unregister(void *ptr) noexcept { (void)cudaHostUnregister(ptr); }
+
 } // namespace runtime::detail
 } // namespace v0
 } // namespace foremoe

@@ -353,6 +353,7 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
     d["strategy"] = r.strategy;
     result_figures_json(d, r);
     d["mirror_refresh_seconds"] = r.mirror_seconds;
+    d["host_mirror_gb_per_node"] = r.memory.host_mirror_per_node * 1e-9; // host memory, not in peak_memory
     d["planner_seconds"] = r.planner_seconds;
     d["planner_critical_seconds"] = r.planner_critical_seconds; // wall time: not in step_seconds
     d["step_with_planner_seconds"] = r.step_seconds + r.planner_critical_seconds;

@@ -348,6 +348,9 @@ struct SimBreakdown {
 struct SimMemory {
   double weights = 0, grads = 0, optimizer = 0, activations = 0;
   int gpu = 0; ///< which GPU of its EP group peaks
+  /// Host memory (not in `total`) of the node-shared mirror: every expert's weights of every layer once per node,
+  /// for strategies that read the mirror (0 for the others).
+  double host_mirror_per_node = 0;
   [[nodiscard]] double total() const noexcept { return weights + grads + optimizer + activations; }
 };
 
@@ -1139,6 +1142,9 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     res.inter_node_gb = total_inter / counted * 1e-9;
     res.stall_seconds = total_stall / counted;
     res.mirror_seconds = total_mirror / counted;
+    const double all_experts = static_cast<double>(cfg.model.num_experts) * cfg.model.num_layers;
+    res.memory.host_mirror_per_node =
+        total_mirror > 0 ? all_experts * static_cast<double>(cfg.model.bytes_per_expert()) : 0.0;
     res.planner_critical_seconds = total_planner_critical / counted;
     res.grad_tail_seconds = total_grad_tail / counted;
     res.a2a_hidden_seconds = total_a2a_hidden / counted;

@@ -18,8 +18,9 @@ never seen by an optimizer or DDP).
 
 Moves are verified and can fall back to a host mirror: every received replica row comes with the sender's exact
 checksum of its bytes (:func:`foremoe.torch.moves.row_checksum`) and lands in a staging buffer first; a row that is
-dropped, late, or fails its checksum is copied from this rank's host mirror (``mirror=True``, refreshed by the
-trainer after each optimizer step with :meth:`ExpertStorage.refresh_mirror`), and without a fresh mirror every rank
+dropped, late, or fails its checksum is copied from the host mirror (``mirror=True``: this rank's own copy;
+``mirror="node"``: one copy per node in shared memory that the node's ranks map; refreshed by the trainer after
+each optimizer step with :meth:`ExpertStorage.refresh_mirror`), and without a fresh mirror every rank
 raises (a gathered flag): a wrong replica is never used. ``faults`` (a :class:`foremoe.FaultSchedule`) injects
 faults into the received moves, replayably, for tests and drills.
 
@@ -55,11 +56,12 @@ from foremoe._args import int_array, integer
 
 from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
 from .distributed import gather_rows, gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
-from .moves import HostMirror, corrupt_, injected_fault, row_checksum
+from .moves import HostMirror, NodeMirror, corrupt_, injected_fault, resolve_local_world, row_checksum
 
 __all__ = [
     "BalancedMoE",
     "ExpertStorage",
+    "MirrorStats",
     "SwiGLUExperts",
     "SyncStats",
     "balanced_moe",
@@ -93,6 +95,24 @@ class SyncStats:
     prefetched: int = 0  # moves of this sync posted ahead by ExpertStorage.prefetch, all ranks
 
 
+@dataclass
+class MirrorStats:
+    """This rank's view of its layer's host mirror (:meth:`ExpertStorage.mirror_stats`)."""
+
+    mode: str  # "none", "rank" (mirror=True: one copy per rank) or "node" (mirror="node": one copy per node)
+    local_world: int  # ranks per node
+    node: int  # this rank's node (rank // local_world)
+    payload_bytes: int  # one copy of the mirror: every expert's weights of the layer (0 without a mirror)
+    bytes_per_node: int  # host memory the node pays for this layer's mirror: payload x local_world per rank, or
+    #                      one shared segment per node (a header page plus the payload in whole pages)
+    pinned: bool  # page-locked for the GPUs' copy engines
+    stale: bool  # older than this rank's owner weights, or (node) not at this rank's last refresh generation
+    generation: Optional[int] = None  # node: the segment's refresh generation (even: consistent, odd: being written)
+
+
+_MIRROR_MODES = (False, True, "rank", "node")
+
+
 class ExpertStorage:
     """One MoE layer's expert slots on this rank (see the module docstring).
 
@@ -101,11 +121,19 @@ class ExpertStorage:
         owners: ``[E]`` owner rank of every expert (the same on every rank).
         slots: rows per weight kind (the plans' slots per rank): owned experts plus spare replica rows.
         rank, world: this rank and the group size.
-        mirror: keep a host mirror of all experts' weights of the layer (:class:`foremoe.torch.moves.HostMirror`;
-            pinned when the weights are on CUDA), gathered here from the owners over ``group`` (every rank
-            constructs at once; :meth:`from_full` fills it without a collective). Failed moves fall back to it.
-            Call :meth:`refresh_mirror` after each optimizer step: a mirror older than the owner weights is an
-            error at the next sync, never used.
+        mirror: keep a host mirror of all experts' weights of the layer, gathered here from the owners over
+            ``group`` (every rank constructs at once); failed moves fall back to it. ``True`` (or ``"rank"``): one
+            copy per rank (:class:`foremoe.torch.moves.HostMirror`; pinned when the weights are on CUDA;
+            :meth:`from_full` fills it without a collective), so a node pays the layer's weights once per local
+            rank. ``"node"``: one copy per node in shared memory that every local rank maps
+            (:class:`foremoe.torch.moves.NodeMirror`; pinned with ``cudaHostRegister`` on GPUs); constructing and
+            refreshing it are collectives over ``group`` also with :meth:`from_full`, where each local rank writes
+            a share of the experts. Call :meth:`refresh_mirror` after each optimizer step: a mirror older than
+            the owner weights is an error at the next sync, never used. :meth:`mirror_stats` reports the host
+            memory per node.
+        local_world: ranks per node, for ``mirror="node"`` and the memory figures; default: the environment
+            variable ``LOCAL_WORLD_SIZE`` (set by ``torchrun``) when there is a mirror, else 1. It must divide
+            ``world``; node ``n`` holds the group's ranks ``[n * local_world, (n + 1) * local_world)``.
         verify: send an exact checksum with every replica move and check it on arrival (default on).
         faults: a :class:`foremoe.FaultSchedule` whose ``seed``, ``fail_probability``, ``corrupt_probability``
             and ``delay_probability``/``delay_us`` act on the received moves (:func:`moves.injected_fault`).
@@ -118,8 +146,8 @@ class ExpertStorage:
     """
 
     def __init__(self, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int, world: int,
-                 mirror: bool = False, group: Any = None, verify: bool = True, faults: Any = None,
-                 double_buffer: bool = False, timeout: float = DEFAULT_TIMEOUT,
+                 mirror: Any = False, group: Any = None, verify: bool = True, faults: Any = None,
+                 double_buffer: bool = False, timeout: float = DEFAULT_TIMEOUT, local_world: Optional[int] = None,
                  _full: Optional[Mapping[str, torch.Tensor]] = None):
         own = int_array(owners, "ExpertStorage: owners", dtype=np.int32)  # an owner past int32 never wraps
         slots, rank, world = (integer(v, f"ExpertStorage: {k}") for k, v in
@@ -131,6 +159,10 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: expert {bad} has owner rank {int(own[bad])}, outside [0, {world})")
         if not 0 <= rank < world:
             raise ValueError(f"ExpertStorage: rank {rank} outside [0, {world})")
+        if not any(mirror is m or (isinstance(m, str) and mirror == m) for m in _MIRROR_MODES):
+            raise ValueError(f"ExpertStorage: mirror must be False, True (one per rank), 'rank' or 'node' (one per "
+                             f"node), got {mirror!r}")
+        self.local_world = resolve_local_world(local_world, world, mirror)
         self.num_experts = int(own.size)
         self.rank, self.world, self.slots = int(rank), int(world), int(slots)
         if not 0 < self.slots <= self.num_experts:  # before any [world, slots] table or [slots, ...] buffer exists
@@ -191,17 +223,23 @@ class ExpertStorage:
         # (holder rank, expert) -> owner of the gradients held now, and on this rank the held tensors per expert.
         self._held: Dict[Tuple[int, int], int] = {}
         self._held_grads: Dict[int, List[torch.Tensor]] = {}
-        self.mirror: Optional[HostMirror] = HostMirror(self) if mirror else None
+        self.mirror: Optional[HostMirror] = None
+        if mirror == "node":
+            self.mirror = NodeMirror(self, self.local_world, group, timeout)
+        elif mirror:
+            self.mirror = HostMirror(self, self.local_world)
         if self.mirror is not None and _full is not None:
-            self.mirror.fill(_full, self)
+            self.mirror.fill(_full, self, group, timeout)
         elif self.mirror is not None:
             self.mirror.refresh(self, group, timeout)
 
     @classmethod
     def from_full(cls, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int,
-                  world: int, mirror: bool = False, **options: Any) -> "ExpertStorage":
+                  world: int, mirror: Any = False, **options: Any) -> "ExpertStorage":
         """Storage from the weights of all experts ``{kind: [E, ...]}``: this rank keeps its owned rows (and, with
-        ``mirror``, all of them in its host mirror, without a collective). ``options``: the constructor's."""
+        ``mirror``, all of them in its host mirror: without a collective for a per-rank mirror; with
+        ``mirror="node"`` each local rank writes its share, a collective over ``group``). ``options``: the
+        constructor's."""
         own = int_array(owners, "ExpertStorage: owners", dtype=np.int32)
         rank = integer(rank, "ExpertStorage: rank")
         mine = torch.from_numpy(np.flatnonzero(own == rank).astype(np.int64))
@@ -291,15 +329,26 @@ class ExpertStorage:
         if self.mirror is not None:
             self.mirror.invalid = True
 
+    def mirror_stats(self) -> MirrorStats:
+        """The host mirror's mode, memory per node (:class:`MirrorStats`) and freshness on this rank."""
+        m = self.mirror
+        if m is None:
+            return MirrorStats("none", self.local_world, self.rank // self.local_world, 0, 0, False, False)
+        return MirrorStats(m.mode, self.local_world, self.rank // self.local_world, m.payload_bytes,
+                           m.bytes_per_node, m.pinned, self.mirror_stale(), m.generation())
+
     def mirror_stale(self) -> bool:
         """Whether this rank has a host mirror older than its owner weights (False without a mirror)."""
         return self.mirror is not None and self.mirror.stale(self)
 
     def refresh_mirror(self, group: Any = None, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Refreshes the host mirror from every owner's current weights (every rank of ``group`` calls it, after
-        each optimizer step): :meth:`moves.HostMirror.refresh`, about the layer's whole weights received per rank."""
+        each optimizer step): :meth:`moves.HostMirror.refresh`, about the layer's whole weights received per rank;
+        with ``mirror="node"`` each local rank receives and writes only its share of the node's mirror, then a
+        barrier over ``group`` and the segment's generation moves on (:meth:`moves.NodeMirror.refresh`)."""
         if self.mirror is None:
-            raise ValueError("refresh_mirror: this ExpertStorage has no host mirror (construct it with mirror=True)")
+            raise ValueError("refresh_mirror: this ExpertStorage has no host mirror (construct it with mirror=True or "
+                             "mirror='node')")
         self.mirror.refresh(self, group, timeout)
 
     def check_mirrors(self, stale: Sequence[int]) -> None:
@@ -1004,15 +1053,16 @@ class BalancedMoE(nn.Module):
     ``forward(x [T, H], expert_ids [T, K], routing_weights [T, K], plan)`` -> ``[T, H]``; ``plan=None`` is plain
     expert parallelism (no replica).
 
-    ``mirror``, ``verify``, ``faults``, ``double_buffer``: :class:`ExpertStorage`'s (the mirror is filled from
-    ``experts``' full weights; it is not a parameter, a buffer or in the ``state_dict``). With ``mirror=True`` call
-    :meth:`refresh_mirror` on every rank after each optimizer step.
+    ``mirror``, ``local_world``, ``verify``, ``faults``, ``double_buffer``: :class:`ExpertStorage`'s (the mirror is
+    filled from ``experts``' full weights; it is not a parameter, a buffer or in the ``state_dict``). With a mirror
+    (``True``: one per rank, ``"node"``: one per node in shared memory) call :meth:`refresh_mirror` on every rank
+    after each optimizer step.
     """
 
     def __init__(self, experts: nn.Module, slots: int, *, group: Any = None, owners: Any = None, layer: int = 0,
                  expert_fn: Optional[ExpertFn] = None, weight_names: Optional[Sequence[str]] = None,
-                 timeout: float = DEFAULT_TIMEOUT, mirror: bool = False, verify: bool = True, faults: Any = None,
-                 double_buffer: bool = False):
+                 timeout: float = DEFAULT_TIMEOUT, mirror: Any = False, verify: bool = True, faults: Any = None,
+                 double_buffer: bool = False, local_world: Optional[int] = None):
         super().__init__()
         names = tuple(weight_names or getattr(experts, "weight_names", ()) or
                       [n for n, _ in experts.named_parameters(recurse=False)])
@@ -1032,7 +1082,8 @@ class BalancedMoE(nn.Module):
         if own.shape != (E,):
             raise ValueError(f"BalancedMoE: owners must be [{E}], got shape {list(own.shape)}")
         self.storage = ExpertStorage.from_full(full, own, slots, rank=r, world=G, mirror=mirror, verify=verify,
-                                               faults=faults, double_buffer=double_buffer)
+                                               faults=faults, double_buffer=double_buffer, group=group,
+                                               timeout=timeout, local_world=local_world)
         for n in names:
             delattr(experts, n)
             experts.register_parameter(n, self.storage.params[n])
