@@ -40,7 +40,7 @@ CASES = {
     "ep2_top2_fp64_spare1": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", spare=1, steps=2,
                                   micro=4),
     "ep2_top2_fp64_reduce": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=2, micro=4,
-                                  hold=False),
+                                  hold=False, module_mlp=True),
 }
 NO_FLUSH = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=1, micro=4, no_flush=True)
 
@@ -72,6 +72,16 @@ def test_equals_megatron_unbalanced(trained):
         assert len(rec["cmp"]) == n_out + 2 * case.steps * len(rec["param_names"])
         for what, got, want in rec["cmp"]:
             close(got, want, case.dtype, f"rank {r}: {what}")
+
+
+def test_plain_mlp_path(trained):
+    """The local spec's expert MLP runs as the plain arithmetic (the same operations as Megatron's MLP module,
+    without the module calls); one case runs Megatron's module with the weights swapped in, and both equal the
+    reference (test_equals_megatron_unbalanced)."""
+    _, ranks = trained
+    for rec in ranks:
+        assert rec["plain"] and all(rec["plain"])
+        assert not rec["plain_with_hook"]
 
 
 def test_held_gradients(trained):

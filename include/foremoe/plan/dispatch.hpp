@@ -6,6 +6,7 @@
 /// source rank (`split_by_source`); the same on every rank for the same plan.
 
 #include <algorithm>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -170,16 +171,19 @@ inline std::int64_t routes_from_map(std::span<const std::uint8_t> map, std::int6
       ++counts[e];
     };
     std::size_t e = 0;
-    for (; e + W <= E; e += W) { // a word at a time: most of a row is zeros
-      std::uint64_t word = 0;
-      std::memcpy(&word, row + e, W);
-      if (word == 0) continue;
-      if ((word & high_bits) != 0) { // some byte is not 0 or 1: name it
-        for (std::size_t b = 0; b < W; ++b)
-          if (row[e + b] > 1) take(e + b);
+    if constexpr (std::endian::native == std::endian::little) {
+      for (; e + W <= E; e += W) { // a word at a time: most of a row is zeros, and a hit costs no byte branch
+        std::uint64_t word = 0;
+        std::memcpy(&word, row + e, W);
+        if ((word & high_bits) != 0) // some byte is not 0 or 1: name it
+          for (std::size_t b = 0; b < W; ++b)
+            if (row[e + b] > 1) take(e + b);
+        while (word != 0) {
+          const auto bit = static_cast<std::size_t>(std::countr_zero(word)); // lowest set byte: byte bit / 8
+          take(e + bit / 8);
+          word &= word - 1; // the byte held 1: its only set bit
+        }
       }
-      for (std::size_t b = 0; b < W; ++b)
-        if (row[e + b] != 0) take(e + b);
     }
     for (; e < E; ++e)
       if (row[e] != 0) take(e);

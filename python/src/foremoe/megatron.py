@@ -10,8 +10,9 @@ the model in DDP or builds its optimizer:
 - each layer's ``MoEAlltoAllTokenDispatcher`` becomes a :class:`ForeMoEAlltoAllTokenDispatcher`, which sends every
   ``(token, k)`` to the physical slot the micro-step's plan gives it, with the plan's exact split, and runs the
   replica moves (:meth:`ExpertStorage.sync`) before the expert compute;
-- the experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for the weights),
-  and in the backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before
+- the experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for the weights;
+  for the plain MLP of Megatron's local spec, without tensor parallelism, biases, fusions, clamping or hooks, the
+  same operations in the same order without the module calls around them: ``_MegatronLinear``), and in the backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before
   autograd hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into
   ``main_grad`` sees owner and replicas summed).
 
@@ -166,6 +167,67 @@ class _OwnerRows(torch.autograd.Function):
         return tuple(out)
 
 
+class _MegatronLinear(torch.autograd.Function):
+    """The arithmetic of Megatron's linear layer with one tensor-parallel rank and no gradient-accumulation fusion
+    (``LinearWithGradAccumulationAndAsyncCommunication``): forward ``x @ w.T``; backward ``g @ w`` and ``g.T @ x``,
+    the same operations in the same order, so the same numbers, without the module call around them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return torch.matmul(x, w.t())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad.matmul(w), grad.t().matmul(x)
+
+
+def _plain_mlp(template: torch.nn.Module, names: Sequence[str], config: Any) -> Optional[Any]:
+    """``expert_fn(x, w_fc1, w_fc2, scale=...)`` doing what Megatron's ``MLP.forward`` does for ``template``
+    (``linear_fc1``, the activation, the per-token scale, ``linear_fc2``: the same operations in the same order),
+    or ``None`` unless ``template`` is the plain MLP of Megatron's local spec: ``ColumnParallelLinear`` and
+    ``RowParallelLinear`` without bias, one tensor-parallel rank, no sequence parallelism, no gradient-accumulation
+    fusion, no fused or Transformer Engine activation, no clamp, no module hooks."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP
+
+    if type(template) is not MLP or list(names) != ["linear_fc1.weight", "linear_fc2.weight"]:
+        return None
+    fc1, fc2 = template.linear_fc1, template.linear_fc2
+    if type(fc1) is not ColumnParallelLinear or type(fc2) is not RowParallelLinear:
+        return None
+    for lin in (fc1, fc2):
+        if (getattr(lin, "bias", None) is not None or getattr(lin, "tp_size", 1) != 1
+                or getattr(lin, "sequence_parallel", False) or getattr(lin, "gradient_accumulation_fusion", False)):
+            return None
+    for name, ok in [("bias_activation_fusion", False), ("use_te_activation_func", False),
+                     ("activation_func_clamp_value", None), ("gradient_accumulation_fusion", False),
+                     ("delay_wgrad_compute", False), ("moe_apply_probs_on_input", False)]:
+        if getattr(config, name, ok) not in (ok,):
+            return None
+    if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
+           for m in template.modules()):
+        return None
+    glu, offset = bool(config.gated_linear_unit), config.glu_linear_offset
+    act = config.activation_func if glu else template.activation_func  # as MLP.forward picks them
+
+    def expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = _MegatronLinear.apply(x, w1)
+        if glu:
+            a, b = torch.chunk(h, 2, dim=-1)
+            h = act(a) * (b + offset)
+        else:
+            h = act(h)
+        if scale is not None:
+            dtype = h.dtype
+            h = (h * scale.unsqueeze(-1)).to(dtype)
+        return _MegatronLinear.apply(h, w2)
+
+    return expert
+
+
 def _swap_call(template: torch.nn.Module, slots: Sequence[Tuple[torch.nn.Module, str]], weights: Sequence[Any],
                x: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     """Megatron's ``MLP.forward`` of ``template`` with ``weights`` in place of its parameters (restored after)."""
@@ -305,10 +367,13 @@ class _LayerState:
             mod_name, _, attr = n.rpartition(".")
             self.swap.append((template.get_submodule(mod_name) if mod_name else template, attr))
         self.template = template
+        self.plain = _plain_mlp(template, names, layer.config)  # None: Megatron's MLP module, weights swapped in
         self.run: Optional[_Run] = None  # the balanced call in flight (None: Megatron's own path)
         self.call: Optional[_Call] = None
 
     def expert_fn(self, x: torch.Tensor, *weights: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.plain is not None:
+            return self.plain(x, *weights, scale=scale)
         return _swap_call(self.template, self.swap, weights, x, scale)
 
 
