@@ -4,8 +4,9 @@ Two ranks (expert parallelism 2) run one Megatron ``MoELayer`` (SequentialMLP ex
 routing, twice per micro-step: Megatron's own path and the adapter's, forward and backward. The hidden and FFN
 sizes are tiny, so the expert math and the token exchange cost little and the difference is what the adapter adds on
 the host: the routed ids out of the routing map, the gathered counts and the plan's dispatch layout, the replica
-bookkeeping (and the replica moves when the plan changes), the slot loop with the replica rows swapped into
-Megatron's MLP, and the replica gradient reduction. Reported per layer and micro-step, the median over the
+bookkeeping (and the replica moves when the plan changes), the slot loop (Megatron's MLP arithmetic on each
+computing slot's weight rows, where Megatron loops over its local experts) and the replica gradient reduction.
+A negative figure: the adapter's layer took less host time than Megatron's own (README, "Host overhead"). Reported per layer and micro-step, the median over the
 micro-steps (on rank 0; both ranks run the same calls), as CPU time of the calling thread (``time.thread_time``:
 the host work, without the time spent waiting for the other rank in a collective, which on a shared two-core
 machine swamps it) and as wall time (``*_wall_us`` in the JSON):
