@@ -15,11 +15,15 @@ machine swamps it) and as wall time (``*_wall_us`` in the JSON):
   foremoe    the adapter's layer, forward + backward
   added      foremoe - megatron   (target <= 50 us)
 
+``--module-mlp`` runs the slots through Megatron's MLP module (the weights swapped in) instead of the plain-MLP
+path, which computes the same operations without the module calls: the figure is then what the dispatch, the
+replica bookkeeping and the gradient reduction add, without the saving of the cheaper expert calls.
+
 Modes: ``resident`` plans one micro-step's routing again and again (replicas stay resident, no move);
 ``changing`` alternates two routings (replicas move every micro-step). The CPU patches of the tests make Megatron
 run without a GPU. One JSON object per shape on stdout, then a table.
 
-Run: python python/bench/bench_megatron_overhead.py [--quick] [--json out.json]
+Run: python python/bench/bench_megatron_overhead.py [--quick] [--module-mlp] [--json out.json]
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # megatron_cpu: TEST / CPU-ONLY patches
 
 
-def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str) -> None:
+def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str, module_mlp: bool = False) -> None:
     import megatron_cpu as mc
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -58,6 +62,9 @@ def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str) -> No
         ref, bal = mc.TinyMoE(cfg), mc.TinyMoE(cfg)
         bal.load_state_dict(ref.state_dict())
         fm = fmeg.install(bal, E // world + spare, timeout=60.0)
+        if module_mlp:  # the slots through Megatron's MLP module, as Megatron's own loop: the dispatch's cost alone
+            for st in fm._states:
+                st.plain = None
         planner = foremoe.Planner(fm.topology())
         g = torch.Generator().manual_seed(rank)
         routes = []
@@ -103,6 +110,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one small shape, few micro-steps (for the test suite)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--module-mlp", action="store_true",
+                    help="the slots through Megatron's MLP module instead of the plain-MLP path (what the adapter "
+                         "adds besides the cheaper expert calls)")
     a = ap.parse_args()
     # (experts, top-k, tokens per rank, hidden = ffn, spare rows per rank)
     shapes = [(16, 2, 512, 8, 2), (32, 4, 2048, 8, 2), (64, 8, 4096, 8, 2)]
@@ -110,7 +120,7 @@ def main() -> None:
     if a.quick:
         shapes, repeats = [(16, 2, 256, 8, 2)], 5
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(rank_main, args=(2, shapes, repeats, tmp), nprocs=2)
+        mp.spawn(rank_main, args=(2, shapes, repeats, tmp, a.module_mlp), nprocs=2)
         results = json.loads(Path(tmp, "out.json").read_text())
     for r in results:
         print(json.dumps(r))
