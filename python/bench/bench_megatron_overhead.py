@@ -6,10 +6,10 @@ sizes are tiny, so the expert math and the token exchange cost little and the di
 the host: the routed ids out of the routing map, the gathered counts and the plan's dispatch layout, the replica
 bookkeeping (and the replica moves when the plan changes), the slot loop (Megatron's MLP arithmetic on each
 computing slot's weight rows, where Megatron loops over its local experts) and the replica gradient reduction.
-A negative figure: the adapter's layer took less host time than Megatron's own (README, "Host overhead"). Reported per layer and micro-step, the median over the
-micro-steps (on rank 0; both ranks run the same calls), as CPU time of the calling thread (``time.thread_time``:
-the host work, without the time spent waiting for the other rank in a collective, which on a shared two-core
-machine swamps it) and as wall time (``*_wall_us`` in the JSON):
+A negative figure: the adapter's layer took less host time than Megatron's own (README, "Host overhead").
+Reported per layer and micro-step, the median over the micro-steps (on rank 0; both ranks run the same calls), as
+CPU time of the calling thread (``time.thread_time``: the host work, without the time spent waiting for the other
+rank in a collective, which on a shared two-core machine swamps it) and as wall time (``*_wall_us`` in the JSON):
 
   megatron   Megatron's layer, forward + backward
   foremoe    the adapter's layer, forward + backward

@@ -12,8 +12,9 @@ the model in DDP or builds its optimizer:
   replica moves (:meth:`ExpertStorage.sync`) before the expert compute;
 - the experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for the weights;
   for the plain MLP of Megatron's local spec, without tensor parallelism, biases, fusions, clamping or hooks, the
-  same operations in the same order without the module calls around them: ``_MegatronLinear``), and in the backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before
-  autograd hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into
+  same operations in the same order without the module calls around them: ``_MegatronLinear``), and in the
+  backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before autograd
+  hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into
   ``main_grad`` sees owner and replicas summed).
 
 **Held replica gradients** (``hold_replica_gradients=True``, the default, the planner's rule of the same name; issue
@@ -204,7 +205,7 @@ def _plain_mlp(template: torch.nn.Module, names: Sequence[str], config: Any) -> 
     for name, ok in [("bias_activation_fusion", False), ("use_te_activation_func", False),
                      ("activation_func_clamp_value", None), ("gradient_accumulation_fusion", False),
                      ("delay_wgrad_compute", False), ("moe_apply_probs_on_input", False)]:
-        if getattr(config, name, ok) not in (ok,):
+        if getattr(config, name, ok) != ok:
             return None
     if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
            for m in template.modules()):
