@@ -126,8 +126,16 @@ void check_dispatch(const Instance &in, const LayerPlan &lp) {
       CHECK(std::make_pair(x.slots[a], a) < std::make_pair(x.slots[b], b));
     }
     std::vector<std::int64_t> to(static_cast<std::size_t>(in.G), 0);
+    REQUIRE(x.send_experts.size() == x.order.size());
+    REQUIRE(x.route_pos.size() == ids.size());
+    for (std::size_t i = 0; i < ids.size(); ++i) // route_pos inverts order; -1 exactly where there is no route
+      if (ids[i] < 0)
+        CHECK(x.route_pos[i] == -1);
+      else
+        CHECK(x.order[static_cast<std::size_t>(x.route_pos[i])] == static_cast<std::int64_t>(i));
     for (std::size_t i = 0; i < x.order.size(); ++i) {
       CHECK(x.send_tokens[i] == x.order[i] / in.K);
+      CHECK(x.send_experts[i] == ids[static_cast<std::size_t>(x.order[i])]);
       ++to[static_cast<std::size_t>(x.slots[x.order[i]] / in.S)];
     }
     CHECK(x.input_splits == to);
@@ -221,6 +229,90 @@ TEST_CASE("dispatch_layout refuses a split of the wrong shape, a negative count,
       break;
     }
   CHECK_THROWS_AS((void)dispatch_layout(lp.placement, split, view_of(other, 0), 0), Error);
+}
+
+TEST_CASE("dispatch_from_loads: the layout of split_by_source's split, and its errors") {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 50; ++trial) {
+    const Instance in = random_instance(rng);
+    Planner planner(1, in.E, Topology{1, in.G, in.S});
+    const LayerPlan lp = planner.plan_step_with_owners(micro_step_loads({in}), owner_map(in)).micro_steps[0][0];
+    const auto loads = source_loads(in);
+    const auto split = split_by_source(lp.placement, lp.slot_tokens, loads, in.G, in.G);
+    for (int r = 0; r < in.G; ++r) {
+      std::vector<std::int64_t> got_split;
+      const DispatchLayout a = dispatch_layout(lp.placement, split, view_of(in, r), r);
+      const DispatchLayout b = dispatch_from_loads(lp.placement, lp.slot_tokens, loads, view_of(in, r), r, in.G,
+                                                   TokenMapRule::positional, &got_split);
+      CHECK(got_split == split);
+      CHECK(b.slots == a.slots);
+      CHECK(b.order == a.order);
+      CHECK(b.route_pos == a.route_pos);
+      CHECK(b.send_experts == a.send_experts);
+      CHECK(b.recv_perm == a.recv_perm);
+      CHECK(b.slot_counts == a.slot_counts);
+    }
+  }
+  Instance in = random_instance(rng);
+  while (in.ids[0].empty() || std::count(in.ids[0].begin(), in.ids[0].end(), -1) == std::ssize(in.ids[0]))
+    in = random_instance(rng);
+  Planner planner(1, in.E, Topology{1, in.G, in.S});
+  const LayerPlan lp = planner.plan_step_with_owners(micro_step_loads({in}), owner_map(in)).micro_steps[0][0];
+  auto loads = source_loads(in);
+  const auto e = static_cast<std::size_t>(*std::max_element(in.ids[0].begin(), in.ids[0].end()));
+  loads[e * static_cast<std::size_t>(in.G)] += 1; // an expert with one token more than the plan splits
+  CHECK_ERROR_CONTAINS((void)dispatch_from_loads(lp.placement, lp.slot_tokens, loads, view_of(in, 0), 0, in.G),
+                       "split_by_source: expert");
+}
+
+TEST_CASE("routes_from_map: each token's experts ascending, -1 padded, the counts; bad maps are named") {
+  std::mt19937 rng(8);
+  for (int trial = 0; trial < 100; ++trial) {
+    const int T = std::uniform_int_distribution<int>(0, 50)(rng), E = std::uniform_int_distribution<int>(1, 70)(rng);
+    const int K = std::uniform_int_distribution<int>(1, std::min(E, 9))(rng);
+    std::vector<std::uint8_t> map(static_cast<std::size_t>(T) * E, 0);
+    std::vector<std::vector<std::int32_t>> want(static_cast<std::size_t>(T));
+    std::vector<std::int64_t> want_counts(static_cast<std::size_t>(E), 0);
+    std::int64_t want_short = 0;
+    for (int t = 0; t < T; ++t) {
+      const int n =
+          std::uniform_int_distribution<int>(0, 4)(rng) == 0 ? std::uniform_int_distribution<int>(0, K)(rng) : K;
+      want_short += n < K;
+      std::set<int> chosen;
+      while (static_cast<int>(chosen.size()) < n)
+        chosen.insert(std::uniform_int_distribution<int>(0, E - 1)(rng));
+      for (int e : chosen) {
+        map[static_cast<std::size_t>(t) * E + e] = 1;
+        want[static_cast<std::size_t>(t)].push_back(e);
+        ++want_counts[static_cast<std::size_t>(e)];
+      }
+      want[static_cast<std::size_t>(t)].resize(static_cast<std::size_t>(K), -1);
+    }
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(T) * K, 7);
+    std::vector<std::int64_t> counts(static_cast<std::size_t>(E), 3);
+    CHECK(routes_from_map(map, T, E, K, ids, counts) == want_short);
+    CHECK(counts == want_counts);
+    for (int t = 0; t < T; ++t)
+      CHECK(std::vector<std::int32_t>(ids.begin() + t * K, ids.begin() + (t + 1) * K) ==
+            want[static_cast<std::size_t>(t)]);
+  }
+  // 2 tokens over 20 experts (a full word, then a tail), top-2.
+  std::vector<std::uint8_t> map(40, 0);
+  std::vector<std::int32_t> ids(4);
+  std::vector<std::int64_t> counts(20);
+  map[20 + 17] = 2;
+  CHECK_ERROR_CONTAINS((void)routes_from_map(map, 2, 20, 2, ids, counts),
+                       "token 1, expert 17: the routing map holds 2");
+  map[20 + 17] = 0;
+  map[20 + 3] = 255;
+  CHECK_ERROR_CONTAINS((void)routes_from_map(map, 2, 20, 2, ids, counts),
+                       "token 1, expert 3: the routing map holds 255");
+  map[20 + 3] = 1;
+  map[20 + 9] = 1;
+  map[20 + 19] = 1;
+  CHECK_ERROR_CONTAINS((void)routes_from_map(map, 2, 20, 2, ids, counts), "token 1 is routed to more than top-k = 2");
+  CHECK_ERROR_CONTAINS((void)routes_from_map(map, 2, 20, 3, ids, counts), "ids has 4 entries, expected 2 x 3");
+  CHECK_ERROR_CONTAINS((void)routes_from_map(map, 3, 20, 2, ids, counts), "the map has 40 entries, expected 3 x 20");
 }
 
 TEST_CASE("replica_sync: the plan's replicas end resident, kept ones are not moved, every rank agrees") {

@@ -4,21 +4,26 @@ Two ranks (expert parallelism 2) run one Megatron ``MoELayer`` (SequentialMLP ex
 routing, twice per micro-step: Megatron's own path and the adapter's, forward and backward. The hidden and FFN
 sizes are tiny, so the expert math and the token exchange cost little and the difference is what the adapter adds on
 the host: the routed ids out of the routing map, the gathered counts and the plan's dispatch layout, the replica
-bookkeeping (and the replica moves when the plan changes), the slot loop with the replica rows swapped into
-Megatron's MLP, and the replica gradient reduction. Reported per layer and micro-step, the median over the
-micro-steps (on rank 0; both ranks run the same calls), as CPU time of the calling thread (``time.thread_time``:
-the host work, without the time spent waiting for the other rank in a collective, which on a shared two-core
-machine swamps it) and as wall time (``*_wall_us`` in the JSON):
+bookkeeping (and the replica moves when the plan changes), the slot loop (Megatron's MLP arithmetic on each
+computing slot's weight rows, where Megatron loops over its local experts) and the replica gradient reduction.
+A negative figure: the adapter's layer took less host time than Megatron's own (README, "Host overhead").
+Reported per layer and micro-step, the median over the micro-steps (on rank 0; both ranks run the same calls), as
+CPU time of the calling thread (``time.thread_time``: the host work, without the time spent waiting for the other
+rank in a collective, which on a shared two-core machine swamps it) and as wall time (``*_wall_us`` in the JSON):
 
   megatron   Megatron's layer, forward + backward
   foremoe    the adapter's layer, forward + backward
   added      foremoe - megatron   (target <= 50 us)
 
+``--module-mlp`` runs the slots through Megatron's MLP module (the weights swapped in) instead of the plain-MLP
+path, which computes the same operations without the module calls: the figure is then what the dispatch, the
+replica bookkeeping and the gradient reduction add, without the saving of the cheaper expert calls.
+
 Modes: ``resident`` plans one micro-step's routing again and again (replicas stay resident, no move);
 ``changing`` alternates two routings (replicas move every micro-step). The CPU patches of the tests make Megatron
 run without a GPU. One JSON object per shape on stdout, then a table.
 
-Run: python python/bench/bench_megatron_overhead.py [--quick] [--json out.json]
+Run: python python/bench/bench_megatron_overhead.py [--quick] [--module-mlp] [--json out.json]
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # megatron_cpu: TEST / CPU-ONLY patches
 
 
-def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str) -> None:
+def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str, module_mlp: bool = False) -> None:
     import megatron_cpu as mc
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -57,6 +62,9 @@ def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str) -> No
         ref, bal = mc.TinyMoE(cfg), mc.TinyMoE(cfg)
         bal.load_state_dict(ref.state_dict())
         fm = fmeg.install(bal, E // world + spare, timeout=60.0)
+        if module_mlp:  # the slots through Megatron's MLP module, as Megatron's own loop: the dispatch's cost alone
+            for st in fm._states:
+                st.plain = None
         planner = foremoe.Planner(fm.topology())
         g = torch.Generator().manual_seed(rank)
         routes = []
@@ -102,6 +110,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one small shape, few micro-steps (for the test suite)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--module-mlp", action="store_true",
+                    help="the slots through Megatron's MLP module instead of the plain-MLP path (what the adapter "
+                         "adds besides the cheaper expert calls)")
     a = ap.parse_args()
     # (experts, top-k, tokens per rank, hidden = ffn, spare rows per rank)
     shapes = [(16, 2, 512, 8, 2), (32, 4, 2048, 8, 2), (64, 8, 4096, 8, 2)]
@@ -109,7 +120,7 @@ def main() -> None:
     if a.quick:
         shapes, repeats = [(16, 2, 256, 8, 2)], 5
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(rank_main, args=(2, shapes, repeats, tmp), nprocs=2)
+        mp.spawn(rank_main, args=(2, shapes, repeats, tmp, a.module_mlp), nprocs=2)
         results = json.loads(Path(tmp, "out.json").read_text())
     for r in results:
         print(json.dumps(r))

@@ -708,6 +708,31 @@ nb::ndarray<nb::numpy, std::int64_t> plan_source_split(const PyPlan &p, nb::hand
   return owned_array(std::move(out), {static_cast<std::size_t>(p.G) * p.S, static_cast<std::size_t>(p.G)});
 }
 
+using RoMap = nb::ndarray<nb::ro, const std::uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using RwIds32 = nb::ndarray<std::int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using RwCounts = nb::ndarray<std::int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+/// A dispatch layout as the dict `Plan.dispatch` returns (NumPy arrays over the layout's buffers).
+nb::dict layout_dict(fm::DispatchLayout &&d, const fm::RoutedView &view) {
+  auto vec1 = [](auto &&v) {
+    const std::size_t m = v.size();
+    return owned_array(std::move(v), {m});
+  };
+  nb::dict out;
+  out["slots"] = owned_array(std::move(d.slots),
+                             {static_cast<std::size_t>(view.num_tokens()), static_cast<std::size_t>(view.topk())});
+  out["order"] = vec1(std::move(d.order));
+  out["send_tokens"] = vec1(std::move(d.send_tokens));
+  out["send_experts"] = vec1(std::move(d.send_experts));
+  out["route_pos"] = vec1(std::move(d.route_pos));
+  out["input_splits"] = vec1(std::move(d.input_splits));
+  out["output_splits"] = vec1(std::move(d.output_splits));
+  out["slot_counts"] = vec1(std::move(d.slot_counts));
+  out["recv_perm"] = vec1(std::move(d.recv_perm));
+  out["recv_inverse"] = vec1(std::move(d.recv_inverse));
+  return out;
+}
+
 /// `Plan.dispatch`: rank `rank`'s `[T, 1, K]` ids mapped through the layer's placement with its column of the
 /// `[G * S, G]` split (`source_split`), and everything `all_to_all_single` needs, in one pass each:
 /// `slots` `[T, K]` int32 (-1 = no route); `order` the routed `token * K + k` sorted by physical slot (a counting
@@ -731,21 +756,44 @@ nb::dict plan_dispatch(const PyPlan &p, nb::handle layer_arg, const RoIds &ids, 
     nb::gil_scoped_release nogil;
     d = fm::dispatch_layout(lp.placement, {split.data(), split.size()}, view, rank, rule, p.topo.gpus_per_node);
   }
-  auto vec1 = [](std::vector<std::int64_t> &&v) {
-    const std::size_t m = v.size();
-    return owned_array(std::move(v), {m});
-  };
-  nb::dict out;
-  out["slots"] = owned_array(std::move(d.slots),
-                             {static_cast<std::size_t>(view.num_tokens()), static_cast<std::size_t>(view.topk())});
-  out["order"] = vec1(std::move(d.order));
-  out["send_tokens"] = vec1(std::move(d.send_tokens));
-  out["input_splits"] = vec1(std::move(d.input_splits));
-  out["output_splits"] = vec1(std::move(d.output_splits));
-  out["slot_counts"] = vec1(std::move(d.slot_counts));
-  out["recv_perm"] = vec1(std::move(d.recv_perm));
-  out["recv_inverse"] = vec1(std::move(d.recv_inverse));
+  return layout_dict(std::move(d), view);
+}
+
+/// `Plan.dispatch_loads`: `dispatch` with the split made here from the layer's `[E, G]` per-source loads (C order
+/// int64: every rank's routed count of each expert), as `source_split` makes it; the same dict plus `split`
+/// `[G * S, G]`. One call from the gathered counts to the layout (foremoe.torch's per-call path).
+nb::dict plan_dispatch_loads(const PyPlan &p, int layer, const RoIds &ids, const RoLayerLoads &loads, int rank) {
+  const fm::LayerPlan &lp = layer_plan(p, layer, "dispatch_loads");
+  require(static_cast<int>(loads.shape(0)) == p.E && static_cast<int>(loads.shape(1)) == p.G,
+          "dispatch_loads: source loads are [", loads.shape(0), ", ", loads.shape(1), "], expected [", p.E, ", ", p.G,
+          "] (experts x source ranks)");
+  const fm::RoutedView view = routed_view(ids, "dispatch_loads");
+  fm::DispatchLayout d;
+  std::vector<std::int64_t> split;
+  {
+    nb::gil_scoped_release nogil;
+    d = fm::dispatch_from_loads(lp.placement, lp.slot_tokens, {loads.data(), loads.size()}, view, rank,
+                                p.topo.gpus_per_node, fm::TokenMapRule::positional, &split);
+  }
+  nb::dict out = layout_dict(std::move(d), view);
+  out["split"] = owned_array(std::move(split), {static_cast<std::size_t>(p.G) * p.S, static_cast<std::size_t>(p.G)});
   return out;
+}
+
+/// `routes_from_map`: Megatron's `[T, E]` routing map (bytes 0/1, C order; a bool tensor viewed as uint8) to
+/// `ids` `[T, topk]` int32 (ascending, -1 padded) and `counts` `[E]` int64, both written in place (tensors or
+/// arrays the caller allocated). Returns how many tokens have fewer than `topk` routes.
+std::int64_t routes_from_map(const RoMap &map, int topk, RwIds32 ids, RwCounts counts) {
+  require(ids.shape(0) == map.shape(0) && static_cast<int>(ids.shape(1)) == topk, "routes_from_map: ids are [",
+          ids.shape(0), ", ", ids.shape(1), "], expected [", map.shape(0), ", ", topk, "]");
+  std::int64_t short_tokens = 0;
+  {
+    nb::gil_scoped_release nogil;
+    short_tokens = fm::routes_from_map({map.data(), map.size()}, static_cast<std::int64_t>(map.shape(0)),
+                                       static_cast<int>(map.shape(1)), topk, {ids.data(), ids.size()},
+                                       {counts.data(), counts.size()});
+  }
+  return short_tokens;
 }
 
 using RoI32 = nb::ndarray<nb::ro, const std::int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
@@ -1020,6 +1068,7 @@ NB_MODULE(_core, m) {
               "was not met (the plan is then the best found)")
       .def("map_tokens", &plan_map_tokens, "routed_experts"_a, "layer_map"_a.none() = nb::none())
       .def("source_split", &plan_source_split, "layer"_a, "source_loads"_a)
+      .def("dispatch_loads", &plan_dispatch_loads, "layer"_a, "routed_experts"_a, "source_loads"_a, "rank"_a)
       .def("dispatch", &plan_dispatch, "layer"_a, "routed_experts"_a, "split"_a, "rank"_a,
            "rule"_a = std::string(fm::to_string(fm::TokenMapRule::positional)))
       .def("transfers", &plan_transfers, "resident"_a.none() = nb::none(), "expert_bytes"_a,
@@ -1099,6 +1148,7 @@ NB_MODULE(_core, m) {
         return PyPlacement{topo, num_experts, fm::config::read_placement(j, source, topo, num_layers, num_experts)};
       },
       "text"_a, "source"_a, "topology"_a, "num_layers"_a, "num_experts"_a);
+  m.def("routes_from_map", &routes_from_map, "routing_map"_a, "topk"_a, "ids"_a, "counts"_a);
   m.def("replica_sync", &replica_sync, "plan"_a, "layer"_a, "owners"_a, "resident"_a, "changed"_a, "rank"_a);
   m.def("synthetic_trace", &synthetic_trace, "config"_a);
   m.def("synthetic_loads", &synthetic_loads, "config"_a, "by_source"_a);

@@ -34,6 +34,7 @@ class MCase:
     hold: bool = True  # install(..., hold_replica_gradients=hold)
     no_flush: bool = False  # every update micro-step set with last=False: the optimizer step must be refused
     seed: int = 5  # torch's generator before the model is built (else every process draws other weights)
+    module_mlp: bool = False  # experts through Megatron's MLP module (weights swapped in), not the plain-MLP path
 
     @property
     def slots(self) -> int:
@@ -73,6 +74,14 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     bal = mc.TinyMoE(bal_cfg)
     bal.load_state_dict(ref.state_dict())
     fm = fmeg.install(bal, case.slots, timeout=60.0, hold_replica_gradients=case.hold)
+    plain = [st.plain is not None for st in fm._states]  # the local spec's MLP: the plain arithmetic
+    if case.module_mlp:
+        for st in fm._states:
+            st.plain = None
+    expert0 = ref.layers[0].experts.local_experts[0]  # a module hook would be bypassed: the module path then
+    hook = expert0.register_forward_hook(lambda *args: None)
+    plain_with_hook = fmeg._plain_mlp(expert0, ["linear_fc1.weight", "linear_fc2.weight"], cfg) is not None
+    hook.remove()
     run_bal = bal
     if case.ddp:  # Megatron's DDP hook adds each parameter's .grad into its main_grad and clears .grad
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -82,7 +91,8 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(ref.parameters(), bal.parameters()))
     rec: Dict[str, Any] = {"cmp": [], "stats": None, "placements": [], "slot_tokens": [], "errors": {}, "held": [],
                            "param_names": [n for n, _ in bal.named_parameters()],
-                           "state_dict": sorted(bal.state_dict())}
+                           "state_dict": sorted(bal.state_dict()), "plain": plain,
+                           "plain_with_hook": plain_with_hook}
 
     def opt(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

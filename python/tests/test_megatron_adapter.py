@@ -40,7 +40,7 @@ CASES = {
     "ep2_top2_fp64_spare1": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", spare=1, steps=2,
                                   micro=4),
     "ep2_top2_fp64_reduce": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=2, micro=4,
-                                  hold=False),
+                                  hold=False, module_mlp=True),
 }
 NO_FLUSH = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=1, micro=4, no_flush=True)
 
@@ -72,6 +72,16 @@ def test_equals_megatron_unbalanced(trained):
         assert len(rec["cmp"]) == n_out + 2 * case.steps * len(rec["param_names"])
         for what, got, want in rec["cmp"]:
             close(got, want, case.dtype, f"rank {r}: {what}")
+
+
+def test_plain_mlp_path(trained):
+    """The local spec's expert MLP runs as the plain arithmetic (the same operations as Megatron's MLP module,
+    without the module calls); one case runs Megatron's module with the weights swapped in, and both equal the
+    reference (test_equals_megatron_unbalanced)."""
+    _, ranks = trained
+    for rec in ranks:
+        assert rec["plain"] and all(rec["plain"])
+        assert not rec["plain_with_hook"]
 
 
 def test_held_gradients(trained):
@@ -215,3 +225,30 @@ def test_optimizer_guard_covers_main_param_copies():
     h.storages[0]._held_grads.clear()
     opt.step()  # nothing held: the step runs
     assert torch.equal(main.detach(), torch.full((2,), -0.5))
+
+
+def test_spread_and_collect_with_unrouted_routes():
+    """The dispatch's gathers with tokens of fewer than K routes (padding): ``_Collect`` equals the zero-filled
+    ``index_copy`` combine and ``_Spread`` the ``index_select`` send, forward and backward (float64)."""
+    g = torch.Generator().manual_seed(3)
+    T, K, H = 7, 3, 5
+    routed = torch.rand(T * K, generator=g) > 0.3
+    routed[0] = False  # at least one route not sent
+    order = routed.nonzero().view(-1)[torch.randperm(int(routed.sum()), generator=g)]  # the send order
+    route_pos = torch.full((T * K,), -1, dtype=torch.long)
+    route_pos[order] = torch.arange(order.numel())
+    gather = torch.where(route_pos < 0, torch.full_like(route_pos, order.numel()), route_pos)
+    send_tokens = order // K
+    back = torch.randn(order.numel(), H, dtype=torch.float64, generator=g, requires_grad=True)
+    got = fmeg._Collect.apply(back, send_tokens, gather, True, T, K)
+    want = back.new_zeros((T * K, H)).index_copy(0, order, back).view(T, K, H).sum(dim=1)
+    assert torch.equal(got, want)
+    gy = torch.randn(T, H, dtype=torch.float64, generator=g)
+    assert torch.equal(torch.autograd.grad(got, back, gy)[0], torch.autograd.grad(want, back, gy)[0])
+    x = torch.randn(T, H, dtype=torch.float64, generator=g, requires_grad=True)
+    sent = fmeg._Spread.apply(x, send_tokens, gather, True, K)
+    assert torch.equal(sent, x.index_select(0, send_tokens))
+    gs = torch.randn(order.numel(), H, dtype=torch.float64, generator=g)
+    got_gx = torch.autograd.grad(sent, x, gs)[0]
+    want_gx = torch.autograd.grad(x.index_select(0, send_tokens), x, gs)[0]
+    torch.testing.assert_close(got_gx, want_gx, rtol=1e-12, atol=1e-12)

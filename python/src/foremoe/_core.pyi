@@ -117,11 +117,17 @@ class Plan:
         self, layer: int, routed_experts: Any, split: npt.NDArray[np.int64], rank: int, rule: str = "positional"
     ) -> Dict[str, Any]:
         """Rank `rank`'s [T, 1, K] ids through the layer's placement with its column of the [G * S, G] split:
-        slots [T, K] int32 (-1 = no route), order / send_tokens (routes sorted by slot: the send order),
+        slots [T, K] int32 (-1 = no route), order / send_tokens / send_experts (routes sorted by slot: the send
+        order, their tokens and logical experts), route_pos [T * K] (the send position of each route, -1 = none),
         input_splits / output_splits [G], slot_counts [S], recv_perm / recv_inverse (received rows grouped by
         local slot). `rule`: positional (copies in slot order take consecutive occurrences, as the runtime's
         device map) or node_affine (a token to the copy on a node, then a GPU, it already visits; the same
         counts, so the splits and the receive side are the same)."""
+    def dispatch_loads(
+        self, layer: int, routed_experts: Any, source_loads: npt.NDArray[np.int64], rank: int
+    ) -> Dict[str, Any]:
+        """`dispatch` with the split made from the layer's [E, G] int64 per-source loads (C order), as
+        `source_split` makes it: the same dict plus `split` [G * S, G]."""
     def transfers(
         self,
         resident: Optional[Placement] = None,
@@ -301,6 +307,7 @@ class NodeMirror:
     def array(self) -> npt.NDArray[np.uint8]: ...
 
 def node_mirror_segment_bytes(payload_bytes: int) -> int: ...
+def routes_from_map(routing_map: Any, topk: int, ids: Any, counts: Any) -> int: ...
 def runtime_build_info() -> Dict[str, Any]: ...
 def runtime_count_loads(ids: Any, out: Any, num_experts: int, microbatch_offsets: Optional[npt.NDArray[np.int64]],
                         layer_map: Optional[Sequence[int]], num_threads: int, stream: int, timeout_ms: int) -> None: ...

@@ -10,9 +10,11 @@ the model in DDP or builds its optimizer:
 - each layer's ``MoEAlltoAllTokenDispatcher`` becomes a :class:`ForeMoEAlltoAllTokenDispatcher`, which sends every
   ``(token, k)`` to the physical slot the micro-step's plan gives it, with the plan's exact split, and runs the
   replica moves (:meth:`ExpertStorage.sync`) before the expert compute;
-- the experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for the weights),
-  and in the backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before
-  autograd hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into
+- the experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for the weights;
+  for the plain MLP of Megatron's local spec, without tensor parallelism, biases, fusions, clamping or hooks, the
+  same operations in the same order without the module calls around them: ``_MegatronLinear``), and in the
+  backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before autograd
+  hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into
   ``main_grad`` sees owner and replicas summed).
 
 **Held replica gradients** (``hold_replica_gradients=True``, the default, the planner's rule of the same name; issue
@@ -103,11 +105,12 @@ from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher  # noqa: E402
 
 import foremoe  # noqa: E402
+from foremoe import _core  # noqa: E402
 from foremoe._args import integer  # noqa: E402
 from foremoe.torch.distributed import DEFAULT_TIMEOUT, all_to_all, group_rank, group_size  # noqa: E402
 from foremoe.torch.held import describe, gradients_mode, guard_optimizer_steps, held_gradients  # noqa: E402
-from foremoe.torch.layer import ExpertStorage, _prepare, _Run, _schedule_gradients, _slot_compute  # noqa: E402
-from foremoe.torch.layer import _SlotExperts, contiguous_owners  # noqa: E402
+from foremoe.torch.layer import _APPLIED_INSIDE, ExpertStorage, _prepare, _Run, _schedule_gradients  # noqa: E402
+from foremoe.torch.layer import _slot_compute, _SlotExperts, contiguous_owners  # noqa: E402
 from foremoe.torch.replay import ReplayDriver, StepPacking, pack_from_slime  # noqa: E402
 
 __doc__ = __doc__.replace("|SUPPORTED|", " / ".join(SUPPORTED_MEGATRON))
@@ -165,6 +168,67 @@ class _OwnerRows(torch.autograd.Function):
         return tuple(out)
 
 
+class _MegatronLinear(torch.autograd.Function):
+    """The arithmetic of Megatron's linear layer with one tensor-parallel rank and no gradient-accumulation fusion
+    (``LinearWithGradAccumulationAndAsyncCommunication``): forward ``x @ w.T``; backward ``g @ w`` and ``g.T @ x``,
+    the same operations in the same order, so the same numbers, without the module call around them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return torch.matmul(x, w.t())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return grad.matmul(w), grad.t().matmul(x)
+
+
+def _plain_mlp(template: torch.nn.Module, names: Sequence[str], config: Any) -> Optional[Any]:
+    """``expert_fn(x, w_fc1, w_fc2, scale=...)`` doing what Megatron's ``MLP.forward`` does for ``template``
+    (``linear_fc1``, the activation, the per-token scale, ``linear_fc2``: the same operations in the same order),
+    or ``None`` unless ``template`` is the plain MLP of Megatron's local spec: ``ColumnParallelLinear`` and
+    ``RowParallelLinear`` without bias, one tensor-parallel rank, no sequence parallelism, no gradient-accumulation
+    fusion, no fused or Transformer Engine activation, no clamp, no module hooks."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLP
+
+    if type(template) is not MLP or list(names) != ["linear_fc1.weight", "linear_fc2.weight"]:
+        return None
+    fc1, fc2 = template.linear_fc1, template.linear_fc2
+    if type(fc1) is not ColumnParallelLinear or type(fc2) is not RowParallelLinear:
+        return None
+    for lin in (fc1, fc2):
+        if (getattr(lin, "bias", None) is not None or getattr(lin, "tp_size", 1) != 1
+                or getattr(lin, "sequence_parallel", False) or getattr(lin, "gradient_accumulation_fusion", False)):
+            return None
+    for name, ok in [("bias_activation_fusion", False), ("use_te_activation_func", False),
+                     ("activation_func_clamp_value", None), ("gradient_accumulation_fusion", False),
+                     ("delay_wgrad_compute", False), ("moe_apply_probs_on_input", False)]:
+        if getattr(config, name, ok) != ok:
+            return None
+    if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
+           for m in template.modules()):
+        return None
+    glu, offset = bool(config.gated_linear_unit), config.glu_linear_offset
+    act = config.activation_func if glu else template.activation_func  # as MLP.forward picks them
+
+    def expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+               scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = _MegatronLinear.apply(x, w1)
+        if glu:
+            a, b = torch.chunk(h, 2, dim=-1)
+            h = act(a) * (b + offset)
+        else:
+            h = act(h)
+        if scale is not None:
+            dtype = h.dtype
+            h = (h * scale.unsqueeze(-1)).to(dtype)
+        return _MegatronLinear.apply(h, w2)
+
+    return expert
+
+
 def _swap_call(template: torch.nn.Module, slots: Sequence[Tuple[torch.nn.Module, str]], weights: Sequence[Any],
                x: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
     """Megatron's ``MLP.forward`` of ``template`` with ``weights`` in place of its parameters (restored after)."""
@@ -181,22 +245,93 @@ def _swap_call(template: torch.nn.Module, slots: Sequence[Tuple[torch.nn.Module,
     return out
 
 
-def _routes(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``[T, K]`` routed experts of every token in ascending id (-1 where a token has fewer routes, e.g. padding)
-    and their ``probs``, from Megatron's ``[T, E]`` routing map."""
-    T = routing_map.shape[0]
-    hits = routing_map.nonzero()  # (token, expert), row by row, experts ascending
-    if hits.shape[0] == T * topk:
-        rows, tokens = hits[:, 0], torch.arange(T, device=hits.device)
-        # rows never decrease: when the first and the last of every K hits are token t's, each token has exactly K
-        if torch.equal(rows[::topk], tokens) and torch.equal(rows[topk - 1::topk], tokens):
-            ids = hits[:, 1].view(T, topk)
-            return ids, probs.gather(1, ids)
-    # Some token has fewer routes: a stable descending sort of the 0/1 map puts each token's routed experts first.
-    taken, order = routing_map.to(torch.int8).sort(dim=1, descending=True, stable=True)
-    routed = taken[:, :topk] > 0
-    ids = torch.where(routed, order[:, :topk], torch.full_like(order[:, :topk], -1))
-    return ids, probs.gather(1, ids.clamp(min=0)) * routed.to(probs.dtype)
+def _routes(routing_map: torch.Tensor, topk: int, layer: int) -> Tuple[torch.Tensor, np.ndarray, int]:
+    """``[T, K]`` int32 routed experts of every token in ascending id (-1 where a token has fewer routes, e.g.
+    padding), the ``[E]`` int64 counts and how many tokens have fewer routes, from Megatron's ``[T, E]`` routing
+    map in one C++ pass over the map's bytes (on the host: a device map is copied once)."""
+    rm = routing_map.detach()
+    if rm.device.type != "cpu":
+        rm = rm.cpu()
+    rm = rm.contiguous()
+    rm = rm.view(torch.uint8) if rm.dtype == torch.bool else rm.to(torch.uint8)
+    ids = torch.empty((rm.shape[0], topk), dtype=torch.int32)
+    counts = np.empty(rm.shape[1], dtype=np.int64)
+    try:
+        short = _core.routes_from_map(rm, topk, ids, counts)
+    except ValueError as e:
+        raise ValueError(f"foremoe.megatron: MoE layer {layer}: {e}") from None
+    return ids, counts, int(short)
+
+
+class _Rows(torch.autograd.Function):
+    """``x[index]`` (rows) for a permutation ``index`` with its ``inverse``: the backward is the gather
+    ``grad[inverse]`` (the same numbers as ``index_select``'s scatter, at a gather's cost)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.inverse = inverse
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        return grad.index_select(0, ctx.inverse), None, None
+
+
+def _sum_routes(rows: torch.Tensor, gather: torch.Tensor, pad: bool, T: int, K: int) -> torch.Tensor:
+    """``[T, ...]``: ``sum_k rows[gather[t * K + k]]``, ``k`` ascending; with ``pad`` the index ``len(rows)`` (a
+    route that was not sent) reads a row of zeros."""
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros((1,) + tuple(rows.shape[1:]))])
+    return rows.index_select(0, gather).view((T, K) + tuple(rows.shape[1:])).sum(dim=1)
+
+
+class _Spread(torch.autograd.Function):
+    """The rows to send: token ``send_tokens[i]`` for sent row ``i``. Backward: each token's gradient is the sum of
+    its routes' (``k`` ascending), a gather; the adjoint of :class:`_Collect`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send_tokens: torch.Tensor, gather: torch.Tensor, pad: bool,
+                K: int) -> torch.Tensor:
+        ctx.args = (gather, pad, x.shape[0], K)
+        return x.index_select(0, send_tokens)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        return _sum_routes(grad, *ctx.args), None, None, None, None
+
+
+class _Collect(torch.autograd.Function):
+    """Rows back to tokens: ``out[t] = sum_k back[route_pos[t, k]]`` (``k`` ascending, the routing weights were
+    applied in the experts). Backward: sent row ``i`` gets token ``send_tokens[i]``'s gradient, a gather."""
+
+    @staticmethod
+    def forward(ctx: Any, back: torch.Tensor, send_tokens: torch.Tensor, gather: torch.Tensor, pad: bool,
+                T: int, K: int) -> torch.Tensor:
+        ctx.send_tokens = send_tokens
+        return _sum_routes(back, gather, pad, T, K)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        return grad.index_select(0, ctx.send_tokens), None, None, None, None, None
+
+
+class _Call:
+    """The index tensors of one balanced layer call, on the tokens' device."""
+
+    __slots__ = ("shape", "T", "send_tokens", "gather", "pad", "recv_perm", "recv_inverse", "counts")
+
+    def __init__(self, run: _Run, shape: torch.Size, T: int, short: int, device: torch.device):
+        lay = run.layout
+        self.shape, self.T = shape, T
+        gather = lay.route_pos
+        self.pad = short > 0
+        if self.pad:  # a route not sent reads the zero row after the sent ones
+            gather = torch.where(gather < 0, torch.full_like(gather, lay.num_send), gather)
+        self.send_tokens = lay.send_tokens.to(device)
+        self.gather = gather.to(device)
+        self.recv_perm = lay.recv_perm.to(device)
+        self.recv_inverse = lay.recv_inverse.to(device)
+        self.counts = torch.tensor(lay.slot_counts, dtype=torch.long)
 
 
 class _LayerState:
@@ -233,10 +368,13 @@ class _LayerState:
             mod_name, _, attr = n.rpartition(".")
             self.swap.append((template.get_submodule(mod_name) if mod_name else template, attr))
         self.template = template
+        self.plain = _plain_mlp(template, names, layer.config)  # None: Megatron's MLP module, weights swapped in
         self.run: Optional[_Run] = None  # the balanced call in flight (None: Megatron's own path)
-        self.call: Dict[str, Any] = {}
+        self.call: Optional[_Call] = None
 
     def expert_fn(self, x: torch.Tensor, *weights: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.plain is not None:
+            return self.plain(x, *weights, scale=scale)
         return _swap_call(self.template, self.swap, weights, x, scale)
 
 
@@ -256,23 +394,22 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             st.run = None
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        T = x.shape[0]
-        ids, weights = _routes(routing_map, probs, st.topk)
-        ids_cpu = ids.cpu()
+        T, K = x.shape[0], st.topk
+        ids, counts, short = _routes(routing_map, K, st.index)
         try:
-            run = _prepare(x, ids_cpu, weights, plan, st.storage, st.expert_fn, st.index, st.group, None,
-                           st.balancer.timeout)
+            run = _prepare(x, ids, _APPLIED_INSIDE, plan, st.storage, st.expert_fn, st.index, st.group, None,
+                           st.balancer.timeout, counts=counts)
         except ValueError as e:
             raise ValueError(f"foremoe.megatron: MoE layer {st.index}, micro-step {st.balancer.current_micro_step}: "
                              f"{e}") from None
         st.run = run
         lay = run.layout
-        st.call = {"shape": hidden_states.shape, "T": T, "dtype": x.dtype}
-        dev = x.device
-        st.call["order"] = lay.order.to(dev)
+        call = st.call = _Call(run, hidden_states.shape, T, short, x.device)
         st.balancer._record(st, plan, run)
-        send = x.index_select(0, lay.send_tokens.to(dev))
-        send_probs = weights.reshape(-1).index_select(0, st.call["order"])
+        send = _Spread.apply(x, call.send_tokens, call.gather, call.pad, K)
+        # probs [T, E]: sent row i takes probs[send_tokens[i], send_experts[i]] (one gather)
+        flat = (lay.send_tokens * probs.shape[1] + lay.send_experts).to(probs.device)
+        send_probs = probs.reshape(-1).index_select(0, flat)
         return send, send_probs
 
     def token_dispatch(self, permutated_local_input_tokens: torch.Tensor, permuted_probs: torch.Tensor):
@@ -289,15 +426,15 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         st = self._foremoe
         if st.run is None:
             return super().dispatch_postprocess(global_input_tokens, global_probs)
-        perm = st.run.layout.recv_perm.to(global_input_tokens.device)
-        counts = torch.tensor(st.run.layout.slot_counts, dtype=torch.long)
-        return global_input_tokens.index_select(0, perm), counts, global_probs.index_select(0, perm)
+        c = st.call
+        return (_Rows.apply(global_input_tokens, c.recv_perm, c.recv_inverse), c.counts,
+                _Rows.apply(global_probs, c.recv_perm, c.recv_inverse))
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
         st = self._foremoe
         if st.run is None:
             return super().combine_preprocess(hidden_states)
-        return hidden_states.index_select(0, st.run.layout.recv_inverse.to(hidden_states.device))
+        return _Rows.apply(hidden_states, st.call.recv_inverse, st.call.recv_perm)
 
     def token_combine(self, hidden_states: torch.Tensor, async_finish: bool = True,
                       allocate_on_comm_stream: bool = True):
@@ -312,13 +449,10 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         st = self._foremoe
         if st.run is None:
             return super().combine_postprocess(permutated_local_input_tokens)
-        back = permutated_local_input_tokens
-        T, K = st.call["T"], st.topk
-        routes = back.new_zeros((T * K, back.shape[1])).index_copy(0, st.call["order"], back)
-        out = routes.view(T, K, -1).sum(dim=1)  # the routing weights were applied inside the experts
-        shape = st.call["shape"]
-        st.run, st.call = None, {}
-        return out.view(shape)
+        c = st.call
+        out = _Collect.apply(permutated_local_input_tokens, c.send_tokens, c.gather, c.pad, c.T, st.topk)
+        st.run, st.call = None, None
+        return out.view(c.shape)
 
 
 class _BalancedSequentialMLP(SequentialMLP):

@@ -138,20 +138,24 @@ def gather_source_loads(
     error: Optional[str] = None,
     timeout: float = DEFAULT_TIMEOUT,
     what: str = "gather_source_loads",
+    counts: Optional[np.ndarray] = None,
 ) -> Tuple[np.ndarray, np.ndarray]:
     """Every rank's expert counts of its ``[T, K]`` ids as ``[E, G]`` int64 (expert, source rank), plus the
     ``[G, len(flags)]`` flags each rank contributed. One ``all_gather`` of ``E + 1 + len(flags)`` int64 per rank
     (:func:`gather_checked`).
 
     ``error`` (a message) marks this rank's input as bad: every rank then raises ``ValueError``, this one with
-    the message, the others naming the rank, so no rank is left waiting in a later collective.
+    the message, the others naming the rank, so no rank is left waiting in a later collective. ``counts``: this
+    rank's ``[E]`` int64 counts when the caller has them already (made with the ids, e.g. by
+    ``foremoe._core.routes_from_map``): the ids are then not counted again.
     """
-    counts = np.zeros(num_experts, dtype=np.int64)
-    if error is None and expert_ids is not None:
+    if error is not None or (counts is None and expert_ids is None):
+        counts = np.zeros(num_experts, dtype=np.int64)
+    elif counts is None:
         try:
             counts = local_counts(expert_ids, num_experts, f"{what}: rank {group_rank(group)}")
         except ValueError as e:
-            error = str(e)
+            error, counts = str(e), np.zeros(num_experts, dtype=np.int64)
     a = gather_checked(np.concatenate((counts, np.asarray(flags, dtype=np.int64))), error, group, timeout,
                        f"{what}: all_gather of expert counts",
                        f"{what}: rank {{rank}} of the group rejected its input (its error names the value)")
@@ -166,6 +170,9 @@ class DispatchLayout:
     ``send_tokens[i]``, grouped by destination rank and, within it, by physical slot (token order inside a slot);
     ``input_splits[g]`` rows go to rank ``g``. Receive side: ``output_splits[s]`` rows come from rank ``s``;
     ``recv[recv_perm]`` groups them by local slot ``j`` (``slot_counts[j]`` rows each, sources in rank order).
+    ``send_experts[i]`` is the logical expert of sent row ``i``; ``route_pos`` inverts ``order``: route
+    ``t * K + k`` is sent row ``route_pos[t * K + k]`` (-1: no route), so the rows coming back are combined with a
+    gather instead of a scatter.
     """
 
     rank: int
@@ -183,6 +190,8 @@ class DispatchLayout:
     slot_counts: List[int]  # [S] rows per local slot
     source_split: np.ndarray  # [P, G] tokens each physical slot takes from each source rank
     flags: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))  # [G, F] gathered flags
+    send_experts: Optional[torch.Tensor] = None  # [N_send] int32 logical expert of each sent row
+    route_pos: Optional[torch.Tensor] = None  # [T * K] int64 send position of each route, -1 = no route
 
     @property
     def num_send(self) -> int:
@@ -222,6 +231,47 @@ def local_layout(
     G, S, E = plan.num_gpus, plan.slots, plan.num_experts
     check_plan(plan, layer, G, who)
     layer, rank = integer(layer, f"{who}: layer"), integer(rank, f"{who}: rank")
+    d = None
+    loads = source_loads
+    if (isinstance(expert_ids, torch.Tensor) and expert_ids.dim() == 2 and 0 <= rank < G
+            and type(loads) is np.ndarray and loads.dtype == np.int64 and loads.shape == (E, G)
+            and loads.flags.c_contiguous):
+        # One C++ call from the gathered counts to the layout; on any error the checked steps below name it.
+        T, K = expert_ids.shape
+        try:
+            d = plan.dispatch_loads(layer, expert_ids.reshape(T, 1, K), loads, rank)
+            split = d["split"]
+        except ValueError:
+            d = None
+    if d is None:
+        d, split = _checked_layout(plan, layer, expert_ids, source_loads, rank)
+    return DispatchLayout(
+        rank=rank,
+        world=G,
+        layer=int(layer),
+        num_experts=E,
+        slots_per_rank=S,
+        slots=torch.from_numpy(d["slots"]),
+        order=torch.from_numpy(d["order"]),
+        send_tokens=torch.from_numpy(d["send_tokens"]),
+        input_splits=d["input_splits"].tolist(),
+        output_splits=d["output_splits"].tolist(),
+        recv_perm=torch.from_numpy(d["recv_perm"]),
+        recv_inverse=torch.from_numpy(d["recv_inverse"]),
+        slot_counts=d["slot_counts"].tolist(),
+        source_split=split,
+        flags=np.zeros((G, 0), np.int64) if flags is None else flags,
+        send_experts=torch.from_numpy(d["send_experts"]),
+        route_pos=torch.from_numpy(d["route_pos"]),
+    )
+
+
+def _checked_layout(plan: "foremoe.Plan", layer: int, expert_ids: Any, source_loads: Any,
+                    rank: int) -> Tuple[dict, np.ndarray]:
+    """:func:`local_layout`'s split and layout, each argument checked and every error named (``Plan.source_split``
+    then ``Plan.dispatch``)."""
+    who = "local_layout"
+    G, E = plan.num_gpus, plan.num_experts
     if not 0 <= rank < G:
         raise ValueError(f"{who}: rank {rank} outside [0, {G})")
     if not isinstance(expert_ids, torch.Tensor) or expert_ids.dim() != 2:
@@ -240,23 +290,7 @@ def local_layout(
     except ValueError as e:
         msg = str(e).replace("map_tokens: layer 0: ", "").replace(", layer 0, k ", ", k ")
         raise ValueError(f"{who}: rank {rank}, plan layer {layer}: {msg}") from None
-    return DispatchLayout(
-        rank=rank,
-        world=G,
-        layer=int(layer),
-        num_experts=E,
-        slots_per_rank=S,
-        slots=torch.from_numpy(d["slots"]),
-        order=torch.from_numpy(d["order"]),
-        send_tokens=torch.from_numpy(d["send_tokens"]),
-        input_splits=d["input_splits"].tolist(),
-        output_splits=d["output_splits"].tolist(),
-        recv_perm=torch.from_numpy(d["recv_perm"]),
-        recv_inverse=torch.from_numpy(d["recv_inverse"]),
-        slot_counts=d["slot_counts"].tolist(),
-        source_split=split,
-        flags=np.zeros((G, 0), np.int64) if flags is None else flags,
-    )
+    return d, split
 
 
 def dispatch_layout(
@@ -269,6 +303,7 @@ def dispatch_layout(
     flags: Sequence[int] = (),
     error: Optional[str] = None,
     timeout: float = DEFAULT_TIMEOUT,
+    counts: Optional[np.ndarray] = None,
 ) -> DispatchLayout:
     """This rank's :class:`DispatchLayout` for ``expert_ids`` (``[T, K]`` logical ids, -1 = no route) under
     ``plan``'s layer ``layer``, over ``group`` (``None``: the default group; its size must be the plan's rank
@@ -276,7 +311,8 @@ def dispatch_layout(
     along and come back as ``layout.flags`` ``[G, len(flags)]``.
 
     A bad input on any rank (an id out of range, a wrong shape) raises ``ValueError`` on every rank; ``error``
-    (a message) reports a bad input the caller found on this rank the same way.
+    (a message) reports a bad input the caller found on this rank the same way. ``counts``: this rank's ``[E]``
+    int64 counts of ``expert_ids`` when the caller has them (:func:`gather_source_loads`).
     """
     who = "dispatch_layout"
     G = group_size(group)
@@ -285,7 +321,7 @@ def dispatch_layout(
     if source_loads is not None and not flags and error is None:
         return local_layout(plan, layer, expert_ids, source_loads, rank)
     loads, got_flags = gather_source_loads(expert_ids, plan.num_experts, group=group, flags=flags, error=error,
-                                           timeout=timeout, what=f"{who} (layer {layer})")
+                                           timeout=timeout, what=f"{who} (layer {layer})", counts=counts)
     if source_loads is not None:
         loads = source_loads
     return local_layout(plan, layer, expert_ids, loads, rank, flags=got_flags)

@@ -898,6 +898,11 @@ def _return_held_grads(run: _Run, go: List[torch.Tensor],
     return _to_owners(run, go, items, f"held replica gradient return of layer {run.layer}")
 
 
+#: ``routing_weights`` of :func:`_prepare` for a caller that applies the routing weights itself (the Megatron
+#: adapter: per row, inside the expert MLP).
+_APPLIED_INSIDE = object()
+
+
 def _input_error(x: Any, expert_ids: Any, routing_weights: Any, storage: ExpertStorage,
                  hidden: Optional[int]) -> Optional[str]:
     who = f"balanced_moe: rank {storage.rank}"
@@ -907,10 +912,12 @@ def _input_error(x: Any, expert_ids: Any, routing_weights: Any, storage: ExpertS
         return f"{who}: expert_ids must be [tokens, topk], got {getattr(expert_ids, 'shape', type(expert_ids).__name__)}"
     if expert_ids.shape[0] != x.shape[0]:
         return f"{who}: expert_ids has {expert_ids.shape[0]} tokens, x has {x.shape[0]}"
-    if not isinstance(routing_weights, torch.Tensor) or tuple(routing_weights.shape) != tuple(expert_ids.shape):
+    if routing_weights is _APPLIED_INSIDE:
+        pass
+    elif not isinstance(routing_weights, torch.Tensor) or tuple(routing_weights.shape) != tuple(expert_ids.shape):
         return (f"{who}: routing_weights must be {list(expert_ids.shape)} like expert_ids, got "
                 f"{list(getattr(routing_weights, 'shape', []))}")
-    if not routing_weights.is_floating_point():
+    elif not routing_weights.is_floating_point():
         return f"{who}: routing_weights must be a float tensor, got dtype {routing_weights.dtype}"
     if hidden is not None and x.shape[1] != hidden:
         return f"{who}: x has hidden size {x.shape[1]}, the experts take {hidden}"
@@ -979,9 +986,11 @@ def _schedule_gradients(run: _Run, gradients: str) -> None:
 
 
 def _prepare(x: Any, expert_ids: Any, routing_weights: Any, plan: Optional["foremoe.Plan"], storage: ExpertStorage,
-             expert_fn: ExpertFn, layer: int, group: Any, hidden: Optional[int], timeout: float) -> _Run:
+             expert_fn: ExpertFn, layer: int, group: Any, hidden: Optional[int], timeout: float,
+             counts: Optional[np.ndarray] = None) -> _Run:
     """Everything of one balanced layer call before the token exchange (input checks gathered over the group,
-    the dispatch layout, the replica sync): what the call's expert compute needs, with ``run.layout``."""
+    the dispatch layout, the replica sync): what the call's expert compute needs, with ``run.layout``.
+    ``counts``: the ``[E]`` int64 counts of ``expert_ids`` when the caller made both (not counted again)."""
     layer = integer(layer, "balanced_moe: layer")
     G = group_size(group)
     if G != storage.world:
@@ -1001,7 +1010,7 @@ def _prepare(x: Any, expert_ids: Any, routing_weights: Any, plan: Optional["fore
         check_plan(plan, layer, G, "balanced_moe")
         storage.check_plan(plan, layer)
         layout = dispatch_layout(plan, layer, expert_ids if error is None else None, group=group, flags=flags,
-                                 timeout=timeout, error=error)
+                                 timeout=timeout, error=error, counts=counts)
     changed = [g for g in range(G) if layout.flags[g, 0]]
     stale = [g for g in range(G) if layout.flags[g, 1]]
     book = storage.sync(plan, layer, changed, group=group, timeout=timeout, stale_mirrors=stale,
