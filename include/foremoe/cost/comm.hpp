@@ -425,8 +425,8 @@ struct A2aVolumes {
 /// sends between nodes.
 struct LayerA2a {
   double seconds = 0;
-  double inter_node_rows = 0;   ///< rows (tokens) crossing between nodes in one dispatch
-  double dispatch_seconds = 0;  ///< the forward dispatch (= `seconds` when it has the combine's row size)
+  double inter_node_rows = 0;  ///< rows (tokens) crossing between nodes in one dispatch
+  double dispatch_seconds = 0; ///< the forward dispatch (= `seconds` when it has the combine's row size)
 };
 
 /// `LayerA2a` of hierarchical volumes: one exchange at `row_bytes`, the forward dispatch at `dispatch_row_bytes`

@@ -162,9 +162,9 @@ struct PathParams {
 /// direction (PCIe 5.0: 32 GT/s x 16 lanes, 128b/130b encoding), the packet and flow-control overhead of
 /// 256-byte payloads.
 struct MoveParams {
-  PathParams gpu_intra{340.0, 10.0};  ///< GPU-direct inside a node (NVLink copy engine)
-  PathParams gpu_inter{40.0, 25.0};   ///< GPU-direct across nodes (NCCL over the NIC)
-  PathParams host{50.0, 10.0};        ///< CPU-assisted host -> device (pinned PCIe)
+  PathParams gpu_intra{340.0, 10.0};   ///< GPU-direct inside a node (NVLink copy engine)
+  PathParams gpu_inter{40.0, 25.0};    ///< GPU-direct across nodes (NCCL over the NIC)
+  PathParams host{50.0, 10.0};         ///< CPU-assisted host -> device (pinned PCIe)
   double pcie_ingress_gb_per_s = 55.0; ///< one GPU's PCIe ingress, shared by its NIC and host-mirror moves
 
   void validate() const {

@@ -120,8 +120,8 @@ struct SimConfig {
   /// RollPacker, arXiv:2509.21009, sec. 1); APRIL (Zhou et al. 2025, arXiv:2509.18521) reports more than 90% for
   /// long reasoning rollouts. 0: training only.
   double rollout_share = 0.7;
-  bool double_buffer = false;     ///< a second buffer per replica slot: moves may start a micro-step early
-  int activation_bytes = 2;       ///< bytes per hidden element in the combine and the backward exchanges (bf16)
+  bool double_buffer = false; ///< a second buffer per replica slot: moves may start a micro-step early
+  int activation_bytes = 2;   ///< bytes per hidden element in the combine and the backward exchanges (bf16)
   /// Dtype of the forward dispatch's token rows: bf16 (`activation_bytes` per element, as the combine) or fp8 (1 B
   /// per element plus one fp32 scale per 128 elements: DeepEP's normal and low-latency kernels dispatch fp8 and
   /// combine bf16, deepseek-ai/DeepEP README; DeepSeek-V3 trains with fp8 dispatch, arXiv:2412.19437 sec. 3.3.2).
@@ -357,11 +357,11 @@ struct SimMemory {
 /// Results of one strategy over all simulated steps.
 struct SimResult {
   std::string strategy;
-  double step_seconds = 0;                        ///< mean per RL step: recompute + update (+ optimizer, re-owning)
-  double recompute_seconds = 0;                   ///< mean per step
-  double update_seconds = 0;                      ///< mean per step, optimizer steps included
-  double end_to_end_seconds = 0;                  ///< step + rollout
-  double rollout_seconds = 0; ///< the rollout in `end_to_end_seconds` (`SimConfig::rollout_time`), same for all
+  double step_seconds = 0;       ///< mean per RL step: recompute + update (+ optimizer, re-owning)
+  double recompute_seconds = 0;  ///< mean per step
+  double update_seconds = 0;     ///< mean per step, optimizer steps included
+  double end_to_end_seconds = 0; ///< step + rollout
+  double rollout_seconds = 0;    ///< the rollout in `end_to_end_seconds` (`SimConfig::rollout_time`), same for all
   double imbalance_median = 1, imbalance_p99 = 1; ///< per (micro-step, layer) max/mean GPU load, both stages
   double moved_gb = 0;                            ///< weights moved per step (replicas in, re-owning), GB
   double grad_gb = 0;                             ///< replica gradients reduced per step, GB
@@ -702,8 +702,8 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     }
     for (int g = 0; g < G; ++g)
       if (pcie_bytes[g] > 0)
-        t.move_demand[g] = std::max(t.move_demand[g], pcie_latency[g] + pcie_bytes[g] /
-                                                                            (cfg.cost.move.pcie_ingress_gb_per_s * 1e9));
+        t.move_demand[g] =
+            std::max(t.move_demand[g], pcie_latency[g] + pcie_bytes[g] / (cfg.cost.move.pcie_ingress_gb_per_s * 1e9));
     return t;
   };
 
