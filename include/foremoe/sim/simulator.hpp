@@ -676,6 +676,9 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
       if (mv.src_gpu < 0) return MovePath::host;
       return topo.node_of(mv.src_gpu) == topo.node_of(mv.dst_gpu) ? MovePath::gpu_intra : MovePath::gpu_inter;
     };
+    // The NIC and the host mirror reach a GPU over its one PCIe link: what it receives on the two paths together
+    // takes at least their bytes at the PCIe ingress rate (after the first move's latency).
+    std::vector<double> pcie_bytes(static_cast<std::size_t>(G), 0.0), pcie_latency(static_cast<std::size_t>(G), 0.0);
     for (const Move &mv : lp->moves) {
       const MovePath path = path_of(mv);
       const double sec = move_seconds(cfg.cost.move, path, expert_bytes);
@@ -683,22 +686,18 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
       if (mv.src_gpu >= 0) path_out[static_cast<std::size_t>(mv.src_gpu) * 3 + static_cast<int>(path)] += sec;
       t.moved_bytes += expert_bytes;
       if (path == MovePath::host) t.host_moves = true;
-    }
-    // The NIC and the host mirror reach a GPU over its one PCIe link: what it receives on the two paths together
-    // takes at least their bytes at the PCIe ingress rate (after the first move's latency).
-    std::vector<double> pcie_bytes(static_cast<std::size_t>(G), 0.0), pcie_latency(static_cast<std::size_t>(G), 0.0);
-    for (const Move &mv : lp->moves) {
-      const MovePath path = path_of(mv);
-      const int p = static_cast<int>(path);
-      double finish = path_in[static_cast<std::size_t>(mv.dst_gpu) * 3 + p];
-      if (mv.src_gpu >= 0) finish = std::max(finish, path_out[static_cast<std::size_t>(mv.src_gpu) * 3 + p]);
-      t.move_demand[mv.dst_gpu] = std::max(t.move_demand[mv.dst_gpu], finish);
       if (path != MovePath::gpu_intra) {
         const double lat = path_params(cfg.cost.move, path).latency_us * 1e-6;
         const auto d = static_cast<std::size_t>(mv.dst_gpu);
         pcie_latency[d] = pcie_bytes[d] > 0 ? std::min(pcie_latency[d], lat) : lat;
         pcie_bytes[d] += expert_bytes;
       }
+    }
+    for (const Move &mv : lp->moves) {
+      const int p = static_cast<int>(path_of(mv));
+      double finish = path_in[static_cast<std::size_t>(mv.dst_gpu) * 3 + p];
+      if (mv.src_gpu >= 0) finish = std::max(finish, path_out[static_cast<std::size_t>(mv.src_gpu) * 3 + p]);
+      t.move_demand[mv.dst_gpu] = std::max(t.move_demand[mv.dst_gpu], finish);
     }
     for (int g = 0; g < G; ++g)
       if (pcie_bytes[g] > 0)
