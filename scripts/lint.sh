@@ -7,8 +7,10 @@
 #
 #   --all            clang-tidy on every project TU (the default); the public headers through one TU per header-check
 #                    target that includes them all (the same findings as one TU per header)
-#   --record         with --all, on a clean tree and no finding: writes HEAD's commit into .ci/tidy-clean, the commit
-#                    that CI's --since starts from (commit that file)
+#   --record         with --all, or with --since the commit already in .ci/tidy-clean, on a clean tree and no finding:
+#                    writes HEAD's commit into .ci/tidy-clean, the commit that CI's --since starts from (commit that
+#                    file). --since that commit checks every TU a change since a clean commit can affect, so HEAD is
+#                    then clean as a whole, without the full run's half hour
 #   --since REF      what CI runs (REF: the commit in .ci/tidy-clean): clang-tidy on every TU that a change since REF
 #                    can affect, read from the built tree's dependency records (`ninja -t deps`): a TU whose source or
 #                    any file it includes changed, every TU not built yet, and all of them when the compile flags or
@@ -151,8 +153,10 @@ EOF
     echo "lint: clang-tidy took $(( $(date +%s) - start )) s"
   fi
   if [[ $record -eq 1 ]]; then
-    if [[ $mode != all || $status -ne 0 ]]; then
-      echo "lint: --record: nothing written (it needs --all and no finding)" >&2
+    recorded=$(cat .ci/tidy-clean 2>/dev/null || true)
+    if [[ $status -ne 0 || ( $mode != all && ( $mode != since || -z "$recorded" ||
+          "$(git rev-parse -q --verify "${ref}^{commit}" || true)" != "$recorded" ) ) ]]; then
+      echo "lint: --record: nothing written (it needs no finding, and --all or --since the commit in .ci/tidy-clean)" >&2
     elif [[ -n "$(git status --porcelain --untracked-files=no)" ]]; then
       echo "lint: --record: nothing written: the tree has uncommitted changes, so HEAD is not what was checked" >&2
     else

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -570,6 +571,10 @@ struct PyPlanner {
   fm::PlannerOptions opts;
   std::unique_ptr<fm::Planner> planner;
   double last_planner_seconds = 0;
+  // One C++ planner keeps scratch state between calls and is rebuilt when the shape changes, so calls on one
+  // Python object from several threads (a ReplayDriver's thread and the trainer's) take turns here, with the GIL
+  // released while they wait.
+  std::shared_ptr<std::mutex> mu = std::make_shared<std::mutex>();
 
   fm::Planner &get(int L, int E) {
     if (!planner || planner->num_layers() != L || planner->num_experts() != E)
@@ -581,7 +586,7 @@ struct PyPlanner {
 /// A planner from `options`: JSON text of `planner_schema()` keys (Python's keyword arguments).
 PyPlanner make_planner(const fm::Topology &topo, const std::string &options) {
   topo.validate();
-  PyPlanner p{topo, {}, nullptr, 0};
+  PyPlanner p{topo, {}, nullptr, 0, std::make_shared<std::mutex>()};
   fm::config::planner_schema().read(p.opts, fm::json::parse(options, "Planner"), "Planner");
   return p;
 }
@@ -641,6 +646,7 @@ std::vector<PyPlan> plan_step(PyPlanner &self, const RoLoads &loads, const PyPla
   }
   std::vector<PyPlan> out;
   nb::gil_scoped_release nogil;
+  const std::lock_guard<std::mutex> turn(*self.mu);
   const fm::LoadTensor t = load_tensor(loads);
   fm::Planner &p = self.get(L, E);
   const fm::Placement *res = check_resident(resident, self.topo, L, E);
@@ -667,6 +673,7 @@ double bench_cpp_plan(PyPlanner &self, const RoLoads &loads, const PyPlacement *
   require(iters > 0, "iters must be positive");
   const int L = static_cast<int>(loads.shape(1)), E = static_cast<int>(loads.shape(2));
   nb::gil_scoped_release nogil;
+  const std::lock_guard<std::mutex> turn(*self.mu);
   const fm::LoadTensor t = load_tensor(loads);
   fm::Planner &p = self.get(L, E);
   const fm::Placement *res = check_resident(resident, self.topo, L, E);

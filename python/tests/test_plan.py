@@ -98,6 +98,34 @@ def test_threads_do_not_change_plans():
         np.testing.assert_array_equal(x.slot_tokens, y.slot_tokens)
 
 
+def test_one_planner_from_several_threads_plans_as_alone():
+    # A ReplayDriver's thread and the trainer's thread may call one Planner at once; the calls take turns, and
+    # alternating shapes (which rebuild the C++ planner) must not hand one thread the other's planner.
+    import threading
+    topo = foremoe.Topology(**TOPO)
+    inputs = [loads_mle(seed=s, M=2, L=2 + s % 3, E=16 + 8 * (s % 2)) for s in range(6)]
+    want = [[(p.gpu_slots.copy(), p.slot_tokens.copy()) for p in foremoe.Planner(topo).plan(x)] for x in inputs]
+    shared = foremoe.Planner(topo)
+    errors = []
+
+    def work(offset):
+        try:
+            for r in range(40):
+                i = (offset + r) % len(inputs)
+                for (gs, st), p in zip(want[i], shared.plan(inputs[i])):
+                    if not (np.array_equal(p.gpu_slots, gs) and np.array_equal(p.slot_tokens, st)):
+                        errors.append(f"thread {offset} round {r} input {i}: a different plan")
+        except Exception as e:  # a crash inside a worker fails the test below, naming it
+            errors.append(f"thread {offset}: {e!r}")
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+
+
 def test_float_and_narrow_int_loads():
     loads = loads_mle()
     topo = foremoe.Topology(**TOPO)

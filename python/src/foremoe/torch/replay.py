@@ -625,8 +625,8 @@ class ReplayDriver:
     """Plans every micro-step of one stage ahead, in a background thread, and hands out one plan per micro-step.
 
     Args:
-        planner: a :class:`foremoe.Planner` (used only by this driver's thread while it plans; drivers sharing it
-            take turns).
+        planner: a :class:`foremoe.Planner` (calls on one planner from several threads take turns, so the trainer
+            may keep planning with it while the driver's thread does; drivers sharing it take turns).
         loads: ``[M, L, E]`` loads of the stage (see the ``loads_from_*`` functions and the ``from_*``
             constructors, which count them from the recorded routing).
         owners: ``[E]`` or ``[L, E]`` owner rank of every expert (e.g. ``BalancedMoE.owners``; the balanced layer
