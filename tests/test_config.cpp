@@ -269,7 +269,21 @@ TEST_CASE("schema: precedence is defaults < preset < config file < explicit flag
   const std::pair<std::string, std::string> no[] = {{"no-reowning-free", ""}};
   const json::Value nf = s.flags_document(no);
   const L c[] = {{&nf, "--"}};
-  CHECK_FALSE(config::simulate_settings(c).sim.reowning_free);
+  CHECK_FALSE(config::simulate_settings(c).sim.planner.reowning_free);
+  // Every planner option but the strategy and the gradient factor is a simulate option of the same key, from the
+  // planner's schema (one definition: same help, same range).
+  for (const auto &po : config::planner_schema().options()) {
+    if (po.key == "strategy" || po.key == "gradient_bytes_factor") continue;
+    const auto &so = s.key("sim." + po.key);
+    CHECK_MESSAGE(so.help == po.help, po.key);
+    CHECK_MESSAGE(so.flag == po.flag, po.key);
+  }
+  const std::pair<std::string, std::string> ex[] = {{"exact-split", "true"}, {"eplb-num-groups", "4"}};
+  const json::Value exd = s.flags_document(ex);
+  const L e[] = {{&exd, "--"}};
+  const auto es = config::simulate_settings(e);
+  CHECK(es.sim.planner.exact_split);
+  CHECK(es.sim.planner.eplb_num_groups == 4);
 }
 
 TEST_CASE("schema: the generator's options are one schema; simulate's batch section reuses its entries") {

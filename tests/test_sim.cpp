@@ -153,7 +153,7 @@ TEST_CASE("simulate: re-owning costs time unless it is free") {
   Case c = small_case(9);
   const std::vector<SimStrategy> fm{parse_sim_strategy("foremoe")};
   const auto free_owners = simulate(c.cfg, c.loads, c.steps, fm);
-  c.cfg.reowning_free = false;
+  c.cfg.planner.reowning_free = false;
   const auto paid = simulate(c.cfg, c.loads, c.steps, fm);
   // Re-owning is charged as move time. The step time is not compared: when re-owning is paid the planner keeps
   // owners where it can, which changes the plans, and kept owners keep more replicas resident (fewer gradient
@@ -162,11 +162,28 @@ TEST_CASE("simulate: re-owning costs time unless it is free") {
   CHECK(paid[0].moved_gb >= free_owners[0].moved_gb);
 }
 
+TEST_CASE("simulate: every planner option reaches the planner (SimConfig::planner)") {
+  // Options the simulator never copied before it held the planner's options whole: each must change what the
+  // planner does. UltraEP with a replica floor above any micro-step's load makes no replicas, so it moves nothing;
+  // with no floor it replicates (the small case's loads are below its published floor of 1,024 tokens).
+  for (std::uint64_t seed : {13u, 14u, 15u}) {
+    Case c = small_case(seed);
+    const std::vector<SimStrategy> ue{parse_sim_strategy("ultraep")};
+    c.cfg.planner.ultraep_min_tokens = 0;
+    const auto floor_low = simulate(c.cfg, c.loads, c.steps, ue);
+    c.cfg.planner.ultraep_min_tokens = std::int64_t{1} << 40;
+    const auto floor_high = simulate(c.cfg, c.loads, c.steps, ue);
+    CHECK(floor_low[0].moved_gb > 0);
+    CHECK(floor_high[0].moved_gb == 0);
+    CHECK(floor_high[0].imbalance_median >= floor_low[0].imbalance_median - 1e-12);
+  }
+}
+
 TEST_CASE("simulate: deterministic and independent of planner threads") {
   Case c = small_case(11);
   const auto strategies = all_strategies();
   const auto a = simulate(c.cfg, c.loads, c.steps, strategies);
-  c.cfg.planner_threads = 3;
+  c.cfg.planner.num_threads = 3;
   const auto b = simulate(c.cfg, c.loads, c.steps, strategies);
   for (std::size_t i = 0; i < a.size(); ++i) {
     CHECK(a[i].step_seconds == b[i].step_seconds);
@@ -525,7 +542,7 @@ TEST_CASE("simulate: with hold_replica_gradients off every used replica returns 
   EplbCase c(30);
   const std::vector<SimStrategy> st{parse_sim_strategy("eplb"), parse_sim_strategy("foremoe")};
   const std::vector<SimResult> on = simulate(c.cfg, c.loads, c.steps, st);
-  c.cfg.hold_replica_gradients = false;
+  c.cfg.planner.hold_replica_gradients = false;
   const std::vector<SimResult> off = simulate(c.cfg, c.loads, c.steps, st);
   const SimConfig &cfg = c.cfg;
   const StepPlan sp = c.eplb_plans();
@@ -700,7 +717,7 @@ TEST_CASE("simulate: links shared both ways slow only strategies that move; one 
     Case c = small_case(900 + r);
     c.cfg.model.hidden = 512 << (rng() % 3); // weights large enough for moves to matter
     c.cfg.model.expert_ffn = 256 << (rng() % 3);
-    c.cfg.reowning_free = rng() % 2 == 1;
+    c.cfg.planner.reowning_free = rng() % 2 == 1;
     CAPTURE(r);
     SimConfig one_way = c.cfg;
     one_way.two_way_link_sharing = false;

@@ -726,29 +726,18 @@ template <class I>
     o.push_back(boolean<S>(
         "sim.double_buffer", "a second buffer per replica slot: moves may start a micro-step early",
         [](auto &x) -> auto & { return x.sim.double_buffer; }));
-    o.push_back(boolean<S>(
-        "sim.reowning_free", "a new owner map costs nothing (colocated trainers)",
-        [](auto &x) -> auto & { return x.sim.reowning_free; }));
-    o.push_back(integer<S>(
-        "sim.move_budget", -1, max_budget, "new replicas per GPU per micro-step for foremoe (-1: the spare slots)",
-        [](auto &x) -> auto & { return x.sim.move_budget; }));
-    o.push_back(number<S>(
-        "sim.tolerance", 0, 100,
-        "planner imbalance tolerance: largest accepted layer max/mean (0: as balanced as possible; else >= 1)",
-        [](auto &x) -> auto & { return x.sim.tolerance; }));
-    o.push_back(integer<S>(
-        "sim.min_tokens_per_replica", 0, std::int64_t{1} << 40, "fewest tokens a replica may run (0: any)",
-        [](auto &x) -> auto & { return x.sim.min_tokens_per_replica; }));
-    o.push_back(hold_replica_gradients_option<S>(
-        "sim.hold_replica_gradients", [](auto &x) -> auto & { return x.sim.hold_replica_gradients; }));
-    o.push_back(peer_domain_option<S>(
-        "sim.peer_domain_gpus", [](auto &x) -> auto & { return x.sim.peer_domain_gpus; }));
+    // The planner's options, from its own schema (`SimConfig::planner`): all but the strategy (each simulated
+    // strategy's own) and `gradient_bytes_factor` (from `sim.grad_dtype`).
+    const auto planner_of = [](auto &x) -> auto & { return x.sim.planner; };
+    lift(o, planner_schema(), "sim", planner_of,
+         {"reowning_free", "move_budget", "tolerance", "min_tokens_per_replica", "hold_replica_gradients",
+          "peer_domain_gpus"});
     o.push_back(boolean<S>(
         "sim.cost_gate", "a new replica only when the expert compute it saves exceeds its move and gradient cost",
         [](auto &x) -> auto & { return x.sim.cost_gate; }));
-    o.push_back(integer<S>(
-        "sim.threads", 1, max_threads, "planner threads over layers",
-        [](auto &x) -> auto & { return x.sim.planner_threads; }));
+    lift(o, planner_schema(), "sim", planner_of,
+         {"threads", "hierarchical_owners", "owner_keep_tolerance", "local_search_rounds", "free_search_rounds",
+          "exact_split", "ultraep_min_tokens", "eplb_num_groups"});
     o.push_back(choice<S>(
         "sim.dense_model", {"shape", "constant"},
         "dense part's time: from the model shape (FLOPs at sim.dense_efficiency) or cost.dense_per_token_us",

@@ -154,19 +154,16 @@ struct SimConfig {
   /// over, Megatron DDP's `overlap_grad_reduce`). Default 0: Megatron-core's `DistributedDataParallelConfig`
   /// defaults `overlap_grad_reduce` to False (distributed_data_parallel_config.py).
   double dp_grad_overlap = 0.0;
-  /// Colocated trainers reload optimizer state after rollout, so a new owner map is free; otherwise every
-  /// expert whose owner changes moves its weights plus `optimizer_state_factor` x their size.
-  bool reowning_free = true;
+  /// The planner's options (`config::planner_schema()`, the `sim.` keys of the same names), one set for every
+  /// simulated strategy: `strategy` is each strategy's own, `gradient_bytes_factor` follows `grad_dtype`, and the
+  /// cost gate's functions come from `cost_gate`. The simulator follows two of them itself: `reowning_free`
+  /// (colocated trainers reload optimizer state after rollout, so a new owner map is free; otherwise every expert
+  /// whose owner changes moves its weights plus `optimizer_state_factor` x their size) and
+  /// `hold_replica_gradients` (update stage: resident replicas accumulate their gradients in place and return them
+  /// once, `HeldGradients`, in the simulated traffic and the planner's byte count alike; false: every used replica
+  /// returns its gradient every update micro-step).
+  PlannerOptions planner{};
   double optimizer_state_factor = 6.0; ///< fp32 master + Adam moments over bf16 weights
-  int planner_threads = 1;
-  int peer_domain_gpus = 0; ///< `ultraep`, `moonep`: GPUs per balancing domain (`PlannerOptions::peer_domain_gpus`)
-  int move_budget = -1;     ///< new replicas per GPU per micro-step for `foremoe`; < 0: the spare slots
-  double tolerance = 0.0;   ///< the planner's imbalance tolerance (0: as balanced as possible)
-  std::int64_t min_tokens_per_replica = 0; ///< the planner's fewest tokens per replica (0: any)
-  /// Update stage: resident replicas accumulate their gradients in place and return them once (`HeldGradients`),
-  /// in the simulated traffic and the planner's byte count alike; false: every used replica returns its gradient
-  /// every update micro-step (the planner's `hold_replica_gradients`).
-  bool hold_replica_gradients = true;
   /// The planner's cost gate: a new replica only when the expert compute it saves on the slowest GPU (this
   /// model's grouped-GEMM time, forward plus backward) exceeds its move plus, in the update
   /// stage, its gradient reduction (all counted as unhidden).
@@ -283,7 +280,7 @@ struct SimConfig {
     detail::require(activation_bytes > 0, "SimConfig: activation_bytes must be positive, got ", activation_bytes);
     detail::require(dispatch_dtype == WeightDtype::bf16 || dispatch_dtype == WeightDtype::fp8,
                     "SimConfig: dispatch_dtype must be bf16 or fp8, got ", to_string(dispatch_dtype));
-    detail::require(planner_threads >= 1, "SimConfig: planner_threads must be >= 1, got ", planner_threads);
+    planner.validate();
     detail::require(std::isfinite(optimizer_bytes_per_param) && optimizer_bytes_per_param >= 0,
                     "SimConfig: optimizer_bytes_per_param must be >= 0, got ", optimizer_bytes_per_param);
     detail::require(std::isfinite(gpu_memory_gb) && gpu_memory_gb > 0,
@@ -501,7 +498,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
   // `keep` does not keep (`keep` null: all of them); returns their bytes.
   auto return_gradients = [&](int l, const LayerPlan *keep, bool keeps_residents, std::vector<double> &demand) {
     double bytes = 0;
-    held.release(l, keep, cfg.hold_replica_gradients && keeps_residents, [&](int g, int, std::int32_t owner) {
+    held.release(l, keep, cfg.planner.hold_replica_gradients && keeps_residents, [&](int g, int, std::int32_t owner) {
       const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::gpu_intra : MovePath::gpu_inter;
       demand[g] += grad_reduce_seconds(cost, path, expert_bytes);
       bytes += grad_bytes_per_expert;
@@ -706,16 +703,9 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     return t;
   };
 
-  PlannerOptions popts;
+  PlannerOptions popts = cfg.planner; // without reowning_free the planner keeps owners where it can
   popts.strategy = strat.ideal ? "foremoe-free" : strat.name; // "ideal" plans nothing
-  popts.num_threads = cfg.planner_threads;
-  popts.move_budget = cfg.move_budget;
-  popts.reowning_free = cfg.reowning_free; // paid re-owning: the planner keeps owners where it can
-  popts.tolerance = cfg.tolerance;
-  popts.min_tokens_per_replica = cfg.min_tokens_per_replica;
-  popts.gradient_bytes_factor = cost.grad.grad_bytes_factor; // from `grad_dtype` and the model's weight dtype
-  popts.hold_replica_gradients = cfg.hold_replica_gradients;
-  popts.peer_domain_gpus = cfg.peer_domain_gpus;
+  popts.gradient_bytes_factor = cost.grad.grad_bytes_factor;  // from `grad_dtype` and the model's weight dtype
   if (cfg.cost_gate) {
     // The slowest GPU's expert compute for its token count, on a GPU with every slot in use.
     popts.token_time = [&compute, S](std::int64_t t) {
@@ -767,7 +757,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
         stage_planner = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         rec.planner += stage_planner;
         // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
-        if (pass == 0 && !cfg.reowning_free && !prev_owner_flat.empty()) {
+        if (pass == 0 && !cfg.planner.reowning_free && !prev_owner_flat.empty()) {
           std::vector<double> per_gpu(static_cast<std::size_t>(G), 0.0);
           for (int l = 0; l < L; ++l)
             for (int e = 0; e < E; ++e) {
