@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <random>
+#include <set>
+#include <string>
 #include <string_view>
 #include <vector>
 
+#include "foremoe/config/documents.hpp"
 #include "foremoe/plan/token_map.hpp"
 #include "foremoe/sim/simulator.hpp"
 #include "foremoe/trace/synthetic.hpp"
@@ -176,6 +179,33 @@ TEST_CASE("simulate: every planner option reaches the planner (SimConfig::planne
     CHECK(floor_low[0].moved_gb > 0);
     CHECK(floor_high[0].moved_gb == 0);
     CHECK(floor_high[0].imbalance_median >= floor_low[0].imbalance_median - 1e-12);
+  }
+}
+
+TEST_CASE("breakdown: one table of the parts; sums, the JSON and the CSV follow it") {
+  // A field added to SimBreakdown but not to the table would be left out of every sum and writer.
+  static_assert(sizeof(SimBreakdown) == breakdown_parts.size() * sizeof(double));
+  std::mt19937_64 rng(5);
+  std::uniform_real_distribution<double> u(0, 10);
+  for (int trial = 0; trial < 50; ++trial) {
+    SimBreakdown a, b;
+    double sum_a = 0, sum_b = 0;
+    for (const BreakdownPart &p : breakdown_parts) {
+      sum_a += (a.*p.field = u(rng));
+      sum_b += (b.*p.field = u(rng));
+    }
+    CHECK(a.total() == doctest::Approx(sum_a));
+    const json::Value j = config::breakdown_json(a);
+    for (const BreakdownPart &p : breakdown_parts)
+      CHECK(j.find(std::string(p.name) + "_seconds")->as_double() == a.*p.field);
+    CHECK(j.find("total_seconds")->as_double() == a.total());
+    a += b;
+    CHECK(a.total() == doctest::Approx(sum_a + sum_b));
+  }
+  std::set<std::string_view> names;
+  for (const BreakdownPart &p : breakdown_parts) {
+    CHECK(names.insert(p.name).second);
+    CHECK_FALSE(p.label.empty());
   }
 }
 

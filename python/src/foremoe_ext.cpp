@@ -1121,6 +1121,15 @@ NB_MODULE(_core, m) {
       "config"_a.none(), "flags"_a);
   m.def("simulate_text", &simulate_text, "config"_a.none(), "flags"_a, "doc"_a, "csv"_a);
   m.def("options", &options, "command"_a);
+  m.def(
+      "breakdown_parts",
+      [] {
+        std::vector<std::pair<std::string, std::string>> out;
+        for (const fm::BreakdownPart &p : fm::breakdown_parts)
+          out.emplace_back(std::string(p.name) + "_seconds", std::string(p.label));
+        return out;
+      },
+      "The simulate breakdown's parts as (JSON key, label), in the order they are written and stacked.");
   m.def("trace_formats", &trace_formats, "The registered trace input formats in listing order, as dicts.");
   m.def(
       "detect_trace_format", [](const std::string &path) { return fm::detect_trace_format(path).name; }, "path"_a,

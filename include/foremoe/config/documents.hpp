@@ -215,14 +215,8 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
 /// A breakdown as named seconds (`total` is their sum).
 [[nodiscard]] inline json::Value breakdown_json(const SimBreakdown &b) {
   json::Value j;
-  j["expert_compute_seconds"] = b.expert_compute;
-  j["all_to_all_seconds"] = b.all_to_all;
-  j["dense_seconds"] = b.dense;
-  j["lm_head_seconds"] = b.lm_head;
-  j["moves_seconds"] = b.moves;
-  j["stall_seconds"] = b.stall;
-  j["dp_grad_sync_seconds"] = b.dp_grad_sync;
-  j["optimizer_seconds"] = b.optimizer;
+  for (const BreakdownPart &p : breakdown_parts)
+    j[std::string(p.name) + "_seconds"] = b.*p.field;
   j["total_seconds"] = b.total();
   return j;
 }
@@ -431,20 +425,19 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
 [[nodiscard]] inline std::string simulate_csv(const json::Value &doc) {
   std::ostringstream out;
   out << "strategy,step_s,recompute_s,update_s,median_max_mean,p99_max_mean,moved_gb,stall_ms,speedup_static,"
-         "speedup_eplb,expert_compute_s,all_to_all_s,dense_s,moves_s,optimizer_s,peak_memory_gb,rl_step_s,"
-         "lm_head_s,dp_grad_sync_s,inter_node_gb\n";
+         "speedup_eplb";
+  for (const BreakdownPart &p : breakdown_parts)
+    out << "," << p.name << "_s";
+  out << ",peak_memory_gb,rl_step_s,inter_node_gb\n";
   for (const json::Value &r : doc.find("strategies")->as_array()) {
     auto f = [&](const char *k) { return r.find(k)->as_double(); };
     out << r.find("strategy")->as_string() << "," << f("step_seconds") << "," << f("recompute_seconds") << ","
         << f("update_seconds") << "," << f("imbalance_median") << "," << f("imbalance_p99") << "," << f("moved_gb")
         << "," << f("stall_seconds") * 1e3 << "," << f("speedup_over_static") << "," << f("speedup_over_eplb");
     const json::Value &b = *r.find("breakdown");
-    for (const char *k :
-         {"expert_compute_seconds", "all_to_all_seconds", "dense_seconds", "moves_seconds", "optimizer_seconds"})
-      out << "," << b.find(k)->as_double();
+    for (const BreakdownPart &p : breakdown_parts)
+      out << "," << b.find(std::string(p.name) + "_seconds")->as_double();
     out << "," << r.find("peak_memory")->find("total_gb")->as_double() << "," << f("end_to_end_seconds");
-    for (const char *k : {"lm_head_seconds", "dp_grad_sync_seconds"}) // appended: earlier columns keep their place
-      out << "," << b.find(k)->as_double();
     out << "," << f("inter_node_gb") << "\n";
   }
   return out.str();

@@ -33,6 +33,7 @@
 /// consecutive blocks of ranks); without them every expert's count is split evenly across the copies.
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -313,7 +314,8 @@ struct SimStrategy {
   detail::fail("unknown strategy '", s, "' (registered: ", sim_strategy_names(), ")");
 }
 
-/// Where time goes: parts that add up to a step (or micro-step) time, in seconds.
+/// Where time goes: parts that add up to a step (or micro-step) time, in seconds. `breakdown_parts` lists them:
+/// every sum, writer (JSON, CSV, tables) and plot iterates it, so a part added there is added everywhere.
 struct SimBreakdown {
   double expert_compute = 0; ///< grouped-GEMM time of the busiest GPU per layer, forward and backward
   double all_to_all = 0;     ///< dispatch and combine, forward and backward, less what hides under compute
@@ -323,21 +325,41 @@ struct SimBreakdown {
   double stall = 0;          ///< layers waiting for replica weights or gradient returns
   double dp_grad_sync = 0;   ///< expert gradients all-reduced across EP-group copies, not under the backward
   double optimizer = 0;      ///< optimizer steps
-  [[nodiscard]] double total() const noexcept {
-    return expert_compute + all_to_all + dense + lm_head + moves + stall + dp_grad_sync + optimizer;
-  }
-  SimBreakdown &operator+=(const SimBreakdown &o) noexcept {
-    expert_compute += o.expert_compute;
-    all_to_all += o.all_to_all;
-    dense += o.dense;
-    lm_head += o.lm_head;
-    moves += o.moves;
-    stall += o.stall;
-    dp_grad_sync += o.dp_grad_sync;
-    optimizer += o.optimizer;
-    return *this;
-  }
+  [[nodiscard]] double total() const noexcept;
+  SimBreakdown &operator+=(const SimBreakdown &o) noexcept;
 };
+
+/// One part of `SimBreakdown`: its field, its name (JSON `<name>_seconds`, CSV `<name>_s`) and its label (plots).
+struct BreakdownPart {
+  double SimBreakdown::*field;
+  std::string_view name;
+  std::string_view label;
+};
+
+/// The parts of a breakdown, in the order they add up and are written and stacked (bottom to top).
+inline constexpr std::array<BreakdownPart, 8> breakdown_parts{{
+    {&SimBreakdown::expert_compute, "expert_compute", "expert compute (slowest GPU)"},
+    {&SimBreakdown::all_to_all, "all_to_all", "all-to-all"},
+    {&SimBreakdown::dense, "dense", "dense (attention etc.)"},
+    {&SimBreakdown::lm_head, "lm_head", "LM head"},
+    {&SimBreakdown::moves, "moves", "moves (re-owning, mirror refresh)"},
+    {&SimBreakdown::stall, "stall", "stall (waiting for weights/gradients)"},
+    {&SimBreakdown::dp_grad_sync, "dp_grad_sync", "expert-gradient sync across EP-group copies"},
+    {&SimBreakdown::optimizer, "optimizer", "optimizer"},
+}};
+
+inline double SimBreakdown::total() const noexcept {
+  double t = 0;
+  for (const BreakdownPart &p : breakdown_parts)
+    t += this->*p.field;
+  return t;
+}
+
+inline SimBreakdown &SimBreakdown::operator+=(const SimBreakdown &o) noexcept {
+  for (const BreakdownPart &p : breakdown_parts)
+    this->*p.field += o.*p.field;
+  return *this;
+}
 
 /// Peak memory of one GPU, in bytes: expert weights (owned experts and replica slots, doubled with
 /// `double_buffer`), gradient buffers (owned experts and replicas, in `grad_dtype`), optimizer state of the owned

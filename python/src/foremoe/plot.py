@@ -32,17 +32,19 @@ GPU_LOAD_STRATEGIES = ("static", "eplb", "foremoe")
 #: Colours of owner copies and replicas in the placement picture.
 OWNER, REPLICA = "#4C72B0", "#DD8452"
 
+#: Colours of the breakdown's parts, bottom to top (a part beyond them reuses them in turn).
+_PART_COLOURS = ("#4C72B0", "#DD8452", "#8C8C8C", "#937860", "#55A868", "#C44E52", "#DA8BC3", "#8172B3", "#64B5CD",
+                 "#CCB974")
+
+
+def _breakdown() -> Tuple[Tuple[str, str, str], ...]:
+    from foremoe import _core  # the one table of the parts (foremoe/sim/simulator.hpp, `breakdown_parts`)
+    return tuple((key, label, _PART_COLOURS[i % len(_PART_COLOURS)])
+                 for i, (key, label) in enumerate(_core.breakdown_parts()))
+
+
 #: Breakdown fields of the simulate document, their labels and colours, bottom to top.
-BREAKDOWN = (
-    ("expert_compute_seconds", "expert compute (slowest GPU)", "#4C72B0"),
-    ("all_to_all_seconds", "all-to-all", "#DD8452"),
-    ("dense_seconds", "dense (attention etc.)", "#8C8C8C"),
-    ("lm_head_seconds", "LM head", "#937860"),
-    ("moves_seconds", "moves (re-owning, mirror refresh)", "#55A868"),
-    ("stall_seconds", "stall (waiting for weights/gradients)", "#C44E52"),
-    ("dp_grad_sync_seconds", "expert-gradient sync across EP-group copies", "#DA8BC3"),
-    ("optimizer_seconds", "optimizer", "#8172B3"),
-)
+BREAKDOWN = _breakdown()
 
 
 class PlotError(Exception):
