@@ -1,6 +1,6 @@
 // The node-shared host mirror: several processes (fork) map one segment and see each other's writes, the
 // generation protocol of a collective refresh and its staleness, every refused input with the value it names, and
-// the segment's removal when its creator closes it.
+// the segment's removal when its creator closes it, and the transfer engine reading it only while it is fresh.
 
 #include <doctest/doctest.h>
 
@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -22,6 +23,7 @@
 
 #include "foremoe/runtime/node_mirror.hpp"
 #include "foremoe/runtime/runtime.hpp"
+#include "foremoe/runtime/transfer_engine.hpp"
 
 namespace rt = foremoe::runtime;
 using namespace std::chrono_literals;
@@ -341,4 +343,93 @@ TEST_CASE("pinning needs CUDA: unavailable without it, a device error without a 
     m.reset();
   }
   CHECK_FALSE(exists(name)); // a failed create leaves nothing behind
+}
+
+TEST_CASE("the transfer engine reads a node mirror only while it is fresh") {
+  // One node of 2 GPUs x 2 slots, 3 experts of 1 KiB (one tensor), the mirror a node segment. Expert e's bytes are
+  // all e + 1. GPU 0 slot 0 holds expert 0, GPU 1 slot 0 expert 1; expert 2 is only in the mirror.
+  constexpr std::int64_t kb = 1024;
+  rt::EngineOptions o;
+  o.topology = {1, 2, 2};
+  o.num_layers = 1;
+  o.num_experts = 3;
+  o.tensors = {{0, kb}};
+  o.planning.align_bytes = 256;
+  o.planning.max_chunk_bytes = kb;
+  std::unique_ptr<rt::TransferEngine> engine;
+  REQUIRE(rt::TransferEngine::create(o, engine).ok());
+  rt::NodeMirrorOptions mo = options("engine", 3 * kb);
+  mo.node = 0;
+  mo.layer = 0;
+  std::unique_ptr<rt::NodeMirror> mirror;
+  REQUIRE(rt::NodeMirror::create(mo, mirror).ok());
+  auto write_expert = [&](int e, int value) {
+    std::memset(mirror->payload().data() + e * kb, value, static_cast<std::size_t>(kb));
+  };
+  REQUIRE(mirror->begin_refresh().ok());
+  for (int e = 0; e < 3; ++e)
+    write_expert(e, e + 1);
+  REQUIRE(mirror->end_refresh().ok());
+  std::vector<std::vector<std::byte>> mem(2, std::vector<std::byte>(static_cast<std::size_t>(2 * kb), std::byte{0}));
+  for (int g = 0; g < 2; ++g)
+    REQUIRE(engine->register_slots(0, g, {mem[g].data(), kb, 2, 1, 2 * kb}).ok());
+  std::memset(mem[0].data(), 1, static_cast<std::size_t>(kb));
+  std::memset(mem[1].data(), 2, static_cast<std::size_t>(kb));
+  foremoe::LayerPlacement resident(2, 2, 3);
+  resident.slot(0, 0) = 0;
+  resident.slot(1, 0) = 1;
+  REQUIRE(engine->set_resident(0, resident).ok());
+
+  // The region must fit the segment and divide it evenly.
+  rt::MirrorRegion region;
+  CHECK(rt::node_mirror_region(*mirror, 5, region).message().find("5 experts do not divide") != std::string::npos);
+  REQUIRE(rt::node_mirror_region(*mirror, 3, region).ok());
+  rt::MirrorRegion past = region;
+  past.base = mirror->payload().data() + kb;
+  CHECK(engine->register_mirror(0, 0, past).message().find("do not fit node mirror") != std::string::npos);
+  REQUIRE(engine->register_mirror(0, 0, region).ok());
+
+  const auto holds = [&](int g, int s, int value) {
+    const std::byte *p = mem[g].data() + s * kb;
+    return std::all_of(p, p + kb, [&](std::byte b) { return b == static_cast<std::byte>(value); });
+  };
+  const auto move = [&](int expert) {
+    const foremoe::Move mv{expert, foremoe::host_mirror, 0, 1};
+    rt::MoveBatch b;
+    b.layer = 0;
+    b.moves = std::span<const foremoe::Move>(&mv, 1);
+    rt::Ticket t;
+    rt::Status st = engine->submit(b, t);
+    if (st.ok()) st = t.wait_for(10s);
+    return st;
+  };
+  const auto reset = [&] {
+    std::memset(mem[0].data() + kb, 0, static_cast<std::size_t>(kb));
+    REQUIRE(engine->set_resident(0, resident).ok());
+  };
+
+  // Fresh: expert 2 comes from the mirror.
+  REQUIRE(move(2).ok());
+  CHECK(holds(0, 1, 3));
+  reset();
+
+  // A refresh under way, with the mirror's bytes of experts 1 and 2 half written: expert 2 has no other source, so
+  // its move is refused and the slot untouched; expert 1 comes from GPU 1, never from the mirror.
+  REQUIRE(mirror->begin_refresh().ok());
+  CHECK(mirror->stale());
+  write_expert(1, 0xab);
+  write_expert(2, 0xab);
+  const rt::Status refused = move(2);
+  CHECK_FALSE(refused.ok());
+  CHECK(holds(0, 1, 0));
+  CHECK(engine->resident(0).slot(0, 1) == foremoe::empty_slot);
+  reset();
+  REQUIRE(move(1).ok());
+  CHECK(holds(0, 1, 2));
+  reset();
+
+  // Refreshed again: the mirror's new bytes are read.
+  REQUIRE(mirror->end_refresh().ok());
+  REQUIRE(move(2).ok());
+  CHECK(holds(0, 1, 0xab));
 }

@@ -1,13 +1,27 @@
 // Construction, registration of slots, mirrors and gradients, the resident placement, and queries.
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "engine.hpp"
+#include "foremoe/runtime/node_mirror.hpp"
 
 namespace foremoe {
 inline namespace v0 {
-namespace runtime::detail {
+namespace runtime {
+
+Status node_mirror_region(const NodeMirror &mirror, int num_experts, MirrorRegion &out) {
+  const std::int64_t bytes = mirror.payload_bytes();
+  if (num_experts <= 0 || bytes % num_experts != 0)
+    return {StatusCode::invalid_argument,
+            foremoe::detail::concat("node_mirror_region: ", num_experts, " experts do not divide node mirror ",
+                                    mirror.name(), "'s ", bytes, " bytes into equal strides")};
+  out = MirrorRegion{mirror.payload().data(), bytes / num_experts, num_experts, &mirror};
+  return Status::success();
+}
+
+namespace detail {
 
 EngineImpl::EngineImpl(EngineOptions o, std::shared_ptr<Transport> t)
     : opts_(std::move(o)), transport_(std::move(t)), pool_(std::make_shared<ResourcePool>(transport_)) {
@@ -87,6 +101,17 @@ Status EngineImpl::register_mirror(int layer, int node, const MirrorRegion &m) {
     return bad("register_mirror: ", m.num_experts, " experts, the engine has ", opts_.num_experts);
   if (m.expert_stride_bytes < span_end())
     return bad("register_mirror: expert stride ", m.expert_stride_bytes, " is smaller than ", span_end());
+  if (m.node_mirror != nullptr) {
+    // Addresses as integers: the region must lie inside the segment's payload.
+    const auto first = reinterpret_cast<std::uintptr_t>(m.node_mirror->payload().data());
+    const auto lo = reinterpret_cast<std::uintptr_t>(m.base);
+    const std::int64_t bytes = m.node_mirror->payload_bytes();
+    const std::int64_t offset = lo >= first ? static_cast<std::int64_t>(lo - first) : -1;
+    if (offset < 0 || offset > bytes || m.expert_stride_bytes > bytes ||
+        m.num_experts > (bytes - offset) / m.expert_stride_bytes)
+      return bad("register_mirror: ", m.num_experts, " experts of ", m.expert_stride_bytes, " bytes at offset ", offset,
+                 " do not fit node mirror ", m.node_mirror->name(), "'s ", bytes, " bytes");
+  }
   std::lock_guard lock(mu_);
   layers_[layer].mirrors[node] = m;
   ++layers_[layer].generation;
@@ -166,6 +191,7 @@ std::int64_t EngineImpl::span_end() const {
   return end;
 }
 
-} // namespace runtime::detail
+} // namespace detail
+} // namespace runtime
 } // namespace v0
 } // namespace foremoe

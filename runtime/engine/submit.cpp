@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "engine.hpp"
+#include "foremoe/runtime/node_mirror.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -49,11 +50,17 @@ Status EngineImpl::submit(const MoveBatch &b, Ticket &out, std::shared_ptr<Ticke
         // saying so.
         view = ls.planned;
         if (popt.host_mirror)
-          for (const Move &m : b.moves)
-            if (local_[m.dst_gpu] && ls.mirrors[topo.node_of(m.dst_gpu)].base == nullptr)
-              return bad("submit: planning.host_mirror is set but node ", topo.node_of(m.dst_gpu),
-                         " has no registered mirror for layer ", b.layer,
-                         " (multi-process use declares the mirrors of every node)");
+          for (const Move &m : b.moves) {
+            if (!local_[m.dst_gpu]) continue;
+            const int nd = topo.node_of(m.dst_gpu);
+            if (ls.mirrors[nd].base == nullptr)
+              return bad("submit: planning.host_mirror is set but node ", nd, " has no registered mirror for layer ",
+                         b.layer, " (multi-process use declares the mirrors of every node)");
+            if (const NodeMirror *nm = ls.mirrors[nd].node_mirror; nm != nullptr && nm->stale())
+              return bad("submit: node ", nd, "'s mirror of layer ", b.layer, " (", nm->name(),
+                         ") is stale: generation ", nm->generation(), ", this rank's last ", nm->seen_generation(),
+                         " (refresh it on every local rank, or submit with planning.host_mirror off)");
+          }
       } else {
         // Planning sees only copies no other batch is writing.
         std::vector<char> written(static_cast<std::size_t>(ls.resident.num_slots()), 0);
@@ -66,9 +73,12 @@ Status EngineImpl::submit(const MoveBatch &b, Ticket &out, std::shared_ptr<Ticke
           for (int s = 0; s < slots; ++s)
             if (written[static_cast<std::size_t>(g) * slots + s] || ls.slots[g].base == nullptr)
               view.slot(g, s) = empty_slot;
+        // A node-shared mirror under refresh (or missed by this rank) is no source: GPU-direct only.
         bool all_mirrors = true;
-        for (const Move &m : b.moves)
-          all_mirrors = all_mirrors && ls.mirrors[topo.node_of(m.dst_gpu)].base != nullptr;
+        for (const Move &m : b.moves) {
+          const MirrorRegion &mr = ls.mirrors[topo.node_of(m.dst_gpu)];
+          all_mirrors = all_mirrors && mr.base != nullptr && (mr.node_mirror == nullptr || !mr.node_mirror->stale());
+        }
         popt.host_mirror = popt.host_mirror && all_mirrors;
       }
       for (int g = 0; g < topo.num_gpus(); ++g)

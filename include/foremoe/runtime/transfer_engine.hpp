@@ -32,12 +32,26 @@ struct SlotRegion {
   std::int64_t buffer_stride_bytes = 0;
 };
 
+class NodeMirror;
+
 /// A node's pinned host mirror of one layer: expert `e` starts at `base + e * expert_stride_bytes`.
 struct MirrorRegion {
   const void *base = nullptr;
   std::int64_t expert_stride_bytes = 0;
   int num_experts = 0;
+  /// The node-shared mirror segment the region lies in (`node_mirror_region`), or null for memory the caller keeps
+  /// current itself. With it, moves read the mirror only while it is fresh (`NodeMirror::stale` false, checked when
+  /// a batch is submitted): a batch submitted while a refresh is under way, was interrupted or was missed by this
+  /// rank takes GPU-direct sources only (a single-process engine), or is refused naming the generations when it
+  /// must read the mirror (SPMD use, where every process must plan the same chunks). Refresh only while no batch
+  /// reads the mirror (after the optimizer step, as DESIGN.md has it). The segment must outlive its registration.
+  const NodeMirror *node_mirror = nullptr;
 };
+
+/// The region of `mirror`'s payload holding `num_experts` experts of equal stride (payload bytes / `num_experts`,
+/// which must divide it), registered with its segment so that a stale mirror is never read; `invalid_argument`
+/// naming the sizes otherwise.
+[[nodiscard]] Status node_mirror_region(const NodeMirror &mirror, int num_experts, MirrorRegion &out);
 
 /// One weight tensor of an expert, at `offset_bytes` inside a slot (and inside a mirror entry). An expert's bytes
 /// are its tensors concatenated in this order; chunks of a move are ranges of that concatenation.
