@@ -291,6 +291,8 @@ std::chrono::milliseconds millis(double seconds, const char *what) {
   return std::chrono::milliseconds(std::max<std::int64_t>(1, static_cast<std::int64_t>(seconds * 1000.0 + 0.5)));
 }
 
+struct PyNodeMirror;
+
 class PyEngine {
 public:
   explicit PyEngine(rt::EngineOptions o) : opts_(std::move(o)) {
@@ -336,6 +338,10 @@ public:
     check(engine_->register_mirror(layer, node, {a.data(), row_bytes(a, 0), opts_.num_experts}));
     keep_.push_back(a);
   }
+
+  /// Node `node`'s mirror of `layer` as a node-shared segment (`NodeMirror`): its payload holds one row per
+  /// expert; the engine never reads it while it is stale. The segment is kept alive by the engine.
+  void register_node_mirror(int layer, int node, nb::object mirror);
 
   void register_grads(int layer, int gpu, const Array &a, std::optional<std::int64_t> grad_bytes) {
     const std::string what = str("register_grads: layer ", layer, " GPU ", gpu, " gradients ", shape_str(a));
@@ -475,7 +481,8 @@ private:
   }
 
   rt::EngineOptions opts_;
-  std::vector<Array> keep_; // declared before the engine: released after it is destroyed
+  std::vector<Array> keep_;              // declared before the engine: released after it is destroyed
+  std::vector<nb::object> keep_mirrors_; // node mirror segments, released after the engine too
   std::unique_ptr<rt::TransferEngine> engine_;
 };
 
@@ -603,6 +610,17 @@ rt::NodeMirrorOptions mirror_options(const std::string &job_key, int node, int l
   o.job_key = job_key, o.node = node, o.layer = layer, o.payload_bytes = payload_bytes, o.pin = pin;
   o.open_timeout = std::chrono::milliseconds(static_cast<std::int64_t>(open_timeout * 1000.0 + 0.5));
   return o;
+}
+
+void PyEngine::register_node_mirror(int layer, int node, nb::object mirror) {
+  if (!nb::isinstance<PyNodeMirror>(mirror))
+    raise(PyExc_ValueError, str("register_node_mirror: layer ", layer, " node ", node,
+                                ": expected a foremoe._core.NodeMirror, got ", nb::type_name(mirror.type()).c_str()));
+  const rt::NodeMirror &m = nb::cast<const PyNodeMirror &>(mirror).get();
+  rt::MirrorRegion region;
+  check(rt::node_mirror_region(m, opts_.num_experts, region));
+  check(engine_->register_mirror(layer, node, region));
+  keep_mirrors_.push_back(std::move(mirror));
 }
 
 PyNodeMirror make_node_mirror(const rt::NodeMirrorOptions &o, bool create) {
@@ -813,6 +831,7 @@ void bind_runtime(nb::module_ &m) {
       .def_prop_ro("options", &PyEngine::options)
       .def("register_slots", &PyEngine::register_slots, "layer"_a, "gpu"_a, "slots"_a, "num_buffers"_a = 1)
       .def("register_mirror", &PyEngine::register_mirror, "layer"_a, "node"_a, "mirror"_a)
+      .def("register_node_mirror", &PyEngine::register_node_mirror, "layer"_a, "node"_a, "mirror"_a)
       .def("register_grads", &PyEngine::register_grads, "layer"_a, "gpu"_a, "grads"_a,
            "grad_bytes"_a.none() = nb::none())
       .def("set_resident", &PyEngine::set_resident, "layer"_a, "gpu_slots"_a)

@@ -197,6 +197,46 @@ def small_storage(**options):
     return ft.ExpertStorage.from_full(full, [0, 0, 0, 0], 4, rank=0, world=1, **options), full
 
 
+def test_engine_reads_a_node_segment_only_while_it_is_fresh():
+    # 1 node x 2 GPUs x 2 slots, 3 experts of 256 bytes (expert e all e + 1); expert 1 on GPU 1, expert 2 only in
+    # the segment. A refresh under way with wrong bytes must never reach a slot.
+    import foremoe
+    E, row = 3, 256
+    seg = _core.NodeMirror.create(f"engine-{os.getpid()}", 0, 0, E * row)
+    seg.unlink()
+    payload = seg.array()
+    seg.begin_refresh()
+    payload[:] = np.repeat(np.arange(1, E + 1, dtype=np.uint8), row)
+    seg.end_refresh()
+    eng = ft.TransferEngine(topology=foremoe.Topology(1, 2, 2), num_layers=1, num_experts=E, tensors=[(0, row)])
+    slots = [torch.zeros((2, row), dtype=torch.uint8) for _ in range(2)]
+    for g in range(2):
+        eng.register_slots(0, g, slots[g])
+    with pytest.raises(ValueError, match="expected a foremoe._core.NodeMirror, got ndarray"):
+        eng.register_node_mirror(0, 0, payload)
+    eng.register_node_mirror(0, 0, seg)
+    resident = np.array([[-1, -1], [1, -1]], dtype=np.int32)
+    slots[1][0].fill_(2)
+
+    def move(expert):
+        slots[0][0].zero_()
+        eng.set_resident(0, resident)
+        eng.submit(np.array([[expert, -1, 0, 0]]), 0).wait()
+
+    move(2)
+    assert bool((slots[0][0] == 3).all())
+    seg.begin_refresh()
+    payload[row:] = 0xAB  # experts 1 and 2 half refreshed
+    with pytest.raises(ValueError, match="no source|host mirror|mirror"):
+        move(2)  # only the stale segment holds it
+    assert bool((slots[0][0] == 0).all())
+    move(1)  # from GPU 1 alone
+    assert bool((slots[0][0] == 2).all())
+    seg.end_refresh()
+    move(2)
+    assert bool((slots[0][0] == 0xAB).all())
+
+
 def test_node_mirror_in_one_process():
     st, full = small_storage(mirror="node")
     stats = st.mirror_stats()

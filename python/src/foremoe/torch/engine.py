@@ -220,6 +220,16 @@ class TransferEngine:
         what = f"register_mirror: layer {layer} node {node} mirror"
         self._e.register_mirror(layer, node, _borrow(mirror, what, "cpu"))
 
+    def register_node_mirror(self, layer: int, node: int, mirror: Any) -> None:
+        """Node ``node``'s mirror of ``layer`` as a node-shared segment (``foremoe._core.NodeMirror``) whose payload
+        holds one equal row per expert, expert-major like :meth:`register_mirror`'s tensor. The engine checks the
+        segment's generation at each submit and never reads it stale: while a refresh is under way (or was missed
+        by this rank) moves take GPU-direct sources only, or are refused with multi-process engines. (The mirror
+        of ``ExpertStorage(mirror="node")`` is laid out by weight kind, not by expert, so it is not such a
+        segment.)"""
+        layer, node = integer(layer, "register_node_mirror: layer"), integer(node, "register_node_mirror: node")
+        self._e.register_node_mirror(layer, node, mirror)
+
     def register_grads(self, layer: int, gpu: int, grads: Any, grad_bytes: Optional[int] = None) -> None:
         """GPU ``gpu``'s float32 gradient slots of ``layer`` ``[slots, ...]`` (for :meth:`submit_reduce`); an
         expert's gradient is its row's first ``grad_bytes`` bytes (default: the whole row)."""
