@@ -173,6 +173,43 @@ for m, step in enumerate(j["micro_steps"]):
 print("ok", n, "chunks")
 PY
 fi
+# One move model: plan --expert-bytes prices every round with the simulator's cost.move_* settings (the schema's
+# defaults, as --print-config shows them), for random expert sizes, with and without the mirror (every path)
+if command -v python3 >/dev/null; then
+  "$bin" simulate --print-config >"$work/move_cfg.json"
+  for mirror in "" --no-mirror; do
+    bytes=$((4096 + RANDOM * 997 + RANDOM))
+    "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 --expert-bytes $bytes \
+      --max-chunk-bytes $((bytes / 3 + 4096)) $mirror --out "$work/plan_cost.json" >/dev/null
+    expect 0 "^ok [1-9][0-9]* rounds" -- python3 - "$work/plan_cost.json" "$work/move_cfg.json" <<'PY'
+import json, sys
+j, cfg = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+def find(d, key):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            r = v if k == key else find(v, key)
+            if r is not None:
+                return r
+    return None
+rate = {p: find(cfg, "move_%s_gb_per_s" % k) * 1e9 for p, k in (("nvlink", "intra"), ("network", "inter"), ("pcie", "host"))}
+lat = {p: find(cfg, "move_%s_latency_us" % k) * 1e-6 for p, k in (("nvlink", "intra"), ("network", "inter"), ("pcie", "host"))}
+n = 0
+for step in j["micro_steps"]:
+    for lay in step["layers"]:
+        t = lay["transfers"]
+        rounds = {}
+        for move, path, src, src_slot, dst, dst_slot, e, off, nb, rnd in t["chunks"]:
+            ports = rounds.setdefault(rnd, {})
+            for port in ([(path, "out", src)] if path != "pcie" else []) + [(path, "in", dst)]:
+                busy, l = ports.get(port, (0.0, 0.0))
+                ports[port] = (busy + nb / rate[path], max(l, lat[path]))
+        est = sum(max(b + l for b, l in ports.values()) for ports in rounds.values())
+        assert abs(est - t["est_seconds"]) <= 1e-12 + 1e-9 * est, (est, t["est_seconds"])
+        n += len(rounds)
+print("ok", n, "rounds")
+PY
+  done
+fi
 expect 0 "moves: " -- "$bin" plan --loads "$work/loads.npy" --nodes 2 --gpus-per-node 2 --slots 5 --exact-split
 expect 2 "give --expert-bytes too" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 --no-mirror
 expect 2 "--expert-bytes must be in \[1, " -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \

@@ -45,12 +45,6 @@ TEST_CASE("Topology validates shape, bandwidths and capacity") {
   CHECK_ERROR_CONTAINS(small.validate(17), "cannot hold all 17 experts");
   Topology zero{0, 8, 2};
   CHECK_ERROR_CONTAINS(zero.validate(), "num_nodes");
-  Topology nan_bw{1, 8, 2};
-  nan_bw.links.pcie_gb_per_s = std::numeric_limits<double>::quiet_NaN();
-  CHECK_ERROR_CONTAINS(nan_bw.validate(), "pcie_gb_per_s");
-  Topology neg_lat{1, 8, 2};
-  neg_lat.links.network_latency_us = -1;
-  CHECK_ERROR_CONTAINS(neg_lat.validate(), "network_latency_us");
 }
 
 TEST_CASE("LoadTensor indexing, sources and validation") {

@@ -701,15 +701,15 @@ TEST_CASE("shared links: moves share the link fairly with the all-to-all") {
 TEST_CASE("moves and gradient reduction") {
   const CostParams p;
   const double bytes = static_cast<double>(qwen3_30b_a3b().bytes_per_expert());
-  const double intra = move_seconds(p.move, MovePath::gpu_intra, bytes);
+  const double intra = move_seconds(p.move, MovePath::nvlink, bytes);
   CHECK(intra == doctest::Approx(p.move.gpu_intra.latency_us * 1e-6 + bytes / (p.move.gpu_intra.gb_per_s * 1e9)));
-  CHECK(move_seconds(p.move, MovePath::gpu_inter, bytes) > intra);
-  CHECK(move_seconds(p.move, MovePath::host, bytes) > intra);
-  CHECK(move_seconds(p.move, MovePath::host, 0) == 0.0);
-  CHECK(grad_reduce_seconds(p, MovePath::gpu_intra, bytes) > intra);
-  CHECK(grad_reduce_seconds(p, MovePath::gpu_inter, bytes) > grad_reduce_seconds(p, MovePath::gpu_intra, bytes));
-  CHECK_THROWS_AS((void)grad_reduce_seconds(p, MovePath::host, bytes), Error);
-  CHECK_THROWS_AS((void)move_seconds(p.move, MovePath::host, -1), Error);
+  CHECK(move_seconds(p.move, MovePath::network, bytes) > intra);
+  CHECK(move_seconds(p.move, MovePath::pcie, bytes) > intra);
+  CHECK(move_seconds(p.move, MovePath::pcie, 0) == 0.0);
+  CHECK(grad_reduce_seconds(p, MovePath::nvlink, bytes) > intra);
+  CHECK(grad_reduce_seconds(p, MovePath::network, bytes) > grad_reduce_seconds(p, MovePath::nvlink, bytes));
+  CHECK_THROWS_AS((void)grad_reduce_seconds(p, MovePath::pcie, bytes), Error);
+  CHECK_THROWS_AS((void)move_seconds(p.move, MovePath::pcie, -1), Error);
 }
 
 TEST_CASE("alpha-beta fit recovers known parameters") {

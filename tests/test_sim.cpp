@@ -11,6 +11,7 @@
 #include "foremoe/plan/token_map.hpp"
 #include "foremoe/sim/simulator.hpp"
 #include "foremoe/trace/synthetic.hpp"
+#include "foremoe/transfer/transfer_plan.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -1063,4 +1064,42 @@ TEST_CASE("simulate: the all-to-all counted from the routed ids (sim.a2a_hits = 
   CHECK(parse_a2a_hits_source("ids", "sim.a2a_hits") == A2aHitsSource::ids);
   CHECK_THROWS_WITH_AS((void)parse_a2a_hits_source("exact", "sim.a2a_hits"),
                        doctest::Contains("sim.a2a_hits must be one of independent, ids, got 'exact'"), Error);
+}
+
+TEST_CASE("simulate: a host-mirror refresh costs what the transfer planner gives the same move (property)") {
+  // After the optimizer step a GPU copies its owned experts to the host mirror: one PCIe move of
+  // owners x layers x expert bytes, which the simulator prices with `CostParams::move`. The transfer planner, given
+  // the same parameters, must estimate the same move (alone, one chunk) at the same seconds, to the bit, for random
+  // rates and latencies; a planner or simulator with a link table of its own would not.
+  std::mt19937_64 rng(2718);
+  std::uniform_real_distribution<double> rate(1.0, 900.0), lat(0.0, 50.0);
+  const int rounds = 2 * foremoe_test::seed_multiplier();
+  int compared = 0;
+  for (int r = 0; r < rounds; ++r) {
+    Case c = small_case(60 + r);
+    c.cfg.warmup_steps = 1; // one counted step: its refresh is the result's mirror_seconds
+    c.cfg.minibatches_per_step = 1;
+    for (PathParams *p : {&c.cfg.cost.move.gpu_intra, &c.cfg.cost.move.gpu_inter, &c.cfg.cost.move.host})
+      *p = {rate(rng), lat(rng)};
+    CAPTURE(r);
+    const auto res = simulate(c.cfg, c.loads, c.steps, all_strategies());
+    const std::int64_t owned = std::int64_t{c.cfg.topo.owners_per_gpu(c.cfg.model.num_experts)} *
+                               c.cfg.model.num_layers * c.cfg.model.bytes_per_expert();
+    transfer::Options opt;
+    opt.move = c.cfg.cost.move;
+    opt.expert_bytes = owned;
+    opt.max_chunk_bytes = owned;
+    const std::vector<Move> to_mirror{{0, host_mirror, 1, 0}};
+    const auto tp = transfer::plan_transfers(to_mirror, LayerPlacement(2, 1, 1), Topology{1, 2, 1}, opt);
+    REQUIRE(tp.chunks.size() == 1);
+    REQUIRE(tp.chunks[0].path == transfer::Path::pcie);
+    for (const SimResult &x : res) {
+      if (x.mirror_seconds == 0) continue;
+      CAPTURE(x.strategy);
+      CHECK(x.mirror_seconds == tp.est_seconds);
+      CHECK(x.mirror_seconds == move_seconds(c.cfg.cost.move, MovePath::pcie, static_cast<double>(owned)));
+      ++compared;
+    }
+  }
+  CHECK(compared > 0); // some strategy did read the mirror
 }

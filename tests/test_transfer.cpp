@@ -7,6 +7,7 @@
 #include <random>
 #include <set>
 
+#include "foremoe/cost/params.hpp"
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/transfer/transfer_plan.hpp"
 #include "test_support.hpp"
@@ -125,21 +126,22 @@ TEST_CASE("transfer plans realise every move once from valid sources, rounds nev
 
 TEST_CASE("a move with both paths is split so that they finish together") {
   Topology topo{1, 2, 2};
-  topo.links.nvlink_latency_us = topo.links.pcie_latency_us = 0;
   LayerPlacement resident(2, 2, 4);
   resident.slot(0, 0) = 0;
   const std::vector<Move> moves{{0, host_mirror, 1, 0}};
   transfer::Options opt;
+  opt.move.gpu_intra.latency_us = opt.move.host.latency_us = 0;
   opt.expert_bytes = std::int64_t{44} << 20;
   opt.max_chunk_bytes = opt.expert_bytes;
   const auto tp = transfer::plan_transfers(moves, resident, topo, opt);
   REQUIRE(tp.chunks.size() == 2);
-  const double t_nv = static_cast<double>(tp.path_bytes[0]) / (topo.links.nvlink_gb_per_s * 1e9);
-  const double t_pc = static_cast<double>(tp.path_bytes[1]) / (topo.links.pcie_gb_per_s * 1e9);
-  CHECK(std::abs(t_nv - t_pc) <= 2 * 4096 / (topo.links.pcie_gb_per_s * 1e9));
-  // Shares follow the bandwidths: NVLink 450 GB/s carries 450/505 of the bytes.
+  const double nv_rate = opt.move.gpu_intra.gb_per_s * 1e9, pc_rate = opt.move.host.gb_per_s * 1e9;
+  const double t_nv = static_cast<double>(tp.path_bytes[0]) / nv_rate;
+  const double t_pc = static_cast<double>(tp.path_bytes[1]) / pc_rate;
+  CHECK(std::abs(t_nv - t_pc) <= 2 * 4096 / pc_rate);
+  // Shares follow the move rates: NVLink carries nvlink / (nvlink + pcie) of the bytes (340/390 by default).
   CHECK(static_cast<double>(tp.path_bytes[0]) / static_cast<double>(opt.expert_bytes) ==
-        doctest::Approx(450.0 / 505.0).epsilon(1e-3));
+        doctest::Approx(nv_rate / (nv_rate + pc_rate)).epsilon(1e-3));
   CHECK(tp.chunks[0].round == 0);
   CHECK(tp.chunks[1].round == 0); // different links: the same round
   CHECK(tp.est_seconds == doctest::Approx(std::max(t_nv, t_pc)));
@@ -217,4 +219,50 @@ TEST_CASE("transfer planning rejects bad input naming the value") {
                        doctest::Contains("two moves write GPU 0 slot 0"), Error);
   LayerPlacement wrong(3, 2, 4);
   CHECK_THROWS_WITH_AS((void)transfer::plan_transfers({}, wrong, topo, opt), doctest::Contains("3 GPUs"), Error);
+}
+
+TEST_CASE("transfer planner and simulator cost model price a move alike (property)") {
+  // One move alone, one chunk: the planner's estimate is `move_seconds` on the same `MoveParams` the simulator
+  // prices moves with, to the bit, for random rates, latencies, bytes and paths. A planner that went back to its
+  // own link table would miss the random parameters.
+  std::mt19937_64 rng(4242);
+  std::uniform_real_distribution<double> rate(1.0, 900.0), lat(0.0, 50.0);
+  const int rounds = 200 * foremoe_test::seed_multiplier();
+  int seen[transfer::num_paths] = {0, 0, 0};
+  for (int r = 0; r < rounds; ++r) {
+    transfer::Options opt;
+    if (r > 0) // round 0: the defaults
+      for (PathParams *p : {&opt.move.gpu_intra, &opt.move.gpu_inter, &opt.move.host})
+        *p = {rate(rng), lat(rng)};
+    opt.expert_bytes = 1 + static_cast<std::int64_t>(rng() % (std::int64_t{1} << 34));
+    opt.max_chunk_bytes = opt.expert_bytes; // one chunk
+    opt.align_bytes = std::min<std::int64_t>(opt.align_bytes, opt.max_chunk_bytes);
+    const auto path = static_cast<Path>(rng() % transfer::num_paths);
+    CAPTURE(r);
+    CAPTURE(static_cast<int>(path));
+    CAPTURE(opt.expert_bytes);
+    // Two nodes of two GPUs; the move fills GPU 1. A copy on GPU 0 (same node) forces NVLink without the mirror,
+    // a copy on GPU 2 (other node) and no mirror forces the network, no GPU copy forces the mirror.
+    Topology topo{2, 2, 1};
+    LayerPlacement resident(4, 1, 2);
+    opt.split_paths = false;
+    opt.host_mirror = path == Path::pcie;
+    if (path == Path::nvlink) resident.slot(0, 0) = 0;
+    if (path == Path::network) resident.slot(2, 0) = 0;
+    const std::vector<Move> moves{{0, host_mirror, 1, 0}};
+    const auto tp = transfer::plan_transfers(moves, resident, topo, opt);
+    transfer::validate(tp, moves, resident, topo, opt);
+    REQUIRE(tp.chunks.size() == 1);
+    REQUIRE(tp.chunks[0].path == path);
+    ++seen[static_cast<int>(path)];
+    const auto bytes = static_cast<double>(opt.expert_bytes);
+    CHECK(tp.est_seconds == move_seconds(opt.move, path, bytes));
+    CHECK(tp.link_bound_seconds == bytes / (path_params(opt.move, path).gb_per_s * 1e9));
+    // The simulator reads the same struct: `CostParams::move`.
+    CostParams cost;
+    cost.move = opt.move;
+    CHECK(tp.est_seconds == move_seconds(cost.move, path, bytes));
+  }
+  for (int n : seen)
+    CHECK(n > 0);
 }

@@ -984,26 +984,15 @@ NB_MODULE(_core, m) {
   nb::class_<fm::Topology>(m, "Topology")
       .def(
           "__init__",
-          [](fm::Topology *t, nb::handle nodes, nb::handle gpus_per_node, nb::handle slots, nb::handle nvlink_gb_per_s,
-             nb::handle network_gb_per_s, nb::handle pcie_gb_per_s, nb::handle nvlink_latency_us,
-             nb::handle network_latency_us, nb::handle pcie_latency_us) {
-            fm::Topology topo{int_arg(nodes, "Topology: nodes"),
-                              int_arg(gpus_per_node, "Topology: gpus_per_node"),
-                              int_arg(slots, "Topology: slots"),
-                              {number_arg(nvlink_gb_per_s, "Topology: nvlink_gb_per_s"),
-                               number_arg(network_gb_per_s, "Topology: network_gb_per_s"),
-                               number_arg(pcie_gb_per_s, "Topology: pcie_gb_per_s"),
-                               number_arg(nvlink_latency_us, "Topology: nvlink_latency_us"),
-                               number_arg(network_latency_us, "Topology: network_latency_us"),
-                               number_arg(pcie_latency_us, "Topology: pcie_latency_us")}};
+          [](fm::Topology *t, nb::handle nodes, nb::handle gpus_per_node, nb::handle slots) {
+            fm::Topology topo{int_arg(nodes, "Topology: nodes"), int_arg(gpus_per_node, "Topology: gpus_per_node"),
+                              int_arg(slots, "Topology: slots")};
             topo.validate();
             new (t) fm::Topology(topo);
           },
-          "nodes"_a, "gpus_per_node"_a, "slots"_a, nb::kw_only(), "nvlink_gb_per_s"_a = 450.0,
-          "network_gb_per_s"_a = 50.0, "pcie_gb_per_s"_a = 55.0, "nvlink_latency_us"_a = 3.0,
-          "network_latency_us"_a = 10.0, "pcie_latency_us"_a = 5.0,
+          "nodes"_a, "gpus_per_node"_a, "slots"_a,
           "The expert-parallel group: nodes x gpus_per_node GPUs, `slots` expert slots per GPU per layer.\n"
-          "Bandwidths in GB/s (one direction), latencies in microseconds (defaults: H200 SXM node).")
+          "What moves cost on each path is the cost model's (`cost.move_*` settings), not part of the shape.")
       .def("__repr__",
            [](const fm::Topology &t) {
              return "Topology(" + std::to_string(t.num_nodes) + ", " + std::to_string(t.gpus_per_node) + ", " +
@@ -1013,12 +1002,6 @@ NB_MODULE(_core, m) {
       .def_ro("gpus_per_node", &fm::Topology::gpus_per_node)
       .def_ro("slots", &fm::Topology::slots_per_gpu)
       .def_prop_ro("num_gpus", &fm::Topology::num_gpus)
-      .def_prop_ro("nvlink_gb_per_s", [](const fm::Topology &t) { return t.links.nvlink_gb_per_s; })
-      .def_prop_ro("network_gb_per_s", [](const fm::Topology &t) { return t.links.network_gb_per_s; })
-      .def_prop_ro("pcie_gb_per_s", [](const fm::Topology &t) { return t.links.pcie_gb_per_s; })
-      .def_prop_ro("nvlink_latency_us", [](const fm::Topology &t) { return t.links.nvlink_latency_us; })
-      .def_prop_ro("network_latency_us", [](const fm::Topology &t) { return t.links.network_latency_us; })
-      .def_prop_ro("pcie_latency_us", [](const fm::Topology &t) { return t.links.pcie_latency_us; })
       .def(
           "validate",
           [](const fm::Topology &t, nb::handle e) {

@@ -18,13 +18,14 @@ TOPO = dict(nodes=2, gpus_per_node=4, slots=6)
 
 
 def test_topology():
-    t = foremoe.Topology(2, 4, 6, network_gb_per_s=25.0)
+    t = foremoe.Topology(2, 4, 6)
     assert (t.nodes, t.gpus_per_node, t.slots, t.num_gpus) == (2, 4, 6, 8)
-    assert t.network_gb_per_s == 25.0 and t.nvlink_gb_per_s == 450.0
     with pytest.raises(ValueError, match="gpus_per_node must be positive, got 0"):
         foremoe.Topology(1, 0, 2)
-    with pytest.raises(ValueError, match="nvlink_gb_per_s must be a positive finite number"):
-        foremoe.Topology(1, 8, 2, nvlink_gb_per_s=-1.0)
+    # Link rates are the cost model's (cost.move_*), not the shape's: the old keywords are gone.
+    assert not hasattr(t, "nvlink_gb_per_s")
+    with pytest.raises(TypeError):
+        foremoe.Topology(1, 8, 2, nvlink_gb_per_s=450.0)
 
 
 def check_plan(p, loads_le, topo):

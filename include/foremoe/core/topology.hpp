@@ -1,6 +1,7 @@
 #pragma once
 /// @file
-/// The expert-parallel group: nodes x GPUs, expert slots per GPU, link bandwidths.
+/// The expert-parallel group: nodes x GPUs, expert slots per GPU. What a move costs on each link is not part of
+/// the shape: it is `MoveParams` (`cost/move.hpp`), the one model the transfer planner and the simulator share.
 
 #include <cmath>
 #include <cstdint>
@@ -11,42 +12,12 @@
 namespace foremoe {
 inline namespace v0 {
 
-/// Link bandwidths in GB/s (1e9 bytes per second, one direction) and latencies
-/// in microseconds. Defaults: H200 SXM node, NVLink 4, one 400 Gb/s NIC per GPU,
-/// PCIe Gen5 x16 to the host.
-struct LinkBandwidths {
-  double nvlink_gb_per_s = 450.0; ///< GPU<->GPU inside a node, per GPU port
-  double network_gb_per_s = 50.0; ///< GPU<->GPU across nodes, per GPU NIC
-  double pcie_gb_per_s = 55.0;    ///< pinned host -> device, per GPU
-  double nvlink_latency_us = 3.0;
-  double network_latency_us = 10.0;
-  double pcie_latency_us = 5.0;
-
-  void validate() const {
-    auto check = [](double v, const char *name) {
-      detail::require(std::isfinite(v) && v > 0, "LinkBandwidths: ", name, " must be a positive finite number, got ",
-                      v);
-    };
-    check(nvlink_gb_per_s, "nvlink_gb_per_s");
-    check(network_gb_per_s, "network_gb_per_s");
-    check(pcie_gb_per_s, "pcie_gb_per_s");
-    auto check_lat = [](double v, const char *name) {
-      detail::require(std::isfinite(v) && v >= 0, "LinkBandwidths: ", name,
-                      " must be a non-negative finite number, got ", v);
-    };
-    check_lat(nvlink_latency_us, "nvlink_latency_us");
-    check_lat(network_latency_us, "network_latency_us");
-    check_lat(pcie_latency_us, "pcie_latency_us");
-  }
-};
-
 /// `num_nodes x gpus_per_node` GPUs forming one EP group; GPU `g` sits on node
 /// `g / gpus_per_node`. Every GPU has `slots_per_gpu` expert slots per MoE layer.
 struct Topology {
   int num_nodes = 1;
   int gpus_per_node = 8;
   int slots_per_gpu = 1;
-  LinkBandwidths links{};
 
   [[nodiscard]] int num_gpus() const noexcept { return num_nodes * gpus_per_node; }
   [[nodiscard]] int node_of(int gpu_idx) const noexcept { return gpu_idx / gpus_per_node; }
@@ -63,7 +34,7 @@ struct Topology {
     return s > 0 ? s : 0;
   }
 
-  /// Checks the shape alone: positive counts, sane bandwidths, no int overflow.
+  /// Checks the shape alone: positive counts, no int overflow.
   void validate() const {
     detail::require(num_nodes > 0, "Topology: num_nodes must be positive, got ", num_nodes);
     detail::require(gpus_per_node > 0, "Topology: gpus_per_node must be positive, got ", gpus_per_node);
@@ -74,7 +45,6 @@ struct Topology {
                     " is beyond the supported 65536");
     limits::require_product("Topology", {{"slots", num_slots()}, {"GPUs", num_gpus()}}, limits::max_slot_gpu_work,
                             "(the planner's work per layer and micro-step)");
-    links.validate();
   }
 
   /// Also checks that every one of `num_experts` experts has room for its owner copy.

@@ -533,29 +533,10 @@ struct LayerA2a {
   return work / (1 - a2a_share / 2);
 }
 
-/// The path an expert move takes.
-enum class MovePath : std::uint8_t { gpu_intra, gpu_inter, host };
-
-[[nodiscard]] inline const PathParams &path_params(const MoveParams &p, MovePath path) noexcept {
-  switch (path) {
-  case MovePath::gpu_intra: return p.gpu_intra;
-  case MovePath::gpu_inter: return p.gpu_inter;
-  default: return p.host;
-  }
-}
-
-/// Seconds to move `bytes` on `path` with the link to itself: latency + bytes / bandwidth (0 for 0 bytes).
-[[nodiscard]] inline double move_seconds(const MoveParams &p, MovePath path, double bytes) {
-  detail::require(bytes >= 0 && std::isfinite(bytes), "move_seconds: bytes must be >= 0, got ", bytes);
-  if (bytes == 0) return 0.0;
-  const PathParams &pp = path_params(p, path);
-  return pp.latency_us * 1e-6 + bytes / (pp.gb_per_s * 1e9);
-}
-
 /// Seconds to reduce a replica's gradient (of an expert with `weight_bytes` bytes of weights) into its
-/// owner over GPU-direct `path` (gpu_intra or gpu_inter): transfer + accumulate + fixed latency.
+/// owner over GPU-direct `path` (nvlink or network): transfer + accumulate + fixed latency.
 [[nodiscard]] inline double grad_reduce_seconds(const CostParams &p, MovePath path, double weight_bytes) {
-  detail::require(path != MovePath::host, "grad_reduce_seconds: gradients are reduced GPU-direct, not via host");
+  detail::require(path != MovePath::pcie, "grad_reduce_seconds: gradients are reduced GPU-direct, not via host");
   detail::require(weight_bytes >= 0 && std::isfinite(weight_bytes), "grad_reduce_seconds: bytes must be >= 0, got ",
                   weight_bytes);
   if (weight_bytes == 0) return 0.0;

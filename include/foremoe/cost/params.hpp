@@ -2,13 +2,14 @@
 /// @file
 /// Every cost-model parameter in one struct, with defaults for an H200 SXM cluster of 8-GPU nodes and one
 /// 400 Gb/s NIC per GPU. Units: seconds inside the models; the struct stores human units (us, GB/s,
-/// TFLOP/s, TB/s; 1 GB = 1e9 bytes) to match `LinkBandwidths`.
+/// TFLOP/s, TB/s; 1 GB = 1e9 bytes). The move paths and their parameters are in `move.hpp`.
 
 #include <cmath>
 #include <cstdint>
 #include <string_view>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/cost/move.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -144,41 +145,6 @@ struct AllToAllParams {
                     "CostParams.a2a: per_message_us must be >= 0, got ", per_message_us);
     detail::require(std::isfinite(inter_per_message_us) && inter_per_message_us >= 0,
                     "CostParams.a2a: inter_per_message_us must be >= 0, got ", inter_per_message_us);
-  }
-};
-
-/// One path an expert's weights can take: bandwidth (GB/s) and fixed latency (us).
-struct PathParams {
-  double gb_per_s = 1.0;
-  double latency_us = 0.0;
-};
-
-/// Expert moves. Defaults: NVLink peer copy by copy engines (~75% of the 450 GB/s port), NCCL send/recv over
-/// one 400 Gb/s NIC (~80% of 50 GB/s), pinned host memory over PCIe Gen5 x16 (~50 GB/s of 63).
-///
-/// A GPU's NIC and its host-mirror reads both reach it over its one PCIe Gen5 x16 link (the NIC sits behind the
-/// same PCIe switch: GPUDirect RDMA writes into HBM through it), so the bytes a GPU receives on the two paths share
-/// `pcie_ingress_gb_per_s`. 55 GB/s is an assumption, not a measurement: 87% of the link's 63.0 GB/s per
-/// direction (PCIe 5.0: 32 GT/s x 16 lanes, 128b/130b encoding), the packet and flow-control overhead of
-/// 256-byte payloads.
-struct MoveParams {
-  PathParams gpu_intra{340.0, 10.0};   ///< GPU-direct inside a node (NVLink copy engine)
-  PathParams gpu_inter{40.0, 25.0};    ///< GPU-direct across nodes (NCCL over the NIC)
-  PathParams host{50.0, 10.0};         ///< CPU-assisted host -> device (pinned PCIe)
-  double pcie_ingress_gb_per_s = 55.0; ///< one GPU's PCIe ingress, shared by its NIC and host-mirror moves
-
-  void validate() const {
-    auto check = [](const PathParams &p, const char *name) {
-      detail::require(std::isfinite(p.gb_per_s) && p.gb_per_s > 0, "CostParams.move.", name,
-                      ".gb_per_s must be positive and finite, got ", p.gb_per_s);
-      detail::require(std::isfinite(p.latency_us) && p.latency_us >= 0, "CostParams.move.", name,
-                      ".latency_us must be >= 0, got ", p.latency_us);
-    };
-    check(gpu_intra, "gpu_intra");
-    check(gpu_inter, "gpu_inter");
-    check(host, "host");
-    detail::require(std::isfinite(pcie_ingress_gb_per_s) && pcie_ingress_gb_per_s > 0,
-                    "CostParams.move.pcie_ingress_gb_per_s must be positive and finite, got ", pcie_ingress_gb_per_s);
   }
 };
 

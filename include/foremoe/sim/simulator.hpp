@@ -521,7 +521,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
   auto return_gradients = [&](int l, const LayerPlan *keep, bool keeps_residents, std::vector<double> &demand) {
     double bytes = 0;
     held.release(l, keep, cfg.planner.hold_replica_gradients && keeps_residents, [&](int g, int, std::int32_t owner) {
-      const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::gpu_intra : MovePath::gpu_inter;
+      const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::nvlink : MovePath::network;
       demand[g] += grad_reduce_seconds(cost, path, expert_bytes);
       bytes += grad_bytes_per_expert;
     });
@@ -692,8 +692,8 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     // than both queues have drained.
     std::vector<double> path_in(static_cast<std::size_t>(G) * 3, 0.0), path_out(static_cast<std::size_t>(G) * 3, 0.0);
     auto path_of = [&](const Move &mv) {
-      if (mv.src_gpu < 0) return MovePath::host;
-      return topo.node_of(mv.src_gpu) == topo.node_of(mv.dst_gpu) ? MovePath::gpu_intra : MovePath::gpu_inter;
+      if (mv.src_gpu < 0) return MovePath::pcie;
+      return topo.node_of(mv.src_gpu) == topo.node_of(mv.dst_gpu) ? MovePath::nvlink : MovePath::network;
     };
     // The NIC and the host mirror reach a GPU over its one PCIe link: what it receives on the two paths together
     // takes at least their bytes at the PCIe ingress rate (after the first move's latency).
@@ -704,8 +704,8 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
       path_in[static_cast<std::size_t>(mv.dst_gpu) * 3 + static_cast<int>(path)] += sec;
       if (mv.src_gpu >= 0) path_out[static_cast<std::size_t>(mv.src_gpu) * 3 + static_cast<int>(path)] += sec;
       t.moved_bytes += expert_bytes;
-      if (path == MovePath::host) t.host_moves = true;
-      if (path != MovePath::gpu_intra) {
+      if (path == MovePath::pcie) t.host_moves = true;
+      if (path != MovePath::nvlink) {
         const double lat = path_params(cfg.cost.move, path).latency_us * 1e-6;
         const auto d = static_cast<std::size_t>(mv.dst_gpu);
         pcie_latency[d] = pcie_bytes[d] > 0 ? std::min(pcie_latency[d], lat) : lat;
@@ -736,8 +736,8 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     };
     popts.replica_cost = [&cfg, &cost, &topo, expert_bytes](int, int src, int dst, Stage stage) {
       const bool same_node = src >= 0 && topo.node_of(src) == topo.node_of(dst);
-      const MovePath path = src < 0 ? MovePath::host : same_node ? MovePath::gpu_intra : MovePath::gpu_inter;
-      const MovePath grad = same_node ? MovePath::gpu_intra : MovePath::gpu_inter;
+      const MovePath path = src < 0 ? MovePath::pcie : same_node ? MovePath::nvlink : MovePath::network;
+      const MovePath grad = same_node ? MovePath::nvlink : MovePath::network;
       return move_seconds(cfg.cost.move, path, expert_bytes) +
              (stage == Stage::update ? grad_reduce_seconds(cost, grad, expert_bytes) : 0.0);
     };
@@ -786,7 +786,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
               const std::int32_t o = sp.owner_gpu.empty() ? -1 : sp.owner_gpu[l][e];
               if (o >= 0 && o != prev_owner_flat[static_cast<std::size_t>(l) * E + e]) {
                 per_gpu[o] +=
-                    move_seconds(cfg.cost.move, MovePath::gpu_inter, expert_bytes * (1 + cfg.optimizer_state_factor));
+                    move_seconds(cfg.cost.move, MovePath::network, expert_bytes * (1 + cfg.optimizer_state_factor));
                 rec.moved += expert_bytes * (1 + cfg.optimizer_state_factor);
               }
             }
@@ -968,7 +968,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
         // the cluster is one node), one bucket per layer. `dp_grad_overlap` of it may run under the last
         // micro-step's backward: layer l's bucket once its backward is over (L-1 .. 0), queued on the link it
         // shares with that micro-step's all-to-all; what outlasts the backward is exposed.
-        const MovePath path = cfg.topo.num_nodes > 1 ? MovePath::gpu_inter : MovePath::gpu_intra;
+        const MovePath path = cfg.topo.num_nodes > 1 ? MovePath::network : MovePath::nvlink;
         const PathParams &link = path_params(cfg.cost.move, path);
         const double n = num_copies;
         const double bucket = 2.0 * (n - 1) * link.latency_us * 1e-6 +
@@ -997,7 +997,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
         // the mirror pay it.
         if (used_mirror) {
           const double owned = static_cast<double>(topo.owners_per_gpu(E)) * L * expert_bytes;
-          const double refresh = cfg.minibatches_per_step * move_seconds(cfg.cost.move, MovePath::host, owned);
+          const double refresh = cfg.minibatches_per_step * move_seconds(cfg.cost.move, MovePath::pcie, owned);
           stage_time += refresh;
           rec.mirror += refresh;
           step_parts.moves += refresh;

@@ -17,25 +17,18 @@
 #include "foremoe/core/error.hpp"
 #include "foremoe/core/placement.hpp"
 #include "foremoe/core/topology.hpp"
+#include "foremoe/cost/move.hpp"
 #include "foremoe/plan/plan.hpp"
 
 namespace foremoe {
 inline namespace v0 {
 namespace transfer {
 
-/// How a chunk travels. `nvlink` and `network` are GPU-direct (peer copy inside a node, NCCL across nodes);
-/// `pcie` is CPU-assisted (pinned host mirror of the destination's node to the device).
-enum class Path : std::uint8_t { nvlink = 0, pcie = 1, network = 2 };
-inline constexpr int num_paths = 3;
-
-[[nodiscard]] constexpr std::string_view to_string(Path p) noexcept {
-  switch (p) {
-  case Path::nvlink: return "nvlink";
-  case Path::pcie: return "pcie";
-  case Path::network: return "network";
-  }
-  return "?";
-}
+/// How a chunk travels: the one path enum of the library (`MovePath`, `cost/move.hpp`), under the name this
+/// namespace has always used. `transfer::Path` and `foremoe::MovePath` are the same type.
+using Path = MovePath;
+inline constexpr int num_paths = num_move_paths;
+using foremoe::v0::to_string;
 
 /// Most chunks one move may be cut into (per move, both paths together): the bound that keeps a plan's size and
 /// planning time proportional to its moves whatever `expert_bytes` / `max_chunk_bytes` a front end is given.
@@ -50,9 +43,13 @@ struct Options {
   bool split_paths = true;   ///< split a move across GPU-direct and the mirror so that both finish together
   bool host_mirror = true;   ///< every node has a valid pinned mirror of all experts
   bool allow_network = true; ///< read from another node's GPU when the node has no source at all
+  /// What each path costs: the split, the source choice and the estimates price chunks with these, the same
+  /// parameters the simulator prices moves with (`CostParams::move`).
+  MoveParams move{};
 
   void validate() const {
     foremoe::detail::require(expert_bytes > 0, "transfer::Options: expert_bytes must be positive, got ", expert_bytes);
+    move.validate();
     foremoe::detail::require(align_bytes > 0, "transfer::Options: align_bytes must be positive, got ", align_bytes);
     foremoe::detail::require(max_chunk_bytes >= align_bytes, "transfer::Options: max_chunk_bytes (", max_chunk_bytes,
                              ") must be at least align_bytes (", align_bytes, ")");
@@ -106,17 +103,6 @@ namespace detail {
   return {static_cast<int>(c.path), c.path == Path::pcie ? -1 : c.src_gpu, c.dst_gpu};
 }
 
-/// Seconds to move `bytes` over `path`, latency included.
-[[nodiscard]] inline double path_seconds(const LinkBandwidths &links, Path path, std::int64_t bytes) noexcept {
-  const double b = static_cast<double>(bytes);
-  switch (path) {
-  case Path::nvlink: return links.nvlink_latency_us * 1e-6 + b / (links.nvlink_gb_per_s * 1e9);
-  case Path::pcie: return links.pcie_latency_us * 1e-6 + b / (links.pcie_gb_per_s * 1e9);
-  case Path::network: return links.network_latency_us * 1e-6 + b / (links.network_gb_per_s * 1e9);
-  }
-  return 0.0;
-}
-
 } // namespace detail
 
 /// What the slots held before a batch of `moves` whose result is `after`, when nothing else is known (no placement
@@ -135,30 +121,32 @@ namespace detail {
 }
 
 /// Round-by-round time and link bound of `plan`'s chunks (fills `est_seconds` and `link_bound_seconds`). A GPU's
-/// NVLink or NIC port is shared by all its chunks of a round, so a round lasts as long as its busiest port.
-inline void estimate(TransferPlan &plan, const Topology &topo) {
+/// NVLink or NIC port is shared by all its chunks of a round, so a round lasts as long as its busiest port. A chunk
+/// alone in its round lasts `move_seconds(move, path, bytes)`, as the simulator prices the same move.
+inline void estimate(TransferPlan &plan, const Topology &topo, const MoveParams &move) {
   const int num_gpus = topo.num_gpus();
-  const LinkBandwidths &bw = topo.links;
+  const PathParams &nv = path_params(move, Path::nvlink), &net = path_params(move, Path::network),
+                   &pc = path_params(move, Path::pcie);
   // Per GPU: NVLink out, NVLink in, NIC out, NIC in, PCIe in.
   std::vector<double> total(static_cast<std::size_t>(num_gpus) * 5, 0.0), in_round(total.size(), 0.0);
   std::vector<double> lat(total.size(), 0.0);
   auto port_busy = [&](std::vector<double> &acc, const Chunk &c, bool with_latency) {
     const double b = static_cast<double>(c.num_bytes);
-    auto add = [&](int gpu, int k, double gbps, double lat_us) {
+    auto add = [&](int gpu, int k, const PathParams &p) {
       const std::size_t i = static_cast<std::size_t>(gpu) * 5 + k;
-      acc[i] += b / (gbps * 1e9);
-      if (with_latency) lat[i] = std::max(lat[i], lat_us * 1e-6);
+      acc[i] += b / (p.gb_per_s * 1e9);
+      if (with_latency) lat[i] = std::max(lat[i], p.latency_us * 1e-6);
     };
     switch (c.path) {
     case Path::nvlink:
-      add(c.src_gpu, 0, bw.nvlink_gb_per_s, bw.nvlink_latency_us);
-      add(c.dst_gpu, 1, bw.nvlink_gb_per_s, bw.nvlink_latency_us);
+      add(c.src_gpu, 0, nv);
+      add(c.dst_gpu, 1, nv);
       break;
     case Path::network:
-      add(c.src_gpu, 2, bw.network_gb_per_s, bw.network_latency_us);
-      add(c.dst_gpu, 3, bw.network_gb_per_s, bw.network_latency_us);
+      add(c.src_gpu, 2, net);
+      add(c.dst_gpu, 3, net);
       break;
-    case Path::pcie: add(c.dst_gpu, 4, bw.pcie_gb_per_s, bw.pcie_latency_us); break;
+    case Path::pcie: add(c.dst_gpu, 4, pc); break;
     }
   };
   plan.est_seconds = 0.0;
@@ -214,9 +202,9 @@ inline void estimate(TransferPlan &plan, const Topology &topo) {
       if (e != empty_slot && !overwritten[static_cast<std::size_t>(g) * slots + s]) holders[e].push_back({g, s});
     }
 
-  const LinkBandwidths &bw = topo.links;
-  const double inv_nv = 1.0 / (bw.nvlink_gb_per_s * 1e9), inv_pc = 1.0 / (bw.pcie_gb_per_s * 1e9),
-               inv_net = 1.0 / (bw.network_gb_per_s * 1e9);
+  const double inv_nv = 1.0 / (path_params(opt.move, Path::nvlink).gb_per_s * 1e9),
+               inv_pc = 1.0 / (path_params(opt.move, Path::pcie).gb_per_s * 1e9),
+               inv_net = 1.0 / (path_params(opt.move, Path::network).gb_per_s * 1e9);
   // Busy seconds so far per port: NVLink out/in, NIC out/in, PCIe in.
   std::vector<double> nv_out(num_gpus, 0.0), nv_in(num_gpus, 0.0), net_out(num_gpus, 0.0), net_in(num_gpus, 0.0),
       pc_in(num_gpus, 0.0);
@@ -309,7 +297,7 @@ inline void estimate(TransferPlan &plan, const Topology &topo) {
   std::stable_sort(plan.chunks.begin(), plan.chunks.end(), [](const Chunk &a, const Chunk &b) {
     return std::tie(a.round, a.move_idx, a.offset_bytes) < std::tie(b.round, b.move_idx, b.offset_bytes);
   });
-  estimate(plan, topo);
+  estimate(plan, topo, opt.move);
   return plan;
 }
 
