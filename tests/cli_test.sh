@@ -174,13 +174,17 @@ print("ok", n, "chunks")
 PY
 fi
 # One move model: plan --expert-bytes prices every round with the simulator's cost.move_* settings (the schema's
-# defaults, as --print-config shows them), for random expert sizes, with and without the mirror (every path)
+# defaults, as --print-config shows them, then random rates given to both commands by the same flags), for random
+# expert sizes, with and without the mirror (every path)
 if command -v python3 >/dev/null; then
-  "$bin" simulate --print-config >"$work/move_cfg.json"
+  for rates in "" "--move-intra-gb-per-s $((RANDOM % 400 + 1)) --move-inter-gb-per-s $((RANDOM % 60 + 1)) --move-host-gb-per-s $((RANDOM % 60 + 1)) --move-inter-latency-us $((RANDOM % 50))"; do
+  # shellcheck disable=SC2086
+  "$bin" simulate --print-config $rates >"$work/move_cfg.json"
   for mirror in "" --no-mirror; do
     bytes=$((4096 + RANDOM * 997 + RANDOM))
+    # shellcheck disable=SC2086
     "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 --expert-bytes $bytes \
-      --max-chunk-bytes $((bytes / 3 + 4096)) $mirror --out "$work/plan_cost.json" >/dev/null
+      --max-chunk-bytes $((bytes / 3 + 4096)) $mirror $rates --out "$work/plan_cost.json" >/dev/null
     expect 0 "^ok [1-9][0-9]* rounds" -- python3 - "$work/plan_cost.json" "$work/move_cfg.json" <<'PY'
 import json, sys
 j, cfg = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
@@ -208,6 +212,7 @@ for step in j["micro_steps"]:
         n += len(rounds)
 print("ok", n, "rounds")
 PY
+  done
   done
 fi
 expect 0 "moves: " -- "$bin" plan --loads "$work/loads.npy" --nodes 2 --gpus-per-node 2 --slots 5 --exact-split

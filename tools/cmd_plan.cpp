@@ -646,6 +646,7 @@ Command make_plan() {
       topt.max_chunk_bytes = a.integer("max-chunk-bytes", 1, std::int64_t{1} << 40);
       topt.align_bytes = std::min<std::int64_t>(topt.align_bytes, topt.max_chunk_bytes);
       topt.host_mirror = !a.flag("no-mirror");
+      topt.move = settings.move; // the one move model (`cost.move_*`), as the simulator's
       try {
         topt.validate(); // before planning: a chunk count above the limit is a usage error, not a late failure
       } catch (const Error &e) {

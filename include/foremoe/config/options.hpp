@@ -398,12 +398,46 @@ template <class T, class F> [[nodiscard]] Option<T> peer_domain_option(std::stri
   return s;
 }
 
+/// Expert moves (`MoveParams`, `foremoe/cost/move.hpp`): the one move model that the simulator, the transfer
+/// planner (`foremoe plan --expert-bytes`) and the runtime price moves with; `cost.move_*` keys of both commands.
+[[nodiscard]] inline const Schema<MoveParams> &move_schema() {
+  using M = MoveParams;
+  static const Schema<M> s(
+      "move",
+      {
+          number<M>(
+              "move_intra_gb_per_s", min_gb_per_s, max_gb_per_s, "expert move GB/s inside a node",
+              [](auto &m) -> auto & { return m.gpu_intra.gb_per_s; }),
+          number<M>(
+              "move_inter_gb_per_s", min_gb_per_s, max_gb_per_s, "expert move GB/s across nodes",
+              [](auto &m) -> auto & { return m.gpu_inter.gb_per_s; }),
+          number<M>(
+              "move_host_gb_per_s", min_gb_per_s, max_gb_per_s, "expert move GB/s from the host mirror",
+              [](auto &m) -> auto & { return m.host.gb_per_s; }),
+          number<M>(
+              "move_intra_latency_us", 0, max_us, "fixed us of a move inside a node",
+              [](auto &m) -> auto & { return m.gpu_intra.latency_us; }),
+          number<M>(
+              "move_inter_latency_us", 0, max_us, "fixed us of a move across nodes",
+              [](auto &m) -> auto & { return m.gpu_inter.latency_us; }),
+          number<M>(
+              "move_host_latency_us", 0, max_us, "fixed us of a move from the host mirror",
+              [](auto &m) -> auto & { return m.host.latency_us; }),
+          number<M>(
+              "pcie_ingress_gb_per_s", min_gb_per_s, max_gb_per_s,
+              "one GPU's PCIe ingress GB/s, shared by the moves it receives over the NIC and from the host mirror",
+              [](auto &m) -> auto & { return m.pcie_ingress_gb_per_s; }),
+      });
+  return s;
+}
+
 /// What `foremoe plan` plans with: the EP group (`default_topology()` unless given), the planner options and the
 /// stage.
 struct PlanSettings {
   Topology topo = default_topology();
   PlannerOptions planner{};
   Stage stage = Stage::update;
+  MoveParams move{}; ///< what the transfer plan (`--expert-bytes`) prices moves with
 };
 
 [[nodiscard]] inline const Schema<PlanSettings> &plan_schema() {
@@ -417,6 +451,8 @@ struct PlanSettings {
         "stage", {"update", "recompute"}, "micro-step stage (in update, replicas also return gradients)",
         [](const PlanSettings &p) { return p.stage == Stage::update ? "update" : "recompute"; },
         [](PlanSettings &p, const std::string &v) { p.stage = v == "update" ? Stage::update : Stage::recompute; }));
+    lift(
+        o, move_schema(), "cost", [](auto &p) -> auto & { return p.move; });
     return Schema<PlanSettings>("plan", std::move(o));
   }();
   return s;
@@ -817,28 +853,8 @@ template <class I>
     cost(
         "a2a_inter_per_message_us", 0, max_us, "hierarchical all-to-all: us per remote node with traffic",
         [](auto &x) -> auto & { return x.sim.cost.a2a.inter_per_message_us; });
-    cost(
-        "move_intra_gb_per_s", min_gb_per_s, max_gb_per_s, "expert move GB/s inside a node",
-        [](auto &x) -> auto & { return x.sim.cost.move.gpu_intra.gb_per_s; });
-    cost(
-        "move_inter_gb_per_s", min_gb_per_s, max_gb_per_s, "expert move GB/s across nodes",
-        [](auto &x) -> auto & { return x.sim.cost.move.gpu_inter.gb_per_s; });
-    cost(
-        "move_host_gb_per_s", min_gb_per_s, max_gb_per_s, "expert move GB/s from the host mirror",
-        [](auto &x) -> auto & { return x.sim.cost.move.host.gb_per_s; });
-    cost(
-        "move_intra_latency_us", 0, max_us, "fixed us of a move inside a node",
-        [](auto &x) -> auto & { return x.sim.cost.move.gpu_intra.latency_us; });
-    cost(
-        "move_inter_latency_us", 0, max_us, "fixed us of a move across nodes",
-        [](auto &x) -> auto & { return x.sim.cost.move.gpu_inter.latency_us; });
-    cost(
-        "move_host_latency_us", 0, max_us, "fixed us of a move from the host mirror",
-        [](auto &x) -> auto & { return x.sim.cost.move.host.latency_us; });
-    cost(
-        "pcie_ingress_gb_per_s", min_gb_per_s, max_gb_per_s,
-        "one GPU's PCIe ingress GB/s, shared by the moves it receives over the NIC and from the host mirror",
-        [](auto &x) -> auto & { return x.sim.cost.move.pcie_ingress_gb_per_s; });
+    lift(
+        o, move_schema(), "cost", [](auto &x) -> auto & { return x.sim.cost.move; });
     cost(
         "grad_add_gb_per_s", min_gb_per_s, max_gb_per_s, "replica gradient accumulate GB/s",
         [](auto &x) -> auto & { return x.sim.cost.grad.add_gb_per_s; });
