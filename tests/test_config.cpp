@@ -288,7 +288,7 @@ TEST_CASE("schema: the generator's options are one schema; simulate's batch sect
     CHECK(o.range_text() == g.range_text());
     ++batch;
   }
-  CHECK(batch == 11);
+  CHECK(batch == 13);
   // Flags as `trace gen` gives them: the preset first (the MoE shape), explicit keys over it.
   const auto &s = config::synthetic_settings_schema();
   const std::pair<std::string, std::string> flags[] = {
@@ -297,6 +297,8 @@ TEST_CASE("schema: the generator's options are one schema; simulate's batch sect
   CHECK(c.num_layers == 3);
   CHECK(c.num_experts == 256);
   CHECK(c.skew == fm::SyntheticConfig::deepseek_v3().skew);
+  CHECK(c.route_groups == 8); // the preset's group limit
+  CHECK(c.route_max_groups == 4);
   CHECK(c.topics_per_prompt == 2);           // capped by topics
   CHECK(c.prompt_length.max_tokens == 20);   // max_length bounds both lengths
   CHECK(c.response_length.min_tokens == 16); // ... and lowers the shortest ones to it only where needed
@@ -472,7 +474,7 @@ TEST_CASE("load cache: settings") {
 TEST_CASE("load cache: the batch key changes with every generator input") {
   // A field added to SyntheticConfig must join synthetic_cache_key (tools/run_simulate.hpp); this size is
   // the struct's on x86-64 with the fields the key lists today.
-  static_assert(sizeof(SyntheticConfig) == 168 || sizeof(void *) != 8,
+  static_assert(sizeof(SyntheticConfig) == 176 || sizeof(void *) != 8,
                 "SyntheticConfig changed: add the new field to synthetic_cache_key, then update this size");
   const SyntheticConfig base;
   const std::string k0 = cli::synthetic_cache_key(base, false, 1);
@@ -514,6 +516,22 @@ TEST_CASE("load cache: the batch key changes with every generator input") {
     c.packing = foremoe::BatchPacking::routing;
     c.packing_ranks = 8;
   });
+  with([](SyntheticConfig &c) {
+    c.route_groups = 8;
+    c.route_max_groups = 4;
+  });
+  with([](SyntheticConfig &c) {
+    c.route_groups = 8;
+    c.route_max_groups = 3;
+  });
+  with([](SyntheticConfig &c) {
+    c.route_groups = 4;
+    c.route_max_groups = 3;
+  });
+  // No limit (the same ids as the default) keeps the default's key.
+  SyntheticConfig unlimited = base;
+  unlimited.route_groups = 8;
+  CHECK(cli::synthetic_cache_key(unlimited, false, 1) == k0);
   std::vector<std::string> keys = {k0, cli::synthetic_cache_key(base, true, 1),
                                    cli::synthetic_cache_key(base, true, 2)};
   for (const SyntheticConfig &c : changed)

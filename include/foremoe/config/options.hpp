@@ -47,6 +47,8 @@ inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
   c.num_experts = p.num_experts;
   c.topk = p.topk;
   c.skew = p.skew;
+  c.route_groups = p.route_groups;
+  c.route_max_groups = p.route_max_groups;
 }
 
 /// The one default preset of every command (`plan`, `trace gen`, `trace stats`, `simulate`, Python): the EP group
@@ -94,6 +96,15 @@ inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
         "experts", 1, 32767, "routed experts per layer", [](auto &c) -> auto & { return c.num_experts; }));
     o.push_back(integer<C>(
         "topk", 1, 1024, "experts per token", [](auto &c) -> auto & { return c.topk; }));
+    o.push_back(integer<C>(
+        "route_groups", 1, 32767,
+        "contiguous equal groups of experts for group-limited routing (must divide experts; 1: none; deepseek-v3: 8)",
+        [](auto &c) -> auto & { return c.route_groups; }));
+    o.push_back(integer<C>(
+        "route_max_groups", 0, 32767,
+        "groups a token's experts may span per layer (0 or >= route_groups: no limit; deepseek-v3: 4, "
+        "arXiv:2412.19437 sec. 2.1.2)",
+        [](auto &c) -> auto & { return c.route_max_groups; }));
     o.push_back(integer<C>(
         "steps", 1, 1 << 16, "RL steps to generate", [](auto &c) -> auto & { return c.num_steps; }));
     o.push_back(integer<C>(
@@ -594,7 +605,7 @@ template <class I>
     // batch: the synthetic GRPO batch (its layers, experts, top-k and GPUs follow the model and topology)
     lift(o, synthetic_schema(), "batch", [](auto &x) -> auto & { return x.batch; },
          {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "packing", "seed",
-          "skew", "persistence", "topic_concentration"});
+          "skew", "persistence", "topic_concentration", "route_groups", "route_max_groups"});
     o.push_back(bound<S>(
         "batch.workload", Type::string,
         "load generator: grpo (the synthetic GRPO batch), ultraep:A (UltraEP's: rank weight 1/r^alpha, alpha "
