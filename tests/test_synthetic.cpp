@@ -308,7 +308,8 @@ TEST_CASE("synthetic: group-limited routing keeps every token within route_max_g
     const SyntheticTrace t = generate_trace(c);
     const int per_group = c.num_experts / c.route_groups;
     bool ok = true;
-    std::vector<char> seen(static_cast<std::size_t>(c.num_experts)), group_seen(static_cast<std::size_t>(c.route_groups));
+    std::vector<char> seen(static_cast<std::size_t>(c.num_experts)),
+        group_seen(static_cast<std::size_t>(c.route_groups));
     for (std::int64_t tok = 0; tok < t.num_tokens && ok; ++tok)
       for (int l = 0; l < c.num_layers && ok; ++l) {
         std::fill(seen.begin(), seen.end(), 0);
@@ -829,7 +830,7 @@ TEST_CASE("synthetic: presets validate and bad configs are named") {
   CHECK(ds.num_layers == 58);
   CHECK(ds.num_experts == 256);
   CHECK(ds.topk == 8);
-  CHECK(ds.route_groups == 8); // DeepSeek-V3's n_group
+  CHECK(ds.route_groups == 8);     // DeepSeek-V3's n_group
   CHECK(ds.route_max_groups == 4); // ... and topk_group
   CHECK(ds.group_limited());
 

@@ -689,8 +689,8 @@ private:
       }
       Xoshiro256 rng = draws;
       const Taken others = held;
-      const int e = router.draw_exact(rng, probs, others.bit_set(router.scratch_.data()),
-                                      [this](int x) { return allowed(x); });
+      const int e =
+          router.draw_exact(rng, probs, others.bit_set(router.scratch_.data()), [this](int x) { return allowed(x); });
       draws = rng;
       return e;
     }
