@@ -216,7 +216,7 @@ TEST_CASE("schema: the simulate config covers the 22 cost keys, every section, a
     }
     CHECK(msg.find("config.cost.a2a_model: must be one of hierarchical, flat, got 'mesh'") != std::string::npos);
   }
-  for (const char *preset : {"qwen3-30b-a3b", "deepseek-v3"}) {
+  for (const char *preset : {"qwen3-30b-a3b", "deepseek-v3", "kimi-k2"}) {
     json::Value p = json::Object{};
     p["preset"] = preset;
     const config::Schema<config::SimulateSettings>::Layer l[] = {{&p, "config"}};
@@ -552,6 +552,15 @@ TEST_CASE("schema: the overlap, LM head and optimizer settings reach SimConfig; 
   const json::Value ds = json::parse(R"({"preset": "deepseek-v3"})");
   const L dl[] = {{&ds, "config"}};
   CHECK(config::simulate_settings(dl).sim.dense.vocab == 129280.0); // DeepSeek-V3's vocab_size
+  CHECK(config::simulate_settings(dl).batch.route_max_groups == 4); // its node-limited routing reaches the batch
+  const json::Value kimi = json::parse(R"({"preset": "kimi-k2"})");
+  const L kl[] = {{&kimi, "config"}};
+  const config::SimulateSettings k = config::simulate_settings(kl);
+  CHECK(k.sim.dense.vocab == 163840.0); // Kimi K2's vocab_size
+  CHECK(k.sim.model.num_layers == 60);  // 61 layers, first_k_dense_replace 1
+  CHECK(k.sim.model.num_experts == 384);
+  CHECK(k.batch.num_experts == 384);
+  CHECK_FALSE(k.batch.group_limited()); // n_group 1
   const json::Value file = json::parse(
       R"({"model": {"vocab": 0}, "sim": {"a2a_overlap": 0.5, "dp_grad_overlap": 1, "optimizer_traffic_bytes_per_param": 16}})");
   const std::pair<std::string, std::string> flag[] = {{"a2a-overlap", "0.75"}};

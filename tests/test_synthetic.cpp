@@ -833,6 +833,12 @@ TEST_CASE("synthetic: presets validate and bad configs are named") {
   CHECK(ds.route_groups == 8);     // DeepSeek-V3's n_group
   CHECK(ds.route_max_groups == 4); // ... and topk_group
   CHECK(ds.group_limited());
+  const SyntheticConfig kimi = SyntheticConfig::kimi_k2();
+  CHECK_NOTHROW(kimi.validate());
+  CHECK(kimi.num_layers == 60); // 61 layers, the first dense
+  CHECK(kimi.num_experts == 384);
+  CHECK(kimi.topk == 8);
+  CHECK_FALSE(kimi.group_limited()); // n_group 1
 
   const struct {
     std::function<void(SyntheticConfig &)> mutate;

@@ -113,7 +113,7 @@ def test_preset_and_unknown_keys_match_cli(cli_bin, tmp_path):
 
 
 def test_print_config_is_simulate_config(cli_bin, tmp_path):
-    for preset in ("qwen3-30b-a3b", "deepseek-v3"):
+    for preset in ("qwen3-30b-a3b", "deepseek-v3", "kimi-k2"):
         out = subprocess.run([cli_bin, "simulate", "--preset", preset, "--print-config"], capture_output=True,
                              text=True, check=True).stdout
         assert json.loads(out) == foremoe.simulate_config({"preset": preset})

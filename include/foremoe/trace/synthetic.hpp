@@ -157,6 +157,18 @@ struct SyntheticConfig {
     return c;
   }
 
+  /// A Kimi-K2-like MoE shape: 60 MoE layers (61 layers, the first dense: `first_k_dense_replace` 1), 384 routed
+  /// experts, top-8, no group limit (`n_group` 1), as in moonshotai/Kimi-K2-Instruct's config.json. No routing
+  /// histograms of Kimi K2 are at hand, so the skew is DeepSeek-V3's calibrated one (an assumption).
+  [[nodiscard]] static SyntheticConfig kimi_k2() {
+    SyntheticConfig c;
+    c.num_layers = 60;
+    c.num_experts = 384;
+    c.topk = 8;
+    c.skew = deepseek_v3().skew;
+    return c;
+  }
+
   /// Whether tokens are group-limited (`route_max_groups` between 1 and `route_groups - 1`).
   [[nodiscard]] bool group_limited() const noexcept {
     return route_groups > 1 && route_max_groups > 0 && route_max_groups < route_groups;
