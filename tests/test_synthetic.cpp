@@ -584,11 +584,18 @@ TEST_CASE("synthetic: stream version 2 fingerprints") {
   SyntheticConfig churn = frozen;
   churn.persistence = 0.0;
   churn.response_topic_weight = 0.3;
+  // Group-limited (DeepSeek-V3-like: 8 groups, at most 3 here), so that its stream is pinned too.
+  SyntheticConfig grouped = one_step(6, 64, 8, 4, 3);
+  grouped.seed = 11;
+  grouped.route_groups = 8;
+  grouped.route_max_groups = 3;
+  grouped.num_gpus = 4;
 
   const std::pair<const SyntheticConfig *, std::uint64_t> loads[] = {{&base, 0xa18f5b4bec5c2993ULL},
                                                                      {&wide, 0x6293b2d84c55e3ebULL},
                                                                      {&frozen, 0x5e1c026112e14299ULL},
-                                                                     {&churn, 0x62f65b32b62cf873ULL}};
+                                                                     {&churn, 0x62f65b32b62cf873ULL},
+                                                                     {&grouped, 0x7544ac6f49824578ULL}};
   for (const auto &entry : loads) { // not a structured binding: INFO captures it, which clang 14 refuses
     const SyntheticConfig &c = *entry.first;
     INFO(describe(c));
