@@ -62,6 +62,23 @@ void BM_generate_trace(benchmark::State &state) {
 }
 BENCHMARK(BM_generate_trace)->Arg(1)->Arg(2)->Unit(benchmark::kMillisecond)->UseRealTime();
 
+/// DeepSeek-V3's shape (58 layers x 256 experts, top-8; `SyntheticConfig::deepseek_v3`), the same batch; the argument
+/// is 0 without its group limit, 1 with it (8 groups, at most 4 per token). One thread.
+void BM_generate_loads_deepseek(benchmark::State &state) {
+  foremoe::SyntheticConfig c = foremoe::SyntheticConfig::deepseek_v3();
+  const foremoe::SyntheticConfig b = bench_config();
+  c.num_steps = b.num_steps;
+  c.prompts_per_step = b.prompts_per_step;
+  c.microbatch_tokens_per_gpu = b.microbatch_tokens_per_gpu;
+  if (state.range(0) == 0) c.route_max_groups = 0;
+  foremoe::GeneratorOptions opts;
+  opts.num_threads = 1;
+  for (auto _ : state)
+    benchmark::DoNotOptimize(foremoe::generate_loads(c, nullptr, false, opts));
+  set_counters(state, c, ids_of(c));
+}
+BENCHMARK(BM_generate_loads_deepseek)->Arg(0)->Arg(1)->Unit(benchmark::kMillisecond)->UseRealTime();
+
 } // namespace
 
 int main(int argc, char **argv) {

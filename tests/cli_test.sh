@@ -49,7 +49,7 @@ expect 2 "topk 17 exceeds num_experts 16" -- "$bin" trace gen --experts 16 --top
 expect 2 "give --loads" -- "$bin" trace gen "${small[@]}"
 # trace gen / trace stats flags come from the synthetic schema: ranges, choices and help derived from it.
 expect 2 "--skew must be in \\[0, 20\\], got 50" -- "$bin" trace gen --skew 50 --loads "$work/a.npy"
-expect 2 "--preset must be one of qwen3-30b-a3b, deepseek-v3, got 'gpt'" -- "$bin" trace gen --preset gpt --loads "$work/a.npy"
+expect 2 "--preset must be one of qwen3-30b-a3b, deepseek-v3, kimi-k2, got 'gpt'" -- "$bin" trace gen --preset gpt --loads "$work/a.npy"
 expect 2 "--popularity must be one of lognormal, zipf, got 'flat'" -- "$bin" trace gen --popularity flat --loads "$work/a.npy"
 expect 2 "--steps must be in \\[1, 65536\\], got 0" -- "$bin" trace stats --steps 0
 expect 2 "--topics-per-prompt must be in" -- "$bin" trace stats --topics-per-prompt 0
@@ -398,7 +398,7 @@ printf '{"batch": {"seed": 1, "seed": 2}}' >"$work/dup.json"
 expect 1 "dup.json:1:23: duplicate key 'seed'" -- "$bin" simulate --config "$work/dup.json"
 expect 2 "--slots must be in \[1, 16384\], got 0" -- "$bin" simulate --slots 0
 # --print-config writes the full effective settings, which --config reads back unchanged
-for preset in qwen3-30b-a3b deepseek-v3; do
+for preset in qwen3-30b-a3b deepseek-v3 kimi-k2; do
   "$bin" simulate --preset $preset --print-config >"$work/pc1.json"
   "$bin" simulate --config "$work/pc1.json" --print-config >"$work/pc2.json"
   expect 0 "" -- cmp "$work/pc1.json" "$work/pc2.json"

@@ -216,7 +216,7 @@ TEST_CASE("schema: the simulate config covers the 22 cost keys, every section, a
     }
     CHECK(msg.find("config.cost.a2a_model: must be one of hierarchical, flat, got 'mesh'") != std::string::npos);
   }
-  for (const char *preset : {"qwen3-30b-a3b", "deepseek-v3"}) {
+  for (const char *preset : {"qwen3-30b-a3b", "deepseek-v3", "kimi-k2"}) {
     json::Value p = json::Object{};
     p["preset"] = preset;
     const config::Schema<config::SimulateSettings>::Layer l[] = {{&p, "config"}};
@@ -302,7 +302,7 @@ TEST_CASE("schema: the generator's options are one schema; simulate's batch sect
     CHECK(o.range_text() == g.range_text());
     ++batch;
   }
-  CHECK(batch == 11);
+  CHECK(batch == 13);
   // Flags as `trace gen` gives them: the preset first (the MoE shape), explicit keys over it.
   const auto &s = config::synthetic_settings_schema();
   const std::pair<std::string, std::string> flags[] = {
@@ -311,6 +311,8 @@ TEST_CASE("schema: the generator's options are one schema; simulate's batch sect
   CHECK(c.num_layers == 3);
   CHECK(c.num_experts == 256);
   CHECK(c.skew == fm::SyntheticConfig::deepseek_v3().skew);
+  CHECK(c.route_groups == 8); // the preset's group limit
+  CHECK(c.route_max_groups == 4);
   CHECK(c.topics_per_prompt == 2);           // capped by topics
   CHECK(c.prompt_length.max_tokens == 20);   // max_length bounds both lengths
   CHECK(c.response_length.min_tokens == 16); // ... and lowers the shortest ones to it only where needed
@@ -486,7 +488,7 @@ TEST_CASE("load cache: settings") {
 TEST_CASE("load cache: the batch key changes with every generator input") {
   // A field added to SyntheticConfig must join synthetic_cache_key (tools/run_simulate.hpp); this size is
   // the struct's on x86-64 with the fields the key lists today.
-  static_assert(sizeof(SyntheticConfig) == 168 || sizeof(void *) != 8,
+  static_assert(sizeof(SyntheticConfig) == 176 || sizeof(void *) != 8,
                 "SyntheticConfig changed: add the new field to synthetic_cache_key, then update this size");
   const SyntheticConfig base;
   const std::string k0 = cli::synthetic_cache_key(base, false, 1);
@@ -528,6 +530,22 @@ TEST_CASE("load cache: the batch key changes with every generator input") {
     c.packing = foremoe::BatchPacking::routing;
     c.packing_ranks = 8;
   });
+  with([](SyntheticConfig &c) {
+    c.route_groups = 8;
+    c.route_max_groups = 4;
+  });
+  with([](SyntheticConfig &c) {
+    c.route_groups = 8;
+    c.route_max_groups = 3;
+  });
+  with([](SyntheticConfig &c) {
+    c.route_groups = 4;
+    c.route_max_groups = 3;
+  });
+  // No limit (the same ids as the default) keeps the default's key.
+  SyntheticConfig unlimited = base;
+  unlimited.route_groups = 8;
+  CHECK(cli::synthetic_cache_key(unlimited, false, 1) == k0);
   std::vector<std::string> keys = {k0, cli::synthetic_cache_key(base, true, 1),
                                    cli::synthetic_cache_key(base, true, 2)};
   for (const SyntheticConfig &c : changed)
@@ -548,6 +566,15 @@ TEST_CASE("schema: the overlap, LM head and optimizer settings reach SimConfig; 
   const json::Value ds = json::parse(R"({"preset": "deepseek-v3"})");
   const L dl[] = {{&ds, "config"}};
   CHECK(config::simulate_settings(dl).sim.dense.vocab == 129280.0); // DeepSeek-V3's vocab_size
+  CHECK(config::simulate_settings(dl).batch.route_max_groups == 4); // its node-limited routing reaches the batch
+  const json::Value kimi = json::parse(R"({"preset": "kimi-k2"})");
+  const L kl[] = {{&kimi, "config"}};
+  const config::SimulateSettings k = config::simulate_settings(kl);
+  CHECK(k.sim.dense.vocab == 163840.0); // Kimi K2's vocab_size
+  CHECK(k.sim.model.num_layers == 60);  // 61 layers, first_k_dense_replace 1
+  CHECK(k.sim.model.num_experts == 384);
+  CHECK(k.batch.num_experts == 384);
+  CHECK_FALSE(k.batch.group_limited()); // n_group 1
   const json::Value file = json::parse(
       R"({"model": {"vocab": 0}, "sim": {"a2a_overlap": 0.5, "dp_grad_overlap": 1, "optimizer_traffic_bytes_per_param": 16}})");
   const std::pair<std::string, std::string> flag[] = {{"a2a-overlap", "0.75"}};

@@ -272,6 +272,99 @@ TEST_CASE("synthetic: every token routes to topk distinct experts in range") {
   }
 }
 
+namespace {
+
+/// Gives `c` a random group limit that it can satisfy: groups dividing the experts, a limit below them.
+/// Returns false when no limit fits (no divisor above 1 whose groups can hold topk).
+bool add_group_limit(SyntheticConfig &c, detail::Xoshiro256 &rng) {
+  std::vector<std::pair<int, int>> options; // (groups, max groups)
+  for (int g = 2; g <= c.num_experts; ++g)
+    if (c.num_experts % g == 0)
+      for (int m = 1; m < g; ++m)
+        if ((c.num_experts / g) * m >= c.topk) options.emplace_back(g, m);
+  if (options.empty()) return false;
+  const auto [g, m] = options[rng.below(options.size())];
+  c.route_groups = g;
+  c.route_max_groups = m;
+  return true;
+}
+
+} // namespace
+
+TEST_CASE("synthetic: group-limited routing keeps every token within route_max_groups groups") {
+  int limited = 0, spans_at_limit = 0;
+  for (int i = 0; i < num_seeds(40); ++i) {
+    detail::Xoshiro256 rng(9100 + static_cast<std::uint64_t>(i));
+    SyntheticConfig c = random_config(9000 + static_cast<std::uint64_t>(i));
+    if (c.topk == c.num_experts) c.topk = std::max(1, c.num_experts / 2);
+    if (i % 4 == 0) { // nearly all mass on a few experts: forces the exact fallback
+      c.topic_concentration = 0.01;
+      c.skew = 3.0;
+    }
+    if (!add_group_limit(c, rng)) continue;
+    ++limited;
+    INFO(describe(c), " route_groups=", c.route_groups, " route_max_groups=", c.route_max_groups);
+    REQUIRE(c.group_limited());
+    const SyntheticTrace t = generate_trace(c);
+    const int per_group = c.num_experts / c.route_groups;
+    bool ok = true;
+    std::vector<char> seen(static_cast<std::size_t>(c.num_experts)),
+        group_seen(static_cast<std::size_t>(c.route_groups));
+    for (std::int64_t tok = 0; tok < t.num_tokens && ok; ++tok)
+      for (int l = 0; l < c.num_layers && ok; ++l) {
+        std::fill(seen.begin(), seen.end(), 0);
+        std::fill(group_seen.begin(), group_seen.end(), 0);
+        int groups = 0;
+        for (int k = 0; k < c.topk; ++k) {
+          const int e = id_at(t, tok, l, k);
+          if (e < 0 || e >= c.num_experts || seen[static_cast<std::size_t>(e)]) {
+            ok = false;
+            FAIL_CHECK("token ", tok, " layer ", l, ": bad or repeated expert ", e);
+            break;
+          }
+          seen[static_cast<std::size_t>(e)] = 1;
+          char &g = group_seen[static_cast<std::size_t>(e / per_group)];
+          groups += g == 0 ? 1 : 0;
+          g = 1;
+        }
+        if (ok && groups > c.route_max_groups) {
+          ok = false;
+          FAIL_CHECK("token ", tok, " layer ", l, ": ", groups, " groups, more than ", c.route_max_groups);
+        }
+        spans_at_limit += groups == c.route_max_groups ? 1 : 0;
+      }
+    CHECK(ok);
+    // The counting path (run-length, prompts counted once) follows the same chains.
+    CHECK(generate_loads(c, nullptr, true) == naive_count(t, c.num_gpus, true));
+  }
+  CHECK(limited >= num_seeds(40) / 2);
+  CHECK(spans_at_limit > 0); // the limit binds somewhere
+}
+
+TEST_CASE("synthetic: without a group limit the ids are those of the unlimited generator") {
+  for (int i = 0; i < num_seeds(16); ++i) {
+    const SyntheticConfig base = random_config(9500 + static_cast<std::uint64_t>(i));
+    INFO(describe(base));
+    const SyntheticTrace t0 = generate_trace(base);
+    std::vector<int> divisors;
+    for (int g = 1; g <= base.num_experts; ++g)
+      if (base.num_experts % g == 0) divisors.push_back(g);
+    detail::Xoshiro256 rng(9600 + static_cast<std::uint64_t>(i));
+    const int g = divisors[rng.below(divisors.size())];
+    for (const int m : {0, g, g + 3, 1 + static_cast<int>(rng.below(static_cast<std::uint64_t>(g)))}) {
+      SyntheticConfig c = base;
+      c.route_groups = g;
+      c.route_max_groups = m;
+      if (g > 1 && m > 0 && m < g) continue; // a real limit
+      INFO("route_groups=", c.route_groups, " route_max_groups=", c.route_max_groups);
+      CHECK_FALSE(c.group_limited());
+      CHECK(generate_trace(c).routed_ids == t0.routed_ids);
+    }
+  }
+  // The default model has no limit.
+  CHECK_FALSE(SyntheticConfig{}.group_limited());
+}
+
 TEST_CASE("synthetic: offsets are consistent and micro-batches respect the budget") {
   for (int i = 0; i < num_seeds(12); ++i) {
     const SyntheticConfig c = random_config(3000 + static_cast<std::uint64_t>(i));
@@ -491,11 +584,18 @@ TEST_CASE("synthetic: stream version 2 fingerprints") {
   SyntheticConfig churn = frozen;
   churn.persistence = 0.0;
   churn.response_topic_weight = 0.3;
+  // Group-limited (DeepSeek-V3-like: 8 groups, at most 3 here), so that its stream is pinned too.
+  SyntheticConfig grouped = one_step(6, 64, 8, 4, 3);
+  grouped.seed = 11;
+  grouped.route_groups = 8;
+  grouped.route_max_groups = 3;
+  grouped.num_gpus = 4;
 
   const std::pair<const SyntheticConfig *, std::uint64_t> loads[] = {{&base, 0xa18f5b4bec5c2993ULL},
                                                                      {&wide, 0x6293b2d84c55e3ebULL},
                                                                      {&frozen, 0x5e1c026112e14299ULL},
-                                                                     {&churn, 0x62f65b32b62cf873ULL}};
+                                                                     {&churn, 0x62f65b32b62cf873ULL},
+                                                                     {&grouped, 0x7544ac6f49824578ULL}};
   for (const auto &entry : loads) { // not a structured binding: INFO captures it, which clang 14 refuses
     const SyntheticConfig &c = *entry.first;
     INFO(describe(c));
@@ -737,6 +837,15 @@ TEST_CASE("synthetic: presets validate and bad configs are named") {
   CHECK(ds.num_layers == 58);
   CHECK(ds.num_experts == 256);
   CHECK(ds.topk == 8);
+  CHECK(ds.route_groups == 8);     // DeepSeek-V3's n_group
+  CHECK(ds.route_max_groups == 4); // ... and topk_group
+  CHECK(ds.group_limited());
+  const SyntheticConfig kimi = SyntheticConfig::kimi_k2();
+  CHECK_NOTHROW(kimi.validate());
+  CHECK(kimi.num_layers == 60); // 61 layers, the first dense
+  CHECK(kimi.num_experts == 384);
+  CHECK(kimi.topk == 8);
+  CHECK_FALSE(kimi.group_limited()); // n_group 1
 
   const struct {
     std::function<void(SyntheticConfig &)> mutate;
@@ -747,6 +856,14 @@ TEST_CASE("synthetic: presets validate and bad configs are named") {
       {[](SyntheticConfig &c) { c.num_experts = 40000; }, "num_experts 40000 exceeds 32767"},
       {[](SyntheticConfig &c) { c.num_layers = -3; }, "num_layers must be positive, got -3"},
       {[](SyntheticConfig &c) { c.num_steps = 0; }, "num_steps must be positive, got 0"},
+      {[](SyntheticConfig &c) { c.route_groups = 3; }, "route_groups 3 must be >= 1 and divide num_experts 128"},
+      {[](SyntheticConfig &c) { c.route_groups = 0; }, "route_groups 0 must be >= 1 and divide num_experts 128"},
+      {[](SyntheticConfig &c) { c.route_max_groups = -1; }, "route_max_groups must be >= 0 (0: no limit), got -1"},
+      {[](SyntheticConfig &c) {
+         c.route_groups = 64;
+         c.route_max_groups = 3;
+       },
+       "route_max_groups 3 groups of 2 experts hold fewer than topk 8 experts"},
       {[](SyntheticConfig &c) { c.prompts_per_step = 0; }, "prompts_per_step must be positive, got 0"},
       {[](SyntheticConfig &c) { c.responses_per_prompt = -1; }, "responses_per_prompt must be positive, got -1"},
       {[](SyntheticConfig &c) { c.skew = -0.5; }, "skew must be in [0, 20], got -0.5"},

@@ -71,6 +71,8 @@ struct LoadsReport {
     << " skew=" << c.skew << " skew_layer_sigma=" << c.skew_layer_sigma << " persistence=" << c.persistence
     << " gpus=" << c.num_gpus << " microbatch_tokens=" << c.microbatch_tokens_per_gpu << " by_source=" << by_source
     << " ranks_per_source=" << ranks_per_source;
+  // Absent without a group limit, so that the keys of unlimited batches stay as they were.
+  if (c.group_limited()) k << " route_groups=" << c.route_groups << '/' << c.route_max_groups;
   // Absent for `none`, so that the keys of unpacked batches (the built-in default's among them) stay as they were.
   if (c.packing != BatchPacking::none)
     k << " packing=" << (c.packing == BatchPacking::tokens ? "tokens" : "routing") << '/' << packing_version

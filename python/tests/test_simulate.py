@@ -118,7 +118,7 @@ def test_simulate_given_loads_matches_cli(cli, tmp_path):
     ({"model": {"layers": 4.0}}, r"config.model.layers: expected an integer, got 4.0"),
     ({"topology": {"slots": 1}}, "slots cannot hold all 128 experts"),
     ({"topology": {"slots": 2**32 + 5}}, r"config.topology.slots: must be in \[1, 16384\], got 4294967301"),
-    ({"preset": "gpt"}, "config.preset: must be one of qwen3-30b-a3b, deepseek-v3, got 'gpt'"),
+    ({"preset": "gpt"}, "config.preset: must be one of qwen3-30b-a3b, deepseek-v3, kimi-k2, got 'gpt'"),
 ])
 def test_bad_config(cfg, match):
     with pytest.raises(ValueError, match=match):

@@ -34,19 +34,23 @@ inline constexpr double max_seconds = 1e6, max_us = 1e6, max_gb_per_s = 1e6, min
 
 /// The model presets (`simulate`, `trace gen`, `trace stats`, Python).
 inline const std::vector<std::string> &preset_names() {
-  static const std::vector<std::string> names{"qwen3-30b-a3b", "deepseek-v3"};
+  static const std::vector<std::string> names{"qwen3-30b-a3b", "deepseek-v3", "kimi-k2"};
   return names;
 }
 
 /// Gives `c` the MoE shape of a preset: layers, experts, top-k and the calibrated skew (the rest is kept).
 inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
-  detail::require(name == "qwen3-30b-a3b" || name == "deepseek-v3", "unknown preset '", name,
-                  "' (expected qwen3-30b-a3b or deepseek-v3)");
-  const SyntheticConfig p = name == "deepseek-v3" ? SyntheticConfig::deepseek_v3() : SyntheticConfig{};
+  detail::require(name == "qwen3-30b-a3b" || name == "deepseek-v3" || name == "kimi-k2", "unknown preset '", name,
+                  "' (expected qwen3-30b-a3b, deepseek-v3 or kimi-k2)");
+  const SyntheticConfig p = name == "deepseek-v3" ? SyntheticConfig::deepseek_v3()
+                            : name == "kimi-k2"   ? SyntheticConfig::kimi_k2()
+                                                  : SyntheticConfig{};
   c.num_layers = p.num_layers;
   c.num_experts = p.num_experts;
   c.topk = p.topk;
   c.skew = p.skew;
+  c.route_groups = p.route_groups;
+  c.route_max_groups = p.route_max_groups;
 }
 
 /// The one default preset of every command (`plan`, `trace gen`, `trace stats`, `simulate`, Python): the EP group
@@ -94,6 +98,15 @@ inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
         "experts", 1, 32767, "routed experts per layer", [](auto &c) -> auto & { return c.num_experts; }));
     o.push_back(integer<C>(
         "topk", 1, 1024, "experts per token", [](auto &c) -> auto & { return c.topk; }));
+    o.push_back(integer<C>(
+        "route_groups", 1, 32767,
+        "contiguous equal groups of experts for group-limited routing (must divide experts; 1: none; deepseek-v3: 8)",
+        [](auto &c) -> auto & { return c.route_groups; }));
+    o.push_back(integer<C>(
+        "route_max_groups", 0, 32767,
+        "groups a token's experts may span per layer (0 or >= route_groups: no limit; deepseek-v3: 4, "
+        "arXiv:2412.19437 sec. 2.1.2)",
+        [](auto &c) -> auto & { return c.route_max_groups; }));
     o.push_back(integer<C>(
         "steps", 1, 1 << 16, "RL steps to generate", [](auto &c) -> auto & { return c.num_steps; }));
     o.push_back(integer<C>(
@@ -207,7 +220,9 @@ struct SyntheticSettings {
   static const Schema<S> s = [] {
     std::vector<Option<S>> o;
     Option<S> preset = choice<S>(
-        "preset", preset_names(), "model shape: qwen3-30b-a3b (48 x 128, top-8) or deepseek-v3 (58 x 256, top-8)",
+        "preset", preset_names(),
+        "model shape: qwen3-30b-a3b (48 x 128, top-8), deepseek-v3 (58 x 256, top-8, 4 of 8 groups) or kimi-k2 (60 "
+        "x 384, top-8)",
         [](const S &x) { return x.preset; },
         [](S &x, const std::string &v) {
           x.preset = v;
@@ -493,8 +508,21 @@ struct SimulateSettings {
       s.sim.dense = DenseShape::deepseek_v3();
       // DeepSeek-V3 dispatches fp8 and combines bf16 (arXiv:2412.19437 sec. 3.3.2; DeepEP's kernels).
       s.sim.dispatch_dtype = WeightDtype::fp8;
+    } else if (name == "kimi-k2") {
+      s.preset = "kimi-k2";
+      s.sim.model = kimi_k2(WeightDtype::fp8);
+      // 6 owners + 1 spare slot per GPU for 384 experts on 64 GPUs.
+      s.sim.topo = Topology{8, 8, 7};
+      apply_synthetic_preset(s.batch, name);
+      s.batch.prompts_per_step = 128;
+      // 1.015T expert parameters x 17 B (as DeepSeek-V3's) = 17.3 TB: the optimizer state in host memory.
+      s.sim.optimizer_offload = true;
+      s.sim.dense = DenseShape::kimi_k2();
+      // fp8 dispatch as in DeepSeek-V3's recipe (Kimi K2 reuses its architecture); an assumption for Kimi K2.
+      s.sim.dispatch_dtype = WeightDtype::fp8;
     } else {
-      detail::require(name == "qwen3-30b-a3b", "unknown preset '", name, "' (expected qwen3-30b-a3b or deepseek-v3)");
+      detail::require(name == "qwen3-30b-a3b", "unknown preset '", name,
+                      "' (expected qwen3-30b-a3b, deepseek-v3 or kimi-k2)");
     }
     return s;
   }
@@ -579,7 +607,8 @@ template <class I>
     Option<S> preset = choice<S>(
         "preset", preset_names(),
         "model and cluster defaults (qwen3-30b-a3b: 48 x 128, top-8, bf16, 8 x 8 GPUs x 3 slots; deepseek-v3: "
-        "58 x 256, H 7168, I 2048, fp8, 8 x 8 GPUs x 5 slots)",
+        "58 x 256, H 7168, I 2048, fp8, 8 x 8 GPUs x 5 slots, 4 of 8 expert groups per token; kimi-k2: 60 x 384, H "
+        "7168, I 2048, fp8, 8 x 8 GPUs x 7 slots)",
         [](const S &x) { return x.preset; }, [](S &x, const std::string &v) { x = S::for_preset(v); });
     preset.first = true; // resets everything else: applied before the rest of any document
     o.push_back(std::move(preset));
@@ -630,7 +659,7 @@ template <class I>
     // batch: the synthetic GRPO batch (its layers, experts, top-k and GPUs follow the model and topology)
     lift(o, synthetic_schema(), "batch", [](auto &x) -> auto & { return x.batch; },
          {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "packing", "seed",
-          "skew", "persistence", "topic_concentration"});
+          "skew", "persistence", "topic_concentration", "route_groups", "route_max_groups"});
     o.push_back(bound<S>(
         "batch.workload", Type::string,
         "load generator: grpo (the synthetic GRPO batch), ultraep:A (UltraEP's: rank weight 1/r^alpha, alpha "

@@ -94,5 +94,12 @@ struct ModelSpec {
   return ModelSpec{58, 256, 8, 7168, 2048, d};
 }
 
+/// Kimi K2 (moonshotai/Kimi-K2-Instruct config.json: 61 layers with `first_k_dense_replace` 1, so 60 MoE layers;
+/// `n_routed_experts` 384, `num_experts_per_tok` 8, `hidden_size` 7168, `moe_intermediate_size` 2048; 60 x 384 x 3 x
+/// 7168 x 2048 = 1.015T routed parameters of its 1.04T), fp8 by default as its released weights (block 128).
+[[nodiscard]] inline ModelSpec kimi_k2(WeightDtype d = WeightDtype::fp8) {
+  return ModelSpec{60, 384, 8, 7168, 2048, d};
+}
+
 } // namespace v0
 } // namespace foremoe

@@ -82,6 +82,10 @@ struct DenseShape {
   /// wide and PV 128 x 128, mean 20,480.
   /// Vocabulary 129,280 (its config.json `vocab_size`; embedding and head untied).
   [[nodiscard]] static DenseShape deepseek_v3() { return {232980480.0, 20480.0, 0.0, 129280.0}; }
+  /// Kimi K2 (moonshotai/Kimi-K2-Instruct config.json: DeepSeek-V3's MLA with 64 heads instead of 128, q_lora_rank
+  /// 1536, kv_lora_rank 512, qk 128 + 64 rope, v 128; one shared expert of 3 x 7168 x 2048; router 7168 x 384):
+  /// 147,914,752 parameters; QK^T 64 x 192 and PV 64 x 128 wide, mean 10,240; `vocab_size` 163,840.
+  [[nodiscard]] static DenseShape kimi_k2() { return {147914752.0, 10240.0, 0.0, 163840.0}; }
 };
 
 /// Where the hierarchical all-to-all's hits come from (`SimConfig::a2a_hits`).

@@ -10,6 +10,10 @@
 /// - a sequence is its prompt (routed identically in every response of that prompt, as a real router would)
 ///   followed by its response. Per layer, consecutive tokens keep each of their top-k experts with probability
 ///   `persistence` and re-draw the others, distinct within the token, from the sequence's expert distribution;
+/// - with a group limit (`route_groups`, `route_max_groups`: DeepSeek-V3's node-limited routing), a re-drawn slot
+///   keeps the token within `route_max_groups` contiguous expert groups: once its other slots use that many, it
+///   draws only from their groups (the same weights, restricted). Without a limit the code and ids are unchanged;
+///   with one, candidates are rejected one at a time (about 3x the CPU on the DeepSeek-V3 preset);
 /// - every step shuffles its sequences, deals them to the `num_gpus` data-parallel ranks (each to the rank with
 ///   the fewest tokens so far), and each rank packs its sequences in order into micro-batches of at most
 ///   `microbatch_tokens_per_gpu` tokens. Micro-step `m` of a step is the `m`-th micro-batch of every rank.
@@ -90,6 +94,16 @@ struct SyntheticConfig {
   int num_layers = 48;   ///< MoE layers
   int num_experts = 128; ///< routed experts per layer (at most 32767: ids are int16)
   int topk = 8;          ///< distinct experts per token and layer
+  /// Group-limited ("node-limited") routing: the experts form this many contiguous groups of equal size (expert
+  /// `e` is in group `e / (num_experts / route_groups)`), of which a token may use at most `route_max_groups` per
+  /// layer (DeepSeek-V3: 8 groups, 4 per token, arXiv:2412.19437 sec. 2.1.2, `n_group` / `topk_group` in its
+  /// config.json). 1 = no groups; must divide `num_experts`.
+  int route_groups = 1;
+  /// Groups a token may use per layer; 0, or at least `route_groups`, = no limit. With a limit, a re-drawn slot
+  /// takes its expert from the sequence's distribution restricted to the groups that the token's other slots use
+  /// once those are `route_max_groups` many (any group while fewer are used), so the token's groups follow the same
+  /// weights that pick its experts, and every token spans at most `route_max_groups` groups.
+  int route_max_groups = 0;
 
   int num_steps = 2;            ///< RL steps
   int prompts_per_step = 512;   ///< GRPO prompts per step
@@ -140,7 +154,28 @@ struct SyntheticConfig {
     c.num_experts = 256;
     c.topk = 8;
     c.skew = 0.85;
+    // Node-limited routing: 8 groups of 32 experts, a token's experts in at most 4 of them (arXiv:2412.19437
+    // sec. 2.1.2; config.json of deepseek-ai/DeepSeek-V3: "n_group": 8, "topk_group": 4).
+    c.route_groups = 8;
+    c.route_max_groups = 4;
     return c;
+  }
+
+  /// A Kimi-K2-like MoE shape: 60 MoE layers (61 layers, the first dense: `first_k_dense_replace` 1), 384 routed
+  /// experts, top-8, no group limit (`n_group` 1), as in moonshotai/Kimi-K2-Instruct's config.json. No routing
+  /// histograms of Kimi K2 are at hand, so the skew is DeepSeek-V3's calibrated one (an assumption).
+  [[nodiscard]] static SyntheticConfig kimi_k2() {
+    SyntheticConfig c;
+    c.num_layers = 60;
+    c.num_experts = 384;
+    c.topk = 8;
+    c.skew = deepseek_v3().skew;
+    return c;
+  }
+
+  /// Whether tokens are group-limited (`route_max_groups` between 1 and `route_groups - 1`).
+  [[nodiscard]] bool group_limited() const noexcept {
+    return route_groups > 1 && route_max_groups > 0 && route_max_groups < route_groups;
   }
 
   /// Throws `Error` naming the first bad value.
@@ -153,6 +188,13 @@ struct SyntheticConfig {
     require(topk > 0, "SyntheticConfig: topk must be positive, got ", topk);
     require(topk <= num_experts, "SyntheticConfig: topk ", topk, " exceeds num_experts ", num_experts,
             " (experts of a token are distinct)");
+    require(route_groups >= 1 && num_experts % route_groups == 0, "SyntheticConfig: route_groups ", route_groups,
+            " must be >= 1 and divide num_experts ", num_experts);
+    require(route_max_groups >= 0, "SyntheticConfig: route_max_groups must be >= 0 (0: no limit), got ",
+            route_max_groups);
+    require(!group_limited() || static_cast<std::int64_t>(num_experts / route_groups) * route_max_groups >= topk,
+            "SyntheticConfig: route_max_groups ", route_max_groups, " groups of ",
+            num_experts / std::max(1, route_groups), " experts hold fewer than topk ", topk, " experts");
     require(num_steps > 0, "SyntheticConfig: num_steps must be positive, got ", num_steps);
     require(prompts_per_step > 0, "SyntheticConfig: prompts_per_step must be positive, got ", prompts_per_step);
     require(responses_per_prompt > 0, "SyntheticConfig: responses_per_prompt must be positive, got ",
@@ -435,7 +477,15 @@ public:
         tp_(static_cast<std::size_t>(cfg.topics_per_prompt)), k_(static_cast<std::size_t>(cfg.topk)),
         drops_(cfg.persistence < 1.0), distinct_weights_(cfg.response_topic_weight > 0),
         block_tokens_(std::max<std::size_t>(1, kEventBuffer / static_cast<std::size_t>(cfg.topk))),
+        limited_(cfg.group_limited()), max_groups_(cfg.route_max_groups),
         scratch_((static_cast<std::size_t>(cfg.num_experts) + 63) / 64, 0) {
+    if (limited_) {
+      const int per_group = cfg.num_experts / cfg.route_groups;
+      group_of_.resize(static_cast<std::size_t>(cfg.num_experts));
+      for (int e = 0; e < cfg.num_experts; ++e)
+        group_of_[static_cast<std::size_t>(e)] = static_cast<std::uint16_t>(e / per_group);
+      group_count_.assign(static_cast<std::size_t>(cfg.route_groups), 0);
+    }
     for (Lane &ln : lanes_) {
       ln.mix.resize(static_cast<std::size_t>(num_experts_));
       ln.cur.assign(k_, std::int16_t{-1});
@@ -602,7 +652,7 @@ private:
   /// slot's current expert (so the top-k stays distinct) but not its own. A sink with `count_row(layer_idx)` gets
   /// run-length counts (an expert's load grows by the tokens it stayed for, added when it leaves); any other sink
   /// sees every token through `route`.
-  template <class Taken, class Sink> struct Chain {
+  template <class Taken, class Sink, bool Limited> struct Chain {
     static constexpr bool run_length = requires(Sink & sk) { sk.count_row(0); };
     SequenceRouter &router;
     Xoshiro256 coins, draws;
@@ -617,6 +667,10 @@ private:
     std::int64_t first_token;
     int num_tokens, layer;
     std::size_t n = 0; ///< drops in the current block
+    // Group limit (Limited only): slots of the current top-k in each group, and the groups with any.
+    std::int32_t *group_count = nullptr;
+    const std::uint16_t *group_of = nullptr;
+    int groups_used = 0;
 
     Chain(SequenceRouter &r, Lane &state, const Lane &dist, std::uint64_t seed, std::int64_t first, int tokens, int l,
           Sink &sink)
@@ -624,6 +678,44 @@ private:
           probs(dist.mix.data()), cur(state.cur.data()), enter(state.enter.data()), events(state.events.data()),
           candidates(state.candidates.data()), first_token(first), num_tokens(tokens), layer(l) {
       if constexpr (run_length) row = sink.count_row(l);
+      if constexpr (Limited) {
+        group_count = r.group_count_.data();
+        group_of = r.group_of_.data();
+        std::fill(r.group_count_.begin(), r.group_count_.end(), 0);
+        for (std::size_t j = 0; j < r.k_; ++j)
+          if (cur[j] >= 0) enter_group(cur[j]);
+      }
+    }
+
+    void enter_group(int e) noexcept { groups_used += group_count[group_of[e]]++ == 0 ? 1 : 0; }
+    void leave_group(int e) noexcept { groups_used -= --group_count[group_of[e]] == 0 ? 1 : 0; }
+    /// Whether `e` keeps the token within `route_max_groups` groups, given the other slots' groups.
+    [[nodiscard]] bool allowed(int e) const noexcept {
+      return groups_used < router.max_groups_ || group_count[group_of[e]] > 0;
+    }
+
+    /// `draw` under the group limit: the next candidate that no other slot holds and that is in an allowed group;
+    /// exact over the allowed remaining mass if that stalls. Candidates are taken one at a time.
+    int draw_limited() {
+      for (int tries = 0; tries < 64; ++tries) {
+        if (pos == kCandidates) [[unlikely]]
+          refill();
+        const int x = candidates[pos++];
+        if (!held.test(x) && allowed(x)) return x;
+      }
+      Xoshiro256 rng = draws;
+      const Taken others = held;
+      const int e =
+          router.draw_exact(rng, probs, others.bit_set(router.scratch_.data()), [this](int x) { return allowed(x); });
+      draws = rng;
+      return e;
+    }
+
+    int next() {
+      if constexpr (Limited)
+        return draw_limited();
+      else
+        return draw();
     }
 
     void refill() {
@@ -656,7 +748,7 @@ private:
       }
       Xoshiro256 rng = draws;
       const Taken others = held;
-      const int e2 = router.draw_exact(rng, probs, others.bit_set(router.scratch_.data()));
+      const int e2 = router.draw_exact(rng, probs, others.bit_set(router.scratch_.data()), [](int) { return true; });
       draws = rng;
       return e2;
     }
@@ -666,8 +758,9 @@ private:
       int t = 0;
       if (fresh && num_tokens > 0) {
         for (std::size_t j = 0; j < router.k_; ++j) {
-          cur[j] = static_cast<std::int16_t>(draw());
+          cur[j] = static_cast<std::int16_t>(next());
           held.add(j, cur[j]);
+          if constexpr (Limited) enter_group(cur[j]);
         }
         if constexpr (!run_length) sink.route(first_token, layer, cur);
         t = 1;
@@ -708,8 +801,10 @@ private:
     void redraw(std::uint32_t ev, int t0) {
       const std::size_t j = ev & 1023u;
       held.remove(j, cur[j]);
-      const int e = draw();
+      if constexpr (Limited) leave_group(cur[j]);
+      const int e = next();
       held.add(j, e);
+      if constexpr (Limited) enter_group(e);
       if constexpr (run_length) {
         const std::int64_t now = first_token + t0 + (ev >> 10);
         row[cur[j]] += now - enter[j];
@@ -771,15 +866,21 @@ private:
   void run_single(Lane &state, const Lane &dist, std::uint64_t seed, bool fresh, int num_tokens,
                   std::int64_t first_token, int l, Sink &sink) {
     if (fresh) std::fill(state.cur.begin(), state.cur.end(), std::int16_t{-1});
-    if (k_ <= 8)
-      run_single<LaneTaken>(state, dist, seed, fresh, num_tokens, first_token, l, sink);
-    else
-      run_single<BitTaken>(state, dist, seed, fresh, num_tokens, first_token, l, sink);
+    if (limited_) {
+      if (k_ <= 8)
+        run_single<LaneTaken, true>(state, dist, seed, fresh, num_tokens, first_token, l, sink);
+      else
+        run_single<BitTaken, true>(state, dist, seed, fresh, num_tokens, first_token, l, sink);
+    } else if (k_ <= 8) {
+      run_single<LaneTaken, false>(state, dist, seed, fresh, num_tokens, first_token, l, sink);
+    } else {
+      run_single<BitTaken, false>(state, dist, seed, fresh, num_tokens, first_token, l, sink);
+    }
   }
-  template <class Taken, class Sink>
+  template <class Taken, bool Limited, class Sink>
   void run_single(Lane &state, const Lane &dist, std::uint64_t seed, bool fresh, int num_tokens,
                   std::int64_t first_token, int l, Sink &sink) {
-    Chain<Taken, Sink> c(*this, state, dist, seed, first_token, num_tokens, l, sink);
+    Chain<Taken, Sink, Limited> c(*this, state, dist, seed, first_token, num_tokens, l, sink);
     const auto block = static_cast<int>(block_tokens_);
     for (int t0 = c.start(fresh, sink); t0 < num_tokens; t0 += block) {
       const int t1 = std::min(num_tokens, t0 + block);
@@ -804,14 +905,16 @@ private:
     }
   }
 
-  int draw_exact(Xoshiro256 &rng, const double *probs, const std::uint64_t *bits) const {
+  /// An expert not in `bits` for which `allowed` holds, drawn by `probs` over those.
+  template <class Allowed>
+  int draw_exact(Xoshiro256 &rng, const double *probs, const std::uint64_t *bits, const Allowed &allowed) const {
     double rest = 0;
     for (int e = 0; e < num_experts_; ++e)
-      if (!taken(bits, e)) rest += probs[e];
+      if (!taken(bits, e) && allowed(e)) rest += probs[e];
     double u = rng.uniform() * rest;
     int last = -1;
     for (int e = 0; e < num_experts_; ++e) {
-      if (taken(bits, e)) continue;
+      if (taken(bits, e) || !allowed(e)) continue;
       last = e;
       if ((u -= probs[e]) < 0) return e;
     }
@@ -823,6 +926,10 @@ private:
   bool drops_;                                     ///< persistence below 1: slots drop their experts
   bool distinct_weights_;                          ///< responses have their own topic
   std::size_t block_tokens_;                       ///< tokens per block of coins
+  bool limited_;                                   ///< group-limited routing (`SyntheticConfig::group_limited`)
+  int max_groups_;                                 ///< `route_max_groups` when limited
+  std::vector<std::uint16_t> group_of_;            ///< each expert's group (limited only)
+  std::vector<std::int32_t> group_count_;          ///< a chain's slots per group (limited only)
   AliasTable mask_tables_[2];                      ///< drop masks of a full group of 8 slots and of the last group
   alignas(32) std::uint32_t slot_lists_[256][8]{}; ///< the set bits of each 8-bit mask, in order
   std::uint8_t slot_counts_[256]{};                ///< the number of set bits of each 8-bit mask
