@@ -223,6 +223,8 @@ plan_document(const PlanHeader &h, const std::vector<std::vector<LayerPlan>> &mi
   j["stall_seconds"] = b.stall;
   j["dp_grad_sync_seconds"] = b.dp_grad_sync;
   j["optimizer_seconds"] = b.optimizer;
+  j["tp_comm_seconds"] = b.tp_comm;
+  j["pipeline_seconds"] = b.pipeline;
   j["total_seconds"] = b.total();
   return j;
 }
@@ -245,9 +247,11 @@ inline void result_figures_json(json::Value &d, const SimResult &r) {
 /// A deployment as JSON fields of `j`.
 inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   j["ep_size"] = d.ep_size;
-  j["num_ep_groups"] = num_gpus / d.ep_size;
+  j["num_ep_groups"] = num_gpus / d.pipeline_stages / d.ep_size; // per pipeline stage
   j["slots"] = d.slots;
   j["microbatch_tokens"] = d.microbatch_tokens; // 0: the loads as given
+  j["pipeline_stages"] = d.pipeline_stages;
+  j["tensor_parallel"] = d.tensor_parallel;
 }
 
 /// The deployment search's part of the results document: each strategy's best deployment and every run.
@@ -346,7 +350,9 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   j["rollout_share"] = s.sim.rollout_share;
   j["gpu_memory_gb"] = s.sim.gpu_memory_gb;
   j["ep_size"] = s.sim.effective_ep_size();
-  j["num_ep_groups"] = s.sim.topo.num_gpus() / s.sim.effective_ep_size();
+  j["num_ep_groups"] = s.sim.stage_gpus() / s.sim.effective_ep_size(); // per pipeline stage
+  j["pipeline_stages"] = s.sim.pipeline_stages;
+  j["tensor_parallel"] = s.sim.tensor_parallel;
   json::Value list = json::Array{};
   for (const auto &r : res) {
     json::Value d;
@@ -501,7 +507,10 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
         << std::setw(10) << f("step_seconds") << std::setw(9) << f("imbalance_median") << std::setprecision(1)
         << std::setw(11) << f("moved_gb") << std::setw(9) << f("peak_memory_gb") << std::setw(11)
         << ratio_text(f("speedup_over_static")) << std::setw(9) << ratio_text(f("speedup_over_eplb")) << std::setw(12)
-        << ratio_text(f("foremoe_speedup")) << "\n";
+        << ratio_text(f("foremoe_speedup"));
+    const std::int64_t pp = r.find("pipeline_stages")->as_integer(), tp = r.find("tensor_parallel")->as_integer();
+    if (pp != 1 || tp != 1) out << "  PP " << pp << " TP " << tp;
+    out << "\n";
   }
   for (const json::Value &k : best.find("skipped")->as_array())
     out << "left out: EP " << k.find("ep_size")->as_integer() << ", " << k.find("reason")->as_string() << "\n";
