@@ -289,7 +289,8 @@ struct SimConfig {
   /// `optimizer_seconds`.
   [[nodiscard]] double offloaded_optimizer_step_seconds(double params) const {
     const PathParams &pcie = cost.move.host;
-    const double down = pcie.latency_us * 1e-6 + params * dtype_bytes(grad_dtype) / (pcie.gb_per_s * 1e9);
+    const double down =
+        pcie.latency_us * 1e-6 + params * static_cast<double>(dtype_bytes(grad_dtype)) / (pcie.gb_per_s * 1e9);
     const double up = pcie.latency_us * 1e-6 + params * 2.0 / (pcie.gb_per_s * 1e9);
     const double cpu = params * topo.gpus_per_node / (cost.cpu_adam_gparams_per_s * 1e9);
     return optimizer_seconds + down + cpu + up;
