@@ -1116,7 +1116,14 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
         const double params = static_cast<double>(owners_per_gpu) * stage_layers * expert_params +
                               stage_layers * cfg.dense.params / T +
                               (PP > 1 ? 1.0 : 2.0) * cfg.dense.vocab * spec.hidden / T;
-        const double opt = (cfg.optimizer_offload ? cfg.offloaded_optimizer_step_seconds(params)
+        // Offloaded, ZeRO-Offload partitions the optimizer state and gradients over the data-parallel ranks (it
+        // builds on ZeRO-2: Ren et al. 2021, sec. 4): a GPU steps a `num_copies`-th of its owned experts (their
+        // EP-group copies) and a `stage_gpus / T`-th (the attention DP ranks) of the dense part, embedding and head.
+        const double dense_dp = static_cast<double>(cfg.stage_gpus()) / T;
+        const double offload_params =
+            static_cast<double>(owners_per_gpu) * stage_layers * expert_params / num_copies +
+            (stage_layers * cfg.dense.params / T + (PP > 1 ? 1.0 : 2.0) * cfg.dense.vocab * spec.hidden / T) / dense_dp;
+        const double opt = (cfg.optimizer_offload ? cfg.offloaded_optimizer_step_seconds(offload_params)
                                                   : cfg.optimizer_step_seconds(params)) *
                            cfg.minibatches_per_step;
         stage_time += opt;
