@@ -424,7 +424,11 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
       << " of " << c.model.num_layers << " MoE layers x " << c.model.num_experts << " experts, top-" << c.model.topk
       << ", on " << c.topo.num_nodes << " x " << c.topo.gpus_per_node << " GPUs";
   const std::int64_t ep = doc.find("ep_size")->as_integer(), groups = doc.find("num_ep_groups")->as_integer();
-  if (groups > 1) out << " (" << groups << " data-parallel EP groups of " << ep << " GPUs)";
+  const std::int64_t pp = doc.find("pipeline_stages")->as_integer(), tp = doc.find("tensor_parallel")->as_integer();
+  if (pp > 1) out << " in " << pp << " pipeline stages";
+  if (tp > 1) out << ", dense part tensor-parallel over " << tp;
+  if (groups > 1)
+    out << " (" << groups << " data-parallel EP groups of " << ep << " GPUs" << (pp > 1 ? " per stage" : "") << ")";
   out << " with " << c.topo.slots_per_gpu << " slots per GPU per layer";
   if (s.workload != "grpo") out << ", workload " << s.workload;
   if (s.batch.packing == BatchPacking::tokens) out << ", micro-batches packed by tokens";

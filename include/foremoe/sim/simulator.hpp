@@ -1303,7 +1303,8 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     if (check_memory && !memory_fits(cfg, res.memory)) throw Error(memory_refusal(cfg, res)); // built only then
     for (double *part :
          {&res.breakdown.expert_compute, &res.breakdown.all_to_all, &res.breakdown.dense, &res.breakdown.lm_head,
-          &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.dp_grad_sync, &res.breakdown.optimizer})
+          &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.dp_grad_sync, &res.breakdown.optimizer,
+          &res.breakdown.tp_comm, &res.breakdown.pipeline})
       *part /= counted;
     results.push_back(std::move(res));
   }
