@@ -42,6 +42,8 @@ BREAKDOWN = (
     ("stall_seconds", "stall (waiting for weights/gradients)", "#C44E52"),
     ("dp_grad_sync_seconds", "expert-gradient sync across EP-group copies", "#DA8BC3"),
     ("optimizer_seconds", "optimizer", "#8172B3"),
+    ("tp_comm_seconds", "tensor-parallel collectives", "#CCB974"),
+    ("pipeline_seconds", "pipeline bubble and stage sends", "#64B5CD"),
 )
 
 
