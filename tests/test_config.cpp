@@ -192,11 +192,11 @@ TEST_CASE("schema: every key of every schema accepts its default, refuses a wron
   walk_schema(config::synthetic_settings_schema());
 }
 
-TEST_CASE("schema: the simulate config covers the 22 cost keys, every section, and reads its own output") {
+TEST_CASE("schema: the simulate config covers the 23 cost keys, every section, and reads its own output") {
   int cost_keys = 0;
   for (const auto &o : config::simulate_schema().options())
     cost_keys += o.key.starts_with("cost.");
-  CHECK(cost_keys == 22);
+  CHECK(cost_keys == 23);
   {
     // The all-to-all model: hierarchical by default, flat on request, anything else refused by name.
     CHECK(config::SimulateSettings{}.sim.cost.a2a.model == fm::A2aModel::hierarchical);

@@ -179,3 +179,61 @@ TEST_CASE("deployment search: a deployment over GPU memory is never chosen; none
   const std::string table = config::best_deployment_table(config::best_deployment_json(s, none));
   CHECK(table.find("no deployment of the space fits") != std::string::npos);
 }
+
+TEST_CASE("deployment space: pipeline stages and tensor-parallel sizes are optional dimensions, off by default") {
+  SimConfig cfg;
+  cfg.model = ModelSpec{4, 128, 8, 2048, 768, WeightDtype::bf16};
+  cfg.topo = Topology{8, 8, 3};
+  DeploymentSpace space;
+  const std::vector<Deployment> plain = deployment_candidates(cfg, space, 8192);
+  for (const Deployment &d : plain)
+    CHECK((d.pipeline_stages == 1 && d.tensor_parallel == 1));
+  space.pipeline_stages = {1, 4};
+  space.tensor_parallel = {1, 4};
+  const std::vector<Deployment> c = deployment_candidates(cfg, space, 8192);
+  std::size_t unchanged = 0;
+  for (const Deployment &d : c) {
+    CAPTURE(d.ep_size);
+    CAPTURE(d.pipeline_stages);
+    unchanged += d.pipeline_stages == 1 && d.tensor_parallel == 1;
+    if (d.pipeline_stages == 4) CHECK((d.ep_size == 8 || d.ep_size == 16)); // EP groups of a 16-GPU stage
+    CHECK_NOTHROW(deployed(cfg, d).validate());
+  }
+  CHECK(unchanged == plain.size());
+  space.pipeline_stages = {1, 5};
+  CHECK_THROWS_WITH_AS((void)deployment_candidates(cfg, space, 8192),
+                       doctest::Contains("5 pipeline stages do not divide 64 GPUs"), Error);
+  space.pipeline_stages = {};
+  space.tensor_parallel = {3};
+  CHECK_THROWS_WITH_AS((void)deployment_candidates(cfg, space, 8192),
+                       doctest::Contains("tensor-parallel size 3 does not divide the 8 GPUs"), Error);
+}
+
+TEST_CASE("deployment search: with pipeline and tensor parallelism searched, each best is still its strategy's "
+          "fastest run and ideal's best is never slower") {
+  const config::SimulateSettings s = small_settings(3, 2, 4, 3,
+                                                    R"(, "search": {"pipeline_stages": "1,2", "tensor_parallel": "1,2",
+                                                       "ep_sizes": "4"})");
+  const json::Value doc = cli::run_simulate(s, nullptr, {});
+  const json::Value &best = *doc.find("best_deployment");
+  bool piped = false, split = false;
+  for (const json::Value &r : best.find("runs")->as_array()) {
+    piped = piped || r.find("pipeline_stages")->as_integer() == 2;
+    split = split || r.find("tensor_parallel")->as_integer() == 2;
+  }
+  CHECK(piped);
+  CHECK(split);
+  double ideal = 0;
+  for (const json::Value &b : best.find("strategies")->as_array()) {
+    const std::string name = b.find("strategy")->as_string();
+    REQUIRE(b.find("fits")->as_bool());
+    double fastest = INFINITY;
+    for (const json::Value &r : best.find("runs")->as_array())
+      if (r.find("strategy")->as_string() == name && r.find("fits")->as_bool())
+        fastest = std::min(fastest, r.find("step_seconds")->as_double());
+    CHECK(b.find("step_seconds")->as_double() == fastest);
+    if (name == "ideal") ideal = fastest;
+  }
+  for (const json::Value &b : best.find("strategies")->as_array())
+    CHECK(ideal <= b.find("step_seconds")->as_double() * (1 + 1e-12));
+}

@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <random>
 #include <set>
 #include <string>
@@ -1102,4 +1103,158 @@ TEST_CASE("simulate: a host-mirror refresh costs what the transfer planner gives
     }
   }
   CHECK(compared > 0); // some strategy did read the mirror
+TEST_CASE("simulate: the offloaded optimizer step is gradients down, CPU Adam shared by the node, weights up") {
+  Case c = small_case(17);
+  const std::vector<SimStrategy> st{parse_sim_strategy("static")};
+  const SimResult gpu = simulate(c.cfg, c.loads, c.steps, st)[0];
+  SimConfig off = c.cfg;
+  off.optimizer_offload = true;
+  const SimResult cpu = simulate(off, c.loads, c.steps, st)[0];
+  // 4 GPUs of 4 experts per layer each (one EP group: no copies to partition them over), and a quarter (ZeRO's
+  // partition over the 4 data-parallel ranks) of the dense parts of 4 layers, embedding and head.
+  const double params = 4.0 * 4 * 3 * 256 * 128 + (4 * 19136512.0 + 2 * 151936.0 * 256) / 4;
+  const double pcie = off.cost.move.host.gb_per_s * 1e9, lat = off.cost.move.host.latency_us * 1e-6;
+  const double expected = lat + params * 4 / pcie + params * 2 / off.cost.move.host.gb_per_s / 1e9 + lat +
+                          params * 2 /* GPUs per node */ / (off.cost.cpu_adam_gparams_per_s * 1e9);
+  CHECK(cpu.breakdown.optimizer == doctest::Approx(expected).epsilon(1e-12));
+  CHECK(cpu.breakdown.optimizer > gpu.breakdown.optimizer); // the HBM step was an undercount
+  CHECK(cpu.step_seconds - cpu.breakdown.optimizer ==
+        doctest::Approx(gpu.step_seconds - gpu.breakdown.optimizer).epsilon(1e-12));
+  // A slower CPU or a narrower PCIe link is never faster.
+  SimConfig slow = off;
+  slow.cost.cpu_adam_gparams_per_s /= 2;
+  CHECK(simulate(slow, c.loads, c.steps, st)[0].step_seconds > cpu.step_seconds);
+  slow = off;
+  slow.cost.move.host.gb_per_s /= 2;
+  CHECK(simulate(slow, c.loads, c.steps, st)[0].step_seconds > cpu.step_seconds);
+  slow.cost.cpu_adam_gparams_per_s = 0;
+  CHECK_THROWS_WITH_AS((void)simulate(slow, c.loads, c.steps, st),
+                       doctest::Contains("cpu_adam_gparams_per_s must be positive and finite, got 0"), Error);
+}
+
+namespace {
+/// `small_case` with room for every expert on one GPU pair (a pipeline stage of 2 GPUs holds 8 owners each).
+Case parallel_case(std::uint64_t seed) {
+  Case c = small_case(seed, 3); // two counted steps: the figures are means over them
+  c.cfg.topo.slots_per_gpu = 10;
+  return c;
+}
+} // namespace
+
+TEST_CASE("simulate: pipeline and tensor parallelism keep ideal the lower bound and the breakdown whole (property)") {
+  const int rounds = 4 * foremoe_test::seed_multiplier();
+  const auto strategies = all_strategies();
+  for (int r = 0; r < rounds; ++r) {
+    Case c = parallel_case(300 + r);
+    std::mt19937_64 rng(300 + r);
+    c.cfg.pipeline_stages = std::array{1, 2, 4}[rng() % 3];
+    // 4 stages of 2 GPUs (of one GPU, EP 1, `ideal` charges all 16 experts active while a plan skips idle ones).
+    if (c.cfg.pipeline_stages == 4) c.cfg.topo = Topology{2, 4, 10};
+    c.cfg.tensor_parallel = 1 + static_cast<int>(rng() % 2);
+    c.cfg.minibatches_per_step = 1 + static_cast<int>(rng() % 2);
+    c.cfg.a2a_overlap = static_cast<double>(rng() % 3) * 0.5;
+    CAPTURE(r);
+    CAPTURE(c.cfg.pipeline_stages);
+    CAPTURE(c.cfg.tensor_parallel);
+    const auto res = simulate(c.cfg, c.loads, c.steps, strategies);
+    const SimResult &ideal = result_of(res, "ideal");
+    for (const SimResult &x : res) {
+      CAPTURE(x.strategy);
+      CHECK(x.step_seconds >= ideal.step_seconds * (1 - 1e-12));
+      CHECK(x.breakdown.total() == doctest::Approx(x.step_seconds));
+      CHECK((x.breakdown.pipeline > 0) == (c.cfg.pipeline_stages > 1));
+      CHECK((x.breakdown.tp_comm > 0) == (c.cfg.tensor_parallel > 1));
+    }
+  }
+}
+
+TEST_CASE("simulate: a pipeline's bubble grows with fewer micro-batches per flush, and never makes a step faster") {
+  for (int r = 0; r < 3 * foremoe_test::seed_multiplier(); ++r) {
+    Case c = parallel_case(400 + r);
+    c.cfg.pipeline_stages = 2;
+    c.cfg.optimizer_traffic_bytes_per_param = 0; // the optimizer grows with the mini-batches too: leave it out
+    const std::vector<SimStrategy> st{parse_sim_strategy("static"), parse_sim_strategy("foremoe"),
+                                      parse_sim_strategy("ideal")};
+    const auto one = simulate(c.cfg, c.loads, c.steps, st);
+    SimConfig more = c.cfg;
+    more.minibatches_per_step = 2; // half the micro-batches per pipeline flush in the update stage
+    const auto two = simulate(more, c.loads, c.steps, st);
+    for (std::size_t i = 0; i < st.size(); ++i) {
+      CAPTURE(st[i].name);
+      CHECK(two[i].breakdown.pipeline > one[i].breakdown.pipeline);
+      CHECK(two[i].step_seconds > one[i].step_seconds);
+    }
+    // The bubble is (PP - 1) / m of the pipeline's time: for `ideal` (no stall) at 2 even stages of 2 layers,
+    // the update stage's part is (PP - 1) / M x its micro-steps' time.
+    const SimResult &id = one[2];
+    CHECK(id.breakdown.pipeline > 0);
+  }
+  // Without a pipeline nothing changes: PP 1 is the model without it, to the bit.
+  Case c = parallel_case(7);
+  const auto strategies = all_strategies();
+  SimConfig explicit_one = c.cfg;
+  explicit_one.pipeline_stages = 1;
+  explicit_one.tensor_parallel = 1;
+  const auto a = simulate(c.cfg, c.loads, c.steps, strategies),
+             b = simulate(explicit_one, c.loads, c.steps, strategies);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    CHECK(a[i].step_seconds == b[i].step_seconds);
+    CHECK(a[i].breakdown.pipeline == 0.0);
+    CHECK(a[i].breakdown.tp_comm == 0.0);
+  }
+}
+
+TEST_CASE("simulate: a pipeline stage holds its own layers' experts; TP splits the dense weights and adds its "
+          "collectives") {
+  Case c = parallel_case(9);
+  const std::vector<SimStrategy> st{parse_sim_strategy("static")};
+  SimConfig ep2 = c.cfg;
+  ep2.ep_size = 2; // the same EP group with and without the pipeline
+  const SimResult flat = simulate(ep2, c.loads, c.steps, st)[0];
+  SimConfig pp = ep2;
+  pp.pipeline_stages = 2;
+  const SimResult piped = simulate(pp, c.loads, c.steps, st)[0];
+  // Half the layers per GPU: half the expert weights, gradients and optimizer state.
+  CHECK(piped.memory.weights == doctest::Approx(flat.memory.weights / 2));
+  CHECK(piped.memory.optimizer == doctest::Approx(flat.memory.optimizer / 2));
+  // TP: the dense weight stream over T, plus 4 collectives per layer and pass.
+  SimConfig tp = c.cfg;
+  tp.tensor_parallel = 2;
+  const SimResult t2 = simulate(tp, c.loads, c.steps, st)[0], t1 = simulate(c.cfg, c.loads, c.steps, st)[0];
+  CHECK(t2.breakdown.dense < t1.breakdown.dense);
+  CHECK(t2.breakdown.tp_comm > 0);
+  CHECK(tp.tp_collectives_seconds(100) ==
+        doctest::Approx(4 * (tp.cost.a2a.intra_latency_us * 1e-6 + tp.cost.a2a.per_message_us * 1e-6 +
+                             2 * 100.0 * 256 * 2 / 2 / (tp.cost.a2a.intra_gb_per_s * 1e9))));
+  // Layers split as evenly as possible: the first L % PP stages one more.
+  SimConfig five = c.cfg;
+  five.model.num_layers = 11;
+  five.pipeline_stages = 4;
+  CHECK(std::vector<int>{five.stage_first_layer(0), five.stage_first_layer(1), five.stage_first_layer(2),
+                         five.stage_first_layer(3), five.stage_first_layer(4)} == std::vector<int>{0, 3, 6, 9, 11});
+}
+
+TEST_CASE("simulate: bad pipeline and tensor-parallel sizes are errors naming the value") {
+  Case c = parallel_case(3);
+  const std::vector<SimStrategy> st{parse_sim_strategy("static")};
+  auto err = [&](int pp, int tp) {
+    SimConfig x = c.cfg;
+    x.pipeline_stages = pp;
+    x.tensor_parallel = tp;
+    try {
+      (void)simulate(x, c.loads, c.steps, st);
+    } catch (const Error &e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(err(3, 1).find("pipeline_stages 3 does not divide 4 GPUs") != std::string::npos);
+  CHECK(err(0, 1).find("pipeline_stages must be in [1, 4] (one MoE layer per stage at least), got 0") !=
+        std::string::npos);
+  CHECK(err(8, 1).find("got 8") != std::string::npos);
+  CHECK(err(1, 3).find("tensor_parallel 3 must divide the 2 GPUs of a node") != std::string::npos);
+  CHECK(err(1, 4).find("tensor_parallel 4 must divide") != std::string::npos);
+  CHECK(err(1, 0).find("tensor_parallel 0") != std::string::npos);
+  CHECK(err(4, 2).find("tensor_parallel 2 does not divide the 1 GPUs of a pipeline stage") != std::string::npos);
+  CHECK(err(2, 2).empty());
 }

@@ -5,6 +5,7 @@
 // and not the simulator's (it reads the config layer's settings and documents, which sit above sim/). The Python
 // extension compiles the CLI in and has this folder on its include path, so both front ends share this one copy.
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -16,6 +17,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -92,17 +94,30 @@ struct SimulateBatch {
 /// The GRPO batch of `s` for an EP group size `ep`, its tokens counted by source in blocks of `ranks_per_source`
 /// ranks (`ep` for the configured deployment; a divisor of several searched EP sizes, whose groups' loads are sums
 /// of its sources), with `microbatch` tokens per GPU per micro-batch (0: the batch's).
+///
+/// With `pipeline_stages` P and `tensor_parallel` T (default: the configured ones) the batch's ranks are the
+/// `G / (P T)` data-parallel ranks of the dense part (Megatron-core's MoE parallel folding): each holds its own
+/// micro-batches of `microbatch` tokens (verl's per-rank dynamic batch size), a micro-step is one micro-batch of
+/// every rank, and an EP group of `ep` GPUs in a stage carries `ep / T` ranks' tokens (sources only when T divides
+/// the group sizes; else the groups split the loads evenly).
 [[nodiscard]] inline SimulateBatch simulate_batch(const config::SimulateSettings &s, int ep, int ranks_per_source,
-                                                  std::int64_t microbatch = 0) {
+                                                  std::int64_t microbatch = 0, int pipeline_stages = 0,
+                                                  int tensor_parallel = 0) {
+  const int P = pipeline_stages > 0 ? pipeline_stages : s.sim.pipeline_stages;
+  const int T = tensor_parallel > 0 ? tensor_parallel : s.sim.tensor_parallel;
   SimulateBatch b;
   b.config = s.batch;
   b.config.num_steps += s.sim.warmup_steps;
   if (microbatch > 0) b.config.microbatch_tokens_per_gpu = microbatch;
+  const int ranks = s.sim.topo.num_gpus() / (P * T); // data-parallel ranks (every GPU without P and T)
+  if (P * T > 1) b.config.num_gpus = ranks;
   b.config.validate();
-  b.by_source = ranks_per_source < s.sim.topo.num_gpus();
-  b.ranks_per_source = b.by_source ? ranks_per_source : 1;
+  const int rps = ranks_per_source % T == 0 ? ranks_per_source / T : ranks; // in ranks
+  b.by_source = rps < ranks;
+  b.ranks_per_source = b.by_source ? rps : 1;
   // Each EP group re-packs its own sequences: its ranks' micro-batches make its micro-steps.
-  if (ep < s.sim.topo.num_gpus() && b.config.packing != BatchPacking::none) b.config.packing_ranks = ep;
+  if (ep < s.sim.topo.num_gpus() / P && b.config.packing != BatchPacking::none)
+    b.config.packing_ranks = std::max(1, ep / T);
   b.key = synthetic_cache_key(b.config, b.by_source, b.ranks_per_source);
   return b;
 }
@@ -175,19 +190,24 @@ struct OwnedLoads {
   // One batch per micro-batch size serves every EP size when the groups' loads are sums of its sources (the GRPO
   // batch without per-group packing): counted by source at the gcd of the EP sizes below the cluster.
   const bool per_ep = parse_workload(s.workload).kind != WorkloadKind::grpo || s.batch.packing != BatchPacking::none;
-  int rps = G;
-  for (const Deployment &d : candidates)
-    if (d.ep_size < G) rps = std::gcd(rps, d.ep_size);
+  // Per (pipeline stages, tensor parallel): the gcd of the EP sizes below a stage's GPUs.
+  std::map<std::pair<int, int>, int> rps_of;
+  for (const Deployment &d : candidates) {
+    const int stage = G / d.pipeline_stages;
+    int &r = rps_of.try_emplace({d.pipeline_stages, d.tensor_parallel}, stage).first->second;
+    if (d.ep_size < stage) r = std::gcd(r, d.ep_size);
+  }
   const std::string configured_key = simulate_batch(s).key;
   // Per (micro-batch, EP size or 0 when one batch serves every EP size): the loads made, or why they could not be.
-  std::map<std::pair<std::int64_t, int>, OwnedLoads> made; // node-based: the loads stay where they are
-  std::map<std::pair<std::int64_t, int>, std::string> failed;
+  using BatchKey = std::tuple<std::int64_t, int, int, int>; // micro-batch, EP size (or 0), PP, TP
+  std::map<BatchKey, OwnedLoads> made;                      // node-based: the loads stay where they are
+  std::map<BatchKey, std::string> failed;
   std::vector<Deployment> kept;
   std::vector<DeploymentLoads> kept_loads;
   std::vector<std::pair<Deployment, std::string>> skipped;
   // Loads first, so that a deployment whose loads cannot be made is left out (with its reason), not the search.
   for (const Deployment &d : candidates) {
-    const std::pair<std::int64_t, int> key{d.microbatch_tokens, per_ep ? d.ep_size : 0};
+    const BatchKey key{d.microbatch_tokens, per_ep ? d.ep_size : 0, d.pipeline_stages, d.tensor_parallel};
     if (const auto f = failed.find(key); f != failed.end()) {
       skipped.emplace_back(d, f->second);
       continue;
@@ -198,8 +218,9 @@ struct OwnedLoads {
     } else if (const auto it = made.find(key); it != made.end()) {
       dl = {&it->second.loads, it->second.step_offsets};
     } else {
-      const SimulateBatch batch = per_ep ? simulate_batch(s, d.ep_size, d.ep_size, d.microbatch_tokens)
-                                         : simulate_batch(s, G, rps, d.microbatch_tokens);
+      const int P = d.pipeline_stages, T = d.tensor_parallel;
+      const SimulateBatch batch = per_ep ? simulate_batch(s, d.ep_size, d.ep_size, d.microbatch_tokens, P, T)
+                                         : simulate_batch(s, G / P, rps_of.at({P, T}), d.microbatch_tokens, P, T);
       if (configured != nullptr && batch.key == configured_key && (!per_ep || d.ep_size == s.sim.effective_ep_size())) {
         dl = *configured; // the configured deployment's own batch, already made
       } else {

@@ -239,9 +239,11 @@ inline void result_figures_json(json::Value &d, const SimResult &r) {
 /// A deployment as JSON fields of `j`.
 inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   j["ep_size"] = d.ep_size;
-  j["num_ep_groups"] = num_gpus / d.ep_size;
+  j["num_ep_groups"] = num_gpus / d.pipeline_stages / d.ep_size; // per pipeline stage
   j["slots"] = d.slots;
   j["microbatch_tokens"] = d.microbatch_tokens; // 0: the loads as given
+  j["pipeline_stages"] = d.pipeline_stages;
+  j["tensor_parallel"] = d.tensor_parallel;
 }
 
 /// The deployment search's part of the results document: each strategy's best deployment and every run.
@@ -340,7 +342,9 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   j["rollout_share"] = s.sim.rollout_share;
   j["gpu_memory_gb"] = s.sim.gpu_memory_gb;
   j["ep_size"] = s.sim.effective_ep_size();
-  j["num_ep_groups"] = s.sim.topo.num_gpus() / s.sim.effective_ep_size();
+  j["num_ep_groups"] = s.sim.stage_gpus() / s.sim.effective_ep_size(); // per pipeline stage
+  j["pipeline_stages"] = s.sim.pipeline_stages;
+  j["tensor_parallel"] = s.sim.tensor_parallel;
   json::Value list = json::Array{};
   for (const auto &r : res) {
     json::Value d;
@@ -412,7 +416,11 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
       << " of " << c.model.num_layers << " MoE layers x " << c.model.num_experts << " experts, top-" << c.model.topk
       << ", on " << c.topo.num_nodes << " x " << c.topo.gpus_per_node << " GPUs";
   const std::int64_t ep = doc.find("ep_size")->as_integer(), groups = doc.find("num_ep_groups")->as_integer();
-  if (groups > 1) out << " (" << groups << " data-parallel EP groups of " << ep << " GPUs)";
+  const std::int64_t pp = doc.find("pipeline_stages")->as_integer(), tp = doc.find("tensor_parallel")->as_integer();
+  if (pp > 1) out << " in " << pp << " pipeline stages";
+  if (tp > 1) out << ", dense part tensor-parallel over " << tp;
+  if (groups > 1)
+    out << " (" << groups << " data-parallel EP groups of " << ep << " GPUs" << (pp > 1 ? " per stage" : "") << ")";
   out << " with " << c.topo.slots_per_gpu << " slots per GPU per layer";
   if (s.workload != "grpo") out << ", workload " << s.workload;
   if (s.batch.packing == BatchPacking::tokens) out << ", micro-batches packed by tokens";
@@ -494,7 +502,10 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
         << std::setw(10) << f("step_seconds") << std::setw(9) << f("imbalance_median") << std::setprecision(1)
         << std::setw(11) << f("moved_gb") << std::setw(9) << f("peak_memory_gb") << std::setw(11)
         << ratio_text(f("speedup_over_static")) << std::setw(9) << ratio_text(f("speedup_over_eplb")) << std::setw(12)
-        << ratio_text(f("foremoe_speedup")) << "\n";
+        << ratio_text(f("foremoe_speedup"));
+    const std::int64_t pp = r.find("pipeline_stages")->as_integer(), tp = r.find("tensor_parallel")->as_integer();
+    if (pp != 1 || tp != 1) out << "  PP " << pp << " TP " << tp;
+    out << "\n";
   }
   for (const json::Value &k : best.find("skipped")->as_array())
     out << "left out: EP " << k.find("ep_size")->as_integer() << ", " << k.find("reason")->as_string() << "\n";

@@ -719,6 +719,23 @@ template <class I>
                                            : parse_int_list<std::int64_t>(v.as_string(), 1, std::int64_t{1} << 30);
         }));
     o.back().metavar = "batch|N,N,...";
+    for (const char *dim : {"pipeline_stages", "tensor_parallel"}) {
+      const bool pp = dim == std::string_view("pipeline_stages");
+      o.push_back(bound<S>(
+          std::string("search.") + dim, Type::string,
+          pp ? "pipeline stages to search, comma-separated (config: the configured sim.pipeline_stages only)"
+             : "tensor-parallel sizes of the dense part to search, comma-separated (config: the configured "
+               "sim.tensor_parallel only)",
+          [pp](const S &x) {
+            const std::vector<int> &v = pp ? x.search.pipeline_stages : x.search.tensor_parallel;
+            return json::Value(v.empty() ? "config" : int_list_text(v));
+          },
+          [pp](S &x, const json::Value &v) {
+            std::vector<int> &dst = pp ? x.search.pipeline_stages : x.search.tensor_parallel;
+            dst = v.as_string() == "config" ? std::vector<int>{} : parse_int_list<int>(v.as_string(), 1, 4096);
+          }));
+      o.back().metavar = "config|N,N,...";
+    }
     for (Option<S> &opt : o)
       if (opt.key == "batch.steps")
         opt.help = "RL steps to simulate and count (the generator adds sim.warmup_steps warm-up steps in front)";
@@ -828,6 +845,16 @@ template <class I>
     o.push_back(boolean<S>(
         "sim.optimizer_offload", "optimizer state in host memory: not counted in GPU memory",
         [](auto &x) -> auto & { return x.sim.optimizer_offload; }));
+    o.push_back(integer<S>(
+        "sim.pipeline_stages", 1, 4096,
+        "pipeline-parallel stages: each GPU runs the MoE layers of one stage (split as evenly as possible, the first "
+        "stages one more), 1F1B bubble (PP-1)/m, activations sent between stages; must divide the GPUs (1: none)",
+        [](auto &x) -> auto & { return x.sim.pipeline_stages; }));
+    o.push_back(integer<S>(
+        "sim.tensor_parallel", 1, 4096,
+        "tensor parallelism of the attention and dense part (Megatron sequence parallel, inside a node; experts stay "
+        "EP); must divide the GPUs of a node (1: none)",
+        [](auto &x) -> auto & { return x.sim.tensor_parallel; }));
     o.push_back(number<S>(
         "sim.gpu_memory_gb", 1e-3, 1e6,
         "GPU memory in GB (H200: 141); a strategy whose peak per-GPU memory exceeds it is an error",
@@ -887,6 +914,11 @@ template <class I>
     cost(
         "grad_add_gb_per_s", min_gb_per_s, max_gb_per_s, "replica gradient accumulate GB/s",
         [](auto &x) -> auto & { return x.sim.cost.grad.add_gb_per_s; });
+    cost(
+        "cpu_adam_gparams_per_s", 1e-6, 1e6,
+        "CPU Adam billions of parameters per second per node, with sim.optimizer_offload (ZeRO-Offload's CPU-Adam: "
+        "3.9)",
+        [](auto &x) -> auto & { return x.sim.cost.cpu_adam_gparams_per_s; });
     return Schema<S>("simulate", std::move(o));
   }();
   return s;

@@ -174,6 +174,12 @@ struct CostParams {
   AllToAllParams a2a{};
   MoveParams move{};
   GradReduceParams grad{};
+  /// CPU Adam throughput of one node's CPUs, billions of parameters per second, for the optimizer step with the
+  /// state offloaded (`SimConfig::optimizer_offload`). 3.9: ZeRO-Offload's CPU-Adam stepped 10B parameters in
+  /// 2.57 s (Ren et al. 2021, "ZeRO-Offload", arXiv:2101.06840, sec. 6, the CPU-Adam against PyTorch CPU Adam
+  /// latency table; one DGX-2 node's CPUs). An older node's CPUs than an H200 node's: the figure is a cited
+  /// measurement, not this cluster's.
+  double cpu_adam_gparams_per_s = 3.9;
 
   /// Throws `Error` naming the first invalid field.
   void validate() const {
@@ -184,6 +190,8 @@ struct CostParams {
     a2a.validate();
     move.validate();
     grad.validate();
+    detail::require(std::isfinite(cpu_adam_gparams_per_s) && cpu_adam_gparams_per_s > 0,
+                    "CostParams: cpu_adam_gparams_per_s must be positive and finite, got ", cpu_adam_gparams_per_s);
   }
 };
 

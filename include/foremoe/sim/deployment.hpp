@@ -48,6 +48,8 @@ struct DeploymentSpace {
   std::vector<int> ep_sizes;                   ///< empty: whole-node divisors of the cluster (file comment)
   std::vector<int> spare_slots{0, 1, 2, 4};    ///< spare slots per GPU per layer above the owners
   std::vector<std::int64_t> microbatch_tokens; ///< empty: the batch's own (0 in the results: loads as given)
+  std::vector<int> pipeline_stages;            ///< empty: the configured `SimConfig::pipeline_stages` only
+  std::vector<int> tensor_parallel;            ///< empty: the configured `SimConfig::tensor_parallel` only
   int threads = 0;                             ///< candidates simulated at once (0: the hardware's threads)
 };
 
@@ -56,25 +58,31 @@ struct Deployment {
   int ep_size = 0;                    ///< GPUs per EP group (the rest are data-parallel copies)
   int slots = 0;                      ///< expert slots per GPU per layer
   std::int64_t microbatch_tokens = 0; ///< tokens per GPU per micro-batch (0: the loads as given)
+  int pipeline_stages = 1;            ///< `SimConfig::pipeline_stages`
+  int tensor_parallel = 1;            ///< `SimConfig::tensor_parallel`
   friend bool operator==(const Deployment &, const Deployment &) = default;
 };
 
-/// The EP sizes of the space for `cfg` (the configured one included), ascending.
-[[nodiscard]] inline std::vector<int> deployment_ep_sizes(const SimConfig &cfg, const DeploymentSpace &space) {
-  const int G = cfg.topo.num_gpus(), gpn = cfg.topo.gpus_per_node, E = cfg.model.num_experts;
+/// The EP sizes of the space for `cfg` (the configured one included), ascending; with `pipeline_stages` > 1 those of
+/// one stage's GPUs (an EP size that does not divide them is left out).
+[[nodiscard]] inline std::vector<int> deployment_ep_sizes(const SimConfig &cfg, const DeploymentSpace &space,
+                                                          int pipeline_stages = 1) {
+  const int G = cfg.topo.num_gpus() / pipeline_stages, gpn = cfg.topo.gpus_per_node, E = cfg.model.num_experts;
   std::vector<int> out;
   if (space.ep_sizes.empty()) {
     for (int d = gpn; d <= G; d += gpn)
       if (G % d == 0 && d <= E) out.push_back(d);
   } else {
     for (const int ep : space.ep_sizes) {
+      if (pipeline_stages > 1 && ep > 0 && G % ep != 0) continue;
       detail::require(ep > 0 && G % ep == 0 && ep <= E && (ep % gpn == 0 || gpn % ep == 0),
                       "deployment search: EP size ", ep, " is not a group of whole nodes (or part of one node of ", gpn,
                       " GPUs) dividing ", G, " GPUs with at most ", E, " experts");
       out.push_back(ep);
     }
   }
-  out.push_back(cfg.effective_ep_size());
+  if (pipeline_stages == cfg.pipeline_stages || G % cfg.effective_ep_size() == 0)
+    out.push_back(cfg.effective_ep_size());
   std::sort(out.begin(), out.end());
   out.erase(std::unique(out.begin(), out.end()), out.end());
   return out;
@@ -103,11 +111,25 @@ struct Deployment {
       space.microbatch_tokens.empty() ? std::vector<std::int64_t>{microbatch} : space.microbatch_tokens;
   std::sort(mbs.begin(), mbs.end());
   mbs.erase(std::unique(mbs.begin(), mbs.end()), mbs.end());
+  const std::vector<int> pps =
+      space.pipeline_stages.empty() ? std::vector<int>{cfg.pipeline_stages} : space.pipeline_stages;
+  const std::vector<int> tps =
+      space.tensor_parallel.empty() ? std::vector<int>{cfg.tensor_parallel} : space.tensor_parallel;
+  const int G = cfg.topo.num_gpus();
+  for (const int pp : pps)
+    detail::require(pp >= 1 && pp <= cfg.model.num_layers && G % pp == 0, "deployment search: ", pp,
+                    " pipeline stages do not divide ", G, " GPUs into stages of at least one of ", cfg.model.num_layers,
+                    " layers");
+  for (const int tp : tps)
+    detail::require(tp >= 1 && cfg.topo.gpus_per_node % tp == 0, "deployment search: tensor-parallel size ", tp,
+                    " does not divide the ", cfg.topo.gpus_per_node, " GPUs of a node");
   std::vector<Deployment> out;
   for (const std::int64_t mb : mbs)
-    for (const int ep : deployment_ep_sizes(cfg, space))
-      for (const int slots : deployment_slots(cfg, space, ep))
-        out.push_back({ep, slots, mb});
+    for (const int pp : pps)
+      for (const int tp : tps)
+        for (const int ep : deployment_ep_sizes(cfg, space, pp))
+          for (const int slots : deployment_slots(cfg, space, ep))
+            out.push_back({ep, slots, mb, pp, tp});
   detail::require(out.size() <= max_deployment_candidates, "deployment search: ", out.size(),
                   " deployments (micro-batch sizes x EP sizes x slot counts) are more than ", max_deployment_candidates,
                   "; give fewer search.ep_sizes, search.spare_slots or search.microbatches");
@@ -145,6 +167,8 @@ struct DeploymentSearch {
 [[nodiscard]] inline SimConfig deployed(SimConfig cfg, const Deployment &d) {
   cfg.ep_size = d.ep_size;
   cfg.topo.slots_per_gpu = d.slots;
+  cfg.pipeline_stages = d.pipeline_stages;
+  cfg.tensor_parallel = d.tensor_parallel;
   return cfg;
 }
 
@@ -199,8 +223,8 @@ struct DeploymentSearch {
     int &b = out.best[t % S];
     // Ties: the smaller EP size, then fewer slots, then the smaller micro-batch (file comment).
     auto key = [&](const DeploymentRun &x) {
-      return std::tuple(x.result.step_seconds, x.deployment.ep_size, x.deployment.slots,
-                        x.deployment.microbatch_tokens);
+      return std::tuple(x.result.step_seconds, x.deployment.ep_size, x.deployment.slots, x.deployment.microbatch_tokens,
+                        x.deployment.pipeline_stages, x.deployment.tensor_parallel);
     };
     if (b < 0 || key(r) < key(out.runs[static_cast<std::size_t>(b)])) b = static_cast<int>(t);
   }

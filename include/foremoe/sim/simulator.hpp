@@ -187,6 +187,15 @@ struct SimConfig {
   /// K = 12 (Rajbhandari et al. 2020, ZeRO, sec. 3.1; mixed-precision Adam is 2 + 2 + K bytes per parameter).
   double optimizer_bytes_per_param = 12.0;
   bool optimizer_offload = false; ///< optimizer state in host memory (ZeRO-Offload), not counted on the GPU
+  /// Pipeline-parallel stages (PP): each GPU runs the MoE layers of one stage, split as evenly as possible (the
+  /// first `L % PP` stages one layer more; the slowest stage sets the time), with the 1F1B bubble `(PP - 1) / m` of
+  /// the pipeline's ideal time for `m` micro-batches (Narayanan et al. 2021, arXiv:2104.04473, sec. 2.2) and the
+  /// activations sent point-to-point between stages. 1: no pipeline (`docs/simulator.md`).
+  int pipeline_stages = 1;
+  /// Tensor parallelism (TP) of the attention and dense part (Megatron sequence parallel: the dense weights split
+  /// over TP GPUs, 2 all-gathers + 2 reduce-scatters of the activations per layer and pass); experts stay EP
+  /// (expert-TP 1, Megatron-core's MoE parallel folding). 1: none.
+  int tensor_parallel = 1;
   /// Memory per GPU in GB (1e9 bytes): an H200 SXM's 141 GB of HBM3e (NVIDIA H200 datasheet). A strategy whose
   /// peak (`SimMemory`) exceeds it is an error naming the parts.
   double gpu_memory_gb = 141.0;
@@ -205,12 +214,50 @@ struct SimConfig {
   /// Forward seconds of one layer's attention and dense parts on a GPU processing `tokens_per_gpu` tokens.
   /// From the shape: `launch + params x 2 B / (hbm x hbm_eff) + tokens x (2 params + 4 context attention_dim) /
   /// (peak_bf16 x dense_efficiency)`; else `launch + tokens x per_token_us`.
+  /// With `tensor_parallel` T > 1 a TP group of T GPUs runs the layer on its T x `tokens_per_gpu` tokens, each GPU
+  /// one T-th of the FLOPs and of the weights: the per-token term is the same per GPU, the weight stream / T.
   [[nodiscard]] double dense_forward_seconds(double tokens_per_gpu) const {
     const double launch = cost.dense.launch_us * 1e-6;
     if (!dense_from_shape) return launch + cost.dense.per_token_us * 1e-6 * tokens_per_gpu;
     const double flops = 2.0 * dense.params + 4.0 * dense.context * dense.attention_dim;
-    const double weights = dense.params * 2.0 / (cost.gemm.hbm_tb_per_s * 1e12 * cost.gemm.hbm_efficiency);
+    double weights = dense.params * 2.0 / (cost.gemm.hbm_tb_per_s * 1e12 * cost.gemm.hbm_efficiency);
+    if (tensor_parallel > 1) weights /= tensor_parallel;
     return launch + weights + tokens_per_gpu * flops / (cost.gemm.peak_tflops_bf16 * 1e12 * dense_efficiency);
+  }
+
+  /// Seconds of one layer pass's tensor-parallel collectives on a GPU holding `tokens_per_gpu` tokens (0 without
+  /// TP): Megatron's sequence parallelism runs 2 all-gathers and 2 reduce-scatters of the TP group's activations
+  /// (T x tokens_per_gpu x hidden x activation_bytes) per layer and pass (Korthikanti et al. 2022, arXiv:2205.05198,
+  /// sec. 4.2.2), each timed by the NCCL NVLink fit of the all-to-all (`cost.a2a`: latency + per_message (T - 1) +
+  /// S (T - 1) / T / bw, fitted on shared/data/h200-nccl.csv's alltoall rows; the all-gather and reduce-scatter rows
+  /// are not fitted separately: an assumption). TP stays inside a node (NVLink).
+  [[nodiscard]] double tp_collectives_seconds(double tokens_per_gpu) const {
+    if (tensor_parallel <= 1 || tokens_per_gpu <= 0) return 0.0;
+    const double T = tensor_parallel;
+    const double bytes = T * tokens_per_gpu * static_cast<double>(model.hidden) * activation_bytes;
+    const double one = cost.a2a.intra_latency_us * 1e-6 + cost.a2a.per_message_us * 1e-6 * (T - 1) +
+                       bytes * (T - 1) / T / (cost.a2a.intra_gb_per_s * 1e9);
+    return 4.0 * one;
+  }
+
+  /// GPUs of one pipeline stage: the cluster's over `pipeline_stages`.
+  [[nodiscard]] int stage_gpus() const { return topo.num_gpus() / std::max(1, pipeline_stages); }
+
+  /// First layer of pipeline stage `s` (`s = pipeline_stages`: the layer count): the layers split as evenly as
+  /// possible, the first `L % PP` stages holding one more.
+  [[nodiscard]] int stage_first_layer(int s) const {
+    const int P = std::max(1, pipeline_stages), L = model.num_layers;
+    return s * (L / P) + std::min(s, L % P);
+  }
+
+  /// Seconds of one point-to-point send of a micro-batch's activations between pipeline stages, per GPU
+  /// (`tokens_per_gpu x hidden x activation_bytes`): over the NIC (`cost.move.gpu_inter`) when a stage fills a node
+  /// or more (neighbouring stages are on different nodes), else NVLink (`cost.move.gpu_intra`). 0 without PP.
+  [[nodiscard]] double pipeline_p2p_seconds(double tokens_per_gpu) const {
+    if (pipeline_stages <= 1 || tokens_per_gpu <= 0) return 0.0;
+    const PathParams &link = stage_gpus() >= topo.gpus_per_node ? cost.move.gpu_inter : cost.move.gpu_intra;
+    return link.latency_us * 1e-6 +
+           tokens_per_gpu * static_cast<double>(model.hidden) * activation_bytes / (link.gb_per_s * 1e9);
   }
 
   /// Forward seconds of the LM head (a vocab x hidden GEMM per token: 2 V H FLOPs at `dense_efficiency` of the
@@ -218,7 +265,8 @@ struct SimConfig {
   [[nodiscard]] double lm_head_forward_seconds(double tokens_per_gpu) const {
     if (dense.vocab <= 0 || tokens_per_gpu <= 0) return 0.0;
     const double vh = dense.vocab * model.hidden;
-    const double weights = vh * 2.0 / (cost.gemm.hbm_tb_per_s * 1e12 * cost.gemm.hbm_efficiency);
+    double weights = vh * 2.0 / (cost.gemm.hbm_tb_per_s * 1e12 * cost.gemm.hbm_efficiency);
+    if (tensor_parallel > 1) weights /= tensor_parallel; // vocabulary-parallel head: a T-th of the weights per GPU
     return weights + tokens_per_gpu * 2.0 * vh / (cost.gemm.peak_tflops_bf16 * 1e12 * dense_efficiency);
   }
 
@@ -235,6 +283,21 @@ struct SimConfig {
            params * optimizer_traffic_bytes_per_param / (cost.gemm.hbm_tb_per_s * 1e12 * cost.gemm.hbm_efficiency);
   }
 
+  /// Seconds of one optimizer step with the state in host memory (`optimizer_offload`, ZeRO-Offload: Ren et al.
+  /// 2021, arXiv:2101.06840, sec. 4): the GPU's `params` gradients go down over its PCIe link (`cost.move.host`, in
+  /// `grad_dtype`), the node's CPU steps them with CPU Adam at `cost.cpu_adam_gparams_per_s` per node, shared by
+  /// the node's `gpus_per_node` GPUs stepping as many each, and the updated bf16 weights come back up; the three
+  /// one after another (no overlap: Megatron-core's `--overlap-cpu-optimizer-d2h-h2d` is opt-in). Plus
+  /// `optimizer_seconds`.
+  [[nodiscard]] double offloaded_optimizer_step_seconds(double params) const {
+    const PathParams &pcie = cost.move.host;
+    const double down =
+        pcie.latency_us * 1e-6 + params * static_cast<double>(dtype_bytes(grad_dtype)) / (pcie.gb_per_s * 1e9);
+    const double up = pcie.latency_us * 1e-6 + params * 2.0 / (pcie.gb_per_s * 1e9);
+    const double cpu = params * topo.gpus_per_node / (cost.cpu_adam_gparams_per_s * 1e9);
+    return optimizer_seconds + down + cpu + up;
+  }
+
   /// Bytes of one token row in the combine and the backward exchanges: `hidden x activation_bytes`.
   [[nodiscard]] double row_bytes() const { return static_cast<double>(model.hidden) * activation_bytes; }
 
@@ -248,7 +311,10 @@ struct SimConfig {
 
   /// The EP group size in use: `ep_size`, or `default_ep_size` of the cluster and the experts.
   [[nodiscard]] int effective_ep_size() const {
-    return ep_size > 0 ? ep_size : default_ep_size(topo.num_gpus(), model.num_experts);
+    if (ep_size > 0) return ep_size;
+    if (pipeline_stages > 1 && pipeline_stages <= topo.num_gpus() && topo.num_gpus() % pipeline_stages == 0)
+      return default_ep_size(stage_gpus(), model.num_experts); // the EP groups of one stage
+    return default_ep_size(topo.num_gpus(), model.num_experts);
   }
 
   void validate() const {
@@ -258,9 +324,20 @@ struct SimConfig {
     detail::require(ep_size >= 0, "SimConfig: ep_size must be >= 0 (0: the default), got ", ep_size);
     detail::require(ep_size <= model.num_experts, "SimConfig: an EP group of ", ep_size, " GPUs for ",
                     model.num_experts, " experts would leave GPUs without an expert (ep_size <= experts)");
+    detail::require(pipeline_stages >= 1 && pipeline_stages <= model.num_layers,
+                    "SimConfig: pipeline_stages must be in [1, ", model.num_layers,
+                    "] (one MoE layer per stage at least), got ", pipeline_stages);
+    detail::require(topo.num_gpus() % pipeline_stages == 0, "SimConfig: pipeline_stages ", pipeline_stages,
+                    " does not divide ", topo.num_gpus(), " GPUs (every stage has as many GPUs)");
+    detail::require(tensor_parallel >= 1 && tensor_parallel <= topo.gpus_per_node &&
+                        topo.gpus_per_node % tensor_parallel == 0,
+                    "SimConfig: tensor_parallel ", tensor_parallel, " must divide the ", topo.gpus_per_node,
+                    " GPUs of a node (TP stays on NVLink)");
+    detail::require(stage_gpus() % tensor_parallel == 0, "SimConfig: tensor_parallel ", tensor_parallel,
+                    " does not divide the ", stage_gpus(), " GPUs of a pipeline stage");
     const int ep = effective_ep_size();
-    detail::require(topo.num_gpus() % ep == 0, "SimConfig: EP group size ", ep, " does not divide ", topo.num_gpus(),
-                    " GPUs");
+    detail::require(stage_gpus() % ep == 0, "SimConfig: EP group size ", ep, " does not divide ", stage_gpus(),
+                    pipeline_stages > 1 ? " GPUs of a pipeline stage" : " GPUs");
     ep_group_topology(topo, ep).validate(model.num_experts);
     detail::require(warmup_steps >= 0, "SimConfig: warmup_steps must be >= 0, got ", warmup_steps);
     detail::require(eplb_interval >= 1, "SimConfig: eplb_interval must be >= 1, got ", eplb_interval);
@@ -329,6 +406,8 @@ struct SimBreakdown {
   double stall = 0;          ///< layers waiting for replica weights or gradient returns
   double dp_grad_sync = 0;   ///< expert gradients all-reduced across EP-group copies, not under the backward
   double optimizer = 0;      ///< optimizer steps
+  double tp_comm = 0;        ///< tensor-parallel all-gathers and reduce-scatters of the dense part
+  double pipeline = 0;       ///< pipeline bubble and the activations sent between stages
   [[nodiscard]] double total() const noexcept;
   SimBreakdown &operator+=(const SimBreakdown &o) noexcept;
 };
@@ -341,7 +420,7 @@ struct BreakdownPart {
 };
 
 /// The parts of a breakdown, in the order they add up and are written and stacked (bottom to top).
-inline constexpr std::array<BreakdownPart, 8> breakdown_parts{{
+inline constexpr std::array<BreakdownPart, 10> breakdown_parts{{
     {&SimBreakdown::expert_compute, "expert_compute", "expert compute (slowest GPU)"},
     {&SimBreakdown::all_to_all, "all_to_all", "all-to-all"},
     {&SimBreakdown::dense, "dense", "dense (attention etc.)"},
@@ -350,6 +429,8 @@ inline constexpr std::array<BreakdownPart, 8> breakdown_parts{{
     {&SimBreakdown::stall, "stall", "stall (waiting for weights/gradients)"},
     {&SimBreakdown::dp_grad_sync, "dp_grad_sync", "expert-gradient sync across EP-group copies"},
     {&SimBreakdown::optimizer, "optimizer", "optimizer"},
+    {&SimBreakdown::tp_comm, "tp_comm", "tensor-parallel collectives"},
+    {&SimBreakdown::pipeline, "pipeline", "pipeline bubble and stage sends"},
 }};
 
 inline double SimBreakdown::total() const noexcept {
@@ -428,6 +509,7 @@ namespace detail {
 struct LayerTiming {
   double forward = 0, backward = 0;
   double expert = 0, a2a = 0, dense = 0; ///< the parts of forward + backward (`a2a`: the part not hidden)
+  double tp = 0;                         ///< tensor-parallel collectives, forward + backward
   double a2a_link = 0;                   ///< the whole all-to-all: how long it occupies the links
   double a2a_hidden = 0;                 ///< the part of `a2a_link` hidden under compute
   std::vector<double> move_demand;       ///< per GPU: seconds of incoming moves (max over paths)
@@ -508,7 +590,10 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
   CostParams cost = cfg.cost; // gradients in `grad_dtype`
   cost.grad.grad_bytes_factor = grad_bytes_per_expert / expert_bytes;
 
-  const int num_copies = cfg.topo.num_gpus() / G; // data-parallel copies of this EP group
+  const int num_copies = cfg.stage_gpus() / G; // data-parallel copies of this EP group (in one pipeline stage)
+  const int PP = cfg.pipeline_stages;
+  // Layers of the largest pipeline stage (the first: `SimConfig::stage_first_layer`); L without a pipeline.
+  const int stage_layers = cfg.stage_first_layer(1) - cfg.stage_first_layer(0);
 
   // Tokens of a micro-step (before routing): its assignments over top-k, from layer 0.
   auto tokens_of = [&](int m) { return static_cast<double>(loads.layer_total(m, 0)) / spec.topk; };
@@ -539,36 +624,41 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
   auto memory_of = [&](const std::vector<LayerPlan> *plans, double tokens) {
     SimMemory peak;
     const double per_gpu_tokens = tokens / G;
-    for (int g = 0; g < G; ++g) {
-      double owned = 0, replicas = 0, recv_max = 0;
-      for (int l = 0; l < L; ++l) {
-        if (plans == nullptr) {
-          owned += owners_per_gpu;
-          recv_max = per_gpu_tokens * spec.topk;
-          continue;
+    for (int g = 0; g < G; ++g)
+      for (int st = 0; st < PP; ++st) {
+        // A GPU holds the layers of its pipeline stage (all of them without a pipeline).
+        double owned = 0, replicas = 0, recv_max = 0;
+        for (int l = cfg.stage_first_layer(st); l < cfg.stage_first_layer(st + 1); ++l) {
+          if (plans == nullptr) {
+            owned += owners_per_gpu;
+            recv_max = per_gpu_tokens * spec.topk;
+            continue;
+          }
+          const LayerPlan &lp = (*plans)[l];
+          double recv = 0;
+          for (int s = 0; s < S; ++s) {
+            const std::int32_t e = lp.placement.slot(g, s);
+            if (e == empty_slot) continue;
+            (lp.owner_gpu[e] == g ? owned : replicas) += 1;
+            recv += static_cast<double>(lp.slot_tokens[static_cast<std::size_t>(g) * S + s]);
+          }
+          recv_max = std::max(recv_max, recv);
         }
-        const LayerPlan &lp = (*plans)[l];
-        double recv = 0;
-        for (int s = 0; s < S; ++s) {
-          const std::int32_t e = lp.placement.slot(g, s);
-          if (e == empty_slot) continue;
-          (lp.owner_gpu[e] == g ? owned : replicas) += 1;
-          recv += static_cast<double>(lp.slot_tokens[static_cast<std::size_t>(g) * S + s]);
-        }
-        recv_max = std::max(recv_max, recv);
+        SimMemory m;
+        m.gpu = g;
+        m.weights = (owned + replicas * (cfg.double_buffer ? 2 : 1)) * expert_bytes;
+        m.grads = (owned + replicas) * grad_bytes_per_expert;
+        m.optimizer = cfg.optimizer_offload ? 0.0 : owned * expert_params * cfg.optimizer_bytes_per_param;
+        // Checkpointed layer inputs (full recomputation keeps one H-vector per token and layer: Korthikanti et al.
+        // 2022, "Reducing Activation Recomputation", sec. 4) plus one layer's expert working set for the rows the
+        // GPU receives: dispatched input (H), gate and up outputs (2 I), their product (I), output (H). Under 1F1B
+        // stage s holds PP - s micro-batches in flight (Narayanan et al. 2021, sec. 2.2): PP x the first stage's
+        // layers at most, L without a pipeline.
+        m.activations = (per_gpu_tokens * (PP * stage_layers) * spec.hidden +
+                         recv_max * (2.0 * spec.hidden + 3.0 * spec.expert_ffn)) *
+                        cfg.activation_bytes;
+        if (m.total() > peak.total()) peak = m;
       }
-      SimMemory m;
-      m.gpu = g;
-      m.weights = (owned + replicas * (cfg.double_buffer ? 2 : 1)) * expert_bytes;
-      m.grads = (owned + replicas) * grad_bytes_per_expert;
-      m.optimizer = cfg.optimizer_offload ? 0.0 : owned * expert_params * cfg.optimizer_bytes_per_param;
-      // Checkpointed layer inputs (full recomputation keeps one H-vector per token and layer: Korthikanti et al.
-      // 2022, "Reducing Activation Recomputation", sec. 4) plus one layer's expert working set for the rows the
-      // GPU receives: dispatched input (H), gate and up outputs (2 I), their product (I), output (H).
-      m.activations = (per_gpu_tokens * L * spec.hidden + recv_max * (2.0 * spec.hidden + 3.0 * spec.expert_ffn)) *
-                      cfg.activation_bytes;
-      if (m.total() > peak.total()) peak = m;
-    }
     return peak;
   };
 
@@ -687,6 +777,15 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
       t.a2a_link += 2 * a2a;
       t.a2a_hidden += bwd_hidden;
       t.dense += cfg.cost.backward_factor * attn;
+    }
+    if (cfg.tensor_parallel > 1) { // not hidden: Megatron's TP communication overlap is opt-in (tp_comm_overlap)
+      const double tp = cfg.tp_collectives_seconds(tokens / G);
+      t.forward += tp;
+      t.tp = tp;
+      if (update) {
+        t.backward += tp;
+        t.tp += tp;
+      }
     }
     t.move_demand.assign(static_cast<std::size_t>(G), 0.0);
     t.grad_demand.assign(static_cast<std::size_t>(G), 0.0);
@@ -921,6 +1020,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
           parts.expert_compute += cur[l].expert;
           parts.all_to_all += cur[l].a2a + yield;
           parts.dense += cur[l].dense;
+          parts.tp_comm += cur[l].tp;
           rec.a2a_hidden += cur[l].a2a_hidden;
         }
         parts.stall = stall;
@@ -929,9 +1029,33 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
         const double head = cfg.lm_head_forward_seconds(tokens / G) * (update ? 1 + cfg.cost.backward_factor : 1.0);
         parts.lm_head = head;
         last_a2a_share = a2a_share;
+        micro += stall + head;
+        if (PP > 1) {
+          // Pipeline: each stage runs its own layers (the LM head on the last); the slowest stage sets the
+          // micro-step. Its share of the whole chain scales every part, stall included (an approximation: the move
+          // windows were timed over the whole chain). Then the stage receives the activations from the previous
+          // stage (and, in the update stage, sends their gradients back).
+          double whole = head, slowest = 0;
+          for (int l = 0; l < L; ++l)
+            whole += layer_times[l];
+          for (int st = 0; st < PP; ++st) {
+            double t_st = st == PP - 1 ? head : 0.0;
+            for (int l = cfg.stage_first_layer(st); l < cfg.stage_first_layer(st + 1); ++l)
+              t_st += layer_times[l];
+            slowest = std::max(slowest, t_st);
+          }
+          const double f = whole > 0 ? slowest / whole : 1.0;
+          for (double *part :
+               {&parts.expert_compute, &parts.all_to_all, &parts.dense, &parts.lm_head, &parts.stall, &parts.tp_comm})
+            *part *= f;
+          stall *= f;
+          micro *= f;
+          const double p2p = cfg.pipeline_p2p_seconds(tokens / G) * (update ? 2.0 : 1.0);
+          parts.pipeline += p2p;
+          micro += p2p;
+        }
         step_parts += parts;
         rec.micro.push_back(parts);
-        micro += stall + head;
         rec.stall += stall;
         stage_time += micro;
         // Planning: an equal share of the stage's planner time per micro-step. The first micro-step's plan is on
@@ -943,6 +1067,16 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
         rec.layers.push_back(std::move(layer_times));
         prev_t = std::move(cur);
         prev_plans = strat.ideal ? nullptr : &sp.micro_steps[m];
+      }
+      if (PP > 1 && M > 0) {
+        // The 1F1B bubble: (PP - 1) / m of the pipeline's ideal time for m micro-batches per pipeline flush (one
+        // flush per optimizer step in the update stage, one per forward pass in the recompute; Narayanan et al.
+        // 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+        // arXiv:2104.04473, sec. 2.2).
+        const double m_per_flush = update ? static_cast<double>(M) / cfg.minibatches_per_step : M;
+        const double bubble = stage_time * (PP - 1) / m_per_flush;
+        stage_time += bubble;
+        step_parts.pipeline += bubble;
       }
       // The gradients still owed (the replicas resident at the end of the stage, whichever micro-steps they ran)
       // return before the optimizer step: layer l's once its last backward is over (backward runs L-1 .. 0), queued
@@ -972,14 +1106,14 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
         // the cluster is one node), one bucket per layer. `dp_grad_overlap` of it may run under the last
         // micro-step's backward: layer l's bucket once its backward is over (L-1 .. 0), queued on the link it
         // shares with that micro-step's all-to-all; what outlasts the backward is exposed.
-        const MovePath path = cfg.topo.num_nodes > 1 ? MovePath::network : MovePath::nvlink;
+        const MovePath path = cfg.stage_gpus() > cfg.topo.gpus_per_node ? MovePath::network : MovePath::nvlink;
         const PathParams &link = path_params(cfg.cost.move, path);
         const double n = num_copies;
         const double bucket = 2.0 * (n - 1) * link.latency_us * 1e-6 +
                               2.0 * (n - 1) / n * owners_per_gpu * grad_bytes_per_expert / (link.gb_per_s * 1e9);
-        const double serial = L * bucket;
+        const double serial = stage_layers * bucket; // a stage's layers (the largest stage's)
         double ready = 0, finish = 0;
-        for (int l = L - 1; l >= 0; --l) {
+        for (int l = stage_layers - 1; l >= 0; --l) {
           ready += prev_t[l].backward;
           finish = std::max(finish, ready) + shared_link_seconds(bucket, last_a2a_share);
         }
@@ -990,17 +1124,30 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
         step_parts.dp_grad_sync += exposed;
       }
       if (update) {
-        // Every GPU steps its parameters: owned experts, the dense parts of every layer, embedding and LM head.
-        const double params = static_cast<double>(owners_per_gpu) * L * expert_params + L * cfg.dense.params +
-                              2.0 * cfg.dense.vocab * spec.hidden;
-        const double opt = cfg.optimizer_step_seconds(params) * cfg.minibatches_per_step;
+        // Every GPU steps its parameters: owned experts, the dense parts of every layer, embedding and LM head;
+        // with a pipeline those of its stage (the largest; the embedding on the first stage, the head on the last),
+        // the dense part, embedding and head split over the TP group.
+        const double T = cfg.tensor_parallel;
+        const double params = static_cast<double>(owners_per_gpu) * stage_layers * expert_params +
+                              stage_layers * cfg.dense.params / T +
+                              (PP > 1 ? 1.0 : 2.0) * cfg.dense.vocab * spec.hidden / T;
+        // Offloaded, ZeRO-Offload partitions the optimizer state and gradients over the data-parallel ranks (it
+        // builds on ZeRO-2: Ren et al. 2021, sec. 4): a GPU steps a `num_copies`-th of its owned experts (their
+        // EP-group copies) and a `stage_gpus / T`-th (the attention DP ranks) of the dense part, embedding and head.
+        const double dense_dp = static_cast<double>(cfg.stage_gpus()) / T;
+        const double offload_params =
+            static_cast<double>(owners_per_gpu) * stage_layers * expert_params / num_copies +
+            (stage_layers * cfg.dense.params / T + (PP > 1 ? 1.0 : 2.0) * cfg.dense.vocab * spec.hidden / T) / dense_dp;
+        const double opt = (cfg.optimizer_offload ? cfg.offloaded_optimizer_step_seconds(offload_params)
+                                                  : cfg.optimizer_step_seconds(params)) *
+                           cfg.minibatches_per_step;
         stage_time += opt;
         step_parts.optimizer += opt;
         // After each optimizer step every GPU copies its owned experts' new weights to the node's pinned
         // mirror over its PCIe link, before the next mini-batch may read them; only strategies that read
         // the mirror pay it.
         if (used_mirror) {
-          const double owned = static_cast<double>(topo.owners_per_gpu(E)) * L * expert_bytes;
+          const double owned = static_cast<double>(topo.owners_per_gpu(E)) * stage_layers * expert_bytes;
           const double refresh = cfg.minibatches_per_step * move_seconds(cfg.cost.move, MovePath::pcie, owned);
           stage_time += refresh;
           rec.mirror += refresh;
@@ -1078,8 +1225,13 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
   const int counted = num_steps - cfg.warmup_steps;
   const int ep = cfg.effective_ep_size();
   const Topology group_topo = ep_group_topology(cfg.topo, ep);
-  const int num_groups = cfg.topo.num_gpus() / ep;
+  // The EP groups of one pipeline stage (every stage runs every micro-batch; the stages are timed together, see
+  // `simulate_group`): the whole cluster without a pipeline.
+  const int num_groups = cfg.stage_gpus() / ep;
   if (cfg.a2a_hits == A2aHitsSource::ids) {
+    detail::require(cfg.pipeline_stages == 1 && cfg.tensor_parallel == 1,
+                    "simulate: sim.a2a_hits = ids needs sim.pipeline_stages 1 and sim.tensor_parallel 1, got ",
+                    cfg.pipeline_stages, " and ", cfg.tensor_parallel);
     detail::require(static_cast<bool>(routes), "simulate: sim.a2a_hits = ids counts the all-to-all from the routed ids "
                                                "of every micro-step, and none were given (a synthetic batch has them)");
     detail::require(num_groups == 1, "simulate: sim.a2a_hits = ids needs one EP group over all ", cfg.topo.num_gpus(),
@@ -1166,7 +1318,8 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     if (check_memory && !memory_fits(cfg, res.memory)) throw Error(memory_refusal(cfg, res)); // built only then
     for (double *part :
          {&res.breakdown.expert_compute, &res.breakdown.all_to_all, &res.breakdown.dense, &res.breakdown.lm_head,
-          &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.dp_grad_sync, &res.breakdown.optimizer})
+          &res.breakdown.moves, &res.breakdown.stall, &res.breakdown.dp_grad_sync, &res.breakdown.optimizer,
+          &res.breakdown.tp_comm, &res.breakdown.pipeline})
       *part /= counted;
     results.push_back(std::move(res));
   }
