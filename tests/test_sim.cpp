@@ -1103,6 +1103,8 @@ TEST_CASE("simulate: a host-mirror refresh costs what the transfer planner gives
     }
   }
   CHECK(compared > 0); // some strategy did read the mirror
+}
+
 TEST_CASE("simulate: the offloaded optimizer step is gradients down, CPU Adam shared by the node, weights up") {
   Case c = small_case(17);
   const std::vector<SimStrategy> st{parse_sim_strategy("static")};
