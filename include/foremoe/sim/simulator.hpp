@@ -573,41 +573,137 @@ struct GroupStep {
   return out;
 }
 
-/// Simulates one EP group (`topo` is the group's topology, `loads` its own tokens) under `strat`, every RL step
-/// cut by `step_offsets`; `step_done` is called after each step.
-[[nodiscard]] inline std::vector<GroupStep>
-simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loads,
-               std::span<const std::int64_t> step_offsets, const SimStrategy &strat,
-               const std::function<void()> &step_done, const MicroStepRoutes &routes = {}) {
-  const ModelSpec &spec = cfg.model;
-  const int num_steps = static_cast<int>(step_offsets.size() - 1);
-  const int G = topo.num_gpus(), L = spec.num_layers, E = spec.num_experts, S = topo.slots_per_gpu;
-  const ExpertComputeModel compute(cfg.cost, ExpertShape::from(spec));
-  const double expert_bytes = static_cast<double>(spec.bytes_per_expert());
-  const double row_bytes = cfg.row_bytes(), dispatch_row_bytes = cfg.dispatch_row_bytes();
-  const double expert_params = static_cast<double>(spec.num_matrices) * spec.hidden * spec.expert_ffn;
-  const double grad_bytes_per_expert = expert_params * static_cast<double>(dtype_bytes(cfg.grad_dtype));
-  CostParams cost = cfg.cost; // gradients in `grad_dtype`
-  cost.grad.grad_bytes_factor = grad_bytes_per_expert / expert_bytes;
+/// One EP group's simulation under one strategy (`simulate_group`): the run's constants, its planner and the state
+/// one RL step hands the next, with a member function per piece of a step's timing.
+class GroupSim {
+public:
+  /// Sets up the group's costs, held-gradient tracker, route pool (with `micro_routes`) and planner.
+  GroupSim(const SimConfig &config, const Topology &group_topo, const LoadTensor &group_loads,
+           const SimStrategy &strategy, const MicroStepRoutes &micro_routes)
+      : cfg(config), topo(group_topo), loads(group_loads), strat(strategy), routes(micro_routes), spec(config.model),
+        G(group_topo.num_gpus()), L(spec.num_layers), E(spec.num_experts), S(group_topo.slots_per_gpu),
+        compute(config.cost, ExpertShape::from(spec)), expert_bytes(static_cast<double>(spec.bytes_per_expert())),
+        row_bytes(config.row_bytes()), dispatch_row_bytes(config.dispatch_row_bytes()),
+        expert_params(static_cast<double>(spec.num_matrices) * spec.hidden * spec.expert_ffn),
+        grad_bytes_per_expert(expert_params * static_cast<double>(dtype_bytes(config.grad_dtype))),
+        cost(grad_cost_params(config, grad_bytes_per_expert / expert_bytes)), num_copies(config.stage_gpus() / G),
+        PP(config.pipeline_stages), stage_layers(config.stage_first_layer(1) - config.stage_first_layer(0)),
+        owners_per_gpu(group_topo.owners_per_gpu(E)), K(spec.topk), P(group_topo.gpus_per_node), held(L, G, E),
+        planner(L, E, group_topo, planner_options()), keeps_residents(planner.reuses_resident()) {
+    if (routes) {
+      route_pool.emplace(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+      route_scratch.resize(static_cast<std::size_t>(route_pool->num_threads()));
+    }
+  }
+  GroupSim(const GroupSim &) = delete;
+  GroupSim &operator=(const GroupSim &) = delete;
 
-  const int num_copies = cfg.stage_gpus() / G; // data-parallel copies of this EP group (in one pipeline stage)
-  const int PP = cfg.pipeline_stages;
-  // Layers of the largest pipeline stage (the first: `SimConfig::stage_first_layer`); L without a pipeline.
-  const int stage_layers = cfg.stage_first_layer(1) - cfg.stage_first_layer(0);
+  /// Simulates RL step `s`, the loads' micro-steps `m0` to `m1`: its recompute stages, then its update stage.
+  [[nodiscard]] GroupStep run_step(int s, int m0, int m1) {
+    GroupStep rec;
+    LoadTensor step(m1 - m0, L, E);
+    std::copy(loads.totals().begin() + static_cast<std::ptrdiff_t>(m0) * L * E,
+              loads.totals().begin() + static_cast<std::ptrdiff_t>(m1) * L * E, step.totals().begin());
+    const std::vector<std::int64_t> totals = planner.sum_steps(step);
+    if (s > 0 && s % cfg.eplb_interval == 0) {
+      history = accumulated;
+      accumulated.clear();
+    }
+    // Stages: `recompute_passes` forward-only passes, then the update pass.
+    for (int pass = 0; pass <= cfg.recompute_passes; ++pass)
+      run_stage(step, pass, m0, rec);
+    if (accumulated.empty()) accumulated.assign(totals.size(), 0);
+    for (std::size_t i = 0; i < totals.size(); ++i)
+      accumulated[i] += totals[i];
+    return rec;
+  }
 
-  // Tokens of a micro-step (before routing): its assignments over top-k, from layer 0.
-  auto tokens_of = [&](int m) { return static_cast<double>(loads.layer_total(m, 0)) / spec.topk; };
+private:
+  struct RouteScratch {
+    std::vector<std::int64_t> source_loads;
+    std::vector<std::int32_t> slots;
+  };
+  /// One stage of a step: its plan, and what each micro-step hands the next and the stage's closing terms.
+  struct StageRun {
+    bool update = false;        ///< the update stage (else a forward-only recompute)
+    StepPlan sp;                ///< the stage's plan (none for `ideal`)
+    double planner_seconds = 0; ///< the stage's planner time
+    bool used_mirror = false;   ///< some move read the host mirror
+    std::vector<LayerTiming> prev_t;
+    const std::vector<LayerPlan> *prev_plans = nullptr;
+    double time = 0, last_a2a_share = 0;
+    RoutedMicroStep routed;
+    std::vector<LayerA2a> routed_cost;
+  };
 
+  const SimConfig &cfg;
+  const Topology &topo;    ///< the group's topology
+  const LoadTensor &loads; ///< the group's own tokens
+  const SimStrategy &strat;
+  const MicroStepRoutes &routes;
+  const ModelSpec &spec;
+  const int G, L, E, S;
+  const ExpertComputeModel compute;
+  const double expert_bytes, row_bytes, dispatch_row_bytes, expert_params, grad_bytes_per_expert;
+  const CostParams cost; ///< gradients in `grad_dtype`
+  const int num_copies;  ///< data-parallel copies of this EP group (in one pipeline stage)
+  const int PP;
+  const int stage_layers; ///< layers of the largest pipeline stage (the first); L without a pipeline
+  const int owners_per_gpu, K, P;
   // Replica gradients in the update stage (DESIGN: a replica that stays resident over several micro-steps
   // accumulates its gradient in place and returns it once; `HeldGradients` is the rule the planner counts by too).
   // A replica that ran tokens holds a gradient for its owner. It returns it when the next plan of its layer no
   // longer holds it there (its slot is reused; strategies that re-push every replica each micro-step, and every
   // strategy with `hold_replica_gradients` off, return every micro-step) and, for those still resident, once after
   // the stage's last backward. A resident copy that ran no token owes nothing.
-  HeldGradients held(L, G, E);
-  // Adds to `demand` (per GPU) the seconds of returning, GPU-direct, the gradients layer `l`'s replicas hold that
-  // `keep` does not keep (`keep` null: all of them); returns their bytes.
-  auto return_gradients = [&](int l, const LayerPlan *keep, bool keeps_residents, std::vector<double> &demand) {
+  HeldGradients held;
+  std::optional<ThreadPool> route_pool;
+  std::vector<RouteScratch> route_scratch;
+  Planner planner;
+  const bool keeps_residents;
+  Placement resident;
+  bool has_resident = false;
+  std::vector<std::int32_t> prev_owner_flat;
+  // The load history handed to the strategies (only `eplb` reads it): what its last rebalance saw, i.e. the sum
+  // of the `eplb_interval` steps before it; empty until the first rebalance (static placement). With an interval
+  // of 1 it is the previous step's totals.
+  std::vector<std::int64_t> history, accumulated;
+
+  /// `config.cost` with the gradients' bytes per weight byte set to `factor`.
+  static CostParams grad_cost_params(const SimConfig &config, double factor) {
+    CostParams c = config.cost;
+    c.grad.grad_bytes_factor = factor;
+    return c;
+  }
+
+  /// The planner's options: the strategy, the gradients' size and, with `cost_gate`, the replica cost model.
+  [[nodiscard]] PlannerOptions planner_options() const {
+    PlannerOptions popts = cfg.planner; // without reowning_free the planner keeps owners where it can
+    popts.strategy = strat.ideal ? "foremoe-free" : strat.name; // "ideal" plans nothing
+    popts.gradient_bytes_factor = cost.grad.grad_bytes_factor;  // from `grad_dtype` and the model's weight dtype
+    if (cfg.cost_gate) {
+      // The slowest GPU's expert compute for its token count, on a GPU with every slot in use.
+      popts.token_time = [this](std::int64_t t) {
+        const auto x = static_cast<double>(t);
+        return compute.forward_seconds(x, S) + compute.backward_seconds(x, S);
+      };
+      popts.replica_cost = [this](int, int src, int dst, Stage stage) {
+        const bool same_node = src >= 0 && topo.node_of(src) == topo.node_of(dst);
+        const MovePath path = src < 0 ? MovePath::pcie : same_node ? MovePath::nvlink : MovePath::network;
+        const MovePath grad = same_node ? MovePath::nvlink : MovePath::network;
+        return move_seconds(cfg.cost.move, path, expert_bytes) +
+               (stage == Stage::update ? grad_reduce_seconds(cost, grad, expert_bytes) : 0.0);
+      };
+    }
+    return popts;
+  }
+
+  /// Tokens of micro-step `m` (before routing): its assignments over top-k, from layer 0.
+  [[nodiscard]] double tokens_of(int m) const { return static_cast<double>(loads.layer_total(m, 0)) / spec.topk; }
+
+  /// Adds to `demand` (per GPU) the seconds of returning, GPU-direct, the gradients layer `l`'s replicas hold that
+  /// `keep` does not keep (`keep` null: all of them); returns their bytes.
+  double return_gradients(int l, const LayerPlan *keep, std::vector<double> &demand) {
     double bytes = 0;
     held.release(l, keep, cfg.planner.hold_replica_gradients && keeps_residents, [&](int g, int, std::int32_t owner) {
       const MovePath path = topo.node_of(owner) == topo.node_of(g) ? MovePath::nvlink : MovePath::network;
@@ -615,13 +711,10 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
       bytes += grad_bytes_per_expert;
     });
     return bytes;
-  };
-  // Records the replicas of `plan` (layer `l`) that ran tokens as holding their gradient.
-  auto owe_gradients = [&](int l, const LayerPlan &plan) { held.hold(l, plan); };
+  }
 
-  // Peak memory of one micro-step (`plans` null: perfectly balanced, owners only), over its GPUs.
-  const int owners_per_gpu = topo.owners_per_gpu(E);
-  auto memory_of = [&](const std::vector<LayerPlan> *plans, double tokens) {
+  /// Peak memory of one micro-step (`plans` null: perfectly balanced, owners only), over its GPUs.
+  [[nodiscard]] SimMemory memory_of(const std::vector<LayerPlan> *plans, double tokens) const {
     SimMemory peak;
     const double per_gpu_tokens = tokens / G;
     for (int g = 0; g < G; ++g)
@@ -660,24 +753,13 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
         if (m.total() > peak.total()) peak = m;
       }
     return peak;
-  };
-
-  // The all-to-all of every layer of one micro-step counted from its routed ids `rm` (`SimConfig::a2a_hits`), the
-  // layers on the pool's threads: the plan's copies take each source's tokens as the runtime dispatches them
-  // (`split_by_source`, then the positional map), and each token's distinct nodes and GPUs are counted.
-  const int K = spec.topk, P = topo.gpus_per_node;
-  std::optional<ThreadPool> route_pool;
-  struct RouteScratch {
-    std::vector<std::int64_t> source_loads;
-    std::vector<std::int32_t> slots;
-  };
-  std::vector<RouteScratch> route_scratch;
-  if (routes) {
-    route_pool.emplace(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-    route_scratch.resize(static_cast<std::size_t>(route_pool->num_threads()));
   }
-  auto routed_a2a = [&](const std::vector<LayerPlan> &plans, const LoadTensor &step_loads, int sm,
-                        const RoutedMicroStep &rm, int m, std::vector<LayerA2a> &out) {
+
+  /// The all-to-all of every layer of one micro-step counted from its routed ids `rm` (`SimConfig::a2a_hits`), the
+  /// layers on the pool's threads: the plan's copies take each source's tokens as the runtime dispatches them
+  /// (`split_by_source`, then the positional map), and each token's distinct nodes and GPUs are counted.
+  void routed_a2a(const std::vector<LayerPlan> &plans, const LoadTensor &step_loads, int sm, const RoutedMicroStep &rm,
+                  int m, std::vector<LayerA2a> &out) {
     const std::int64_t T = rm.source_offsets.back();
     out.assign(static_cast<std::size_t>(L), LayerA2a{});
     route_pool->parallel_for(static_cast<std::size_t>(L), [&](std::size_t li, int w) {
@@ -711,15 +793,29 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
       const A2aVolumes v = a2a_volumes_from_routes(sc.slots, K, S, P, G, rm.source_offsets);
       out[li] = layer_a2a_of(cfg.cost.a2a, v, row_bytes, dispatch_row_bytes);
     });
-  };
+  }
 
-  // Times one layer under a plan (or perfectly balanced when `lp` is null); `routed`, if set, is its all-to-all
-  // counted from the routed ids.
-  auto time_layer = [&](const LayerPlan *lp, std::span<const std::int64_t> expert_loads, double tokens, bool update,
-                        int &min_experts, const LayerA2a *routed) {
-    LayerTiming t;
-    std::vector<double> gpu_tokens(static_cast<std::size_t>(G), 0.0);
-    std::vector<int> gpu_experts(static_cast<std::size_t>(G), 0);
+  /// Fetches the routed ids of the stage's micro-step `m` (the loads' `m0 + m`), checks them against its `tokens`,
+  /// and counts its layers' all-to-alls into `sr.routed_cost`.
+  void count_routes(StageRun &sr, const LoadTensor &step, int m, int m0, double tokens) {
+    routes(m0 + m, sr.routed);
+    const RoutedMicroStep &routed = sr.routed;
+    require(routed.source_offsets.size() == static_cast<std::size_t>(G) + 1 && routed.source_offsets.front() == 0 &&
+                static_cast<double>(routed.source_offsets.back()) == tokens &&
+                routed.ids.size() == static_cast<std::size_t>(routed.source_offsets.back()) * L * K,
+            "simulate: the routes of micro-step ", m0 + m, " hold ", routed.ids.size(), " ids over ",
+            routed.source_offsets.size(), " source offsets; expected ", tokens, " tokens x ", L, " layers x top-", K,
+            " over ", G + 1);
+    for (int r = 0; r < G; ++r)
+      require(routed.source_offsets[r + 1] >= routed.source_offsets[r], "simulate: the routes of micro-step ", m0 + m,
+              ": source offsets decrease at rank ", r);
+    routed_a2a(sr.sp.micro_steps[m], step, m, routed, m0 + m, sr.routed_cost);
+  }
+
+  /// Each GPU's tokens and experts in one layer under `lp` (null: perfectly balanced); lowers `min_experts` to the
+  /// fewest experts on a GPU.
+  void gpu_shares(const LayerPlan *lp, std::span<const std::int64_t> expert_loads, std::vector<double> &gpu_tokens,
+                  std::vector<int> &gpu_experts, int &min_experts) const {
     if (lp != nullptr) {
       for (int p = 0; p < G * S; ++p) {
         gpu_tokens[p / S] += static_cast<double>(lp->slot_tokens[p]);
@@ -733,10 +829,15 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
       std::fill(gpu_experts.begin(), gpu_experts.end(), (E + G - 1) / G);
     }
     min_experts = std::min(min_experts, *std::min_element(gpu_experts.begin(), gpu_experts.end()));
+  }
+
+  /// The slowest GPU's expert forward and backward seconds in one layer: from its slots' token counts under `lp`,
+  /// or (`lp` null, `ideal`) its tokens spread evenly over its experts.
+  [[nodiscard]] std::pair<double, double> expert_seconds(const LayerPlan *lp, const std::vector<double> &gpu_tokens,
+                                                         const std::vector<int> &gpu_experts) const {
     double fwd_expert = 0, bwd_expert = 0;
     std::vector<double> counts(static_cast<std::size_t>(S));
     for (int g = 0; g < G; ++g) {
-      // From the GPU's per-slot token counts under a plan; `ideal` spreads its tokens evenly.
       double fwd = 0;
       if (lp != nullptr) {
         for (int s = 0; s < S; ++s)
@@ -748,6 +849,18 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
       fwd_expert = std::max(fwd_expert, fwd);
       bwd_expert = std::max(bwd_expert, compute.backward_factor() * fwd);
     }
+    return {fwd_expert, bwd_expert};
+  }
+
+  /// Times one layer under a plan (or perfectly balanced when `lp` is null); `routed`, if set, is its all-to-all
+  /// counted from the routed ids.
+  [[nodiscard]] LayerTiming time_layer(const LayerPlan *lp, std::span<const std::int64_t> expert_loads, double tokens,
+                                       bool update, int &min_experts, const LayerA2a *routed) const {
+    LayerTiming t;
+    std::vector<double> gpu_tokens(static_cast<std::size_t>(G), 0.0);
+    std::vector<int> gpu_experts(static_cast<std::size_t>(G), 0);
+    gpu_shares(lp, expert_loads, gpu_tokens, gpu_experts, min_experts);
+    const auto [fwd_expert, bwd_expert] = expert_seconds(lp, gpu_tokens, gpu_experts);
     const double attn = cfg.dense_forward_seconds(tokens / G);
     // Dispatch (= combine): hierarchical from the slots' experts and rows or from the routed ids, `ideal` from its
     // lower bound.
@@ -789,7 +902,13 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     }
     t.move_demand.assign(static_cast<std::size_t>(G), 0.0);
     t.grad_demand.assign(static_cast<std::size_t>(G), 0.0);
-    if (lp == nullptr) return t;
+    if (lp != nullptr) add_move_demand(*lp, t);
+    return t;
+  }
+
+  /// Sets `t.move_demand` (per GPU: when its incoming moves of plan `lp` end) and the moved bytes and mirror use.
+  // Inlined into `time_layer`: out of line, GCC 12 at -O3 misreports -Wfree-nonheap-object on its vectors.
+  [[gnu::always_inline]] void add_move_demand(const LayerPlan &lp, LayerTiming &t) const {
     // Paths run concurrently; on one path a GPU receives its moves one after another, and a source GPU
     // sends its moves one after another (its copy engine and port are shared), so a move ends no earlier
     // than both queues have drained.
@@ -801,7 +920,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     // The NIC and the host mirror reach a GPU over its one PCIe link: what it receives on the two paths together
     // takes at least their bytes at the PCIe ingress rate (after the first move's latency).
     std::vector<double> pcie_bytes(static_cast<std::size_t>(G), 0.0), pcie_latency(static_cast<std::size_t>(G), 0.0);
-    for (const Move &mv : lp->moves) {
+    for (const Move &mv : lp.moves) {
       const MovePath path = path_of(mv);
       const double sec = move_seconds(cfg.cost.move, path, expert_bytes);
       path_in[static_cast<std::size_t>(mv.dst_gpu) * 3 + static_cast<int>(path)] += sec;
@@ -815,7 +934,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
         pcie_bytes[d] += expert_bytes;
       }
     }
-    for (const Move &mv : lp->moves) {
+    for (const Move &mv : lp.moves) {
       const int p = static_cast<int>(path_of(mv));
       double finish = path_in[static_cast<std::size_t>(mv.dst_gpu) * 3 + p];
       if (mv.src_gpu >= 0) finish = std::max(finish, path_out[static_cast<std::size_t>(mv.src_gpu) * 3 + p]);
@@ -825,347 +944,368 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
       if (pcie_bytes[g] > 0)
         t.move_demand[g] =
             std::max(t.move_demand[g], pcie_latency[g] + pcie_bytes[g] / (cfg.cost.move.pcie_ingress_gb_per_s * 1e9));
-    return t;
-  };
-
-  PlannerOptions popts = cfg.planner; // without reowning_free the planner keeps owners where it can
-  popts.strategy = strat.ideal ? "foremoe-free" : strat.name; // "ideal" plans nothing
-  popts.gradient_bytes_factor = cost.grad.grad_bytes_factor;  // from `grad_dtype` and the model's weight dtype
-  if (cfg.cost_gate) {
-    // The slowest GPU's expert compute for its token count, on a GPU with every slot in use.
-    popts.token_time = [&compute, S](std::int64_t t) {
-      const auto x = static_cast<double>(t);
-      return compute.forward_seconds(x, S) + compute.backward_seconds(x, S);
-    };
-    popts.replica_cost = [&cfg, &cost, &topo, expert_bytes](int, int src, int dst, Stage stage) {
-      const bool same_node = src >= 0 && topo.node_of(src) == topo.node_of(dst);
-      const MovePath path = src < 0 ? MovePath::pcie : same_node ? MovePath::nvlink : MovePath::network;
-      const MovePath grad = same_node ? MovePath::nvlink : MovePath::network;
-      return move_seconds(cfg.cost.move, path, expert_bytes) +
-             (stage == Stage::update ? grad_reduce_seconds(cost, grad, expert_bytes) : 0.0);
-    };
   }
-  Planner planner(L, E, topo, popts);
-  const bool keeps_residents = planner.reuses_resident();
-  Placement resident;
-  bool has_resident = false;
-  std::vector<std::int32_t> prev_owner_flat;
-  // The load history handed to the strategies (only `eplb` reads it): what its last rebalance saw, i.e. the sum
-  // of the `eplb_interval` steps before it; empty until the first rebalance (static placement). With an interval
-  // of 1 it is the previous step's totals.
-  std::vector<std::int64_t> history, accumulated;
 
+  /// Plans stage `pass` of `step` into `sr` (nothing for `ideal`), charging its planner time and, in the first
+  /// stage, any re-owning to `rec`.
+  void plan_stage(const LoadTensor &step, int pass, StageRun &sr, GroupStep &rec) {
+    if (strat.ideal) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    sr.sp = planner.plan_step(step, has_resident ? &resident : nullptr, history,
+                              sr.update ? Stage::update : Stage::recompute);
+    sr.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    rec.planner += sr.planner_seconds;
+    // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
+    if (pass == 0 && !cfg.planner.reowning_free && !prev_owner_flat.empty()) charge_reowning(sr.sp, rec);
+    if (pass == 0 && !sr.sp.owner_gpu.empty()) {
+      prev_owner_flat.clear();
+      for (const auto &row : sr.sp.owner_gpu)
+        prev_owner_flat.insert(prev_owner_flat.end(), row.begin(), row.end());
+    }
+  }
+
+  /// Charges to `rec` the slowest GPU's seconds of receiving the experts whose owner `sp` changed (weights plus
+  /// optimizer state over the network).
+  void charge_reowning(const StepPlan &sp, GroupStep &rec) const {
+    std::vector<double> per_gpu(static_cast<std::size_t>(G), 0.0);
+    for (int l = 0; l < L; ++l)
+      for (int e = 0; e < E; ++e) {
+        const std::int32_t o = sp.owner_gpu.empty() ? -1 : sp.owner_gpu[l][e];
+        if (o >= 0 && o != prev_owner_flat[static_cast<std::size_t>(l) * E + e]) {
+          per_gpu[o] += move_seconds(cfg.cost.move, MovePath::network, expert_bytes * (1 + cfg.optimizer_state_factor));
+          rec.moved += expert_bytes * (1 + cfg.optimizer_state_factor);
+        }
+      }
+    const double reown = *std::max_element(per_gpu.begin(), per_gpu.end());
+    rec.extra += reown;
+    rec.parts.moves += reown;
+  }
+
+  /// Simulates stage `pass` of a step (micro-steps from the loads' `m0`): plan, micro-steps, closing terms.
+  void run_stage(const LoadTensor &step, int pass, int m0, GroupStep &rec) {
+    StageRun sr;
+    sr.update = pass == cfg.recompute_passes;
+    plan_stage(step, pass, sr, rec);
+    const int M = step.num_micro_steps();
+    for (int m = 0; m < M; ++m)
+      run_micro_step(sr, step, m, m0, rec);
+    close_stage(sr, M, rec);
+  }
+
+  /// Times micro-step `m`'s layers under its plans, trading replica gradients, and records their bytes, imbalance
+  /// and the GPU loads of `SimConfig::gpu_load_layer` in `rec`.
+  [[nodiscard]] std::vector<LayerTiming> time_layers(StageRun &sr, const LoadTensor &step, int m, double tokens,
+                                                     bool use_routes, GroupStep &rec) {
+    std::vector<LayerTiming> cur(static_cast<std::size_t>(L));
+    std::vector<double> &imbalance = rec.imbalance.emplace_back(static_cast<std::size_t>(L), 1.0);
+    for (int l = 0; l < L; ++l) {
+      const LayerPlan *lp = strat.ideal ? nullptr : &sr.sp.micro_steps[m][l];
+      cur[l] = time_layer(lp, step.layer(m, l), tokens, sr.update, rec.min_experts,
+                          use_routes ? &sr.routed_cost[static_cast<std::size_t>(l)] : nullptr);
+      // The gradients owed by replicas this plan drops return before their slots are reused, in the window
+      // before layer l's forward; this plan's replicas then owe theirs.
+      if (sr.update && lp != nullptr) {
+        cur[l].grad_bytes += return_gradients(l, lp, cur[l].grad_demand);
+        held.hold(l, *lp);
+      }
+      if (lp != nullptr) imbalance[l] = lp->imbalance();
+      if (l == cfg.gpu_load_layer) record_gpu_loads(lp, step.layer(m, l), rec);
+      rec.moved += cur[l].moved_bytes;
+      rec.inter_node += cur[l].inter_node_bytes;
+      sr.used_mirror = sr.used_mirror || cur[l].host_moves;
+      rec.grad += cur[l].grad_bytes;
+    }
+    return cur;
+  }
+
+  /// Appends to `rec.gpu_loads` each GPU's tokens in a layer under `lp` (null: the `layer` loads' even share).
+  void record_gpu_loads(const LayerPlan *lp, std::span<const std::int64_t> layer, GroupStep &rec) const {
+    std::vector<double> &per_gpu = rec.gpu_loads.emplace_back();
+    if (lp != nullptr) {
+      for (const std::int64_t t : lp->gpu_loads())
+        per_gpu.push_back(static_cast<double>(t));
+    } else {
+      per_gpu.assign(static_cast<std::size_t>(G),
+                     static_cast<double>(std::accumulate(layer.begin(), layer.end(), std::int64_t{0})) / G);
+    }
+  }
+
+  /// The micro-step's stall: the largest lateness of any GPU's queue of moves and gradient returns; fills `work`
+  /// (per GPU and layer: the link seconds they take while the all-to-all holds `a2a_share` of the link).
+  [[nodiscard]] double stall_of(const std::vector<LayerTiming> &cur, const StageRun &sr,
+                                const std::vector<double> &fwd_prefix, double a2a_share,
+                                std::vector<double> &work) const {
+    // Each GPU's link serves the moves and gradient returns of all layers (one queue, earliest deadline
+    // first): layer l's are released when its slot is free, `window` before its forward at fwd_prefix[l].
+    std::vector<double> release(static_cast<std::size_t>(L));
+    for (int l = 0; l < L; ++l) {
+      double window = fwd_prefix[l];
+      if (!sr.prev_t.empty()) {
+        if (sr.update)
+          for (int k = 0; k < l; ++k)
+            window += sr.prev_t[k].backward; // backward runs L-1 .. 0
+        else
+          for (int k = l + 1; k < L; ++k)
+            window += sr.prev_t[k].forward;
+        if (cfg.double_buffer)
+          for (int k = 0; k < L; ++k)
+            window += sr.prev_t[k].forward + sr.prev_t[k].backward;
+      }
+      release[l] = fwd_prefix[l] - window;
+      for (int g = 0; g < G; ++g)
+        work[static_cast<std::size_t>(g) * L + l] =
+            shared_link_seconds(cur[l].move_demand[g] + cur[l].grad_demand[g], a2a_share);
+    }
+    // A late layer delays the rest of the micro-step (and the later deadlines) by its lateness, so the
+    // stall is the largest lateness of any GPU's queue.
+    double stall = 0;
+    for (int g = 0; g < G; ++g)
+      stall =
+          std::max(stall, edf_max_lateness(release, std::span<const double>(fwd_prefix).first(L),
+                                           std::span<const double>(work).subspan(static_cast<std::size_t>(g) * L, L)));
+    return stall;
+  }
+
+  /// Extra all-to-all seconds per second of it while the busiest GPU's link also carries its moves and gradient
+  /// returns (`work`), with two-way link sharing.
+  [[nodiscard]] double a2a_yield_of(const std::vector<double> &work, double layer_time, double a2a_time) const {
+    // Both ways: while a GPU's link carries its moves and gradient returns the all-to-all gets half of it, so
+    // it needs `a2a / (1 - sigma / 2)`, `sigma` the share of the micro-step the busiest GPU's link carries them
+    // (the same fair-share rule as `shared_link_seconds`; the all-to-all ends with its slowest GPU).
+    double a2a_yield = 0; // extra all-to-all seconds per second of it
+    if (cfg.two_way_link_sharing && layer_time > 0 && a2a_time > 0) {
+      double sigma = 0;
+      for (int g = 0; g < G; ++g) {
+        double busy = 0;
+        for (int l = 0; l < L; ++l)
+          busy += work[static_cast<std::size_t>(g) * L + l];
+        sigma = std::max(sigma, std::min(1.0, busy / layer_time));
+      }
+      a2a_yield = sigma / (2.0 - sigma);
+    }
+    return a2a_yield;
+  }
+
+  /// Fills `layer_times` (each layer's time, its all-to-all's yield added) and the layers' `parts`; returns their sum.
+  double sum_layers(const std::vector<LayerTiming> &cur, double a2a_yield, std::vector<double> &layer_times,
+                    SimBreakdown &parts, GroupStep &rec) const {
+    double micro = 0;
+    for (int l = 0; l < L; ++l) {
+      const double yield = cur[l].a2a_link * a2a_yield;
+      layer_times[l] = cur[l].forward + cur[l].backward + yield;
+      micro += layer_times[l];
+      parts.expert_compute += cur[l].expert;
+      parts.all_to_all += cur[l].a2a + yield;
+      parts.dense += cur[l].dense;
+      parts.tp_comm += cur[l].tp;
+      rec.a2a_hidden += cur[l].a2a_hidden;
+    }
+    return micro;
+  }
+
+  /// With a pipeline: scales the micro-step's `parts`, `stall` and `micro` to its slowest stage's share of the
+  /// chain, then adds the activations' sends between stages.
+  void pipeline_share(const std::vector<double> &layer_times, double head, double tokens, bool update,
+                      SimBreakdown &parts, double &stall, double &micro) const {
+    // Pipeline: each stage runs its own layers (the LM head on the last); the slowest stage sets the
+    // micro-step. Its share of the whole chain scales every part, stall included (an approximation: the move
+    // windows were timed over the whole chain). Then the stage receives the activations from the previous
+    // stage (and, in the update stage, sends their gradients back).
+    double whole = head, slowest = 0;
+    for (int l = 0; l < L; ++l)
+      whole += layer_times[l];
+    for (int st = 0; st < PP; ++st) {
+      double t_st = st == PP - 1 ? head : 0.0;
+      for (int l = cfg.stage_first_layer(st); l < cfg.stage_first_layer(st + 1); ++l)
+        t_st += layer_times[l];
+      slowest = std::max(slowest, t_st);
+    }
+    const double f = whole > 0 ? slowest / whole : 1.0;
+    for (double *part :
+         {&parts.expert_compute, &parts.all_to_all, &parts.dense, &parts.lm_head, &parts.stall, &parts.tp_comm})
+      *part *= f;
+    stall *= f;
+    micro *= f;
+    const double p2p = cfg.pipeline_p2p_seconds(tokens / G) * (update ? 2.0 : 1.0);
+    parts.pipeline += p2p;
+    micro += p2p;
+  }
+
+  /// Simulates the stage's micro-step `m` (the loads' `m0 + m`): routes, layers, memory, stall, parts, pipeline
+  /// share and planner time, charged to `rec`; hands its timings to the next micro-step.
+  void run_micro_step(StageRun &sr, const LoadTensor &step, int m, int m0, GroupStep &rec) {
+    const double tokens = tokens_of(m0 + m);
+    const bool use_routes = routes && !strat.ideal;
+    if (use_routes) count_routes(sr, step, m, m0, tokens);
+    std::vector<LayerTiming> cur = time_layers(sr, step, m, tokens, use_routes, rec);
+    const SimMemory mem = memory_of(strat.ideal ? nullptr : &sr.sp.micro_steps[m], tokens);
+    if (mem.total() > rec.memory.total()) rec.memory = mem;
+    // Windows: from the slot's last use in m - 1 to layer l's forward in m.
+    std::vector<double> fwd_prefix(static_cast<std::size_t>(L) + 1, 0.0);
+    for (int l = 0; l < L; ++l)
+      fwd_prefix[l + 1] = fwd_prefix[l] + cur[l].forward;
+    // The all-to-all's share of the micro-step's time: moves share NVLink, the NIC and PCIe with it.
+    double a2a_time = 0, layer_time = 0;
+    for (const LayerTiming &lt : cur) {
+      a2a_time += lt.a2a_link;
+      layer_time += lt.forward + lt.backward;
+    }
+    const double a2a_share = layer_time > 0 ? std::min(1.0, a2a_time / layer_time) : 0.0;
+    std::vector<double> work(static_cast<std::size_t>(L) * G);
+    double stall = stall_of(cur, sr, fwd_prefix, a2a_share, work);
+    const double a2a_yield = a2a_yield_of(work, layer_time, a2a_time);
+    std::vector<double> layer_times(static_cast<std::size_t>(L));
+    SimBreakdown parts;
+    double micro = sum_layers(cur, a2a_yield, layer_times, parts, rec);
+    parts.stall = stall;
+    // The LM head after the last layer's forward (and its backward before the first layer's backward); the
+    // move windows do not count it.
+    const double head = cfg.lm_head_forward_seconds(tokens / G) * (sr.update ? 1 + cfg.cost.backward_factor : 1.0);
+    parts.lm_head = head;
+    sr.last_a2a_share = a2a_share;
+    micro += stall + head;
+    if (PP > 1) pipeline_share(layer_times, head, tokens, sr.update, parts, stall, micro);
+    rec.parts += parts;
+    rec.micro.push_back(parts);
+    rec.stall += stall;
+    sr.time += micro;
+    // Planning: an equal share of the stage's planner time per micro-step. The first micro-step's plan is on
+    // the critical path; with overlap, micro-step m + 1's plan runs while m executes (`micro`), so only what
+    // exceeds it is; without, every share is.
+    const int M = step.num_micro_steps();
+    const double share = sr.planner_seconds / M;
+    if (m == 0) rec.planner_critical += share;
+    if (m + 1 < M) rec.planner_critical += cfg.planner_overlap ? std::max(0.0, share - micro) : share;
+    rec.layers.push_back(std::move(layer_times));
+    sr.prev_t = std::move(cur);
+    sr.prev_plans = strat.ideal ? nullptr : &sr.sp.micro_steps[m];
+  }
+
+  /// Closes a stage of `M` micro-steps: pipeline bubble, held gradients, dp gradient sync, optimizer and mirror
+  /// refresh (update stage); adds its time to `rec` and keeps its final placement resident.
+  void close_stage(StageRun &sr, int M, GroupStep &rec) {
+    if (PP > 1 && M > 0) add_bubble(sr, M, rec);
+    if (sr.update && sr.prev_plans != nullptr && !sr.prev_t.empty()) return_held_gradients(sr, rec);
+    if (sr.update && num_copies > 1 && !sr.prev_t.empty()) dp_grad_sync(sr, rec);
+    if (sr.update) {
+      const double opt = optimizer_seconds();
+      sr.time += opt;
+      rec.parts.optimizer += opt;
+      // After each optimizer step every GPU copies its owned experts' new weights to the node's pinned
+      // mirror over its PCIe link, before the next mini-batch may read them; only strategies that read
+      // the mirror pay it.
+      if (sr.used_mirror) {
+        const double owned = static_cast<double>(topo.owners_per_gpu(E)) * stage_layers * expert_bytes;
+        const double refresh = cfg.minibatches_per_step * move_seconds(cfg.cost.move, MovePath::pcie, owned);
+        sr.time += refresh;
+        rec.mirror += refresh;
+        rec.parts.moves += refresh;
+      }
+      rec.update += sr.time;
+    } else {
+      rec.recompute += sr.time;
+    }
+    if (!strat.ideal && !sr.sp.micro_steps.empty()) {
+      resident = sr.sp.final_placement();
+      has_resident = true;
+    }
+  }
+
+  /// Adds the stage's 1F1B pipeline bubble over `M` micro-steps to its time and `rec`.
+  void add_bubble(StageRun &sr, int M, GroupStep &rec) const {
+    // The 1F1B bubble: (PP - 1) / m of the pipeline's ideal time for m micro-batches per pipeline flush (one
+    // flush per optimizer step in the update stage, one per forward pass in the recompute; Narayanan et al.
+    // 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+    // arXiv:2104.04473, sec. 2.2).
+    const double m_per_flush = sr.update ? static_cast<double>(M) / cfg.minibatches_per_step : M;
+    const double bubble = sr.time * (PP - 1) / m_per_flush;
+    sr.time += bubble;
+    rec.parts.pipeline += bubble;
+  }
+
+  /// Returns the gradients still owed at the end of the update stage; adds what outlasts the backward as stall.
+  void return_held_gradients(StageRun &sr, GroupStep &rec) {
+    // The gradients still owed (the replicas resident at the end of the stage, whichever micro-steps they ran)
+    // return before the optimizer step: layer l's once its last backward is over (backward runs L-1 .. 0), queued
+    // per GPU; what outlasts the backward pass is stall.
+    double tail = 0;
+    std::vector<std::vector<double>> demand(static_cast<std::size_t>(L), std::vector<double>(G, 0.0));
+    for (int l = 0; l < L; ++l)
+      rec.grad += return_gradients(l, nullptr, demand[l]);
+    for (int g = 0; g < G; ++g) {
+      double ready = 0, finish = 0;
+      for (int l = L - 1; l >= 0; --l) {
+        ready += sr.prev_t[l].backward;
+        finish = std::max(finish, ready) + demand[l][g];
+      }
+      tail = std::max(tail, finish - ready);
+    }
+    rec.grad_tail += tail;
+    rec.stall += tail;
+    rec.parts.stall += tail;
+    rec.micro.back().stall += tail;
+    sr.time += tail;
+  }
+
+  /// Adds the exposed part of the data-parallel copies' gradient all-reduce to the stage's time and `rec`.
+  void dp_grad_sync(StageRun &sr, GroupStep &rec) const {
+    // Before each optimizer step the copies all-reduce their owned experts' gradients (ring: 2 (n - 1) / n of
+    // the bytes each way per GPU, 2 (n - 1) steps; the copies of a GPU's experts sit on other nodes unless
+    // the cluster is one node), one bucket per layer. `dp_grad_overlap` of it may run under the last
+    // micro-step's backward: layer l's bucket once its backward is over (L-1 .. 0), queued on the link it
+    // shares with that micro-step's all-to-all; what outlasts the backward is exposed.
+    const MovePath path = cfg.stage_gpus() > cfg.topo.gpus_per_node ? MovePath::network : MovePath::nvlink;
+    const PathParams &link = path_params(cfg.cost.move, path);
+    const double n = num_copies;
+    const double bucket = 2.0 * (n - 1) * link.latency_us * 1e-6 +
+                          2.0 * (n - 1) / n * owners_per_gpu * grad_bytes_per_expert / (link.gb_per_s * 1e9);
+    const double serial = stage_layers * bucket; // a stage's layers (the largest stage's)
+    double ready = 0, finish = 0;
+    for (int l = stage_layers - 1; l >= 0; --l) {
+      ready += sr.prev_t[l].backward;
+      finish = std::max(finish, ready) + shared_link_seconds(bucket, sr.last_a2a_share);
+    }
+    const double overlapped = std::min(serial, finish - ready);
+    const double exposed =
+        cfg.minibatches_per_step * ((1 - cfg.dp_grad_overlap) * serial + cfg.dp_grad_overlap * overlapped);
+    sr.time += exposed;
+    rec.parts.dp_grad_sync += exposed;
+  }
+
+  /// Seconds of the optimizer steps of one RL step on a GPU (its owned experts, dense parts, embedding and head).
+  [[nodiscard]] double optimizer_seconds() const {
+    // Every GPU steps its parameters: owned experts, the dense parts of every layer, embedding and LM head;
+    // with a pipeline those of its stage (the largest; the embedding on the first stage, the head on the last),
+    // the dense part, embedding and head split over the TP group.
+    const double T = cfg.tensor_parallel;
+    const double params = static_cast<double>(owners_per_gpu) * stage_layers * expert_params +
+                          stage_layers * cfg.dense.params / T +
+                          (PP > 1 ? 1.0 : 2.0) * cfg.dense.vocab * spec.hidden / T;
+    // Offloaded, ZeRO-Offload partitions the optimizer state and gradients over the data-parallel ranks (it
+    // builds on ZeRO-2: Ren et al. 2021, sec. 4): a GPU steps a `num_copies`-th of its owned experts (their
+    // EP-group copies) and a `stage_gpus / T`-th (the attention DP ranks) of the dense part, embedding and head.
+    const double dense_dp = static_cast<double>(cfg.stage_gpus()) / T;
+    const double offload_params =
+        static_cast<double>(owners_per_gpu) * stage_layers * expert_params / num_copies +
+        (stage_layers * cfg.dense.params / T + (PP > 1 ? 1.0 : 2.0) * cfg.dense.vocab * spec.hidden / T) / dense_dp;
+    return (cfg.optimizer_offload ? cfg.offloaded_optimizer_step_seconds(offload_params)
+                                  : cfg.optimizer_step_seconds(params)) *
+           cfg.minibatches_per_step;
+  }
+};
+
+/// Simulates one EP group (`topo` is the group's topology, `loads` its own tokens) under `strat`, every RL step
+/// cut by `step_offsets`; `step_done` is called after each step.
+[[nodiscard]] inline std::vector<GroupStep>
+simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loads,
+               std::span<const std::int64_t> step_offsets, const SimStrategy &strat,
+               const std::function<void()> &step_done, const MicroStepRoutes &routes = {}) {
+  GroupSim sim(cfg, topo, loads, strat, routes);
+  const int num_steps = static_cast<int>(step_offsets.size() - 1);
   std::vector<GroupStep> out;
   out.reserve(static_cast<std::size_t>(num_steps));
   for (int s = 0; s < num_steps; ++s) {
-    GroupStep rec;
-    SimBreakdown &step_parts = rec.parts;
-    const int m0 = static_cast<int>(step_offsets[s]), m1 = static_cast<int>(step_offsets[s + 1]);
-    LoadTensor step(m1 - m0, L, E);
-    std::copy(loads.totals().begin() + static_cast<std::ptrdiff_t>(m0) * L * E,
-              loads.totals().begin() + static_cast<std::ptrdiff_t>(m1) * L * E, step.totals().begin());
-    const std::vector<std::int64_t> totals = planner.sum_steps(step);
-    if (s > 0 && s % cfg.eplb_interval == 0) {
-      history = accumulated;
-      accumulated.clear();
-    }
-
-    // Stages: `recompute_passes` forward-only passes, then the update pass.
-    for (int pass = 0; pass <= cfg.recompute_passes; ++pass) {
-      const bool update = pass == cfg.recompute_passes;
-      StepPlan sp;
-      double stage_planner = 0;
-      if (!strat.ideal) {
-        const auto t0 = std::chrono::steady_clock::now();
-        sp = planner.plan_step(step, has_resident ? &resident : nullptr, history,
-                               update ? Stage::update : Stage::recompute);
-        stage_planner = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        rec.planner += stage_planner;
-        // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
-        if (pass == 0 && !cfg.planner.reowning_free && !prev_owner_flat.empty()) {
-          std::vector<double> per_gpu(static_cast<std::size_t>(G), 0.0);
-          for (int l = 0; l < L; ++l)
-            for (int e = 0; e < E; ++e) {
-              const std::int32_t o = sp.owner_gpu.empty() ? -1 : sp.owner_gpu[l][e];
-              if (o >= 0 && o != prev_owner_flat[static_cast<std::size_t>(l) * E + e]) {
-                per_gpu[o] +=
-                    move_seconds(cfg.cost.move, MovePath::network, expert_bytes * (1 + cfg.optimizer_state_factor));
-                rec.moved += expert_bytes * (1 + cfg.optimizer_state_factor);
-              }
-            }
-          const double reown = *std::max_element(per_gpu.begin(), per_gpu.end());
-          rec.extra += reown;
-          step_parts.moves += reown;
-        }
-        if (pass == 0 && !sp.owner_gpu.empty()) {
-          prev_owner_flat.clear();
-          for (const auto &row : sp.owner_gpu)
-            prev_owner_flat.insert(prev_owner_flat.end(), row.begin(), row.end());
-        }
-      }
-      const int M = step.num_micro_steps();
-      bool used_mirror = false;
-      std::vector<LayerTiming> prev_t;
-      const std::vector<LayerPlan> *prev_plans = nullptr;
-      double stage_time = 0, last_a2a_share = 0;
-      RoutedMicroStep routed;
-      std::vector<LayerA2a> routed_cost;
-      for (int m = 0; m < M; ++m) {
-        const double tokens = tokens_of(m0 + m);
-        const bool use_routes = routes && !strat.ideal;
-        if (use_routes) {
-          routes(m0 + m, routed);
-          require(routed.source_offsets.size() == static_cast<std::size_t>(G) + 1 &&
-                      routed.source_offsets.front() == 0 &&
-                      static_cast<double>(routed.source_offsets.back()) == tokens &&
-                      routed.ids.size() == static_cast<std::size_t>(routed.source_offsets.back()) * L * K,
-                  "simulate: the routes of micro-step ", m0 + m, " hold ", routed.ids.size(), " ids over ",
-                  routed.source_offsets.size(), " source offsets; expected ", tokens, " tokens x ", L, " layers x top-",
-                  K, " over ", G + 1);
-          for (int r = 0; r < G; ++r)
-            require(routed.source_offsets[r + 1] >= routed.source_offsets[r], "simulate: the routes of micro-step ",
-                    m0 + m, ": source offsets decrease at rank ", r);
-          routed_a2a(sp.micro_steps[m], step, m, routed, m0 + m, routed_cost);
-        }
-        std::vector<LayerTiming> cur(static_cast<std::size_t>(L));
-        std::vector<double> &imbalance = rec.imbalance.emplace_back(static_cast<std::size_t>(L), 1.0);
-        for (int l = 0; l < L; ++l) {
-          const LayerPlan *lp = strat.ideal ? nullptr : &sp.micro_steps[m][l];
-          cur[l] = time_layer(lp, step.layer(m, l), tokens, update, rec.min_experts,
-                              use_routes ? &routed_cost[static_cast<std::size_t>(l)] : nullptr);
-          // The gradients owed by replicas this plan drops return before their slots are reused, in the window
-          // before layer l's forward; this plan's replicas then owe theirs.
-          if (update && lp != nullptr) {
-            cur[l].grad_bytes += return_gradients(l, lp, keeps_residents, cur[l].grad_demand);
-            owe_gradients(l, *lp);
-          }
-          if (lp != nullptr) imbalance[l] = lp->imbalance();
-          if (l == cfg.gpu_load_layer) {
-            std::vector<double> &per_gpu = rec.gpu_loads.emplace_back();
-            if (lp != nullptr) {
-              for (const std::int64_t t : lp->gpu_loads())
-                per_gpu.push_back(static_cast<double>(t));
-            } else {
-              const auto layer = step.layer(m, l);
-              per_gpu.assign(static_cast<std::size_t>(G),
-                             static_cast<double>(std::accumulate(layer.begin(), layer.end(), std::int64_t{0})) / G);
-            }
-          }
-          rec.moved += cur[l].moved_bytes;
-          rec.inter_node += cur[l].inter_node_bytes;
-          used_mirror = used_mirror || cur[l].host_moves;
-          rec.grad += cur[l].grad_bytes;
-        }
-        const SimMemory mem = memory_of(strat.ideal ? nullptr : &sp.micro_steps[m], tokens);
-        if (mem.total() > rec.memory.total()) rec.memory = mem;
-        // Windows: from the slot's last use in m - 1 to layer l's forward in m.
-        double micro = 0, stall = 0;
-        std::vector<double> fwd_prefix(static_cast<std::size_t>(L) + 1, 0.0);
-        for (int l = 0; l < L; ++l)
-          fwd_prefix[l + 1] = fwd_prefix[l] + cur[l].forward;
-        // Each GPU's link serves the moves and gradient returns of all layers (one queue, earliest deadline
-        // first): layer l's are released when its slot is free, `window` before its forward at fwd_prefix[l].
-        // The all-to-all's share of the micro-step's time: moves share NVLink, the NIC and PCIe with it.
-        double a2a_time = 0, layer_time = 0;
-        for (const LayerTiming &lt : cur) {
-          a2a_time += lt.a2a_link;
-          layer_time += lt.forward + lt.backward;
-        }
-        const double a2a_share = layer_time > 0 ? std::min(1.0, a2a_time / layer_time) : 0.0;
-        std::vector<double> release(static_cast<std::size_t>(L)), work(static_cast<std::size_t>(L) * G);
-        for (int l = 0; l < L; ++l) {
-          double window = fwd_prefix[l];
-          if (!prev_t.empty()) {
-            if (update)
-              for (int k = 0; k < l; ++k)
-                window += prev_t[k].backward; // backward runs L-1 .. 0
-            else
-              for (int k = l + 1; k < L; ++k)
-                window += prev_t[k].forward;
-            if (cfg.double_buffer)
-              for (int k = 0; k < L; ++k)
-                window += prev_t[k].forward + prev_t[k].backward;
-          }
-          release[l] = fwd_prefix[l] - window;
-          for (int g = 0; g < G; ++g)
-            work[static_cast<std::size_t>(g) * L + l] =
-                shared_link_seconds(cur[l].move_demand[g] + cur[l].grad_demand[g], a2a_share);
-        }
-        // A late layer delays the rest of the micro-step (and the later deadlines) by its lateness, so the
-        // stall is the largest lateness of any GPU's queue.
-        for (int g = 0; g < G; ++g)
-          stall = std::max(stall,
-                           edf_max_lateness(release, std::span<const double>(fwd_prefix).first(L),
-                                            std::span<const double>(work).subspan(static_cast<std::size_t>(g) * L, L)));
-        // Both ways: while a GPU's link carries its moves and gradient returns the all-to-all gets half of it, so
-        // it needs `a2a / (1 - sigma / 2)`, `sigma` the share of the micro-step the busiest GPU's link carries them
-        // (the same fair-share rule as `shared_link_seconds`; the all-to-all ends with its slowest GPU).
-        double a2a_yield = 0; // extra all-to-all seconds per second of it
-        if (cfg.two_way_link_sharing && layer_time > 0 && a2a_time > 0) {
-          double sigma = 0;
-          for (int g = 0; g < G; ++g) {
-            double busy = 0;
-            for (int l = 0; l < L; ++l)
-              busy += work[static_cast<std::size_t>(g) * L + l];
-            sigma = std::max(sigma, std::min(1.0, busy / layer_time));
-          }
-          a2a_yield = sigma / (2.0 - sigma);
-        }
-        std::vector<double> layer_times(static_cast<std::size_t>(L));
-        SimBreakdown parts;
-        for (int l = 0; l < L; ++l) {
-          const double yield = cur[l].a2a_link * a2a_yield;
-          layer_times[l] = cur[l].forward + cur[l].backward + yield;
-          micro += layer_times[l];
-          parts.expert_compute += cur[l].expert;
-          parts.all_to_all += cur[l].a2a + yield;
-          parts.dense += cur[l].dense;
-          parts.tp_comm += cur[l].tp;
-          rec.a2a_hidden += cur[l].a2a_hidden;
-        }
-        parts.stall = stall;
-        // The LM head after the last layer's forward (and its backward before the first layer's backward); the
-        // move windows do not count it.
-        const double head = cfg.lm_head_forward_seconds(tokens / G) * (update ? 1 + cfg.cost.backward_factor : 1.0);
-        parts.lm_head = head;
-        last_a2a_share = a2a_share;
-        micro += stall + head;
-        if (PP > 1) {
-          // Pipeline: each stage runs its own layers (the LM head on the last); the slowest stage sets the
-          // micro-step. Its share of the whole chain scales every part, stall included (an approximation: the move
-          // windows were timed over the whole chain). Then the stage receives the activations from the previous
-          // stage (and, in the update stage, sends their gradients back).
-          double whole = head, slowest = 0;
-          for (int l = 0; l < L; ++l)
-            whole += layer_times[l];
-          for (int st = 0; st < PP; ++st) {
-            double t_st = st == PP - 1 ? head : 0.0;
-            for (int l = cfg.stage_first_layer(st); l < cfg.stage_first_layer(st + 1); ++l)
-              t_st += layer_times[l];
-            slowest = std::max(slowest, t_st);
-          }
-          const double f = whole > 0 ? slowest / whole : 1.0;
-          for (double *part :
-               {&parts.expert_compute, &parts.all_to_all, &parts.dense, &parts.lm_head, &parts.stall, &parts.tp_comm})
-            *part *= f;
-          stall *= f;
-          micro *= f;
-          const double p2p = cfg.pipeline_p2p_seconds(tokens / G) * (update ? 2.0 : 1.0);
-          parts.pipeline += p2p;
-          micro += p2p;
-        }
-        step_parts += parts;
-        rec.micro.push_back(parts);
-        rec.stall += stall;
-        stage_time += micro;
-        // Planning: an equal share of the stage's planner time per micro-step. The first micro-step's plan is on
-        // the critical path; with overlap, micro-step m + 1's plan runs while m executes (`micro`), so only what
-        // exceeds it is; without, every share is.
-        const double share = stage_planner / M;
-        if (m == 0) rec.planner_critical += share;
-        if (m + 1 < M) rec.planner_critical += cfg.planner_overlap ? std::max(0.0, share - micro) : share;
-        rec.layers.push_back(std::move(layer_times));
-        prev_t = std::move(cur);
-        prev_plans = strat.ideal ? nullptr : &sp.micro_steps[m];
-      }
-      if (PP > 1 && M > 0) {
-        // The 1F1B bubble: (PP - 1) / m of the pipeline's ideal time for m micro-batches per pipeline flush (one
-        // flush per optimizer step in the update stage, one per forward pass in the recompute; Narayanan et al.
-        // 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
-        // arXiv:2104.04473, sec. 2.2).
-        const double m_per_flush = update ? static_cast<double>(M) / cfg.minibatches_per_step : M;
-        const double bubble = stage_time * (PP - 1) / m_per_flush;
-        stage_time += bubble;
-        step_parts.pipeline += bubble;
-      }
-      // The gradients still owed (the replicas resident at the end of the stage, whichever micro-steps they ran)
-      // return before the optimizer step: layer l's once its last backward is over (backward runs L-1 .. 0), queued
-      // per GPU; what outlasts the backward pass is stall.
-      if (update && prev_plans != nullptr && !prev_t.empty()) {
-        double tail = 0;
-        std::vector<std::vector<double>> demand(static_cast<std::size_t>(L), std::vector<double>(G, 0.0));
-        for (int l = 0; l < L; ++l)
-          rec.grad += return_gradients(l, nullptr, keeps_residents, demand[l]);
-        for (int g = 0; g < G; ++g) {
-          double ready = 0, finish = 0;
-          for (int l = L - 1; l >= 0; --l) {
-            ready += prev_t[l].backward;
-            finish = std::max(finish, ready) + demand[l][g];
-          }
-          tail = std::max(tail, finish - ready);
-        }
-        rec.grad_tail += tail;
-        rec.stall += tail;
-        step_parts.stall += tail;
-        rec.micro.back().stall += tail;
-        stage_time += tail;
-      }
-      if (update && num_copies > 1 && !prev_t.empty()) {
-        // Before each optimizer step the copies all-reduce their owned experts' gradients (ring: 2 (n - 1) / n of
-        // the bytes each way per GPU, 2 (n - 1) steps; the copies of a GPU's experts sit on other nodes unless
-        // the cluster is one node), one bucket per layer. `dp_grad_overlap` of it may run under the last
-        // micro-step's backward: layer l's bucket once its backward is over (L-1 .. 0), queued on the link it
-        // shares with that micro-step's all-to-all; what outlasts the backward is exposed.
-        const MovePath path = cfg.stage_gpus() > cfg.topo.gpus_per_node ? MovePath::network : MovePath::nvlink;
-        const PathParams &link = path_params(cfg.cost.move, path);
-        const double n = num_copies;
-        const double bucket = 2.0 * (n - 1) * link.latency_us * 1e-6 +
-                              2.0 * (n - 1) / n * owners_per_gpu * grad_bytes_per_expert / (link.gb_per_s * 1e9);
-        const double serial = stage_layers * bucket; // a stage's layers (the largest stage's)
-        double ready = 0, finish = 0;
-        for (int l = stage_layers - 1; l >= 0; --l) {
-          ready += prev_t[l].backward;
-          finish = std::max(finish, ready) + shared_link_seconds(bucket, last_a2a_share);
-        }
-        const double overlapped = std::min(serial, finish - ready);
-        const double exposed =
-            cfg.minibatches_per_step * ((1 - cfg.dp_grad_overlap) * serial + cfg.dp_grad_overlap * overlapped);
-        stage_time += exposed;
-        step_parts.dp_grad_sync += exposed;
-      }
-      if (update) {
-        // Every GPU steps its parameters: owned experts, the dense parts of every layer, embedding and LM head;
-        // with a pipeline those of its stage (the largest; the embedding on the first stage, the head on the last),
-        // the dense part, embedding and head split over the TP group.
-        const double T = cfg.tensor_parallel;
-        const double params = static_cast<double>(owners_per_gpu) * stage_layers * expert_params +
-                              stage_layers * cfg.dense.params / T +
-                              (PP > 1 ? 1.0 : 2.0) * cfg.dense.vocab * spec.hidden / T;
-        // Offloaded, ZeRO-Offload partitions the optimizer state and gradients over the data-parallel ranks (it
-        // builds on ZeRO-2: Ren et al. 2021, sec. 4): a GPU steps a `num_copies`-th of its owned experts (their
-        // EP-group copies) and a `stage_gpus / T`-th (the attention DP ranks) of the dense part, embedding and head.
-        const double dense_dp = static_cast<double>(cfg.stage_gpus()) / T;
-        const double offload_params =
-            static_cast<double>(owners_per_gpu) * stage_layers * expert_params / num_copies +
-            (stage_layers * cfg.dense.params / T + (PP > 1 ? 1.0 : 2.0) * cfg.dense.vocab * spec.hidden / T) / dense_dp;
-        const double opt = (cfg.optimizer_offload ? cfg.offloaded_optimizer_step_seconds(offload_params)
-                                                  : cfg.optimizer_step_seconds(params)) *
-                           cfg.minibatches_per_step;
-        stage_time += opt;
-        step_parts.optimizer += opt;
-        // After each optimizer step every GPU copies its owned experts' new weights to the node's pinned
-        // mirror over its PCIe link, before the next mini-batch may read them; only strategies that read
-        // the mirror pay it.
-        if (used_mirror) {
-          const double owned = static_cast<double>(topo.owners_per_gpu(E)) * stage_layers * expert_bytes;
-          const double refresh = cfg.minibatches_per_step * move_seconds(cfg.cost.move, MovePath::pcie, owned);
-          stage_time += refresh;
-          rec.mirror += refresh;
-          step_parts.moves += refresh;
-        }
-        rec.update += stage_time;
-      } else {
-        rec.recompute += stage_time;
-      }
-      if (!strat.ideal && !sp.micro_steps.empty()) {
-        resident = sp.final_placement();
-        has_resident = true;
-      }
-    }
-    if (accumulated.empty()) accumulated.assign(totals.size(), 0);
-    for (std::size_t i = 0; i < totals.size(); ++i)
-      accumulated[i] += totals[i];
-    out.push_back(std::move(rec));
+    out.push_back(sim.run_step(s, static_cast<int>(step_offsets[s]), static_cast<int>(step_offsets[s + 1])));
     if (step_done) step_done();
   }
   return out;
