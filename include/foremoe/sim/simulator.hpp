@@ -619,6 +619,7 @@ public:
   }
 
 private:
+  /// One route-pool thread's buffers: a layer's per-(expert, source) loads and its tokens' slots.
   struct RouteScratch {
     std::vector<std::int64_t> source_loads;
     std::vector<std::int32_t> slots;
