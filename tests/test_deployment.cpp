@@ -44,6 +44,24 @@ const json::Value *run_at(const json::Value &best, const std::string &strategy, 
   return nullptr;
 }
 
+/// Each strategy's best in `best` (`best_deployment`) fits and is its fastest fitting run, and `ideal`'s is never
+/// slower than any other's.
+void check_best_is_fastest(const json::Value &best) {
+  double ideal = 0;
+  for (const json::Value &b : best.find("strategies")->as_array()) {
+    const std::string name = b.find("strategy")->as_string();
+    REQUIRE(b.find("fits")->as_bool());
+    double fastest = INFINITY;
+    for (const json::Value &r : best.find("runs")->as_array())
+      if (r.find("strategy")->as_string() == name && r.find("fits")->as_bool())
+        fastest = std::min(fastest, r.find("step_seconds")->as_double());
+    CHECK(b.find("step_seconds")->as_double() == fastest);
+    if (name == "ideal") ideal = fastest;
+  }
+  for (const json::Value &b : best.find("strategies")->as_array())
+    CHECK(ideal <= b.find("step_seconds")->as_double() * (1 + 1e-12));
+}
+
 } // namespace
 
 TEST_CASE("deployment space: whole-node EP sizes dividing the cluster, owners + spares, the configured one too") {
@@ -112,19 +130,7 @@ TEST_CASE("deployment search: each best is its strategy's fastest fitting run; t
       // Bit for bit: the search simulates the same deployment on the same loads.
       CHECK(same->find("step_seconds")->as_double() == r.find("step_seconds")->as_double());
     }
-    double ideal = 0;
-    for (const json::Value &b : best.find("strategies")->as_array()) {
-      const std::string name = b.find("strategy")->as_string();
-      REQUIRE(b.find("fits")->as_bool());
-      double fastest = INFINITY;
-      for (const json::Value &r : best.find("runs")->as_array())
-        if (r.find("strategy")->as_string() == name && r.find("fits")->as_bool())
-          fastest = std::min(fastest, r.find("step_seconds")->as_double());
-      CHECK(b.find("step_seconds")->as_double() == fastest);
-      if (name == "ideal") ideal = fastest;
-    }
-    for (const json::Value &b : best.find("strategies")->as_array())
-      CHECK(ideal <= b.find("step_seconds")->as_double() * (1 + 1e-12));
+    check_best_is_fastest(best);
   }
 }
 
@@ -223,17 +229,5 @@ TEST_CASE("deployment search: with pipeline and tensor parallelism searched, eac
   }
   CHECK(piped);
   CHECK(split);
-  double ideal = 0;
-  for (const json::Value &b : best.find("strategies")->as_array()) {
-    const std::string name = b.find("strategy")->as_string();
-    REQUIRE(b.find("fits")->as_bool());
-    double fastest = INFINITY;
-    for (const json::Value &r : best.find("runs")->as_array())
-      if (r.find("strategy")->as_string() == name && r.find("fits")->as_bool())
-        fastest = std::min(fastest, r.find("step_seconds")->as_double());
-    CHECK(b.find("step_seconds")->as_double() == fastest);
-    if (name == "ideal") ideal = fastest;
-  }
-  for (const json::Value &b : best.find("strategies")->as_array())
-    CHECK(ideal <= b.find("step_seconds")->as_double() * (1 + 1e-12));
+  check_best_is_fastest(best);
 }
