@@ -115,15 +115,6 @@ public:
     return strides_[2] == 1 && strides_[1] == topk_ && strides_[0] == std::int64_t{num_layers_} * topk_;
   }
 
-  /// Id at `(t, l, k)` widened to int64, or -1 for "no route" (given `num_experts`).
-  [[nodiscard]] std::int64_t at(std::int64_t t, int l, int k, int num_experts) const noexcept {
-    return visit_id_dtype(dtype_, [&](auto tag) -> std::int64_t {
-      using T = decltype(tag);
-      const T v = static_cast<const T *>(data_)[t * strides_[0] + l * strides_[1] + k * strides_[2]];
-      return widen(v, num_experts);
-    });
-  }
-
   /// Maps a raw value to int64, unsigned all-ones to -1 when it means "no route".
   template <class T> [[nodiscard]] static constexpr std::int64_t widen(T v, int num_experts) noexcept {
     if constexpr (std::is_unsigned_v<T>) {
@@ -131,6 +122,15 @@ public:
         return -1;
     }
     return static_cast<std::int64_t>(v);
+  }
+
+  /// Id at `(t, l, k)` widened to int64, or -1 for "no route" (given `num_experts`).
+  [[nodiscard]] std::int64_t at(std::int64_t t, int l, int k, int num_experts) const noexcept {
+    return visit_id_dtype(dtype_, [&](auto tag) -> std::int64_t {
+      using T = decltype(tag);
+      const T v = static_cast<const T *>(data_)[t * strides_[0] + l * strides_[1] + k * strides_[2]];
+      return widen(v, num_experts);
+    });
   }
 
 private:
