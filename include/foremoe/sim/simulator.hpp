@@ -946,10 +946,10 @@ private:
     const auto t0 = std::chrono::steady_clock::now();
     // The previous step's totals go with the first stage only: later stages of the step hand none (one hand-over
     // per finished step).
-    sr.sp = planner.plan_step(step, has_resident ? &resident : nullptr,
-                              pass == 0 ? std::span<const std::int64_t>(previous_totals)
-                                        : std::span<const std::int64_t>{},
-                              sr.update ? Stage::update : Stage::recompute);
+    sr.sp =
+        planner.plan_step(step, has_resident ? &resident : nullptr,
+                          pass == 0 ? std::span<const std::int64_t>(previous_totals) : std::span<const std::int64_t>{},
+                          sr.update ? Stage::update : Stage::recompute);
     sr.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec.planner += sr.planner_seconds;
     // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.

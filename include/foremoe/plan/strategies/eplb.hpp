@@ -55,7 +55,7 @@ protected:
     std::vector<double> w(totals.begin(), totals.end());
     return eplb_rebalance(w, shape.num_layers, shape.num_experts, shape.opts.eplb_num_groups, shape.topo);
   }
-  std::vector<EplbLayer> tables_;     ///< per layer; empty: static placement
+  std::vector<EplbLayer> tables_;    ///< per layer; empty: static placement
   std::vector<std::int64_t> window_; ///< `[layers][experts]` loads of the steps since the last rebalance
   int steps_in_window_ = 0;          ///< how many steps `window_` sums
 };
