@@ -50,3 +50,47 @@ def test_transfers_bad_input():
         second.transfers(other.placement, expert_bytes=100)
     with pytest.raises(ValueError, match="has no source"):
         second.transfers(first.placement, expert_bytes=100, host_mirror=False, allow_network=False)
+
+
+def move_defaults():
+    """The move model's settings as `Plan.transfers(move=...)` takes them, defaults from the library's schema."""
+    return {o["key"]: o["default"] for o in foremoe.options("move")}
+
+
+def test_transfers_move_settings_price_the_moves():
+    first, second = two_plans(seed=4)
+    assert second.num_moves > 0
+    B = 3 * 2048 * 768 * 2
+    d = move_defaults()
+    assert set(d) >= {"move_intra_gb_per_s", "move_inter_gb_per_s", "move_host_gb_per_s", "pcie_ingress_gb_per_s"}
+    base = second.transfers(first.placement, expert_bytes=B)["est_seconds"]
+    # None, {} and the defaults spelled out are the same model.
+    np.testing.assert_array_equal(second.transfers(first.placement, expert_bytes=B, move={})["est_seconds"], base)
+    np.testing.assert_array_equal(second.transfers(first.placement, expert_bytes=B, move=d)["est_seconds"], base)
+    # No fixed latencies: every link k times slower makes every layer's modelled time exactly k times longer.
+    fast = {k: (0.0 if k.endswith("latency_us") else v) for k, v in d.items()}
+    k = 4.0
+    slow = {key: (v if key.endswith("latency_us") else v / k) for key, v in fast.items()}
+    t_fast = second.transfers(first.placement, expert_bytes=B, move=fast)
+    t_slow = second.transfers(first.placement, expert_bytes=B, move=slow)
+    moved = t_fast["path_bytes"].sum(axis=1) > 0
+    assert moved.any()
+    np.testing.assert_allclose(t_slow["est_seconds"], k * t_fast["est_seconds"], rtol=1e-9)
+    assert (t_fast["est_seconds"][moved] > 0).all()
+    np.testing.assert_array_equal(t_slow["path_bytes"], t_fast["path_bytes"])
+    # One slower link: never faster, and slower where that path carries bytes.
+    net = dict(fast, move_inter_gb_per_s=fast["move_inter_gb_per_s"] / 10, pcie_ingress_gb_per_s=1e3)
+    t_net = second.transfers(first.placement, expert_bytes=B, move=net)
+    assert (t_net["est_seconds"] >= t_fast["est_seconds"] * (1 - 1e-12)).all()
+
+
+def test_transfers_move_settings_bad_values_name_the_key():
+    first, second = two_plans()
+    with pytest.raises(ValueError, match=r"^transfers\.move\.move_inter_gb_per_s: must be in \[.*\], got -1$"):
+        second.transfers(first.placement, expert_bytes=100, move={"move_inter_gb_per_s": -1})
+    with pytest.raises(ValueError, match=r"^transfers\.move\.move_host_latency_us: expected a number, got \"x\"$"):
+        second.transfers(first.placement, expert_bytes=100, move={"move_host_latency_us": "x"})
+    with pytest.raises(ValueError, match=r"^transfers\.move: unknown key 'move_gb_per_s' \(known: move_intra_gb_per_s"):
+        second.transfers(first.placement, expert_bytes=100, move={"move_gb_per_s": 10})
+    with pytest.raises(ValueError, match=r"^transfers\.move\.pcie_ingress_gb_per_s: nan is not a finite number"):
+        second.transfers(first.placement, expert_bytes=100, move={"pcie_ingress_gb_per_s": float("nan")})

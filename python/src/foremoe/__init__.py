@@ -68,8 +68,9 @@ TRACE_FORMATS = tuple(f["name"] for f in _core.trace_formats())
 
 def options(command: str = "simulate") -> List[Dict[str, Any]]:
     """The option schema of a front end, from the C++ library: ``simulate`` (the config of :func:`simulate`
-    and ``foremoe simulate``), ``planner`` (the keywords of :class:`Planner`), ``plan`` (``foremoe plan``) or
-    ``synthetic`` (the keywords of :func:`synthetic_trace`, the generator flags of ``foremoe trace gen``).
+    and ``foremoe simulate``), ``planner`` (the keywords of :class:`Planner`), ``plan`` (``foremoe plan``),
+    ``synthetic`` (the keywords of :func:`synthetic_trace`, the generator flags of ``foremoe trace gen``),
+    ``count`` or ``move`` (the keys of ``Plan.transfers(move=...)``, ``foremoe plan``'s ``cost.move_*`` settings).
 
     Each entry: ``key`` (JSON path, e.g. ``topology.slots``), ``flag`` (command-line name), ``type``
     (int, float, bool, string, enum), ``default``, ``min``/``max`` (numbers), ``choices`` (enums), ``help``.
