@@ -94,3 +94,30 @@ def test_transfers_move_settings_bad_values_name_the_key():
         second.transfers(first.placement, expert_bytes=100, move={"move_gb_per_s": 10})
     with pytest.raises(ValueError, match=r"^transfers\.move\.pcie_ingress_gb_per_s: nan is not a finite number"):
         second.transfers(first.placement, expert_bytes=100, move={"pcie_ingress_gb_per_s": float("nan")})
+
+
+def test_transfers_move_settings_match_the_cli(cli, tmp_path):
+    """The same settings give `foremoe plan --expert-bytes ... --move-*` the same modelled times (micro-step 1, whose
+    moves start from micro-step 0's placement in both)."""
+    import json
+    import subprocess
+
+    rng = np.random.default_rng(7)
+    loads = (300 * rng.lognormal(0, 1.2, size=(2, 3, 16))).astype(np.int64)
+    np.save(tmp_path / "l.npy", loads)
+    B, C = 3 * 2048 * 768 * 2, 1 << 20
+    move = {"move_inter_gb_per_s": 7.5, "move_intra_gb_per_s": 90, "move_host_latency_us": 40,
+            "pcie_ingress_gb_per_s": 30}
+    flags = {o["key"]: o["flag"] for o in foremoe.options("move")}
+    args = [cli, "plan", "--loads", str(tmp_path / "l.npy"), "--nodes", "2", "--gpus-per-node", "4", "--slots", "3",
+            "--expert-bytes", str(B), "--max-chunk-bytes", str(C), "--out", str(tmp_path / "p.json")]
+    for k, v in move.items():
+        args += [f"--{flags[k]}", str(v)]
+    subprocess.run(args, check=True, capture_output=True)
+    ref = json.loads((tmp_path / "p.json").read_text())["micro_steps"][1]["layers"]
+    plans = foremoe.Planner(foremoe.Topology(2, 4, 3)).plan(loads)
+    got = plans[1].transfers(plans[0].placement, expert_bytes=B, max_chunk_bytes=C, move=move)
+    default = plans[1].transfers(plans[0].placement, expert_bytes=B, max_chunk_bytes=C)
+    want = np.array([lay["transfers"]["est_seconds"] for lay in ref])
+    np.testing.assert_allclose(got["est_seconds"], want, rtol=1e-12)
+    assert plans[1].num_moves > 0 and not np.allclose(default["est_seconds"], want)
