@@ -125,6 +125,18 @@ for strategy in foremoe foremoe-free eplb eplb-split eplb-oracle static ultraep 
 done
 expect 0 "moves: " -- "$bin" plan --loads "$work/loads.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --previous-loads "$work/step.npy" --strategy eplb
+# One --previous-loads is one step handed to EPLB's window: with --eplb-interval 2 no rebalance yet (the static
+# placement, the plan without history); with the default 1 a rebalance from it.
+eplb_window() { # OUT [flags]: eplb's plan of loads.npy, without its wall time
+  local out=$1
+  shift
+  "$bin" plan --loads "$work/loads.npy" --nodes 2 --gpus-per-node 2 --slots 5 --strategy eplb "$@" \
+    --out "$work/eplb_w.json" >/dev/null && sed 's/"planner_seconds":[^,]*,//' "$work/eplb_w.json" >"$work/$out"
+}
+eplb_window none.json && eplb_window i2.json --previous-loads "$work/step.npy" --eplb-interval 2 &&
+  eplb_window i1.json --previous-loads "$work/step.npy"
+expect 0 "" -- cmp "$work/none.json" "$work/i2.json"
+expect 1 "differ" -- cmp "$work/none.json" "$work/i1.json"
 expect 0 "^  foremoe-free +[0-9.]+" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
   --strategy all
 expect 2 "need one strategy" -- "$bin" plan --loads "$work/step.npy" --nodes 2 --gpus-per-node 2 --slots 5 \

@@ -284,6 +284,15 @@ TEST_CASE("schema: precedence is defaults < preset < config file < explicit flag
   const auto es = config::simulate_settings(e);
   CHECK(es.sim.planner.exact_split);
   CHECK(es.sim.planner.eplb_num_groups == 4);
+  // The EPLB interval is a planner option (the strategy keeps its window); simulate's key and flag stay
+  // `sim.eplb_interval` / `--eplb-interval`, where it stood before, so old config files still read.
+  const json::Value old_file = json::parse(R"({"sim": {"eplb_interval": 3}})");
+  const L of[] = {{&old_file, "config"}};
+  CHECK(config::simulate_settings(of).sim.planner.eplb_interval == 3);
+  CHECK(s.key("sim.eplb_interval").int_min == 1);
+  fm::PlannerOptions po;
+  CHECK(error_of([&] { config::planner_schema().read(po, json::parse(R"({"eplb_interval": 0})"), "Planner"); }) ==
+        "Planner.eplb_interval: must be in [1, 65536], got 0");
 }
 
 TEST_CASE("schema: the generator's options are one schema; simulate's batch section reuses its entries") {

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <span>
+#include <string>
 #include <vector>
 
 #include "foremoe/core/load_tensor.hpp"
@@ -416,4 +418,96 @@ TEST_CASE("baselines' balancing domain: a node by default; the whole EP group le
   }
   CHECK(crossed > 0);
   CHECK(group_exact > seeds(30));
+}
+
+TEST_CASE("eplb, eplb-split: the strategy's window rebalances every eplb_interval steps (property)") {
+  // The definition (PlannerOptions::eplb_interval): step s plans from the tables of its last rebalance, made at
+  // step r = (s / N) * N from the summed totals of steps r - N .. r - 1; before the first (r = 0) the static
+  // placement. Reference: a fresh interval-1 planner handed that window once (or nothing), per step. The stateful
+  // planner is handed only each finished step's totals, once per step (its later stages hand none).
+  std::mt19937_64 rng(5521);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  int stale = 0, checked = 0;
+  for (int it = 0; it < seeds(40); ++it) {
+    CAPTURE(it);
+    Topology topo;
+    topo.num_nodes = pick(1, 2);
+    topo.gpus_per_node = pick(1, 4);
+    const int num_gpus = topo.num_gpus(), L = pick(1, 3), E = num_gpus * pick(1, 3);
+    topo.slots_per_gpu = topo.owners_per_gpu(E) + pick(1, 2);
+    const int N = pick(1, 5), steps = pick(1, 3 * N + 2);
+    CAPTURE(N);
+    CAPTURE(steps);
+    PlannerOptions opts;
+    opts.strategy = pick(0, 1) == 0 ? "eplb" : "eplb-split";
+    opts.eplb_interval = N;
+    // Each step its own hot experts, so windows of different steps give different tables.
+    std::vector<LoadTensor> step;
+    std::vector<std::vector<std::int64_t>> totals;
+    Planner stateful(L, E, topo, opts);
+    for (int s = 0; s < steps; ++s) {
+      step.emplace_back(pick(1, 3), L, E);
+      for (int m = 0; m < step.back().num_micro_steps(); ++m)
+        for (int l = 0; l < L; ++l)
+          for (int e = 0; e < E; ++e)
+            step.back().at(m, l, e) = pick(0, 7) == 0 ? 0 : pick(1, pick(0, 2) == 0 ? 5000 : 200);
+      totals.push_back(stateful.sum_steps(step.back()));
+    }
+    PlannerOptions ref_opts = opts;
+    ref_opts.eplb_interval = 1;
+    for (int s = 0; s < steps; ++s) {
+      CAPTURE(s);
+      const int r = (s / N) * N;
+      std::vector<std::int64_t> window;
+      if (r > 0) {
+        window.assign(totals[0].size(), 0);
+        for (int t = r - N; t < r; ++t)
+          for (std::size_t i = 0; i < window.size(); ++i)
+            window[i] += totals[t][i];
+      }
+      const int stages = pick(1, 3); // recompute passes, then the update: one hand-over per step
+      for (int k = 0; k < stages; ++k) {
+        CAPTURE(k);
+        const Stage stage = k + 1 == stages ? Stage::update : Stage::recompute;
+        const StepPlan got = stateful.plan_step(
+            step[s], nullptr,
+            k == 0 && s > 0 ? std::span<const std::int64_t>(totals[s - 1]) : std::span<const std::int64_t>{}, stage);
+        Planner fresh(L, E, topo, ref_opts);
+        const StepPlan want = fresh.plan_step(step[s], nullptr, window, stage);
+        REQUIRE(got.micro_steps.size() == want.micro_steps.size());
+        CHECK(got.owner_gpu == want.owner_gpu);
+        for (std::size_t m = 0; m < got.micro_steps.size(); ++m)
+          for (int l = 0; l < L; ++l) {
+            const LayerPlan &a = got.micro_steps[m][l], &b = want.micro_steps[m][l];
+            CHECK(a.placement == b.placement);
+            CHECK(a.slot_tokens == b.slot_tokens);
+            CHECK(a.owner_gpu == b.owner_gpu);
+            CHECK(a.moves == b.moves);
+          }
+        ++checked;
+        // Teeth: where the schedule keeps older tables, planning from the previous step alone differs.
+        if (k == 0 && s > 0 && s - 1 >= r) {
+          Planner last(L, E, topo, ref_opts);
+          const StepPlan from_last = last.plan_step(step[s], nullptr, totals[s - 1], stage);
+          bool same = true;
+          for (std::size_t m = 0; m < got.micro_steps.size(); ++m)
+            for (int l = 0; l < L; ++l)
+              same = same && got.micro_steps[m][l].placement == from_last.micro_steps[m][l].placement;
+          stale += same ? 0 : 1;
+        }
+      }
+    }
+  }
+  CHECK(checked > seeds(100));
+  CHECK(stale > seeds(10)); // the window is not the previous step's totals in disguise
+}
+
+TEST_CASE("eplb: eplb_interval 0 or negative is an error naming the value") {
+  for (int bad : {0, -1, -7}) {
+    PlannerOptions opts;
+    opts.strategy = "eplb";
+    opts.eplb_interval = bad;
+    CHECK_ERROR_CONTAINS(Planner(1, 4, Topology{1, 2, 3}, opts),
+                         ("Planner: eplb_interval must be >= 1, got " + std::to_string(bad)).c_str());
+  }
 }

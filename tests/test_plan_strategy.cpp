@@ -67,7 +67,8 @@ TEST_CASE("strategy registry: the built-ins come first, in order, with help and 
   CHECK(find_strategy("moonep").options == std::vector<std::string>{"peer_domain_gpus"});
   CHECK(find_strategy("foremoe").options.front() == "move_budget");
   CHECK(find_strategy("eplb-oracle").options == std::vector<std::string>{"eplb_num_groups"});
-  CHECK(find_strategy("eplb-split").options == std::vector<std::string>{"eplb_num_groups"});
+  CHECK(find_strategy("eplb-split").options == std::vector<std::string>{"eplb_num_groups", "eplb_interval"});
+  CHECK(find_strategy("eplb").options == std::vector<std::string>{"eplb_num_groups", "eplb_interval"});
   // Schema-style spellings name the same strategy.
   CHECK(&find_strategy("foremoe_free") == &find_strategy("foremoe-free"));
   CHECK(lookup_strategy("nope") == nullptr);

@@ -369,9 +369,9 @@ TEST_CASE("simulate: eplb rebalances every eplb_interval steps, static until its
   c.cfg.warmup_steps = 0;
   const std::vector<SimStrategy> st{parse_sim_strategy("static"), parse_sim_strategy("eplb")};
   const auto every = simulate(c.cfg, c.loads, c.steps, st);
-  c.cfg.eplb_interval = 2;
+  c.cfg.planner.eplb_interval = 2;
   const auto two = simulate(c.cfg, c.loads, c.steps, st);
-  c.cfg.eplb_interval = 4; // never within 4 steps
+  c.cfg.planner.eplb_interval = 4; // never within 4 steps
   const auto never = simulate(c.cfg, c.loads, c.steps, st);
   auto step = [](const std::vector<SimResult> &r, int who, int s) { return r[who].step_breakdown[s].total(); };
   for (int s = 0; s < 4; ++s)
@@ -385,7 +385,7 @@ TEST_CASE("simulate: eplb rebalances every eplb_interval steps, static until its
   // Steps 2 and 3 of interval 2 share one table from steps 0 + 1; interval 1 re-plans step 3 from step 2.
   CHECK(two[1].step_breakdown[3].total() != doctest::Approx(every[1].step_breakdown[3].total()).epsilon(1e-9));
   CHECK(step(every, 1, 0) == doctest::Approx(step(every, 0, 0)).epsilon(1e-12));
-  c.cfg.eplb_interval = 0;
+  c.cfg.planner.eplb_interval = 0;
   CHECK_THROWS_WITH_AS((void)simulate(c.cfg, c.loads, c.steps, st),
                        doctest::Contains("eplb_interval must be >= 1, got 0"), Error);
 }

@@ -476,12 +476,27 @@ struct PyPlan {
   }
 };
 
+/// The move model of `Plan.transfers(move=...)`: a mapping of `config::move_schema()` keys (`foremoe.options("move")`:
+/// the settings `foremoe plan --expert-bytes` prices moves with, its `--move-*-gb-per-s`, `--move-*-latency-us` and
+/// `--pcie-ingress-gb-per-s` flags), made JSON by the package's `_json` and read by that schema (ranges, unknown keys
+/// and bad values are errors naming `transfers.move.KEY`); None or a key left out: the schema's default.
+fm::MoveParams move_arg(nb::handle move) {
+  fm::MoveParams m;
+  if (move.is_none()) return m;
+  const auto text = nb::cast<std::string>(nb::module_::import_("foremoe").attr("_json")(move, "transfers.move"));
+  fm::config::move_schema().read(m, fm::json::parse(text, "transfers.move"), "transfers.move");
+  return m;
+}
+
 /// `Plan.transfers`: the chunks, sources, paths and rounds realising each layer's moves (transfer planning), from
-/// `resident` (the placement before the micro-step; None: the owner copies alone).
+/// `resident` (the placement before the micro-step; None: the owner copies alone), their times priced by the move
+/// model `move` (see `move_arg`).
 nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, nb::handle expert_bytes_arg,
-                        nb::handle max_chunk_bytes_arg, bool split_paths, bool host_mirror, bool allow_network) {
+                        nb::handle max_chunk_bytes_arg, bool split_paths, bool host_mirror, bool allow_network,
+                        nb::handle move) {
   const auto expert_bytes = int_arg<std::int64_t>(expert_bytes_arg, "transfers: expert_bytes");
   const auto max_chunk_bytes = int_arg<std::int64_t>(max_chunk_bytes_arg, "transfers: max_chunk_bytes");
+  const fm::MoveParams move_params = move_arg(move);
   if (resident != nullptr)
     require(resident->placement.num_layers() == p.L && resident->num_experts == p.E &&
                 resident->topo.num_gpus() == p.G && resident->topo.slots_per_gpu == p.S,
@@ -494,6 +509,7 @@ nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, nb::handle
   opt.split_paths = split_paths;
   opt.host_mirror = host_mirror;
   opt.allow_network = allow_network;
+  opt.move = move_params;
   std::vector<std::int64_t> chunks, path_bytes;
   std::vector<double> est, bound;
   std::vector<std::int32_t> rounds;
@@ -939,7 +955,8 @@ std::string options(const std::string &command) {
   if (command == "planner") return fm::json::dump(fm::config::planner_schema().describe());
   if (command == "synthetic") return fm::json::dump(fm::config::synthetic_settings_schema().describe());
   if (command == "count") return fm::json::dump(fm::config::count_schema().describe());
-  fail("options: unknown command '", command, "' (expected simulate, plan, planner, synthetic or count)");
+  if (command == "move") return fm::json::dump(fm::config::move_schema().describe());
+  fail("options: unknown command '", command, "' (expected simulate, plan, planner, synthetic, count or move)");
 }
 
 std::string plan_settings(const Flags &flags) {
@@ -1063,7 +1080,7 @@ NB_MODULE(_core, m) {
            "rule"_a = std::string(fm::to_string(fm::TokenMapRule::positional)))
       .def("transfers", &plan_transfers, "resident"_a.none() = nb::none(), "expert_bytes"_a,
            "max_chunk_bytes"_a = std::int64_t{64} << 20, "split_paths"_a = true, "host_mirror"_a = true,
-           "allow_network"_a = true);
+           "allow_network"_a = true, "move"_a.none() = nb::none());
 
   nb::class_<fm::HeldGradients>(m, "HeldGradients")
       .def(nb::init<int, int, int>(), "layers"_a, "gpus"_a, "experts"_a)

@@ -283,3 +283,35 @@ def test_held_chains_single_micro_steps_like_one_call(seed):
         planner.plan(loads, held=held)
     with pytest.raises(ValueError, match="held gradients are"):
         planner.plan(loads, owners=owners, held=foremoe.HeldGradients(1, topo.num_gpus, loads.shape[2]))
+
+
+@pytest.mark.parametrize("strategy", ["eplb", "eplb-split"])
+@pytest.mark.parametrize("interval", [1, 2, 3])
+def test_eplb_interval_stateful_planner_follows_the_window(strategy, interval):
+    """One Planner handed each finished step's loads (previous_loads, once per step) rebalances after every
+    `eplb_interval`-th of them from the loads handed since the last rebalance, keeps its tables in between (also
+    across a second call of the same step that hands none) and plans statically before the first."""
+    topo = foremoe.Topology(**TOPO)
+    steps = [loads_mle(seed=s, M=2) for s in range(7)]
+    planner = foremoe.Planner(topo, strategy=strategy, eplb_interval=interval)
+    for s, step in enumerate(steps):
+        got = planner.plan(step, previous_loads=steps[s - 1] if s > 0 else None)
+        again = planner.plan(step, stage="recompute")  # the same step again: no hand-over
+        r = (s // interval) * interval  # the step of the last rebalance (0: none yet)
+        window = sum(steps[t].sum(axis=0) for t in range(r - interval, r)) if r > 0 else None
+        ref = foremoe.Planner(topo, strategy=strategy)  # interval 1, handed the window once
+        want = ref.plan(step, previous_loads=window)
+        want_again = ref.plan(step, stage="recompute")
+        for a, b in zip(got + again, want + want_again):
+            np.testing.assert_array_equal(a.gpu_slots, b.gpu_slots, err_msg=f"step {s}")
+            np.testing.assert_array_equal(a.slot_tokens, b.slot_tokens, err_msg=f"step {s}")
+        if interval > 1 and s % interval == 1 and s > 1:  # tables from older steps, not the previous one alone
+            last = foremoe.Planner(topo, strategy=strategy).plan(step, previous_loads=steps[s - 1])
+            assert any((a.gpu_slots != b.gpu_slots).any() for a, b in zip(got, last)), s
+
+
+def test_eplb_interval_bad_values():
+    topo = foremoe.Topology(**TOPO)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=rf"^Planner\.eplb_interval: must be in \[1, 65536\], got {bad}$"):
+            foremoe.Planner(topo, strategy="eplb", eplb_interval=bad)

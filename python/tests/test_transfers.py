@@ -50,3 +50,74 @@ def test_transfers_bad_input():
         second.transfers(other.placement, expert_bytes=100)
     with pytest.raises(ValueError, match="has no source"):
         second.transfers(first.placement, expert_bytes=100, host_mirror=False, allow_network=False)
+
+
+def move_defaults():
+    """The move model's settings as `Plan.transfers(move=...)` takes them, defaults from the library's schema."""
+    return {o["key"]: o["default"] for o in foremoe.options("move")}
+
+
+def test_transfers_move_settings_price_the_moves():
+    first, second = two_plans(seed=4)
+    assert second.num_moves > 0
+    B = 3 * 2048 * 768 * 2
+    d = move_defaults()
+    assert set(d) >= {"move_intra_gb_per_s", "move_inter_gb_per_s", "move_host_gb_per_s", "pcie_ingress_gb_per_s"}
+    base = second.transfers(first.placement, expert_bytes=B)["est_seconds"]
+    # None, {} and the defaults spelled out are the same model.
+    np.testing.assert_array_equal(second.transfers(first.placement, expert_bytes=B, move={})["est_seconds"], base)
+    np.testing.assert_array_equal(second.transfers(first.placement, expert_bytes=B, move=d)["est_seconds"], base)
+    # No fixed latencies: every link k times slower makes every layer's modelled time exactly k times longer.
+    fast = {k: (0.0 if k.endswith("latency_us") else v) for k, v in d.items()}
+    k = 4.0
+    slow = {key: (v if key.endswith("latency_us") else v / k) for key, v in fast.items()}
+    t_fast = second.transfers(first.placement, expert_bytes=B, move=fast)
+    t_slow = second.transfers(first.placement, expert_bytes=B, move=slow)
+    moved = t_fast["path_bytes"].sum(axis=1) > 0
+    assert moved.any()
+    np.testing.assert_allclose(t_slow["est_seconds"], k * t_fast["est_seconds"], rtol=1e-9)
+    assert (t_fast["est_seconds"][moved] > 0).all()
+    np.testing.assert_array_equal(t_slow["path_bytes"], t_fast["path_bytes"])
+    # One slower link: never faster, and slower where that path carries bytes.
+    net = dict(fast, move_inter_gb_per_s=fast["move_inter_gb_per_s"] / 10, pcie_ingress_gb_per_s=1e3)
+    t_net = second.transfers(first.placement, expert_bytes=B, move=net)
+    assert (t_net["est_seconds"] >= t_fast["est_seconds"] * (1 - 1e-12)).all()
+
+
+def test_transfers_move_settings_bad_values_name_the_key():
+    first, second = two_plans()
+    with pytest.raises(ValueError, match=r"^transfers\.move\.move_inter_gb_per_s: must be in \[.*\], got -1$"):
+        second.transfers(first.placement, expert_bytes=100, move={"move_inter_gb_per_s": -1})
+    with pytest.raises(ValueError, match=r"^transfers\.move\.move_host_latency_us: expected a number, got \"x\"$"):
+        second.transfers(first.placement, expert_bytes=100, move={"move_host_latency_us": "x"})
+    with pytest.raises(ValueError, match=r"^transfers\.move: unknown key 'move_gb_per_s' \(known: move_intra_gb_per_s"):
+        second.transfers(first.placement, expert_bytes=100, move={"move_gb_per_s": 10})
+    with pytest.raises(ValueError, match=r"^transfers\.move\.pcie_ingress_gb_per_s: nan is not a finite number"):
+        second.transfers(first.placement, expert_bytes=100, move={"pcie_ingress_gb_per_s": float("nan")})
+
+
+def test_transfers_move_settings_match_the_cli(cli, tmp_path):
+    """The same settings give `foremoe plan --expert-bytes ... --move-*` the same modelled times (micro-step 1, whose
+    moves start from micro-step 0's placement in both)."""
+    import json
+    import subprocess
+
+    rng = np.random.default_rng(7)
+    loads = (300 * rng.lognormal(0, 1.2, size=(2, 3, 16))).astype(np.int64)
+    np.save(tmp_path / "l.npy", loads)
+    B, C = 3 * 2048 * 768 * 2, 1 << 20
+    move = {"move_inter_gb_per_s": 7.5, "move_intra_gb_per_s": 90, "move_host_latency_us": 40,
+            "pcie_ingress_gb_per_s": 30}
+    flags = {o["key"]: o["flag"] for o in foremoe.options("move")}
+    args = [cli, "plan", "--loads", str(tmp_path / "l.npy"), "--nodes", "2", "--gpus-per-node", "4", "--slots", "3",
+            "--expert-bytes", str(B), "--max-chunk-bytes", str(C), "--out", str(tmp_path / "p.json")]
+    for k, v in move.items():
+        args += [f"--{flags[k]}", str(v)]
+    subprocess.run(args, check=True, capture_output=True)
+    ref = json.loads((tmp_path / "p.json").read_text())["micro_steps"][1]["layers"]
+    plans = foremoe.Planner(foremoe.Topology(2, 4, 3)).plan(loads)
+    got = plans[1].transfers(plans[0].placement, expert_bytes=B, max_chunk_bytes=C, move=move)
+    default = plans[1].transfers(plans[0].placement, expert_bytes=B, max_chunk_bytes=C)
+    want = np.array([lay["transfers"]["est_seconds"] for lay in ref])
+    np.testing.assert_allclose(got["est_seconds"], want, rtol=1e-12)
+    assert plans[1].num_moves > 0 and not np.allclose(default["est_seconds"], want)

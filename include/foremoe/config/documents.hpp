@@ -335,7 +335,7 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   j["num_steps"] = num_steps; // counted
   j["num_micro_steps"] = num_micro_steps;
   j["warmup_steps"] = s.sim.warmup_steps; // simulated before them, not counted
-  j["eplb_interval"] = s.sim.eplb_interval;
+  j["eplb_interval"] = s.sim.planner.eplb_interval;
   j["gpu_load_layer"] = s.sim.gpu_load_layer;
   j["workload"] = s.workload;
   j["rollout_seconds"] = res.empty() ? s.sim.rollout_seconds : res.front().rollout_seconds; // the one in use

@@ -409,6 +409,11 @@ template <class T, class F> [[nodiscard]] Option<T> peer_domain_option(std::stri
           integer<P>(
               "eplb_num_groups", 1, 32767, "expert groups for EPLB (hierarchical when they divide over nodes)",
               [](auto &o) -> auto & { return o.eplb_num_groups; }),
+          integer<P>(
+              "eplb_interval", 1, 1 << 16,
+              "eplb, eplb-split: rebalance every N RL steps from the loads seen since the last rebalance (static "
+              "placement before the first)",
+              [](auto &o) -> auto & { return o.eplb_interval; }),
       });
   return s;
 }
@@ -747,10 +752,11 @@ template <class I>
         "sim.warmup_steps", 0, 1 << 16,
         "RL steps planned and simulated first but left out of every figure (steady state for history-fed eplb)",
         [](auto &x) -> auto & { return x.sim.warmup_steps; }));
-    o.push_back(integer<S>(
-        "sim.eplb_interval", 1, 1 << 16,
-        "eplb rebalances every N RL steps from the loads seen since its last rebalance",
-        [](auto &x) -> auto & { return x.sim.eplb_interval; }));
+    // The planner's options, from its own schema (`SimConfig::planner`): all but the strategy (each simulated
+    // strategy's own) and `gradient_bytes_factor` (from `sim.grad_dtype`); `eplb_interval` here, where
+    // `sim.eplb_interval` stood before the planner held it, the rest below.
+    const auto planner_of = [](auto &x) -> auto & { return x.sim.planner; };
+    lift(o, planner_schema(), "sim", planner_of, {"eplb_interval"});
     o.push_back(integer<S>(
         "sim.gpu_load_layer", 0, 4095,
         "the MoE layer whose per-GPU loads per micro-step the results hold (micro_step_gpu_load)",
@@ -808,9 +814,6 @@ template <class I>
     o.push_back(boolean<S>(
         "sim.double_buffer", "a second buffer per replica slot: moves may start a micro-step early",
         [](auto &x) -> auto & { return x.sim.double_buffer; }));
-    // The planner's options, from its own schema (`SimConfig::planner`): all but the strategy (each simulated
-    // strategy's own) and `gradient_bytes_factor` (from `sim.grad_dtype`).
-    const auto planner_of = [](auto &x) -> auto & { return x.sim.planner; };
     lift(o, planner_schema(), "sim", planner_of,
          {"reowning_free", "move_budget", "tolerance", "min_tokens_per_replica", "hold_replica_gradients",
           "peer_domain_gpus"});

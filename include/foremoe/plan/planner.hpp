@@ -72,8 +72,10 @@ public:
   }
 
   /// Fixes the step-level state through the strategy: owners from `step_totals` (two-level and free), the EPLB
-  /// tables (from `previous_step_totals` for `eplb`, static placement when that is empty; from `step_totals` for
-  /// `eplb-oracle`).
+  /// tables (`eplb`, `eplb-split`: from the window of the last `eplb_interval` steps handed as
+  /// `previous_step_totals`, rebalanced after every `eplb_interval`-th hand-over, static placement before the first;
+  /// from `step_totals` for `eplb-oracle`). Hand each finished step's totals once, on the next step's first call,
+  /// and empty otherwise (see `PlanStrategy::begin_step`).
   void begin_step(std::span<const std::int64_t> step_totals, std::span<const std::int64_t> previous_step_totals = {}) {
     check_layer_loads(step_totals, "begin_step");
     strategy_->begin_step(shape(), step_totals, previous_step_totals, owners_);
@@ -101,8 +103,8 @@ public:
   [[nodiscard]] const OwnerMap &owners() const noexcept { return owners_; }
 
   /// Plans one micro-step, `loads` `[layers][experts]` (C order). `resident` (may be null) is the placement left
-  /// by the previous micro-step. Two-level planning without owners set plans them from `loads`; `eplb` without
-  /// history uses the static placement. `held` (may be null: none; read only in the update stage with
+  /// by the previous micro-step. Two-level planning without owners set plans them from `loads`; `eplb` before
+  /// its first rebalance uses the static placement. `held` (may be null: none; read only in the update stage with
   /// `hold_replica_gradients`): the gradients the resident replicas hold from the stage's earlier micro-steps,
   /// which the tolerance's byte count does not charge again (see `HeldGradients::advance` to chain it).
   [[nodiscard]] std::vector<LayerPlan> plan(std::span<const std::int64_t> loads, Stage stage = Stage::update,
@@ -173,8 +175,9 @@ public:
     return plan(step_span(loads, micro_step), stage, resident);
   }
 
-  /// Plans every micro-step of one RL step: step-level state from their sum (and `previous_step_totals` for
-  /// `eplb`), then each micro-step in order with the previous one's placement as resident (the first one starts
+  /// Plans every micro-step of one RL step: step-level state from their sum (and `previous_step_totals`, the
+  /// previous step's totals handed once per step as `begin_step` takes them, for `eplb`), then each micro-step in
+  /// order with the previous one's placement as resident (the first one starts
   /// from `resident`, which may be null).
   [[nodiscard]] StepPlan plan_step(const LoadTensor &micro_steps, const Placement *resident = nullptr,
                                    std::span<const std::int64_t> previous_step_totals = {},

@@ -37,6 +37,12 @@ struct PlannerOptions {
   int free_search_rounds = 4;  ///< free-mode placement swap rounds per layer
   bool exact_split = false;    ///< re-split every two-level plan exactly (see ReplicaOptions)
   int eplb_num_groups = 1;     ///< expert groups for EPLB (hierarchical when they divide over nodes)
+  /// `eplb`, `eplb-split`: rebalance every N RL steps, from the loads summed over the N steps since the last
+  /// rebalance; the static placement before the first one (the strategy keeps the window: see
+  /// `PlanStrategy::begin_step` for the steps' totals it is handed). Serving systems rebalance periodically (vLLM:
+  /// `EPLBConfig.step_interval`, vllm/config/parallel.py, default 3000 forward steps); 1: every step, from the
+  /// previous one.
+  int eplb_interval = 1;
   /// Largest accepted layer max/mean (0: as balanced as possible, today's plans); see `ReplicaOptions::tolerance`.
   double tolerance = 0.0;
   std::int64_t min_tokens_per_replica = 0; ///< fewest tokens a replica runs (0: any)
@@ -64,6 +70,7 @@ struct PlannerOptions {
   void validate() const {
     detail::require(num_threads >= 1, "Planner: num_threads must be >= 1, got ", num_threads);
     detail::require(eplb_num_groups >= 1, "Planner: eplb_num_groups must be >= 1, got ", eplb_num_groups);
+    detail::require(eplb_interval >= 1, "Planner: eplb_interval must be >= 1, got ", eplb_interval);
     detail::require(owner_keep_tolerance >= 0, "Planner: owner_keep_tolerance must be >= 0, got ",
                     owner_keep_tolerance);
     detail::require(local_search_rounds >= 0 && free_search_rounds >= 0,

@@ -103,8 +103,14 @@ public:
   PlanStrategy &operator=(const PlanStrategy &) = default;
   virtual ~PlanStrategy() = default;
 
-  /// Fixes the step-level state from the step's totals and the previous step's (empty, or checked), and may set
-  /// the planner's `owners` (the ones `Planner::owners()` shows and `LayerRequest::owners` hands back).
+  /// Fixes the step-level state from the step's totals and the previous step's, and may set the planner's `owners`
+  /// (the ones `Planner::owners()` shows and `LayerRequest::owners` hands back). The contract on
+  /// `previous_step_totals` (`[layers][experts]`, unchecked: a strategy that reads it checks it): the caller hands
+  /// each finished RL step's totals once, to the first `begin_step` of the step after it, and empty otherwise: on
+  /// the first step, and on further `begin_step`s of the same step (a stage planned again, e.g. the update after a
+  /// recompute). A strategy that keeps a load history (`eplb`, `eplb-split`: the window of
+  /// `PlannerOptions::eplb_interval` steps) counts each non-empty hand-over as one step and keeps its state across
+  /// empty ones.
   virtual void begin_step(const PlanShape &shape, std::span<const std::int64_t> step_totals,
                           std::span<const std::int64_t> previous_step_totals, OwnerMap &owners) = 0;
   /// Before the layers of one micro-step: the step-level state `begin_step` did not set (plans of single

@@ -24,7 +24,8 @@
 ///
 /// Steady state: the first `warmup_steps` RL steps are planned and timed like the others (every strategy
 /// builds its history and residents on them) but left out of every reported figure. `eplb` rebalances every
-/// `eplb_interval` steps from the loads accumulated since its last rebalance.
+/// `planner.eplb_interval` steps from the loads accumulated since its last rebalance; the strategy keeps that
+/// window, the simulator hands it each finished step's totals (`PlanStrategy::begin_step`).
 ///
 /// EP groups: the cluster is `num_gpus / ep_size` data-parallel copies of one EP group of `ep_size` GPUs
 /// (`default_ep_size` unless set); each copy holds every expert, routes only its own tokens and is planned and
@@ -175,7 +176,6 @@ struct SimConfig {
   bool cost_gate = false;
   /// RL steps at the start that are planned and simulated but not counted (EPLB's cold start, first residents).
   int warmup_steps = 1;
-  int eplb_interval = 1;  ///< `eplb` rebalances every N RL steps from the loads accumulated since its last rebalance
   int ep_size = 0;        ///< GPUs per EP group (0: `default_ep_size`); the cluster is data-parallel copies of it
   int gpu_load_layer = 0; ///< the MoE layer whose per-GPU loads `SimResult::gpu_loads` records
   /// Dtype of the expert gradients (replica gradient returns, gradient buffers). fp32 by default: mixed-precision
@@ -340,7 +340,6 @@ struct SimConfig {
                     pipeline_stages > 1 ? " GPUs of a pipeline stage" : " GPUs");
     ep_group_topology(topo, ep).validate(model.num_experts);
     detail::require(warmup_steps >= 0, "SimConfig: warmup_steps must be >= 0, got ", warmup_steps);
-    detail::require(eplb_interval >= 1, "SimConfig: eplb_interval must be >= 1, got ", eplb_interval);
     detail::require(gpu_load_layer >= 0 && gpu_load_layer < model.num_layers, "SimConfig: gpu_load_layer ",
                     gpu_load_layer, " is not a layer of the model (0 .. ", model.num_layers - 1, ")");
     detail::require(recompute_passes >= 0, "SimConfig: recompute_passes must be >= 0, got ", recompute_passes);
@@ -598,23 +597,17 @@ public:
   GroupSim(const GroupSim &) = delete;
   GroupSim &operator=(const GroupSim &) = delete;
 
-  /// Simulates RL step `s`, the loads' micro-steps `m0` to `m1`: its recompute stages, then its update stage.
-  [[nodiscard]] GroupStep run_step(int s, int m0, int m1) {
+  /// Simulates the next RL step (steps run in order, each once), the loads' micro-steps `m0` to `m1`: its recompute
+  /// stages, then its update stage.
+  [[nodiscard]] GroupStep run_step(int m0, int m1) {
     GroupStep rec;
     LoadTensor step(m1 - m0, L, E);
     std::copy(loads.totals().begin() + static_cast<std::ptrdiff_t>(m0) * L * E,
               loads.totals().begin() + static_cast<std::ptrdiff_t>(m1) * L * E, step.totals().begin());
-    const std::vector<std::int64_t> totals = planner.sum_steps(step);
-    if (s > 0 && s % cfg.eplb_interval == 0) {
-      history = accumulated;
-      accumulated.clear();
-    }
     // Stages: `recompute_passes` forward-only passes, then the update pass.
     for (int pass = 0; pass <= cfg.recompute_passes; ++pass)
       run_stage(step, pass, m0, rec);
-    if (accumulated.empty()) accumulated.assign(totals.size(), 0);
-    for (std::size_t i = 0; i < totals.size(); ++i)
-      accumulated[i] += totals[i];
+    previous_totals = planner.sum_steps(step);
     return rec;
   }
 
@@ -665,10 +658,9 @@ private:
   Placement resident;
   bool has_resident = false;
   std::vector<std::int32_t> prev_owner_flat;
-  // The load history handed to the strategies (only `eplb` reads it): what its last rebalance saw, i.e. the sum
-  // of the `eplb_interval` steps before it; empty until the first rebalance (static placement). With an interval
-  // of 1 it is the previous step's totals.
-  std::vector<std::int64_t> history, accumulated;
+  // The previous step's totals (empty before the first step ends), handed to the planner once per step, with the
+  // step's first stage (`PlanStrategy::begin_step`'s contract): `eplb` keeps its rebalance window from them.
+  std::vector<std::int64_t> previous_totals;
 
   /// `config.cost` with the gradients' bytes per weight byte set to `factor`.
   static CostParams grad_cost_params(const SimConfig &config, double factor) {
@@ -952,8 +944,12 @@ private:
   void plan_stage(const LoadTensor &step, int pass, StageRun &sr, GroupStep &rec) {
     if (strat.ideal) return;
     const auto t0 = std::chrono::steady_clock::now();
-    sr.sp = planner.plan_step(step, has_resident ? &resident : nullptr, history,
-                              sr.update ? Stage::update : Stage::recompute);
+    // The previous step's totals go with the first stage only: later stages of the step hand none (one hand-over
+    // per finished step).
+    sr.sp =
+        planner.plan_step(step, has_resident ? &resident : nullptr,
+                          pass == 0 ? std::span<const std::int64_t>(previous_totals) : std::span<const std::int64_t>{},
+                          sr.update ? Stage::update : Stage::recompute);
     sr.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec.planner += sr.planner_seconds;
     // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
@@ -1306,7 +1302,7 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
   std::vector<GroupStep> out;
   out.reserve(static_cast<std::size_t>(num_steps));
   for (int s = 0; s < num_steps; ++s) {
-    out.push_back(sim.run_step(s, static_cast<int>(step_offsets[s]), static_cast<int>(step_offsets[s + 1])));
+    out.push_back(sim.run_step(static_cast<int>(step_offsets[s]), static_cast<int>(step_offsets[s + 1])));
     if (step_done) step_done();
   }
   return out;

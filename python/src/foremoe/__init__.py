@@ -68,8 +68,9 @@ TRACE_FORMATS = tuple(f["name"] for f in _core.trace_formats())
 
 def options(command: str = "simulate") -> List[Dict[str, Any]]:
     """The option schema of a front end, from the C++ library: ``simulate`` (the config of :func:`simulate`
-    and ``foremoe simulate``), ``planner`` (the keywords of :class:`Planner`), ``plan`` (``foremoe plan``) or
-    ``synthetic`` (the keywords of :func:`synthetic_trace`, the generator flags of ``foremoe trace gen``).
+    and ``foremoe simulate``), ``planner`` (the keywords of :class:`Planner`), ``plan`` (``foremoe plan``),
+    ``synthetic`` (the keywords of :func:`synthetic_trace`, the generator flags of ``foremoe trace gen``),
+    ``count`` or ``move`` (the keys of ``Plan.transfers(move=...)``, ``foremoe plan``'s ``cost.move_*`` settings).
 
     Each entry: ``key`` (JSON path, e.g. ``topology.slots``), ``flag`` (command-line name), ``type``
     (int, float, bool, string, enum), ``default``, ``min``/``max`` (numbers), ``choices`` (enums), ``help``.
@@ -350,7 +351,7 @@ class Planner:
         slots), ``threads``, ``hierarchical_owners``, ``reowning_free``, ``owner_keep_tolerance``,
         ``local_search_rounds``, ``free_search_rounds``, ``exact_split``, ``tolerance``,
         ``gradient_bytes_factor``, ``hold_replica_gradients``, ``min_tokens_per_replica``, ``ultraep_min_tokens``,
-        ``peer_domain_gpus``, ``eplb_num_groups``.
+        ``peer_domain_gpus``, ``eplb_num_groups``, ``eplb_interval``.
         ``None`` (or leaving one out) takes the library's default.
 
     One planner object is not safe for concurrent calls; use one per thread.
@@ -392,8 +393,13 @@ class Planner:
         micro-steps; each micro-step starts from the previous one's placement,
         the first from ``resident`` (a :class:`Plan`, :class:`Placement` or a
         ``[L, G, S]`` array of expert ids, -1 empty), or none.
-        ``previous_loads`` (``[L, E]`` or ``[M, L, E]``) is the history
-        ``eplb`` plans from. ``stage`` is ``update`` or ``recompute``.
+        ``previous_loads`` (``[L, E]`` or ``[M, L, E]``): the previous RL step's
+        loads, handed once per step (on its first call; none on the first step
+        and on further calls for the same step, e.g. the update after a
+        recompute). ``eplb`` and ``eplb-split`` keep the window of the planner
+        (stateful): they rebalance after every ``eplb_interval``-th step handed,
+        from the loads handed since the last rebalance, and keep their placement
+        in between (static before the first). ``stage`` is ``update`` or ``recompute``.
         ``owners`` (``[L, E]`` or ``[E]`` for every layer: the owner GPU of every
         expert, e.g. a trainer's expert-parallel sharding) fixes the owners
         instead of planning them from the step totals (two-level strategies).

@@ -80,6 +80,7 @@ class Planner:
         ultraep_min_tokens: Optional[int] = None,
         peer_domain_gpus: Optional[int] = None,
         eplb_num_groups: Optional[int] = None,
+        eplb_interval: Optional[int] = None,
     ) -> None:
         """None takes the library default (foremoe.options("planner"))."""
     @property

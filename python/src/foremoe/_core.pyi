@@ -1,6 +1,6 @@
 """Type stub of the `foremoe._core` extension (nanobind). Use the `foremoe` package API."""
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -118,10 +118,14 @@ class Plan:
         split_paths: bool = True,
         host_mirror: bool = True,
         allow_network: bool = True,
+        move: Optional[Mapping[str, float]] = None,
     ) -> Dict[str, Any]:
         """Transfer plan of every layer's moves from `resident` (None: owner copies only): `chunks` [N, 11] int64
         (columns in `chunk_columns`; path 0 nvlink, 1 pcie, 2 network), `est_seconds`, `link_bound_seconds`,
-        `num_rounds` per layer and `path_bytes` [L, 3]."""
+        `num_rounds` per layer and `path_bytes` [L, 3]. `move`: the move model's settings that price them, keys of
+        `foremoe.options("move")` (`foremoe plan`'s `--move-*` and `--pcie-ingress-gb-per-s` flags, e.g.
+        `{"move_inter_gb_per_s": 25}`), each checked by that schema (`ValueError` naming `transfers.move.KEY`);
+        None or a key left out: its default."""
 
 class HeldGradients:
     """Replica gradients held in place over an update stage (`plan/held_gradients.hpp`), chained through

@@ -1,7 +1,8 @@
 #pragma once
 /// @file
-/// Strategy "eplb-split": EPLB's placement from the previous step's loads (as "eplb"), no moves during the step,
-/// but each micro-step's tokens split exactly over the copies in place (what SGLang's LPLB does per batch).
+/// Strategy "eplb-split": EPLB's placement from the previous steps' loads (as "eplb", every `eplb_interval` steps),
+/// no moves during the step, but each micro-step's tokens split exactly over the copies in place (what SGLang's LPLB
+/// does per batch).
 
 #include <memory>
 
@@ -25,9 +26,9 @@ public:
 namespace detail {
 inline const bool eplb_split_strategy_registered =
     (register_strategy({"eplb-split",
-                        "EPLB's placement from the previous step's loads, each micro-step's tokens split exactly over "
+                        "EPLB's placement from the previous steps' loads, each micro-step's tokens split exactly over "
                         "its copies (SGLang LPLB-style), no moves",
-                        {"eplb_num_groups"},
+                        {"eplb_num_groups", "eplb_interval"},
                         25,
                         [] { return std::make_unique<EplbSplitStrategy>(); }}),
      true);
