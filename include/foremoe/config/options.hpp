@@ -636,7 +636,8 @@ template <class I>
     o.back().metavar = "DTYPE";
     o.push_back(number<S>(
         "model.dense_params", 0, 1e12,
-        "non-routed parameters per MoE layer (attention, shared experts, router) for the dense part's time",
+        "non-routed parameters per MoE layer (attention, shared experts, router) for the dense part's time and "
+        "memory",
         [](auto &x) -> auto & { return x.sim.dense.params; }));
     o.push_back(number<S>(
         "model.attention_dim", 0, 1e9, "query heads x head dim (QK^T and PV width) for the dense part's time",
@@ -647,7 +648,8 @@ template <class I>
         [](auto &x) -> auto & { return x.sim.dense.context; }));
     o.push_back(number<S>(
         "model.vocab", 0, 1e9,
-        "vocabulary of the LM head and embedding (Qwen3-30B-A3B 151,936, DeepSeek-V3 129,280; 0: no LM head)",
+        "vocabulary of the LM head and embedding, for their time and memory (Qwen3-30B-A3B 151,936, DeepSeek-V3 "
+        "129,280; 0: no LM head)",
         [](auto &x) -> auto & { return x.sim.dense.vocab; }));
     lift(
         o, topology_schema(), "topology", [](auto &x) -> auto & { return x.sim.topo; });
