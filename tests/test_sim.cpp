@@ -627,7 +627,7 @@ TEST_CASE("simulate: the dense parameters' memory matches the hand count, split 
   Case c = small_case(5); // 4 layers, H 256, 16 experts, 2 nodes x 2 GPUs
   c.cfg.dense.params = 1000;
   c.cfg.dense.vocab = 50;
-  c.cfg.ep_size = 2; // 2 EP-group copies: the experts' optimizer state is sharded over them
+  c.cfg.ep_size = 2;            // 2 EP-group copies: the experts' optimizer state is sharded over them
   c.cfg.topo.slots_per_gpu = 9; // 8 owners + 1 spare
   const std::vector<SimStrategy> st = {parse_sim_strategy("static")};
   const ModelSpec &m = c.cfg.model;
