@@ -231,3 +231,56 @@ TEST_CASE("deployment search: with pipeline and tensor parallelism searched, eac
   CHECK(split);
   check_best_is_fastest(best);
 }
+
+TEST_CASE("deployment search: the dense parameters count against GPU memory, so TP can be what makes a deployment "
+          "fit") {
+  // A vocabulary large enough that the embedding and LM head dominate a GPU's memory.
+  config::SimulateSettings s =
+      small_settings(5, 2, 4, 4, R"(, "search": {"tensor_parallel": "1,2", "ep_sizes": "4", "spare_slots": "0"})");
+  s.sim.dense.vocab = 4e6;
+  s.sim.dense.params = 1e6;
+  s.strategies = "static,foremoe";
+  const double H = s.sim.model.hidden;
+  const double params = 3 * 1e6 + 2 * 4e6 * H; // every layer, the embedding and the head (no pipeline)
+  // Weights bf16, fp32 gradients, Adam's 12 bytes over the dense part's data-parallel ranks (8 GPUs / TP).
+  auto dense_gb = [&](double tp) { return params / tp * (2 + 4 + 12 / (8 / tp)) * 1e-9; };
+  s.best_deployment = false;
+  s.sim.ep_size = 4;
+  s.sim.tensor_parallel = 1;
+  const json::Value one = cli::run_simulate(s, nullptr, {});
+  s.sim.tensor_parallel = 2;
+  const json::Value two = cli::run_simulate(s, nullptr, {});
+  const json::Value &m1 = *one.find("strategies")->as_array()[0].find("peak_memory");
+  const json::Value &m2 = *two.find("strategies")->as_array()[0].find("peak_memory");
+  // static holds the same experts either way; the dense part is a TP-th (the activations follow the batch, whose
+  // data-parallel ranks are G / TP).
+  auto dense_of = [](const json::Value &m) {
+    return m.find("dense_weights_gb")->as_double() + m.find("dense_grads_gb")->as_double() +
+           m.find("dense_optimizer_gb")->as_double();
+  };
+  CHECK(dense_of(m1) == doctest::Approx(dense_gb(1)));
+  CHECK(dense_of(m2) == doctest::Approx(dense_gb(2)));
+  for (const char *k : {"weights_gb", "grads_gb", "optimizer_gb"})
+    CHECK(m1.find(k)->as_double() == m2.find(k)->as_double());
+  CHECK(m1.find("dense_weights_gb")->as_double() == doctest::Approx(params * 2e-9));
+  CHECK(m2.find("dense_optimizer_gb")->as_double() == doctest::Approx(params / 2 * 12 / 4 * 1e-9));
+  // A GPU between the two: every TP 1 run is refused, and each best is at TP 2 (the configured deployment, which
+  // must fit, is TP 2).
+  s.best_deployment = true;
+  s.sim.gpu_memory_gb = m1.find("total_gb")->as_double() - 0.5 * (dense_gb(1) - dense_gb(2));
+  const json::Value doc = cli::run_simulate(s, nullptr, {});
+  const json::Value &best = *doc.find("best_deployment");
+  int refused = 0;
+  for (const json::Value &r : best.find("runs")->as_array()) {
+    CAPTURE(r.find("strategy")->as_string());
+    const bool tp1 = r.find("tensor_parallel")->as_integer() == 1;
+    CHECK(r.find("fits")->as_bool() == !tp1);
+    CHECK((r.find("peak_memory_gb")->as_double() > s.sim.gpu_memory_gb) == tp1);
+    refused += tp1 ? 1 : 0;
+  }
+  CHECK(refused == 2);
+  for (const json::Value &b : best.find("strategies")->as_array()) {
+    REQUIRE(b.find("fits")->as_bool());
+    CHECK(b.find("tensor_parallel")->as_integer() == 2);
+  }
+}

@@ -622,6 +622,141 @@ TEST_CASE("simulate: static's peak memory matches the hand count; too little mem
                        doctest::Contains("more than sim.gpu_memory_gb"), Error);
 }
 
+TEST_CASE("simulate: the dense parameters' memory matches the hand count, split by TP and PP, the optimizer state "
+          "sharded over DP") {
+  Case c = small_case(5); // 4 layers, H 256, 16 experts, 2 nodes x 2 GPUs
+  c.cfg.dense.params = 1000;
+  c.cfg.dense.vocab = 50;
+  c.cfg.ep_size = 2;            // 2 EP-group copies: the experts' optimizer state is sharded over them
+  c.cfg.topo.slots_per_gpu = 9; // 8 owners + 1 spare
+  const std::vector<SimStrategy> st = {parse_sim_strategy("static")};
+  const ModelSpec &m = c.cfg.model;
+  const double expert_params = 3.0 * m.hidden * m.expert_ffn, owned = 8.0 * m.num_layers; // 16 experts on 2 GPUs
+  const double vh = 50.0 * 256;
+  struct Want {
+    int pp, tp;
+    double params, dp; // per GPU of the peak stage; data-parallel ranks of the dense part
+  };
+  // PP 1: all 4 layers, embedding and head; PP 2: 2 layers and one of them; over TP.
+  for (const Want w : {Want{1, 1, 4000 + 2 * vh, 4}, Want{1, 2, (4000 + 2 * vh) / 2, 2}, Want{2, 1, 2000 + vh, 2},
+                       Want{2, 2, (2000 + vh) / 2, 1}}) {
+    CAPTURE(w.pp);
+    CAPTURE(w.tp);
+    SimConfig cfg = c.cfg;
+    cfg.pipeline_stages = w.pp;
+    cfg.tensor_parallel = w.tp;
+    for (const bool dist : {true, false}) {
+      CAPTURE(dist);
+      cfg.distributed_optimizer = dist;
+      const SimResult r = simulate(cfg, c.loads, c.steps, st)[0];
+      CHECK(r.memory.dense_weights == doctest::Approx(w.params * 2)); // bf16
+      CHECK(r.memory.dense_grads == doctest::Approx(w.params * 4));   // fp32
+      CHECK(r.memory.dense_optimizer == doctest::Approx(w.params * 12 / (dist ? w.dp : 1.0)));
+      const double copies = (4.0 / w.pp) / 2; // EP groups of 2 in a stage
+      CHECK(r.memory.optimizer == doctest::Approx(owned / w.pp * expert_params * 12 / (dist ? copies : 1.0)));
+      double sum = 0;
+      for (const MemoryPart &p : memory_parts)
+        sum += r.memory.*p.field;
+      CHECK(r.memory.total() == sum);
+      CHECK(sum == doctest::Approx(r.memory.weights + r.memory.grads + r.memory.optimizer + r.memory.activations +
+                                   w.params * (6 + 12 / (dist ? w.dp : 1.0))));
+    }
+    cfg.optimizer_offload = true;
+    CHECK(simulate(cfg, c.loads, c.steps, st)[0].memory.dense_optimizer == 0);
+  }
+  // The refusal names the dense parts.
+  Case tight = c;
+  tight.cfg.gpu_memory_gb = 1e-6;
+  CHECK_THROWS_WITH_AS((void)simulate(tight.cfg, tight.loads, tight.steps, st),
+                       doctest::Contains("dense weights 5.92e-05 GB"), Error);
+}
+
+TEST_CASE("SimConfig::dense_memory: more TP or more PP never raises a GPU's dense memory (property)") {
+  const int rounds = 300 * foremoe_test::seed_multiplier();
+  std::mt19937_64 rng(4242);
+  // The largest per-GPU dense memory over the stages (the GPU the peak is taken on).
+  struct Peak {
+    double weights = 0, grads = 0, optimizer = 0, total = 0;
+  };
+  auto peak = [](const SimConfig &cfg) {
+    Peak worst;
+    for (int s = 0; s < cfg.pipeline_stages; ++s) {
+      const DenseMemory d = cfg.dense_memory(s);
+      worst.weights = std::max(worst.weights, d.weights);
+      worst.grads = std::max(worst.grads, d.grads);
+      worst.optimizer = std::max(worst.optimizer, d.optimizer);
+      worst.total = std::max(worst.total, d.total());
+    }
+    return worst;
+  };
+  const WeightDtype dtypes[] = {WeightDtype::bf16, WeightDtype::fp8, WeightDtype::fp32};
+  for (int r = 0; r < rounds; ++r) {
+    SimConfig cfg;
+    cfg.model.num_layers = 1 + static_cast<int>(rng() % 64);
+    cfg.model.hidden = 64 * (1 + static_cast<int>(rng() % 128));
+    cfg.model.dtype = dtypes[rng() % 3];
+    cfg.grad_dtype = dtypes[rng() % 3];
+    cfg.dense.params = static_cast<double>(rng() % 400'000'000);
+    cfg.dense.vocab = rng() % 4 == 0 ? 0.0 : static_cast<double>(rng() % 300'000);
+    cfg.optimizer_offload = rng() % 4 == 0;
+    cfg.distributed_optimizer = rng() % 2 == 0;
+    const int gpn = std::array{1, 2, 4, 8}[rng() % 4];
+    cfg.topo = Topology{1 + static_cast<int>(rng() % 16), gpn, 3};
+    const int G = cfg.topo.num_gpus();
+    CAPTURE(r);
+    // Every (PP, TP) the cluster allows, against every one with at least as much of both.
+    std::vector<std::pair<int, int>> shapes;
+    for (int pp = 1; pp <= std::min(G, cfg.model.num_layers); ++pp)
+      for (int tp = 1; tp <= gpn; ++tp)
+        if (G % pp == 0 && gpn % tp == 0 && (G / pp) % tp == 0) shapes.emplace_back(pp, tp);
+    for (const auto &[pp, tp] : shapes)
+      for (const auto &[pp2, tp2] : shapes) {
+        if (pp2 < pp || tp2 < tp) continue;
+        SimConfig a = cfg, b = cfg;
+        a.pipeline_stages = pp;
+        a.tensor_parallel = tp;
+        b.pipeline_stages = pp2;
+        b.tensor_parallel = tp2;
+        CAPTURE(pp);
+        CAPTURE(tp);
+        CAPTURE(pp2);
+        CAPTURE(tp2);
+        const Peak da = peak(a), db = peak(b);
+        const double eps = 1e-9 * (1 + da.total);
+        CHECK(db.weights <= da.weights + eps);
+        CHECK(db.grads <= da.grads + eps);
+        // The distributed optimizer's shard is over the data-parallel ranks, G / (PP x TP): TP takes a T-th of the
+        // parameters and of the ranks (the shard stays), but PP at a fixed cluster takes ranks away, so only the
+        // undistributed state, or PP with the data-parallel ranks kept, never rises with it.
+        if (!cfg.distributed_optimizer || pp2 == pp) {
+          CHECK(db.optimizer <= da.optimizer + eps);
+          CHECK(db.total <= da.total + eps);
+        }
+        if (cfg.distributed_optimizer && pp2 > pp) {
+          SimConfig wide = b; // the same data-parallel ranks: pp2 / pp times the GPUs
+          wide.topo.num_nodes = cfg.topo.num_nodes * pp2 / pp;
+          if (wide.topo.num_nodes * pp == cfg.topo.num_nodes * pp2) {
+            const Peak dw = peak(wide);
+            CHECK(dw.optimizer <= da.optimizer + eps);
+            CHECK(dw.total <= da.total + eps);
+          }
+        }
+      }
+  }
+  // At a fixed cluster the distributed optimizer's shard can rise with PP: one layer per stage, all embedding.
+  SimConfig one;
+  one.model.num_layers = 8;
+  one.topo = Topology{1, 8, 3};
+  one.dense.params = 0;
+  one.pipeline_stages = 8; // 1 DP rank, against 8 at PP 1
+  const double vh = one.dense.vocab * one.model.hidden;
+  const double shard8 = one.dense_memory(0).optimizer;
+  CHECK(shard8 == doctest::Approx(vh * 12));
+  one.pipeline_stages = 1;
+  CHECK(one.dense_memory(0).optimizer == doctest::Approx(2 * vh * 12 / 8));
+  CHECK(one.dense_memory(0).optimizer < shard8);
+}
+
 TEST_CASE("simulate: the node-shared host mirror holds every expert of every layer once, for strategies reading it") {
   Case c = small_case(5);
   const ModelSpec &m = c.cfg.model;
@@ -1216,9 +1351,14 @@ TEST_CASE("simulate: a pipeline stage holds its own layers' experts; TP splits t
   SimConfig pp = ep2;
   pp.pipeline_stages = 2;
   const SimResult piped = simulate(pp, c.loads, c.steps, st)[0];
-  // Half the layers per GPU: half the expert weights, gradients and optimizer state.
+  // Half the layers per GPU: half the expert weights, gradients and optimizer state (the distributed optimizer's
+  // shard stays: half the layers over half the EP-group copies).
   CHECK(piped.memory.weights == doctest::Approx(flat.memory.weights / 2));
-  CHECK(piped.memory.optimizer == doctest::Approx(flat.memory.optimizer / 2));
+  CHECK(piped.memory.optimizer == doctest::Approx(flat.memory.optimizer));
+  SimConfig whole_flat = ep2, whole_pp = pp;
+  whole_flat.distributed_optimizer = whole_pp.distributed_optimizer = false;
+  CHECK(simulate(whole_pp, c.loads, c.steps, st)[0].memory.optimizer ==
+        doctest::Approx(simulate(whole_flat, c.loads, c.steps, st)[0].memory.optimizer / 2));
   // TP: the dense weight stream over T, plus 4 collectives per layer and pass.
   SimConfig tp = c.cfg;
   tp.tensor_parallel = 2;

@@ -358,12 +358,11 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
     d["grad_tail_seconds"] = r.grad_tail_seconds;
     d["a2a_hidden_seconds"] = r.a2a_hidden_seconds; // under compute (sim.a2a_overlap): not in the breakdown
     json::Value mem;
-    mem["weights_gb"] = r.memory.weights * 1e-9;
-    mem["grads_gb"] = r.memory.grads * 1e-9;
-    mem["optimizer_gb"] = r.memory.optimizer * 1e-9;
-    mem["activations_gb"] = r.memory.activations * 1e-9;
+    for (const MemoryPart &p : memory_parts)
+      mem[std::string(p.name) + "_gb"] = r.memory.*p.field * 1e-9;
     mem["total_gb"] = r.memory.total() * 1e-9;
     mem["gpu"] = r.memory.gpu;
+    mem["stage"] = r.memory.stage;
     d["peak_memory"] = std::move(mem);
     d["min_experts_per_gpu"] = r.min_experts_per_gpu;
     d["speedup_over_static"] = base_static ? base_static->step_seconds / r.step_seconds : 0.0;

@@ -641,7 +641,8 @@ template <class I>
     o.back().metavar = "DTYPE";
     o.push_back(number<S>(
         "model.dense_params", 0, 1e12,
-        "non-routed parameters per MoE layer (attention, shared experts, router) for the dense part's time",
+        "non-routed parameters per MoE layer (attention, shared experts, router) for the dense part's time and "
+        "memory",
         [](auto &x) -> auto & { return x.sim.dense.params; }));
     o.push_back(number<S>(
         "model.attention_dim", 0, 1e9, "query heads x head dim (QK^T and PV width) for the dense part's time",
@@ -652,7 +653,8 @@ template <class I>
         [](auto &x) -> auto & { return x.sim.dense.context; }));
     o.push_back(number<S>(
         "model.vocab", 0, 1e9,
-        "vocabulary of the LM head and embedding (Qwen3-30B-A3B 151,936, DeepSeek-V3 129,280; 0: no LM head)",
+        "vocabulary of the LM head and embedding, for their time and memory (Qwen3-30B-A3B 151,936, DeepSeek-V3 "
+        "129,280; 0: no LM head)",
         [](auto &x) -> auto & { return x.sim.dense.vocab; }));
     lift(
         o, topology_schema(), "topology", [](auto &x) -> auto & { return x.sim.topo; });
@@ -843,11 +845,17 @@ template <class I>
     o.back().metavar = "DTYPE";
     o.push_back(number<S>(
         "sim.optimizer_bytes_per_param", 0, 1024,
-        "optimizer state bytes per owned expert parameter (Adam: fp32 master + 2 moments = 12, ZeRO's K)",
+        "optimizer state bytes per parameter, owned experts and dense part (Adam: fp32 master + 2 moments = 12, "
+        "ZeRO's K)",
         [](auto &x) -> auto & { return x.sim.optimizer_bytes_per_param; }));
     o.push_back(boolean<S>(
         "sim.optimizer_offload", "optimizer state in host memory: not counted in GPU memory",
         [](auto &x) -> auto & { return x.sim.optimizer_offload; }));
+    o.push_back(boolean<S>(
+        "sim.distributed_optimizer",
+        "Megatron's distributed optimizer (ZeRO-1): GPU optimizer state sharded over the data-parallel ranks (dense "
+        "part: stage GPUs / TP; experts: the EP-group copies); verl's default",
+        [](auto &x) -> auto & { return x.sim.distributed_optimizer; }));
     o.push_back(integer<S>(
         "sim.pipeline_stages", 1, 4096,
         "pipeline-parallel stages: each GPU runs the MoE layers of one stage (split as evenly as possible, the first "

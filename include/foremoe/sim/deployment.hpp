@@ -11,9 +11,9 @@
 /// - slots: the owners' `ceil(experts / ep)` plus each of `spare_slots` (default 0, 1, 2 and 4 spare slots per
 ///   GPU per layer), plus the configured slots at the configured EP size;
 /// - micro-batch tokens per GPU: `microbatch_tokens` (default: the batch's own).
-/// Memory bounds the slots: a candidate whose peak (`SimMemory`) exceeds `SimConfig::gpu_memory_gb` for a strategy
-/// is reported as not fitting for it and never chosen. Ties go to the smaller EP size, then fewer slots, then the
-/// smaller micro-batch: the cheaper deployment.
+/// Memory bounds the space: a candidate whose peak (`SimMemory`: experts, dense part, activations) exceeds
+/// `SimConfig::gpu_memory_gb` for a strategy is reported as not fitting for it and never chosen. Ties go to the
+/// smaller EP size, then fewer slots, then the smaller micro-batch: the cheaper deployment.
 
 #include <algorithm>
 #include <atomic>

@@ -89,6 +89,12 @@ struct DenseShape {
   [[nodiscard]] static DenseShape kimi_k2() { return {147914752.0, 10240.0, 0.0, 163840.0}; }
 };
 
+/// Per-GPU bytes of the non-routed parameters (`SimConfig::dense_memory`).
+struct DenseMemory {
+  double weights = 0, grads = 0, optimizer = 0;
+  [[nodiscard]] double total() const noexcept { return weights + grads + optimizer; }
+};
+
 /// Where the hierarchical all-to-all's hits come from (`SimConfig::a2a_hits`).
 enum class A2aHitsSource : std::uint8_t {
   /// Estimated from each slot's rows, a token picking experts independently (`a2a_hits_from_slots`).
@@ -187,6 +193,15 @@ struct SimConfig {
   /// K = 12 (Rajbhandari et al. 2020, ZeRO, sec. 3.1; mixed-precision Adam is 2 + 2 + K bytes per parameter).
   double optimizer_bytes_per_param = 12.0;
   bool optimizer_offload = false; ///< optimizer state in host memory (ZeRO-Offload), not counted on the GPU
+  /// Megatron's distributed optimizer (`--use-distributed-optimizer`, ZeRO stage 1: Rajbhandari et al. 2020, sec.
+  /// 5.1, P_os): the optimizer state in GPU memory is sharded over the data-parallel ranks that hold the same
+  /// parameters, the dense part's over its `stage_gpus() / tensor_parallel` DP ranks and the experts' over the
+  /// `stage_gpus() / ep` EP-group copies (expert-DP); weights and the gradient buffer stay whole (Megatron-LM
+  /// docs/source/api-guide/dist_optimizer.md: bf16 parameters with fp32 gradients take 6 + 12 / d bytes per
+  /// parameter against 18). Default on: verl's Megatron engine sets `use_distributed_optimizer: True`
+  /// (volcengine/verl, verl/trainer/config/engine/megatron.yaml); Megatron-LM's own default is off. Memory only:
+  /// the optimizer step's time (`optimizer_step_seconds`) still counts every parameter a GPU holds.
+  bool distributed_optimizer = true;
   /// Pipeline-parallel stages (PP): each GPU runs the MoE layers of one stage, split as evenly as possible (the
   /// first `L % PP` stages one layer more; the slowest stage sets the time), with the 1F1B bubble `(PP - 1) / m` of
   /// the pipeline's ideal time for `m` micro-batches (Narayanan et al. 2021, arXiv:2104.04473, sec. 2.2) and the
@@ -242,6 +257,34 @@ struct SimConfig {
 
   /// GPUs of one pipeline stage: the cluster's over `pipeline_stages`.
   [[nodiscard]] int stage_gpus() const { return topo.num_gpus() / std::max(1, pipeline_stages); }
+
+  /// Non-routed parameters one GPU of pipeline stage `s` holds: `dense.params` (per MoE layer) for each of the
+  /// stage's layers, plus the input embedding on the first stage and the LM head on the last (`dense.vocab x
+  /// hidden` each; both on the one stage without a pipeline, none without a vocabulary), all divided over the
+  /// `tensor_parallel` GPUs of a TP group (Megatron's column/row-parallel linears and its vocabulary-parallel
+  /// embedding and output layer: Shoeybi et al. 2019, arXiv:1909.08053, sec. 3). Leading dense (non-MoE) layers
+  /// are not in the model (`ModelSpec` counts MoE layers), so they are not counted.
+  [[nodiscard]] double dense_params_per_gpu(int s) const {
+    const int P = std::max(1, pipeline_stages);
+    const double layers = stage_first_layer(s + 1) - stage_first_layer(s);
+    const double vh = dense.vocab * static_cast<double>(model.hidden);
+    const double embed_head = (s == 0 ? vh : 0.0) + (s == P - 1 ? vh : 0.0);
+    return (layers * dense.params + embed_head) / std::max(1, tensor_parallel);
+  }
+
+  /// Bytes one GPU of pipeline stage `s` holds for its non-routed parameters (`dense_params_per_gpu`): weights in
+  /// the model's weight dtype (`model.dtype`; fp8 block scales left out), gradients in `grad_dtype`, and
+  /// `optimizer_bytes_per_param` of optimizer state (0 with `optimizer_offload`; over the `stage_gpus() /
+  /// tensor_parallel` data-parallel ranks with `distributed_optimizer`).
+  [[nodiscard]] DenseMemory dense_memory(int s) const {
+    const double n = dense_params_per_gpu(s);
+    const double dp = std::max(1.0, static_cast<double>(stage_gpus()) / std::max(1, tensor_parallel));
+    DenseMemory m;
+    m.weights = n * static_cast<double>(dtype_bytes(model.dtype));
+    m.grads = n * static_cast<double>(dtype_bytes(grad_dtype));
+    m.optimizer = optimizer_offload ? 0.0 : n * optimizer_bytes_per_param / (distributed_optimizer ? dp : 1.0);
+    return m;
+  }
 
   /// First layer of pipeline stage `s` (`s = pipeline_stages`: the layer count): the layers split as evenly as
   /// possible, the first `L % PP` stages holding one more.
@@ -447,15 +490,44 @@ inline SimBreakdown &SimBreakdown::operator+=(const SimBreakdown &o) noexcept {
 
 /// Peak memory of one GPU, in bytes: expert weights (owned experts and replica slots, doubled with
 /// `double_buffer`), gradient buffers (owned experts and replicas, in `grad_dtype`), optimizer state of the owned
-/// experts, and activations (see `docs/simulator.md`).
+/// experts, the non-routed parameters' weights, gradients and optimizer state (`SimConfig::dense_memory`), and
+/// activations (see `docs/simulator.md`). `memory_parts` lists the parts: every sum and writer iterates it.
 struct SimMemory {
-  double weights = 0, grads = 0, optimizer = 0, activations = 0;
-  int gpu = 0; ///< which GPU of its EP group peaks
+  double weights = 0, grads = 0, optimizer = 0; ///< the experts'
+  double dense_weights = 0, dense_grads = 0, dense_optimizer = 0;
+  double activations = 0;
+  int gpu = 0;   ///< which GPU of its EP group peaks
+  int stage = 0; ///< which pipeline stage (0 without a pipeline)
   /// Host memory (not in `total`) of the node-shared mirror: every expert's weights of every layer once per node,
   /// for strategies that read the mirror (0 for the others).
   double host_mirror_per_node = 0;
-  [[nodiscard]] double total() const noexcept { return weights + grads + optimizer + activations; }
+  [[nodiscard]] double total() const noexcept;
 };
+
+/// One part of `SimMemory`: its field, its name (JSON `peak_memory.<name>_gb`) and its label (messages).
+struct MemoryPart {
+  double SimMemory::*field;
+  std::string_view name;
+  std::string_view label;
+};
+
+/// The parts of a GPU's memory, in the order they add up and are written.
+inline constexpr std::array<MemoryPart, 7> memory_parts{{
+    {&SimMemory::weights, "weights", "expert weights"},
+    {&SimMemory::grads, "grads", "expert gradients"},
+    {&SimMemory::optimizer, "optimizer", "expert optimizer state"},
+    {&SimMemory::dense_weights, "dense_weights", "dense weights"},
+    {&SimMemory::dense_grads, "dense_grads", "dense gradients"},
+    {&SimMemory::dense_optimizer, "dense_optimizer", "dense optimizer state"},
+    {&SimMemory::activations, "activations", "activations"},
+}};
+
+inline double SimMemory::total() const noexcept {
+  double t = 0;
+  for (const MemoryPart &p : memory_parts)
+    t += this->*p.field;
+  return t;
+}
 
 /// Results of one strategy over all simulated steps.
 struct SimResult {
@@ -732,9 +804,17 @@ private:
         }
         SimMemory m;
         m.gpu = g;
+        m.stage = st;
         m.weights = (owned + replicas * (cfg.double_buffer ? 2 : 1)) * expert_bytes;
         m.grads = (owned + replicas) * grad_bytes_per_expert;
-        m.optimizer = cfg.optimizer_offload ? 0.0 : owned * expert_params * cfg.optimizer_bytes_per_param;
+        // The distributed optimizer shards the owned experts' state over their EP-group copies (expert-DP).
+        m.optimizer = cfg.optimizer_offload ? 0.0
+                                            : owned * expert_params * cfg.optimizer_bytes_per_param /
+                                                  (cfg.distributed_optimizer ? num_copies : 1);
+        const DenseMemory dm = cfg.dense_memory(st);
+        m.dense_weights = dm.weights;
+        m.dense_grads = dm.grads;
+        m.dense_optimizer = dm.optimizer;
         // Checkpointed layer inputs (full recomputation keeps one H-vector per token and layer: Korthikanti et al.
         // 2022, "Reducing Activation Recomputation", sec. 4) plus one layer's expert working set for the rows the
         // GPU receives: dispatched input (H), gate and up outputs (2 I), their product (I), output (H). Under 1F1B
@@ -1318,11 +1398,15 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
 /// Why `res` does not fit: its peak, part by part, against `SimConfig::gpu_memory_gb`.
 [[nodiscard]] inline std::string memory_refusal(const SimConfig &cfg, const SimResult &res) {
   const SimMemory &pk = res.memory;
+  std::string parts;
+  for (const MemoryPart &p : memory_parts)
+    parts += detail::concat(parts.empty() ? "" : ", ", p.label, " ", pk.*p.field * 1e-9, " GB");
   return detail::concat("simulate: strategy ", res.strategy, " needs ", pk.total() * 1e-9, " GB on GPU ", pk.gpu,
-                        " of its EP group (expert weights ", pk.weights * 1e-9, " GB, gradients ", pk.grads * 1e-9,
-                        " GB, optimizer state ", pk.optimizer * 1e-9, " GB, activations ", pk.activations * 1e-9,
-                        " GB), more than sim.gpu_memory_gb = ", cfg.gpu_memory_gb,
-                        " GB; use more GPUs, fewer slots, sim.optimizer_offload or a larger sim.gpu_memory_gb");
+                        " of its EP group",
+                        cfg.pipeline_stages > 1 ? detail::concat(" in pipeline stage ", pk.stage) : "", " (", parts,
+                        "), more than sim.gpu_memory_gb = ", cfg.gpu_memory_gb,
+                        " GB; use more GPUs, fewer slots, sim.optimizer_offload, more sim.tensor_parallel or "
+                        "sim.pipeline_stages, or a larger sim.gpu_memory_gb");
 }
 
 /// Simulates `loads` (micro-steps of consecutive RL steps cut by `step_offsets`, `[S + 1]` micro-step offsets;
