@@ -497,8 +497,8 @@ struct SimulateSettings {
   bool best_deployment = true;
   DeploymentSpace search;
 
-  /// The defaults of a preset: Qwen3-30B-A3B on 8 x 8 GPUs x 3 slots, or DeepSeek-V3 (fp8) on 8 x 8 x 5 with
-  /// 128 prompts per step.
+  /// The defaults of a preset: Qwen3-30B-A3B on 8 x 8 GPUs x 3 slots, DeepSeek-V3 (fp8) on 8 x 8 x 5 or
+  /// Kimi-K2 (fp8) on 8 x 8 x 7, both with 128 prompts per step and the dense part tensor-parallel over 2.
   [[nodiscard]] static SimulateSettings for_preset(std::string_view name) {
     SimulateSettings s;
     if (name == "deepseek-v3") {
@@ -511,6 +511,11 @@ struct SimulateSettings {
       // the 64 GPUs' 9.0 TB of HBM: the preset keeps the optimizer state in host memory (ZeRO-Offload).
       s.sim.optimizer_offload = true;
       s.sim.dense = DenseShape::deepseek_v3();
+      // The dense part (15.4B parameters: fp8 weights, fp32 gradients) takes 76.8 GB per GPU without TP or PP, so
+      // the preset's 64-GPU deployment (4 owners + 1 spare per GPU) needs 145 GB; TP 2 is the smallest tensor
+      // parallelism at which it fits 141 GB (docs/simulator.md, "memory"). An assumption of this preset: DeepSeek
+      // trained with 16-way PP, 64-way EP and no TP (arXiv:2412.19437 sec. 3.2), on far more than 64 GPUs.
+      s.sim.tensor_parallel = 2;
       // DeepSeek-V3 dispatches fp8 and combines bf16 (arXiv:2412.19437 sec. 3.3.2; DeepEP's kernels).
       s.sim.dispatch_dtype = WeightDtype::fp8;
     } else if (name == "kimi-k2") {
@@ -523,6 +528,9 @@ struct SimulateSettings {
       // 1.015T expert parameters x 17 B (as DeepSeek-V3's) = 17.3 TB: the optimizer state in host memory.
       s.sim.optimizer_offload = true;
       s.sim.dense = DenseShape::kimi_k2();
+      // As DeepSeek-V3's: the dense part (11.2B parameters) takes 56.1 GB per GPU without TP, so 64 GPUs fit 141 GB
+      // from TP 2 (153 GB at TP 1). An assumption of this preset.
+      s.sim.tensor_parallel = 2;
       // fp8 dispatch as in DeepSeek-V3's recipe (Kimi K2 reuses its architecture); an assumption for Kimi K2.
       s.sim.dispatch_dtype = WeightDtype::fp8;
     } else {
