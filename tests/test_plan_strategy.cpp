@@ -188,8 +188,15 @@ TEST_CASE("ideal: each layer cut into equal pieces in expert order, a valid plan
         for (const std::int64_t v : w)
           total += v;
         const std::vector<std::int64_t> per_gpu = lp.gpu_loads();
-        for (int g = 0; g < G; ++g) // the first T % G GPUs one token more
-          CHECK(per_gpu[g] == total / G + (g < total % G ? 1 : 0));
+        // The T % G pieces with a token more: local GPU 0 of every node, then local GPU 1, ...; so nodes differ by
+        // one token at most too.
+        std::vector<std::int64_t> node_load(static_cast<std::size_t>(nodes), 0);
+        for (int g = 0; g < G; ++g) {
+          CHECK(per_gpu[g] == total / G + ((g % per_node) * nodes + g / per_node < total % G ? 1 : 0));
+          node_load[g / per_node] += per_gpu[g];
+        }
+        const auto [lo, hi] = std::minmax_element(node_load.begin(), node_load.end());
+        CHECK(*hi - *lo <= 1);
         // Expert order: a GPU's experts all come after the previous GPU's last one (the one piece they may share);
         // each expert's copies are on consecutive GPUs, its owner the first of them.
         int last = -1;
