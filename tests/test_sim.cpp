@@ -115,6 +115,14 @@ TEST_CASE("simulate: physical limits and accounting hold on random traces (prope
         min_total = std::min(min_total, c.loads.layer_total(m, l));
     CHECK(ideal.imbalance_median >= 1.0);
     CHECK(ideal.imbalance_p99 <= 1.0 + double(c.cfg.topo.num_gpus()) / double(min_total));
+    for (const std::vector<double> &row : ideal.gpu_loads) // its plans' pieces: whole tokens, one apart at most
+      CHECK(*std::max_element(row.begin(), row.end()) - *std::min_element(row.begin(), row.end()) <= 1.0);
+    // Its transfers are free, and its memory holds ceil(E / G) owners per GPU, no replica.
+    CHECK(ideal.moved_gb == 0.0);
+    CHECK(ideal.grad_gb == 0.0);
+    CHECK(ideal.stall_seconds == 0.0);
+    CHECK(ideal.memory.weights == double(c.cfg.topo.owners_per_gpu(c.cfg.model.num_experts)) * c.cfg.model.num_layers *
+                                      double(c.cfg.model.bytes_per_expert()));
     for (const SimResult &x : res) {
       CHECK(x.step_seconds > 0);
       CHECK(x.step_seconds == doctest::Approx(x.recompute_seconds + x.update_seconds));

@@ -130,9 +130,10 @@ public:
   /// Whether the strategy stands for the physical limit (`ideal`), which the simulator keeps a lower bound on every
   /// strategy: its plans (placement, owners, token split, memory, routes) are used as every plan is, its moves are
   /// listed as every plan's are, but the simulator charges none of its transfers (moves, gradient returns,
-  /// re-owning) and times a GPU's expert compute and all-to-all from its token count alone (its tokens over
-  /// `ceil(E / G)` experts, its rows spread over all `E`): the least any placement with those tokens takes, where
-  /// the plan itself needs a piece more on some GPUs (see `docs/simulator.md`, "ideal").
+  /// re-owning), times a GPU's expert compute and all-to-all from its token count alone (its tokens over
+  /// `ceil(E / G)` experts, its rows spread over all `E`) and counts `ceil(E / G)` owned experts per GPU in its
+  /// memory: the least any placement with those tokens takes, where the plan itself needs a piece more on some
+  /// GPUs (see `docs/simulator.md`, "ideal").
   [[nodiscard]] virtual bool physical_limit() const noexcept { return false; }
 };
 
@@ -167,7 +168,7 @@ inline StrategyRegistry &strategy_registry() {
   return out;
 }
 [[nodiscard]] inline std::string strategy_names_locked(const StrategyRegistry &r, std::string_view sep,
-                                                      bool with_simulator_only) {
+                                                       bool with_simulator_only) {
   std::string out;
   for (const auto &e : r.entries) {
     if (e->simulator_only && !with_simulator_only) continue;

@@ -23,8 +23,8 @@
 /// `moonep`, `foremoe`, `foremoe-free`, and the simulator-only reference `ideal`: every layer's tokens cut into
 /// equal pieces per GPU, any number of experts per GPU), every one simulated by the same code from its plans. One
 /// trait, `PlanStrategy::physical_limit` (`ideal`), keeps the limit a lower bound: no transfer of its is charged,
-/// and a GPU's expert compute and all-to-all are timed from its tokens alone (spread over `ceil(E / G)` experts and,
-/// for the hits, over all `E`) rather than from its pieces.
+/// a GPU's expert compute and all-to-all are timed from its tokens alone (spread over `ceil(E / G)` experts and,
+/// for the hits, over all `E`) rather than from its pieces, and a GPU's memory holds `ceil(E / G)` owners only.
 ///
 /// Steady state: the first `warmup_steps` RL steps are planned and timed like the others (every strategy
 /// builds its history and residents on them) but left out of every reported figure. `eplb` rebalances every
@@ -664,8 +664,9 @@ private:
   Planner planner;
   const int S; ///< slots per GPU of the strategy's plans (`Planner::topology`)
   const bool keeps_residents;
-  /// `PlanStrategy::physical_limit` (`ideal`): no move, gradient return or re-owning is charged, and its layers
-  /// are timed from each GPU's tokens alone (`expert_seconds`, `time_layer`)
+  /// `PlanStrategy::physical_limit` (`ideal`): no move, gradient return or re-owning is charged, its layers are
+  /// timed from each GPU's tokens alone (`expert_seconds`, `time_layer`) and its memory holds owners only
+  /// (`memory_of`)
   const bool limit;
   Placement resident;
   bool has_resident = false;
@@ -733,9 +734,12 @@ private:
           for (int s = 0; s < S; ++s) {
             const std::int32_t e = lp.placement.slot(g, s);
             if (e == empty_slot) continue;
-            (lp.owner_gpu[e] == g ? owned : replicas) += 1;
+            if (!limit) (lp.owner_gpu[e] == g ? owned : replicas) += 1;
             recv += static_cast<double>(lp.slot_tokens[static_cast<std::size_t>(g) * S + s]);
           }
+          // The physical limit holds the fewest experts any placement does, `ceil(E / G)` owners per GPU and no
+          // replica (its pieces would hold more and could leave it not fitting where a plan fits).
+          if (limit) owned += owners_per_gpu;
           recv_max = std::max(recv_max, recv);
         }
         SimMemory m;
@@ -833,7 +837,8 @@ private:
     for (int g = 0; g < G; ++g) {
       for (int s = 0; s < S && !limit; ++s)
         counts[s] = static_cast<double>(lp.slot_tokens[static_cast<std::size_t>(g) * S + s]);
-      const double fwd = limit ? compute.forward_seconds(gpu_tokens[g], owners_per_gpu) : compute.forward_seconds(counts);
+      const double fwd =
+          limit ? compute.forward_seconds(gpu_tokens[g], owners_per_gpu) : compute.forward_seconds(counts);
       fwd_expert = std::max(fwd_expert, fwd);
       bwd_expert = std::max(bwd_expert, compute.backward_factor() * fwd);
     }
@@ -852,10 +857,11 @@ private:
     // Dispatch (= combine): hierarchical from the slots' experts and rows or from the routed ids; the physical
     // limit's from each GPU's rows spread over all experts (empty slot spans: `a2a_hits_spread`, the fewest hits).
     const LayerA2a layer_a2a_cost =
-        routed != nullptr ? *routed
-                          : layer_a2a(cfg.cost.a2a, limit ? std::span<const std::int32_t>{} : lp.placement.phys_to_log(),
-                                      limit ? std::span<const std::int64_t>{} : std::span(lp.slot_tokens), gpu_tokens,
-                                      S, topo.gpus_per_node, E, tokens, row_bytes, dispatch_row_bytes);
+        routed != nullptr
+            ? *routed
+            : layer_a2a(cfg.cost.a2a, limit ? std::span<const std::int32_t>{} : lp.placement.phys_to_log(),
+                        limit ? std::span<const std::int64_t>{} : std::span(lp.slot_tokens), gpu_tokens, S,
+                        topo.gpus_per_node, E, tokens, row_bytes, dispatch_row_bytes);
     const double a2a = layer_a2a_cost.seconds, fwd_a2a = layer_a2a_cost.dispatch_seconds + a2a;
     // Dispatch and combine each pass: forward (the dispatch at its own row size), and backward in the update stage.
     t.inter_node_bytes = layer_a2a_cost.inter_node_rows * (dispatch_row_bytes + (update ? 3.0 : 1.0) * row_bytes);
@@ -940,8 +946,7 @@ private:
     sr.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec.planner += sr.planner_seconds;
     // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
-    if (pass == 0 && !cfg.planner.reowning_free && !limit && !prev_owner_flat.empty())
-      charge_reowning(sr.sp, rec);
+    if (pass == 0 && !cfg.planner.reowning_free && !limit && !prev_owner_flat.empty()) charge_reowning(sr.sp, rec);
     if (pass == 0 && !sr.sp.owner_gpu.empty()) {
       prev_owner_flat.clear();
       for (const auto &row : sr.sp.owner_gpu)

@@ -1,7 +1,8 @@
 #pragma once
 /// @file
 /// Strategy "ideal": the physical limit the simulator compares against. Every layer's tokens are cut into equal
-/// pieces, one per GPU, and every move and gradient return is free. A reference, not a deployable plan: it ignores
+/// pieces, one per GPU; `physical_limit()` makes the simulator charge none of its transfers and time and size it
+/// from each GPU's tokens alone (see `PlanStrategy::physical_limit`). A reference, not a deployable plan: it ignores
 /// the slot limit and is offered by `foremoe simulate` only (`StrategyInfo::simulator_only`).
 
 #include <algorithm>
@@ -19,9 +20,9 @@ inline namespace v0 {
 /// The even split of one layer: its experts' loads concatenated in expert order and cut into `num_gpus` pieces of
 /// `floor(T / G)` or `ceil(T / G)` tokens, so an expert's copies sit on consecutive GPUs. The `T % G` pieces with a
 /// token more go to local GPU 0 of every node, then local GPU 1 of every node, and so on, so nodes too differ by at
-/// most one token. `experts_of_gpu[g]` lists GPU g's experts in increasing order with their tokens; an expert without tokens
-/// sits (with 0) on the GPU whose piece holds its place in the concatenation (the last GPU at its end), every expert
-/// on `static_owner[e]` when the layer has no token. `owner[e]` is the GPU of its first copy.
+/// most one token. `experts_of_gpu[g]` lists GPU g's experts in increasing order with their tokens; an expert without
+/// tokens sits (with 0) on the GPU whose piece holds its place in the concatenation (the last GPU at its end), every
+/// expert on `static_owner[e]` when the layer has no token. `owner[e]` is the GPU of its first copy.
 struct EvenSplitLayer {
   std::vector<std::vector<std::pair<std::int32_t, std::int64_t>>> experts_of_gpu;
   std::vector<std::int32_t> owner;
