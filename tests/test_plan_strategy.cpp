@@ -144,7 +144,10 @@ TEST_CASE("strategy registry: ideal is the simulator's reference, left out of th
                        "strategy 'ideal' is a reference for foremoe simulate only, not a plan (plan strategies: "
                        "static, eplb, eplb-split, eplb-oracle, ultraep, moonep, foremoe, foremoe-free, "
                        "test-round-robin)");
-  CHECK_ERROR_CONTAINS((void)find_plan_strategy("nope"), "unknown strategy 'nope'");
+  // A user picking a plan is offered the plan strategies only.
+  CHECK_ERROR_CONTAINS((void)find_plan_strategy("nope"),
+                       "unknown strategy 'nope' (registered: static, eplb, eplb-split, eplb-oracle, ultraep, moonep, "
+                       "foremoe, foremoe-free, test-round-robin)");
 }
 
 TEST_CASE("ideal: each layer cut into equal pieces in expert order, a valid plan with its moves listed (property)") {

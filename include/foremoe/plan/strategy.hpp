@@ -233,14 +233,14 @@ inline void register_strategy(StrategyInfo info) {
 /// `find_strategy` for a plan a user asks for (`foremoe plan`, the planner schema, Python): throws `Error` naming the
 /// value for a simulator-only strategy too.
 [[nodiscard]] inline const StrategyInfo &find_plan_strategy(std::string_view name) {
-  const StrategyInfo &s = find_strategy(name);
-  if (s.simulator_only) {
-    auto &r = detail::strategy_registry();
-    const std::lock_guard lock(r.mutex);
-    detail::fail("strategy '", name, "' is a reference for foremoe simulate only, not a plan (plan strategies: ",
-                 detail::strategy_names_locked(r, ", ", false), ")");
-  }
-  return s;
+  const StrategyInfo *s = lookup_strategy(name);
+  if (s != nullptr && !s->simulator_only) return *s;
+  auto &r = detail::strategy_registry();
+  const std::lock_guard lock(r.mutex);
+  if (s == nullptr)
+    detail::fail("unknown strategy '", name, "' (registered: ", detail::strategy_names_locked(r, ", ", false), ")");
+  detail::fail("strategy '", name, "' is a reference for foremoe simulate only, not a plan (plan strategies: ",
+               detail::strategy_names_locked(r, ", ", false), ")");
 }
 
 /// The registered names in listing order, joined by `sep`; the simulator-only ones only `with_simulator_only`.
