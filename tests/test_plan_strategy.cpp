@@ -2,8 +2,10 @@
 // that plans through `Planner` (a new strategy is one file), with nothing but the lean `foremoe/plan.hpp`.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -78,7 +80,7 @@ TEST_CASE("strategy registry: unknown names, duplicates and bad entries are erro
   CHECK_ERROR_CONTAINS(
       (void)find_strategy("greedy"),
       "unknown strategy 'greedy' (registered: static, eplb, eplb-split, eplb-oracle, ultraep, moonep, foremoe, "
-      "foremoe-free, test-round-robin)");
+      "foremoe-free, ideal, test-round-robin)");
   auto make = [] { return std::make_unique<RoundRobinStrategy>(); };
   CHECK_ERROR_CONTAINS(register_strategy({"static", "again", {}, 1, make}), "strategy 'static' is already registered");
   CHECK_ERROR_CONTAINS(register_strategy({"Bad Name", "x", {}, 1, make}), "'Bad Name' may hold only");
@@ -125,4 +127,105 @@ TEST_CASE("strategy registry: a strategy registered in this file plans through P
   // The plans choose their owners, so the step reports the first micro-step's.
   REQUIRE(sp.owner_gpu.size() == std::size_t(num_layers));
   CHECK(sp.owner_gpu[1] == sp.micro_steps[0][1].owner_gpu);
+}
+
+TEST_CASE("strategy registry: ideal is the simulator's reference, left out of the plan strategies") {
+  const auto with = strategies(true);
+  REQUIRE(with.size() == 10);
+  CHECK(with[8]->name == "ideal"); // order 1000, before test-round-robin by name
+  CHECK(with[8]->simulator_only);
+  const auto plan_ones = strategies();
+  CHECK(plan_ones.size() == 9);
+  CHECK(std::none_of(plan_ones.begin(), plan_ones.end(), [](const StrategyInfo *s) { return s->simulator_only; }));
+  CHECK(strategy_names(", ", true) == "static, eplb, eplb-split, eplb-oracle, ultraep, moonep, foremoe, foremoe-free, "
+                                      "ideal, test-round-robin");
+  CHECK(find_strategy("ideal").name == "ideal");
+  CHECK(&find_plan_strategy("foremoe_free") == &find_strategy("foremoe-free"));
+  CHECK_ERROR_CONTAINS((void)find_plan_strategy("ideal"),
+                       "strategy 'ideal' is a reference for foremoe simulate only, not a plan (plan strategies: "
+                       "static, eplb, eplb-split, eplb-oracle, ultraep, moonep, foremoe, foremoe-free, "
+                       "test-round-robin)");
+  // A user picking a plan is offered the plan strategies only.
+  CHECK_ERROR_CONTAINS((void)find_plan_strategy("nope"),
+                       "unknown strategy 'nope' (registered: static, eplb, eplb-split, eplb-oracle, ultraep, moonep, "
+                       "foremoe, foremoe-free, test-round-robin)");
+}
+
+TEST_CASE("ideal: each layer cut into equal pieces in expert order, a valid plan with its moves listed (property)") {
+  std::mt19937_64 rng(77);
+  for (int round = 0; round < 40 * foremoe_test::seed_multiplier(); ++round) {
+    const int nodes = 1 + static_cast<int>(rng() % 2), per_node = 1 + static_cast<int>(rng() % 4);
+    const int G = nodes * per_node, E = G + static_cast<int>(rng() % 20), L = 2;
+    const int slots = (E + G - 1) / G + static_cast<int>(rng() % 2); // owners + 0 or 1 spare: ideal needs more
+    const Topology topo{nodes, per_node, slots};
+    CAPTURE(round);
+    CAPTURE(G);
+    CAPTURE(E);
+    LoadTensor loads(3, L, E);
+    const int kind = static_cast<int>(rng() % 4); // uniform, one hot expert, with zeros, fewer tokens than GPUs
+    for (int m = 0; m < 3; ++m)
+      for (int l = 0; l < L; ++l)
+        for (int e = 0; e < E; ++e) {
+          std::int64_t v = static_cast<std::int64_t>(rng() % 1000);
+          if (kind == 1) v = e == static_cast<int>(m + l) % E ? 100000 : static_cast<std::int64_t>(rng() % 5);
+          if (kind == 2 && rng() % 3 == 0) v = 0;
+          if (kind == 3) v = rng() % (2 * E) == 0 ? 1 : 0;
+          loads.at(m, l, e) = v;
+        }
+    PlannerOptions opts;
+    opts.strategy = "ideal";
+    Planner planner(L, E, topo, opts);
+    CHECK(planner.physical_limit());
+    REQUIRE(planner.topology().slots_per_gpu == std::max(slots, E));
+    const StepPlan sp = planner.plan_step(loads);
+    REQUIRE(sp.micro_steps.size() == 3);
+    for (int m = 0; m < 3; ++m)
+      for (int l = 0; l < L; ++l) {
+        CAPTURE(m);
+        CAPTURE(l);
+        const LayerPlan &lp = sp.micro_steps[m][l];
+        const std::span<const std::int64_t> w = loads.layer(m, l);
+        // Every invariant of a plan, the moves from the previous micro-step's placement included.
+        const LayerPlacement *resident = m == 0 ? nullptr : &sp.micro_steps[m - 1][l].placement;
+        CHECK_NOTHROW(validate(lp, w, resident));
+        std::int64_t total = 0;
+        for (const std::int64_t v : w)
+          total += v;
+        const std::vector<std::int64_t> per_gpu = lp.gpu_loads();
+        // The T % G pieces with a token more: local GPU 0 of every node, then local GPU 1, ...; so nodes differ by
+        // one token at most too.
+        std::vector<std::int64_t> node_load(static_cast<std::size_t>(nodes), 0);
+        for (int g = 0; g < G; ++g) {
+          CHECK(per_gpu[g] == total / G + ((g % per_node) * nodes + g / per_node < total % G ? 1 : 0));
+          node_load[g / per_node] += per_gpu[g];
+        }
+        const auto [lo, hi] = std::minmax_element(node_load.begin(), node_load.end());
+        CHECK(*hi - *lo <= 1);
+        // Expert order: a GPU's experts all come after the previous GPU's last one (the one piece they may share);
+        // each expert's copies are on consecutive GPUs, its owner the first of them.
+        int last = -1;
+        for (int g = 0; g < G; ++g) {
+          int first_here = E, last_here = -1;
+          for (int s = 0; s < planner.topology().slots_per_gpu; ++s) {
+            const std::int32_t e = lp.placement.slot(g, s);
+            if (e == empty_slot) continue;
+            first_here = std::min(first_here, static_cast<int>(e));
+            last_here = std::max(last_here, static_cast<int>(e));
+          }
+          if (total > 0 && last_here >= 0) {
+            CHECK(first_here >= last);
+            last = last_here;
+          }
+        }
+        for (int e = 0; e < E; ++e) {
+          std::vector<int> on;
+          for (int g = 0; g < G; ++g)
+            if (lp.placement.holds(g, e)) on.push_back(g);
+          REQUIRE(!on.empty());
+          CHECK(on.back() - on.front() + 1 == static_cast<int>(on.size()));
+          CHECK(lp.owner_gpu[e] == on.front());
+          if (w[e] == 0) CHECK(on.size() == 1);
+        }
+      }
+  }
 }

@@ -356,7 +356,7 @@ template <class T, class F> [[nodiscard]] Option<T> peer_domain_option(std::stri
           bound<P>(
               "strategy", Type::string, "planning strategy: " + strategy_names(),
               [](const P &o) { return json::Value(o.strategy); },
-              [](P &o, const json::Value &v) { o.strategy = find_strategy(v.as_string()).name; }),
+              [](P &o, const json::Value &v) { o.strategy = find_plan_strategy(v.as_string()).name; }),
           integer<P>(
               "move_budget", -1, max_budget, "new replicas per GPU per micro-step (-1: the spare slots)",
               [](auto &o) -> auto & { return o.move_budget; }),

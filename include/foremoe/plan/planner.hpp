@@ -45,6 +45,8 @@ public:
     opts_.strategy = find_strategy(opts_.strategy).name; // the registered spelling
     detail::require(num_layers > 0, "Planner: num_layers must be positive, got ", num_layers);
     topo.validate(num_experts);
+    topo_.slots_per_gpu = strategy_->slots_per_gpu(topo, num_experts); // more for a strategy past the slot limit
+    topo_.validate(num_experts);
     opts_.validate();
     detail::require(opts_.eplb_num_groups >= 1 && num_experts % opts_.eplb_num_groups == 0, "Planner: ", num_experts,
                     " experts do not divide into eplb_num_groups = ", opts_.eplb_num_groups);
@@ -54,11 +56,14 @@ public:
 
   [[nodiscard]] int num_layers() const noexcept { return num_layers_; }
   [[nodiscard]] int num_experts() const noexcept { return num_experts_; }
+  /// The topology its plans use: the one given, with `PlanStrategy::slots_per_gpu` slots per GPU.
   [[nodiscard]] const Topology &topology() const noexcept { return topo_; }
   [[nodiscard]] const PlannerOptions &options() const noexcept { return opts_; }
   /// Whether the strategy keeps resident replicas without a move (false: every replica is re-pushed each
   /// micro-step and layer; see `PlanStrategy::reuses_resident`).
   [[nodiscard]] bool reuses_resident() const noexcept { return strategy_->reuses_resident(); }
+  /// Whether the strategy stands for the physical limit (`PlanStrategy::physical_limit`, `ideal`).
+  [[nodiscard]] bool physical_limit() const noexcept { return strategy_->physical_limit(); }
 
   /// Owners of every layer from step totals `[layers][experts]` (C order); `previous` (may be empty): owners to
   /// keep where the tolerance allows.

@@ -128,6 +128,19 @@ public:
   /// run so): `Planner` then replaces each plan's moves with `full_push_moves`, so `foremoe plan`'s move counts and
   /// the simulator's move traffic and stalls charge a full push even where the same replica was resident.
   [[nodiscard]] virtual bool reuses_resident() const noexcept { return true; }
+  /// Slots per GPU its plans use on `topo` for `num_experts` experts: `topo.slots_per_gpu`, or more for a strategy
+  /// that ignores the slot limit (`ideal`); `Planner::topology()` is the topology with this many.
+  [[nodiscard]] virtual int slots_per_gpu(const Topology &topo, int /*num_experts*/) const noexcept {
+    return topo.slots_per_gpu;
+  }
+  /// Whether the strategy stands for the physical limit (`ideal`), which the simulator keeps a lower bound on every
+  /// strategy: its plans (placement, owners, token split, memory, routes) are used as every plan is, its moves are
+  /// listed as every plan's are, but the simulator charges none of its transfers (moves, gradient returns,
+  /// re-owning), times a GPU's expert compute and all-to-all from its token count alone (its tokens over
+  /// `ceil(E / G)` experts, its rows spread over all `E`) and counts `ceil(E / G)` owned experts per GPU in its
+  /// memory: the least any placement with those tokens takes, where the plan itself needs a piece more on some
+  /// GPUs (see `docs/simulator.md`, "ideal").
+  [[nodiscard]] virtual bool physical_limit() const noexcept { return false; }
 };
 
 /// One planning strategy as registered.
@@ -138,6 +151,9 @@ struct StrategyInfo {
                                     ///< (schema keys, snake_case, e.g. "move_budget"); the front ends show them
   int order = 100;                  ///< listing order (built-ins 10, 20, ...), ties by name
   std::function<std::unique_ptr<PlanStrategy>()> make; ///< a fresh per-planner object
+  /// A reference for `foremoe simulate` only (`ideal`): left out of `strategies()` and `strategy_names()` (so out
+  /// of `foremoe plan`, the planner schema and Python's list) unless asked for; `find_strategy` still finds it.
+  bool simulator_only = false;
 };
 
 namespace detail {
@@ -157,9 +173,11 @@ inline StrategyRegistry &strategy_registry() {
   std::replace(out.begin(), out.end(), '_', '-');
   return out;
 }
-[[nodiscard]] inline std::string strategy_names_locked(const StrategyRegistry &r, std::string_view sep) {
+[[nodiscard]] inline std::string strategy_names_locked(const StrategyRegistry &r, std::string_view sep,
+                                                       bool with_simulator_only) {
   std::string out;
   for (const auto &e : r.entries) {
+    if (e->simulator_only && !with_simulator_only) continue;
     if (!out.empty()) out += sep;
     out += e->name;
   }
@@ -187,14 +205,15 @@ inline void register_strategy(StrategyInfo info) {
   r.entries.insert(pos, std::move(entry));
 }
 
-/// Every registered strategy, sorted by (order, name).
-[[nodiscard]] inline std::vector<const StrategyInfo *> strategies() {
+/// Every registered strategy, sorted by (order, name); the simulator-only ones (`StrategyInfo::simulator_only`)
+/// only `with_simulator_only`.
+[[nodiscard]] inline std::vector<const StrategyInfo *> strategies(bool with_simulator_only = false) {
   auto &r = detail::strategy_registry();
   const std::lock_guard lock(r.mutex);
   std::vector<const StrategyInfo *> out;
   out.reserve(r.entries.size());
   for (const auto &e : r.entries)
-    out.push_back(e.get());
+    if (!e->simulator_only || with_simulator_only) out.push_back(e.get());
   return out;
 }
 
@@ -214,14 +233,27 @@ inline void register_strategy(StrategyInfo info) {
   if (const StrategyInfo *s = lookup_strategy(name)) return *s;
   auto &r = detail::strategy_registry();
   const std::lock_guard lock(r.mutex);
-  detail::fail("unknown strategy '", name, "' (registered: ", detail::strategy_names_locked(r, ", "), ")");
+  detail::fail("unknown strategy '", name, "' (registered: ", detail::strategy_names_locked(r, ", ", true), ")");
 }
 
-/// The registered names in listing order, joined by `sep`.
-[[nodiscard]] inline std::string strategy_names(std::string_view sep = ", ") {
+/// `find_strategy` for a plan a user asks for (`foremoe plan`, the planner schema, Python): throws `Error` naming the
+/// value for a simulator-only strategy too.
+[[nodiscard]] inline const StrategyInfo &find_plan_strategy(std::string_view name) {
+  const StrategyInfo *s = lookup_strategy(name);
+  if (s != nullptr && !s->simulator_only) return *s;
   auto &r = detail::strategy_registry();
   const std::lock_guard lock(r.mutex);
-  return detail::strategy_names_locked(r, sep);
+  if (s == nullptr)
+    detail::fail("unknown strategy '", name, "' (registered: ", detail::strategy_names_locked(r, ", ", false), ")");
+  detail::fail("strategy '", name, "' is a reference for foremoe simulate only, not a plan (plan strategies: ",
+               detail::strategy_names_locked(r, ", ", false), ")");
+}
+
+/// The registered names in listing order, joined by `sep`; the simulator-only ones only `with_simulator_only`.
+[[nodiscard]] inline std::string strategy_names(std::string_view sep = ", ", bool with_simulator_only = false) {
+  auto &r = detail::strategy_registry();
+  const std::lock_guard lock(r.mutex);
+  return detail::strategy_names_locked(r, sep, with_simulator_only);
 }
 
 } // namespace v0

@@ -20,7 +20,11 @@
 /// resident for the whole step, as EPLB's are, returns its gradient once per step).
 ///
 /// Strategies come from `Planner` (`static`, `eplb`, `eplb-split`, `eplb-oracle`, the baselines `ultraep` and
-/// `moonep`, `foremoe`, `foremoe-free`) plus `ideal`: every layer perfectly balanced, moves free.
+/// `moonep`, `foremoe`, `foremoe-free`, and the simulator-only reference `ideal`: every layer's tokens cut into
+/// equal pieces per GPU, any number of experts per GPU), every one simulated by the same code from its plans. One
+/// trait, `PlanStrategy::physical_limit` (`ideal`), keeps the limit a lower bound: no transfer of its is charged,
+/// a GPU's expert compute and all-to-all are timed from its tokens alone (spread over `ceil(E / G)` experts and,
+/// for the hits, over all `E`) rather than from its pieces, and a GPU's memory holds `ceil(E / G)` owners only.
 ///
 /// Steady state: the first `warmup_steps` RL steps are planned and timed like the others (every strategy
 /// builds its history and residents on them) but left out of every reported figure. `eplb` rebalances every
@@ -155,8 +159,8 @@ struct SimConfig {
   /// RL trainers run Megatron's defaults unless told otherwise; 1 is the upper bound of full overlap.
   double a2a_overlap = 0.0;
   /// Hits of the hierarchical all-to-all: `independent` (default; needs only the loads) or counted from the routed
-  /// ids (`ids`; `simulate` then needs them for every micro-step, one EP group over every GPU, and `ideal` keeps its
-  /// independence bound, which co-activated routing can beat).
+  /// ids (`ids`; `simulate` then needs them for every micro-step and one EP group over every GPU; every strategy,
+  /// `ideal` included, is then timed from its plans and the ids).
   A2aHitsSource a2a_hits = A2aHitsSource::independent;
   /// Links shared both ways: the all-to-all also yields to a GPU's moves and gradient returns (it gets half the
   /// link while they run, as they get half while it runs). false: only the moves yield (the earlier model).
@@ -419,21 +423,17 @@ struct SimConfig {
   }
 };
 
-/// A simulated strategy: a registered planner strategy or the physical limit ("ideal").
+/// A simulated strategy: a registered planner strategy, the simulator-only ones (`ideal`) included.
 struct SimStrategy {
-  std::string name; ///< the registered name, or "ideal"
-  bool ideal = false;
+  std::string name; ///< the registered name
 };
 
-/// Registered strategy names in listing order, then "ideal", joined by `sep`.
-[[nodiscard]] inline std::string sim_strategy_names(std::string_view sep = ", ") {
-  return strategy_names(sep) + std::string(sep) + "ideal";
-}
+/// Registered strategy names in listing order, the simulator-only ones (`ideal`, last) included, joined by `sep`.
+[[nodiscard]] inline std::string sim_strategy_names(std::string_view sep = ", ") { return strategy_names(sep, true); }
 
-/// Parses "ideal" or a registered strategy name; throws `Error` naming the value and the accepted ones.
+/// Parses a registered strategy name (`_` reads as `-`); throws `Error` naming the value and the accepted ones.
 [[nodiscard]] inline SimStrategy parse_sim_strategy(std::string_view s) {
-  if (s == "ideal") return {"ideal", true};
-  if (const StrategyInfo *info = lookup_strategy(s)) return {info->name, false};
+  if (const StrategyInfo *info = lookup_strategy(s)) return {info->name};
   detail::fail("unknown strategy '", s, "' (registered: ", sim_strategy_names(), ")");
 }
 
@@ -552,9 +552,9 @@ struct SimResult {
   /// Per counted micro-step (recompute then update, per counted step), of the step's slowest EP group: layer
   /// forward(+backward) times.
   std::vector<std::vector<double>> layer_seconds;
-  /// The same rows: each layer's max/mean GPU load (1 for `ideal`).
+  /// The same rows: each layer's max/mean GPU load (`ideal`: `ceil(T / G) G / T`, 1 when G divides the tokens T).
   std::vector<std::vector<double>> layer_imbalance;
-  /// The same rows: tokens per GPU of its EP group in layer `SimConfig::gpu_load_layer` (`ideal`: the even split).
+  /// The same rows: tokens per GPU of its EP group in layer `SimConfig::gpu_load_layer`.
   std::vector<std::vector<double>> gpu_loads;
   SimBreakdown breakdown;                    ///< mean per counted RL step; its total is `step_seconds`
   std::vector<SimBreakdown> step_breakdown;  ///< per counted RL step (its slowest EP group)
@@ -652,7 +652,7 @@ public:
   GroupSim(const SimConfig &config, const Topology &group_topo, const LoadTensor &group_loads,
            const SimStrategy &strategy, const MicroStepRoutes &micro_routes)
       : cfg(config), topo(group_topo), loads(group_loads), strat(strategy), routes(micro_routes), spec(config.model),
-        G(group_topo.num_gpus()), L(spec.num_layers), E(spec.num_experts), S(group_topo.slots_per_gpu),
+        G(group_topo.num_gpus()), L(spec.num_layers), E(spec.num_experts),
         compute(config.cost, ExpertShape::from(spec)), expert_bytes(static_cast<double>(spec.bytes_per_expert())),
         row_bytes(config.row_bytes()), dispatch_row_bytes(config.dispatch_row_bytes()),
         expert_params(static_cast<double>(spec.num_matrices) * spec.hidden * spec.expert_ffn),
@@ -660,7 +660,8 @@ public:
         cost(grad_cost_params(config, grad_bytes_per_expert / expert_bytes)), num_copies(config.stage_gpus() / G),
         PP(config.pipeline_stages), stage_layers(config.stage_first_layer(1) - config.stage_first_layer(0)),
         owners_per_gpu(group_topo.owners_per_gpu(E)), K(spec.topk), P(group_topo.gpus_per_node), held(L, G, E),
-        planner(L, E, group_topo, planner_options()), keeps_residents(planner.reuses_resident()) {
+        planner(L, E, group_topo, planner_options()), S(planner.topology().slots_per_gpu),
+        keeps_residents(planner.reuses_resident()), limit(planner.physical_limit()) {
     if (routes) {
       route_pool.emplace(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
       route_scratch.resize(static_cast<std::size_t>(route_pool->num_threads()));
@@ -692,7 +693,7 @@ private:
   /// One stage of a step: its plan, and what each micro-step hands the next and the stage's closing terms.
   struct StageRun {
     bool update = false;        ///< the update stage (else a forward-only recompute)
-    StepPlan sp;                ///< the stage's plan (none for `ideal`)
+    StepPlan sp;                ///< the stage's plan
     double planner_seconds = 0; ///< the stage's planner time
     bool used_mirror = false;   ///< some move read the host mirror
     std::vector<LayerTiming> prev_t;
@@ -708,7 +709,7 @@ private:
   const SimStrategy &strat;
   const MicroStepRoutes &routes;
   const ModelSpec &spec;
-  const int G, L, E, S;
+  const int G, L, E;
   const ExpertComputeModel compute;
   const double expert_bytes, row_bytes, dispatch_row_bytes, expert_params, grad_bytes_per_expert;
   const CostParams cost; ///< gradients in `grad_dtype`
@@ -726,7 +727,12 @@ private:
   std::optional<ThreadPool> route_pool;
   std::vector<RouteScratch> route_scratch;
   Planner planner;
+  const int S; ///< slots per GPU of the strategy's plans (`Planner::topology`)
   const bool keeps_residents;
+  /// `PlanStrategy::physical_limit` (`ideal`): no move, gradient return or re-owning is charged, its layers are
+  /// timed from each GPU's tokens alone (`expert_seconds`, `time_layer`) and its memory holds owners only
+  /// (`memory_of`)
+  const bool limit;
   Placement resident;
   bool has_resident = false;
   std::vector<std::int32_t> prev_owner_flat;
@@ -744,8 +750,8 @@ private:
   /// The planner's options: the strategy, the gradients' size and, with `cost_gate`, the replica cost model.
   [[nodiscard]] PlannerOptions planner_options() const {
     PlannerOptions popts = cfg.planner; // without reowning_free the planner keeps owners where it can
-    popts.strategy = strat.ideal ? "foremoe-free" : strat.name; // "ideal" plans nothing
-    popts.gradient_bytes_factor = cost.grad.grad_bytes_factor;  // from `grad_dtype` and the model's weight dtype
+    popts.strategy = strat.name;
+    popts.gradient_bytes_factor = cost.grad.grad_bytes_factor; // from `grad_dtype` and the model's weight dtype
     if (cfg.cost_gate) {
       // The slowest GPU's expert compute for its token count, on a GPU with every slot in use.
       popts.token_time = [this](std::int64_t t) {
@@ -778,8 +784,8 @@ private:
     return bytes;
   }
 
-  /// Peak memory of one micro-step (`plans` null: perfectly balanced, owners only), over its GPUs.
-  [[nodiscard]] SimMemory memory_of(const std::vector<LayerPlan> *plans, double tokens) const {
+  /// Peak memory of one micro-step under its `plans`, over its GPUs.
+  [[nodiscard]] SimMemory memory_of(const std::vector<LayerPlan> &plans, double tokens) const {
     SimMemory peak;
     const double per_gpu_tokens = tokens / G;
     for (int g = 0; g < G; ++g)
@@ -787,19 +793,17 @@ private:
         // A GPU holds the layers of its pipeline stage (all of them without a pipeline).
         double owned = 0, replicas = 0, recv_max = 0;
         for (int l = cfg.stage_first_layer(st); l < cfg.stage_first_layer(st + 1); ++l) {
-          if (plans == nullptr) {
-            owned += owners_per_gpu;
-            recv_max = per_gpu_tokens * spec.topk;
-            continue;
-          }
-          const LayerPlan &lp = (*plans)[l];
+          const LayerPlan &lp = plans[l];
           double recv = 0;
           for (int s = 0; s < S; ++s) {
             const std::int32_t e = lp.placement.slot(g, s);
             if (e == empty_slot) continue;
-            (lp.owner_gpu[e] == g ? owned : replicas) += 1;
+            if (!limit) (lp.owner_gpu[e] == g ? owned : replicas) += 1;
             recv += static_cast<double>(lp.slot_tokens[static_cast<std::size_t>(g) * S + s]);
           }
+          // The physical limit holds the fewest experts any placement does, `ceil(E / G)` owners per GPU and no
+          // replica (its pieces would hold more and could leave it not fitting where a plan fits).
+          if (limit) owned += owners_per_gpu;
           recv_max = std::max(recv_max, recv);
         }
         SimMemory m;
@@ -885,65 +889,51 @@ private:
     routed_a2a(sr.sp.micro_steps[m], step, m, routed, m0 + m, sr.routed_cost);
   }
 
-  /// Each GPU's tokens and experts in one layer under `lp` (null: perfectly balanced); lowers `min_experts` to the
-  /// fewest experts on a GPU.
-  void gpu_shares(const LayerPlan *lp, std::span<const std::int64_t> expert_loads, std::vector<double> &gpu_tokens,
-                  std::vector<int> &gpu_experts, int &min_experts) const {
-    if (lp != nullptr) {
-      for (int p = 0; p < G * S; ++p) {
-        gpu_tokens[p / S] += static_cast<double>(lp->slot_tokens[p]);
-        gpu_experts[p / S] += lp->placement.phys_to_log()[p] != empty_slot;
-      }
-    } else {
-      double total = 0;
-      for (std::int64_t v : expert_loads)
-        total += static_cast<double>(v);
-      std::fill(gpu_tokens.begin(), gpu_tokens.end(), total / G);
-      std::fill(gpu_experts.begin(), gpu_experts.end(), (E + G - 1) / G);
+  /// Each GPU's tokens and experts in one layer under `lp`; lowers `min_experts` to the fewest experts on a GPU.
+  void gpu_shares(const LayerPlan &lp, std::vector<double> &gpu_tokens, std::vector<int> &gpu_experts,
+                  int &min_experts) const {
+    for (int p = 0; p < G * S; ++p) {
+      gpu_tokens[p / S] += static_cast<double>(lp.slot_tokens[p]);
+      gpu_experts[p / S] += lp.placement.phys_to_log()[p] != empty_slot;
     }
     min_experts = std::min(min_experts, *std::min_element(gpu_experts.begin(), gpu_experts.end()));
   }
 
-  /// The slowest GPU's expert forward and backward seconds in one layer: from its slots' token counts under `lp`,
-  /// or (`lp` null, `ideal`) its tokens spread evenly over its experts.
-  [[nodiscard]] std::pair<double, double> expert_seconds(const LayerPlan *lp, const std::vector<double> &gpu_tokens,
-                                                         const std::vector<int> &gpu_experts) const {
+  /// The slowest GPU's expert forward and backward seconds in one layer, from its slots' token counts under `lp`;
+  /// for the physical limit from its `gpu_tokens` spread evenly over `ceil(E / G)` experts (the fewest any placement
+  /// gives its busiest GPU: an exact split needs a piece more on some GPUs, which the limit does not charge).
+  [[nodiscard]] std::pair<double, double> expert_seconds(const LayerPlan &lp,
+                                                         const std::vector<double> &gpu_tokens) const {
     double fwd_expert = 0, bwd_expert = 0;
     std::vector<double> counts(static_cast<std::size_t>(S));
     for (int g = 0; g < G; ++g) {
-      double fwd = 0;
-      if (lp != nullptr) {
-        for (int s = 0; s < S; ++s)
-          counts[s] = static_cast<double>(lp->slot_tokens[static_cast<std::size_t>(g) * S + s]);
-        fwd = compute.forward_seconds(counts);
-      } else {
-        fwd = compute.forward_seconds(gpu_tokens[g], gpu_experts[g]);
-      }
+      for (int s = 0; s < S && !limit; ++s)
+        counts[s] = static_cast<double>(lp.slot_tokens[static_cast<std::size_t>(g) * S + s]);
+      const double fwd =
+          limit ? compute.forward_seconds(gpu_tokens[g], owners_per_gpu) : compute.forward_seconds(counts);
       fwd_expert = std::max(fwd_expert, fwd);
       bwd_expert = std::max(bwd_expert, compute.backward_factor() * fwd);
     }
     return {fwd_expert, bwd_expert};
   }
 
-  /// Times one layer under a plan (or perfectly balanced when `lp` is null); `routed`, if set, is its all-to-all
-  /// counted from the routed ids.
-  [[nodiscard]] LayerTiming time_layer(const LayerPlan *lp, std::span<const std::int64_t> expert_loads, double tokens,
-                                       bool update, int &min_experts, const LayerA2a *routed) const {
+  /// Times one layer under plan `lp`; `routed`, if set, is its all-to-all counted from the routed ids.
+  [[nodiscard]] LayerTiming time_layer(const LayerPlan &lp, double tokens, bool update, int &min_experts,
+                                       const LayerA2a *routed) const {
     LayerTiming t;
     std::vector<double> gpu_tokens(static_cast<std::size_t>(G), 0.0);
     std::vector<int> gpu_experts(static_cast<std::size_t>(G), 0);
-    gpu_shares(lp, expert_loads, gpu_tokens, gpu_experts, min_experts);
-    const auto [fwd_expert, bwd_expert] = expert_seconds(lp, gpu_tokens, gpu_experts);
+    gpu_shares(lp, gpu_tokens, gpu_experts, min_experts);
+    const auto [fwd_expert, bwd_expert] = expert_seconds(lp, gpu_tokens);
     const double attn = cfg.dense_forward_seconds(tokens / G);
-    // Dispatch (= combine): hierarchical from the slots' experts and rows or from the routed ids, `ideal` from its
-    // lower bound.
+    // Dispatch (= combine): hierarchical from the slots' experts and rows or from the routed ids; the physical
+    // limit's from each GPU's rows spread over all experts (empty slot spans: `a2a_hits_spread`, the fewest hits).
     const LayerA2a layer_a2a_cost =
         routed != nullptr
             ? *routed
-            : layer_a2a(cfg.cost.a2a, lp != nullptr ? lp->placement.phys_to_log() : std::span<const std::int32_t>{},
-                        lp != nullptr ? std::span<const std::int64_t>(lp->slot_tokens)
-                                      : std::span<const std::int64_t>{},
-                        gpu_tokens, S, topo.gpus_per_node, E, tokens, row_bytes, dispatch_row_bytes);
+            : layer_a2a(cfg.cost.a2a, limit ? std::span<const std::int32_t>{} : lp.placement.phys_to_log(),
+                        limit ? std::span<const std::int64_t>{} : std::span(lp.slot_tokens), gpu_tokens, S,
+                        topo.gpus_per_node, E, tokens, row_bytes, dispatch_row_bytes);
     const double a2a = layer_a2a_cost.seconds, fwd_a2a = layer_a2a_cost.dispatch_seconds + a2a;
     // Dispatch and combine each pass: forward (the dispatch at its own row size), and backward in the update stage.
     t.inter_node_bytes = layer_a2a_cost.inter_node_rows * (dispatch_row_bytes + (update ? 3.0 : 1.0) * row_bytes);
@@ -975,7 +965,7 @@ private:
     }
     t.move_demand.assign(static_cast<std::size_t>(G), 0.0);
     t.grad_demand.assign(static_cast<std::size_t>(G), 0.0);
-    if (lp != nullptr) add_move_demand(*lp, t);
+    if (!limit) add_move_demand(lp, t);
     return t;
   }
 
@@ -1019,10 +1009,9 @@ private:
             std::max(t.move_demand[g], pcie_latency[g] + pcie_bytes[g] / (cfg.cost.move.pcie_ingress_gb_per_s * 1e9));
   }
 
-  /// Plans stage `pass` of `step` into `sr` (nothing for `ideal`), charging its planner time and, in the first
-  /// stage, any re-owning to `rec`.
+  /// Plans stage `pass` of `step` into `sr`, charging its planner time and, in the first stage, any re-owning
+  /// (none where transfers are free) to `rec`.
   void plan_stage(const LoadTensor &step, int pass, StageRun &sr, GroupStep &rec) {
-    if (strat.ideal) return;
     const auto t0 = std::chrono::steady_clock::now();
     // The previous step's totals go with the first stage only: later stages of the step hand none (one hand-over
     // per finished step).
@@ -1033,7 +1022,7 @@ private:
     sr.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     rec.planner += sr.planner_seconds;
     // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
-    if (pass == 0 && !cfg.planner.reowning_free && !prev_owner_flat.empty()) charge_reowning(sr.sp, rec);
+    if (pass == 0 && !cfg.planner.reowning_free && !limit && !prev_owner_flat.empty()) charge_reowning(sr.sp, rec);
     if (pass == 0 && !sr.sp.owner_gpu.empty()) {
       prev_owner_flat.clear();
       for (const auto &row : sr.sp.owner_gpu)
@@ -1071,22 +1060,22 @@ private:
 
   /// Times micro-step `m`'s layers under its plans, trading replica gradients, and records their bytes, imbalance
   /// and the GPU loads of `SimConfig::gpu_load_layer` in `rec`.
-  [[nodiscard]] std::vector<LayerTiming> time_layers(StageRun &sr, const LoadTensor &step, int m, double tokens,
-                                                     bool use_routes, GroupStep &rec) {
+  [[nodiscard]] std::vector<LayerTiming> time_layers(StageRun &sr, int m, double tokens, bool use_routes,
+                                                     GroupStep &rec) {
     std::vector<LayerTiming> cur(static_cast<std::size_t>(L));
     std::vector<double> &imbalance = rec.imbalance.emplace_back(static_cast<std::size_t>(L), 1.0);
     for (int l = 0; l < L; ++l) {
-      const LayerPlan *lp = strat.ideal ? nullptr : &sr.sp.micro_steps[m][l];
-      cur[l] = time_layer(lp, step.layer(m, l), tokens, sr.update, rec.min_experts,
+      const LayerPlan &lp = sr.sp.micro_steps[m][l];
+      cur[l] = time_layer(lp, tokens, sr.update, rec.min_experts,
                           use_routes ? &sr.routed_cost[static_cast<std::size_t>(l)] : nullptr);
       // The gradients owed by replicas this plan drops return before their slots are reused, in the window
-      // before layer l's forward; this plan's replicas then owe theirs.
-      if (sr.update && lp != nullptr) {
-        cur[l].grad_bytes += return_gradients(l, lp, cur[l].grad_demand);
-        held.hold(l, *lp);
+      // before layer l's forward; this plan's replicas then owe theirs (nothing is owed where transfers are free).
+      if (sr.update && !limit) {
+        cur[l].grad_bytes += return_gradients(l, &lp, cur[l].grad_demand);
+        held.hold(l, lp);
       }
-      if (lp != nullptr) imbalance[l] = lp->imbalance();
-      if (l == cfg.gpu_load_layer) record_gpu_loads(lp, step.layer(m, l), rec);
+      imbalance[l] = lp.imbalance();
+      if (l == cfg.gpu_load_layer) record_gpu_loads(lp, rec);
       rec.moved += cur[l].moved_bytes;
       rec.inter_node += cur[l].inter_node_bytes;
       sr.used_mirror = sr.used_mirror || cur[l].host_moves;
@@ -1095,16 +1084,11 @@ private:
     return cur;
   }
 
-  /// Appends to `rec.gpu_loads` each GPU's tokens in a layer under `lp` (null: the `layer` loads' even share).
-  void record_gpu_loads(const LayerPlan *lp, std::span<const std::int64_t> layer, GroupStep &rec) const {
+  /// Appends to `rec.gpu_loads` each GPU's tokens in a layer under `lp`.
+  void record_gpu_loads(const LayerPlan &lp, GroupStep &rec) const {
     std::vector<double> &per_gpu = rec.gpu_loads.emplace_back();
-    if (lp != nullptr) {
-      for (const std::int64_t t : lp->gpu_loads())
-        per_gpu.push_back(static_cast<double>(t));
-    } else {
-      per_gpu.assign(static_cast<std::size_t>(G),
-                     static_cast<double>(std::accumulate(layer.begin(), layer.end(), std::int64_t{0})) / G);
-    }
+    for (const std::int64_t t : lp.gpu_loads())
+      per_gpu.push_back(static_cast<double>(t));
   }
 
   /// The micro-step's stall: the largest lateness of any GPU's queue of moves and gradient returns; fills `work`
@@ -1212,10 +1196,10 @@ private:
   /// share and planner time, charged to `rec`; hands its timings to the next micro-step.
   void run_micro_step(StageRun &sr, const LoadTensor &step, int m, int m0, GroupStep &rec) {
     const double tokens = tokens_of(m0 + m);
-    const bool use_routes = routes && !strat.ideal;
+    const bool use_routes = static_cast<bool>(routes);
     if (use_routes) count_routes(sr, step, m, m0, tokens);
-    std::vector<LayerTiming> cur = time_layers(sr, step, m, tokens, use_routes, rec);
-    const SimMemory mem = memory_of(strat.ideal ? nullptr : &sr.sp.micro_steps[m], tokens);
+    std::vector<LayerTiming> cur = time_layers(sr, m, tokens, use_routes, rec);
+    const SimMemory mem = memory_of(sr.sp.micro_steps[m], tokens);
     if (mem.total() > rec.memory.total()) rec.memory = mem;
     // Windows: from the slot's last use in m - 1 to layer l's forward in m.
     std::vector<double> fwd_prefix(static_cast<std::size_t>(L) + 1, 0.0);
@@ -1255,7 +1239,7 @@ private:
     if (m + 1 < M) rec.planner_critical += cfg.planner_overlap ? std::max(0.0, share - micro) : share;
     rec.layers.push_back(std::move(layer_times));
     sr.prev_t = std::move(cur);
-    sr.prev_plans = strat.ideal ? nullptr : &sr.sp.micro_steps[m];
+    sr.prev_plans = &sr.sp.micro_steps[m];
   }
 
   /// Closes a stage of `M` micro-steps: pipeline bubble, held gradients, dp gradient sync, optimizer and mirror
@@ -1282,7 +1266,7 @@ private:
     } else {
       rec.recompute += sr.time;
     }
-    if (!strat.ideal && !sr.sp.micro_steps.empty()) {
+    if (!sr.sp.micro_steps.empty()) {
       resident = sr.sp.final_placement();
       has_resident = true;
     }

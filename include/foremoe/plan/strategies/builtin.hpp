@@ -8,6 +8,7 @@
 #include <foremoe/plan/strategies/eplb_split.hpp>
 #include <foremoe/plan/strategies/foremoe.hpp>
 #include <foremoe/plan/strategies/foremoe_free.hpp>
+#include <foremoe/plan/strategies/ideal.hpp>
 #include <foremoe/plan/strategies/moonep.hpp>
 #include <foremoe/plan/strategies/static.hpp>
 #include <foremoe/plan/strategies/ultraep.hpp>
