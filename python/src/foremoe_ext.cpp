@@ -1150,6 +1150,16 @@ NB_MODULE(_core, m) {
         return out;
       },
       "The registered planner strategies in listing order.");
+  m.def(
+      "sim_strategy_names",
+      [] {
+        std::vector<std::string> out;
+        for (const fm::StrategyInfo *s : fm::strategies(true))
+          out.push_back(s->name);
+        return out;
+      },
+      "The strategies `simulate` accepts in listing order: the planner's and the simulator-only references "
+      "(`ideal`).");
   m.def("plan_settings", &plan_settings, "flags"_a);
   m.def("plan_document", &plan_document, "plans"_a);
   m.def(

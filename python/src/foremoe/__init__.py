@@ -59,8 +59,8 @@ __all__ = [
 
 #: Planner strategies (as on the command line), from the C++ registry in listing order.
 STRATEGIES = tuple(_core.strategy_names())
-#: Simulator strategies: the planner's plus ``ideal`` (every layer perfectly balanced, moves free).
-SIM_STRATEGIES = STRATEGIES + ("ideal",)
+#: Simulator strategies: the planner's plus the simulator-only ``ideal`` (the physical limit), from the same registry.
+SIM_STRATEGIES = tuple(_core.sim_strategy_names())
 #: Trace input formats (``read_trace``, ``foremoe trace count --format``), from the C++ registry in listing order.
 TRACE_FORMATS = tuple(f["name"] for f in _core.trace_formats())
 
