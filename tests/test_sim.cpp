@@ -737,8 +737,10 @@ TEST_CASE("SimConfig::dense_memory: more TP or more PP never raises a GPU's dens
     for (int pp = 1; pp <= std::min(G, cfg.model.num_layers); ++pp)
       for (int tp = 1; tp <= gpn; ++tp)
         if (G % pp == 0 && gpn % tp == 0 && (G / pp) % tp == 0) shapes.emplace_back(pp, tp);
-    for (const auto &[pp, tp] : shapes)
-      for (const auto &[pp2, tp2] : shapes) {
+    for (const auto &s1 : shapes)
+      for (const auto &s2 : shapes) {
+        // Plain copies, not structured bindings: doctest's CAPTURE takes them in a lambda (clang 14 cannot).
+        const int pp = s1.first, tp = s1.second, pp2 = s2.first, tp2 = s2.second;
         if (pp2 < pp || tp2 < tp) continue;
         SimConfig a = cfg, b = cfg;
         a.pipeline_stages = pp;
