@@ -113,28 +113,31 @@ int local_rank(rt::NodeMirror &m, int rank, int ranks, ProcessBarrier &barrier) 
   const std::int64_t n = m.payload_bytes();
   const std::int64_t lo = n * rank / ranks, hi = n * (rank + 1) / ranks;
   std::byte *data = m.payload().data();
+  // Every rank, the creator included, starts together: a child that opened the segment must not begin a refresh
+  // while the creator still checks the fresh segment's generation 0 (a race CI's TSan run caught).
+  if (!barrier.arrive(1)) return 17;
   if (!m.stale()) return 1; // generation 0: never filled
   if (!m.begin_refresh().ok()) return 2;
   if (m.generation() != 1) return 3;
   for (std::int64_t i = lo; i < hi; ++i)
     data[i] = pattern(static_cast<int>(i * ranks / n), i, 2);
-  if (!barrier.arrive(1)) return 4;
+  if (!barrier.arrive(2)) return 4;
   if (!m.end_refresh().ok()) return 5;
   if (m.generation() != 2 || m.seen_generation() != 2 || m.stale()) return 6;
   for (std::int64_t i = 0; i < n; ++i) // every rank's share, written by the other processes
     if (data[i] != pattern(static_cast<int>(i * ranks / n), i, 2)) return 7;
-  if (!barrier.arrive(2)) return 8;
+  if (!barrier.arrive(3)) return 8;
   if (rank == 0) { // refreshes alone: a local rank that does so makes everyone else's mirror stale
     if (!m.begin_refresh().ok()) return 9;
-    if (!barrier.arrive(3)) return 10;
-    if (!barrier.arrive(4)) return 11;
+    if (!barrier.arrive(4)) return 10;
+    if (!barrier.arrive(5)) return 11;
     if (!m.end_refresh().ok() || m.generation() != 4 || m.stale()) return 12;
-    if (!barrier.arrive(5)) return 13;
+    if (!barrier.arrive(6)) return 13;
   } else {
-    if (!barrier.arrive(3)) return 10;
+    if (!barrier.arrive(4)) return 10;
     if (!m.stale() || m.generation() != 3) return 14; // a refresh under way
-    if (!barrier.arrive(4)) return 11;
-    if (!barrier.arrive(5)) return 13;
+    if (!barrier.arrive(5)) return 11;
+    if (!barrier.arrive(6)) return 13;
     if (!m.stale() || m.generation() != 4) return 15; // done without this rank
     const rt::Status st = m.begin_refresh();
     if (st.code() != rt::StatusCode::aborted || !contains(st, "generation 4 while this rank last saw 2")) return 16;
