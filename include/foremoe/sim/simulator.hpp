@@ -41,6 +41,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -454,12 +455,25 @@ struct SimBreakdown {
   SimBreakdown &operator+=(const SimBreakdown &o) noexcept;
 };
 
-/// One part of `SimBreakdown`: its field, its name (JSON `<name>_seconds`, CSV `<name>_s`) and its label (plots).
-struct BreakdownPart {
-  double SimBreakdown::*field;
+/// One part of a record of parts (`SimBreakdown`, `SimMemory`): its field, its name (JSON and CSV keys) and its
+/// label (plots, messages).
+template <class Record> struct RecordPart {
+  double Record::*field;
   std::string_view name;
   std::string_view label;
 };
+
+/// The sum of `r`'s fields listed in `parts`.
+template <class Record, std::size_t N>
+[[nodiscard]] constexpr double sum_of_parts(const Record &r, const std::array<RecordPart<Record>, N> &parts) noexcept {
+  double t = 0;
+  for (const RecordPart<Record> &p : parts)
+    t += r.*p.field;
+  return t;
+}
+
+/// One part of `SimBreakdown` (JSON `<name>_seconds`, CSV `<name>_s`, plots' label).
+using BreakdownPart = RecordPart<SimBreakdown>;
 
 /// The parts of a breakdown, in the order they add up and are written and stacked (bottom to top).
 inline constexpr std::array<BreakdownPart, 10> breakdown_parts{{
@@ -475,12 +489,7 @@ inline constexpr std::array<BreakdownPart, 10> breakdown_parts{{
     {&SimBreakdown::pipeline, "pipeline", "pipeline bubble and stage sends"},
 }};
 
-inline double SimBreakdown::total() const noexcept {
-  double t = 0;
-  for (const BreakdownPart &p : breakdown_parts)
-    t += this->*p.field;
-  return t;
-}
+inline double SimBreakdown::total() const noexcept { return sum_of_parts(*this, breakdown_parts); }
 
 inline SimBreakdown &SimBreakdown::operator+=(const SimBreakdown &o) noexcept {
   for (const BreakdownPart &p : breakdown_parts)
@@ -504,12 +513,8 @@ struct SimMemory {
   [[nodiscard]] double total() const noexcept;
 };
 
-/// One part of `SimMemory`: its field, its name (JSON `peak_memory.<name>_gb`) and its label (messages).
-struct MemoryPart {
-  double SimMemory::*field;
-  std::string_view name;
-  std::string_view label;
-};
+/// One part of `SimMemory` (JSON `peak_memory.<name>_gb`, messages' label).
+using MemoryPart = RecordPart<SimMemory>;
 
 /// The parts of a GPU's memory, in the order they add up and are written.
 inline constexpr std::array<MemoryPart, 7> memory_parts{{
@@ -522,12 +527,7 @@ inline constexpr std::array<MemoryPart, 7> memory_parts{{
     {&SimMemory::activations, "activations", "activations"},
 }};
 
-inline double SimMemory::total() const noexcept {
-  double t = 0;
-  for (const MemoryPart &p : memory_parts)
-    t += this->*p.field;
-  return t;
-}
+inline double SimMemory::total() const noexcept { return sum_of_parts(*this, memory_parts); }
 
 /// Results of one strategy over all simulated steps.
 struct SimResult {
