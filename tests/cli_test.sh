@@ -107,9 +107,9 @@ expect 1 "offsets|microbatch" -- "$bin" trace stats "$work/ids.npy" --microbatch
 
 # Scriptable simulate output: --json - is JSON on stdout, CSV has one column count, bad paths fail before work.
 if command -v python3 >/dev/null; then
-  "$bin" simulate --prompts 8 --steps 1 --quiet --json - 2>/dev/null | python3 -c 'import json,sys; d=json.load(sys.stdin); assert "config" in d and "axes" in d and "breakdown" in d["strategies"][0] and all(k in d["axes"] for k in ("strategies[].micro_step_layer_imbalance", "strategies[].micro_step_gpu_load"))' \
+  "$bin" simulate --prompts 8 --steps 1 --quiet --no-best-deployment --json - 2>/dev/null | python3 -c 'import json,sys; d=json.load(sys.stdin); assert "config" in d and "axes" in d and "breakdown" in d["strategies"][0] and all(k in d["axes"] for k in ("strategies[].micro_step_layer_imbalance", "strategies[].micro_step_gpu_load"))' \
     && passed=$((passed + 1)) || { echo "FAIL: simulate --json - is not JSON with config, axes, breakdown"; failed=$((failed + 1)); }
-  "$bin" simulate --prompts 8 --steps 1 --quiet --csv 2>/dev/null | python3 -c 'import csv,sys; r=list(csv.reader(sys.stdin)); assert r[0][0]=="strategy" and len(r)>2 and len(set(map(len,r)))==1' \
+  "$bin" simulate --prompts 8 --steps 1 --quiet --no-best-deployment --csv 2>/dev/null | python3 -c 'import csv,sys; r=list(csv.reader(sys.stdin)); assert r[0][0]=="strategy" and len(r)>2 and len(set(map(len,r)))==1' \
     && passed=$((passed + 1)) || { echo "FAIL: simulate --csv is not CSV with a constant column count"; failed=$((failed + 1)); }
 fi
 expect 2 "folder '/nonexistent-dir' does not exist" -- "$bin" simulate --json /nonexistent-dir/out.json
@@ -417,11 +417,16 @@ for preset in qwen3-30b-a3b deepseek-v3 kimi-k2; do
   expect 0 "\"preset\": \"$preset\"" -- cat "$work/pc1.json"
 done
 # each preset's own deployment fits its GPUs' memory with its batch's micro-batches (DeepSeek-V3 and Kimi-K2 need TP 2
-# for their dense part: at TP 1 static needs 144 GB / 153 GB of 141)
-for preset in deepseek-v3 kimi-k2; do
-  expect 0 "^static +[0-9.]+ " -- "$bin" simulate --preset $preset --prompts 32 --steps 1 --no-best-deployment \
-    --strategies static --cache off
-done
+# for their dense part: at TP 1 static needs 144 GB / 153 GB of 141). Model checks, not code-path checks (the same
+# code runs above on small jobs): skipped in the sanitizer builds, where they took most of this test's time.
+if [[ -n "${FOREMOE_CLI_TEST_SANITIZED:-}" ]]; then
+  echo "skipped: the deepseek-v3 and kimi-k2 preset fit checks (sanitizer build; the ci build runs them)"
+else
+  for preset in deepseek-v3 kimi-k2; do
+    expect 0 "^static +[0-9.]+ " -- "$bin" simulate --preset $preset --prompts 32 --steps 1 --no-best-deployment \
+      --strategies static --cache off
+  done
+fi
 "$bin" simulate --config "$work/sim.json" --print-config >"$work/pc_sim.json"
 "$bin" simulate --config "$work/sim.json" --csv >"$work/a.csv" 2>/dev/null
 "$bin" simulate --config "$work/pc_sim.json" --csv >"$work/b.csv" 2>/dev/null
