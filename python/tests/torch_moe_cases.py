@@ -296,11 +296,31 @@ def _entry(rank: int, fn: Callable[..., None], args: tuple, tmp: str) -> None:
         raise
 
 
+_PRELOADED = False
+
+
+def _start_method() -> str:
+    """How ranks start: "forkserver" by default, with torch, foremoe.torch and this module imported once in the
+    server, so that a rank is a fork of an interpreter that has them (importing torch 2.x took about 2 s of CPU per
+    rank with "spawn"); FOREMOE_TEST_START_METHOD=spawn for the old way. The server has no process group, no
+    threads of torch's pools and no CUDA context when it forks (it only imports), so each rank starts clean."""
+    global _PRELOADED
+    method = os.environ.get("FOREMOE_TEST_START_METHOD", "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"FOREMOE_TEST_START_METHOD must be forkserver or spawn, got {method!r}")
+    if method == "forkserver" and not _PRELOADED:
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "foremoe.torch", __name__])
+        _PRELOADED = True
+    return method
+
+
 def run_ranks(fn: Callable[..., None], world: int, args: tuple, tmp: str, timeout: float = 240.0) -> None:
     """Runs ``fn(rank, *args)`` in ``world`` spawned processes; raises with a rank's traceback when one fails
     and kills them all when they take longer than ``timeout`` seconds."""
     os.makedirs(tmp, exist_ok=True)
-    ctx = mp.start_processes(_entry, args=(fn, args, tmp), nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(_entry, args=(fn, args, tmp), nprocs=world, join=False, start_method=_start_method())
     deadline = time.monotonic() + timeout
     try:
         while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
