@@ -15,6 +15,16 @@ Options are the C++ ``EngineOptions`` fields (``EngineOptions.fields()``), given
     eng.set_resident(layer, placement)           # what the slots hold now
     eng.submit(plan, layer).wait(timeout=10.0)   # the plan's moves of that layer
 
+Multi-process use (one engine per rank, every rank submitting the same batches in the same order): give
+``group=`` a ``torch.distributed`` process group (gloo, CPU tensors, ``backend="host"``). Rank ``r`` of the group
+drives GPUs ``r*k .. r*k+k-1`` of the topology (``k`` = GPUs / group size), and the engine's paired transfers
+with other ranks' GPUs run as point-to-point ``send``/``recv`` on that group through a bridge the engine drives
+(``PeerBridge`` in ``foremoe/runtime/transport.hpp``); pairing, headers, verification, deadlines and telemetry stay
+the engine's. Every exchange waits at most ``bridge_timeout`` seconds; an exchange that failed (a rank that died,
+a timeout) fails every later one at once, since the pairing with that rank is then unknown. A rank that aborts a
+batch (or whose batch timed out) still sends, marking its copies not valid, so the other ranks fail at once naming
+its GPU. Close the engine (``close()``) before destroying the group.
+
 A batch that ends without every move landing raises :class:`TransferError` (``code``: ``device_error``,
 ``timed_out`` or ``aborted``); a slot the engine calls valid (:meth:`TransferEngine.resident`) always holds its
 expert's exact bytes.
@@ -22,7 +32,9 @@ expert's exact bytes.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+import datetime
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -175,22 +187,120 @@ def _int_array(x: Any, what: str) -> np.ndarray:
     return int_array(_numpy(x) if isinstance(x, torch.Tensor) else x, what, dtype=np.int32)
 
 
+#: Seconds one exchange of the process-group bridge may wait for its peer (``TransferEngine(bridge_timeout=)``).
+DEFAULT_BRIDGE_TIMEOUT = 60.0
+
+# Point-to-point tags of the bridge on the group: TAG_BASE + source GPU * GPUs + destination GPU, so that messages
+# between two GPUs pair up in posting order (the engine's rule) and stay apart from the trainer's own traffic.
+_TAG_BASE = 1 << 24
+
+
+class _GroupBridge:
+    """Runs the engine's paired transfers over a ``torch.distributed`` group (called on the bridge's worker
+    thread with the GIL held; ``Work.wait`` releases it). One call is one group: every send and receive is posted,
+    then each is waited for within the deadline. Each message carries the engine's 16-byte header before its
+    bytes. Returns the receives' headers, in order; raises naming the peer when an exchange fails."""
+
+    def __init__(self, pg: Any, num_gpus: int, timeout: float) -> None:
+        self.pg = pg
+        self.rank = pg.rank()
+        self.per_rank = num_gpus // pg.size()
+        self.num_gpus = num_gpus
+        self.timeout = timeout
+        self.failed: Optional[str] = None
+
+    def __call__(self, ops: List[Any]) -> List[Tuple[int, int]]:
+        if self.failed is not None:
+            raise RuntimeError(f"rank {self.rank}: an earlier exchange failed, so the pairing with its peer is "
+                               f"unknown: {self.failed}")
+        deadline = time.monotonic() + self.timeout
+        posted = []
+        recvs = []
+        for send, local, peer, buf, h0, h1 in ops:
+            n = int(buf.shape[0])
+            rank = peer // self.per_rank
+            msg = torch.empty(n + 16, dtype=torch.uint8)
+            if send:
+                tag = _TAG_BASE + local * self.num_gpus + peer
+                msg[:16].copy_(torch.from_numpy(np.array([h0, h1], dtype=np.uint64).view(np.uint8)))
+                msg[16:].copy_(torch.from_numpy(buf))
+                posted.append((self.pg.send([msg], rank, tag), rank, local, peer, "send to"))
+            else:
+                tag = _TAG_BASE + peer * self.num_gpus + local
+                posted.append((self.pg.recv([msg], rank, tag), rank, local, peer, "receive from"))
+                recvs.append((msg, buf))
+        for work, rank, local, peer, what in posted:
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise RuntimeError("Timed out")
+                work.wait(datetime.timedelta(seconds=left))
+            except RuntimeError as e:
+                where = f"rank {self.rank}: {what} rank {rank} (GPU {local} {'->' if what == 'send to' else '<-'} " \
+                        f"GPU {peer})"
+                if "timed out" in str(e).lower():
+                    self.failed = f"{where}: no answer within the bridge's {self.timeout:g} s deadline"
+                    raise TimeoutError(self.failed) from None
+                self.failed = f"{where} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+                raise RuntimeError(self.failed) from None
+        out = []
+        for msg, buf in recvs:
+            torch.from_numpy(buf).copy_(msg[16:])
+            h = msg[:16].numpy().view(np.uint64)
+            out.append((int(h[0]), int(h[1])))
+        return out
+
+
+def _bridge_of(group: Any, options: EngineOptions, timeout: float) -> _GroupBridge:
+    """Checks ``group`` against the options and sets ``local_gpus``; returns the bridge's runner."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("TransferEngine: group= needs an initialised torch.distributed (init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"TransferEngine: group must be a torch.distributed ProcessGroup, got {describe(group)}")
+    backend = dist.get_backend(group)
+    if backend != "gloo":
+        raise ValueError(f"TransferEngine: group= runs CPU tensors over gloo; this group's backend is {backend!r}")
+    if options.backend != "host":
+        raise ValueError(f"TransferEngine: group= runs on the host backend (CPU tensors); backend is "
+                         f"{options.backend!r}")
+    if not (timeout > 0 and timeout < 1e7):
+        raise ValueError(f"TransferEngine: bridge_timeout must be positive seconds, got {timeout!r}")
+    gpus, size, rank = options.topology.num_gpus, group.size(), group.rank()
+    if gpus % size != 0 or gpus < size:
+        raise ValueError(f"TransferEngine: the group has {size} ranks but the topology {gpus} GPUs; each rank "
+                         f"drives the same number of GPUs, so the group's size must divide the topology's GPUs")
+    k = gpus // size
+    mine = list(range(rank * k, rank * k + k))
+    if options.local_gpus and list(options.local_gpus) != mine:
+        raise ValueError(f"TransferEngine: local_gpus {list(options.local_gpus)} disagrees with rank {rank} of a "
+                         f"{size}-rank group over {gpus} GPUs, which drives GPUs {mine}")
+    options.local_gpus = mine
+    return _GroupBridge(group, gpus, float(timeout))
+
+
 class TransferEngine:
     """The runtime's transfer engine over torch tensors (see the module's documentation).
 
     Args:
         options: an :class:`EngineOptions`, or None to build one from ``fields``.
+        group: a ``torch.distributed`` process group (gloo): one engine per rank, its paired transfers over the
+            group (see the module's documentation); None: one engine drives every GPU.
+        bridge_timeout: seconds one exchange over ``group`` waits for its peer before it fails ``timed_out``.
         **fields: ``EngineOptions`` fields (``EngineOptions.fields()``): ``topology``, ``num_layers``,
             ``num_experts``, ``expert_bytes`` or ``tensors``, ``backend`` (``host``/``cuda``), ``verify``,
             ``max_attempts``, ``faults`` (a :class:`FaultSchedule`: the seeded fault injector), ...
     """
 
-    def __init__(self, options: Optional[EngineOptions] = None, **fields: Any) -> None:
+    def __init__(self, options: Optional[EngineOptions] = None, *, group: Any = None,
+                 bridge_timeout: float = DEFAULT_BRIDGE_TIMEOUT, **fields: Any) -> None:
         if options is None:
             options = EngineOptions(**fields)
         elif fields:
             raise ValueError(f"TransferEngine: give options or fields, not both (got {sorted(fields)})")
-        self._e = _core.TransferEngine(options)
+        runner = _bridge_of(group, options, bridge_timeout) if group is not None else None
+        self._e = _core.TransferEngine(options, runner)
         self._device = "cuda" if options.backend == "cuda" else "cpu"
         # Gate objects of running batches: the engine reads a torch.cuda.Event's handle until the batch starts,
         # so the event must outlive that even if the caller drops it (host events are kept by the engine itself).
@@ -199,6 +309,11 @@ class TransferEngine:
     @property
     def options(self) -> EngineOptions:
         return self._e.options
+
+    def close(self) -> None:
+        """Ends the engine: running batches end (bounded by their deadlines) and, with ``group=``, every exchange
+        it handed the group ends (bounded by ``bridge_timeout``). Later calls raise; closing twice is allowed."""
+        self._e.close()
 
     @property
     def backend(self) -> str:
