@@ -361,7 +361,8 @@ private:
       for (rt::PeerOp &op : ops) {
         const std::size_t shape[1] = {static_cast<std::size_t>(op.num_bytes)};
         // A view of the engine's memory for the runner's call only (the engine keeps it until `done`).
-        nb::object view = nb::cast(nb::ndarray<nb::numpy, std::uint8_t>(op.buf, 1, shape, nb::handle()));
+        nb::object view = nb::cast(nb::ndarray<nb::numpy, std::uint8_t>(op.buf, 1, shape, nb::handle()),
+                                   nb::rv_policy::reference); // not a copy: receives write through it
         items.append(nb::make_tuple(op.send, op.local_gpu, op.peer_gpu, view, op.header[0], op.header[1]));
       }
       nb::object got = runner_(items);
@@ -378,9 +379,8 @@ private:
       return rt::Status::success();
     } catch (nb::python_error &e) {
       const bool timeout = e.matches(PyExc_TimeoutError);
-      std::string msg = e.what();
-      if (const auto cut = msg.find("\n\nAt:"); cut != std::string::npos) msg.resize(cut); // nanobind's traceback
-      return {timeout ? rt::StatusCode::timed_out : rt::StatusCode::device_error, msg};
+      return {timeout ? rt::StatusCode::timed_out : rt::StatusCode::device_error,
+              nb::cast<std::string>(nb::str(e.value()))}; // the runner's message, without the traceback
     } catch (const std::exception &e) {
       return {rt::StatusCode::device_error, std::string("bridge: ") + e.what()};
     }

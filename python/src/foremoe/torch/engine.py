@@ -21,7 +21,8 @@ drives GPUs ``r*k .. r*k+k-1`` of the topology (``k`` = GPUs / group size), and 
 with other ranks' GPUs run as point-to-point ``send``/``recv`` on that group through a bridge the engine drives
 (``PeerBridge`` in ``foremoe/runtime/transport.hpp``); pairing, headers, verification, deadlines and telemetry stay
 the engine's. Every exchange waits at most ``bridge_timeout`` seconds; an exchange that failed (a rank that died,
-a timeout) fails every later one at once, since the pairing with that rank is then unknown. A rank that aborts a
+a timeout) fails every later one at once, since the pairing with that rank is then unknown (gloo itself closes the
+connection whose wait timed out, so the group is unusable afterwards, as an aborted NCCL communicator is). A rank that aborts a
 batch (or whose batch timed out) still sends, marking its copies not valid, so the other ranks fail at once naming
 its GPU. Close the engine (``close()``) before destroying the group.
 
@@ -32,8 +33,10 @@ expert's exact bytes.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -280,6 +283,17 @@ def _bridge_of(group: Any, options: EngineOptions, timeout: float) -> _GroupBrid
     return _GroupBridge(group, gpus, float(timeout))
 
 
+# Engines with a group bridge still open: closed at interpreter exit, while the bridge's worker thread can still
+# take the GIL (after finalization began it could not, and the engine's destruction would wait for it).
+_BRIDGED: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_bridged() -> None:
+    for e in list(_BRIDGED):
+        e.close()
+
+
 class TransferEngine:
     """The runtime's transfer engine over torch tensors (see the module's documentation).
 
@@ -301,6 +315,8 @@ class TransferEngine:
             raise ValueError(f"TransferEngine: give options or fields, not both (got {sorted(fields)})")
         runner = _bridge_of(group, options, bridge_timeout) if group is not None else None
         self._e = _core.TransferEngine(options, runner)
+        if runner is not None:
+            _BRIDGED.add(self)
         self._device = "cuda" if options.backend == "cuda" else "cpu"
         # Gate objects of running batches: the engine reads a torch.cuda.Event's handle until the batch starts,
         # so the event must outlive that even if the caller drops it (host events are kept by the engine itself).
