@@ -22,9 +22,10 @@
 #include <deque>
 #include <limits>
 #include <memory>
-#include <optional>
 #include <mutex>
+#include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -301,9 +302,9 @@ struct PyNodeMirror;
 /// The engine's paired transfers run by a Python callable (foremoe.torch.engine's `_GroupBridge`: point-to-point
 /// over a `torch.distributed` group). GIL rules:
 /// - the engine's progress thread only queues a group here (`post`) and never touches Python;
-/// - one worker thread of this bridge runs the groups in posting order, taking the GIL to call the runner and
-///   releasing it while it waits for the next group (torch releases it inside `Work.wait`, so the runner's waits
-///   leave Python threads free);
+/// - one worker thread of this bridge posts every queued group (runner.post, GIL held) and then waits for them in
+///   posting order (runner.finish: torch releases the GIL inside `Work.wait`, so the waits leave Python threads
+///   free); it holds no GIL while it waits for the next groups;
 /// - every Python call that may wait for the engine (ticket `wait`, `submit`, the engine's destruction) releases
 ///   the GIL, so a Python thread that waits on a ticket never holds what the worker needs;
 /// - `close` (GIL released) waits for the worker, which every group leaves within the runner's deadline; the
@@ -340,46 +341,72 @@ private:
     std::span<rt::PeerOp> ops;
     Done done;
   };
+  // Posts every queued group, then waits for them in order (the engine's rounds overlap on the wire).
   void work() {
     std::unique_lock lock(mu_);
     for (;;) {
       cv_.wait(lock, [&] { return stop_ || !groups_.empty(); });
       if (groups_.empty()) return;
-      Posted g = std::move(groups_.front());
-      groups_.pop_front();
+      std::deque<Posted> batch;
+      batch.swap(groups_);
       lock.unlock();
-      rt::Status st = run(g.ops);
-      g.done(std::move(st));
+      std::vector<std::pair<rt::Status, nb::object>> started;
+      {
+        const bool alive = Py_IsInitialized() != 0;
+        std::optional<nb::gil_scoped_acquire> gil;
+        if (alive) gil.emplace();
+        for (Posted &g : batch) {
+          started.emplace_back(rt::Status::success(), nb::object());
+          if (!alive) {
+            started.back().first = {rt::StatusCode::aborted, "bridge: the Python interpreter has ended"};
+            continue;
+          }
+          started.back().first = call([&] { started.back().second = runner_.attr("post")(items(g.ops)); });
+        }
+      }
+      for (std::size_t i = 0; i < batch.size(); ++i) {
+        rt::Status st = started[i].first;
+        if (st.ok()) {
+          nb::gil_scoped_acquire gil;
+          st = call([&] { headers(batch[i].ops, runner_.attr("finish")(started[i].second)); });
+          started[i].second = nb::object();
+        }
+        batch[i].done(std::move(st));
+      }
       lock.lock();
     }
   }
-  rt::Status run(std::span<rt::PeerOp> ops) {
-    if (!Py_IsInitialized()) return {rt::StatusCode::aborted, "bridge: the Python interpreter has ended"};
-    nb::gil_scoped_acquire gil;
+  // The operations as the runner takes them: (send, local GPU, peer GPU, a NumPy view of the bytes, header).
+  static nb::list items(std::span<rt::PeerOp> ops) {
+    nb::list out;
+    for (rt::PeerOp &op : ops) {
+      const std::size_t shape[1] = {static_cast<std::size_t>(op.num_bytes)};
+      // A view of the engine's memory, not a copy (receives write through it); the engine keeps it until `done`.
+      nb::object view =
+          nb::cast(nb::ndarray<nb::numpy, std::uint8_t>(op.buf, 1, shape, nb::handle()), nb::rv_policy::reference);
+      out.append(nb::make_tuple(op.send, op.local_gpu, op.peer_gpu, view, op.header[0], op.header[1]));
+    }
+    return out;
+  }
+  // The runner's headers of the receives, in order, into `ops`.
+  static void headers(std::span<rt::PeerOp> ops, nb::handle got) {
+    const nb::list h = nb::cast<nb::list>(got);
+    std::size_t k = 0;
+    for (rt::PeerOp &op : ops) {
+      if (op.send) continue;
+      if (k >= h.size()) throw std::runtime_error("the runner answered too few headers");
+      const auto v = nb::cast<std::pair<std::uint64_t, std::uint64_t>>(h[k++]);
+      op.header[0] = v.first;
+      op.header[1] = v.second;
+    }
+  }
+  // Runs `f` (GIL held); a Python exception becomes the status: TimeoutError -> timed_out, else device_error.
+  template <class F> static rt::Status call(F &&f) {
     try {
-      nb::list items;
-      for (rt::PeerOp &op : ops) {
-        const std::size_t shape[1] = {static_cast<std::size_t>(op.num_bytes)};
-        // A view of the engine's memory for the runner's call only (the engine keeps it until `done`).
-        nb::object view = nb::cast(nb::ndarray<nb::numpy, std::uint8_t>(op.buf, 1, shape, nb::handle()),
-                                   nb::rv_policy::reference); // not a copy: receives write through it
-        items.append(nb::make_tuple(op.send, op.local_gpu, op.peer_gpu, view, op.header[0], op.header[1]));
-      }
-      nb::object got = runner_(items);
-      // The runner answers each receive's header, in order.
-      std::size_t k = 0;
-      const nb::list headers = nb::cast<nb::list>(got);
-      for (rt::PeerOp &op : ops) {
-        if (op.send) continue;
-        if (k >= headers.size()) return {rt::StatusCode::internal, "bridge: the runner answered too few headers"};
-        const auto h = nb::cast<std::pair<std::uint64_t, std::uint64_t>>(headers[k++]);
-        op.header[0] = h.first;
-        op.header[1] = h.second;
-      }
+      f();
       return rt::Status::success();
     } catch (nb::python_error &e) {
-      const bool timeout = e.matches(PyExc_TimeoutError);
-      return {timeout ? rt::StatusCode::timed_out : rt::StatusCode::device_error,
+      return {e.matches(PyExc_TimeoutError) ? rt::StatusCode::timed_out : rt::StatusCode::device_error,
               nb::cast<std::string>(nb::str(e.value()))}; // the runner's message, without the traceback
     } catch (const std::exception &e) {
       return {rt::StatusCode::device_error, std::string("bridge: ") + e.what()};

@@ -199,10 +199,14 @@ _TAG_BASE = 1 << 24
 
 
 class _GroupBridge:
-    """Runs the engine's paired transfers over a ``torch.distributed`` group (called on the bridge's worker
-    thread with the GIL held; ``Work.wait`` releases it). One call is one group: every send and receive is posted,
-    then each is waited for within the deadline. Each message carries the engine's 16-byte header before its
-    bytes. Returns the receives' headers, in order; raises naming the peer when an exchange fails."""
+    """Runs the engine's paired transfers over a ``torch.distributed`` group, called on the bridge's worker thread
+    with the GIL held (``Work.wait`` releases it). ``post`` posts one group's sends and receives without waiting
+    (the worker posts every queued group before it waits for the oldest, so the engine's rounds overlap);
+    ``finish`` waits for them within the deadline and returns the receives' headers, in order, or raises naming
+    the peer. Bytes go from and into the engine's memory without a copy; each operation's 16-byte header travels
+    as its own message on a tag of its own. ``finish`` waits for every operation of the group, also after one
+    failed, so nothing writes into the engine's memory after the group ended (a failed or timed-out gloo wait
+    closes its connection)."""
 
     def __init__(self, pg: Any, num_gpus: int, timeout: float) -> None:
         self.pg = pg
@@ -212,46 +216,50 @@ class _GroupBridge:
         self.timeout = timeout
         self.failed: Optional[str] = None
 
-    def __call__(self, ops: List[Any]) -> List[Tuple[int, int]]:
+    def post(self, ops: List[Any]) -> Any:
         if self.failed is not None:
             raise RuntimeError(f"rank {self.rank}: an earlier exchange failed, so the pairing with its peer is "
                                f"unknown: {self.failed}")
         deadline = time.monotonic() + self.timeout
-        posted = []
-        recvs = []
+        G = self.num_gpus
+        posted, heads = [], []
         for send, local, peer, buf, h0, h1 in ops:
-            n = int(buf.shape[0])
             rank = peer // self.per_rank
-            msg = torch.empty(n + 16, dtype=torch.uint8)
+            tag = _TAG_BASE + (local * G + peer if send else peer * G + local)
+            data = torch.from_numpy(buf)
             if send:
-                tag = _TAG_BASE + local * self.num_gpus + peer
-                msg[:16].copy_(torch.from_numpy(np.array([h0, h1], dtype=np.uint64).view(np.uint8)))
-                msg[16:].copy_(torch.from_numpy(buf))
-                posted.append((self.pg.send([msg], rank, tag), rank, local, peer, "send to"))
+                head = torch.from_numpy(np.array([h0, h1], dtype=np.uint64).view(np.uint8))
+                works = [self.pg.send([head], rank, tag + G * G), self.pg.send([data], rank, tag)]
             else:
-                tag = _TAG_BASE + peer * self.num_gpus + local
-                posted.append((self.pg.recv([msg], rank, tag), rank, local, peer, "receive from"))
-                recvs.append((msg, buf))
-        for work, rank, local, peer, what in posted:
-            left = deadline - time.monotonic()
-            try:
-                if left <= 0:
-                    raise RuntimeError("Timed out")
-                work.wait(datetime.timedelta(seconds=left))
-            except RuntimeError as e:
-                where = f"rank {self.rank}: {what} rank {rank} (GPU {local} {'->' if what == 'send to' else '<-'} " \
-                        f"GPU {peer})"
-                if "timed out" in str(e).lower():
-                    self.failed = f"{where}: no answer within the bridge's {self.timeout:g} s deadline"
-                    raise TimeoutError(self.failed) from None
-                self.failed = f"{where} failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
-                raise RuntimeError(self.failed) from None
-        out = []
-        for msg, buf in recvs:
-            torch.from_numpy(buf).copy_(msg[16:])
-            h = msg[:16].numpy().view(np.uint64)
-            out.append((int(h[0]), int(h[1])))
-        return out
+                head = torch.empty(16, dtype=torch.uint8)
+                works = [self.pg.recv([head], rank, tag + G * G), self.pg.recv([data], rank, tag)]
+                heads.append(head)
+            posted.append((works, rank, local, peer, send, head))
+        return deadline, posted, heads
+
+    def finish(self, state: Any) -> List[Tuple[int, int]]:
+        deadline, posted, heads = state
+        error: Optional[BaseException] = None
+        for works, rank, local, peer, send, _head in posted:
+            for work in works:
+                try:
+                    left = deadline - time.monotonic()
+                    work.wait(datetime.timedelta(seconds=max(left, 1e-3)))
+                except RuntimeError as e:
+                    if error is not None:
+                        continue
+                    where = (f"rank {self.rank}: {'send to' if send else 'receive from'} rank {rank} (GPU {local} "
+                             f"{'->' if send else '<-'} GPU {peer})")
+                    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    if "timed out" in text.lower() or "timeout" in text.lower():
+                        self.failed = f"{where}: no answer within the bridge's {self.timeout:g} s deadline ({text})"
+                        error = TimeoutError(self.failed)
+                    else:
+                        self.failed = f"{where} failed: {text}"
+                        error = RuntimeError(self.failed)
+        if error is not None:
+            raise error
+        return [tuple(int(v) for v in h.numpy().view(np.uint64)) for h in heads]
 
 
 def _bridge_of(group: Any, options: EngineOptions, timeout: float) -> _GroupBridge:
