@@ -5,6 +5,7 @@ submits ends the others' wait timed_out at their deadline, naming the GPU and th
 disagrees with the topology is refused naming both."""
 
 import json
+import os
 import time
 
 import numpy as np
@@ -71,8 +72,11 @@ def moves_rank(rank, world, tmp):
     plans = foremoe.Planner(r.topo).plan(loads.astype(np.int64))
     r.place(initial_placement(plans[0], 0))
     remote = 0
-    for plan in plans:
+    for k, plan in enumerate(plans):
         t = r.engine.submit(plan, 0, timeout=30.0)
+        if k == 1:  # a Python thread that polls, holding the GIL between polls, does not starve the bridge
+            while not t.poll():
+                pass
         t.wait(timeout=60.0)
         tel = t.telemetry()
         moves = np.asarray(plan.moves)
@@ -158,6 +162,29 @@ def errors_rank(rank, tmp):
     # pair closure"), so the group is unusable from here on, as an aborted NCCL communicator would be.
 
 
+def dead_peer_rank(rank, tmp):
+    """Rank 1's process ends without submitting: rank 0 fails long before its deadline, naming rank 1."""
+    tc.init_group(rank, 2, tmp)
+    r = Rank(2, seed=5, num_experts=3, bridge_timeout=60.0)
+    r.place(np.array([[0, -1, -1], [1, 2, -1]], dtype=np.int32))
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    t = r.engine.submit(np.array([[1, 1, 0, 1]], dtype=np.int32), 0, timeout=60.0)
+    out = {}
+    try:
+        t.wait(timeout=90.0)
+        out["error"] = "no error"
+    except fe.TransferError as e:
+        out["error"], out["code"] = str(e), e.code
+    out["seconds"] = time.monotonic() - t0
+    r.engine.close()
+    with open(f"{tmp}/rank0.json", "w") as f:
+        json.dump(out, f)
+
+
 def _raises(t, kind):
     try:
         t.wait(timeout=10.0)
@@ -184,3 +211,11 @@ def test_errors_over_the_group(tmp_path):
     assert "waiting on GPU 1" in r0["timeout"] and "deadline 500 ms" in r0["timeout"], r0["timeout"]
     assert r0["timeout_seconds"] < 1.5
     assert r0["close_seconds"] < 5.0
+
+
+def test_dead_peer_fails_before_the_deadline(tmp_path):
+    tc.run_ranks(dead_peer_rank, 2, (str(tmp_path),), str(tmp_path), timeout=240.0)
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert r0["code"] == "device_error", r0
+    assert "GPU 1" in r0["error"] and "rank 1" in r0["error"], r0["error"]
+    assert r0["seconds"] < 30.0  # not the 60 s deadline

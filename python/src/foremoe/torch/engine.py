@@ -227,39 +227,53 @@ class _GroupBridge:
             rank = peer // self.per_rank
             tag = _TAG_BASE + (local * G + peer if send else peer * G + local)
             data = torch.from_numpy(buf)
-            if send:
-                head = torch.from_numpy(np.array([h0, h1], dtype=np.uint64).view(np.uint8))
-                works = [self.pg.send([head], rank, tag + G * G), self.pg.send([data], rank, tag)]
-            else:
-                head = torch.empty(16, dtype=torch.uint8)
-                works = [self.pg.recv([head], rank, tag + G * G), self.pg.recv([data], rank, tag)]
-                heads.append(head)
-            posted.append((works, rank, local, peer, send, head))
+            works = []
+            try:
+                if send:
+                    head = torch.from_numpy(np.array([h0, h1], dtype=np.uint64).view(np.uint8))
+                    works.append(self.pg.send([head], rank, tag + G * G))
+                    works.append(self.pg.send([data], rank, tag))
+                else:
+                    head = torch.empty(16, dtype=torch.uint8)
+                    works.append(self.pg.recv([head], rank, tag + G * G))
+                    works.append(self.pg.recv([data], rank, tag))
+                    heads.append(head)
+            except RuntimeError as e:  # e.g. the peer's connection is closed: end what was posted, then fail
+                posted.append((works, rank, local, peer, send))
+                error = self._failure(e, rank, local, peer, send)
+                self._wait_all(deadline, posted)
+                raise error from None
+            posted.append((works, rank, local, peer, send))
         return deadline, posted, heads
 
     def finish(self, state: Any) -> List[Tuple[int, int]]:
         deadline, posted, heads = state
-        error: Optional[BaseException] = None
-        for works, rank, local, peer, send, _head in posted:
-            for work in works:
-                try:
-                    left = deadline - time.monotonic()
-                    work.wait(datetime.timedelta(seconds=max(left, 1e-3)))
-                except RuntimeError as e:
-                    if error is not None:
-                        continue
-                    where = (f"rank {self.rank}: {'send to' if send else 'receive from'} rank {rank} (GPU {local} "
-                             f"{'->' if send else '<-'} GPU {peer})")
-                    text = str(e).splitlines()[0] if str(e) else type(e).__name__
-                    if "timed out" in text.lower() or "timeout" in text.lower():
-                        self.failed = f"{where}: no answer within the bridge's {self.timeout:g} s deadline ({text})"
-                        error = TimeoutError(self.failed)
-                    else:
-                        self.failed = f"{where} failed: {text}"
-                        error = RuntimeError(self.failed)
+        error = self._wait_all(deadline, posted)
         if error is not None:
             raise error
         return [tuple(int(v) for v in h.numpy().view(np.uint64)) for h in heads]
+
+    def _wait_all(self, deadline: float, posted: List[Any]) -> Optional[BaseException]:
+        """Waits for every posted operation (also after one failed); the first failure, or None."""
+        error: Optional[BaseException] = None
+        for works, rank, local, peer, send in posted:
+            for work in works:
+                try:
+                    work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+                except RuntimeError as e:
+                    error = error or self._failure(e, rank, local, peer, send)
+        return error
+
+    def _failure(self, e: BaseException, rank: int, local: int, peer: int, send: bool) -> BaseException:
+        """The error naming the exchange; later groups fail at once with it."""
+        where = (f"rank {self.rank}: {'send to' if send else 'receive from'} rank {rank} (GPU {local} "
+                 f"{'->' if send else '<-'} GPU {peer})")
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            self.failed = self.failed or f"{where}: no answer within the bridge's {self.timeout:g} s deadline ({text})"
+            return TimeoutError(self.failed)
+        self.failed = self.failed or f"{where} failed: {text}"
+        return RuntimeError(self.failed)
 
 
 def _bridge_of(group: Any, options: EngineOptions, timeout: float) -> _GroupBridge:
