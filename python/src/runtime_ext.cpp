@@ -366,6 +366,8 @@ private:
       }
       for (std::size_t i = 0; i < batch.size(); ++i) {
         rt::Status st = started[i].first;
+        if (st.ok() && Py_IsInitialized() == 0)
+          st = {rt::StatusCode::aborted, "bridge: the Python interpreter has ended"};
         if (st.ok()) {
           nb::gil_scoped_acquire gil;
           st = call([&] { headers(batch[i].ops, runner_.attr("finish")(started[i].second)); });
