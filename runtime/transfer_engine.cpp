@@ -109,8 +109,12 @@ Status TransferEngine::create(EngineOptions o, std::unique_ptr<TransferEngine> &
       foremoe::detail::require(!seen[g], "peers.local_gpus names GPU ", g, " twice");
       seen[g] = 1;
     }
-    foremoe::detail::require(!detail::multi_process(o) || o.backend != Backend::host || o.peers.host_fabric != nullptr,
-                             "peers.local_gpus leaves GPUs to other engines, but no peers.host_fabric joins them");
+    foremoe::detail::require(!detail::multi_process(o) || o.backend != Backend::host ||
+                                 o.peers.host_fabric != nullptr || o.peers.bridge != nullptr,
+                             "peers.local_gpus leaves GPUs to other engines, but no peers.host_fabric or peers.bridge "
+                             "joins them");
+    foremoe::detail::require(o.peers.host_fabric == nullptr || o.peers.bridge == nullptr,
+                             "peers.host_fabric and peers.bridge both given: one fabric joins the engines");
     if (o.faults) {
       for (double p : {o.faults->fail_probability, o.faults->corrupt_probability, o.faults->delay_probability})
         foremoe::detail::require(p >= 0 && p <= 1, "fault probabilities must lie in [0, 1], got ", p);
@@ -130,6 +134,7 @@ Status TransferEngine::create(EngineOptions o, std::unique_ptr<TransferEngine> &
   }
   std::unique_ptr<Transport> t;
   if (Status st = make_transport(o.transport, o, t); !st.ok()) return st;
+  if (o.peers.bridge) t = detail::make_bridge_transport(std::move(t), o.peers.bridge);
   if (o.faults) t = make_fault_transport(std::move(t), o.faults, o.backend == Backend::host);
   out.reset(new TransferEngine(std::make_unique<detail::EngineImpl>(std::move(o), std::move(t))));
   return Status::success();

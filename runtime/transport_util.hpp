@@ -3,6 +3,7 @@
 // foremoe/runtime/transport.hpp).
 
 #include <cstdint>
+#include <memory>
 
 #include "foremoe/runtime/transfer_engine.hpp"
 #include "foremoe/runtime/transport.hpp"
@@ -14,6 +15,10 @@ namespace runtime::detail {
 /// Adds an in-tree transport to the registry; called by the generated `register_builtin_transports`, before any
 /// lookup. Each folder `runtime/transports/<name>/` defines `register_builtin_transport_<name>()` calling it.
 void add_builtin_transport(const char *name, TransportFactory factory);
+
+/// Wraps `inner` so that paired transfers run over `bridge` (`PeerOptions::bridge`); everything else is `inner`'s.
+[[nodiscard]] std::unique_ptr<Transport> make_bridge_transport(std::unique_ptr<Transport> inner,
+                                                               std::shared_ptr<PeerBridge> bridge);
 
 /// Whether other processes drive some GPUs of the group (`local_gpus` distinct and in range, as `create` checks).
 [[nodiscard]] inline bool multi_process(const EngineOptions &o) noexcept {

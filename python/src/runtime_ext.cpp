@@ -17,12 +17,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -30,6 +35,7 @@
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/token_map.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
+#include "foremoe/runtime/transport.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -293,25 +299,168 @@ std::chrono::milliseconds millis(double seconds, const char *what) {
 
 struct PyNodeMirror;
 
+/// The engine's paired transfers run by a Python callable (foremoe.torch.engine's `_GroupBridge`: point-to-point
+/// over a `torch.distributed` group). GIL rules:
+/// - the engine's progress thread only queues a group here (`post`) and never touches Python;
+/// - one worker thread of this bridge posts every queued group (runner.post, GIL held) and then waits for them in
+///   posting order (runner.finish: torch releases the GIL inside `Work.wait`, so the waits leave Python threads
+///   free); it holds no GIL while it waits for the next groups;
+/// - every Python call that may wait for the engine (ticket `wait`, `submit`, the engine's destruction) releases
+///   the GIL, so a Python thread that waits on a ticket never holds what the worker needs;
+/// - `close` (GIL released) waits for the worker, which every group leaves within the runner's deadline; the
+///   runner reference is dropped afterwards, with the GIL held (`drop_runner`).
+class PyBridge final : public rt::PeerBridge {
+public:
+  explicit PyBridge(nb::object runner) : runner_(std::move(runner)), worker_([this] { work(); }) {}
+  ~PyBridge() override { close(); } // the owner called close() and drop_runner() already
+  void post(std::span<rt::PeerOp> ops, Done done) override {
+    {
+      std::lock_guard lock(mu_);
+      if (!stop_) {
+        groups_.push_back({ops, std::move(done)});
+        cv_.notify_all();
+        return;
+      }
+    }
+    done({rt::StatusCode::aborted, "bridge: the engine's process group bridge is closed"});
+  }
+  /// Runs the queued groups, then stops the worker (call without the GIL).
+  void close() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+  /// Drops the runner (call with the GIL, after `close`).
+  void drop_runner() { runner_ = nb::object(); }
+
+private:
+  struct Posted {
+    std::span<rt::PeerOp> ops;
+    Done done;
+  };
+  // Posts every queued group, then waits for them in order (the engine's rounds overlap on the wire).
+  void work() {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !groups_.empty(); });
+      if (groups_.empty()) return;
+      std::deque<Posted> batch;
+      batch.swap(groups_);
+      lock.unlock();
+      std::vector<std::pair<rt::Status, nb::object>> started;
+      {
+        const bool alive = Py_IsInitialized() != 0;
+        std::optional<nb::gil_scoped_acquire> gil;
+        if (alive) gil.emplace();
+        for (Posted &g : batch) {
+          started.emplace_back(rt::Status::success(), nb::object());
+          if (!alive) {
+            started.back().first = {rt::StatusCode::aborted, "bridge: the Python interpreter has ended"};
+            continue;
+          }
+          started.back().first = call([&] { started.back().second = runner_.attr("post")(items(g.ops)); });
+        }
+      }
+      for (std::size_t i = 0; i < batch.size(); ++i) {
+        rt::Status st = started[i].first;
+        if (st.ok() && Py_IsInitialized() == 0)
+          st = {rt::StatusCode::aborted, "bridge: the Python interpreter has ended"};
+        if (st.ok()) {
+          nb::gil_scoped_acquire gil;
+          st = call([&] { headers(batch[i].ops, runner_.attr("finish")(started[i].second)); });
+          started[i].second = nb::object();
+        }
+        batch[i].done(std::move(st));
+      }
+      lock.lock();
+    }
+  }
+  // The operations as the runner takes them: (send, local GPU, peer GPU, a NumPy view of the bytes, header).
+  static nb::list items(std::span<rt::PeerOp> ops) {
+    nb::list out;
+    for (rt::PeerOp &op : ops) {
+      const std::size_t shape[1] = {static_cast<std::size_t>(op.num_bytes)};
+      // A view of the engine's memory, not a copy (receives write through it); the engine keeps it until `done`.
+      nb::object view =
+          nb::cast(nb::ndarray<nb::numpy, std::uint8_t>(op.buf, 1, shape, nb::handle()), nb::rv_policy::reference);
+      out.append(nb::make_tuple(op.send, op.local_gpu, op.peer_gpu, view, op.header[0], op.header[1]));
+    }
+    return out;
+  }
+  // The runner's headers of the receives, in order, into `ops`.
+  static void headers(std::span<rt::PeerOp> ops, nb::handle got) {
+    const nb::list h = nb::cast<nb::list>(got);
+    std::size_t k = 0;
+    for (rt::PeerOp &op : ops) {
+      if (op.send) continue;
+      if (k >= h.size()) throw std::runtime_error("the runner answered too few headers");
+      const auto v = nb::cast<std::pair<std::uint64_t, std::uint64_t>>(h[k++]);
+      op.header[0] = v.first;
+      op.header[1] = v.second;
+    }
+  }
+  // Runs `f` (GIL held); a Python exception becomes the status: TimeoutError -> timed_out, else device_error.
+  template <class F> static rt::Status call(F &&f) {
+    try {
+      f();
+      return rt::Status::success();
+    } catch (nb::python_error &e) {
+      return {e.matches(PyExc_TimeoutError) ? rt::StatusCode::timed_out : rt::StatusCode::device_error,
+              nb::cast<std::string>(nb::str(e.value()))}; // the runner's message, without the traceback
+    } catch (const std::exception &e) {
+      return {rt::StatusCode::device_error, std::string("bridge: ") + e.what()};
+    }
+  }
+
+  nb::object runner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Posted> groups_;
+  bool stop_ = false;
+  std::thread worker_; // last: starts once the rest is built
+};
+
 class PyEngine {
 public:
-  explicit PyEngine(rt::EngineOptions o) : opts_(std::move(o)) {
+  /// `runner`: not None, the engine's paired transfers run through it (`PyBridge`).
+  PyEngine(rt::EngineOptions o, nb::object runner) : opts_(std::move(o)) {
+    if (!runner.is_none()) {
+      bridge_ = std::make_shared<PyBridge>(std::move(runner));
+      opts_.peers.bridge = bridge_;
+    }
     rt::Status st;
     {
       nb::gil_scoped_release nogil;
       st = rt::TransferEngine::create(opts_, engine_);
     }
+    if (!st.ok()) close();
     check(st);
   }
-  ~PyEngine() {
-    // Batches end (bounded by their deadlines) before the borrowed memory is given back.
-    nb::gil_scoped_release nogil;
-    engine_.reset();
+  ~PyEngine() { close(); }
+  /// Ends the engine: batches end (bounded by their deadlines) and, with a bridge, every paired transfer it was
+  /// given (bounded by the runner's deadline) before the borrowed memory is given back.
+  void close() {
+    {
+      nb::gil_scoped_release nogil;
+      engine_.reset();
+      if (bridge_) bridge_->close();
+    }
+    if (bridge_) bridge_->drop_runner();
+    opts_.peers.bridge = nullptr;
+    bridge_.reset();
   }
+  bool closed() const { return engine_ == nullptr; }
   PyEngine(const PyEngine &) = delete;
   PyEngine &operator=(const PyEngine &) = delete;
 
-  const rt::EngineOptions &options() const { return opts_; }
+  rt::EngineOptions options() const {
+    rt::EngineOptions o = opts_;
+    o.peers.bridge = nullptr; // the bridge stays the engine's
+    return o;
+  }
 
   void register_slots(int layer, int gpu, const Array &a, int num_buffers) {
     const std::string what = str("register_slots: layer ", layer, " GPU ", gpu, " slots ", shape_str(a));
@@ -326,7 +475,7 @@ public:
       raise(PyExc_ValueError, str(what, ": expected ", num_buffers == 2 ? "[2, " : "[", S,
                                   ", ...] (buffers x slots x an expert's bytes) for ", S, " slots per GPU"));
     rt::SlotRegion r{a.data(), row_bytes(a, slot_dim), S, num_buffers, num_buffers == 2 ? row_bytes(a, 0) : 0};
-    check(engine_->register_slots(layer, gpu, r));
+    check(eng().register_slots(layer, gpu, r));
     keep_.push_back(a);
   }
 
@@ -335,7 +484,7 @@ public:
     check_memory(a, what, Where{});
     if (a.shape(0) != static_cast<std::size_t>(opts_.num_experts))
       raise(PyExc_ValueError, str(what, ": expected [", opts_.num_experts, ", ...] (one row per expert)"));
-    check(engine_->register_mirror(layer, node, {a.data(), row_bytes(a, 0), opts_.num_experts}));
+    check(eng().register_mirror(layer, node, {a.data(), row_bytes(a, 0), opts_.num_experts}));
     keep_.push_back(a);
   }
 
@@ -354,7 +503,7 @@ public:
       raise(PyExc_ValueError, str(what, ": expected [", S, ", ...] for ", S, " slots per GPU"));
     const std::int64_t row = row_bytes(a, 0);
     rt::SlotRegion r{a.data(), row, S, 1, 0};
-    check(engine_->register_grads(layer, gpu, r, grad_bytes.value_or(row)));
+    check(eng().register_grads(layer, gpu, r, grad_bytes.value_or(row)));
     keep_.push_back(a);
   }
 
@@ -366,12 +515,12 @@ public:
             str("set_resident: layer ", layer, " placement must be [", G, ", ", S, "] (GPUs x slots)"));
     LayerPlacement p(G, S, opts_.num_experts);
     std::copy(gpu_slots.data(), gpu_slots.data() + gpu_slots.size(), p.phys_to_log().begin());
-    check(engine_->set_resident(layer, p));
+    check(eng().set_resident(layer, p));
   }
 
   nb::ndarray<nb::numpy, std::int32_t> resident(int layer) const {
     check_layer(layer, "resident");
-    const LayerPlacement p = engine_->resident(layer);
+    const LayerPlacement p = eng().resident(layer);
     auto *v = new std::vector<std::int32_t>(p.phys_to_log().begin(), p.phys_to_log().end());
     nb::capsule owner(v, [](void *q) noexcept { delete static_cast<std::vector<std::int32_t> *>(q); });
     const std::size_t shape[2] = {static_cast<std::size_t>(p.num_gpus()), static_cast<std::size_t>(p.slots_per_gpu())};
@@ -430,7 +579,7 @@ public:
     return start(b, &rt::TransferEngine::submit_reduce);
   }
 
-  rt::TransferEngine &engine() { return *engine_; }
+  rt::TransferEngine &engine() { return eng(); }
 
   void check_layer(int layer, const char *who) const {
     if (layer < 0 || layer >= opts_.num_layers)
@@ -442,13 +591,18 @@ private:
   template <class Batch>
   PyTicket start(const Batch &b, rt::Status (rt::TransferEngine::*fn)(const Batch &, rt::Ticket &)) {
     PyTicket t{{}, opts_.backend};
+    rt::TransferEngine &e = eng();
     rt::Status st;
     {
       nb::gil_scoped_release nogil;
-      st = (engine_.get()->*fn)(b, t.ticket);
+      st = (e.*fn)(b, t.ticket);
     }
     check(st);
     return t;
+  }
+  rt::TransferEngine &eng() const {
+    if (!engine_) raise(PyExc_RuntimeError, "TransferEngine: the engine was closed");
+    return *engine_;
   }
   void check_gpu(int gpu, const std::string &what) const {
     if (gpu < 0 || gpu >= opts_.topology.num_gpus())
@@ -483,6 +637,7 @@ private:
   rt::EngineOptions opts_;
   std::vector<Array> keep_;              // declared before the engine: released after it is destroyed
   std::vector<nb::object> keep_mirrors_; // node mirror segments, released after the engine too
+  std::shared_ptr<PyBridge> bridge_;
   std::unique_ptr<rt::TransferEngine> engine_;
 };
 
@@ -619,7 +774,7 @@ void PyEngine::register_node_mirror(int layer, int node, nb::object mirror) {
   const rt::NodeMirror &m = nb::cast<const PyNodeMirror &>(mirror).get();
   rt::MirrorRegion region;
   check(rt::node_mirror_region(m, opts_.num_experts, region));
-  check(engine_->register_mirror(layer, node, region));
+  check(eng().register_mirror(layer, node, region));
   keep_mirrors_.push_back(std::move(mirror));
 }
 
@@ -783,6 +938,10 @@ void bind_runtime(nb::module_ &m) {
       .def_rw("max_attempts", &rt::EngineOptions::max_attempts, "copies per chunk, alternating paths")
       .def_rw("verify", &rt::EngineOptions::verify, "checksum every moved expert against its source")
       .def_rw("host_threads_per_path", &rt::EngineOptions::host_threads_per_path, "host backend copy workers")
+      .def_prop_rw(
+          "local_gpus", [](const rt::EngineOptions &o) { return o.peers.local_gpus; },
+          [](rt::EngineOptions &o, const std::vector<int> &v) { o.peers.local_gpus = v; },
+          "multi-process use: the GPUs this engine drives; empty: all (foremoe.torch sets it from group=)")
       .def_rw("cuda_device_of_gpu", &rt::EngineOptions::cuda_device_of_gpu,
               "CUDA: the device ordinal of each GPU; empty: the identity")
       .def_prop_rw(
@@ -827,7 +986,9 @@ void bind_runtime(nb::module_ &m) {
       .def_prop_ro("backend", [](const PyTicket &t) { return backend_name(t.backend); });
 
   nb::class_<PyEngine>(m, "TransferEngine", "The runtime's transfer engine (internal: see foremoe.torch.engine).")
-      .def(nb::init<rt::EngineOptions>(), "options"_a)
+      .def(nb::init<rt::EngineOptions, nb::object>(), "options"_a, "runner"_a.none() = nb::none())
+      .def("close", &PyEngine::close)
+      .def_prop_ro("closed", &PyEngine::closed)
       .def_prop_ro("options", &PyEngine::options)
       .def("register_slots", &PyEngine::register_slots, "layer"_a, "gpu"_a, "slots"_a, "num_buffers"_a = 1)
       .def("register_mirror", &PyEngine::register_mirror, "layer"_a, "node"_a, "mirror"_a)

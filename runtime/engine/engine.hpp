@@ -196,6 +196,7 @@ struct TicketImpl {
   std::vector<int> peer_item;          // per op: its chunk (moves) or reduction (reduce)
   std::vector<std::uint64_t> peer_tag; // per op: what a valid header names
   std::vector<PeerGroup> peer_groups;
+  std::string peer_error; // the first failure of a paired transfer, named in the batch's status
   struct Scratch {
     int gpu;
     std::int64_t bytes;
@@ -280,6 +281,8 @@ private:
   std::byte *scratch(TicketImpl &t, int gpu, std::int64_t need);
   bool post_peer(TicketImpl &t, bool discard);
   void poll_peer(TicketImpl &t);
+  // "; paired transfers still waiting on GPU 3, GPU 5 (other processes)" or "" (progress thread).
+  static std::string peer_waiting(const TicketImpl &t);
 
   // moves.cpp
   void start_moves(TicketImpl &t, double now_s);

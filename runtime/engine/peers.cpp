@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <string>
 
 #include "engine.hpp"
 
@@ -152,6 +153,17 @@ void EngineImpl::poll_peer(TicketImpl &t) {
     for (std::size_t k = g.begin; k < g.end && !t.finished(); ++k) {
       const PeerOp &op = t.peer_ops[k];
       const bool ok = g.status.ok() && (op.send || op.header[0] == t.peer_tag[k]);
+      if (!ok && t.peer_error.empty()) {
+        if (!g.status.ok())
+          t.peer_error =
+              foremoe::detail::concat("paired transfer with GPU ", op.peer_gpu, " failed: ", g.status.to_string());
+        else if (op.header[0] == 0)
+          t.peer_error = foremoe::detail::concat("GPU ", op.peer_gpu, " sent no valid copy (its process aborted ",
+                                                 "or timed out the batch, or did not hold the expert)");
+        else
+          t.peer_error = foremoe::detail::concat("GPU ", op.peer_gpu, " sent other bytes than this process expects ",
+                                                 "(did every process submit the same batches?)");
+      }
       if (t.kind == TicketImpl::Kind::moves) {
         ChunkRun &cr = t.chunks[t.peer_item[k]];
         const bool waiting = cr.waiting_for_peer(); // not when given up (drained) meanwhile
@@ -172,6 +184,21 @@ void EngineImpl::poll_peer(TicketImpl &t) {
     g.end = g.begin; // consumed
   }
   if (!pending && t.peer_posted) t.peer_outstanding.store(false, std::memory_order_release);
+}
+
+std::string EngineImpl::peer_waiting(const TicketImpl &t) {
+  std::vector<int> peers;
+  for (const TicketImpl::PeerGroup &g : t.peer_groups)
+    if (g.pending)
+      for (std::size_t k = g.begin; k < g.end; ++k)
+        if (std::find(peers.begin(), peers.end(), t.peer_ops[k].peer_gpu) == peers.end())
+          peers.push_back(t.peer_ops[k].peer_gpu);
+  if (peers.empty()) return "";
+  std::sort(peers.begin(), peers.end());
+  std::string out = "; paired transfers still waiting on ";
+  for (std::size_t i = 0; i < peers.size(); ++i)
+    out += foremoe::detail::concat(i ? ", " : "", "GPU ", peers[i]);
+  return out + " (other processes)";
 }
 
 } // namespace runtime::detail

@@ -11,7 +11,14 @@ namespace runtime::detail {
 void EngineImpl::run() {
   std::unique_lock lock(mu_);
   for (;;) {
-    if (stopping_ && std::all_of(active_.begin(), active_.end(), [](const auto &t) { return t->finished(); })) return;
+    // Stopping: every batch ended. With a bridge (`PeerOptions::bridge`) also every paired transfer was posted
+    // (an ended batch's on scratch memory, so that the other processes' matching operations fail at once, naming
+    // this one, instead of waiting for their deadline) and reported done (its operations point into this engine),
+    // which the bridge's own deadline bounds.
+    const bool bridged = opts_.peers.bridge != nullptr;
+    if (stopping_ && std::all_of(active_.begin(), active_.end(),
+                                 [&](const auto &t) { return bridged ? !t->busy() : t->finished(); }))
+      return;
     if (active_.empty()) {
       cv_.wait(lock, [&] { return stopping_ || !active_.empty(); });
       continue;

@@ -1,6 +1,7 @@
 // Ending a batch: per-move telemetry and the final status naming what failed.
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 
 #include "engine.hpp"
@@ -65,16 +66,25 @@ void EngineImpl::end(TicketImpl &t) {
          : t.drain_reason == StatusCode::timed_out ? TicketState::timed_out
                                                    : TicketState::failed;
     if (t.final_status.code() == StatusCode::in_progress)
-      st = {t.drain_reason, foremoe::detail::concat(
-                                "layer ", t.layer, ": batch ", ts == TicketState::aborted ? "aborted" : "timed out",
-                                t.gated ? "" : " before its gates opened", num_failed ? "; unfinished: " : "", failed)};
+      st = {
+          t.drain_reason,
+          foremoe::detail::concat(
+              "layer ", t.layer, ": batch ", ts == TicketState::aborted ? "aborted" : "timed out",
+              ts == TicketState::timed_out
+                  ? foremoe::detail::concat(
+                        " (deadline ", std::chrono::duration_cast<std::chrono::milliseconds>(t.deadline - t.t0).count(),
+                        " ms after submit)")
+                  : std::string(),
+              t.gated ? "" : " before its gates opened", num_failed ? "; unfinished: " : "", failed, peer_waiting(t),
+              t.peer_error.empty() ? "" : "; ", t.peer_error)};
     else
       st = t.final_status;
   } else if (num_failed > 0) {
     ts = TicketState::failed;
     st = {StatusCode::device_error,
           foremoe::detail::concat("layer ", t.layer, ": ", num_failed, " of ", tel.size(),
-                                  " failed on every path: ", failed, num_failed > 8 ? ", ..." : "")};
+                                  " failed on every path: ", failed, num_failed > 8 ? ", ..." : "",
+                                  t.peer_error.empty() ? "" : "; ", t.peer_error)};
   }
   if (t.flag != nullptr) *t.flag = t.flag_value; // releases streams waiting in enqueue_wait, also on failure
   {

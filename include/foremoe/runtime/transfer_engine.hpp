@@ -82,6 +82,7 @@ struct Gate {
 /// the host fabric joining engines that stand for separate processes.
 struct FaultSchedule;
 class HostFabric;
+class PeerBridge; // transport.hpp
 
 /// Multi-process (SPMD) use: one engine per process, each driving `local_gpus`, every process submitting the same
 /// batches (same moves, same order) for the whole EP group. Transfer planning then runs on the placement as planned
@@ -93,6 +94,10 @@ class HostFabric;
 struct PeerOptions {
   std::vector<int> local_gpus;             ///< GPUs this engine drives; empty: all of them (one process)
   std::shared_ptr<HostFabric> host_fabric; ///< host backend: the fabric joining the engines (testing.hpp)
+  /// Any backend: the embedder's fabric that runs the paired transfers (`transport.hpp`, `PeerBridge`), instead
+  /// of `host_fabric` or the CUDA backend's NCCL communicators (give one of them). foremoe.torch's
+  /// `TransferEngine(group=...)` runs them over a `torch.distributed` group.
+  std::shared_ptr<PeerBridge> bridge;
   /// CUDA: `ncclComm_t` per GPU id (null for GPUs of other processes). Give the engine communicators of its own
   /// (e.g. `ncclCommSplit`): its progress thread calls them, and NCCL communicators must not be used from two
   /// threads at once. Non-blocking ones (`config.blocking = 0`) keep a late peer from stalling that thread; the

@@ -64,6 +64,33 @@ struct PeerOp {
   std::uint64_t fault_key = 0;
 };
 
+/// A peer fabric the embedder supplies (`PeerOptions::bridge`): the engine hands it each group of paired
+/// operations it would otherwise post on its transport (`Transport::start_peer`), and the bridge executes them
+/// over whatever joins the processes (foremoe.torch: the trainer's `torch.distributed` group; an NCCL communicator
+/// made from a unique id broadcast over that group could sit behind the same interface). Matching is the
+/// transport's rule: sends and receives between two GPUs pair up in posting order, and a send's `header` is
+/// delivered with its bytes into the matching receive's `header`. The engine keeps its pairing, headers, deadlines,
+/// abort, verification and telemetry; the bridge only moves bytes.
+///
+/// Contract:
+/// - `post` is called from the engine's progress thread, groups in posting order; it must not block on the peer
+///   (queue the group and return). It reports a failure to start by calling `done` (at once or later).
+/// - `done` is called exactly once per group, from any thread: `ok` once every operation of the group ended (a
+///   receive's bytes and header written), otherwise the failure naming the peer (e.g. `timed_out` naming the peer
+///   and the bridge's deadline, `device_error` for a closed connection or a size mismatch). After `done` the
+///   bridge never touches `ops` or the memory they point to.
+/// - `done` must come within a bounded time (the bridge's own deadline per group): the engine waits for every
+///   posted group before it is destroyed. After a group failed, the pairing with that peer is unknown; a bridge
+///   should fail later groups at once (naming the first failure) rather than risk pairing them wrongly.
+/// - Operations' `buf` are what the engine's transport calls memory (host memory on the host backend, device
+///   pointers on the CUDA backend); `local_gpu`/`peer_gpu` are EP-group GPU ids (the bridge maps them to ranks).
+class PeerBridge {
+public:
+  virtual ~PeerBridge() = default;
+  using Done = std::function<void(Status)>;
+  virtual void post(std::span<PeerOp> ops, Done done) = 0;
+};
+
 /// A transfer backend (see the file comment for the contract).
 class Transport {
 public:

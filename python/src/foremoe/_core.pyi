@@ -1,6 +1,6 @@
 """Type stub of the `foremoe._core` extension (nanobind). Use the `foremoe` package API."""
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import numpy.typing as npt
@@ -227,6 +227,7 @@ class EngineOptions:
     max_attempts: int
     verify: bool
     host_threads_per_path: int
+    local_gpus: List[int]
     cuda_device_of_gpu: List[int]
     faults: Optional[FaultSchedule]
     def __init__(self, **fields: Any) -> None: ...
@@ -250,7 +251,11 @@ class Ticket:
     def telemetry(self) -> List[Dict[str, Any]]: ...
 
 class TransferEngine:
-    def __init__(self, options: EngineOptions) -> None: ...
+    def __init__(self, options: EngineOptions, runner: Optional[Callable[[List[Any]], List[Tuple[int, int]]]] = None
+                 ) -> None: ...
+    def close(self) -> None: ...
+    @property
+    def closed(self) -> bool: ...
     @property
     def options(self) -> EngineOptions: ...
     def register_slots(self, layer: int, gpu: int, slots: Any, num_buffers: int = 1) -> None: ...

@@ -119,7 +119,7 @@ public:
       if (dev_[g] >= n)
         return {StatusCode::invalid_argument, "TransferEngine: GPU " + std::to_string(g) + " maps to device " +
                                                   std::to_string(dev_[g]) + " of " + std::to_string(n)};
-    if (spmd) {
+    if (spmd && !o.peers.bridge) { // with a bridge, paired transfers never reach this transport
 #if defined(FOREMOE_HAVE_NCCL)
       comms_.assign(static_cast<std::size_t>(num_gpus), nullptr);
       for (std::size_t g = 0; g < o.peers.nccl_comm_of_gpu.size() && g < comms_.size(); ++g)

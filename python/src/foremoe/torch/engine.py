@@ -15,6 +15,17 @@ Options are the C++ ``EngineOptions`` fields (``EngineOptions.fields()``), given
     eng.set_resident(layer, placement)           # what the slots hold now
     eng.submit(plan, layer).wait(timeout=10.0)   # the plan's moves of that layer
 
+Multi-process use (one engine per rank, every rank submitting the same batches in the same order): give
+``group=`` a ``torch.distributed`` process group (gloo, CPU tensors, ``backend="host"``). Rank ``r`` of the group
+drives GPUs ``r*k .. r*k+k-1`` of the topology (``k`` = GPUs / group size), and the engine's paired transfers
+with other ranks' GPUs run as point-to-point ``send``/``recv`` on that group through a bridge the engine drives
+(``PeerBridge`` in ``foremoe/runtime/transport.hpp``); pairing, headers, verification, deadlines and telemetry stay
+the engine's. Every exchange waits at most ``bridge_timeout`` seconds; an exchange that failed (a rank that died,
+a timeout) fails every later one at once, since the pairing with that rank is then unknown (gloo itself closes the
+connection whose wait timed out, so the group is unusable afterwards, as an aborted NCCL communicator is). A rank that aborts a
+batch (or whose batch timed out) still sends, marking its copies not valid, so the other ranks fail at once naming
+its GPU. Close the engine (``close()``) before destroying the group.
+
 A batch that ends without every move landing raises :class:`TransferError` (``code``: ``device_error``,
 ``timed_out`` or ``aborted``); a slot the engine calls valid (:meth:`TransferEngine.resident`) always holds its
 expert's exact bytes.
@@ -22,7 +33,11 @@ expert's exact bytes.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Union
+import atexit
+import datetime
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -175,22 +190,155 @@ def _int_array(x: Any, what: str) -> np.ndarray:
     return int_array(_numpy(x) if isinstance(x, torch.Tensor) else x, what, dtype=np.int32)
 
 
+#: Seconds one exchange of the process-group bridge may wait for its peer (``TransferEngine(bridge_timeout=)``).
+DEFAULT_BRIDGE_TIMEOUT = 60.0
+
+# Point-to-point tags of the bridge on the group: TAG_BASE + source GPU * GPUs + destination GPU, so that messages
+# between two GPUs pair up in posting order (the engine's rule) and stay apart from the trainer's own traffic.
+_TAG_BASE = 1 << 24
+
+
+class _GroupBridge:
+    """Runs the engine's paired transfers over a ``torch.distributed`` group, called on the bridge's worker thread
+    with the GIL held (``Work.wait`` releases it). ``post`` posts one group's sends and receives without waiting
+    (the worker posts every queued group before it waits for the oldest, so the engine's rounds overlap);
+    ``finish`` waits for them within the deadline and returns the receives' headers, in order, or raises naming
+    the peer. Bytes go from and into the engine's memory without a copy; each operation's 16-byte header travels
+    as its own message on a tag of its own. ``finish`` waits for every operation of the group, also after one
+    failed, so nothing writes into the engine's memory after the group ended (a failed or timed-out gloo wait
+    closes its connection)."""
+
+    def __init__(self, pg: Any, num_gpus: int, timeout: float) -> None:
+        self.pg = pg
+        self.rank = pg.rank()
+        self.per_rank = num_gpus // pg.size()
+        self.num_gpus = num_gpus
+        self.timeout = timeout
+        self.failed: Optional[str] = None
+
+    def post(self, ops: List[Any]) -> Any:
+        if self.failed is not None:
+            raise RuntimeError(f"rank {self.rank}: an earlier exchange failed, so the pairing with its peer is "
+                               f"unknown: {self.failed}")
+        deadline = time.monotonic() + self.timeout
+        G = self.num_gpus
+        posted, heads = [], []
+        for send, local, peer, buf, h0, h1 in ops:
+            rank = peer // self.per_rank
+            tag = _TAG_BASE + (local * G + peer if send else peer * G + local)
+            data = torch.from_numpy(buf)
+            works = []
+            try:
+                if send:
+                    head = torch.from_numpy(np.array([h0, h1], dtype=np.uint64).view(np.uint8))
+                    works.append(self.pg.send([head], rank, tag + G * G))
+                    works.append(self.pg.send([data], rank, tag))
+                else:
+                    head = torch.empty(16, dtype=torch.uint8)
+                    works.append(self.pg.recv([head], rank, tag + G * G))
+                    works.append(self.pg.recv([data], rank, tag))
+                    heads.append(head)
+            except RuntimeError as e:  # e.g. the peer's connection is closed: end what was posted, then fail
+                posted.append((works, rank, local, peer, send))
+                error = self._failure(e, rank, local, peer, send)
+                self._wait_all(deadline, posted)
+                raise error from None
+            posted.append((works, rank, local, peer, send))
+        return deadline, posted, heads
+
+    def finish(self, state: Any) -> List[Tuple[int, int]]:
+        deadline, posted, heads = state
+        error = self._wait_all(deadline, posted)
+        if error is not None:
+            raise error
+        return [tuple(int(v) for v in h.numpy().view(np.uint64)) for h in heads]
+
+    def _wait_all(self, deadline: float, posted: List[Any]) -> Optional[BaseException]:
+        """Waits for every posted operation (also after one failed); the first failure, or None."""
+        error: Optional[BaseException] = None
+        for works, rank, local, peer, send in posted:
+            for work in works:
+                try:
+                    work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+                except RuntimeError as e:
+                    error = error or self._failure(e, rank, local, peer, send)
+        return error
+
+    def _failure(self, e: BaseException, rank: int, local: int, peer: int, send: bool) -> BaseException:
+        """The error naming the exchange; later groups fail at once with it."""
+        where = (f"rank {self.rank}: {'send to' if send else 'receive from'} rank {rank} (GPU {local} "
+                 f"{'->' if send else '<-'} GPU {peer})")
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            self.failed = self.failed or f"{where}: no answer within the bridge's {self.timeout:g} s deadline ({text})"
+            return TimeoutError(self.failed)
+        self.failed = self.failed or f"{where} failed: {text}"
+        return RuntimeError(self.failed)
+
+
+def _bridge_of(group: Any, options: EngineOptions, timeout: float) -> _GroupBridge:
+    """Checks ``group`` against the options and sets ``local_gpus``; returns the bridge's runner."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("TransferEngine: group= needs an initialised torch.distributed (init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"TransferEngine: group must be a torch.distributed ProcessGroup, got {describe(group)}")
+    backend = dist.get_backend(group)
+    if backend != "gloo":
+        raise ValueError(f"TransferEngine: group= runs CPU tensors over gloo; this group's backend is {backend!r}")
+    if options.backend != "host":
+        raise ValueError(f"TransferEngine: group= runs on the host backend (CPU tensors); backend is "
+                         f"{options.backend!r}")
+    if not (timeout > 0 and timeout < 1e7):
+        raise ValueError(f"TransferEngine: bridge_timeout must be positive seconds, got {timeout!r}")
+    gpus, size, rank = options.topology.num_gpus, group.size(), group.rank()
+    if gpus % size != 0 or gpus < size:
+        raise ValueError(f"TransferEngine: the group has {size} ranks but the topology {gpus} GPUs; each rank "
+                         f"drives the same number of GPUs, so the group's size must divide the topology's GPUs")
+    k = gpus // size
+    mine = list(range(rank * k, rank * k + k))
+    if options.local_gpus and list(options.local_gpus) != mine:
+        raise ValueError(f"TransferEngine: local_gpus {list(options.local_gpus)} disagrees with rank {rank} of a "
+                         f"{size}-rank group over {gpus} GPUs, which drives GPUs {mine}")
+    options.local_gpus = mine
+    return _GroupBridge(group, gpus, float(timeout))
+
+
+# Engines with a group bridge still open: closed at interpreter exit, while the bridge's worker thread can still
+# take the GIL (after finalization began it could not, and the engine's destruction would wait for it).
+_BRIDGED: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_bridged() -> None:
+    for e in list(_BRIDGED):
+        e.close()
+
+
 class TransferEngine:
     """The runtime's transfer engine over torch tensors (see the module's documentation).
 
     Args:
         options: an :class:`EngineOptions`, or None to build one from ``fields``.
+        group: a ``torch.distributed`` process group (gloo): one engine per rank, its paired transfers over the
+            group (see the module's documentation); None: one engine drives every GPU.
+        bridge_timeout: seconds one exchange over ``group`` waits for its peer before it fails ``timed_out``.
         **fields: ``EngineOptions`` fields (``EngineOptions.fields()``): ``topology``, ``num_layers``,
             ``num_experts``, ``expert_bytes`` or ``tensors``, ``backend`` (``host``/``cuda``), ``verify``,
             ``max_attempts``, ``faults`` (a :class:`FaultSchedule`: the seeded fault injector), ...
     """
 
-    def __init__(self, options: Optional[EngineOptions] = None, **fields: Any) -> None:
+    def __init__(self, options: Optional[EngineOptions] = None, *, group: Any = None,
+                 bridge_timeout: float = DEFAULT_BRIDGE_TIMEOUT, **fields: Any) -> None:
         if options is None:
             options = EngineOptions(**fields)
         elif fields:
             raise ValueError(f"TransferEngine: give options or fields, not both (got {sorted(fields)})")
-        self._e = _core.TransferEngine(options)
+        runner = _bridge_of(group, options, bridge_timeout) if group is not None else None
+        self._e = _core.TransferEngine(options, runner)
+        if runner is not None:
+            _BRIDGED.add(self)
         self._device = "cuda" if options.backend == "cuda" else "cpu"
         # Gate objects of running batches: the engine reads a torch.cuda.Event's handle until the batch starts,
         # so the event must outlive that even if the caller drops it (host events are kept by the engine itself).
@@ -199,6 +347,11 @@ class TransferEngine:
     @property
     def options(self) -> EngineOptions:
         return self._e.options
+
+    def close(self) -> None:
+        """Ends the engine: running batches end (bounded by their deadlines) and, with ``group=``, every exchange
+        it handed the group ends (bounded by ``bridge_timeout``). Later calls raise; closing twice is allowed."""
+        self._e.close()
 
     @property
     def backend(self) -> str:

@@ -1,0 +1,121 @@
+"""Replica moves between 2 processes over gloo: the transfer engine over the process-group bridge
+(``foremoe.torch.TransferEngine(group=...)``) against foremoe.torch's current Python path for the same moves.
+
+Each rank owns E/2 experts of ``size`` bytes; every round moves ``moves`` of rank 0's experts into rank 1's spare
+slots and as many of rank 1's into rank 0's (``2 * moves * size`` bytes cross the group per round).
+  engine   TransferEngine(group=WORLD).submit(moves).wait(): one engine per rank, the paired transfers run by the
+           bridge (one gloo send/recv per chunk, each with a 16-byte header; max_chunk_bytes per the options)
+  python   ExpertStorage._post + _finish (foremoe/torch/layer.py, what ExpertStorage.sync runs after its
+           bookkeeping): batch_isend_irecv of every weight row into staging rows, the waits, the status
+           all_gather, the install copy into the storage rows
+Both with and without verification (engine: its C++ checksum in the header; python: row_checksum per row).
+Reported per rank 0, median of the rounds: wall seconds, GB/s (bytes crossing the group / wall) and CPU
+nanoseconds per byte (process CPU time of all its threads -- gloo's, the engine's, the bridge's -- / bytes).
+
+Run: python python/bench/bench_bridge_moves.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import foremoe
+import foremoe.torch as ft
+from foremoe.torch import engine as fe
+
+
+def rounds_of(fn, reps):
+    walls, cpus = [], []
+    fn()  # warm-up
+    for _ in range(reps):
+        dist.barrier()
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return float(np.median(walls)), float(np.median(cpus))
+
+
+def rank_main(rank, tmp, sizes, moves, reps, out_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    E = 2 * moves
+    S = moves + moves  # own experts, then spare slots for the other rank's
+    owners = np.repeat(np.arange(2, dtype=np.int32), moves)
+    results = []
+    for size in sizes:
+        for verify in (False, True):
+            # The moves: rank g's experts to the other rank's spare slots moves .. 2*moves-1.
+            mv = np.array([[e, int(owners[e]), 1 - int(owners[e]), moves + e % moves] for e in range(E)],
+                          dtype=np.int32)
+            # -- engine over the bridge
+            slots = torch.zeros((S, size), dtype=torch.uint8)
+            eng = fe.TransferEngine(topology=foremoe.Topology(1, 2, S), num_experts=E, expert_bytes=size,
+                                    verify=verify, host_mirror=False, group=dist.group.WORLD)
+            eng.register_slots(0, rank, slots)
+            start = np.full((2, S), -1, dtype=np.int32)
+            for e in range(E):
+                start[owners[e], e % moves] = e
+
+            def engine_round():
+                eng.set_resident(0, start)  # the spare slots hold nothing again
+                eng.submit(mv, 0, timeout=60.0).wait(timeout=120.0)
+
+            ew, ec = rounds_of(engine_round, reps)
+            eng.close()
+            # -- the Python path of ExpertStorage (float32 rows of the same bytes)
+            full = {"w": torch.randn(E, size // 4)}
+            st = ft.ExpertStorage.from_full(full, owners, S, rank=rank, world=2, verify=verify)
+            my = []
+            for i, (e, src, dst, slot) in enumerate(mv.tolist()):
+                my.append([i, e, src, dst, slot])
+            out = {"moves": len(my), "my_moves": np.array(my, dtype=np.int64)}
+
+            def python_round():
+                pending = st._post(out, None, 0)
+                st._finish(pending, None, 60.0, 0)
+
+            pw, pc = rounds_of(python_round, reps)
+            nbytes = 2 * moves * size
+            results.append({"size": size, "verify": verify, "bytes": nbytes,
+                            "engine": {"s": ew, "gbps": nbytes / ew / 1e9, "cpu_ns_per_byte": ec / nbytes * 1e9},
+                            "python": {"s": pw, "gbps": nbytes / pw / 1e9, "cpu_ns_per_byte": pc / nbytes * 1e9}})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="two sizes, 3 rounds")
+    ap.add_argument("--moves", type=int, default=4, help="experts each rank sends per round")
+    args = ap.parse_args()
+    sizes = [1 << 16, 1 << 20] if args.quick else [1 << 16, 1 << 20, 8 << 20]
+    reps = 3 if args.quick else 9
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        mp.start_processes(rank_main, args=(tmp, sizes, args.moves, reps, out), nprocs=2, start_method="spawn")
+        results = json.load(open(out))
+    print(f"{'bytes/expert':>12} {'verify':>6} | {'engine s':>9} {'GB/s':>6} {'CPU ns/B':>8} | "
+          f"{'python s':>9} {'GB/s':>6} {'CPU ns/B':>8}")
+    for r in results:
+        e, p = r["engine"], r["python"]
+        print(f"{r['size']:>12} {str(r['verify']):>6} | {e['s']:>9.4f} {e['gbps']:>6.2f} {e['cpu_ns_per_byte']:>8.2f} | "
+              f"{p['s']:>9.4f} {p['gbps']:>6.2f} {p['cpu_ns_per_byte']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
