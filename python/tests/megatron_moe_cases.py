@@ -35,6 +35,7 @@ class MCase:
     no_flush: bool = False  # every update micro-step set with last=False: the optimizer step must be refused
     seed: int = 5  # torch's generator before the model is built (else every process draws other weights)
     module_mlp: bool = False  # experts through Megatron's MLP module (weights swapped in), not the plain-MLP path
+    grouped: bool = False  # GroupedMLP experts (moe_grouped_gemm=True; the CPU stand-in for grouped_gemm.ops.gmm)
 
     @property
     def slots(self) -> int:
@@ -66,7 +67,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     dt = getattr(torch, case.dtype)
     torch.manual_seed(case.seed)  # the same weights in every run and on every rank
     cfg = mc.make_config(layers=case.layers, hidden=case.hidden, ffn=case.ffn, experts=case.experts,
-                         topk=case.topk, ep=case.world, dtype=dt)
+                         topk=case.topk, ep=case.world, dtype=dt, grouped=case.grouped)
     ref = mc.TinyMoE(cfg)
     bal_cfg = copy.deepcopy(cfg)
     if case.recompute:
@@ -78,10 +79,12 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     if case.module_mlp:
         for st in fm._states:
             st.plain = None
-    expert0 = ref.layers[0].experts.local_experts[0]  # a module hook would be bypassed: the module path then
-    hook = expert0.register_forward_hook(lambda *args: None)
-    plain_with_hook = fmeg._plain_mlp(expert0, ["linear_fc1.weight", "linear_fc2.weight"], cfg) is not None
-    hook.remove()
+    plain_with_hook = None
+    if not case.grouped:
+        expert0 = ref.layers[0].experts.local_experts[0]  # a module hook would be bypassed: the module path then
+        hook = expert0.register_forward_hook(lambda *args: None)
+        plain_with_hook = fmeg._plain_mlp(expert0, ["linear_fc1.weight", "linear_fc2.weight"], cfg) is not None
+        hook.remove()
     run_bal = bal
     if case.ddp:  # Megatron's DDP hook adds each parameter's .grad into its main_grad and clears .grad
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -92,7 +95,9 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     rec: Dict[str, Any] = {"cmp": [], "stats": None, "placements": [], "slot_tokens": [], "errors": {}, "held": [],
                            "param_names": [n for n, _ in bal.named_parameters()],
                            "state_dict": sorted(bal.state_dict()), "plain": plain,
-                           "plain_with_hook": plain_with_hook}
+                           "plain_with_hook": plain_with_hook,
+                           "experts": [type(layer.experts).__name__ for layer in bal.layers],
+                           "ref_experts": [type(layer.experts).__name__ for layer in ref.layers]}
 
     def opt(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -221,6 +226,12 @@ def bad_inputs(case: MCase, fm: Any, bal: Any, planner: Any, recorded: List[List
     out["pack_layers"] = _catch(lambda: fm.pack([layers[:1] for layers in samples], micro_steps=2,
                                                 token_budget=budget))
     out["install_twice"] = _catch(lambda: fmeg.install(bal, case.slots))
+    if case.grouped:  # a GroupedMLP whose fused weight disagrees with the config: refused before any layer changes
+        fresh = mc.TinyMoE(bal.layers[0].config)
+        ex = fresh.layers[1].experts
+        ex.weight1 = torch.nn.Parameter(ex.weight1.detach()[:, :-2].clone())
+        out["grouped_shape"] = _catch(lambda: fmeg.install(fresh, case.slots))
+        out["grouped_untouched"] = str([type(layer.experts).__name__ for layer in fresh.layers])
     out["hold_not_bool"] = _catch(lambda: fmeg.install(bal, case.slots, hold_replica_gradients="yes"))
     with fm.driver(planner, recorded, stage="update") as drv:
         out["last_not_bool"] = _catch(lambda: fm.set_micro_step(0, drv, last=1))

@@ -1,8 +1,8 @@
 """foremoe.megatron inside Megatron-core's MoELayer, on the CPU over gloo (CPU patches: megatron_cpu.py).
 
-Each case trains a tiny Megatron MoE model (MoELayer blocks, SequentialMLP experts, router replay) for three RL
-steps (rollout recording the routing, a recompute stage, an update stage of several micro-batches with gradient
-accumulation and an optimizer step) through the adapter and, in the same processes, through Megatron's own
+Each case trains a tiny Megatron MoE model (MoELayer blocks, SequentialMLP experts, router replay; every case again
+with GroupedMLP experts) for three RL steps (rollout recording the routing, a recompute stage, an update stage of
+several micro-batches with gradient accumulation and an optimizer step) through the adapter and, in the same processes, through Megatron's own
 unbalanced layer on the same replayed routing: outputs, input gradients, accumulated gradients and the weights after
 every optimizer step must be equal, plans must change every micro-step and replica rows must take tokens.
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -42,6 +43,9 @@ CASES = {
     "ep2_top2_fp64_reduce": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=2, micro=4,
                                   hold=False, module_mlp=True),
 }
+# Every case again with Megatron's GroupedMLP experts (fused weight1/weight2, grouped GEMM; module_mlp does not
+# apply there).
+CASES.update({f"grouped_{name}": replace(case, grouped=True) for name, case in list(CASES.items())})
 NO_FLUSH = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=1, micro=4, no_flush=True)
 
 
@@ -77,9 +81,14 @@ def test_equals_megatron_unbalanced(trained):
 def test_plain_mlp_path(trained):
     """The local spec's expert MLP runs as the plain arithmetic (the same operations as Megatron's MLP module,
     without the module calls); one case runs Megatron's module with the weights swapped in, and both equal the
-    reference (test_equals_megatron_unbalanced)."""
-    _, ranks = trained
+    reference (test_equals_megatron_unbalanced). The grouped cases run GroupedMLP on both sides."""
+    case, ranks = trained
     for rec in ranks:
+        if case.grouped:
+            assert rec["ref_experts"] == ["GroupedMLP"] * case.layers
+            assert rec["experts"] == ["_BalancedGroupedMLP"] * case.layers
+            continue
+        assert rec["ref_experts"] == ["SequentialMLP"] * case.layers
         assert rec["plain"] and all(rec["plain"])
         assert not rec["plain_with_hook"]
 
@@ -101,10 +110,11 @@ def test_held_gradients(trained):
         assert any(set(a) - set(b) for h in steps for a, b in zip(h[:-2], h[1:-1]))
 
 
-def test_optimizer_step_without_flush_is_refused(tmp_path):
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_optimizer_step_without_flush_is_refused(tmp_path, grouped):
     """The last micro-step run with last=False: gradients stay held, the accumulated gradients differ from the
     reference, and the optimizer step raises naming them, with every parameter unchanged."""
-    case = NO_FLUSH
+    case = replace(NO_FLUSH, grouped=grouped)
     ranks = _run(case, tmp_path)
     for r, rec in enumerate(ranks):
         assert rec["held"][-1], "nothing held after the last micro-step"
@@ -140,15 +150,25 @@ def test_replicas_used_and_plans_change(trained):
 
 
 def test_parameters_unchanged(trained):
-    _, ranks = trained
+    case, ranks = trained
+    fused = (".experts.weight1", ".experts.weight2") if case.grouped else ()
     for rec in ranks:
-        assert all(".local_experts." in n or ".router." in n for n in rec["param_names"])
+        assert all(".local_experts." in n or ".router." in n or n.endswith(fused) for n in rec["param_names"])
+        assert case.grouped == any(n.endswith(".experts.weight1") for n in rec["param_names"])
         assert not any("foremoe" in k or "storage" in k for k in rec["state_dict"])
 
 
-def test_bad_input(tmp_path_factory):
-    _, ranks = _trained("ep2_top2_fp64", tmp_path_factory)  # the bad inputs ran in the EP 2 case's first step
+@pytest.mark.parametrize("name", ["ep2_top2_fp64", "grouped_ep2_top2_fp64"])
+def test_bad_input(tmp_path_factory, name):
+    case, ranks = _trained(name, tmp_path_factory)  # the bad inputs ran in the EP 2 case's first step
     for rec in ranks:
+        if case.grouped:  # layer 1's weight1 two columns short: named with the shapes, nothing installed
+            n, f1 = case.experts // case.world, 2 * case.ffn
+            want = (f"ValueError: foremoe.megatron: MoE layer 1: GroupedMLP weight1 is [{case.hidden}, {n * f1 - 2}], "
+                    f"expected [{case.hidden}, {n * f1}] (hidden {case.hidden}, {n} local experts, "
+                    f"moe_ffn_hidden_size {case.ffn}, gated")
+            assert rec["errors"]["grouped_shape"].startswith(want), rec["errors"]["grouped_shape"]
+            assert rec["errors"]["grouped_untouched"] == "['GroupedMLP', 'GroupedMLP']"
         e = rec["errors"]
         assert e["wrong_micro_step"].startswith("ValueError: foremoe.megatron: MoE layer 0, micro-step 1:")
         assert "is this the plan of this layer and micro-step?" in e["wrong_micro_step"]

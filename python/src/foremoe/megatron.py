@@ -100,7 +100,8 @@ check_versions()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
+from megatron.core.transformer.moe import grouped_gemm_util as _gg  # noqa: E402
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP  # noqa: E402
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher  # noqa: E402
 
@@ -110,6 +111,7 @@ from foremoe._args import integer  # noqa: E402
 from foremoe.torch.distributed import DEFAULT_TIMEOUT, all_to_all, group_rank, group_size  # noqa: E402
 from foremoe.torch.held import describe, gradients_mode, guard_optimizer_steps, held_gradients  # noqa: E402
 from foremoe.torch.layer import _APPLIED_INSIDE, ExpertStorage, _prepare, _Run, _schedule_gradients  # noqa: E402
+from foremoe.torch.layer import _check_rows, _reduce_replica_grads, _return_held_grads  # noqa: E402
 from foremoe.torch.layer import _slot_compute, _SlotExperts, contiguous_owners  # noqa: E402
 from foremoe.torch.replay import ReplayDriver, StepPacking, pack_from_slime  # noqa: E402
 
@@ -316,11 +318,16 @@ class _Collect(torch.autograd.Function):
 
 
 class _Call:
-    """The index tensors of one balanced layer call, on the tokens' device."""
+    """The index tensors of one balanced layer call, on the tokens' device.
+
+    ``rows_total`` (GroupedMLP: the storage rows per weight kind): the received rows are grouped by storage row
+    (ascending) instead of by plan slot, and ``counts`` has one entry per storage row (zero for a row without
+    tokens), the ``batch_sizes`` of a grouped GEMM over the whole slot storage."""
 
     __slots__ = ("shape", "T", "send_tokens", "gather", "pad", "recv_perm", "recv_inverse", "counts")
 
-    def __init__(self, run: _Run, shape: torch.Size, T: int, short: int, device: torch.device):
+    def __init__(self, run: _Run, shape: torch.Size, T: int, short: int, device: torch.device,
+                 rows_total: Optional[int] = None):
         lay = run.layout
         self.shape, self.T = shape, T
         gather = lay.route_pos
@@ -329,9 +336,104 @@ class _Call:
             gather = torch.where(gather < 0, torch.full_like(gather, lay.num_send), gather)
         self.send_tokens = lay.send_tokens.to(device)
         self.gather = gather.to(device)
-        self.recv_perm = lay.recv_perm.to(device)
-        self.recv_inverse = lay.recv_inverse.to(device)
-        self.counts = torch.tensor(lay.slot_counts, dtype=torch.long)
+        recv_perm, recv_inverse = lay.recv_perm, lay.recv_inverse
+        if rows_total is None:
+            self.counts = torch.tensor(lay.slot_counts, dtype=torch.long)
+        else:
+            counts = np.asarray(lay.slot_counts, dtype=np.int64)
+            used = np.flatnonzero(counts > 0)
+            rows = np.asarray(run.rows, dtype=np.int64)[used]
+            row_counts = np.zeros(rows_total, dtype=np.int64)
+            row_counts[rows] = counts[used]
+            self.counts = torch.from_numpy(row_counts)
+            order = np.argsort(rows, kind="stable")
+            if np.any(order != np.arange(used.size)):  # slot order is not row order: regroup the slot blocks
+                starts = np.cumsum(counts) - counts  # slot j's first grouped row
+                blocks = used[order]
+                n = counts[blocks]
+                new_starts = np.cumsum(n) - n
+                perm = torch.from_numpy(np.repeat(starts[blocks] - new_starts, n) + np.arange(int(n.sum())))
+                recv_perm = recv_perm.index_select(0, perm)
+                recv_inverse = torch.empty_like(recv_perm)
+                recv_inverse[recv_perm] = torch.arange(recv_perm.numel(), dtype=recv_perm.dtype)
+        self.recv_perm = recv_perm.to(device)
+        self.recv_inverse = recv_inverse.to(device)
+
+
+def _grouped_rows(experts: GroupedMLP, config: Any, index: int) -> Dict[str, Tuple[int, ...]]:
+    """The storage row shape of each fused ``GroupedMLP`` weight, ``{"weight1": (n, H, F1), "weight2": (n, F, H)}``
+    (``F`` = ``moe_ffn_hidden_size``, ``F1`` = ``2 F`` with a gated linear unit), after checking the parameters'
+    shapes: ``weight1`` ``[H, n F1]`` and ``weight2`` ``[n F, H]``, which ``GroupedMLP.forward`` views as
+    ``[n, H, F1]`` and ``[n, F, H]`` for ``grouped_gemm.ops.gmm`` (megatron-core 0.16.1, experts.py:144-154 and
+    243-244): expert ``i``'s weights are the ``i``-th contiguous block of each parameter."""
+    n = int(experts.num_local_experts)
+    H, F = int(config.hidden_size), int(config.moe_ffn_hidden_size)
+    F1 = 2 * F if config.gated_linear_unit else F
+    want = {"weight1": (H, n * F1), "weight2": (n * F, H)}
+    for name, shape in want.items():
+        p = getattr(experts, name, None)
+        if not isinstance(p, torch.Tensor) or tuple(p.shape) != shape or not p.is_contiguous():
+            got = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(
+                f"foremoe.megatron: MoE layer {index}: GroupedMLP {name} is {got}"
+                f"{'' if not isinstance(p, torch.Tensor) or p.is_contiguous() else ' (not contiguous)'}, expected "
+                f"{list(shape)} (hidden {H}, {n} local experts, moe_ffn_hidden_size {F}"
+                f"{', gated' if config.gated_linear_unit else ''}; expert tensor parallelism 1)")
+    return {"weight1": (n, H, F1), "weight2": (n, F, H)}
+
+
+def _bind_fused(storage: ExpertStorage, fused: Dict[str, torch.nn.Parameter]) -> None:
+    """Makes each fused ``GroupedMLP`` parameter (``{kind: parameter}``) a view of the owner rows of its kind in
+    ``storage`` (rows ``[0, n_owned)``, contiguous: the fused layout), keeping the parameter object, as
+    :meth:`ExpertStorage.bind_parameters` does for per-expert parameters: the parameter's in-place updates (the
+    optimizer step) count as owner weight changes and its ``.data`` being replaced is an error at the next call.
+    The storage was filled from these parameters, so the values do not change."""
+    n = storage.num_owned
+    bound = []
+    for name, p in fused.items():
+        rows = storage.storage[name][:n]
+        if rows.numel() != p.numel() or rows.dtype != p.dtype:
+            raise ValueError(f"foremoe.megatron: GroupedMLP {name} is {list(p.shape)} {p.dtype}, its {n} owner rows "
+                             f"{list(rows.shape)} {rows.dtype}")
+        bound.append((p, rows.view(p.shape)))
+    with torch.no_grad():
+        for p, view in bound:
+            p.data = view
+    # ExpertStorage tracks bound parameters in `_bound` (versions for owners_changed, pointers for check_aliasing).
+    storage._bound.extend(bound)
+    storage._bound_ptrs = [int(v.data_ptr()) for _, v in storage._bound]
+    storage._bound_shapes = [v.shape for _, v in storage._bound]
+    storage._versions = storage._param_versions()
+
+
+class _GroupedWeights(torch.autograd.Function):
+    """The whole slot storage of every weight kind (``[rows, ...]``: owner rows, then spare rows; views, copying
+    nothing) for a grouped GEMM over the plan's slots, with the fused ``GroupedMLP`` parameters as inputs.
+    Backward: the owner rows' gradient goes to the fused parameter (reshaped to it), after every replica's
+    gradient (rows of the slots with tokens) was added to its owner's part in the fixed order of the
+    SequentialMLP path (:class:`foremoe.torch.layer._SlotWeights`): ascending (expert, holder) after the owner's
+    own, or held and returned later (``hold_replica_gradients``)."""
+
+    @staticmethod
+    def forward(ctx: Any, run: _Run, slots: List[int], *params: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.run, ctx.slots, ctx.shapes = run, slots, [p.shape for p in params]
+        st = run.storage
+        return tuple(st.storage[n].detach() for n in st.names)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Any, ...]:
+        run: _Run = ctx.run
+        st = run.storage
+        _check_rows(run)
+        n = st.num_owned
+        full = [torch.zeros_like(st.storage[name]) if g is None else g for name, g in zip(st.names, grads)]
+        go = [g[:n] for g in full]
+        rep_grad = {j: [g[int(run.rows[j])] for g in full] for j in ctx.slots if int(run.rows[j]) >= n}
+        if run.hold is not None:
+            go = _return_held_grads(run, go, rep_grad)
+        else:
+            go = _reduce_replica_grads(run, go, rep_grad, {int(run.rows[j]): j for j in rep_grad})
+        return (None, None, *[g.reshape(shape) for g, shape in zip(go, ctx.shapes)])
 
 
 class _LayerState:
@@ -345,6 +447,25 @@ class _LayerState:
         self.world, self.rank = group_size(self.group), group_rank(self.group)
         self.num_experts = int(layer.config.num_moe_experts)
         self.topk = int(layer.config.moe_router_topk)
+        self.owners = contiguous_owners(self.num_experts, self.world)
+        if list(np.flatnonzero(self.owners == self.rank)) != list(layer.local_expert_indices):
+            raise ValueError(f"foremoe.megatron: MoE layer {index}: local experts {layer.local_expert_indices} are not "
+                             f"rank {self.rank}'s contiguous share of {self.num_experts} experts over {self.world}")
+        self.grouped = type(experts) is GroupedMLP
+        self.rows_total: Optional[int] = None
+        self.run: Optional[_Run] = None  # the balanced call in flight (None: Megatron's own path)
+        self.call: Optional[_Call] = None
+        if self.grouped:
+            fused = {"weight1": experts.weight1, "weight2": experts.weight2}
+            rows = _grouped_rows(experts, layer.config, index)
+            weights = {n: p.detach().view(rows[n]) for n, p in fused.items()}
+            self.storage = ExpertStorage(weights, self.owners, slots, rank=self.rank, world=self.world,
+                                         group=self.group, **options)
+            _bind_fused(self.storage, fused)
+            self.rows_total = int(self.storage.storage["weight1"].shape[0])
+            self.params = list(fused.values())
+            self.template, self.swap, self.plain = None, [], None
+            return
         local = list(experts.local_experts)
         names = [n for n, _ in local[0].named_parameters()]
         for i, e in enumerate(local):
@@ -354,10 +475,6 @@ class _LayerState:
                                  f"expert 0 {names}")
         by_name = [dict(e.named_parameters()) for e in local]
         weights = {n: torch.stack([p[n].detach() for p in by_name]) for n in names}
-        self.owners = contiguous_owners(self.num_experts, self.world)
-        if list(np.flatnonzero(self.owners == self.rank)) != list(layer.local_expert_indices):
-            raise ValueError(f"foremoe.megatron: MoE layer {index}: local experts {layer.local_expert_indices} are not "
-                             f"rank {self.rank}'s contiguous share of {self.num_experts} experts over {self.world}")
         self.storage = ExpertStorage(weights, self.owners, slots, rank=self.rank, world=self.world,
                                      group=self.group, **options)
         self.storage.bind_parameters({n: [p[n] for p in by_name] for n in names})
@@ -369,10 +486,10 @@ class _LayerState:
             self.swap.append((template.get_submodule(mod_name) if mod_name else template, attr))
         self.template = template
         self.plain = _plain_mlp(template, names, layer.config)  # None: Megatron's MLP module, weights swapped in
-        self.run: Optional[_Run] = None  # the balanced call in flight (None: Megatron's own path)
-        self.call: Optional[_Call] = None
 
     def expert_fn(self, x: torch.Tensor, *weights: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.grouped:  # GroupedMLP computes all slots at once (_BalancedGroupedMLP), never one expert
+            raise RuntimeError(f"foremoe.megatron: MoE layer {self.index}: GroupedMLP has no per-expert function")
         if self.plain is not None:
             return self.plain(x, *weights, scale=scale)
         return _swap_call(self.template, self.swap, weights, x, scale)
@@ -404,7 +521,7 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                              f"{e}") from None
         st.run = run
         lay = run.layout
-        call = st.call = _Call(run, hidden_states.shape, T, short, x.device)
+        call = st.call = _Call(run, hidden_states.shape, T, short, x.device, st.rows_total)
         st.balancer._record(st, plan, run)
         send = _Spread.apply(x, call.send_tokens, call.gather, call.pad, K)
         # probs [T, E]: sent row i takes probs[send_tokens[i], send_experts[i]] (one gather)
@@ -473,6 +590,48 @@ class _BalancedSequentialMLP(SequentialMLP):
             return _slot_compute(run, permuted_local_hidden_states, permuted_probs, st.params), None
         blocks = _OwnerRows.apply(st.storage, *st.params)  # no tokens here: the parameters' gradients are zeros
         y = _SlotExperts.apply(permuted_local_hidden_states, permuted_probs, run, *blocks)
+        return y, None
+
+
+class _BalancedGroupedMLP(GroupedMLP):
+    """``GroupedMLP`` whose forward, during a balanced call, runs one grouped GEMM (Megatron's
+    ``grouped_gemm.ops.gmm``) per weight over the whole slot storage (owner rows and spare rows; the dispatcher
+    grouped the received tokens by storage row and made ``tokens_per_expert`` the per-row counts), with the
+    activation, routing weight and activation recompute of ``GroupedMLP.forward``; otherwise Megatron's own
+    forward. The replica gradients reach the fused parameters through :class:`_GroupedWeights`."""
+
+    _foremoe: _LayerState
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        st = self._foremoe
+        run = st.run
+        if run is None:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        run.need_grad = torch.is_grad_enabled()
+        _schedule_gradients(run, st.balancer._gradients_mode())
+        slots = [j for j, c in enumerate(run.layout.slot_counts) if c > 0]
+        w1, w2 = _GroupedWeights.apply(run, slots, self.weight1, self.weight2)
+        x, probs = permuted_local_hidden_states, permuted_probs.unsqueeze(-1)
+        act = self.activation_func_with_probs
+        if self.activation_recompute:
+            from megatron.core import tensor_parallel
+
+            self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+        if x.nelement() != 0:
+            h = _gg.ops.gmm(x, w1, tokens_per_expert, trans_b=False)
+        else:  # no tokens here: plain matmuls keep the weights in the graph (their gradients are zeros)
+            h = torch.matmul(x, w1.view(self.config.hidden_size, -1))
+        if self.activation_recompute:
+            h = self.activation_checkpoint.checkpoint(act, h, probs)
+        else:
+            h = act(h, probs)
+        if x.nelement() != 0:
+            y = _gg.ops.gmm(h, w2, tokens_per_expert, trans_b=False)
+        else:
+            y = torch.matmul(h, w2.view(-1, self.config.hidden_size))
+        if self.activation_recompute:
+            self.activation_checkpoint.discard_output_and_register_recompute(y)
         return y, None
 
 
@@ -699,15 +858,18 @@ def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, stats_l
                              f"MoEAlltoAllTokenDispatcher (moe_token_dispatcher_type='alltoall') is supported")
         if isinstance(disp, ForeMoEAlltoAllTokenDispatcher):
             raise ValueError(f"foremoe.megatron: MoE layer {i} is already balanced (install once per model)")
-        if type(layer.experts) is not SequentialMLP:
+        if type(layer.experts) not in (SequentialMLP, GroupedMLP):
             raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(layer.experts).__name__} experts; only "
-                             f"SequentialMLP (moe_grouped_gemm=False) is supported")
+                             f"SequentialMLP (moe_grouped_gemm=False) and GroupedMLP (moe_grouped_gemm=True "
+                             f"without Transformer Engine) are supported")
+        if type(layer.experts) is GroupedMLP:
+            _grouped_rows(layer.experts, layer.config, i)  # the fused shapes, before any layer is changed
     balancer = MegatronBalancer(layers, slots, timeout=timeout, stats_limit=stats_limit,
                                 hold_replica_gradients=hold_replica_gradients, **storage_options)
     for st in balancer._states:
         layer = st.module
         layer.token_dispatcher.__class__ = ForeMoEAlltoAllTokenDispatcher
         layer.token_dispatcher._foremoe = st
-        layer.experts.__class__ = _BalancedSequentialMLP
+        layer.experts.__class__ = _BalancedGroupedMLP if st.grouped else _BalancedSequentialMLP
         layer.experts._foremoe = st
     return balancer
