@@ -36,6 +36,7 @@ class MCase:
     seed: int = 5  # torch's generator before the model is built (else every process draws other weights)
     module_mlp: bool = False  # experts through Megatron's MLP module (weights swapped in), not the plain-MLP path
     grouped: bool = False  # GroupedMLP experts (moe_grouped_gemm=True; the CPU stand-in for grouped_gemm.ops.gmm)
+    double_buffer: bool = False  # install(..., double_buffer=True): spare rows in two copies, slots not in row order
 
     @property
     def slots(self) -> int:
@@ -74,7 +75,8 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
         bal_cfg.recompute_granularity, bal_cfg.recompute_modules = "selective", ["moe"]
     bal = mc.TinyMoE(bal_cfg)
     bal.load_state_dict(ref.state_dict())
-    fm = fmeg.install(bal, case.slots, timeout=60.0, hold_replica_gradients=case.hold)
+    fm = fmeg.install(bal, case.slots, timeout=60.0, hold_replica_gradients=case.hold,
+                      double_buffer=case.double_buffer)
     plain = [st.plain is not None for st in fm._states]  # the local spec's MLP: the plain arithmetic
     if case.module_mlp:
         for st in fm._states:

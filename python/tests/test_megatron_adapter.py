@@ -46,6 +46,10 @@ CASES = {
 # Every case again with Megatron's GroupedMLP experts (fused weight1/weight2, grouped GEMM; module_mlp does not
 # apply there).
 CASES.update({f"grouped_{name}": replace(case, grouped=True) for name, case in list(CASES.items())})
+# Double buffers: a replica may sit in the second copy of its spare row (rows past the slots), so the grouped GEMM
+# runs over more rows than slots (the regrouping of slots that are not in row order: test_grouped_call_row_order).
+CASES["grouped_ep2_top2_fp64_double"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=2,
+                                              micro=4, double_buffer=True, grouped=True)
 NO_FLUSH = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=1, micro=4, no_flush=True)
 
 
@@ -272,3 +276,38 @@ def test_spread_and_collect_with_unrouted_routes():
     got_gx = torch.autograd.grad(sent, x, gs)[0]
     want_gx = torch.autograd.grad(x.index_select(0, send_tokens), x, gs)[0]
     torch.testing.assert_close(got_gx, want_gx, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_grouped_call_row_order(seed):
+    """GroupedMLP's dispatch (``_Call`` with ``rows_total``) on random instances: the received rows are grouped by
+    storage row, ascending (the slot blocks reordered when the plan's slots are not in row order), ``counts`` has
+    each used slot's count at its row and zeros elsewhere, and ``recv_inverse`` inverts ``recv_perm``."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(1, 9))
+    rows_total = S + int(rng.integers(0, 4))
+    rows = rng.permutation(rows_total)[:S]
+    counts = rng.integers(0, 5, S) * (rng.random(S) < 0.7)
+    rows = np.where(counts > 0, rows, np.where(rng.random(S) < 0.5, -1, rows))  # an empty slot may have no row
+    N = int(counts.sum())
+    recv_perm = torch.from_numpy(rng.permutation(N))
+    recv_inverse = torch.empty_like(recv_perm)
+    recv_inverse[recv_perm] = torch.arange(N)
+    T, K = 3, 2
+    layout = SimpleNamespace(route_pos=torch.zeros(T * K, dtype=torch.long), num_send=0,
+                             send_tokens=torch.zeros(0, dtype=torch.long), recv_perm=recv_perm,
+                             recv_inverse=recv_inverse, slot_counts=[int(c) for c in counts])
+    run = SimpleNamespace(layout=layout, rows=rows)
+    call = fmeg._Call(run, torch.Size([T, 4]), T, 0, torch.device("cpu"), rows_total)
+    by_slot = recv_perm.split(layout.slot_counts)  # received row ids grouped by slot (Megatron's SequentialMLP order)
+    want = [by_slot[j] for j in sorted((j for j in range(S) if counts[j] > 0), key=lambda j: rows[j])]
+    want = torch.cat(want) if want else torch.zeros(0, dtype=torch.long)
+    assert torch.equal(call.recv_perm, want)
+    assert torch.equal(call.recv_inverse[call.recv_perm], torch.arange(N))
+    want_counts = np.zeros(rows_total, dtype=np.int64)
+    want_counts[rows[counts > 0]] = counts[counts > 0]
+    assert call.counts.dtype == torch.int64 and call.counts.tolist() == want_counts.tolist()
+    plain = fmeg._Call(run, torch.Size([T, 4]), T, 0, torch.device("cpu"))  # SequentialMLP: slot order kept
+    assert torch.equal(plain.recv_perm, recv_perm) and plain.counts.tolist() == layout.slot_counts
