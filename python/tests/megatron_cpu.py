@@ -15,6 +15,9 @@ Patches (each applied once per process, by :func:`apply_cpu_patches`):
   ``megatron.core.jit.jit_fuser`` (``torch.compile`` on torch >= 2.2, which would compile C++ here on first use):
   the plain function is used instead. Its forward asserts ``config.bf16`` (experts.py:225 of 0.16.1), which
   :func:`make_config` sets for a grouped model (only that assertion reads it in these layers).
+- GroupedMLP's activation recompute (``recompute_modules`` with ``"moe_act"``) uses ``CheckpointWithoutOutput``, whose
+  ``__init__`` sets ``self.fp8 = fp8 is not None`` (random.py:636 of 0.16.1: true for the default ``fp8=False``) and
+  then needs Transformer Engine's ``FP8GlobalStateManager``: ``fp8`` is what the caller passed (``False``).
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ def apply_cpu_patches() -> None:
     experts.jit_fuser = lambda fn: fn
     grouped_gemm_util.grouped_gemm = SimpleNamespace(ops=SimpleNamespace(gmm=cpu_gmm))
     grouped_gemm_util.ops = grouped_gemm_util.grouped_gemm.ops
+    plain_init = mrandom.CheckpointWithoutOutput.__init__
+
+    def checkpoint_init(self: Any, fp8: bool = False) -> None:
+        plain_init(self, fp8)
+        self.fp8 = bool(fp8)
+
+    mrandom.CheckpointWithoutOutput.__init__ = checkpoint_init
     mrandom._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
 

@@ -72,7 +72,9 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     ref = mc.TinyMoE(cfg)
     bal_cfg = copy.deepcopy(cfg)
     if case.recompute:
-        bal_cfg.recompute_granularity, bal_cfg.recompute_modules = "selective", ["moe"]
+        # GroupedMLP: also its own activation recompute (CheckpointWithoutOutput) inside the layer's recompute
+        bal_cfg.recompute_granularity = "selective"
+        bal_cfg.recompute_modules = ["moe", "moe_act"] if case.grouped else ["moe"]
     bal = mc.TinyMoE(bal_cfg)
     bal.load_state_dict(ref.state_dict())
     fm = fmeg.install(bal, case.slots, timeout=60.0, hold_replica_gradients=case.hold,
