@@ -4,18 +4,28 @@ With router replay the expert choices of every micro-step of a recompute or upda
 runs. :func:`install` turns every ``MoELayer`` of a model into a balanced one, in place and before the trainer wraps
 the model in DDP or builds its optimizer:
 
-- each layer's local experts (``SequentialMLP``) keep their parameters, whose storage becomes the owner rows of a
+- each layer's local experts keep their parameters, whose storage becomes the owner rows of a
   :class:`foremoe.torch.ExpertStorage` (``[slots, ...]`` per weight kind; the spare rows hold the plan's replicas of
-  hot experts and are never parameters, never in a ``state_dict``, never seen by an optimizer);
+  hot experts and are never parameters, never in a ``state_dict``, never seen by an optimizer): a ``SequentialMLP``'s
+  per-expert weights each alias one row; a ``GroupedMLP``'s fused ``weight1`` ``[H, n F1]`` and ``weight2``
+  ``[n F, H]`` (``n`` local experts, ``F1`` = ``2 F`` with a gated linear unit) alias the ``n`` owner rows of the
+  kinds ``weight1`` (rows ``[H, F1]``) and ``weight2`` (rows ``[F, H]``), the ``[n, H, F1]`` / ``[n, F, H]`` views
+  ``GroupedMLP.forward`` hands to ``grouped_gemm.ops.gmm`` (expert ``i`` is the ``i``-th contiguous block);
 - each layer's ``MoEAlltoAllTokenDispatcher`` becomes a :class:`ForeMoEAlltoAllTokenDispatcher`, which sends every
   ``(token, k)`` to the physical slot the micro-step's plan gives it, with the plan's exact split, and runs the
   replica moves (:meth:`ExpertStorage.sync`) before the expert compute;
-- the experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for the weights;
-  for the plain MLP of Megatron's local spec, without tensor parallelism, biases, fusions, clamping or hooks, the
-  same operations in the same order without the module calls around them: ``_MegatronLinear``), and in the
-  backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before autograd
-  hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into
-  ``main_grad`` sees owner and replicas summed).
+- ``SequentialMLP`` experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for
+  the weights; for the plain MLP of Megatron's local spec, without tensor parallelism, biases, fusions, clamping or
+  hooks, the same operations in the same order without the module calls around them: ``_MegatronLinear``), and in
+  the backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before autograd
+  hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into ``main_grad`` sees
+  owner and replicas summed);
+- ``GroupedMLP`` experts run ``GroupedMLP.forward``'s arithmetic (two calls of Megatron's ``grouped_gemm.ops.gmm``
+  around its activation with the routing weight, its ``moe_act`` activation recompute included) over the whole slot
+  storage at once: the dispatcher groups the received tokens by storage row and hands the per-row counts as
+  ``tokens_per_expert`` (zero for a row without tokens). In the backward each replica row's weight gradient is
+  added to its owner's part of the fused gradient in the same fixed order as for ``SequentialMLP``, before autograd
+  hands ``weight1`` / ``weight2`` their gradient.
 
 **Held replica gradients** (``hold_replica_gradients=True``, the default, the planner's rule of the same name; issue
 30): in the update stage a replica that the next micro-steps' plans keep on its rank accumulates its weight gradient
@@ -40,9 +50,11 @@ wrong plan; the backward without recompute keeps the plan its forward ran with).
 layers run Megatron's own dispatcher path unchanged. The plan of micro-step ``m`` only fits that micro-step's routing:
 any other raises ``ValueError`` naming the layer (Megatron's loads disagree with the plan's split).
 
-Supported: megatron-core |SUPPORTED|, ``moe_token_dispatcher_type='alltoall'``, ``SequentialMLP`` experts, expert
-tensor parallelism 1, dropless routing. Anything else raises ``ValueError`` naming the setting at :func:`install`.
-Not supported: the flex (DeepEP / HybridEP) and allgather dispatchers, ``GroupedMLP`` / ``TEGroupedMLP``, expert
+Supported: megatron-core |SUPPORTED|, ``moe_token_dispatcher_type='alltoall'``, ``SequentialMLP`` experts and
+``GroupedMLP`` experts (``moe_grouped_gemm=True`` without Transformer Engine), expert tensor parallelism 1, dropless
+routing. Anything else raises ``ValueError`` naming the setting at :func:`install` (a ``GroupedMLP`` whose fused
+weights do not have the shapes above: naming both). Not supported: the flex (DeepEP / HybridEP) and allgather
+dispatchers, ``TEGroupedMLP`` (Transformer Engine's grouped linear layers: not available here to test), expert
 capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and Megatron's
 distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)`` moves every parameter into
 its own buffer: Megatron's DDP refuses the expert parameters, which are views of the slot storage, with an
