@@ -36,6 +36,7 @@ class MCase:
     seed: int = 5  # torch's generator before the model is built (else every process draws other weights)
     module_mlp: bool = False  # experts through Megatron's MLP module (weights swapped in), not the plain-MLP path
     grouped: bool = False  # GroupedMLP experts (moe_grouped_gemm=True; the CPU stand-in for grouped_gemm.ops.gmm)
+    dispatcher: str = "alltoall"  # moe_token_dispatcher_type ("allgather": every rank the same token count)
     double_buffer: bool = False  # install(..., double_buffer=True): spare rows in two copies, slots not in row order
 
     @property
@@ -51,7 +52,7 @@ def micro_batch(case: MCase, step: int, m: int, rank: int) -> Dict[str, torch.Te
     u = torch.randn(case.hidden, generator=g, dtype=dt)
     u = 3.0 * u / u.norm()
     g.manual_seed(20_000 + 1000 * step + 10 * m + rank)
-    T = case.tokens if rank == 0 else int(torch.randint(case.tokens // 2, case.tokens * 3 // 2, (1,), generator=g))
+    T = case.tokens if rank == 0 or case.dispatcher == "allgather" else int(torch.randint(case.tokens // 2, case.tokens * 3 // 2, (1,), generator=g))
     x = torch.randn(T, case.hidden, generator=g, dtype=dt) * 0.5 + u
     target = torch.randn(T, case.hidden, generator=g, dtype=dt)
     return {"x": x, "target": target}
@@ -68,7 +69,8 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     dt = getattr(torch, case.dtype)
     torch.manual_seed(case.seed)  # the same weights in every run and on every rank
     cfg = mc.make_config(layers=case.layers, hidden=case.hidden, ffn=case.ffn, experts=case.experts,
-                         topk=case.topk, ep=case.world, dtype=dt, grouped=case.grouped)
+                         topk=case.topk, ep=case.world, dtype=dt, grouped=case.grouped,
+                         dispatcher=case.dispatcher)
     ref = mc.TinyMoE(cfg)
     bal_cfg = copy.deepcopy(cfg)
     if case.recompute:
@@ -101,7 +103,9 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                            "state_dict": sorted(bal.state_dict()), "plain": plain,
                            "plain_with_hook": plain_with_hook,
                            "experts": [type(layer.experts).__name__ for layer in bal.layers],
-                           "ref_experts": [type(layer.experts).__name__ for layer in ref.layers]}
+                           "ref_experts": [type(layer.experts).__name__ for layer in ref.layers],
+                           "dispatchers": [type(layer.token_dispatcher).__name__ for layer in bal.layers],
+                           "ref_dispatchers": [type(layer.token_dispatcher).__name__ for layer in ref.layers]}
 
     def opt(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -241,9 +245,12 @@ def bad_inputs(case: MCase, fm: Any, bal: Any, planner: Any, recorded: List[List
         out["last_not_bool"] = _catch(lambda: fm.set_micro_step(0, drv, last=1))
     fm.set_micro_step(None)
     cfg = copy.deepcopy(bal.layers[0].config)
-    for name, value in [("moe_token_dispatcher_type", "flex"), ("moe_token_dispatcher_type", "allgather"),
-                        ("expert_tensor_parallel_size", 2), ("moe_expert_capacity_factor", 1.0)]:
+    for name, value in [("moe_token_dispatcher_type", "flex"), ("expert_tensor_parallel_size", 2),
+                        ("moe_expert_capacity_factor", 1.0)]:
         bad = copy.deepcopy(cfg)
         setattr(bad, name, value)
         out[f"config_{name}_{value}"] = _catch(lambda: fmeg.check_config(bad))
+    bad = copy.deepcopy(cfg)
+    bad.moe_token_dispatcher_type, bad.tensor_model_parallel_size = "allgather", 2
+    out["config_allgather_tp2"] = _catch(lambda: fmeg.check_config(bad))
     return out

@@ -48,6 +48,12 @@ CASES = {
 CASES.update({f"grouped_{name}": replace(case, grouped=True) for name, case in list(CASES.items())})
 # Double buffers: a replica may sit in the second copy of its spare row (rows past the slots), so the grouped GEMM
 # runs over more rows than slots (the regrouping of slots that are not in row order: test_grouped_call_row_order).
+# Megatron's allgather dispatcher (every rank all-gathers the tokens; the plan picks each rank's routes).
+CASES["allgather_ep2_top2_fp64"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", micro=4,
+                                         dispatcher="allgather", ddp=True)
+CASES["grouped_allgather_ep4_top4_fp32"] = MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24,
+                                                 dtype="float32", recompute=True, dispatcher="allgather",
+                                                 grouped=True)
 CASES["grouped_ep2_top2_fp64_double"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=2,
                                               micro=4, double_buffer=True, grouped=True)
 NO_FLUSH = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=1, micro=4, no_flush=True)
@@ -88,6 +94,9 @@ def test_plain_mlp_path(trained):
     reference (test_equals_megatron_unbalanced). The grouped cases run GroupedMLP on both sides."""
     case, ranks = trained
     for rec in ranks:
+        kind = "AllGather" if case.dispatcher == "allgather" else "AlltoAll"
+        assert rec["ref_dispatchers"] == [f"MoE{kind}TokenDispatcher"] * case.layers
+        assert rec["dispatchers"] == [f"ForeMoE{kind}TokenDispatcher"] * case.layers
         if case.grouped:
             assert rec["ref_experts"] == ["GroupedMLP"] * case.layers
             assert rec["experts"] == ["_BalancedGroupedMLP"] * case.layers
@@ -187,7 +196,8 @@ def test_bad_input(tmp_path_factory, name):
         assert "hold_replica_gradients must be True or False, got 'yes'" in e["hold_not_bool"]
         assert "last must be True, False or None, got 1" in e["last_not_bool"]
         assert "moe_token_dispatcher_type='flex'" in e["config_moe_token_dispatcher_type_flex"]
-        assert "moe_token_dispatcher_type='allgather'" in e["config_moe_token_dispatcher_type_allgather"]
+        assert e["config_allgather_tp2"].startswith("ValueError: foremoe.megatron: tensor_model_parallel_size=2 with "
+                                                    "moe_token_dispatcher_type='allgather' is not supported")
         assert "expert_tensor_parallel_size=2" in e["config_expert_tensor_parallel_size_2"]
         assert "moe_expert_capacity_factor=1.0" in e["config_moe_expert_capacity_factor_1.0"]
 

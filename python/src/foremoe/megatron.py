@@ -115,6 +115,7 @@ import torch  # noqa: E402
 from megatron.core.transformer.moe import grouped_gemm_util as _gg  # noqa: E402
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP  # noqa: E402
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher  # noqa: E402
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher  # noqa: E402
 
 import foremoe  # noqa: E402
@@ -130,6 +131,7 @@ from foremoe.torch.replay import ReplayDriver, StepPacking, pack_from_slime  # n
 __doc__ = __doc__.replace("|SUPPORTED|", " / ".join(SUPPORTED_MEGATRON))
 
 __all__ = [
+    "ForeMoEAllGatherTokenDispatcher",
     "ForeMoEAlltoAllTokenDispatcher",
     "MegatronBalancer",
     "SUPPORTED_MEGATRON",
@@ -146,9 +148,13 @@ def check_config(config: Any) -> None:
         return getattr(config, name, default)
 
     kind = get("moe_token_dispatcher_type")
-    if kind != "alltoall":
-        raise ValueError(f"foremoe.megatron: moe_token_dispatcher_type={kind!r} is not supported (only 'alltoall'; "
-                         f"the flex dispatcher's DeepEP/HybridEP kernels and the allgather dispatcher are not)")
+    if kind not in ("alltoall", "allgather"):
+        raise ValueError(f"foremoe.megatron: moe_token_dispatcher_type={kind!r} is not supported (only 'alltoall' "
+                         f"and 'allgather'; the flex dispatcher's DeepEP/HybridEP kernels are not)")
+    tp = get("tensor_model_parallel_size", 1)
+    if kind == "allgather" and tp not in (None, 1):
+        raise ValueError(f"foremoe.megatron: tensor_model_parallel_size={tp!r} with moe_token_dispatcher_type="
+                         f"'allgather' is not supported (its all-gather spans TP x EP; the plan covers the EP ranks)")
     for name, ok, why in [
         ("expert_tensor_parallel_size", lambda v: v in (None, 1), "expert tensor parallelism must be 1"),
         ("moe_expert_capacity_factor", lambda v: v is None, "token dropping is not supported (dropless only)"),
@@ -349,27 +355,36 @@ class _Call:
         self.send_tokens = lay.send_tokens.to(device)
         self.gather = gather.to(device)
         recv_perm, recv_inverse = lay.recv_perm, lay.recv_inverse
-        if rows_total is None:
-            self.counts = torch.tensor(lay.slot_counts, dtype=torch.long)
-        else:
-            counts = np.asarray(lay.slot_counts, dtype=np.int64)
-            used = np.flatnonzero(counts > 0)
-            rows = np.asarray(run.rows, dtype=np.int64)[used]
-            row_counts = np.zeros(rows_total, dtype=np.int64)
-            row_counts[rows] = counts[used]
-            self.counts = torch.from_numpy(row_counts)
-            order = np.argsort(rows, kind="stable")
-            if np.any(order != np.arange(used.size)):  # slot order is not row order: regroup the slot blocks
-                starts = np.cumsum(counts) - counts  # slot j's first grouped row
-                blocks = used[order]
-                n = counts[blocks]
-                new_starts = np.cumsum(n) - n
-                perm = torch.from_numpy(np.repeat(starts[blocks] - new_starts, n) + np.arange(int(n.sum())))
-                recv_perm = recv_perm.index_select(0, perm)
-                recv_inverse = torch.empty_like(recv_perm)
-                recv_inverse[recv_perm] = torch.arange(recv_perm.numel(), dtype=recv_perm.dtype)
+        self.counts, perm = _by_row(run, rows_total)
+        if perm is not None:
+            recv_perm = recv_perm.index_select(0, perm)
+            recv_inverse = torch.empty_like(recv_perm)
+            recv_inverse[recv_perm] = torch.arange(recv_perm.numel(), dtype=recv_perm.dtype)
         self.recv_perm = recv_perm.to(device)
         self.recv_inverse = recv_inverse.to(device)
+
+
+def _by_row(run: _Run, rows_total: Optional[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The expert module's ``tokens_per_expert`` (CPU int64) for rows grouped by plan slot (``run.layout``'s
+    ``slot_counts``), and the permutation of those rows that the expert module needs (``None``: as they are).
+    ``rows_total`` ``None`` (SequentialMLP): the slot counts, slot order kept. Otherwise (GroupedMLP): one count
+    per storage row, zero for a row without tokens, and the slot blocks reordered by storage row, ascending."""
+    counts = np.asarray(run.layout.slot_counts, dtype=np.int64)
+    if rows_total is None:
+        return torch.from_numpy(counts), None
+    used = np.flatnonzero(counts > 0)
+    rows = np.asarray(run.rows, dtype=np.int64)[used]
+    row_counts = np.zeros(rows_total, dtype=np.int64)
+    row_counts[rows] = counts[used]
+    order = np.argsort(rows, kind="stable")
+    if not np.any(order != np.arange(used.size)):
+        return torch.from_numpy(row_counts), None
+    starts = np.cumsum(counts) - counts  # slot j's first grouped row
+    blocks = used[order]
+    n = counts[blocks]
+    new_starts = np.cumsum(n) - n
+    return torch.from_numpy(row_counts), torch.from_numpy(np.repeat(starts[blocks] - new_starts, n) +
+                                                          np.arange(int(n.sum())))
 
 
 def _grouped_rows(experts: GroupedMLP, config: Any, index: int) -> Dict[str, Tuple[int, ...]]:
@@ -582,6 +597,99 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         out = _Collect.apply(permutated_local_input_tokens, c.send_tokens, c.gather, c.pad, c.T, st.topk)
         st.run, st.call = None, None
         return out.view(c.shape)
+
+
+class ForeMoEAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
+    """Megatron's allgather dispatcher under the micro-step's plan.
+
+    Made from an existing ``MoEAllGatherTokenDispatcher`` by :func:`install`. Megatron's own all-gather of every
+    rank's tokens, routing map and probabilities and its reduce-scatter of the outputs run unchanged; in between,
+    each rank computes the routes the plan gives its slots, from every source rank's tokens: each source's
+    :meth:`foremoe.Plan.dispatch` with the split the layer call's loads give (the same on every rank, the one the
+    alltoall dispatcher sends with), grouped by slot with sources in rank order and tokens in order, as the
+    alltoall path receives them. The outputs are summed per token (``k`` ascending) into the ``[G T, H]`` buffer
+    Megatron reduce-scatters. Every rank must hold the same number of tokens (Megatron's all-gather needs it)."""
+
+    _foremoe: _LayerState
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        st = self._foremoe
+        plan = st.balancer._plan_for(st.index)
+        if plan is None:
+            st.run = None
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        ids, counts, _ = _routes(routing_map, st.topk, st.index)
+        try:
+            run = _prepare(x, ids, _APPLIED_INSIDE, plan, st.storage, st.expert_fn, st.index, st.group, None,
+                           st.balancer.timeout, counts=counts)
+        except ValueError as e:
+            raise ValueError(f"foremoe.megatron: MoE layer {st.index}, micro-step {st.balancer.current_micro_step}: "
+                             f"{e}") from None
+        st.run, st.call = run, None
+        st.balancer._record(st, plan, run)
+        self.hidden_shape = hidden_states.shape
+        self.routing_map = routing_map
+        return x, probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        st = self._foremoe
+        run = st.run
+        if run is None:
+            return super().dispatch_postprocess(hidden_states, probs)
+        K, G, rank = st.topk, st.world, st.rank
+        gmap, self.routing_map = self.routing_map, None
+        N = int(gmap.shape[0])
+        T = N // G
+        if T * G != N or T != run.layout.slots.shape[0]:
+            raise ValueError(f"foremoe.megatron: MoE layer {st.index}: the all-gather holds {N} tokens over {G} "
+                             f"ranks, this rank {run.layout.slots.shape[0]} (every rank needs the same count)")
+        gids = _routes(gmap, K, st.index)[0]  # [G T, K] every rank's routes, in rank order
+        split = run.layout.source_split
+        S = st.storage.slots
+        slots = np.empty((N, K), dtype=np.int64)
+        for g in range(G):  # each source's physical slots under the plan's split: the alltoall path's dispatch
+            d = run.plan.dispatch(run.plan_layer, gids[g * T:(g + 1) * T].reshape(T, 1, K), split, g)
+            slots[g * T:(g + 1) * T] = np.asarray(d["slots"]).reshape(T, K)
+        mine = (slots >= rank * S) & (slots < (rank + 1) * S)
+        tok, k = np.nonzero(mine)  # global token ascending, then k
+        j = slots[tok, k] - rank * S
+        order = np.argsort(j, kind="stable")  # by slot; sources in rank order and tokens in order inside
+        tok, k, j = tok[order], k[order], j[order]
+        if not np.array_equal(np.bincount(j, minlength=S), np.asarray(run.layout.slot_counts)):
+            raise RuntimeError(f"foremoe.megatron: MoE layer {st.index}: the all-gathered routes disagree with this "
+                               f"rank's slot counts (ranks with different plans?)")
+        counts, perm = _by_row(run, st.rows_total)
+        if perm is not None:
+            perm_np = perm.numpy()
+            tok, k = tok[perm_np], k[perm_np]
+        E = gmap.shape[1]
+        experts = gids.numpy()[tok, k].astype(np.int64)
+        pos = np.full(N * K, len(tok), dtype=np.int64)  # route (t, k) -> its row here; past the end: none
+        pos[tok * K + k] = np.arange(len(tok))
+        dev = hidden_states.device
+        rows = torch.from_numpy(tok).to(dev)
+        st.call = _Call.__new__(_Call)
+        c = st.call
+        c.shape, c.T, c.send_tokens, c.gather, c.pad = self.hidden_shape, N, rows, torch.from_numpy(pos).to(dev), True
+        c.counts = counts
+        x = _Spread.apply(hidden_states, rows, c.gather, True, K)
+        local_probs = probs.reshape(-1).index_select(0, torch.from_numpy(tok * E + experts).to(probs.device))
+        self.local_probs = local_probs
+        return x, counts, local_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        st = self._foremoe
+        if st.run is None:
+            return super().combine_preprocess(hidden_states)
+        c = st.call
+        return _Collect.apply(hidden_states, c.send_tokens, c.gather, True, c.T, st.topk)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        st = self._foremoe
+        if st.run is not None:
+            st.run, st.call = None, None
+        return super().combine_postprocess(hidden_states)
 
 
 class _BalancedSequentialMLP(SequentialMLP):
@@ -865,11 +973,18 @@ def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, stats_l
     for i, layer in enumerate(layers):
         check_config(layer.config)
         disp = layer.token_dispatcher
-        if type(disp) is not MoEAlltoAllTokenDispatcher and not isinstance(disp, ForeMoEAlltoAllTokenDispatcher):
-            raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(disp).__name__}; only "
-                             f"MoEAlltoAllTokenDispatcher (moe_token_dispatcher_type='alltoall') is supported")
-        if isinstance(disp, ForeMoEAlltoAllTokenDispatcher):
+        if isinstance(disp, (ForeMoEAlltoAllTokenDispatcher, ForeMoEAllGatherTokenDispatcher)):
             raise ValueError(f"foremoe.megatron: MoE layer {i} is already balanced (install once per model)")
+        if type(disp) not in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher):
+            raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(disp).__name__}; only "
+                             f"MoEAlltoAllTokenDispatcher (moe_token_dispatcher_type='alltoall') and "
+                             f"MoEAllGatherTokenDispatcher ('allgather') are supported")
+        if type(disp) is MoEAllGatherTokenDispatcher:
+            import torch.distributed as dist
+
+            if dist.get_process_group_ranks(disp.tp_ep_group) != dist.get_process_group_ranks(disp.ep_group):
+                raise ValueError(f"foremoe.megatron: MoE layer {i}: the allgather dispatcher's TP x EP group is not "
+                                 f"its expert-parallel group (tensor parallelism is not supported with it)")
         if type(layer.experts) not in (SequentialMLP, GroupedMLP):
             raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(layer.experts).__name__} experts; only "
                              f"SequentialMLP (moe_grouped_gemm=False) and GroupedMLP (moe_grouped_gemm=True "
@@ -880,7 +995,9 @@ def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, stats_l
                                 hold_replica_gradients=hold_replica_gradients, **storage_options)
     for st in balancer._states:
         layer = st.module
-        layer.token_dispatcher.__class__ = ForeMoEAlltoAllTokenDispatcher
+        alltoall = type(layer.token_dispatcher) is MoEAlltoAllTokenDispatcher
+        layer.token_dispatcher.__class__ = (ForeMoEAlltoAllTokenDispatcher if alltoall else
+                                            ForeMoEAllGatherTokenDispatcher)
         layer.token_dispatcher._foremoe = st
         layer.experts.__class__ = _BalancedGroupedMLP if st.grouped else _BalancedSequentialMLP
         layer.experts._foremoe = st
