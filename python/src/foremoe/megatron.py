@@ -13,7 +13,10 @@ the model in DDP or builds its optimizer:
   ``GroupedMLP.forward`` hands to ``grouped_gemm.ops.gmm`` (expert ``i`` is the ``i``-th contiguous block);
 - each layer's ``MoEAlltoAllTokenDispatcher`` becomes a :class:`ForeMoEAlltoAllTokenDispatcher`, which sends every
   ``(token, k)`` to the physical slot the micro-step's plan gives it, with the plan's exact split, and runs the
-  replica moves (:meth:`ExpertStorage.sync`) before the expert compute;
+  replica moves (:meth:`ExpertStorage.sync`) before the expert compute; a ``MoEAllGatherTokenDispatcher`` becomes a
+  :class:`ForeMoEAllGatherTokenDispatcher`: Megatron's all-gather and reduce-scatter run unchanged, and each rank
+  computes the routes the same plan and split give its slots, from every rank's gathered tokens (one
+  :meth:`foremoe.Plan.dispatch` per source rank on the host), in the order the alltoall path receives them;
 - ``SequentialMLP`` experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for
   the weights; for the plain MLP of Megatron's local spec, without tensor parallelism, biases, fusions, clamping or
   hooks, the same operations in the same order without the module calls around them: ``_MegatronLinear``), and in
@@ -50,15 +53,17 @@ wrong plan; the backward without recompute keeps the plan its forward ran with).
 layers run Megatron's own dispatcher path unchanged. The plan of micro-step ``m`` only fits that micro-step's routing:
 any other raises ``ValueError`` naming the layer (Megatron's loads disagree with the plan's split).
 
-Supported: megatron-core |SUPPORTED|, ``moe_token_dispatcher_type='alltoall'``, ``SequentialMLP`` experts and
-``GroupedMLP`` experts (``moe_grouped_gemm=True`` without Transformer Engine), expert tensor parallelism 1, dropless
-routing. Anything else raises ``ValueError`` naming the setting at :func:`install` (a ``GroupedMLP`` whose fused
-weights do not have the shapes above: naming both). Not supported: the flex (DeepEP / HybridEP) and allgather
-dispatchers, ``TEGroupedMLP`` (Transformer Engine's grouped linear layers: not available here to test), expert
-capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and Megatron's
-distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)`` moves every parameter into
-its own buffer: Megatron's DDP refuses the expert parameters, which are views of the slot storage, with an
-``AssertionError``; a parameter whose ``.data`` is replaced after :func:`install` is an error at the next call).
+Supported: megatron-core |SUPPORTED|, ``moe_token_dispatcher_type='alltoall'`` and ``'allgather'`` (the latter with
+tensor parallelism 1 and, as Megatron's all-gather needs, the same token count on every rank), ``SequentialMLP``
+experts and ``GroupedMLP`` experts (``moe_grouped_gemm=True`` without Transformer Engine), expert tensor
+parallelism 1, dropless routing. Anything else raises ``ValueError`` naming the setting at :func:`install` (a
+``GroupedMLP`` whose fused weights do not have the shapes above: naming both). Not supported: the flex (DeepEP /
+HybridEP) dispatcher, ``TEGroupedMLP`` (Transformer Engine's grouped linear layers: not available here to test),
+expert capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and
+Megatron's distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)`` moves every
+parameter into its own buffer: Megatron's DDP refuses the expert parameters, which are views of the slot storage,
+with an ``AssertionError``; a parameter whose ``.data`` is replaced after :func:`install` is an error at the next
+call).
 Megatron's ``DistributedDataParallel`` without it works: its hook adds each expert parameter's ``.grad`` (owner and
 replica gradients summed) into ``main_grad``.
 """
