@@ -2,9 +2,11 @@
 
 Each case trains a tiny Megatron MoE model (MoELayer blocks, SequentialMLP experts, router replay; every case again
 with GroupedMLP experts) for three RL steps (rollout recording the routing, a recompute stage, an update stage of
-several micro-batches with gradient accumulation and an optimizer step) through the adapter and, in the same processes, through Megatron's own
-unbalanced layer on the same replayed routing: outputs, input gradients, accumulated gradients and the weights after
-every optimizer step must be equal, plans must change every micro-step and replica rows must take tokens.
+several micro-batches with gradient accumulation and an optimizer step) through the adapter and, in the same
+processes, through Megatron's own unbalanced layer on the same replayed routing: outputs, input gradients,
+accumulated gradients and the weights after every optimizer step must be equal, plans must change every micro-step
+and replica rows must take tokens. Two cases run Megatron's allgather dispatcher on both sides instead of the
+alltoall one.
 
 Held replica gradients (issue 30, ``hold_replica_gradients``, on by default): a replica kept resident by the next
 micro-step's plan holds its gradient, one the plan drops returns it, the last micro-step returns the rest; the
