@@ -9,11 +9,20 @@ Patches (each applied once per process, by :func:`apply_cpu_patches`):
   not the tensors Megatron leaves there on a CPU);
 - router gating and Megatron's ``all_to_all`` allocate on ``torch.cuda.current_device()``: it returns ``"cpu"``;
 - ``moe_utils.te_general_gemm`` is undefined without Transformer Engine (fixed upstream after 0.16.1): ``None``;
-- activation recompute saves and restores the CUDA RNG state: the CPU generator's state stands in.
+- activation recompute saves and restores the CUDA RNG state: the CPU generator's state stands in;
+- ``GroupedMLP`` (``moe_grouped_gemm=True`` without Transformer Engine) calls ``grouped_gemm.ops.gmm``, a CUDA
+  kernel: :func:`cpu_gmm` stands in (one matmul per group, the same arithmetic), and its activation is built with
+  ``megatron.core.jit.jit_fuser`` (``torch.compile`` on torch >= 2.2, which would compile C++ here on first use):
+  the plain function is used instead. Its forward asserts ``config.bf16`` (experts.py:225 of 0.16.1), which
+  :func:`make_config` sets for a grouped model (only that assertion reads it in these layers).
+- GroupedMLP's activation recompute (``recompute_modules`` with ``"moe_act"``) uses ``CheckpointWithoutOutput``, whose
+  ``__init__`` sets ``self.fp8 = fp8 is not None`` (random.py:636 of 0.16.1: true for the default ``fp8=False``) and
+  then needs Transformer Engine's ``FP8GlobalStateManager``: ``fp8`` is what the caller passed (``False``).
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, List, Optional
 
 import torch
@@ -49,8 +58,38 @@ def apply_cpu_patches() -> None:
     cls._maybe_dtoh_and_synchronize = cpu_dtoh
     from megatron.core.tensor_parallel import random as mrandom
 
+    from megatron.core.transformer.moe import experts, grouped_gemm_util
+
+    experts.jit_fuser = lambda fn: fn
+    grouped_gemm_util.grouped_gemm = SimpleNamespace(ops=SimpleNamespace(gmm=cpu_gmm))
+    grouped_gemm_util.ops = grouped_gemm_util.grouped_gemm.ops
+    plain_init = mrandom.CheckpointWithoutOutput.__init__
+
+    def checkpoint_init(self: Any, fp8: bool = False) -> None:
+        plain_init(self, fp8)
+        self.fp8 = bool(fp8)
+
+    mrandom.CheckpointWithoutOutput.__init__ = checkpoint_init
     mrandom._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+
+
+def cpu_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_a: bool = False,
+            trans_b: bool = False) -> torch.Tensor:
+    """TEST / CPU ONLY: ``grouped_gemm.ops.gmm`` (fanshiqing/grouped_gemm, the call GroupedMLP makes): group ``i``'s
+    ``batch_sizes[i]`` consecutive rows of ``a`` ``[sum, K]`` times ``b[i]`` ``[K, N]`` (``b[i].T`` with
+    ``trans_b``), concatenated; autograd gives the backward. ``batch_sizes`` must be a CPU int64 tensor with one
+    entry per group, as the kernel requires."""
+    if trans_a:
+        raise NotImplementedError("cpu_gmm: trans_a (only the backward kernel uses it; autograd replaces it here)")
+    if batch_sizes.device.type != "cpu" or batch_sizes.dtype != torch.int64 or batch_sizes.numel() != b.shape[0]:
+        raise ValueError(f"cpu_gmm: batch_sizes must be a CPU int64 tensor of {b.shape[0]} groups, got "
+                         f"{batch_sizes.dtype} {list(batch_sizes.shape)} on {batch_sizes.device}")
+    sizes = batch_sizes.tolist()
+    if sum(sizes) != a.shape[0]:
+        raise ValueError(f"cpu_gmm: batch_sizes sum to {sum(sizes)}, a has {a.shape[0]} rows")
+    outs = [x @ (w.t() if trans_b else w) for x, w in zip(a.split(sizes), b.unbind(0))]
+    return torch.cat(outs) if outs else a.new_zeros((0, b.shape[1] if trans_b else b.shape[2]))
 
 
 def init_megatron(ep: int, seed: int = 1234) -> None:
@@ -64,14 +103,15 @@ def init_megatron(ep: int, seed: int = 1234) -> None:
 
 
 def make_config(*, layers: int, hidden: int, ffn: int, experts: int, topk: int, ep: int, dtype: torch.dtype,
-                dispatcher: str = "alltoall", recompute: bool = False) -> Any:
+                dispatcher: str = "alltoall", recompute: bool = False, grouped: bool = False) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra = dict(recompute_granularity="selective", recompute_modules=["moe"]) if recompute else {}
     return TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn,
         num_moe_experts=experts, moe_router_topk=topk, expert_model_parallel_size=ep,
-        moe_token_dispatcher_type=dispatcher, moe_enable_routing_replay=True, moe_grouped_gemm=False,
+        moe_token_dispatcher_type=dispatcher, moe_enable_routing_replay=True, moe_grouped_gemm=grouped,
+        bf16=grouped,  # GroupedMLP.forward asserts it; the weights stay params_dtype
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, moe_permute_fusion=False, bias_activation_fusion=False,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, params_dtype=dtype,
@@ -79,15 +119,17 @@ def make_config(*, layers: int, hidden: int, ffn: int, experts: int, topk: int, 
 
 
 class TinyMoE(nn.Module):
-    """``layers`` Megatron ``MoELayer`` blocks (local spec: SequentialMLP experts, TopKRouter) with residuals and a
-    tanh in between, on ``[tokens, 1, hidden]`` inputs."""
+    """``layers`` Megatron ``MoELayer`` blocks (local spec: SequentialMLP experts, or GroupedMLP with
+    ``config.moe_grouped_gemm``; TopKRouter) with residuals and a tanh in between, on ``[tokens, 1, hidden]``
+    inputs."""
 
     def __init__(self, config: Any):
         super().__init__()
         from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
         from megatron.core.transformer.spec_utils import build_module
 
-        spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts, moe_grouped_gemm=False)
+        spec = get_moe_module_spec(use_te=False, num_experts=config.num_moe_experts,
+                                   moe_grouped_gemm=bool(config.moe_grouped_gemm))
         self.layers = nn.ModuleList([build_module(spec, config=config, layer_number=i + 1)
                                      for i in range(config.num_layers)])
 

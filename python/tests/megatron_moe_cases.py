@@ -35,6 +35,9 @@ class MCase:
     no_flush: bool = False  # every update micro-step set with last=False: the optimizer step must be refused
     seed: int = 5  # torch's generator before the model is built (else every process draws other weights)
     module_mlp: bool = False  # experts through Megatron's MLP module (weights swapped in), not the plain-MLP path
+    grouped: bool = False  # GroupedMLP experts (moe_grouped_gemm=True; the CPU stand-in for grouped_gemm.ops.gmm)
+    dispatcher: str = "alltoall"  # moe_token_dispatcher_type ("allgather": every rank the same token count)
+    double_buffer: bool = False  # install(..., double_buffer=True): spare rows in two copies, slots not in row order
 
     @property
     def slots(self) -> int:
@@ -49,7 +52,7 @@ def micro_batch(case: MCase, step: int, m: int, rank: int) -> Dict[str, torch.Te
     u = torch.randn(case.hidden, generator=g, dtype=dt)
     u = 3.0 * u / u.norm()
     g.manual_seed(20_000 + 1000 * step + 10 * m + rank)
-    T = case.tokens if rank == 0 else int(torch.randint(case.tokens // 2, case.tokens * 3 // 2, (1,), generator=g))
+    T = case.tokens if rank == 0 or case.dispatcher == "allgather" else int(torch.randint(case.tokens // 2, case.tokens * 3 // 2, (1,), generator=g))
     x = torch.randn(T, case.hidden, generator=g, dtype=dt) * 0.5 + u
     target = torch.randn(T, case.hidden, generator=g, dtype=dt)
     return {"x": x, "target": target}
@@ -66,22 +69,28 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     dt = getattr(torch, case.dtype)
     torch.manual_seed(case.seed)  # the same weights in every run and on every rank
     cfg = mc.make_config(layers=case.layers, hidden=case.hidden, ffn=case.ffn, experts=case.experts,
-                         topk=case.topk, ep=case.world, dtype=dt)
+                         topk=case.topk, ep=case.world, dtype=dt, grouped=case.grouped,
+                         dispatcher=case.dispatcher)
     ref = mc.TinyMoE(cfg)
     bal_cfg = copy.deepcopy(cfg)
     if case.recompute:
-        bal_cfg.recompute_granularity, bal_cfg.recompute_modules = "selective", ["moe"]
+        # GroupedMLP: also its own activation recompute (CheckpointWithoutOutput) inside the layer's recompute
+        bal_cfg.recompute_granularity = "selective"
+        bal_cfg.recompute_modules = ["moe", "moe_act"] if case.grouped else ["moe"]
     bal = mc.TinyMoE(bal_cfg)
     bal.load_state_dict(ref.state_dict())
-    fm = fmeg.install(bal, case.slots, timeout=60.0, hold_replica_gradients=case.hold)
+    fm = fmeg.install(bal, case.slots, timeout=60.0, hold_replica_gradients=case.hold,
+                      double_buffer=case.double_buffer)
     plain = [st.plain is not None for st in fm._states]  # the local spec's MLP: the plain arithmetic
     if case.module_mlp:
         for st in fm._states:
             st.plain = None
-    expert0 = ref.layers[0].experts.local_experts[0]  # a module hook would be bypassed: the module path then
-    hook = expert0.register_forward_hook(lambda *args: None)
-    plain_with_hook = fmeg._plain_mlp(expert0, ["linear_fc1.weight", "linear_fc2.weight"], cfg) is not None
-    hook.remove()
+    plain_with_hook = None
+    if not case.grouped:
+        expert0 = ref.layers[0].experts.local_experts[0]  # a module hook would be bypassed: the module path then
+        hook = expert0.register_forward_hook(lambda *args: None)
+        plain_with_hook = fmeg._plain_mlp(expert0, ["linear_fc1.weight", "linear_fc2.weight"], cfg) is not None
+        hook.remove()
     run_bal = bal
     if case.ddp:  # Megatron's DDP hook adds each parameter's .grad into its main_grad and clears .grad
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -92,7 +101,11 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     rec: Dict[str, Any] = {"cmp": [], "stats": None, "placements": [], "slot_tokens": [], "errors": {}, "held": [],
                            "param_names": [n for n, _ in bal.named_parameters()],
                            "state_dict": sorted(bal.state_dict()), "plain": plain,
-                           "plain_with_hook": plain_with_hook}
+                           "plain_with_hook": plain_with_hook,
+                           "experts": [type(layer.experts).__name__ for layer in bal.layers],
+                           "ref_experts": [type(layer.experts).__name__ for layer in ref.layers],
+                           "dispatchers": [type(layer.token_dispatcher).__name__ for layer in bal.layers],
+                           "ref_dispatchers": [type(layer.token_dispatcher).__name__ for layer in ref.layers]}
 
     def opt(model: torch.nn.Module) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -221,14 +234,23 @@ def bad_inputs(case: MCase, fm: Any, bal: Any, planner: Any, recorded: List[List
     out["pack_layers"] = _catch(lambda: fm.pack([layers[:1] for layers in samples], micro_steps=2,
                                                 token_budget=budget))
     out["install_twice"] = _catch(lambda: fmeg.install(bal, case.slots))
+    if case.grouped:  # a GroupedMLP whose fused weight disagrees with the config: refused before any layer changes
+        fresh = mc.TinyMoE(bal.layers[0].config)
+        ex = fresh.layers[1].experts
+        ex.weight1 = torch.nn.Parameter(ex.weight1.detach()[:, :-2].clone())
+        out["grouped_shape"] = _catch(lambda: fmeg.install(fresh, case.slots))
+        out["grouped_untouched"] = str([type(layer.experts).__name__ for layer in fresh.layers])
     out["hold_not_bool"] = _catch(lambda: fmeg.install(bal, case.slots, hold_replica_gradients="yes"))
     with fm.driver(planner, recorded, stage="update") as drv:
         out["last_not_bool"] = _catch(lambda: fm.set_micro_step(0, drv, last=1))
     fm.set_micro_step(None)
     cfg = copy.deepcopy(bal.layers[0].config)
-    for name, value in [("moe_token_dispatcher_type", "flex"), ("moe_token_dispatcher_type", "allgather"),
-                        ("expert_tensor_parallel_size", 2), ("moe_expert_capacity_factor", 1.0)]:
+    for name, value in [("moe_token_dispatcher_type", "flex"), ("expert_tensor_parallel_size", 2),
+                        ("moe_expert_capacity_factor", 1.0)]:
         bad = copy.deepcopy(cfg)
         setattr(bad, name, value)
         out[f"config_{name}_{value}"] = _catch(lambda: fmeg.check_config(bad))
+    bad = copy.deepcopy(cfg)
+    bad.moe_token_dispatcher_type, bad.tensor_model_parallel_size = "allgather", 2
+    out["config_allgather_tp2"] = _catch(lambda: fmeg.check_config(bad))
     return out

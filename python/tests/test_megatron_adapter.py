@@ -1,10 +1,12 @@
 """foremoe.megatron inside Megatron-core's MoELayer, on the CPU over gloo (CPU patches: megatron_cpu.py).
 
-Each case trains a tiny Megatron MoE model (MoELayer blocks, SequentialMLP experts, router replay) for three RL
-steps (rollout recording the routing, a recompute stage, an update stage of several micro-batches with gradient
-accumulation and an optimizer step) through the adapter and, in the same processes, through Megatron's own
-unbalanced layer on the same replayed routing: outputs, input gradients, accumulated gradients and the weights after
-every optimizer step must be equal, plans must change every micro-step and replica rows must take tokens.
+Each case trains a tiny Megatron MoE model (MoELayer blocks, SequentialMLP experts, router replay; every case again
+with GroupedMLP experts) for three RL steps (rollout recording the routing, a recompute stage, an update stage of
+several micro-batches with gradient accumulation and an optimizer step) through the adapter and, in the same
+processes, through Megatron's own unbalanced layer on the same replayed routing: outputs, input gradients,
+accumulated gradients and the weights after every optimizer step must be equal, plans must change every micro-step
+and replica rows must take tokens. Two cases run Megatron's allgather dispatcher on both sides instead of the
+alltoall one.
 
 Held replica gradients (issue 30, ``hold_replica_gradients``, on by default): a replica kept resident by the next
 micro-step's plan holds its gradient, one the plan drops returns it, the last micro-step returns the rest; the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -42,6 +45,19 @@ CASES = {
     "ep2_top2_fp64_reduce": MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=2, micro=4,
                                   hold=False, module_mlp=True),
 }
+# Every case again with Megatron's GroupedMLP experts (fused weight1/weight2, grouped GEMM; module_mlp does not
+# apply there).
+CASES.update({f"grouped_{name}": replace(case, grouped=True) for name, case in list(CASES.items())})
+# Double buffers: a replica may sit in the second copy of its spare row (rows past the slots), so the grouped GEMM
+# runs over more rows than slots (the regrouping of slots that are not in row order: test_grouped_call_row_order).
+# Megatron's allgather dispatcher (every rank all-gathers the tokens; the plan picks each rank's routes).
+CASES["allgather_ep2_top2_fp64"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", micro=4,
+                                         dispatcher="allgather", ddp=True)
+CASES["grouped_allgather_ep4_top4_fp32"] = MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24,
+                                                 dtype="float32", recompute=True, dispatcher="allgather",
+                                                 grouped=True)
+CASES["grouped_ep2_top2_fp64_double"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=2,
+                                              micro=4, double_buffer=True, grouped=True)
 NO_FLUSH = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=1, micro=4, no_flush=True)
 
 
@@ -77,9 +93,17 @@ def test_equals_megatron_unbalanced(trained):
 def test_plain_mlp_path(trained):
     """The local spec's expert MLP runs as the plain arithmetic (the same operations as Megatron's MLP module,
     without the module calls); one case runs Megatron's module with the weights swapped in, and both equal the
-    reference (test_equals_megatron_unbalanced)."""
-    _, ranks = trained
+    reference (test_equals_megatron_unbalanced). The grouped cases run GroupedMLP on both sides."""
+    case, ranks = trained
     for rec in ranks:
+        kind = "AllGather" if case.dispatcher == "allgather" else "AlltoAll"
+        assert rec["ref_dispatchers"] == [f"MoE{kind}TokenDispatcher"] * case.layers
+        assert rec["dispatchers"] == [f"ForeMoE{kind}TokenDispatcher"] * case.layers
+        if case.grouped:
+            assert rec["ref_experts"] == ["GroupedMLP"] * case.layers
+            assert rec["experts"] == ["_BalancedGroupedMLP"] * case.layers
+            continue
+        assert rec["ref_experts"] == ["SequentialMLP"] * case.layers
         assert rec["plain"] and all(rec["plain"])
         assert not rec["plain_with_hook"]
 
@@ -101,10 +125,11 @@ def test_held_gradients(trained):
         assert any(set(a) - set(b) for h in steps for a, b in zip(h[:-2], h[1:-1]))
 
 
-def test_optimizer_step_without_flush_is_refused(tmp_path):
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_optimizer_step_without_flush_is_refused(tmp_path, grouped):
     """The last micro-step run with last=False: gradients stay held, the accumulated gradients differ from the
     reference, and the optimizer step raises naming them, with every parameter unchanged."""
-    case = NO_FLUSH
+    case = replace(NO_FLUSH, grouped=grouped)
     ranks = _run(case, tmp_path)
     for r, rec in enumerate(ranks):
         assert rec["held"][-1], "nothing held after the last micro-step"
@@ -140,15 +165,25 @@ def test_replicas_used_and_plans_change(trained):
 
 
 def test_parameters_unchanged(trained):
-    _, ranks = trained
+    case, ranks = trained
+    fused = (".experts.weight1", ".experts.weight2") if case.grouped else ()
     for rec in ranks:
-        assert all(".local_experts." in n or ".router." in n for n in rec["param_names"])
+        assert all(".local_experts." in n or ".router." in n or n.endswith(fused) for n in rec["param_names"])
+        assert case.grouped == any(n.endswith(".experts.weight1") for n in rec["param_names"])
         assert not any("foremoe" in k or "storage" in k for k in rec["state_dict"])
 
 
-def test_bad_input(tmp_path_factory):
-    _, ranks = _trained("ep2_top2_fp64", tmp_path_factory)  # the bad inputs ran in the EP 2 case's first step
+@pytest.mark.parametrize("name", ["ep2_top2_fp64", "grouped_ep2_top2_fp64"])
+def test_bad_input(tmp_path_factory, name):
+    case, ranks = _trained(name, tmp_path_factory)  # the bad inputs ran in the EP 2 case's first step
     for rec in ranks:
+        if case.grouped:  # layer 1's weight1 two columns short: named with the shapes, nothing installed
+            n, f1 = case.experts // case.world, 2 * case.ffn
+            want = (f"ValueError: foremoe.megatron: MoE layer 1: GroupedMLP weight1 is [{case.hidden}, {n * f1 - 2}], "
+                    f"expected [{case.hidden}, {n * f1}] (hidden {case.hidden}, {n} local experts, "
+                    f"moe_ffn_hidden_size {case.ffn}, gated")
+            assert rec["errors"]["grouped_shape"].startswith(want), rec["errors"]["grouped_shape"]
+            assert rec["errors"]["grouped_untouched"] == "['GroupedMLP', 'GroupedMLP']"
         e = rec["errors"]
         assert e["wrong_micro_step"].startswith("ValueError: foremoe.megatron: MoE layer 0, micro-step 1:")
         assert "is this the plan of this layer and micro-step?" in e["wrong_micro_step"]
@@ -163,7 +198,8 @@ def test_bad_input(tmp_path_factory):
         assert "hold_replica_gradients must be True or False, got 'yes'" in e["hold_not_bool"]
         assert "last must be True, False or None, got 1" in e["last_not_bool"]
         assert "moe_token_dispatcher_type='flex'" in e["config_moe_token_dispatcher_type_flex"]
-        assert "moe_token_dispatcher_type='allgather'" in e["config_moe_token_dispatcher_type_allgather"]
+        assert e["config_allgather_tp2"].startswith("ValueError: foremoe.megatron: tensor_model_parallel_size=2 with "
+                                                    "moe_token_dispatcher_type='allgather' is not supported")
         assert "expert_tensor_parallel_size=2" in e["config_expert_tensor_parallel_size_2"]
         assert "moe_expert_capacity_factor=1.0" in e["config_moe_expert_capacity_factor_1.0"]
 
@@ -252,3 +288,38 @@ def test_spread_and_collect_with_unrouted_routes():
     got_gx = torch.autograd.grad(sent, x, gs)[0]
     want_gx = torch.autograd.grad(x.index_select(0, send_tokens), x, gs)[0]
     torch.testing.assert_close(got_gx, want_gx, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_grouped_call_row_order(seed):
+    """GroupedMLP's dispatch (``_Call`` with ``rows_total``) on random instances: the received rows are grouped by
+    storage row, ascending (the slot blocks reordered when the plan's slots are not in row order), ``counts`` has
+    each used slot's count at its row and zeros elsewhere, and ``recv_inverse`` inverts ``recv_perm``."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(seed)
+    S = int(rng.integers(1, 9))
+    rows_total = S + int(rng.integers(0, 4))
+    rows = rng.permutation(rows_total)[:S]
+    counts = rng.integers(0, 5, S) * (rng.random(S) < 0.7)
+    rows = np.where(counts > 0, rows, np.where(rng.random(S) < 0.5, -1, rows))  # an empty slot may have no row
+    N = int(counts.sum())
+    recv_perm = torch.from_numpy(rng.permutation(N))
+    recv_inverse = torch.empty_like(recv_perm)
+    recv_inverse[recv_perm] = torch.arange(N)
+    T, K = 3, 2
+    layout = SimpleNamespace(route_pos=torch.zeros(T * K, dtype=torch.long), num_send=0,
+                             send_tokens=torch.zeros(0, dtype=torch.long), recv_perm=recv_perm,
+                             recv_inverse=recv_inverse, slot_counts=[int(c) for c in counts])
+    run = SimpleNamespace(layout=layout, rows=rows)
+    call = fmeg._Call(run, torch.Size([T, 4]), T, 0, torch.device("cpu"), rows_total)
+    by_slot = recv_perm.split(layout.slot_counts)  # received row ids grouped by slot (Megatron's SequentialMLP order)
+    want = [by_slot[j] for j in sorted((j for j in range(S) if counts[j] > 0), key=lambda j: rows[j])]
+    want = torch.cat(want) if want else torch.zeros(0, dtype=torch.long)
+    assert torch.equal(call.recv_perm, want)
+    assert torch.equal(call.recv_inverse[call.recv_perm], torch.arange(N))
+    want_counts = np.zeros(rows_total, dtype=np.int64)
+    want_counts[rows[counts > 0]] = counts[counts > 0]
+    assert call.counts.dtype == torch.int64 and call.counts.tolist() == want_counts.tolist()
+    plain = fmeg._Call(run, torch.Size([T, 4]), T, 0, torch.device("cpu"))  # SequentialMLP: slot order kept
+    assert torch.equal(plain.recv_perm, recv_perm) and plain.counts.tolist() == layout.slot_counts

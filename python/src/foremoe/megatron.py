@@ -4,18 +4,31 @@ With router replay the expert choices of every micro-step of a recompute or upda
 runs. :func:`install` turns every ``MoELayer`` of a model into a balanced one, in place and before the trainer wraps
 the model in DDP or builds its optimizer:
 
-- each layer's local experts (``SequentialMLP``) keep their parameters, whose storage becomes the owner rows of a
+- each layer's local experts keep their parameters, whose storage becomes the owner rows of a
   :class:`foremoe.torch.ExpertStorage` (``[slots, ...]`` per weight kind; the spare rows hold the plan's replicas of
-  hot experts and are never parameters, never in a ``state_dict``, never seen by an optimizer);
+  hot experts and are never parameters, never in a ``state_dict``, never seen by an optimizer): a ``SequentialMLP``'s
+  per-expert weights each alias one row; a ``GroupedMLP``'s fused ``weight1`` ``[H, n F1]`` and ``weight2``
+  ``[n F, H]`` (``n`` local experts, ``F1`` = ``2 F`` with a gated linear unit) alias the ``n`` owner rows of the
+  kinds ``weight1`` (rows ``[H, F1]``) and ``weight2`` (rows ``[F, H]``), the ``[n, H, F1]`` / ``[n, F, H]`` views
+  ``GroupedMLP.forward`` hands to ``grouped_gemm.ops.gmm`` (expert ``i`` is the ``i``-th contiguous block);
 - each layer's ``MoEAlltoAllTokenDispatcher`` becomes a :class:`ForeMoEAlltoAllTokenDispatcher`, which sends every
   ``(token, k)`` to the physical slot the micro-step's plan gives it, with the plan's exact split, and runs the
-  replica moves (:meth:`ExpertStorage.sync`) before the expert compute;
-- the experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for the weights;
-  for the plain MLP of Megatron's local spec, without tensor parallelism, biases, fusions, clamping or hooks, the
-  same operations in the same order without the module calls around them: ``_MegatronLinear``), and in the
-  backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before autograd
-  hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into
-  ``main_grad`` sees owner and replicas summed).
+  replica moves (:meth:`ExpertStorage.sync`) before the expert compute; a ``MoEAllGatherTokenDispatcher`` becomes a
+  :class:`ForeMoEAllGatherTokenDispatcher`: Megatron's all-gather and reduce-scatter run unchanged, and each rank
+  computes the routes the same plan and split give its slots, from every rank's gathered tokens (one
+  :meth:`foremoe.Plan.dispatch` per source rank on the host), in the order the alltoall path receives them;
+- ``SequentialMLP`` experts compute slot by slot with Megatron's own ``MLP`` code (the replica rows swapped in for
+  the weights; for the plain MLP of Megatron's local spec, without tensor parallelism, biases, fusions, clamping or
+  hooks, the same operations in the same order without the module calls around them: ``_MegatronLinear``), and in
+  the backward every replica's weight gradient is added to its owner's gradient, in a fixed order, before autograd
+  hands that gradient to the parameter (so Megatron's DDP hook that accumulates ``.grad`` into ``main_grad`` sees
+  owner and replicas summed);
+- ``GroupedMLP`` experts run ``GroupedMLP.forward``'s arithmetic (two calls of Megatron's ``grouped_gemm.ops.gmm``
+  around its activation with the routing weight, its ``moe_act`` activation recompute included) over the whole slot
+  storage at once: the dispatcher groups the received tokens by storage row and hands the per-row counts as
+  ``tokens_per_expert`` (zero for a row without tokens). In the backward each replica row's weight gradient is
+  added to its owner's part of the fused gradient in the same fixed order as for ``SequentialMLP``, before autograd
+  hands ``weight1`` / ``weight2`` their gradient.
 
 **Held replica gradients** (``hold_replica_gradients=True``, the default, the planner's rule of the same name; issue
 30): in the update stage a replica that the next micro-steps' plans keep on its rank accumulates its weight gradient
@@ -40,13 +53,17 @@ wrong plan; the backward without recompute keeps the plan its forward ran with).
 layers run Megatron's own dispatcher path unchanged. The plan of micro-step ``m`` only fits that micro-step's routing:
 any other raises ``ValueError`` naming the layer (Megatron's loads disagree with the plan's split).
 
-Supported: megatron-core |SUPPORTED|, ``moe_token_dispatcher_type='alltoall'``, ``SequentialMLP`` experts, expert
-tensor parallelism 1, dropless routing. Anything else raises ``ValueError`` naming the setting at :func:`install`.
-Not supported: the flex (DeepEP / HybridEP) and allgather dispatchers, ``GroupedMLP`` / ``TEGroupedMLP``, expert
-capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and Megatron's
-distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)`` moves every parameter into
-its own buffer: Megatron's DDP refuses the expert parameters, which are views of the slot storage, with an
-``AssertionError``; a parameter whose ``.data`` is replaced after :func:`install` is an error at the next call).
+Supported: megatron-core |SUPPORTED|, ``moe_token_dispatcher_type='alltoall'`` and ``'allgather'`` (the latter with
+tensor parallelism 1 and, as Megatron's all-gather needs, the same token count on every rank), ``SequentialMLP``
+experts and ``GroupedMLP`` experts (``moe_grouped_gemm=True`` without Transformer Engine), expert tensor
+parallelism 1, dropless routing. Anything else raises ``ValueError`` naming the setting at :func:`install` (a
+``GroupedMLP`` whose fused weights do not have the shapes above: naming both). Not supported: the flex (DeepEP /
+HybridEP) dispatcher, ``TEGroupedMLP`` (Transformer Engine's grouped linear layers: not available here to test),
+expert capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and
+Megatron's distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)`` moves every
+parameter into its own buffer: Megatron's DDP refuses the expert parameters, which are views of the slot storage,
+with an ``AssertionError``; a parameter whose ``.data`` is replaced after :func:`install` is an error at the next
+call).
 Megatron's ``DistributedDataParallel`` without it works: its hook adds each expert parameter's ``.grad`` (owner and
 replica gradients summed) into ``main_grad``.
 """
@@ -100,8 +117,10 @@ check_versions()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
+from megatron.core.transformer.moe import grouped_gemm_util as _gg  # noqa: E402
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP  # noqa: E402
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher  # noqa: E402
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher  # noqa: E402
 
 import foremoe  # noqa: E402
@@ -110,12 +129,14 @@ from foremoe._args import integer  # noqa: E402
 from foremoe.torch.distributed import DEFAULT_TIMEOUT, all_to_all, group_rank, group_size  # noqa: E402
 from foremoe.torch.held import describe, gradients_mode, guard_optimizer_steps, held_gradients  # noqa: E402
 from foremoe.torch.layer import _APPLIED_INSIDE, ExpertStorage, _prepare, _Run, _schedule_gradients  # noqa: E402
+from foremoe.torch.layer import _check_rows, _reduce_replica_grads, _return_held_grads  # noqa: E402
 from foremoe.torch.layer import _slot_compute, _SlotExperts, contiguous_owners  # noqa: E402
 from foremoe.torch.replay import ReplayDriver, StepPacking, pack_from_slime  # noqa: E402
 
 __doc__ = __doc__.replace("|SUPPORTED|", " / ".join(SUPPORTED_MEGATRON))
 
 __all__ = [
+    "ForeMoEAllGatherTokenDispatcher",
     "ForeMoEAlltoAllTokenDispatcher",
     "MegatronBalancer",
     "SUPPORTED_MEGATRON",
@@ -132,9 +153,13 @@ def check_config(config: Any) -> None:
         return getattr(config, name, default)
 
     kind = get("moe_token_dispatcher_type")
-    if kind != "alltoall":
-        raise ValueError(f"foremoe.megatron: moe_token_dispatcher_type={kind!r} is not supported (only 'alltoall'; "
-                         f"the flex dispatcher's DeepEP/HybridEP kernels and the allgather dispatcher are not)")
+    if kind not in ("alltoall", "allgather"):
+        raise ValueError(f"foremoe.megatron: moe_token_dispatcher_type={kind!r} is not supported (only 'alltoall' "
+                         f"and 'allgather'; the flex dispatcher's DeepEP/HybridEP kernels are not)")
+    tp = get("tensor_model_parallel_size", 1)
+    if kind == "allgather" and tp not in (None, 1):
+        raise ValueError(f"foremoe.megatron: tensor_model_parallel_size={tp!r} with moe_token_dispatcher_type="
+                         f"'allgather' is not supported (its all-gather spans TP x EP; the plan covers the EP ranks)")
     for name, ok, why in [
         ("expert_tensor_parallel_size", lambda v: v in (None, 1), "expert tensor parallelism must be 1"),
         ("moe_expert_capacity_factor", lambda v: v is None, "token dropping is not supported (dropless only)"),
@@ -316,11 +341,16 @@ class _Collect(torch.autograd.Function):
 
 
 class _Call:
-    """The index tensors of one balanced layer call, on the tokens' device."""
+    """The index tensors of one balanced layer call, on the tokens' device.
+
+    ``rows_total`` (GroupedMLP: the storage rows per weight kind): the received rows are grouped by storage row
+    (ascending) instead of by plan slot, and ``counts`` has one entry per storage row (zero for a row without
+    tokens), the ``batch_sizes`` of a grouped GEMM over the whole slot storage."""
 
     __slots__ = ("shape", "T", "send_tokens", "gather", "pad", "recv_perm", "recv_inverse", "counts")
 
-    def __init__(self, run: _Run, shape: torch.Size, T: int, short: int, device: torch.device):
+    def __init__(self, run: _Run, shape: torch.Size, T: int, short: int, device: torch.device,
+                 rows_total: Optional[int] = None):
         lay = run.layout
         self.shape, self.T = shape, T
         gather = lay.route_pos
@@ -329,9 +359,113 @@ class _Call:
             gather = torch.where(gather < 0, torch.full_like(gather, lay.num_send), gather)
         self.send_tokens = lay.send_tokens.to(device)
         self.gather = gather.to(device)
-        self.recv_perm = lay.recv_perm.to(device)
-        self.recv_inverse = lay.recv_inverse.to(device)
-        self.counts = torch.tensor(lay.slot_counts, dtype=torch.long)
+        recv_perm, recv_inverse = lay.recv_perm, lay.recv_inverse
+        self.counts, perm = _by_row(run, rows_total)
+        if perm is not None:
+            recv_perm = recv_perm.index_select(0, perm)
+            recv_inverse = torch.empty_like(recv_perm)
+            recv_inverse[recv_perm] = torch.arange(recv_perm.numel(), dtype=recv_perm.dtype)
+        self.recv_perm = recv_perm.to(device)
+        self.recv_inverse = recv_inverse.to(device)
+
+
+def _by_row(run: _Run, rows_total: Optional[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The expert module's ``tokens_per_expert`` (CPU int64) for rows grouped by plan slot (``run.layout``'s
+    ``slot_counts``), and the permutation of those rows that the expert module needs (``None``: as they are).
+    ``rows_total`` ``None`` (SequentialMLP): the slot counts, slot order kept. Otherwise (GroupedMLP): one count
+    per storage row, zero for a row without tokens, and the slot blocks reordered by storage row, ascending."""
+    counts = np.asarray(run.layout.slot_counts, dtype=np.int64)
+    if rows_total is None:
+        return torch.from_numpy(counts), None
+    used = np.flatnonzero(counts > 0)
+    rows = np.asarray(run.rows, dtype=np.int64)[used]
+    row_counts = np.zeros(rows_total, dtype=np.int64)
+    row_counts[rows] = counts[used]
+    order = np.argsort(rows, kind="stable")
+    if not np.any(order != np.arange(used.size)):
+        return torch.from_numpy(row_counts), None
+    starts = np.cumsum(counts) - counts  # slot j's first grouped row
+    blocks = used[order]
+    n = counts[blocks]
+    new_starts = np.cumsum(n) - n
+    return torch.from_numpy(row_counts), torch.from_numpy(np.repeat(starts[blocks] - new_starts, n) +
+                                                          np.arange(int(n.sum())))
+
+
+def _grouped_rows(experts: GroupedMLP, config: Any, index: int) -> Dict[str, Tuple[int, ...]]:
+    """The storage row shape of each fused ``GroupedMLP`` weight, ``{"weight1": (n, H, F1), "weight2": (n, F, H)}``
+    (``F`` = ``moe_ffn_hidden_size``, ``F1`` = ``2 F`` with a gated linear unit), after checking the parameters'
+    shapes: ``weight1`` ``[H, n F1]`` and ``weight2`` ``[n F, H]``, which ``GroupedMLP.forward`` views as
+    ``[n, H, F1]`` and ``[n, F, H]`` for ``grouped_gemm.ops.gmm`` (megatron-core 0.16.1, experts.py:144-154 and
+    243-244): expert ``i``'s weights are the ``i``-th contiguous block of each parameter."""
+    n = int(experts.num_local_experts)
+    H, F = int(config.hidden_size), int(config.moe_ffn_hidden_size)
+    F1 = 2 * F if config.gated_linear_unit else F
+    want = {"weight1": (H, n * F1), "weight2": (n * F, H)}
+    for name, shape in want.items():
+        p = getattr(experts, name, None)
+        if not isinstance(p, torch.Tensor) or tuple(p.shape) != shape or not p.is_contiguous():
+            got = list(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
+            raise ValueError(
+                f"foremoe.megatron: MoE layer {index}: GroupedMLP {name} is {got}"
+                f"{'' if not isinstance(p, torch.Tensor) or p.is_contiguous() else ' (not contiguous)'}, expected "
+                f"{list(shape)} (hidden {H}, {n} local experts, moe_ffn_hidden_size {F}"
+                f"{', gated' if config.gated_linear_unit else ''}; expert tensor parallelism 1)")
+    return {"weight1": (n, H, F1), "weight2": (n, F, H)}
+
+
+def _bind_fused(storage: ExpertStorage, fused: Dict[str, torch.nn.Parameter]) -> None:
+    """Makes each fused ``GroupedMLP`` parameter (``{kind: parameter}``) a view of the owner rows of its kind in
+    ``storage`` (rows ``[0, n_owned)``, contiguous: the fused layout), keeping the parameter object, as
+    :meth:`ExpertStorage.bind_parameters` does for per-expert parameters: the parameter's in-place updates (the
+    optimizer step) count as owner weight changes and its ``.data`` being replaced is an error at the next call.
+    The storage was filled from these parameters, so the values do not change."""
+    n = storage.num_owned
+    bound = []
+    for name, p in fused.items():
+        rows = storage.storage[name][:n]
+        if rows.numel() != p.numel() or rows.dtype != p.dtype:
+            raise ValueError(f"foremoe.megatron: GroupedMLP {name} is {list(p.shape)} {p.dtype}, its {n} owner rows "
+                             f"{list(rows.shape)} {rows.dtype}")
+        bound.append((p, rows.view(p.shape)))
+    with torch.no_grad():
+        for p, view in bound:
+            p.data = view
+    # ExpertStorage tracks bound parameters in `_bound` (versions for owners_changed, pointers for check_aliasing).
+    storage._bound.extend(bound)
+    storage._bound_ptrs = [int(v.data_ptr()) for _, v in storage._bound]
+    storage._bound_shapes = [v.shape for _, v in storage._bound]
+    storage._versions = storage._param_versions()
+
+
+class _GroupedWeights(torch.autograd.Function):
+    """The whole slot storage of every weight kind (``[rows, ...]``: owner rows, then spare rows; views, copying
+    nothing) for a grouped GEMM over the plan's slots, with the fused ``GroupedMLP`` parameters as inputs.
+    Backward: the owner rows' gradient goes to the fused parameter (reshaped to it), after every replica's
+    gradient (rows of the slots with tokens) was added to its owner's part in the fixed order of the
+    SequentialMLP path (:class:`foremoe.torch.layer._SlotWeights`): ascending (expert, holder) after the owner's
+    own, or held and returned later (``hold_replica_gradients``)."""
+
+    @staticmethod
+    def forward(ctx: Any, run: _Run, slots: List[int], *params: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        ctx.run, ctx.slots, ctx.shapes = run, slots, [p.shape for p in params]
+        st = run.storage
+        return tuple(st.storage[n].detach() for n in st.names)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> Tuple[Any, ...]:
+        run: _Run = ctx.run
+        st = run.storage
+        _check_rows(run)
+        n = st.num_owned
+        full = [torch.zeros_like(st.storage[name]) if g is None else g for name, g in zip(st.names, grads)]
+        go = [g[:n] for g in full]
+        rep_grad = {j: [g[int(run.rows[j])] for g in full] for j in ctx.slots if int(run.rows[j]) >= n}
+        if run.hold is not None:
+            go = _return_held_grads(run, go, rep_grad)
+        else:
+            go = _reduce_replica_grads(run, go, rep_grad, {int(run.rows[j]): j for j in rep_grad})
+        return (None, None, *[g.reshape(shape) for g, shape in zip(go, ctx.shapes)])
 
 
 class _LayerState:
@@ -345,6 +479,25 @@ class _LayerState:
         self.world, self.rank = group_size(self.group), group_rank(self.group)
         self.num_experts = int(layer.config.num_moe_experts)
         self.topk = int(layer.config.moe_router_topk)
+        self.owners = contiguous_owners(self.num_experts, self.world)
+        if list(np.flatnonzero(self.owners == self.rank)) != list(layer.local_expert_indices):
+            raise ValueError(f"foremoe.megatron: MoE layer {index}: local experts {layer.local_expert_indices} are not "
+                             f"rank {self.rank}'s contiguous share of {self.num_experts} experts over {self.world}")
+        self.grouped = type(experts) is GroupedMLP
+        self.rows_total: Optional[int] = None
+        self.run: Optional[_Run] = None  # the balanced call in flight (None: Megatron's own path)
+        self.call: Optional[_Call] = None
+        if self.grouped:
+            fused = {"weight1": experts.weight1, "weight2": experts.weight2}
+            rows = _grouped_rows(experts, layer.config, index)
+            weights = {n: p.detach().view(rows[n]) for n, p in fused.items()}
+            self.storage = ExpertStorage(weights, self.owners, slots, rank=self.rank, world=self.world,
+                                         group=self.group, **options)
+            _bind_fused(self.storage, fused)
+            self.rows_total = int(self.storage.storage["weight1"].shape[0])
+            self.params = list(fused.values())
+            self.template, self.swap, self.plain = None, [], None
+            return
         local = list(experts.local_experts)
         names = [n for n, _ in local[0].named_parameters()]
         for i, e in enumerate(local):
@@ -354,10 +507,6 @@ class _LayerState:
                                  f"expert 0 {names}")
         by_name = [dict(e.named_parameters()) for e in local]
         weights = {n: torch.stack([p[n].detach() for p in by_name]) for n in names}
-        self.owners = contiguous_owners(self.num_experts, self.world)
-        if list(np.flatnonzero(self.owners == self.rank)) != list(layer.local_expert_indices):
-            raise ValueError(f"foremoe.megatron: MoE layer {index}: local experts {layer.local_expert_indices} are not "
-                             f"rank {self.rank}'s contiguous share of {self.num_experts} experts over {self.world}")
         self.storage = ExpertStorage(weights, self.owners, slots, rank=self.rank, world=self.world,
                                      group=self.group, **options)
         self.storage.bind_parameters({n: [p[n] for p in by_name] for n in names})
@@ -369,10 +518,10 @@ class _LayerState:
             self.swap.append((template.get_submodule(mod_name) if mod_name else template, attr))
         self.template = template
         self.plain = _plain_mlp(template, names, layer.config)  # None: Megatron's MLP module, weights swapped in
-        self.run: Optional[_Run] = None  # the balanced call in flight (None: Megatron's own path)
-        self.call: Optional[_Call] = None
 
     def expert_fn(self, x: torch.Tensor, *weights: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.grouped:  # GroupedMLP computes all slots at once (_BalancedGroupedMLP), never one expert
+            raise RuntimeError(f"foremoe.megatron: MoE layer {self.index}: GroupedMLP has no per-expert function")
         if self.plain is not None:
             return self.plain(x, *weights, scale=scale)
         return _swap_call(self.template, self.swap, weights, x, scale)
@@ -404,7 +553,7 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                              f"{e}") from None
         st.run = run
         lay = run.layout
-        call = st.call = _Call(run, hidden_states.shape, T, short, x.device)
+        call = st.call = _Call(run, hidden_states.shape, T, short, x.device, st.rows_total)
         st.balancer._record(st, plan, run)
         send = _Spread.apply(x, call.send_tokens, call.gather, call.pad, K)
         # probs [T, E]: sent row i takes probs[send_tokens[i], send_experts[i]] (one gather)
@@ -455,6 +604,99 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return out.view(c.shape)
 
 
+class ForeMoEAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
+    """Megatron's allgather dispatcher under the micro-step's plan.
+
+    Made from an existing ``MoEAllGatherTokenDispatcher`` by :func:`install`. Megatron's own all-gather of every
+    rank's tokens, routing map and probabilities and its reduce-scatter of the outputs run unchanged; in between,
+    each rank computes the routes the plan gives its slots, from every source rank's tokens: each source's
+    :meth:`foremoe.Plan.dispatch` with the split the layer call's loads give (the same on every rank, the one the
+    alltoall dispatcher sends with), grouped by slot with sources in rank order and tokens in order, as the
+    alltoall path receives them. The outputs are summed per token (``k`` ascending) into the ``[G T, H]`` buffer
+    Megatron reduce-scatters. Every rank must hold the same number of tokens (Megatron's all-gather needs it)."""
+
+    _foremoe: _LayerState
+
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        st = self._foremoe
+        plan = st.balancer._plan_for(st.index)
+        if plan is None:
+            st.run = None
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        ids, counts, _ = _routes(routing_map, st.topk, st.index)
+        try:
+            run = _prepare(x, ids, _APPLIED_INSIDE, plan, st.storage, st.expert_fn, st.index, st.group, None,
+                           st.balancer.timeout, counts=counts)
+        except ValueError as e:
+            raise ValueError(f"foremoe.megatron: MoE layer {st.index}, micro-step {st.balancer.current_micro_step}: "
+                             f"{e}") from None
+        st.run, st.call = run, None
+        st.balancer._record(st, plan, run)
+        self.hidden_shape = hidden_states.shape
+        self.routing_map = routing_map
+        return x, probs
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        st = self._foremoe
+        run = st.run
+        if run is None:
+            return super().dispatch_postprocess(hidden_states, probs)
+        K, G, rank = st.topk, st.world, st.rank
+        gmap, self.routing_map = self.routing_map, None
+        N = int(gmap.shape[0])
+        T = N // G
+        if T * G != N or T != run.layout.slots.shape[0]:
+            raise ValueError(f"foremoe.megatron: MoE layer {st.index}: the all-gather holds {N} tokens over {G} "
+                             f"ranks, this rank {run.layout.slots.shape[0]} (every rank needs the same count)")
+        gids = _routes(gmap, K, st.index)[0]  # [G T, K] every rank's routes, in rank order
+        split = run.layout.source_split
+        S = st.storage.slots
+        slots = np.empty((N, K), dtype=np.int64)
+        for g in range(G):  # each source's physical slots under the plan's split: the alltoall path's dispatch
+            d = run.plan.dispatch(run.plan_layer, gids[g * T:(g + 1) * T].reshape(T, 1, K), split, g)
+            slots[g * T:(g + 1) * T] = np.asarray(d["slots"]).reshape(T, K)
+        mine = (slots >= rank * S) & (slots < (rank + 1) * S)
+        tok, k = np.nonzero(mine)  # global token ascending, then k
+        j = slots[tok, k] - rank * S
+        order = np.argsort(j, kind="stable")  # by slot; sources in rank order and tokens in order inside
+        tok, k, j = tok[order], k[order], j[order]
+        if not np.array_equal(np.bincount(j, minlength=S), np.asarray(run.layout.slot_counts)):
+            raise RuntimeError(f"foremoe.megatron: MoE layer {st.index}: the all-gathered routes disagree with this "
+                               f"rank's slot counts (ranks with different plans?)")
+        counts, perm = _by_row(run, st.rows_total)
+        if perm is not None:
+            perm_np = perm.numpy()
+            tok, k = tok[perm_np], k[perm_np]
+        E = gmap.shape[1]
+        experts = gids.numpy()[tok, k].astype(np.int64)
+        pos = np.full(N * K, len(tok), dtype=np.int64)  # route (t, k) -> its row here; past the end: none
+        pos[tok * K + k] = np.arange(len(tok))
+        dev = hidden_states.device
+        rows = torch.from_numpy(tok).to(dev)
+        st.call = _Call.__new__(_Call)
+        c = st.call
+        c.shape, c.T, c.send_tokens, c.gather, c.pad = self.hidden_shape, N, rows, torch.from_numpy(pos).to(dev), True
+        c.counts = counts
+        x = _Spread.apply(hidden_states, rows, c.gather, True, K)
+        local_probs = probs.reshape(-1).index_select(0, torch.from_numpy(tok * E + experts).to(probs.device))
+        self.local_probs = local_probs
+        return x, counts, local_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        st = self._foremoe
+        if st.run is None:
+            return super().combine_preprocess(hidden_states)
+        c = st.call
+        return _Collect.apply(hidden_states, c.send_tokens, c.gather, True, c.T, st.topk)
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        st = self._foremoe
+        if st.run is not None:
+            st.run, st.call = None, None
+        return super().combine_postprocess(hidden_states)
+
+
 class _BalancedSequentialMLP(SequentialMLP):
     """``SequentialMLP`` whose forward, during a balanced call, computes the plan's slots (owner rows and replica
     rows) with the replica gradients reduced into the owners; otherwise Megatron's own forward."""
@@ -473,6 +715,48 @@ class _BalancedSequentialMLP(SequentialMLP):
             return _slot_compute(run, permuted_local_hidden_states, permuted_probs, st.params), None
         blocks = _OwnerRows.apply(st.storage, *st.params)  # no tokens here: the parameters' gradients are zeros
         y = _SlotExperts.apply(permuted_local_hidden_states, permuted_probs, run, *blocks)
+        return y, None
+
+
+class _BalancedGroupedMLP(GroupedMLP):
+    """``GroupedMLP`` whose forward, during a balanced call, runs one grouped GEMM (Megatron's
+    ``grouped_gemm.ops.gmm``) per weight over the whole slot storage (owner rows and spare rows; the dispatcher
+    grouped the received tokens by storage row and made ``tokens_per_expert`` the per-row counts), with the
+    activation, routing weight and activation recompute of ``GroupedMLP.forward``; otherwise Megatron's own
+    forward. The replica gradients reach the fused parameters through :class:`_GroupedWeights`."""
+
+    _foremoe: _LayerState
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        st = self._foremoe
+        run = st.run
+        if run is None:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        run.need_grad = torch.is_grad_enabled()
+        _schedule_gradients(run, st.balancer._gradients_mode())
+        slots = [j for j, c in enumerate(run.layout.slot_counts) if c > 0]
+        w1, w2 = _GroupedWeights.apply(run, slots, self.weight1, self.weight2)
+        x, probs = permuted_local_hidden_states, permuted_probs.unsqueeze(-1)
+        act = self.activation_func_with_probs
+        if self.activation_recompute:
+            from megatron.core import tensor_parallel
+
+            self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+        if x.nelement() != 0:
+            h = _gg.ops.gmm(x, w1, tokens_per_expert, trans_b=False)
+        else:  # no tokens here: plain matmuls keep the weights in the graph (their gradients are zeros)
+            h = torch.matmul(x, w1.view(self.config.hidden_size, -1))
+        if self.activation_recompute:
+            h = self.activation_checkpoint.checkpoint(act, h, probs)
+        else:
+            h = act(h, probs)
+        if x.nelement() != 0:
+            y = _gg.ops.gmm(h, w2, tokens_per_expert, trans_b=False)
+        else:
+            y = torch.matmul(h, w2.view(-1, self.config.hidden_size))
+        if self.activation_recompute:
+            self.activation_checkpoint.discard_output_and_register_recompute(y)
         return y, None
 
 
@@ -694,20 +978,32 @@ def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, stats_l
     for i, layer in enumerate(layers):
         check_config(layer.config)
         disp = layer.token_dispatcher
-        if type(disp) is not MoEAlltoAllTokenDispatcher and not isinstance(disp, ForeMoEAlltoAllTokenDispatcher):
-            raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(disp).__name__}; only "
-                             f"MoEAlltoAllTokenDispatcher (moe_token_dispatcher_type='alltoall') is supported")
-        if isinstance(disp, ForeMoEAlltoAllTokenDispatcher):
+        if isinstance(disp, (ForeMoEAlltoAllTokenDispatcher, ForeMoEAllGatherTokenDispatcher)):
             raise ValueError(f"foremoe.megatron: MoE layer {i} is already balanced (install once per model)")
-        if type(layer.experts) is not SequentialMLP:
+        if type(disp) not in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher):
+            raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(disp).__name__}; only "
+                             f"MoEAlltoAllTokenDispatcher (moe_token_dispatcher_type='alltoall') and "
+                             f"MoEAllGatherTokenDispatcher ('allgather') are supported")
+        if type(disp) is MoEAllGatherTokenDispatcher:
+            import torch.distributed as dist
+
+            if dist.get_process_group_ranks(disp.tp_ep_group) != dist.get_process_group_ranks(disp.ep_group):
+                raise ValueError(f"foremoe.megatron: MoE layer {i}: the allgather dispatcher's TP x EP group is not "
+                                 f"its expert-parallel group (tensor parallelism is not supported with it)")
+        if type(layer.experts) not in (SequentialMLP, GroupedMLP):
             raise ValueError(f"foremoe.megatron: MoE layer {i} uses {type(layer.experts).__name__} experts; only "
-                             f"SequentialMLP (moe_grouped_gemm=False) is supported")
+                             f"SequentialMLP (moe_grouped_gemm=False) and GroupedMLP (moe_grouped_gemm=True "
+                             f"without Transformer Engine) are supported")
+        if type(layer.experts) is GroupedMLP:
+            _grouped_rows(layer.experts, layer.config, i)  # the fused shapes, before any layer is changed
     balancer = MegatronBalancer(layers, slots, timeout=timeout, stats_limit=stats_limit,
                                 hold_replica_gradients=hold_replica_gradients, **storage_options)
     for st in balancer._states:
         layer = st.module
-        layer.token_dispatcher.__class__ = ForeMoEAlltoAllTokenDispatcher
+        alltoall = type(layer.token_dispatcher) is MoEAlltoAllTokenDispatcher
+        layer.token_dispatcher.__class__ = (ForeMoEAlltoAllTokenDispatcher if alltoall else
+                                            ForeMoEAllGatherTokenDispatcher)
         layer.token_dispatcher._foremoe = st
-        layer.experts.__class__ = _BalancedSequentialMLP
+        layer.experts.__class__ = _BalancedGroupedMLP if st.grouped else _BalancedSequentialMLP
         layer.experts._foremoe = st
     return balancer
