@@ -98,7 +98,6 @@ __all__ = [
     "RoutingReplay",
     "check_transformers_version",
     "expert_forward",
-    "fsdp_error",
 ]
 
 #: The transformers releases this adapter is tested with (``major.minor``): the expert-parallel seam moves quickly.
@@ -135,7 +134,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402 - a
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface  # noqa: E402
 
 
-def fsdp_error(cfg: Any) -> Optional[str]:
+def _fsdp_error(cfg: Any) -> Optional[str]:
     """The reason ``ep_implementation="foremoe"`` cannot run under ``DistributedConfig`` ``cfg`` because of FSDP2
     (``fsdp_size > 1`` or ``dp_replicate_size > 1``), or ``None``."""
     sizes = {n: int(getattr(cfg, n, 1) or 1) for n in ("fsdp_size", "dp_replicate_size")}
@@ -179,7 +178,7 @@ class ForeMoEEP(EPImplementation):
         # (distributed/mixin.py maybe_distribute_model) and FSDP2 wraps the experts only after: refuse FSDP2 here, at
         # load time, rather than after the whole model was sharded.
         cfg = getattr(getattr(experts, "config", None), "distributed_config", None)
-        reason = fsdp_error(cfg) if cfg is not None else None
+        reason = _fsdp_error(cfg) if cfg is not None else None
         if reason is not None:
             raise ValueError(reason)
         super().__init__(experts, ep_mesh, tp_mesh)
@@ -410,7 +409,7 @@ class ForeMoE:
         self.timeout = float(timeout)
         cfg = getattr(getattr(model, "config", None), "distributed_config", None)
         if cfg is not None:
-            reason = fsdp_error(cfg)
+            reason = _fsdp_error(cfg)
             if reason is not None:
                 raise ValueError(f"ForeMoE: {reason}")
             if int(getattr(cfg, "pp_size", 1) or 1) != 1:
