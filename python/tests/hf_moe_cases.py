@@ -286,11 +286,44 @@ def errors_rank(rank: int, case: HFCase, tmp: str) -> None:
     bad_ids = ids.clone()
     bad_ids[0, 0, 0] = case.experts
     out["pack_range"] = _catch(lambda: moe.pack(bad_ids, lengths, micro_steps=case.micro, token_budget=budget))
-    # Unsupported layout: FSDP over the experts (fsdp_size == ep_size, every rank its own batch).
+    # Unsupported layouts: FSDP2 (fsdp_size == ep_size, every rank its own batch: transformers would wrap the experts
+    # in FSDP2), and an expert group that is not the tensor-parallel group without FSDP (pipeline x EP).
     from transformers.distributed import DistributedConfig
     cfg = DistributedConfig(fsdp_size=case.world, ep_size=case.world, ep_implementation="foremoe")
     out["fsdp"] = _catch(lambda: model_class(case).from_pretrained(path, distributed_config=cfg,
                                                                    dtype=case.torch_dtype))
+    out["ep_not_tp"] = _catch(lambda: fmt.ForeMoEEP(model.model.layers[0].mlp.experts, moe.layers[0].ep_mesh,
+                                                    _one_rank_mesh()))
+    save_and_leave(out, tmp, rank)
+
+
+def _one_rank_mesh() -> Any:
+    """This rank alone as a 1-D CPU device mesh (a tensor-parallel group that is not the expert group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh.from_group(dist.new_subgroups(1)[0], "cpu")  # a collective: every rank calls it
+
+
+def fsdp_rank(rank: int, case: HFCase, tmp: str) -> None:
+    """FSDP2 beside tensor and expert parallelism on 4 ranks (tp_size == ep_size == 2): loading with
+    ep_implementation='foremoe' is refused; with transformers' own "all_to_all" the experts are FSDP2 modules and
+    ForeMoE refuses that model. Writes ``{case: message}``."""
+    import foremoe.transformers as fmt
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.distributed import DistributedConfig
+
+    path = setup_rank(rank, case, tmp)
+    out: Dict[str, str] = {}
+
+    def load_with(impl: str, **sizes: int) -> Any:
+        cfg = DistributedConfig(tp_size=2, ep_size=2, ep_implementation=impl, **sizes)
+        return model_class(case).from_pretrained(path, distributed_config=cfg, dtype=case.torch_dtype,
+                                                 experts_implementation="eager")
+
+    out["fsdp"] = _catch(lambda: load_with("foremoe", fsdp_size=2))
+    out["hsdp"] = _catch(lambda: load_with("foremoe", dp_replicate_size=2))
+    model = load_with("all_to_all", fsdp_size=2)
+    out["all_to_all_experts_fsdp"] = str(isinstance(model.model.layers[0].mlp.experts, FSDPModule))
+    out["attach"] = _catch(lambda: fmt.ForeMoE(model, spare_slots=1))
     save_and_leave(out, tmp, rank)
 
 

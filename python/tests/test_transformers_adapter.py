@@ -108,4 +108,29 @@ def test_bad_input(tmp_path):
         assert int(out["replicas_used"]) > 0, where
         assert out["pack"] == "ok", (where, out["pack"])
         assert out["pack_range"].startswith("ValueError") and "8" in out["pack_range"], (where, out["pack_range"])
-        assert "ep_implementation='foremoe' needs" in out["fsdp"] and "ep_size=2, tp_size=1" in out["fsdp"], where
+        assert_fsdp_refused(out["fsdp"], "fsdp_size=2", "tp_size=1, fsdp_size=2, dp_replicate_size=1, ep_size=2")
+        assert "ep_implementation='foremoe' needs" in out["ep_not_tp"] and "ep_size=2, tp_size=1" in out["ep_not_tp"]
+
+
+def assert_fsdp_refused(msg, what, layout):
+    """The load-time error for FSDP2 with ep_implementation='foremoe': names the setting, the layout and the
+    transformers code that wraps the experts in FSDP2."""
+    assert msg.startswith("ValueError: ep_implementation='foremoe' does not run with " + what), msg
+    assert f"DistributedConfig({layout})" in msg, msg
+    assert "transformers/distributed/fsdp.py, apply_fully_sharded_data_parallelism" in msg, msg
+    assert "owner rows of an ExpertStorage" in msg and "ep_implementation='all_to_all'" in msg, msg
+
+
+def test_fsdp_refused_at_load(tmp_path):
+    """4 ranks: FSDP2 over the dense modules beside tensor and expert parallelism (tp_size == ep_size == 2, so the
+    expert group shares a batch; fsdp_size or dp_replicate_size 2) is refused by from_pretrained with the reason
+    (transformers 5.23 would wrap the experts in FSDP2 as well); the same model with transformers' own "all_to_all"
+    loads with its experts FSDP2-managed (the reason holds); ForeMoE on that model refuses it too."""
+    case = cases.HFCase(family="qwen3_moe", world=4, experts=8, topk=2, steps=1, micro=1)
+    for r, out in enumerate(_run(cases.fsdp_rank, case, tmp_path)):
+        assert_fsdp_refused(out["fsdp"], "fsdp_size=2", "tp_size=2, fsdp_size=2, dp_replicate_size=1, ep_size=2")
+        assert_fsdp_refused(out["hsdp"], "dp_replicate_size=2",
+                            "tp_size=2, fsdp_size=1, dp_replicate_size=2, ep_size=2")
+        assert out["all_to_all_experts_fsdp"] == "True", (r, out)
+        assert out["attach"].startswith("ValueError: ForeMoE: ep_implementation='foremoe' does not run with "
+                                        "fsdp_size=2"), (r, out["attach"])

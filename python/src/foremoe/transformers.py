@@ -12,10 +12,22 @@ Supported (tested on the CPU over gloo): Qwen3-MoE, Mixtral and OLMoE (fused exp
 loaded with ``DistributedConfig(tp_size=N, ep_size=N, ep_implementation="foremoe")``: the ranks of the expert
 group hold the same batch (transformers' tensor parallelism of the dense modules), each rank dispatches its slice of
 it (as transformers' own ``"all_to_all"`` does) and owns ``E / N`` experts. Not supported, with an error naming the
-setting: FSDP over the experts (``fsdp_size > 1`` or ``dp_replicate_size > 1``: FSDP2 re-gathers the expert
-parameters into buffers of its own, so they cannot be owner rows of an :class:`~foremoe.torch.ExpertStorage`),
+setting: ``fsdp_size > 1`` or ``dp_replicate_size > 1`` (refused when the model is loaded, see *FSDP2* below),
 ``ep_size != tp_size``, pipeline parallelism, other expert layouts (biases, transposed weights), Mixtral's router
 jitter.
+
+**FSDP2.** FSDP2 over the dense modules with the experts left to ForeMoE is not possible with transformers 5.23:
+whenever ``fsdp_size * dp_replicate_size > 1`` its ``apply_fully_sharded_data_parallelism``
+(``transformers/distributed/fsdp.py`` lines 195-213, called from ``distributed/mixin.py`` 340-341) wraps every
+``ep_dispatch_experts`` module in an FSDP2 unit of its own over the ``efsdp`` mesh, even when that mesh has one rank,
+and no ``DistributedConfig`` field or plan rule leaves them out; the decoder layers' and the root's ``fully_shard``
+(lines 222-238) pass no ``ignored_params``. FSDP2 then re-gathers the expert parameters into buffers of its own for
+every forward and reduce-scatters their gradients itself, so they cannot be the owner rows of an
+:class:`~foremoe.torch.ExpertStorage`. FSDP2 applied by the trainer after loading is no way round it either: the mesh
+must cover the world (``distributed/utils.py`` 312-317), so without ``fsdp_size`` there are no data-parallel ranks
+besides the tensor-parallel ones, and ``ep_size`` must divide ``fsdp_size * tp_size``
+(``distributed/configuration_utils.py`` 184-185). Loading with ``ep_implementation="foremoe"`` and ``fsdp_size > 1``
+or ``dp_replicate_size > 1`` raises ``ValueError`` naming this (before FSDP2 wraps anything).
 
 Use, on every rank (see ``examples/python/transformers_train.py``)::
 
@@ -122,6 +134,25 @@ from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402 - a
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface  # noqa: E402
 
 
+def _fsdp_error(cfg: Any) -> Optional[str]:
+    """The reason ``ep_implementation="foremoe"`` cannot run under ``DistributedConfig`` ``cfg`` because of FSDP2
+    (``fsdp_size > 1`` or ``dp_replicate_size > 1``), or ``None``."""
+    sizes = {n: int(getattr(cfg, n, 1) or 1) for n in ("fsdp_size", "dp_replicate_size")}
+    bad = [f"{n}={v}" for n, v in sizes.items() if v != 1]
+    if not bad:
+        return None
+    layout = ", ".join(f"{n}={int(getattr(cfg, n, 1) or 1)}" for n in ("tp_size", "fsdp_size", "dp_replicate_size",
+                                                                        "ep_size"))
+    return (f"ep_implementation='foremoe' does not run with {' and '.join(bad)} (DistributedConfig({layout})): "
+            f"transformers {SUPPORTED_TRANSFORMERS[0]} wraps every expert-parallel experts module in an FSDP2 unit of "
+            f"its own over the 'efsdp' mesh whenever fsdp_size * dp_replicate_size > 1 "
+            f"(transformers/distributed/fsdp.py, apply_fully_sharded_data_parallelism), with no setting that leaves "
+            f"the experts out of FSDP2; FSDP2 re-gathers their parameters into buffers of its own, so they cannot be "
+            f"the owner rows of an ExpertStorage. Load with DistributedConfig(tp_size=N, ep_size=N, "
+            f"ep_implementation='foremoe') (dense modules tensor-parallel), or keep FSDP2 with transformers' own "
+            f"ep_implementation='all_to_all'")
+
+
 def expert_forward(act_fn: Any) -> Any:
     """One expert's math of the fused layout, ``expert(x, gate_up [2I, H], down [H, I])``: the eager experts
     forward of Qwen3-MoE, Mixtral and OLMoE without the routing weight (``balanced_moe`` applies it)."""
@@ -143,6 +174,13 @@ class ForeMoEEP(EPImplementation):
     needs the :class:`ForeMoE` attachment (the expert storage) before its first call."""
 
     def __init__(self, experts: nn.Module, ep_mesh: Any, tp_mesh: Any):
+        # The model's DistributedConfig is set on its config before transformers builds the EP implementations
+        # (distributed/mixin.py maybe_distribute_model) and FSDP2 wraps the experts only after: refuse FSDP2 here, at
+        # load time, rather than after the whole model was sharded.
+        cfg = getattr(getattr(experts, "config", None), "distributed_config", None)
+        reason = _fsdp_error(cfg) if cfg is not None else None
+        if reason is not None:
+            raise ValueError(reason)
         super().__init__(experts, ep_mesh, tp_mesh)
         if not self.shares_batch:
             raise ValueError(f"ep_implementation='foremoe' needs the expert-parallel group to be the tensor-parallel "
@@ -371,12 +409,12 @@ class ForeMoE:
         self.timeout = float(timeout)
         cfg = getattr(getattr(model, "config", None), "distributed_config", None)
         if cfg is not None:
-            for name in ("fsdp_size", "dp_replicate_size", "pp_size"):
-                if int(getattr(cfg, name, 1) or 1) != 1:
-                    raise ValueError(f"ForeMoE: {name}={getattr(cfg, name)} is not supported: ep_implementation="
-                                     f"'foremoe' runs with DistributedConfig(tp_size=N, ep_size=N) only (FSDP2 "
-                                     f"re-gathers the expert parameters itself, so they cannot be ExpertStorage owner "
-                                     f"rows)")
+            reason = _fsdp_error(cfg)
+            if reason is not None:
+                raise ValueError(f"ForeMoE: {reason}")
+            if int(getattr(cfg, "pp_size", 1) or 1) != 1:
+                raise ValueError(f"ForeMoE: pp_size={cfg.pp_size} is not supported: ep_implementation='foremoe' runs "
+                                 f"with DistributedConfig(tp_size=N, ep_size=N) only")
         modules = dict(model.named_modules())
         found = [(n, m) for n, m in modules.items() if getattr(m, "_foremoe_ep", None) is not None]
         if not found:
@@ -434,8 +472,11 @@ class ForeMoE:
             raise ValueError(f"ForeMoE: experts {name!r} ({type(experts).__name__}) have parameters {sorted(params)}"
                              f"{' (transposed)' if getattr(experts, 'is_transposed', False) else ''}; supported is "
                              f"the fused layout gate_up_proj [E, 2I, H], down_proj [E, H, I] without bias")
-        if type(experts).__module__.startswith("torch.distributed.fsdp") or hasattr(experts, "_get_fsdp_state"):
-            raise ValueError(f"ForeMoE: experts {name!r} are managed by FSDP2 (fsdp_size > 1), which is not supported")
+        from torch.distributed.fsdp import FSDPModule
+        if isinstance(experts, FSDPModule) or hasattr(experts, "_get_fsdp_state"):
+            raise ValueError(f"ForeMoE: experts {name!r} are managed by FSDP2 ({type(experts).__name__}): FSDP2 "
+                             f"re-gathers their parameters into buffers of its own, so they cannot be the owner rows "
+                             f"of an ExpertStorage (FSDP2 over the experts is not supported)")
         out = {}
         for n in ("gate_up_proj", "down_proj"):
             p = params[n]
