@@ -394,21 +394,30 @@ namespace detail {
   v.gpus_per_node = P;
   for (auto *x : {&v.nic_send, &v.nic_recv, &v.nvl_send, &v.nvl_recv, &v.nic_peers, &v.nvl_peers})
     x->assign(static_cast<std::size_t>(G), 0.0);
-  if (const auto bad =
-          std::find_if(slots.begin(), slots.end(), [num_slots](std::int32_t p) { return p < -1 || p >= num_slots; });
-      bad != slots.end()) {
-    const auto x = static_cast<std::size_t>(bad - slots.begin());
-    detail::fail("a2a_volumes_from_routes: token ", x / static_cast<std::size_t>(topk), " k ",
-                 x % static_cast<std::size_t>(topk), " goes to slot ", *bad, " of ", num_slots);
-  }
   for (int r = 0; r < G; ++r)
     require(source_offsets[r + 1] >= source_offsets[r], "a2a_volumes_from_routes: source offsets decrease at ", r);
+  // A slot outside [-1, num_slots): the first such route names its token and k (checked inside the GPU-mask loop,
+  // which visits the tokens in order, so the routes are read once).
+  auto bad_slot = [&](const std::int32_t *at) {
+    const auto x = static_cast<std::size_t>(at - slots.data());
+    detail::fail("a2a_volumes_from_routes: token ", x / static_cast<std::size_t>(topk), " k ",
+                 x % static_cast<std::size_t>(topk), " goes to slot ", *at, " of ", num_slots);
+  };
+  if (G > 64)
+    if (const auto bad =
+            std::find_if(slots.begin(), slots.end(), [num_slots](std::int32_t p) { return p < -1 || p >= num_slots; });
+        bad != slots.end())
+      bad_slot(&*bad);
   std::vector<std::int32_t> gpu_of(static_cast<std::size_t>(num_slots));
   for (std::int64_t p = 0; p < num_slots; ++p)
     gpu_of[static_cast<std::size_t>(p)] = static_cast<std::int32_t>(p / slots_per_gpu);
   std::vector<std::int32_t> node_of(static_cast<std::size_t>(G));
   for (int g = 0; g < G; ++g)
     node_of[g] = g / P;
+  // The GPU mask of slot p - 1 at index p (index 0: no route).
+  std::vector<std::uint64_t> mask_of(G <= 64 ? static_cast<std::size_t>(num_slots) + 1 : 0, 0);
+  for (std::size_t p = 1; p < mask_of.size(); ++p)
+    mask_of[p] = std::uint64_t{1} << gpu_of[p - 1];
   // gpu_hits[r][g]: tokens of rank r with a route to GPU g; node_hits[r][b]: with a route to node b.
   std::vector<std::int64_t> gpu_hits(static_cast<std::size_t>(G) * G, 0), node_hits(static_cast<std::size_t>(G) * N, 0);
   for (int r = 0; r < G; ++r) {
@@ -419,8 +428,11 @@ namespace detail {
     if (G <= 64) {
       for (; row != last; row += topk) {
         std::uint64_t gm = 0, nm = 0;
-        for (int k = 0; k < topk; ++k)
-          if (row[k] >= 0) gm |= std::uint64_t{1} << gpu_of[static_cast<std::size_t>(row[k])];
+        for (int k = 0; k < topk; ++k) {
+          const auto u = static_cast<std::uint64_t>(static_cast<std::int64_t>(row[k]) + 1);
+          if (u > static_cast<std::uint64_t>(num_slots)) bad_slot(row + k);
+          gm |= mask_of[u];
+        }
         for (std::uint64_t m = gm; m != 0; m &= m - 1) {
           const int g = std::countr_zero(m);
           ++hg[g];
