@@ -1,6 +1,8 @@
 // Load counting throughput: routed ids per second on [tokens, 48 layers, top-8]
 // uint16 traces, the header-only counter against a naive per-id loop, and the
-// runtime's multi-threaded host backend.
+// runtime's multi-threaded host backend. Also the simulator's counted all-to-all
+// kernel (a2a_volumes_from_routes: one layer's mapped slots, 8 x 8 GPUs x 3 slots)
+// against its first, token-by-token version.
 //
 //   bench_count --benchmark_format=json --benchmark_out=count.json
 
@@ -10,6 +12,7 @@
 #include <map>
 #include <vector>
 
+#include "foremoe/cost/comm.hpp"
 #include "foremoe/trace/count.hpp"
 #if defined(FOREMOE_BENCH_RUNTIME)
 #include "foremoe/runtime/runtime.hpp"
@@ -158,6 +161,61 @@ BENCHMARK(BM_runtime_host_count)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 #endif
+
+// One layer of one micro-step as the simulator counts it: [tokens][top-8] physical slots of 8 x 8 GPUs x 3 slots
+// (the default job's), 8192 tokens per rank; a token's slots are distinct experts' copies (its node more often).
+struct LayerSlots {
+  std::vector<std::int32_t> slots;
+  std::vector<std::int64_t> offsets;
+};
+constexpr int a2a_nodes = 8, a2a_gpus_per_node = 8, a2a_slots = 3;
+
+const LayerSlots &layer_slots(std::int64_t tokens_per_rank) {
+  static std::map<std::int64_t, LayerSlots> cache;
+  auto [it, fresh] = cache.try_emplace(tokens_per_rank);
+  if (fresh) {
+    LayerSlots &t = it->second;
+    const int G = a2a_nodes * a2a_gpus_per_node, num_slots = G * a2a_slots;
+    std::uint64_t s = 0x2545F4914F6CDD1Dull;
+    auto next = [&s] {
+      s ^= s << 13;
+      s ^= s >> 7;
+      s ^= s << 17;
+      return s;
+    };
+    t.offsets.push_back(0);
+    for (int r = 0; r < G; ++r) {
+      for (std::int64_t tok = 0; tok < tokens_per_rank; ++tok)
+        for (int k = 0; k < topk; ++k) {
+          const std::uint64_t x = next();
+          // Half the routes on the rank's own node, the rest anywhere.
+          const int node = x % 2 == 0 ? r / a2a_gpus_per_node : static_cast<int>((x >> 8) % a2a_nodes);
+          const int slot = static_cast<int>((x >> 16) % (a2a_gpus_per_node * a2a_slots));
+          t.slots.push_back((node * a2a_gpus_per_node * a2a_slots + slot) % num_slots);
+        }
+      t.offsets.push_back(t.offsets.back() + tokens_per_rank);
+    }
+  }
+  return it->second;
+}
+
+template <bool marks> void a2a_volumes_bench(benchmark::State &state) {
+  const LayerSlots &t = layer_slots(state.range(0));
+  const int G = a2a_nodes * a2a_gpus_per_node;
+  for (auto _ : state) {
+    const foremoe::A2aVolumes v =
+        marks
+            ? foremoe::detail::a2a_volumes_from_routes_marks(t.slots, topk, a2a_slots, a2a_gpus_per_node, G, t.offsets)
+            : foremoe::a2a_volumes_from_routes(t.slots, topk, a2a_slots, a2a_gpus_per_node, G, t.offsets);
+    benchmark::DoNotOptimize(v.nic_send.data());
+  }
+  const double tokens = static_cast<double>(t.offsets.back());
+  state.counters["Mtokens_per_s"] = benchmark::Counter(tokens * 1e-6, benchmark::Counter::kIsIterationInvariantRate);
+}
+void BM_a2a_volumes_from_routes(benchmark::State &state) { a2a_volumes_bench<false>(state); }
+void BM_a2a_volumes_from_routes_marks(benchmark::State &state) { a2a_volumes_bench<true>(state); }
+BENCHMARK(BM_a2a_volumes_from_routes)->Arg(8192)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_a2a_volumes_from_routes_marks)->Arg(8192)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 } // namespace
 

@@ -998,3 +998,35 @@ TEST_CASE("real H200 data: expert GEMM held out by size (large-M check)") {
   CHECK(whole.median() < whole0.median());
   CHECK(whole.p90() < whole0.p90());
 }
+
+TEST_CASE("a2a_volumes_from_routes: the per-rank hit counts give the token-by-token count's volumes exactly") {
+  // Random instances on both paths (a GPU mask up to 64 GPUs, marks above), uneven ranks (some empty), routes
+  // missing (-1) and repeated GPUs within a token: every volume and peer count equals the marking reference's.
+  std::mt19937_64 rng(57);
+  const int rounds = 300 * foremoe_test::seed_multiplier();
+  for (int round = 0; round < rounds; ++round) {
+    CAPTURE(round);
+    const int P = 1 + static_cast<int>(rng() % 8), N = 1 + static_cast<int>(rng() % (round % 3 == 0 ? 24 : 8));
+    const int G = N * P, S = 1 + static_cast<int>(rng() % 4), k = 1 + static_cast<int>(rng() % 9);
+    CAPTURE(G);
+    std::vector<std::int64_t> offsets(1, 0);
+    for (int r = 0; r < G; ++r)
+      offsets.push_back(offsets.back() + (rng() % 5 == 0 ? 0 : static_cast<std::int64_t>(rng() % 60)));
+    std::vector<std::int32_t> slots(static_cast<std::size_t>(offsets.back()) * k);
+    const auto num_slots = static_cast<std::uint64_t>(G) * S;
+    // A few hot slots, so that tokens repeat GPUs and nodes.
+    for (auto &p : slots)
+      p = rng() % 7 == 0 ? -1
+                         : static_cast<std::int32_t>(rng() % 3 == 0 ? rng() % std::min<std::uint64_t>(num_slots, 3)
+                                                                    : rng() % num_slots);
+    const A2aVolumes want = detail::a2a_volumes_from_routes_marks(slots, k, S, P, G, offsets);
+    const A2aVolumes got = a2a_volumes_from_routes(slots, k, S, P, G, offsets);
+    CHECK(got.gpus_per_node == want.gpus_per_node);
+    CHECK(got.nic_send == want.nic_send);
+    CHECK(got.nic_recv == want.nic_recv);
+    CHECK(got.nvl_send == want.nvl_send);
+    CHECK(got.nvl_recv == want.nvl_recv);
+    CHECK(got.nic_peers == want.nic_peers);
+    CHECK(got.nvl_peers == want.nvl_peers);
+  }
+}

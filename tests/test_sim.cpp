@@ -1230,6 +1230,40 @@ TEST_CASE("simulate: the all-to-all counted from the routed ids (sim.a2a_hits = 
                        doctest::Contains("sim.a2a_hits must be one of independent, ids, got 'exact'"), Error);
 }
 
+TEST_CASE("simulate: counted all-to-alls route each micro-step once, and strategies side by side equal each alone") {
+  // The counted mode runs every strategy together and routes each micro-step once for all strategies and stages;
+  // each strategy's results must be those of running it alone, to the bit (random batches).
+  const std::vector<SimStrategy> st = all_strategies();
+  for (const std::uint64_t seed : {5u, 17u}) {
+    CAPTURE(seed);
+    const Case c = small_case(seed, 3);
+    const SyntheticMicroSteps ms(c.batch);
+    std::vector<int> calls(static_cast<std::size_t>(ms.num_micro_steps()), 0);
+    const MicroStepRoutes routes = [&](int m, RoutedMicroStep &out) {
+      ++calls[static_cast<std::size_t>(m)];
+      ms.route(m, out.ids, out.source_offsets);
+    };
+    SimConfig cfg = c.cfg;
+    cfg.a2a_hits = A2aHitsSource::ids;
+    cfg.recompute_passes = 1;
+    const std::vector<SimResult> together = simulate(cfg, c.loads, c.steps, st, {}, true, routes);
+    for (const int n : calls)
+      CHECK(n == 1);
+    for (const SimStrategy &s : st) {
+      CAPTURE(s.name);
+      const std::vector<SimStrategy> one{s};
+      const std::vector<SimResult> alone = simulate(cfg, c.loads, c.steps, one, {}, true, routes);
+      const SimResult &a = result_of(alone, s.name);
+      const SimResult &b = result_of(together, s.name);
+      CHECK(a.step_seconds == b.step_seconds);
+      CHECK(a.inter_node_gb == b.inter_node_gb);
+      CHECK(a.breakdown.all_to_all == b.breakdown.all_to_all);
+      CHECK(a.layer_seconds == b.layer_seconds);
+      CHECK(a.moved_gb == b.moved_gb);
+    }
+  }
+}
+
 TEST_CASE("simulate: a host-mirror refresh costs what the transfer planner gives the same move (property)") {
   // After the optimizer step a GPU copies its owned experts to the host mirror: one PCIe move of
   // owners x layers x expert bytes, which the simulator prices with `CostParams::move`. The transfer planner, given

@@ -4,6 +4,7 @@
 /// gradient reduction, and the alpha-beta fit of measured NCCL collectives (shared/data/h200-nccl.csv).
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -246,14 +247,18 @@ struct A2aVolumes {
   return v;
 }
 
+namespace detail {
+
+/// The first version of `a2a_volumes_from_routes`, kept as its test oracle and bench baseline (`tests/test_cost.cpp`,
+/// `bench/bench_count.cpp`): it marks every token's GPUs and nodes and scatters its counts token by token.
 /// Volumes counted from the routes themselves: `slots` is `[tokens][topk]` physical slots (`gpu * slots_per_gpu +
 /// slot`, -1 for no route) and `source_offsets` (`[num_gpus + 1]`) groups the tokens by the rank that holds them.
 /// Each token counts the distinct nodes and GPUs its routes reach, so co-activated experts and a token map that
 /// keeps a token's copies together show as they are. Throws `Error` for inconsistent sizes, a slot outside the
 /// GPUs or malformed offsets. O(tokens x topk) plus O(num_gpus x (nodes + gpus_per_node)) for the peers.
-[[nodiscard]] inline A2aVolumes a2a_volumes_from_routes(std::span<const std::int32_t> slots, int topk,
-                                                        int slots_per_gpu, int gpus_per_node, int num_gpus,
-                                                        std::span<const std::int64_t> source_offsets) {
+[[nodiscard]] inline A2aVolumes a2a_volumes_from_routes_marks(std::span<const std::int32_t> slots, int topk,
+                                                              int slots_per_gpu, int gpus_per_node, int num_gpus,
+                                                              std::span<const std::int64_t> source_offsets) {
   using detail::require;
   require(topk > 0 && slots_per_gpu > 0 && gpus_per_node > 0 && num_gpus > 0 && num_gpus % gpus_per_node == 0,
           "a2a_volumes_from_routes: top-", topk, ", ", slots_per_gpu, " slots per GPU, ", num_gpus, " GPUs of ",
@@ -332,6 +337,152 @@ struct A2aVolumes {
         nvl_to[static_cast<std::size_t>(f) * P + j] = 1;
         nvl_from[static_cast<std::size_t>(g) * P + i] = 1;
       }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    v.nic_send[g] = static_cast<double>(nic_send[g]);
+    v.nic_recv[g] = static_cast<double>(nic_recv[g]);
+    v.nvl_send[g] = static_cast<double>(nvl_send[g]);
+    v.nvl_recv[g] = static_cast<double>(nvl_recv[g]);
+  }
+  auto peers = [](const std::vector<std::uint8_t> &to, const std::vector<std::uint8_t> &from, int g, int width) {
+    int out = 0, in = 0;
+    for (int x = 0; x < width; ++x) {
+      out += to[static_cast<std::size_t>(g) * width + x];
+      in += from[static_cast<std::size_t>(g) * width + x];
+    }
+    return static_cast<double>(std::max(out, in));
+  };
+  for (int g = 0; g < G; ++g) {
+    v.nic_peers[g] = peers(nic_to, nic_from, g, N);
+    v.nvl_peers[g] = peers(nvl_to, nvl_from, g, P);
+  }
+  return v;
+}
+
+} // namespace detail
+
+/// Volumes counted from the routes themselves: `slots` is `[tokens][topk]` physical slots (`gpu * slots_per_gpu +
+/// slot`, -1 for no route) and `source_offsets` (`[num_gpus + 1]`) groups the tokens by the rank that holds them.
+/// Each token counts the distinct nodes and GPUs its routes reach, so co-activated experts and a token map that
+/// keeps a token's copies together show as they are. Throws `Error` for inconsistent sizes, a slot outside the
+/// GPUs or malformed offsets. O(tokens x topk) plus O(num_gpus x num_gpus) for the volumes and peers.
+///
+/// A token's distinct GPUs are a 64-bit mask when there are at most 64 GPUs (marks per GPU otherwise); the loop
+/// over the tokens only counts, per source rank, the tokens that reach each GPU and each node, and every volume
+/// and peer follows from those counts (integer sums, so the same numbers as counting token by token:
+/// `detail::a2a_volumes_from_routes_marks`, the property test in `tests/test_cost.cpp`).
+[[nodiscard]] inline A2aVolumes a2a_volumes_from_routes(std::span<const std::int32_t> slots, int topk,
+                                                        int slots_per_gpu, int gpus_per_node, int num_gpus,
+                                                        std::span<const std::int64_t> source_offsets) {
+  using detail::require;
+  require(topk > 0 && slots_per_gpu > 0 && gpus_per_node > 0 && num_gpus > 0 && num_gpus % gpus_per_node == 0,
+          "a2a_volumes_from_routes: top-", topk, ", ", slots_per_gpu, " slots per GPU, ", num_gpus, " GPUs of ",
+          gpus_per_node, " per node");
+  require(slots.size() % static_cast<std::size_t>(topk) == 0, "a2a_volumes_from_routes: ", slots.size(),
+          " routes are not whole tokens of top-", topk);
+  const auto num_tokens = static_cast<std::int64_t>(slots.size() / static_cast<std::size_t>(topk));
+  require(static_cast<int>(source_offsets.size()) == num_gpus + 1 && source_offsets.front() == 0 &&
+              source_offsets.back() == num_tokens,
+          "a2a_volumes_from_routes: ", source_offsets.size(), " source offsets must run from 0 to ", num_tokens,
+          " over ", num_gpus, " GPUs");
+  const int P = gpus_per_node, N = num_gpus / P, G = num_gpus;
+  require(static_cast<double>(G) * (G + N) <= 1e9, "a2a_volumes_from_routes: ", G, " GPUs x ", G + N,
+          " hit counts exceed 1e9");
+  const std::int64_t num_slots = static_cast<std::int64_t>(G) * slots_per_gpu;
+  A2aVolumes v;
+  v.gpus_per_node = P;
+  for (auto *x : {&v.nic_send, &v.nic_recv, &v.nvl_send, &v.nvl_recv, &v.nic_peers, &v.nvl_peers})
+    x->assign(static_cast<std::size_t>(G), 0.0);
+  for (int r = 0; r < G; ++r)
+    require(source_offsets[r + 1] >= source_offsets[r], "a2a_volumes_from_routes: source offsets decrease at ", r);
+  // A slot outside [-1, num_slots): the first such route names its token and k (checked inside the GPU-mask loop,
+  // which visits the tokens in order, so the routes are read once).
+  auto bad_slot = [&](const std::int32_t *at) {
+    const auto x = static_cast<std::size_t>(at - slots.data());
+    detail::fail("a2a_volumes_from_routes: token ", x / static_cast<std::size_t>(topk), " k ",
+                 x % static_cast<std::size_t>(topk), " goes to slot ", *at, " of ", num_slots);
+  };
+  if (G > 64)
+    if (const auto bad =
+            std::find_if(slots.begin(), slots.end(), [num_slots](std::int32_t p) { return p < -1 || p >= num_slots; });
+        bad != slots.end())
+      bad_slot(&*bad);
+  std::vector<std::int32_t> gpu_of(static_cast<std::size_t>(num_slots));
+  for (std::int64_t p = 0; p < num_slots; ++p)
+    gpu_of[static_cast<std::size_t>(p)] = static_cast<std::int32_t>(p / slots_per_gpu);
+  std::vector<std::int32_t> node_of(static_cast<std::size_t>(G));
+  for (int g = 0; g < G; ++g)
+    node_of[g] = g / P;
+  // The GPU mask of slot p - 1 at index p (index 0: no route).
+  std::vector<std::uint64_t> mask_of(G <= 64 ? static_cast<std::size_t>(num_slots) + 1 : 0, 0);
+  for (std::size_t p = 1; p < mask_of.size(); ++p)
+    mask_of[p] = std::uint64_t{1} << gpu_of[p - 1];
+  // gpu_hits[r][g]: tokens of rank r with a route to GPU g; node_hits[r][b]: with a route to node b.
+  std::vector<std::int64_t> gpu_hits(static_cast<std::size_t>(G) * G, 0), node_hits(static_cast<std::size_t>(G) * N, 0);
+  for (int r = 0; r < G; ++r) {
+    std::int64_t *hg = gpu_hits.data() + static_cast<std::size_t>(r) * G;
+    std::int64_t *hn = node_hits.data() + static_cast<std::size_t>(r) * N;
+    const std::int32_t *row = slots.data() + source_offsets[r] * topk;
+    const std::int32_t *const last = slots.data() + source_offsets[r + 1] * topk;
+    if (G <= 64) {
+      for (; row != last; row += topk) {
+        std::uint64_t gm = 0, nm = 0;
+        for (int k = 0; k < topk; ++k) {
+          const auto u = static_cast<std::uint64_t>(static_cast<std::int64_t>(row[k]) + 1);
+          if (u > static_cast<std::uint64_t>(num_slots)) bad_slot(row + k);
+          gm |= mask_of[u];
+        }
+        for (std::uint64_t m = gm; m != 0; m &= m - 1) {
+          const int g = std::countr_zero(m);
+          ++hg[g];
+          nm |= std::uint64_t{1} << node_of[g];
+        }
+        for (; nm != 0; nm &= nm - 1)
+          ++hn[std::countr_zero(nm)];
+      }
+    } else {
+      std::vector<std::int64_t> gpu_mark(static_cast<std::size_t>(G), -1), node_mark(static_cast<std::size_t>(N), -1);
+      for (std::int64_t t = source_offsets[r]; row != last; row += topk, ++t)
+        for (int k = 0; k < topk; ++k) {
+          if (row[k] < 0) continue;
+          const std::int32_t g = gpu_of[static_cast<std::size_t>(row[k])];
+          if (gpu_mark[g] == t) continue;
+          gpu_mark[g] = t;
+          ++hg[g];
+          if (const std::int32_t b = node_of[g]; node_mark[b] != t) {
+            node_mark[b] = t;
+            ++hn[b];
+          }
+        }
+    }
+  }
+  // A token of rank (a, i) crosses once to each remote node b it reaches (NIC of (a, i) to GPU (b, i)); GPU (b, i)
+  // (the rank itself on its own node) sends it once over NVLink to each other GPU (b, j) it reaches.
+  std::vector<std::int64_t> nic_send(static_cast<std::size_t>(G), 0), nic_recv(nic_send), nvl_send(nic_send),
+      nvl_recv(nic_send);
+  std::vector<std::uint8_t> nic_to(static_cast<std::size_t>(G) * N, 0), nic_from(nic_to.size(), 0);
+  std::vector<std::uint8_t> nvl_to(static_cast<std::size_t>(G) * P, 0), nvl_from(nvl_to.size(), 0);
+  for (int r = 0; r < G; ++r) {
+    const int a = r / P, i = r % P;
+    for (int b = 0; b < N; ++b) {
+      const std::int64_t c = node_hits[static_cast<std::size_t>(r) * N + b];
+      if (b == a || c == 0) continue;
+      const int f = b * P + i;
+      nic_send[r] += c;
+      nic_recv[f] += c;
+      nic_to[static_cast<std::size_t>(r) * N + b] = 1;
+      nic_from[static_cast<std::size_t>(f) * N + a] = 1;
+    }
+    for (int g = 0; g < G; ++g) {
+      const std::int64_t c = gpu_hits[static_cast<std::size_t>(r) * G + g];
+      const int j = g % P;
+      if (j == i || c == 0) continue;
+      const int f = g - j + i;
+      nvl_send[f] += c;
+      nvl_recv[g] += c;
+      nvl_to[static_cast<std::size_t>(f) * P + j] = 1;
+      nvl_from[static_cast<std::size_t>(g) * P + i] = 1;
     }
   }
   for (int g = 0; g < G; ++g) {

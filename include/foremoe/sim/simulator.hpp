@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <span>
@@ -648,10 +649,10 @@ struct GroupStep {
 /// one RL step hands the next, with a member function per piece of a step's timing.
 class GroupSim {
 public:
-  /// Sets up the group's costs, held-gradient tracker, route pool (with `micro_routes`) and planner.
+  /// Sets up the group's costs, held-gradient tracker and planner.
   GroupSim(const SimConfig &config, const Topology &group_topo, const LoadTensor &group_loads,
-           const SimStrategy &strategy, const MicroStepRoutes &micro_routes)
-      : cfg(config), topo(group_topo), loads(group_loads), strat(strategy), routes(micro_routes), spec(config.model),
+           const SimStrategy &strategy)
+      : cfg(config), topo(group_topo), loads(group_loads), strat(strategy), spec(config.model),
         G(group_topo.num_gpus()), L(spec.num_layers), E(spec.num_experts),
         compute(config.cost, ExpertShape::from(spec)), expert_bytes(static_cast<double>(spec.bytes_per_expert())),
         row_bytes(config.row_bytes()), dispatch_row_bytes(config.dispatch_row_bytes()),
@@ -661,35 +662,97 @@ public:
         PP(config.pipeline_stages), stage_layers(config.stage_first_layer(1) - config.stage_first_layer(0)),
         owners_per_gpu(group_topo.owners_per_gpu(E)), K(spec.topk), P(group_topo.gpus_per_node), held(L, G, E),
         planner(L, E, group_topo, planner_options()), S(planner.topology().slots_per_gpu),
-        keeps_residents(planner.reuses_resident()), limit(planner.physical_limit()) {
-    if (routes) {
-      route_pool.emplace(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
-      route_scratch.resize(static_cast<std::size_t>(route_pool->num_threads()));
-    }
-  }
+        keeps_residents(planner.reuses_resident()), limit(planner.physical_limit()) {}
   GroupSim(const GroupSim &) = delete;
   GroupSim &operator=(const GroupSim &) = delete;
 
   /// Simulates the next RL step (steps run in order, each once), the loads' micro-steps `m0` to `m1`: its recompute
   /// stages, then its update stage.
   [[nodiscard]] GroupStep run_step(int m0, int m1) {
-    GroupStep rec;
-    LoadTensor step(m1 - m0, L, E);
+    begin_step(m0, m1);
+    return finish_step();
+  }
+
+  /// Plans every stage of the next RL step (the loads' micro-steps `m0` to `m1`) in order: a stage's plan depends
+  /// on the plans before it (the resident placement it starts from), not on their timing, so the stages are
+  /// planned first and timed by `finish_step`. In between, `counted_a2a` takes each micro-step's counted
+  /// all-to-all under the stages' plans (`SimConfig::a2a_hits` ids).
+  void begin_step(int m0, int m1) {
+    pending.emplace();
+    Pending &pd = *pending;
+    pd.m0 = m0;
+    pd.step = LoadTensor(m1 - m0, L, E);
     std::copy(loads.totals().begin() + static_cast<std::ptrdiff_t>(m0) * L * E,
-              loads.totals().begin() + static_cast<std::ptrdiff_t>(m1) * L * E, step.totals().begin());
+              loads.totals().begin() + static_cast<std::ptrdiff_t>(m1) * L * E, pd.step.totals().begin());
     // Stages: `recompute_passes` forward-only passes, then the update pass.
-    for (int pass = 0; pass <= cfg.recompute_passes; ++pass)
-      run_stage(step, pass, m0, rec);
-    previous_totals = planner.sum_steps(step);
+    pd.stages.resize(static_cast<std::size_t>(cfg.recompute_passes) + 1);
+    for (int pass = 0; pass <= cfg.recompute_passes; ++pass) {
+      StageRun &sr = pd.stages[static_cast<std::size_t>(pass)];
+      sr.update = pass == cfg.recompute_passes;
+      plan_stage(pd.step, pass, sr, pd.rec);
+      // The stage's final placement stays resident for the next stage's plan.
+      if (!sr.sp.micro_steps.empty()) {
+        resident = sr.sp.final_placement();
+        has_resident = true;
+      }
+    }
+  }
+
+  /// Stages of the step `begin_step` planned.
+  [[nodiscard]] int num_stages() const noexcept { return static_cast<int>(pending->stages.size()); }
+  /// The plan of layer `l` of the step's micro-step `m` (from the step's first) in stage `pass`.
+  [[nodiscard]] const LayerPlan &stage_plan(int pass, int m, int l) const {
+    return pending->stages[static_cast<std::size_t>(pass)]
+        .sp.micro_steps[static_cast<std::size_t>(m)][static_cast<std::size_t>(l)];
+  }
+  /// Makes room for the step's counted all-to-alls (`counted_a2a`); without it `finish_step` times the estimate.
+  void expect_counted() {
+    for (StageRun &sr : pending->stages)
+      sr.routed_cost.assign(static_cast<std::size_t>(pending->step.num_micro_steps()),
+                            std::vector<LayerA2a>(static_cast<std::size_t>(L)));
+  }
+  /// Where the counted all-to-all of the step's micro-step `m` in stage `pass` goes (one entry per layer; the
+  /// layers may be written from different threads).
+  [[nodiscard]] std::vector<LayerA2a> &counted_a2a(int pass, int m) {
+    return pending->stages[static_cast<std::size_t>(pass)].routed_cost[static_cast<std::size_t>(m)];
+  }
+
+  /// The all-to-all of one layer counted from its routed ids under plan `lp` (`SimConfig::a2a_hits`): `ids` is the
+  /// layer's `[tokens][topk]`, grouped by rank by `source_offsets`, and `source_loads` its `[E][G]` tokens per
+  /// (expert, source rank). The plan's copies take each source's tokens as the runtime dispatches them
+  /// (`split_by_source`, then the positional map), and each token's distinct nodes and GPUs are counted.
+  [[nodiscard]] LayerA2a count_layer(const LayerPlan &lp, std::span<const std::int16_t> ids,
+                                     std::span<const std::int64_t> source_offsets,
+                                     std::span<const std::int64_t> source_loads,
+                                     std::vector<std::int32_t> &slots) const {
+    const std::int64_t T = source_offsets.back();
+    const std::vector<std::int64_t> split = split_by_source(lp.placement, lp.slot_tokens, source_loads, G, P);
+    slots.resize(static_cast<std::size_t>(T) * K);
+    // The layer alone, as a one-layer view.
+    map_tokens(token_ranges(lp.placement, split, G), RoutedView(ids, T, 1, K), 0, slots, source_offsets);
+    const A2aVolumes v = a2a_volumes_from_routes(slots, K, S, P, G, source_offsets);
+    return layer_a2a_of(cfg.cost.a2a, v, row_bytes, dispatch_row_bytes);
+  }
+
+  /// Times the stages `begin_step` planned (with the counted all-to-alls, if given) and returns the step's record.
+  [[nodiscard]] GroupStep finish_step() {
+    Pending &pd = *pending;
+    const int M = pd.step.num_micro_steps();
+    for (StageRun &sr : pd.stages) {
+      detail::require(sr.routed_cost.empty() || static_cast<int>(sr.routed_cost.size()) == M,
+                      "simulate: a stage has counted all-to-alls for ", sr.routed_cost.size(), " of ", M,
+                      " micro-steps");
+      for (int m = 0; m < M; ++m)
+        run_micro_step(sr, pd.step, m, pd.m0, pd.rec);
+      close_stage(sr, M, pd.rec);
+    }
+    previous_totals = planner.sum_steps(pd.step);
+    GroupStep rec = std::move(pd.rec);
+    pending.reset();
     return rec;
   }
 
 private:
-  /// One route-pool thread's buffers: a layer's per-(expert, source) loads and its tokens' slots.
-  struct RouteScratch {
-    std::vector<std::int64_t> source_loads;
-    std::vector<std::int32_t> slots;
-  };
   /// One stage of a step: its plan, and what each micro-step hands the next and the stage's closing terms.
   struct StageRun {
     bool update = false;        ///< the update stage (else a forward-only recompute)
@@ -699,15 +762,21 @@ private:
     std::vector<LayerTiming> prev_t;
     const std::vector<LayerPlan> *prev_plans = nullptr;
     double time = 0, last_a2a_share = 0;
-    RoutedMicroStep routed;
-    std::vector<LayerA2a> routed_cost;
+    /// Per micro-step, per layer: the all-to-all counted from the routed ids (empty: the estimate).
+    std::vector<std::vector<LayerA2a>> routed_cost;
+  };
+  /// The step between `begin_step` and `finish_step`.
+  struct Pending {
+    LoadTensor step{1, 1, 1};
+    int m0 = 0;
+    GroupStep rec;
+    std::vector<StageRun> stages;
   };
 
   const SimConfig &cfg;
   const Topology &topo;    ///< the group's topology
   const LoadTensor &loads; ///< the group's own tokens
   const SimStrategy &strat;
-  const MicroStepRoutes &routes;
   const ModelSpec &spec;
   const int G, L, E;
   const ExpertComputeModel compute;
@@ -724,8 +793,6 @@ private:
   // strategy with `hold_replica_gradients` off, return every micro-step) and, for those still resident, once after
   // the stage's last backward. A resident copy that ran no token owes nothing.
   HeldGradients held;
-  std::optional<ThreadPool> route_pool;
-  std::vector<RouteScratch> route_scratch;
   Planner planner;
   const int S; ///< slots per GPU of the strategy's plans (`Planner::topology`)
   const bool keeps_residents;
@@ -735,6 +802,7 @@ private:
   const bool limit;
   Placement resident;
   bool has_resident = false;
+  std::optional<Pending> pending;
   std::vector<std::int32_t> prev_owner_flat;
   // The previous step's totals (empty before the first step ends), handed to the planner once per step, with the
   // step's first stage (`PlanStrategy::begin_step`'s contract): `eplb` keeps its rebalance window from them.
@@ -830,63 +898,6 @@ private:
         if (m.total() > peak.total()) peak = m;
       }
     return peak;
-  }
-
-  /// The all-to-all of every layer of one micro-step counted from its routed ids `rm` (`SimConfig::a2a_hits`), the
-  /// layers on the pool's threads: the plan's copies take each source's tokens as the runtime dispatches them
-  /// (`split_by_source`, then the positional map), and each token's distinct nodes and GPUs are counted.
-  void routed_a2a(const std::vector<LayerPlan> &plans, const LoadTensor &step_loads, int sm, const RoutedMicroStep &rm,
-                  int m, std::vector<LayerA2a> &out) {
-    const std::int64_t T = rm.source_offsets.back();
-    out.assign(static_cast<std::size_t>(L), LayerA2a{});
-    route_pool->parallel_for(static_cast<std::size_t>(L), [&](std::size_t li, int w) {
-      const int l = static_cast<int>(li);
-      RouteScratch &sc = route_scratch[static_cast<std::size_t>(w)];
-      const LayerPlan &lp = plans[li];
-      const std::int16_t *ids = rm.ids.data() + li * static_cast<std::size_t>(T) * K;
-      sc.source_loads.assign(static_cast<std::size_t>(E) * G, 0);
-      for (int r = 0; r < G; ++r)
-        for (std::int64_t t = rm.source_offsets[r]; t < rm.source_offsets[r + 1]; ++t)
-          for (int k = 0; k < K; ++k) {
-            const int e = ids[static_cast<std::size_t>(t) * K + k];
-            require(e >= 0 && e < E, "simulate: routed id ", e, " of micro-step ", m, " layer ", l, " token ", t,
-                    " is not an expert of ", E);
-            ++sc.source_loads[static_cast<std::size_t>(e) * G + r];
-          }
-      const auto expert_loads = step_loads.layer(sm, l);
-      for (int e = 0; e < E; ++e) {
-        std::int64_t n = 0;
-        for (int r = 0; r < G; ++r)
-          n += sc.source_loads[static_cast<std::size_t>(e) * G + r];
-        require(n == expert_loads[e], "simulate: the routed ids of micro-step ", m, " layer ", l, " give expert ", e,
-                " ", n, " tokens, the loads ", expert_loads[e], " (routes and loads of different batches)");
-      }
-      const std::vector<std::int64_t> split = split_by_source(lp.placement, lp.slot_tokens, sc.source_loads, G, P);
-      sc.slots.resize(static_cast<std::size_t>(T) * K);
-      // Layer l alone, as a one-layer view.
-      map_tokens(token_ranges(lp.placement, split, G),
-                 RoutedView(std::span<const std::int16_t>(ids, static_cast<std::size_t>(T) * K), T, 1, K), 0, sc.slots,
-                 rm.source_offsets);
-      const A2aVolumes v = a2a_volumes_from_routes(sc.slots, K, S, P, G, rm.source_offsets);
-      out[li] = layer_a2a_of(cfg.cost.a2a, v, row_bytes, dispatch_row_bytes);
-    });
-  }
-
-  /// Fetches the routed ids of the stage's micro-step `m` (the loads' `m0 + m`), checks them against its `tokens`,
-  /// and counts its layers' all-to-alls into `sr.routed_cost`.
-  void count_routes(StageRun &sr, const LoadTensor &step, int m, int m0, double tokens) {
-    routes(m0 + m, sr.routed);
-    const RoutedMicroStep &routed = sr.routed;
-    require(routed.source_offsets.size() == static_cast<std::size_t>(G) + 1 && routed.source_offsets.front() == 0 &&
-                static_cast<double>(routed.source_offsets.back()) == tokens &&
-                routed.ids.size() == static_cast<std::size_t>(routed.source_offsets.back()) * L * K,
-            "simulate: the routes of micro-step ", m0 + m, " hold ", routed.ids.size(), " ids over ",
-            routed.source_offsets.size(), " source offsets; expected ", tokens, " tokens x ", L, " layers x top-", K,
-            " over ", G + 1);
-    for (int r = 0; r < G; ++r)
-      require(routed.source_offsets[r + 1] >= routed.source_offsets[r], "simulate: the routes of micro-step ", m0 + m,
-              ": source offsets decrease at rank ", r);
-    routed_a2a(sr.sp.micro_steps[m], step, m, routed, m0 + m, sr.routed_cost);
   }
 
   /// Each GPU's tokens and experts in one layer under `lp`; lowers `min_experts` to the fewest experts on a GPU.
@@ -1047,27 +1058,16 @@ private:
     rec.parts.moves += reown;
   }
 
-  /// Simulates stage `pass` of a step (micro-steps from the loads' `m0`): plan, micro-steps, closing terms.
-  void run_stage(const LoadTensor &step, int pass, int m0, GroupStep &rec) {
-    StageRun sr;
-    sr.update = pass == cfg.recompute_passes;
-    plan_stage(step, pass, sr, rec);
-    const int M = step.num_micro_steps();
-    for (int m = 0; m < M; ++m)
-      run_micro_step(sr, step, m, m0, rec);
-    close_stage(sr, M, rec);
-  }
-
   /// Times micro-step `m`'s layers under its plans, trading replica gradients, and records their bytes, imbalance
   /// and the GPU loads of `SimConfig::gpu_load_layer` in `rec`.
-  [[nodiscard]] std::vector<LayerTiming> time_layers(StageRun &sr, int m, double tokens, bool use_routes,
-                                                     GroupStep &rec) {
+  [[nodiscard]] std::vector<LayerTiming> time_layers(StageRun &sr, int m, double tokens, GroupStep &rec) {
     std::vector<LayerTiming> cur(static_cast<std::size_t>(L));
     std::vector<double> &imbalance = rec.imbalance.emplace_back(static_cast<std::size_t>(L), 1.0);
     for (int l = 0; l < L; ++l) {
       const LayerPlan &lp = sr.sp.micro_steps[m][l];
-      cur[l] = time_layer(lp, tokens, sr.update, rec.min_experts,
-                          use_routes ? &sr.routed_cost[static_cast<std::size_t>(l)] : nullptr);
+      cur[l] = time_layer(
+          lp, tokens, sr.update, rec.min_experts,
+          sr.routed_cost.empty() ? nullptr : &sr.routed_cost[static_cast<std::size_t>(m)][static_cast<std::size_t>(l)]);
       // The gradients owed by replicas this plan drops return before their slots are reused, in the window
       // before layer l's forward; this plan's replicas then owe theirs (nothing is owed where transfers are free).
       if (sr.update && !limit) {
@@ -1196,9 +1196,7 @@ private:
   /// share and planner time, charged to `rec`; hands its timings to the next micro-step.
   void run_micro_step(StageRun &sr, const LoadTensor &step, int m, int m0, GroupStep &rec) {
     const double tokens = tokens_of(m0 + m);
-    const bool use_routes = static_cast<bool>(routes);
-    if (use_routes) count_routes(sr, step, m, m0, tokens);
-    std::vector<LayerTiming> cur = time_layers(sr, m, tokens, use_routes, rec);
+    std::vector<LayerTiming> cur = time_layers(sr, m, tokens, rec);
     const SimMemory mem = memory_of(sr.sp.micro_steps[m], tokens);
     if (mem.total() > rec.memory.total()) rec.memory = mem;
     // Windows: from the slot's last use in m - 1 to layer l's forward in m.
@@ -1243,7 +1241,7 @@ private:
   }
 
   /// Closes a stage of `M` micro-steps: pipeline bubble, held gradients, dp gradient sync, optimizer and mirror
-  /// refresh (update stage); adds its time to `rec` and keeps its final placement resident.
+  /// refresh (update stage); adds its time to `rec` (its final placement was kept resident by `begin_step`).
   void close_stage(StageRun &sr, int M, GroupStep &rec) {
     if (PP > 1 && M > 0) add_bubble(sr, M, rec);
     if (sr.update && sr.prev_plans != nullptr && !sr.prev_t.empty()) return_held_gradients(sr, rec);
@@ -1265,10 +1263,6 @@ private:
       rec.update += sr.time;
     } else {
       rec.recompute += sr.time;
-    }
-    if (!sr.sp.micro_steps.empty()) {
-      resident = sr.sp.final_placement();
-      has_resident = true;
     }
   }
 
@@ -1357,17 +1351,115 @@ private:
 
 /// Simulates one EP group (`topo` is the group's topology, `loads` its own tokens) under `strat`, every RL step
 /// cut by `step_offsets`; `step_done` is called after each step.
-[[nodiscard]] inline std::vector<GroupStep>
-simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loads,
-               std::span<const std::int64_t> step_offsets, const SimStrategy &strat,
-               const std::function<void()> &step_done, const MicroStepRoutes &routes = {}) {
-  GroupSim sim(cfg, topo, loads, strat, routes);
+[[nodiscard]] inline std::vector<GroupStep> simulate_group(const SimConfig &cfg, const Topology &topo,
+                                                           const LoadTensor &loads,
+                                                           std::span<const std::int64_t> step_offsets,
+                                                           const SimStrategy &strat,
+                                                           const std::function<void()> &step_done) {
+  GroupSim sim(cfg, topo, loads, strat);
   const int num_steps = static_cast<int>(step_offsets.size() - 1);
   std::vector<GroupStep> out;
   out.reserve(static_cast<std::size_t>(num_steps));
   for (int s = 0; s < num_steps; ++s) {
     out.push_back(sim.run_step(static_cast<int>(step_offsets[s]), static_cast<int>(step_offsets[s + 1])));
     if (step_done) step_done();
+  }
+  return out;
+}
+
+/// Simulates one EP group over all GPUs (`topo`, `loads`) under every strategy with the all-to-all counted from the
+/// routed ids (`SimConfig::a2a_hits` ids): each micro-step is routed once (`routes`) and counted under every
+/// strategy's plan of every stage, so the strategies run side by side, a step at a time (each strategy's own
+/// state is its `GroupSim`'s, as in `simulate_group`; the results are the same). Memory: one micro-step's routed
+/// ids (`tokens x layers x topk` int16, at most 2^31 ids: `SyntheticMicroSteps::route` refuses more, naming the
+/// size), its `layers x experts x GPUs` counts per source rank, one `[tokens][topk]` slot buffer per thread, and
+/// each strategy's plans of one step. A layer's plans that are equal (same copies, same rows per slot: e.g. a
+/// strategy whose recompute and update plans agree) are counted once.
+[[nodiscard]] inline std::vector<std::vector<GroupStep>>
+simulate_counted(const SimConfig &cfg, const Topology &topo, const LoadTensor &loads,
+                 std::span<const std::int64_t> step_offsets, std::span<const SimStrategy> strategies,
+                 const std::function<void()> &step_done, const MicroStepRoutes &routes) {
+  const int G = topo.num_gpus(), L = loads.num_layers(), E = loads.num_experts(), K = cfg.model.topk;
+  std::vector<std::unique_ptr<GroupSim>> sims;
+  for (const SimStrategy &strat : strategies)
+    sims.push_back(std::make_unique<GroupSim>(cfg, topo, loads, strat));
+  ThreadPool pool(static_cast<int>(std::max(1u, std::thread::hardware_concurrency())));
+  struct Scratch {
+    std::vector<std::int32_t> slots;
+  };
+  std::vector<Scratch> scratch(static_cast<std::size_t>(pool.num_threads()));
+  std::vector<std::vector<std::int64_t>> source_loads(static_cast<std::size_t>(L));
+  RoutedMicroStep rm;
+  const int num_steps = static_cast<int>(step_offsets.size() - 1);
+  std::vector<std::vector<GroupStep>> out(sims.size());
+  for (int s = 0; s < num_steps; ++s) {
+    const int m0 = static_cast<int>(step_offsets[s]), m1 = static_cast<int>(step_offsets[s + 1]);
+    for (auto &sim : sims) {
+      sim->begin_step(m0, m1);
+      sim->expect_counted();
+    }
+    for (int m = m0; m < m1; ++m) {
+      routes(m, rm);
+      const double tokens = static_cast<double>(loads.layer_total(m, 0)) / K;
+      require(rm.source_offsets.size() == static_cast<std::size_t>(G) + 1 && rm.source_offsets.front() == 0 &&
+                  static_cast<double>(rm.source_offsets.back()) == tokens &&
+                  rm.ids.size() == static_cast<std::size_t>(rm.source_offsets.back()) * L * K,
+              "simulate: the routes of micro-step ", m, " hold ", rm.ids.size(), " ids over ", rm.source_offsets.size(),
+              " source offsets; expected ", tokens, " tokens x ", L, " layers x top-", K, " over ", G + 1);
+      for (int r = 0; r < G; ++r)
+        require(rm.source_offsets[r + 1] >= rm.source_offsets[r], "simulate: the routes of micro-step ", m,
+                ": source offsets decrease at rank ", r);
+      const std::int64_t T = rm.source_offsets.back();
+      pool.parallel_for(static_cast<std::size_t>(L), [&](std::size_t li, int w) {
+        const int l = static_cast<int>(li);
+        const std::span<const std::int16_t> ids(rm.ids.data() + li * static_cast<std::size_t>(T) * K,
+                                                static_cast<std::size_t>(T) * K);
+        // The layer's tokens per (expert, source rank), once for every strategy; they must be the loads'.
+        std::vector<std::int64_t> &sl = source_loads[li];
+        sl.assign(static_cast<std::size_t>(E) * G, 0);
+        for (int r = 0; r < G; ++r)
+          for (std::int64_t t = rm.source_offsets[r]; t < rm.source_offsets[r + 1]; ++t)
+            for (int k = 0; k < K; ++k) {
+              const int e = ids[static_cast<std::size_t>(t) * K + k];
+              require(e >= 0 && e < E, "simulate: routed id ", e, " of micro-step ", m, " layer ", l, " token ", t,
+                      " is not an expert of ", E);
+              ++sl[static_cast<std::size_t>(e) * G + r];
+            }
+        const auto expert_loads = loads.layer(m, l);
+        for (int e = 0; e < E; ++e) {
+          std::int64_t n = 0;
+          for (int r = 0; r < G; ++r)
+            n += sl[static_cast<std::size_t>(e) * G + r];
+          require(n == expert_loads[e], "simulate: the routed ids of micro-step ", m, " layer ", l, " give expert ", e,
+                  " ", n, " tokens, the loads ", expert_loads[e], " (routes and loads of different batches)");
+        }
+        // Every (strategy, stage) plan of the layer, an equal plan counted once.
+        std::vector<std::pair<const LayerPlan *, LayerA2a>> done;
+        for (auto &sim : sims)
+          for (int pass = 0; pass < sim->num_stages(); ++pass) {
+            const LayerPlan &lp = sim->stage_plan(pass, m - m0, l);
+            std::vector<LayerA2a> &dst = sim->counted_a2a(pass, m - m0);
+            const auto same = std::find_if(done.begin(), done.end(), [&](const auto &d) {
+              const LayerPlacement &a = d.first->placement, &b = lp.placement;
+              return a.num_gpus() == b.num_gpus() && a.slots_per_gpu() == b.slots_per_gpu() &&
+                     a.num_experts() == b.num_experts() && std::ranges::equal(a.phys_to_log(), b.phys_to_log()) &&
+                     d.first->slot_tokens == lp.slot_tokens;
+            });
+            LayerA2a cost;
+            if (same != done.end()) {
+              cost = same->second;
+            } else {
+              cost = sim->count_layer(lp, ids, rm.source_offsets, sl, scratch[static_cast<std::size_t>(w)].slots);
+              done.emplace_back(&lp, cost);
+            }
+            dst[li] = cost;
+          }
+      });
+    }
+    for (std::size_t i = 0; i < sims.size(); ++i) {
+      out[i].push_back(sims[i]->finish_step());
+      if (step_done) step_done();
+    }
   }
   return out;
 }
@@ -1457,12 +1549,20 @@ simulate_group(const SimConfig &cfg, const Topology &topo, const LoadTensor &loa
     if (progress) progress(++done_units, total_units);
   };
 
+  // Counted all-to-alls: every strategy side by side, each micro-step routed once (one EP group).
+  std::vector<std::vector<detail::GroupStep>> counted_runs;
+  if (routes)
+    counted_runs = detail::simulate_counted(cfg, group_topo, loads, step_offsets, strategies, step_done, routes);
   std::vector<SimResult> results;
-  for (const SimStrategy &strat : strategies) {
+  for (std::size_t si = 0; si < strategies.size(); ++si) {
+    const SimStrategy &strat = strategies[si];
     std::vector<std::vector<detail::GroupStep>> runs;
     runs.reserve(static_cast<std::size_t>(num_groups));
-    for (int i = 0; i < num_groups; ++i)
-      runs.push_back(detail::simulate_group(cfg, group_topo, group_loads(i), step_offsets, strat, step_done, routes));
+    if (routes)
+      runs.push_back(std::move(counted_runs[si]));
+    else
+      for (int i = 0; i < num_groups; ++i)
+        runs.push_back(detail::simulate_group(cfg, group_topo, group_loads(i), step_offsets, strat, step_done));
     SimResult res;
     res.strategy = strat.name;
     res.min_experts_per_gpu = std::numeric_limits<int>::max();
