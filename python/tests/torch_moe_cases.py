@@ -300,10 +300,11 @@ _PRELOADED = False
 
 
 def _start_method() -> str:
-    """How ranks start: "forkserver" by default, with torch, foremoe.torch and this module imported once in the
-    server, so that a rank is a fork of an interpreter that has them (importing torch 2.x took about 2 s of CPU per
-    rank with "spawn"); FOREMOE_TEST_START_METHOD=spawn for the old way. The server has no process group, no
-    threads of torch's pools and no CUDA context when it forks (it only imports), so each rank starts clean."""
+    """How ranks start: "forkserver" by default, with torch, foremoe.torch, the adapters and this module imported
+    once in the server, so that a rank is a fork of an interpreter that has them (with "spawn" every rank imported
+    torch 2.x, about 4 s, and Megatron-core, about 7 s more, wall time on the shared machine);
+    FOREMOE_TEST_START_METHOD=spawn for the old way. The server has no process group, no threads of torch's pools
+    and no CUDA context when it forks (it only imports), so each rank starts clean."""
     global _PRELOADED
     method = os.environ.get("FOREMOE_TEST_START_METHOD", "forkserver")
     if method not in ("forkserver", "spawn"):
@@ -311,7 +312,11 @@ def _start_method() -> str:
     if method == "forkserver" and not _PRELOADED:
         import multiprocessing
 
-        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "foremoe.torch", __name__])
+        # The adapters import Megatron-core and transformers (about 3 s and 1 s of CPU per rank); where those are
+        # not installed their import fails and the server goes on without them (multiprocessing skips a preload
+        # module that raises ImportError).
+        multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "foremoe.torch", "foremoe.megatron",
+                                                "foremoe.transformers", __name__])
         _PRELOADED = True
     return method
 
