@@ -678,7 +678,7 @@ public:
   /// planned first and timed by `finish_step`. In between, `counted_a2a` takes each micro-step's counted
   /// all-to-all under the stages' plans (`SimConfig::a2a_hits` ids).
   void begin_step(int m0, int m1) {
-    pending.emplace();
+    pending = Pending{}; // not emplace(): clang 14 finds the nested struct not default-constructible there
     Pending &pd = *pending;
     pd.m0 = m0;
     pd.step = LoadTensor(m1 - m0, L, E);
