@@ -697,6 +697,17 @@ class ForeMoEAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         return super().combine_postprocess(hidden_states)
 
 
+def _experts_run(st: _LayerState) -> Optional[_Run]:
+    """The balanced call's run as its local experts' forward starts (None outside a balanced call: Megatron's own
+    forward runs): notes whether autograd records this forward and schedules the replica gradients' return. One
+    preamble for both expert modules."""
+    run = st.run
+    if run is not None:
+        run.need_grad = torch.is_grad_enabled()
+        _schedule_gradients(run, st.balancer._gradients_mode())
+    return run
+
+
 class _BalancedSequentialMLP(SequentialMLP):
     """``SequentialMLP`` whose forward, during a balanced call, computes the plan's slots (owner rows and replica
     rows) with the replica gradients reduced into the owners; otherwise Megatron's own forward."""
@@ -706,11 +717,9 @@ class _BalancedSequentialMLP(SequentialMLP):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         st = self._foremoe
-        run = st.run
+        run = _experts_run(st)
         if run is None:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        run.need_grad = torch.is_grad_enabled()
-        _schedule_gradients(run, st.balancer._gradients_mode())
         if any(run.layout.slot_counts):  # the slots compute in Megatron's graph
             return _slot_compute(run, permuted_local_hidden_states, permuted_probs, st.params), None
         blocks = _OwnerRows.apply(st.storage, *st.params)  # no tokens here: the parameters' gradients are zeros
@@ -730,11 +739,9 @@ class _BalancedGroupedMLP(GroupedMLP):
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         st = self._foremoe
-        run = st.run
+        run = _experts_run(st)
         if run is None:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        run.need_grad = torch.is_grad_enabled()
-        _schedule_gradients(run, st.balancer._gradients_mode())
         slots = [j for j, c in enumerate(run.layout.slot_counts) if c > 0]
         w1, w2 = _GroupedWeights.apply(run, slots, self.weight1, self.weight2)
         x, probs = permuted_local_hidden_states, permuted_probs.unsqueeze(-1)
