@@ -6,6 +6,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "forwarding_transport.hpp"
 #include "transport_util.hpp"
 
 namespace foremoe {
@@ -13,10 +14,10 @@ inline namespace v0 {
 namespace runtime::detail {
 namespace {
 
-class BridgeTransport final : public Transport {
+class BridgeTransport final : public ForwardingTransport {
 public:
   BridgeTransport(std::unique_ptr<Transport> inner, std::shared_ptr<PeerBridge> bridge)
-      : inner_(std::move(inner)), bridge_(std::move(bridge)), state_(std::make_shared<State>()) {}
+      : ForwardingTransport(std::move(inner)), bridge_(std::move(bridge)), state_(std::make_shared<State>()) {}
   // The bridge may still run groups of batches that ended (abort, deadline): their operations point into this
   // engine's memory, so the transport (and the engine's pools) stay until each group reported `done`, which the
   // bridge's contract bounds in time.
@@ -49,7 +50,7 @@ public:
     return Status::success();
   }
   Status query(std::uint64_t handle, double &seconds) override {
-    if ((handle & peer_bit) == 0) return inner_->query(handle, seconds);
+    if ((handle & peer_bit) == 0) return inner().query(handle, seconds);
     std::lock_guard lock(state_->mu);
     auto it = state_->groups.find(handle);
     if (it == state_->groups.end()) return {StatusCode::invalid_argument, "bridge: unknown peer group handle"};
@@ -61,28 +62,12 @@ public:
   }
 
   Status start(const CopyOp &op, std::uint64_t &handle) override {
-    Status st = inner_->start(op, handle);
+    Status st = inner().start(op, handle);
     if (st.ok() && (handle & peer_bit) != 0)
       return {StatusCode::internal, "bridge: the inner transport's copy handle uses the bridge's bit"};
     return st;
   }
-  bool cancel(std::uint64_t handle) override { return (handle & peer_bit) == 0 && inner_->cancel(handle); }
-  Status gate(const Gate &g, bool &ready) override { return inner_->gate(g, ready); }
-  Status checksum(int gpu, const std::byte *p, std::int64_t n, std::uint64_t &out) override {
-    return inner_->checksum(gpu, p, n, out);
-  }
-  Status accumulate(int gpu, float *dst, const float *src, std::int64_t n) override {
-    return inner_->accumulate(gpu, dst, src, n);
-  }
-  Status zero(int gpu, float *dst, std::int64_t n) override { return inner_->zero(gpu, dst, n); }
-  Status alloc(int gpu, std::int64_t n, std::byte *&out) override { return inner_->alloc(gpu, n, out); }
-  void free(int gpu, std::byte *p) noexcept override { inner_->free(gpu, p); }
-  Status alloc_flags(std::int64_t n, volatile std::uint32_t *&flags) override { return inner_->alloc_flags(n, flags); }
-  void free_flags(volatile std::uint32_t *flags) noexcept override { inner_->free_flags(flags); }
-  Status enqueue_wait(void *stream, volatile std::uint32_t *flag, std::uint32_t value) override {
-    return inner_->enqueue_wait(stream, flag, value);
-  }
-  std::int64_t resources_created() const noexcept override { return inner_->resources_created(); }
+  bool cancel(std::uint64_t handle) override { return (handle & peer_bit) == 0 && inner().cancel(handle); }
 
 private:
   static constexpr std::uint64_t peer_bit = std::uint64_t{1} << 63;
@@ -98,7 +83,6 @@ private:
     std::unordered_map<std::uint64_t, Group> groups;
     int running = 0;
   };
-  std::unique_ptr<Transport> inner_;
   std::shared_ptr<PeerBridge> bridge_;
   std::shared_ptr<State> state_;
   std::uint64_t next_ = 1; // under state_->mu

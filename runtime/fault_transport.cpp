@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "foremoe/runtime/testing.hpp"
+#include "forwarding_transport.hpp"
 #include "transport_util.hpp"
 
 namespace foremoe {
@@ -13,10 +14,10 @@ inline namespace v0 {
 namespace runtime::detail {
 namespace {
 
-class FaultTransport final : public Transport {
+class FaultTransport final : public ForwardingTransport {
 public:
   FaultTransport(std::unique_ptr<Transport> inner, std::shared_ptr<const FaultSchedule> f, bool host_memory)
-      : inner_(std::move(inner)), f_(std::move(f)), host_memory_(host_memory) {}
+      : ForwardingTransport(std::move(inner)), f_(std::move(f)), host_memory_(host_memory) {}
 
   Status start(const CopyOp &op, std::uint64_t &handle) override {
     std::lock_guard lock(mu_);
@@ -29,7 +30,7 @@ public:
       if (draw(op.fault_key, corrupt) < f_->corrupt_probability && p.op.num_bytes > 0) --p.op.num_bytes;
       if (draw(op.fault_key, delay) < f_->delay_probability)
         p.release = std::chrono::steady_clock::now() + std::chrono::microseconds(f_->delay_us);
-      else if (Status st = inner_->start(p.op, p.inner); !st.ok())
+      else if (Status st = inner().start(p.op, p.inner); !st.ok())
         return st;
       else
         p.started = true;
@@ -40,12 +41,12 @@ public:
   // Paired operations are always posted (skipping one would shift the pairing of everything after it); faults
   // act on what the group reports: a failure, one flipped byte in received host bytes, or a late completion.
   Status start_peer(std::span<PeerOp> ops, std::uint64_t &handle) override {
-    std::uint64_t inner = 0;
-    if (Status st = inner_->start_peer(ops, inner); !st.ok()) return st;
+    std::uint64_t inner_handle = 0;
+    if (Status st = inner().start_peer(ops, inner_handle); !st.ok()) return st;
     std::lock_guard lock(mu_);
     handle = next_++;
     PeerPending p;
-    p.inner = inner;
+    p.inner = inner_handle;
     p.ops = ops;
     peer_[handle] = p;
     return Status::success();
@@ -55,7 +56,7 @@ public:
     if (auto pi = peer_.find(handle); pi != peer_.end()) {
       PeerPending &p = pi->second;
       if (!p.landed) {
-        Status st = inner_->query(p.inner, seconds);
+        Status st = inner().query(p.inner, seconds);
         if (st.code() == StatusCode::in_progress) return st;
         p.landed = true;
         p.result = st;
@@ -84,13 +85,13 @@ public:
     }
     if (!p.started) {
       if (std::chrono::steady_clock::now() < p.release) return {StatusCode::in_progress, ""};
-      if (Status st = inner_->start(p.op, p.inner); !st.ok()) {
+      if (Status st = inner().start(p.op, p.inner); !st.ok()) {
         ops_.erase(it);
         return st;
       }
       p.started = true;
     }
-    Status st = inner_->query(p.inner, seconds);
+    Status st = inner().query(p.inner, seconds);
     if (st.code() != StatusCode::in_progress) ops_.erase(it);
     return st;
   }
@@ -98,26 +99,10 @@ public:
     std::lock_guard lock(mu_);
     auto it = ops_.find(handle);
     if (it == ops_.end()) return false;
-    if (it->second.started && !inner_->cancel(it->second.inner)) return false;
+    if (it->second.started && !inner().cancel(it->second.inner)) return false;
     ops_.erase(it);
     return true;
   }
-  Status gate(const Gate &g, bool &ready) override { return inner_->gate(g, ready); }
-  Status checksum(int gpu, const std::byte *p, std::int64_t n, std::uint64_t &out) override {
-    return inner_->checksum(gpu, p, n, out);
-  }
-  Status accumulate(int gpu, float *dst, const float *src, std::int64_t n) override {
-    return inner_->accumulate(gpu, dst, src, n);
-  }
-  Status zero(int gpu, float *dst, std::int64_t n) override { return inner_->zero(gpu, dst, n); }
-  Status alloc(int gpu, std::int64_t n, std::byte *&out) override { return inner_->alloc(gpu, n, out); }
-  void free(int gpu, std::byte *p) noexcept override { inner_->free(gpu, p); }
-  Status alloc_flags(std::int64_t n, volatile std::uint32_t *&flags) override { return inner_->alloc_flags(n, flags); }
-  void free_flags(volatile std::uint32_t *flags) noexcept override { inner_->free_flags(flags); }
-  Status enqueue_wait(void *stream, volatile std::uint32_t *flag, std::uint32_t value) override {
-    return inner_->enqueue_wait(stream, flag, value);
-  }
-  std::int64_t resources_created() const noexcept override { return inner_->resources_created(); }
 
 private:
   static constexpr FaultDecision fail = FaultDecision::fail, corrupt = FaultDecision::corrupt,
@@ -137,7 +122,6 @@ private:
     double seconds = 0.0;
     std::chrono::steady_clock::time_point release{};
   };
-  std::unique_ptr<Transport> inner_;
   std::shared_ptr<const FaultSchedule> f_;
   bool host_memory_ = false;
   std::unordered_map<std::uint64_t, PeerPending> peer_;
