@@ -527,6 +527,27 @@ class _LayerState:
         return _swap_call(self.template, self.swap, weights, x, scale)
 
 
+def _start_call(st: _LayerState, hidden_states: torch.Tensor, routing_map: torch.Tensor) -> Optional[tuple]:
+    """The start of a layer call shared by both dispatchers: ``None`` (and ``st.run`` cleared) outside a balanced
+    micro-step, else ``(x, plan, run, short)`` with ``st.run`` set: the tokens as ``[T, H]``, the micro-step's plan,
+    its run of this layer (``_prepare``; a plan that does not fit the routing raises ``ValueError`` naming the layer
+    and micro-step) and how many tokens have fewer routes than top-k (:func:`_routes`)."""
+    plan = st.balancer._plan_for(st.index)
+    if plan is None:
+        st.run = None
+        return None
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    ids, counts, short = _routes(routing_map, st.topk, st.index)
+    try:
+        run = _prepare(x, ids, _APPLIED_INSIDE, plan, st.storage, st.expert_fn, st.index, st.group, None,
+                       st.balancer.timeout, counts=counts)
+    except ValueError as e:
+        raise ValueError(f"foremoe.megatron: MoE layer {st.index}, micro-step {st.balancer.current_micro_step}: "
+                         f"{e}") from None
+    st.run = run
+    return x, plan, run, short
+
+
 class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
     """Megatron's alltoall dispatcher, sending tokens to the micro-step plan's physical slots.
 
@@ -538,20 +559,11 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         st = self._foremoe
-        plan = st.balancer._plan_for(st.index)
-        if plan is None:
-            st.run = None
+        started = _start_call(st, hidden_states, routing_map)
+        if started is None:
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        x, plan, run, short = started
         T, K = x.shape[0], st.topk
-        ids, counts, short = _routes(routing_map, K, st.index)
-        try:
-            run = _prepare(x, ids, _APPLIED_INSIDE, plan, st.storage, st.expert_fn, st.index, st.group, None,
-                           st.balancer.timeout, counts=counts)
-        except ValueError as e:
-            raise ValueError(f"foremoe.megatron: MoE layer {st.index}, micro-step {st.balancer.current_micro_step}: "
-                             f"{e}") from None
-        st.run = run
         lay = run.layout
         call = st.call = _Call(run, hidden_states.shape, T, short, x.device, st.rows_total)
         st.balancer._record(st, plan, run)
@@ -619,19 +631,11 @@ class ForeMoEAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         st = self._foremoe
-        plan = st.balancer._plan_for(st.index)
-        if plan is None:
-            st.run = None
+        started = _start_call(st, hidden_states, routing_map)
+        if started is None:
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
-        x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        ids, counts, _ = _routes(routing_map, st.topk, st.index)
-        try:
-            run = _prepare(x, ids, _APPLIED_INSIDE, plan, st.storage, st.expert_fn, st.index, st.group, None,
-                           st.balancer.timeout, counts=counts)
-        except ValueError as e:
-            raise ValueError(f"foremoe.megatron: MoE layer {st.index}, micro-step {st.balancer.current_micro_step}: "
-                             f"{e}") from None
-        st.run, st.call = run, None
+        x, plan, run, _ = started
+        st.call = None
         st.balancer._record(st, plan, run)
         self.hidden_shape = hidden_states.shape
         self.routing_map = routing_map
