@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <numeric>
 #include <random>
 #include <set>
@@ -49,8 +50,30 @@ Instance random_instance(std::mt19937_64 &rng) {
         target.slot(g, s) = e;
         in.moves.push_back({e, host_mirror, g, s});
       }
+  // Sources: mostly the planner's choice (`detail::move_source` with the slots the batch writes), sometimes any
+  // GPU or the mirror, so that transfer planning has to override (and record why).
+  std::vector<char> written(static_cast<std::size_t>(num_gpus) * slots, 0);
+  for (const Move &m : in.moves)
+    written[static_cast<std::size_t>(m.dst_gpu) * slots + m.dst_slot] = 1;
+  std::bernoulli_distribution planner(0.7);
+  std::uniform_int_distribution<int> any_src(-1, num_gpus - 1);
+  for (Move &m : in.moves)
+    m.src_gpu = planner(rng) ? detail::move_source(in.resident, {}, m.expert, m.dst_gpu, in.topo.gpus_per_node, written)
+                             : any_src(rng);
   std::shuffle(in.moves.begin(), in.moves.end(), rng);
   return in;
+}
+
+// Whether GPU `g` holds `e` in `in.resident` in a slot no move of the batch writes.
+bool readable(const Instance &in, int g, int e) {
+  for (int s = 0; s < in.topo.slots_per_gpu; ++s) {
+    if (in.resident.slot(g, s) != e) continue;
+    bool written = false;
+    for (const Move &m : in.moves)
+      written = written || (m.dst_gpu == g && m.dst_slot == s);
+    if (!written) return true;
+  }
+  return false;
 }
 
 // Whether some source exists for every move under `opt` (mirror, in-node copy that stays, or a remote copy).
@@ -80,6 +103,7 @@ TEST_CASE("transfer plans realise every move once from valid sources, rounds nev
   std::mt19937_64 rng(7);
   const int runs = 3000 * foremoe_test::seed_multiplier();
   int planned = 0, refused = 0, split_moves = 0, network_chunks = 0;
+  std::array<int, transfer::num_source_reasons> reasons{};
   for (int run = 0; run < runs; ++run) {
     Instance in = random_instance(rng);
     transfer::Options opt;
@@ -108,16 +132,49 @@ TEST_CASE("transfer plans realise every move once from valid sources, rounds nev
       paths[c.move_idx].insert(c.path);
       network_chunks += c.path == Path::network;
       if (!opt.host_mirror) CHECK(c.path != Path::pcie);
-      if (c.path == Path::network) CHECK(!opt.host_mirror);
+      // Another node's GPU only as the planner's own source, or for lack of a mirror.
+      if (c.path == Path::network) CHECK((!opt.host_mirror || in.moves[c.move_idx].src_gpu == c.src_gpu));
     }
     for (const auto &p : paths) {
       split_moves += p.size() > 1;
       if (!opt.split_paths) CHECK(p.size() == 1);
     }
+    // The planner's source is kept unless it cannot be read, and then the recorded reason is the true one.
+    REQUIRE(tp.source_reason.size() == in.moves.size());
+    for (std::size_t i = 0; i < in.moves.size(); ++i) {
+      const Move &m = in.moves[i];
+      const int gpn = in.topo.gpus_per_node;
+      const bool mirror = m.src_gpu == host_mirror;
+      const bool gpu_ok = !mirror && m.src_gpu != m.dst_gpu && readable(in, m.src_gpu, m.expert) &&
+                          (m.src_gpu / gpn == m.dst_gpu / gpn || opt.allow_network);
+      const transfer::SourceReason why = tp.source_reason[i];
+      ++reasons[static_cast<int>(why)];
+      if ((mirror && opt.host_mirror) || gpu_ok) {
+        CHECK((why == transfer::SourceReason::planned || why == transfer::SourceReason::split));
+        for (const auto &c : tp.chunks)
+          if (c.move_idx == static_cast<int>(i) && c.path != Path::pcie) CHECK(c.src_gpu == m.src_gpu);
+        if (why == transfer::SourceReason::planned)
+          for (const auto &c : tp.chunks)
+            if (c.move_idx == static_cast<int>(i)) CHECK(c.src_gpu == m.src_gpu);
+      } else if (mirror) {
+        CHECK(why == transfer::SourceReason::no_mirror);
+      } else if (m.src_gpu == m.dst_gpu ||
+                 (!readable(in, m.src_gpu, m.expert) && in.resident.holds(m.src_gpu, m.expert))) {
+        CHECK(why == transfer::SourceReason::rewritten);
+      } else if (!in.resident.holds(m.src_gpu, m.expert)) {
+        CHECK(why == transfer::SourceReason::not_resident);
+      } else {
+        CHECK(why == transfer::SourceReason::no_network);
+      }
+    }
     ++planned;
   }
   MESSAGE(planned, " planned, ", refused, " without a source refused, ", split_moves, " moves split, ", network_chunks,
           " network chunks");
+  for (int r = 0; r < transfer::num_source_reasons; ++r) {
+    MESSAGE(transfer::to_string(static_cast<transfer::SourceReason>(r)), ": ", reasons[r], " moves");
+    CHECK(reasons[r] > 0); // every reason shows up
+  }
   CHECK(planned > runs / 2);
   CHECK(split_moves > 0);
   CHECK(network_chunks > 0);
@@ -128,7 +185,7 @@ TEST_CASE("a move with both paths is split so that they finish together") {
   Topology topo{1, 2, 2};
   LayerPlacement resident(2, 2, 4);
   resident.slot(0, 0) = 0;
-  const std::vector<Move> moves{{0, host_mirror, 1, 0}};
+  const std::vector<Move> moves{{0, 0, 1, 0}}; // the planner's source: GPU 0
   transfer::Options opt;
   opt.move.gpu_intra.latency_us = opt.move.host.latency_us = 0;
   opt.expert_bytes = std::int64_t{44} << 20;
@@ -146,12 +203,20 @@ TEST_CASE("a move with both paths is split so that they finish together") {
   CHECK(tp.chunks[1].round == 0); // different links: the same round
   CHECK(tp.est_seconds == doctest::Approx(std::max(t_nv, t_pc)));
   CHECK(tp.moves[0].src_gpu == 0);
+  CHECK(tp.source_reason[0] == transfer::SourceReason::split);
 
-  // Without splitting the whole move takes the faster path.
+  // Without splitting the whole move reads from the planner's source.
   opt.split_paths = false;
   const auto whole = transfer::plan_transfers(moves, resident, topo, opt);
   REQUIRE(whole.chunks.size() == 1);
   CHECK(whole.chunks[0].path == Path::nvlink);
+  CHECK(whole.source_reason[0] == transfer::SourceReason::planned);
+  // The planner chose the mirror: kept, though GPU 0 holds a copy.
+  const std::vector<Move> from_mirror{{0, host_mirror, 1, 0}};
+  const auto kept = transfer::plan_transfers(from_mirror, resident, topo, opt);
+  REQUIRE(kept.chunks.size() == 1);
+  CHECK(kept.chunks[0].path == Path::pcie);
+  CHECK(kept.source_reason[0] == transfer::SourceReason::planned);
 }
 
 TEST_CASE("a source slot overwritten in the same batch is never read") {
@@ -166,6 +231,7 @@ TEST_CASE("a source slot overwritten in the same batch is never read") {
   const auto tp = transfer::plan_transfers(moves, resident, topo, opt);
   for (const auto &c : tp.chunks)
     CHECK(c.path == Path::pcie);
+  CHECK(tp.source_reason == std::vector{transfer::SourceReason::rewritten, transfer::SourceReason::rewritten});
   opt.host_mirror = false;
   CHECK_THROWS_WITH_AS((void)transfer::plan_transfers(moves, resident, topo, opt), doctest::Contains("has no source"),
                        Error);

@@ -513,6 +513,7 @@ nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, nb::handle
   std::vector<std::int64_t> chunks, path_bytes;
   std::vector<double> est, bound;
   std::vector<std::int32_t> rounds;
+  std::vector<std::int8_t> reasons;
   {
     nb::gil_scoped_release nogil;
     const std::size_t P = static_cast<std::size_t>(p.G) * p.S;
@@ -534,6 +535,8 @@ nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, nb::handle
       for (const fm::transfer::Chunk &c : tp.chunks)
         chunks.insert(chunks.end(), {l, c.move_idx, static_cast<std::int64_t>(c.path), c.src_gpu, c.src_slot, c.dst_gpu,
                                      c.dst_slot, c.expert, c.offset_bytes, c.num_bytes, c.round});
+      for (const fm::transfer::SourceReason r : tp.source_reason)
+        reasons.push_back(static_cast<std::int8_t>(r));
       est.push_back(tp.est_seconds);
       bound.push_back(tp.link_bound_seconds);
       rounds.push_back(tp.num_rounds);
@@ -547,6 +550,13 @@ nb::dict plan_transfers(const PyPlan &p, const PyPlacement *resident, nb::handle
       std::vector<std::string>{"layer",    "move",   "path",         "src_gpu",   "src_slot", "dst_gpu",
                                "dst_slot", "expert", "offset_bytes", "num_bytes", "round"};
   out["paths"] = std::vector<std::string>{"nvlink", "pcie", "network"};
+  // Per move of `Plan.moves`, in order: why it reads from its source (the planner's unless overridden).
+  const std::size_t num_moves = reasons.size();
+  out["source_reason"] = owned_array(std::move(reasons), {num_moves});
+  std::vector<std::string> reason_names;
+  for (int r = 0; r < fm::transfer::num_source_reasons; ++r)
+    reason_names.emplace_back(fm::transfer::to_string(static_cast<fm::transfer::SourceReason>(r)));
+  out["source_reasons"] = std::move(reason_names);
   out["est_seconds"] = owned_array(std::move(est), {static_cast<std::size_t>(p.L)});
   out["link_bound_seconds"] = owned_array(std::move(bound), {static_cast<std::size_t>(p.L)});
   out["num_rounds"] = owned_array(std::move(rounds), {static_cast<std::size_t>(p.L)});

@@ -39,6 +39,17 @@ def test_transfers_cover_every_move_once_from_valid_sources(split):
     np.testing.assert_array_equal(got, per_layer)
     assert (t["est_seconds"] >= t["link_bound_seconds"] * (1 - 1e-12)).all()
     assert t["path_bytes"].sum() == B * second.num_moves
+    # The planner's sources are readable, so none is overridden; its GPU sources are the chunks' sources.
+    assert t["source_reasons"][:2] == ["planned", "split"]
+    assert t["source_reason"].shape == (second.num_moves,) and (t["source_reason"] <= 1).all()
+    first_row = {}
+    for r in ch:
+        first_row.setdefault((int(r[cols["layer"]]), int(r[cols["move"]])), r)
+    offsets = np.concatenate([[0], np.cumsum(per_layer)])
+    for (l, m), r in first_row.items():
+        src = moves[offsets[l] + m, 2]
+        if src >= 0 and r[cols["path"]] != 1:
+            assert r[cols["src_gpu"]] == src
 
 
 def test_transfers_bad_input():

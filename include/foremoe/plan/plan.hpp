@@ -91,9 +91,13 @@ inline Placement StepPlan::final_placement() const {
 namespace detail {
 
 /// The GPU a new copy of `expert` is read from: a holder in `base` on `dst_gpu`'s node (the owner first), else the
-/// host mirror. Cross-node GPU copies would compete with the token all-to-all on the network; PCIe does not.
+/// host mirror. Cross-node GPU copies would compete with the token all-to-all on the network; PCIe does not. A holder
+/// whose slot a move of the same batch writes (`written`, `[gpus * slots]` of the layer; empty: none) does not
+/// count: it would be read while written. This is where a move's source is decided; transfer planning keeps it
+/// unless it cannot be read (`transfer::SourceReason`).
 [[nodiscard]] inline std::int32_t move_source(const LayerPlacement &base, std::span<const std::int32_t> owner_gpu,
-                                              std::int32_t expert, int dst_gpu, int gpus_per_node) {
+                                              std::int32_t expert, int dst_gpu, int gpus_per_node,
+                                              std::span<const char> written = {}) {
   const int slots = base.slots_per_gpu();
   const int first = dst_gpu / gpus_per_node * gpus_per_node, last = std::min(base.num_gpus(), first + gpus_per_node);
   const std::int32_t *slot = base.phys_to_log().data();
@@ -110,7 +114,7 @@ namespace detail {
   for (int q = lo; q < hi; ++q)
     if (slot[q] == expert) {
       const std::int32_t g = q / slots;
-      if (g == dst_gpu) continue;
+      if (g == dst_gpu || (!written.empty() && written[static_cast<std::size_t>(q)])) continue;
       if (g == owner) return owner;
       if (holder == host_mirror) holder = g;
     }
@@ -180,12 +184,18 @@ inline void layout_gpu_slots(LayerPlacement &p, int gpu_idx, std::span<const std
           owners_only.slot(g, s) = e;
   }
   const LayerPlacement &base = resident != nullptr ? *resident : owners_only;
+  std::vector<char> written(static_cast<std::size_t>(num_gpus) * slots, 0);
   for (int g = 0; g < num_gpus; ++g)
     for (int s = 0; s < slots; ++s) {
       const std::int32_t e = target.slot(g, s);
-      if (e == empty_slot || base.slot(g, s) == e) continue;
-      moves.push_back({e, detail::move_source(base, owner_gpu, e, g, gpus_per_node), g, s});
+      written[static_cast<std::size_t>(g) * slots + s] = e != empty_slot && base.slot(g, s) != e;
     }
+  for (int g = 0; g < num_gpus; ++g)
+    for (int s = 0; s < slots; ++s)
+      if (written[static_cast<std::size_t>(g) * slots + s]) {
+        const std::int32_t e = target.slot(g, s);
+        moves.push_back({e, detail::move_source(base, owner_gpu, e, g, gpus_per_node, written), g, s});
+      }
   return moves;
 }
 
@@ -208,14 +218,19 @@ inline void layout_gpu_slots(LayerPlacement &p, int gpu_idx, std::span<const std
           owners_only.slot(g, s) = e;
   }
   const LayerPlacement &base = resident != nullptr ? *resident : owners_only;
+  std::vector<char> written(static_cast<std::size_t>(num_gpus) * slots, 0);
   for (int g = 0; g < num_gpus; ++g)
     for (int s = 0; s < slots; ++s) {
       const std::int32_t e = target.slot(g, s);
-      if (e == empty_slot) continue;
-      const bool owner_copy = !owner_gpu.empty() && owner_gpu[e] == g;
-      if (owner_copy && base.slot(g, s) == e) continue;
-      moves.push_back({e, detail::move_source(base, owner_gpu, e, g, gpus_per_node), g, s});
+      const bool owner_copy = e != empty_slot && !owner_gpu.empty() && owner_gpu[e] == g;
+      written[static_cast<std::size_t>(g) * slots + s] = e != empty_slot && !(owner_copy && base.slot(g, s) == e);
     }
+  for (int g = 0; g < num_gpus; ++g)
+    for (int s = 0; s < slots; ++s)
+      if (written[static_cast<std::size_t>(g) * slots + s]) {
+        const std::int32_t e = target.slot(g, s);
+        moves.push_back({e, detail::move_source(base, owner_gpu, e, g, gpus_per_node, written), g, s});
+      }
   return moves;
 }
 
@@ -310,6 +325,16 @@ inline void validate(const LayerPlan &plan, std::span<const std::int64_t> expert
     written[phys] = 1;
     state.slot(m.dst_gpu, m.dst_slot) = m.expert;
     if (plan.owner_gpu[m.expert] != m.dst_gpu) ++new_replicas[m.dst_gpu];
+  }
+  // A GPU source is read while the batch runs: one of its copies must survive it (`detail::move_source`).
+  for (std::size_t i = 0; i < plan.moves.size(); ++i) {
+    const Move &m = plan.moves[i];
+    if (m.src_gpu == host_mirror) continue;
+    bool readable = false;
+    for (int s = 0; s < slots && !readable; ++s)
+      readable = before.slot(m.src_gpu, s) == m.expert && !written[static_cast<std::size_t>(m.src_gpu) * slots + s];
+    detail::require(readable, "LayerPlan: move ", i, " reads expert ", m.expert, " from GPU ", m.src_gpu,
+                    ", whose copy a move of the same micro-step overwrites");
   }
   for (int g = 0; g < num_gpus; ++g)
     for (int s = 0; s < slots; ++s) {

@@ -78,11 +78,31 @@ struct Chunk {
   friend bool operator==(const Chunk &, const Chunk &) = default;
 };
 
+/// Why a move reads from where it does. The planner decides every move's source (`Move::src_gpu`, `plan.hpp`
+/// `detail::move_source`); transfer planning keeps it and overrides it only for one of these recorded reasons.
+enum class SourceReason : std::uint8_t {
+  planned = 0,      ///< the planner's source, all bytes
+  split = 1,        ///< the planner's GPU source and the host mirror, split so that both parts end together
+  rewritten = 2,    ///< the planner's source slot is written by a move of the same batch (or is the destination)
+  not_resident = 3, ///< the planner's source GPU does not hold the expert in the resident placement
+  no_mirror = 4,    ///< the planner chose the host mirror, but there is none (`Options::host_mirror` off)
+  no_network = 5,   ///< the planner chose another node's GPU, but network sources are off
+};
+inline constexpr int num_source_reasons = 6;
+
+[[nodiscard]] constexpr std::string_view to_string(SourceReason r) noexcept {
+  constexpr std::array<std::string_view, num_source_reasons> names{"planned",      "split",     "rewritten",
+                                                                   "not_resident", "no_mirror", "no_network"};
+  const auto i = static_cast<std::size_t>(r);
+  return i < names.size() ? names[i] : std::string_view{"unknown"};
+}
+
 /// The chunks realising one layer's moves, and what they are expected to cost.
 struct TransferPlan {
   std::int64_t expert_bytes = 0;
-  std::vector<Move> moves;   ///< the moves, `src_gpu` set to the GPU source of most bytes (or `host_mirror`)
-  std::vector<Chunk> chunks; ///< ordered by round
+  std::vector<Move> moves; ///< the moves, `src_gpu` set to the GPU source of most bytes (or `host_mirror`)
+  std::vector<SourceReason> source_reason; ///< per move: why it reads from its source (`planned` unless overridden)
+  std::vector<Chunk> chunks;               ///< ordered by round
   int num_rounds = 0;
   double est_seconds = 0.0;        ///< rounds run one after the other, each as long as its busiest link
   double link_bound_seconds = 0.0; ///< bytes of the busiest link over its bandwidth: no schedule beats it
@@ -167,12 +187,14 @@ inline void estimate(TransferPlan &plan, const Topology &topo, const MoveParams 
 
 /// Plans the chunks of `moves` (one layer, one micro-step) starting from `resident`, the placement before them.
 ///
-/// Sources: a GPU of the destination's node that holds the expert in `resident` in a slot no move of this batch
-/// overwrites (the least busy one), and the node's host mirror. When both exist and `split_paths` is set, the move
-/// is split so that its GPU-direct part and its PCIe part end at the same time given what each link already carries;
-/// otherwise the whole move takes the path that ends first. A node with neither reads from another node's GPU over
-/// the network (`allow_network`). The `src_gpu` of the input moves is only a hint and is not trusted: a source
-/// whose slot is overwritten in the same batch would be read while it is written.
+/// Sources are the planner's (`Move::src_gpu`): a GPU that holds the expert in `resident` in a slot no move of this
+/// batch overwrites, or the host mirror. With a GPU source in the destination's node, a host mirror and
+/// `split_paths`, the move is split so that its GPU-direct part and its PCIe part end at the same time given what
+/// each link already carries (reason `split`). Transfer planning overrides the planner's source only when it cannot
+/// be read, recording why (`TransferPlan::source_reason`): its slot is overwritten in the same batch (it would be
+/// read while written) or it does not hold the expert, the mirror is off, or network sources are off. An overridden
+/// move reads from the least busy GPU of the destination's node holding the expert (split with the mirror as
+/// above), else the mirror, else another node's GPU (`allow_network`).
 [[nodiscard]] inline TransferPlan plan_transfers(std::span<const Move> moves, const LayerPlacement &resident,
                                                  const Topology &topo, const Options &opt) {
   topo.validate();
@@ -232,10 +254,73 @@ inline void estimate(TransferPlan &plan, const Topology &topo, const MoveParams 
     }
   };
 
+  plan.source_reason.assign(moves.size(), SourceReason::planned);
+  // A GPU copy of `e` readable during the batch: the slot of `g` holding it, or -1.
+  auto readable_slot = [&](int g, std::int32_t e) {
+    for (auto [h, s] : holders[e])
+      if (h == g) return s;
+    return -1;
+  };
+  auto split_or_whole = [&](int idx, int src, int src_slot, int dst) {
+    // GPU-direct part x ends at t_nv + x/bw_nv, the PCIe part at t_pc + (B - x)/bw_pc; equalise them.
+    const double t_nv = std::max(nv_out[src], nv_in[dst]), t_pc = pc_in[dst];
+    const double xf = (t_pc - t_nv + static_cast<double>(total) * inv_pc) / (inv_nv + inv_pc);
+    std::int64_t x = xf <= 0 ? 0 : xf >= static_cast<double>(total) ? total : align_down(static_cast<std::int64_t>(xf));
+    if (total - x < opt.align_bytes) x = total; // no sliver on one path
+    if (x > 0) emit(idx, Path::nvlink, src, src_slot, 0, x);
+    if (x < total) emit(idx, Path::pcie, host_mirror, -1, x, total);
+    const double nv_t = static_cast<double>(x) * inv_nv, pc_t = static_cast<double>(total - x) * inv_pc;
+    nv_out[src] += nv_t;
+    nv_in[dst] += nv_t;
+    pc_in[dst] += pc_t;
+    plan.moves[idx].src_gpu = x * 2 >= total ? src : host_mirror;
+    return x < total;
+  };
+  auto gpu_source = [&](int idx, int src, int src_slot, int dst) {
+    const Path path = src / gpn == dst / gpn ? Path::nvlink : Path::network;
+    if (path == Path::nvlink && opt.host_mirror && opt.split_paths) return split_or_whole(idx, src, src_slot, dst);
+    emit(idx, path, src, src_slot, 0, total);
+    const double t = static_cast<double>(total) * (path == Path::nvlink ? inv_nv : inv_net);
+    (path == Path::nvlink ? nv_out : net_out)[src] += t;
+    (path == Path::nvlink ? nv_in : net_in)[dst] += t;
+    plan.moves[idx].src_gpu = src;
+    return false;
+  };
+  auto mirror_source = [&](int idx, int dst) {
+    emit(idx, Path::pcie, host_mirror, -1, 0, total);
+    pc_in[dst] += static_cast<double>(total) * inv_pc;
+    plan.moves[idx].src_gpu = host_mirror;
+  };
+
   for (std::size_t i = 0; i < moves.size(); ++i) {
     const Move &m = moves[i];
-    const int dst = m.dst_gpu, node = dst / gpn;
-    // The least busy in-node source, and the least busy remote one.
+    const int dst = m.dst_gpu, node = dst / gpn, idx = static_cast<int>(i);
+    SourceReason &why = plan.source_reason[i];
+    // The planner's source, when it can be read.
+    const int want = m.src_gpu;
+    if (want == host_mirror) {
+      if (opt.host_mirror) {
+        mirror_source(idx, dst);
+        continue;
+      }
+      why = SourceReason::no_mirror;
+    } else if (want < 0 || want >= num_gpus || want == dst) {
+      why = SourceReason::rewritten;
+    } else if (const int s = readable_slot(want, m.expert); s >= 0) {
+      if (want / gpn != node && !opt.allow_network) {
+        why = SourceReason::no_network;
+      } else {
+        if (gpu_source(idx, want, s, dst)) why = SourceReason::split;
+        continue;
+      }
+    } else {
+      // It held the expert, but a move of this batch writes that slot; or it never held it.
+      bool held = false;
+      for (int k = 0; k < slots && !held; ++k)
+        held = resident.slot(want, k) == m.expert;
+      why = held ? SourceReason::rewritten : SourceReason::not_resident;
+    }
+    // Overridden (reason recorded): the least busy in-node source, else the mirror, else the least busy remote one.
     int best_local = -1, best_local_slot = -1, best_remote = -1, best_remote_slot = -1;
     for (auto [g, s] : holders[m.expert]) {
       if (g == dst) continue;
@@ -245,43 +330,16 @@ inline void estimate(TransferPlan &plan, const Topology &topo, const MoveParams 
         best_remote = g, best_remote_slot = s;
       }
     }
-    const int idx = static_cast<int>(i);
-    if (best_local >= 0 && opt.host_mirror) {
-      // GPU-direct part x ends at t_nv + x/bw_nv, the PCIe part at t_pc + (B - x)/bw_pc; equalise them.
-      const double t_nv = std::max(nv_out[best_local], nv_in[dst]), t_pc = pc_in[dst];
-      std::int64_t x = 0;
-      if (opt.split_paths) {
-        const double xf = (t_pc - t_nv + static_cast<double>(total) * inv_pc) / (inv_nv + inv_pc);
-        x = xf <= 0 ? 0 : xf >= static_cast<double>(total) ? total : align_down(static_cast<std::int64_t>(xf));
-        if (total - x < opt.align_bytes) x = total; // no sliver on one path
-      } else {
-        x = t_nv + static_cast<double>(total) * inv_nv <= t_pc + static_cast<double>(total) * inv_pc ? total : 0;
-      }
-      if (x > 0) emit(idx, Path::nvlink, best_local, best_local_slot, 0, x);
-      if (x < total) emit(idx, Path::pcie, host_mirror, -1, x, total);
-      const double nv_t = static_cast<double>(x) * inv_nv, pc_t = static_cast<double>(total - x) * inv_pc;
-      nv_out[best_local] += nv_t;
-      nv_in[dst] += nv_t;
-      pc_in[dst] += pc_t;
-      plan.moves[i].src_gpu = x * 2 >= total ? best_local : host_mirror;
-    } else if (best_local >= 0) {
-      emit(idx, Path::nvlink, best_local, best_local_slot, 0, total);
-      nv_out[best_local] += static_cast<double>(total) * inv_nv;
-      nv_in[dst] += static_cast<double>(total) * inv_nv;
-      plan.moves[i].src_gpu = best_local;
+    if (best_local >= 0) {
+      (void)gpu_source(idx, best_local, best_local_slot, dst);
     } else if (opt.host_mirror) {
-      emit(idx, Path::pcie, host_mirror, -1, 0, total);
-      pc_in[dst] += static_cast<double>(total) * inv_pc;
-      plan.moves[i].src_gpu = host_mirror;
+      mirror_source(idx, dst);
     } else {
       foremoe::detail::require(
           opt.allow_network && best_remote >= 0, "plan_transfers: move ", i, " of expert ", m.expert, " to GPU ", dst,
           " has no source: no copy on node ", node, opt.host_mirror ? "" : ", no host mirror",
           opt.allow_network ? (best_remote < 0 ? ", no copy on any other node" : "") : ", network sources disallowed");
-      emit(idx, Path::network, best_remote, best_remote_slot, 0, total);
-      net_out[best_remote] += static_cast<double>(total) * inv_net;
-      net_in[dst] += static_cast<double>(total) * inv_net;
-      plan.moves[i].src_gpu = best_remote;
+      (void)gpu_source(idx, best_remote, best_remote_slot, dst);
     }
   }
 

@@ -122,7 +122,10 @@ class Plan:
     ) -> Dict[str, Any]:
         """Transfer plan of every layer's moves from `resident` (None: owner copies only): `chunks` [N, 11] int64
         (columns in `chunk_columns`; path 0 nvlink, 1 pcie, 2 network), `est_seconds`, `link_bound_seconds`,
-        `num_rounds` per layer and `path_bytes` [L, 3]. `move`: the move model's settings that price them, keys of
+        `num_rounds` per layer, `path_bytes` [L, 3] and `source_reason` [moves] int8 (per row of `moves`: why the
+        move reads from where it does, names in `source_reasons`: 0 planned, the planner's source, 1 split, the
+        planner's GPU source and the host mirror; the rest are overrides of a source that cannot be read:
+        rewritten, not_resident, no_mirror, no_network). `move`: the move model's settings that price them, keys of
         `foremoe.options("move")` (`foremoe plan`'s `--move-*` and `--pcie-ingress-gb-per-s` flags, e.g.
         `{"move_inter_gb_per_s": 25}`), each checked by that schema (`ValueError` naming `transfers.move.KEY`);
         None or a key left out: its default."""

@@ -940,6 +940,20 @@ private:
           if (kept_[rep[k]] != stamp_) place(rep[k], construction_split ? amt[k] : 0);
         if (construction_split) plan.max_gpu_load = std::max(plan.max_gpu_load, gpu_load);
       }
+      // A source chosen above may be a slot that a later GPU's layout overwrote: choose again for those (rare),
+      // now that every written slot is known (`move_source` with them, as `compute_moves` does).
+      written_.assign(static_cast<std::size_t>(num_gpus_) * slots_, 0);
+      for (const Move &m : moves_)
+        written_[static_cast<std::size_t>(m.dst_gpu) * slots_ + m.dst_slot] = 1;
+      for (Move &m : moves_) {
+        if (m.src_gpu == host_mirror) continue;
+        bool readable = false;
+        for (int j = 0; j < slots_ && !readable; ++j)
+          readable =
+              resident->slot(m.src_gpu, j) == m.expert && !written_[static_cast<std::size_t>(m.src_gpu) * slots_ + j];
+        if (!readable)
+          m.src_gpu = detail::move_source(*resident, owner_gpu, m.expert, m.dst_gpu, topo_.gpus_per_node, written_);
+      }
     }
     if (!construction_split) {
       for (int g = 0; g < num_gpus_; ++g)
@@ -964,7 +978,8 @@ private:
   std::vector<std::int32_t> own_off_, own_list_, fill_, spare_, budget_, hot_order_, res_, res_cnt_, new_left_;
   std::vector<std::int64_t> owner_load_, room_, remaining_, chained_;
   std::vector<std::int64_t> owner_tokens_;
-  std::vector<Move> moves_; ///< realize's moves, copied into the plan at their final size
+  std::vector<Move> moves_;   ///< realize's moves, copied into the plan at their final size
+  std::vector<char> written_; ///< realize: the slots its moves write, `[gpus * slots]`
   std::vector<std::int32_t> own_by_id_, mark_;
   std::vector<std::uint32_t> kept_; ///< realize's marks of kept resident slots
   std::uint32_t stamp_ = 0;         ///< the current GPU's mark in `kept_`
