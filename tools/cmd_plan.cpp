@@ -450,18 +450,6 @@ Command make_plan() {
        "on a node it already visits) and report each token's distinct remote nodes and GPUs (node_hits in --out: "
        "counts summed over micro-steps and MoE layers)",
        ""},
-      {"traffic-aware", "",
-       "--ids, --strategy foremoe: owners chosen from the step's ids so that experts routed together share a node "
-       "(fewer distinct nodes per token in the hierarchical all-to-all), each node's load within "
-       "--traffic-tolerance, then replicas per micro-step as usual; reports the co-activation cut before and after",
-       ""},
-      {"traffic-tolerance", "X",
-       "--traffic-aware: every node's owned load stays at most X times the mean node load (or the load-only owners' "
-       "most loaded node if higher); X >= 1",
-       "1.05"},
-      {"traffic-tokens", "N",
-       "--traffic-aware: count the co-activation on about N of the step's tokens (every ceil(T / N)-th; 0: all)",
-       "65536"},
       {"previous-loads", "FILE.npy",
        "previous step's loads: one finished step for EPLB's window (a rebalance from it with --eplb-interval 1)", ""},
       {"resident", "PLACEMENT.json", "placement left by the previous micro-step (from --out-placement)", ""},
@@ -548,12 +536,9 @@ Command make_plan() {
                 a.flag("traffic-aware")))
       throw UsageError{"--strategy all prints a comparison; --out, --out-placement, --plot, --traffic-aware and "
                        "--node-hits need one strategy"};
-    const bool traffic = a.flag("traffic-aware");
-    TrafficOptions traffic_opts;
+    const bool traffic_flag = a.flag("traffic-aware");
     for (const char *o : {"traffic-tolerance", "traffic-tokens"})
-      if (a.has(o) && !traffic) throw UsageError{std::string("--") + o + " is for --traffic-aware"};
-    const std::int64_t traffic_tokens = traffic ? a.integer("traffic-tokens", 0, limits::max_load_total) : 0;
-    if (traffic) traffic_opts.node_tolerance = a.real("traffic-tolerance", 1.0, 100.0);
+      if (a.has(o) && !traffic_flag) throw UsageError{std::string("--") + o + " is for --traffic-aware"};
     const json::Value flags = all ? schema_overrides(config::plan_schema(), a, {"planner.strategy"})
                                   : schema_overrides(config::plan_schema(), a);
     config::PlanSettings settings;
@@ -576,6 +561,7 @@ Command make_plan() {
     }
     const Topology topo = settings.topo;
     const PlannerOptions opts = settings.planner;
+    const bool traffic = settings.traffic.aware; // planner.traffic_aware: off unless --traffic-aware
     if (traffic && find_strategy(opts.strategy).name != "foremoe")
       throw UsageError{"--traffic-aware chooses the owners of two-level planning: it needs --strategy foremoe, got '" +
                        opts.strategy + "'"};
@@ -659,9 +645,9 @@ Command make_plan() {
 
     Planner planner(loads.num_layers(), loads.num_experts(), topo, opts);
     TrafficReport traffic_report;
-    const StepPlan sp =
-        traffic ? plan_traffic_aware(planner, loads, packed, traffic_opts, traffic_tokens, res, stage, traffic_report)
-                : planner.plan_step(loads, res, previous, stage);
+    const StepPlan sp = traffic ? plan_traffic_aware(planner, loads, packed, settings.traffic.options(),
+                                                     settings.traffic.tokens, res, stage, traffic_report)
+                                : planner.plan_step(loads, res, previous, stage);
 
     // Sources are what the slots held before each micro-step: the previous one's placement, or --resident, or
     // (micro-step 0 without --resident) what the planner assumed resident: every slot its moves do not write.

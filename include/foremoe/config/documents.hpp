@@ -345,6 +345,13 @@ inline void deployment_json(json::Value &j, const Deployment &d, int num_gpus) {
   j["num_ep_groups"] = s.sim.stage_gpus() / s.sim.effective_ep_size(); // per pipeline stage
   j["pipeline_stages"] = s.sim.pipeline_stages;
   j["tensor_parallel"] = s.sim.tensor_parallel;
+  if (s.sim.a2a_hits == A2aHitsSource::ids) {
+    // Counted mode only (the estimate's document is unchanged): the strategies that planned traffic-aware.
+    json::Value ta = json::Array{};
+    for (const auto &r : res)
+      if (plans_traffic_aware(s.sim, r.strategy)) ta.push_back(r.strategy);
+    j["traffic_aware_strategies"] = std::move(ta);
+  }
   json::Value list = json::Array{};
   for (const auto &r : res) {
     json::Value d;

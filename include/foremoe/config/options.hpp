@@ -14,9 +14,11 @@
 #include <vector>
 
 #include "foremoe/config/schema.hpp"
+#include "foremoe/core/limits.hpp"
 #include "foremoe/core/model_spec.hpp"
 #include "foremoe/core/topology.hpp"
 #include "foremoe/plan/planner.hpp"
+#include "foremoe/plan/traffic.hpp"
 #include "foremoe/sim/deployment.hpp"
 #include "foremoe/sim/simulator.hpp"
 #include "foremoe/trace/baseline_workloads.hpp"
@@ -347,6 +349,30 @@ template <class T, class F> [[nodiscard]] Option<T> peer_domain_option(std::stri
                     field);
 }
 
+/// The traffic-aware owner settings (`TrafficSettings`, foremoe/plan/traffic.hpp) as `PREFIX.traffic_aware`,
+/// `PREFIX.traffic_tolerance` and `PREFIX.traffic_tokens`: one definition for `foremoe plan` (`planner.`, off by
+/// default) and `foremoe simulate` (`sim.`, on by default: it counts only where the ids are routed). `where` says
+/// when the front end applies them.
+template <class T, class F>
+void traffic_options(std::vector<Option<T>> &o, const std::string &prefix, std::string_view where, F field) {
+  o.push_back(boolean<T>(
+      prefix + ".traffic_aware",
+      std::string(where) +
+          ": owners chosen per RL step from the step's routed ids so that experts routed together share a node "
+          "(fewer distinct nodes per token in the hierarchical all-to-all), each node's owned load within "
+          "traffic_tolerance; replicas per micro-step as usual",
+      [field](auto &x) -> auto & { return field(x).aware; }));
+  o.push_back(number<T>(
+      prefix + ".traffic_tolerance", 1, 100,
+      "traffic_aware: every node's owned load stays at most X times the mean node load (or the load-only owners' "
+      "most loaded node if higher); X >= 1",
+      [field](auto &x) -> auto & { return field(x).tolerance; }));
+  o.push_back(integer<T>(
+      prefix + ".traffic_tokens", 0, limits::max_load_total,
+      "traffic_aware: count the co-activation on about N of the step's tokens (every ceil(T / N)-th; 0: all)",
+      [field](auto &x) -> auto & { return field(x).tokens; }));
+}
+
 /// The planner's options (`PlannerOptions`), as `foremoe plan` flags and Python `Planner(...)` keywords.
 [[nodiscard]] inline const Schema<PlannerOptions> &planner_schema() {
   using P = PlannerOptions;
@@ -457,7 +483,8 @@ struct PlanSettings {
   Topology topo = default_topology();
   PlannerOptions planner{};
   Stage stage = Stage::update;
-  MoveParams move{}; ///< what the transfer plan (`--expert-bytes`) prices moves with
+  MoveParams move{};         ///< what the transfer plan (`--expert-bytes`) prices moves with
+  TrafficSettings traffic{}; ///< `--[no-]traffic-aware` (off by default; `--ids` with strategy foremoe only)
 };
 
 [[nodiscard]] inline const Schema<PlanSettings> &plan_schema() {
@@ -467,6 +494,8 @@ struct PlanSettings {
         o, topology_schema(), "topology", [](auto &p) -> auto & { return p.topo; });
     lift(
         o, planner_schema(), "planner", [](auto &p) -> auto & { return p.planner; });
+    traffic_options(
+        o, "planner", "--ids, strategy foremoe", [](auto &p) -> auto & { return p.traffic; });
     o.push_back(choice<PlanSettings>(
         "stage", {"update", "recompute"}, "micro-step stage (in update, replicas also return gradients)",
         [](const PlanSettings &p) { return p.stage == Stage::update ? "update" : "recompute"; },
@@ -803,6 +832,9 @@ template <class I>
         [](const S &x) { return std::string(to_string(x.sim.a2a_hits)); },
         [](S &x, const std::string &v) { x.sim.a2a_hits = parse_a2a_hits_source(v, "sim.a2a_hits"); }));
     o.back().metavar = "SOURCE";
+    traffic_options(
+        o, "sim", "sim.a2a_hits ids only (no effect on the estimate), foremoe and foremoe-free",
+        [](auto &x) -> auto & { return x.sim.traffic; });
     o.push_back(number<S>(
         "sim.dp_grad_overlap", 0, 1,
         "fraction of the expert-gradient all-reduce across EP-group copies that may run under the last backward "

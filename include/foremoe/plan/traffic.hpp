@@ -132,6 +132,26 @@ struct TrafficOptions {
   int max_passes = 16; ///< bound on passes over the experts per layer (a pass tries every expert once); >= 0
 };
 
+/// The traffic-aware owner settings of a front end (`planner.traffic_*` of `foremoe plan`, `sim.traffic_*` of
+/// `foremoe simulate`; one definition of the keys in `config::traffic_options`). They apply only where per-token ids
+/// are known: `plan --ids` with strategy foremoe, `simulate` with `sim.a2a_hits ids` for foremoe and foremoe-free.
+struct TrafficSettings {
+  bool aware = false;          ///< choose owners from the step's co-activation (`traffic_aware_owners`)
+  double tolerance = 1.05;     ///< `TrafficOptions::node_tolerance`
+  std::int64_t tokens = 65536; ///< count the co-activation on about this many of the step's tokens (0: all)
+
+  /// The search options these settings give.
+  [[nodiscard]] TrafficOptions options() const {
+    TrafficOptions o;
+    o.node_tolerance = tolerance;
+    return o;
+  }
+  /// The sampling stride over `step_tokens` tokens: every `ceil(step_tokens / tokens)`-th token (1 for `tokens` 0).
+  [[nodiscard]] std::int64_t every(std::int64_t step_tokens) const noexcept {
+    return tokens > 0 ? std::max<std::int64_t>(1, (step_tokens + tokens - 1) / tokens) : 1;
+  }
+};
+
 /// The proxy objective of one layer's owners `owner` (`[E]` owner GPUs on `topo`): the co-activation weight of the
 /// expert pairs whose owners sit on different nodes. O(E^2).
 [[nodiscard]] inline std::int64_t coactivation_cut(const CoActivation &co, int layer,

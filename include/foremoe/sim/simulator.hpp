@@ -67,6 +67,7 @@
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/split.hpp"
 #include "foremoe/plan/token_map.hpp"
+#include "foremoe/plan/traffic.hpp"
 #include "foremoe/trace/routed_view.hpp"
 
 namespace foremoe {
@@ -164,6 +165,12 @@ struct SimConfig {
   /// ids (`ids`; `simulate` then needs them for every micro-step and one EP group over every GPU; every strategy,
   /// `ideal` included, is then timed from its plans and the ids).
   A2aHitsSource a2a_hits = A2aHitsSource::independent;
+  /// Traffic-aware foremoe (`sim.traffic_*`; issue 30): with `a2a_hits` ids, `foremoe` and `foremoe-free` choose
+  /// each RL step's owners with `traffic_aware_owners` from the step's co-activation (counted from its routed ids
+  /// as they are routed) and their tokens are mapped by the node-affine rule (`TokenMapRule::node_affine`, as their
+  /// dispatch would map them). On by default, as the issue asks where the ids are known; no effect on the estimate
+  /// (`a2a_hits` independent), which has no per-token sets.
+  TrafficSettings traffic = {.aware = true};
   /// Links shared both ways: the all-to-all also yields to a GPU's moves and gradient returns (it gets half the
   /// link while they run, as they get half while it runs). false: only the moves yield (the earlier model).
   bool two_way_link_sharing = true;
@@ -371,6 +378,9 @@ struct SimConfig {
     topo.validate(model.num_experts);
     cost.validate();
     detail::require(ep_size >= 0, "SimConfig: ep_size must be >= 0 (0: the default), got ", ep_size);
+    detail::require(std::isfinite(traffic.tolerance) && traffic.tolerance >= 1.0,
+                    "SimConfig: traffic.tolerance must be a finite number >= 1, got ", traffic.tolerance);
+    detail::require(traffic.tokens >= 0, "SimConfig: traffic.tokens must be >= 0 (0: all), got ", traffic.tokens);
     detail::require(ep_size <= model.num_experts, "SimConfig: an EP group of ", ep_size, " GPUs for ",
                     model.num_experts, " experts would leave GPUs without an expert (ep_size <= experts)");
     detail::require(pipeline_stages >= 1 && pipeline_stages <= model.num_layers,
@@ -566,6 +576,14 @@ struct SimResult {
   double inter_node_gb = 0;
 };
 
+/// Whether strategy `strategy` plans traffic-aware under `cfg` (`SimConfig::traffic`): the ids counted
+/// (`a2a_hits` ids), the option on, and `foremoe` or `foremoe-free`, the strategies whose owners the planner chooses
+/// per RL step (`traffic_aware_owners` improves those; the others keep their published owners or none).
+[[nodiscard]] inline bool plans_traffic_aware(const SimConfig &cfg, std::string_view strategy) noexcept {
+  return cfg.a2a_hits == A2aHitsSource::ids && cfg.traffic.aware &&
+         (strategy == "foremoe" || strategy == "foremoe-free");
+}
+
 /// One micro-step's routing, for counting its all-to-all from the tokens (`SimConfig::a2a_hits`).
 struct RoutedMicroStep {
   std::vector<std::int16_t> ids;            ///< layer-major `[layers][tokens][topk]`
@@ -666,6 +684,15 @@ public:
   GroupSim(const GroupSim &) = delete;
   GroupSim &operator=(const GroupSim &) = delete;
 
+  /// Whether this strategy plans traffic-aware (`plans_traffic_aware`).
+  [[nodiscard]] bool traffic_aware() const noexcept { return plans_traffic_aware(cfg, strat.name); }
+  /// The co-activation of the next step's routed ids (for `traffic_aware()`; read by `begin_step`, which must
+  /// follow) and the seconds it took to count, charged to the step's planner time.
+  void set_coactivation(const CoActivation *co, double count_seconds) {
+    step_co = co;
+    step_co_seconds = count_seconds;
+  }
+
   /// Simulates the next RL step (steps run in order, each once), the loads' micro-steps `m0` to `m1`: its recompute
   /// stages, then its update stage.
   [[nodiscard]] GroupStep run_step(int m0, int m1) {
@@ -728,8 +755,14 @@ public:
     const std::int64_t T = source_offsets.back();
     const std::vector<std::int64_t> split = split_by_source(lp.placement, lp.slot_tokens, source_loads, G, P);
     slots.resize(static_cast<std::size_t>(T) * K);
-    // The layer alone, as a one-layer view.
-    map_tokens(token_ranges(lp.placement, split, G), RoutedView(ids, T, 1, K), 0, slots, source_offsets);
+    // The layer alone, as a one-layer view; traffic-aware strategies map each rank's tokens by the node-affine rule,
+    // as `dispatch_from_loads` with it maps them (the same split by source, every source apart).
+    TokenMapOptions rule;
+    if (traffic_aware()) {
+      rule.rule = TokenMapRule::node_affine;
+      rule.topo = planner.topology();
+    }
+    map_tokens(token_ranges(lp.placement, split, G), RoutedView(ids, T, 1, K), 0, slots, source_offsets, rule);
     const A2aVolumes v = a2a_volumes_from_routes(slots, K, S, P, G, source_offsets);
     return layer_a2a_of(cfg.cost.a2a, v, row_bytes, dispatch_row_bytes);
   }
@@ -804,6 +837,11 @@ private:
   bool has_resident = false;
   std::optional<Pending> pending;
   std::vector<std::int32_t> prev_owner_flat;
+  // Traffic-aware planning (`traffic_aware()`): the step's co-activation (not owned), the seconds it took to count,
+  // the step's owners and the previous step's (kept where `reowning_free` is off, as the strategy keeps them).
+  const CoActivation *step_co = nullptr;
+  double step_co_seconds = 0;
+  Planner::OwnerMap step_owners, prev_owners;
   // The previous step's totals (empty before the first step ends), handed to the planner once per step, with the
   // step's first stage (`PlanStrategy::begin_step`'s contract): `eplb` keeps its rebalance window from them.
   std::vector<std::int64_t> previous_totals;
@@ -1024,13 +1062,31 @@ private:
   /// (none where transfers are free) to `rec`.
   void plan_stage(const LoadTensor &step, int pass, StageRun &sr, GroupStep &rec) {
     const auto t0 = std::chrono::steady_clock::now();
-    // The previous step's totals go with the first stage only: later stages of the step hand none (one hand-over
-    // per finished step).
-    sr.sp =
-        planner.plan_step(step, has_resident ? &resident : nullptr,
-                          pass == 0 ? std::span<const std::int64_t>(previous_totals) : std::span<const std::int64_t>{},
-                          sr.update ? Stage::update : Stage::recompute);
+    if (traffic_aware()) {
+      detail::require(step_co != nullptr, "simulate: strategy ", strat.name, " plans traffic-aware owners but was ",
+                      "given no co-activation for the step");
+      // The owners of the step, once (every stage uses them): the load-only owners the strategy would choose (the
+      // previous step's kept where it keeps them), improved for the step's co-activation.
+      if (pass == 0) {
+        const std::vector<std::int64_t> totals = planner.sum_steps(step);
+        const Planner::OwnerMap start =
+            planner.plan_owners(totals, cfg.planner.reowning_free ? Planner::OwnerMap{} : prev_owners);
+        step_owners = traffic_aware_owners(totals, *step_co, planner.topology(), start, cfg.traffic.options());
+      }
+      sr.sp = planner.plan_step_with_owners(step, step_owners, has_resident ? &resident : nullptr,
+                                            sr.update ? Stage::update : Stage::recompute);
+      sr.sp.owner_gpu = step_owners;
+      prev_owners = step_owners;
+    } else {
+      // The previous step's totals go with the first stage only: later stages of the step hand none (one hand-over
+      // per finished step).
+      sr.sp = planner.plan_step(step, has_resident ? &resident : nullptr,
+                                pass == 0 ? std::span<const std::int64_t>(previous_totals)
+                                          : std::span<const std::int64_t>{},
+                                sr.update ? Stage::update : Stage::recompute);
+    }
     sr.planner_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (traffic_aware() && pass == 0) sr.planner_seconds += step_co_seconds; // the count is planning work too
     rec.planner += sr.planner_seconds;
     // Re-owning costs weights plus optimizer state unless the reload after rollout makes it free.
     if (pass == 0 && !cfg.planner.reowning_free && !limit && !prev_owner_flat.empty()) charge_reowning(sr.sp, rec);
@@ -1390,35 +1446,78 @@ simulate_counted(const SimConfig &cfg, const Topology &topo, const LoadTensor &l
   std::vector<Scratch> scratch(static_cast<std::size_t>(pool.num_threads()));
   std::vector<std::vector<std::int64_t>> source_loads(static_cast<std::size_t>(L));
   RoutedMicroStep rm;
+  // Routes micro-step `m` into `dst` and checks its shape.
+  const auto route = [&](int m, RoutedMicroStep &dst) {
+    routes(m, dst);
+    const double tokens = static_cast<double>(loads.layer_total(m, 0)) / K;
+    require(dst.source_offsets.size() == static_cast<std::size_t>(G) + 1 && dst.source_offsets.front() == 0 &&
+                static_cast<double>(dst.source_offsets.back()) == tokens &&
+                dst.ids.size() == static_cast<std::size_t>(dst.source_offsets.back()) * L * K,
+            "simulate: the routes of micro-step ", m, " hold ", dst.ids.size(), " ids over ", dst.source_offsets.size(),
+            " source offsets; expected ", tokens, " tokens x ", L, " layers x top-", K, " over ", G + 1);
+    for (int r = 0; r < G; ++r)
+      require(dst.source_offsets[r + 1] >= dst.source_offsets[r], "simulate: the routes of micro-step ", m,
+              ": source offsets decrease at rank ", r);
+  };
+  // Traffic-aware strategies (`SimConfig::traffic`) plan a step's owners from its co-activation, which is known
+  // only once the step is routed: then the step's micro-steps are routed first (once each, the co-activation
+  // counted as they are) and held until every strategy has planned and counted them.
+  const bool any_traffic = std::any_of(sims.begin(), sims.end(), [](const auto &sim) { return sim->traffic_aware(); });
+  std::vector<RoutedMicroStep> step_routes;
+  CoActivation co;
   const int num_steps = static_cast<int>(step_offsets.size() - 1);
   std::vector<std::vector<GroupStep>> out(sims.size());
   for (int s = 0; s < num_steps; ++s) {
     const int m0 = static_cast<int>(step_offsets[s]), m1 = static_cast<int>(step_offsets[s + 1]);
+    double co_seconds = 0;
+    if (any_traffic) {
+      step_routes.assign(static_cast<std::size_t>(m1 - m0), RoutedMicroStep{});
+      std::int64_t step_tokens = 0;
+      for (int m = m0; m < m1; ++m)
+        step_tokens += loads.layer_total(m, 0) / K;
+      const std::int64_t every = cfg.traffic.every(step_tokens);
+      co.num_layers = L;
+      co.num_experts = E;
+      co.pairs.assign(static_cast<std::size_t>(L) * E * E, 0);
+      co.loads.assign(static_cast<std::size_t>(L) * E, 0);
+      for (int m = m0; m < m1; ++m) {
+        RoutedMicroStep &r = step_routes[static_cast<std::size_t>(m - m0)];
+        route(m, r);
+        // Every `every`-th token of each micro-step's layers, each layer on a thread (timed: planning work).
+        const auto t0 = std::chrono::steady_clock::now();
+        const std::int64_t T = r.source_offsets.back();
+        pool.parallel_for(static_cast<std::size_t>(L), [&](std::size_t li, int) {
+          const std::span<const std::int16_t> ids(r.ids.data() + li * static_cast<std::size_t>(T) * K,
+                                                  static_cast<std::size_t>(T) * K);
+          const CoActivation one = count_coactivation(RoutedView(ids, T, 1, K), E, 0, -1, {}, every);
+          std::int64_t *pairs = co.pairs.data() + li * static_cast<std::size_t>(E) * E;
+          for (std::size_t i = 0; i < one.pairs.size(); ++i)
+            pairs[i] += one.pairs[i];
+          std::int64_t *ld = co.loads.data() + li * static_cast<std::size_t>(E);
+          for (std::size_t i = 0; i < one.loads.size(); ++i)
+            ld[i] += one.loads[i];
+        });
+        co_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+    }
     for (auto &sim : sims) {
+      if (sim->traffic_aware()) sim->set_coactivation(&co, co_seconds);
       sim->begin_step(m0, m1);
       sim->expect_counted();
     }
     for (int m = m0; m < m1; ++m) {
-      routes(m, rm);
-      const double tokens = static_cast<double>(loads.layer_total(m, 0)) / K;
-      require(rm.source_offsets.size() == static_cast<std::size_t>(G) + 1 && rm.source_offsets.front() == 0 &&
-                  static_cast<double>(rm.source_offsets.back()) == tokens &&
-                  rm.ids.size() == static_cast<std::size_t>(rm.source_offsets.back()) * L * K,
-              "simulate: the routes of micro-step ", m, " hold ", rm.ids.size(), " ids over ", rm.source_offsets.size(),
-              " source offsets; expected ", tokens, " tokens x ", L, " layers x top-", K, " over ", G + 1);
-      for (int r = 0; r < G; ++r)
-        require(rm.source_offsets[r + 1] >= rm.source_offsets[r], "simulate: the routes of micro-step ", m,
-                ": source offsets decrease at rank ", r);
-      const std::int64_t T = rm.source_offsets.back();
+      if (!any_traffic) route(m, rm);
+      const RoutedMicroStep &rs = any_traffic ? step_routes[static_cast<std::size_t>(m - m0)] : rm;
+      const std::int64_t T = rs.source_offsets.back();
       pool.parallel_for(static_cast<std::size_t>(L), [&](std::size_t li, int w) {
         const int l = static_cast<int>(li);
-        const std::span<const std::int16_t> ids(rm.ids.data() + li * static_cast<std::size_t>(T) * K,
+        const std::span<const std::int16_t> ids(rs.ids.data() + li * static_cast<std::size_t>(T) * K,
                                                 static_cast<std::size_t>(T) * K);
         // The layer's tokens per (expert, source rank), once for every strategy; they must be the loads'.
         std::vector<std::int64_t> &sl = source_loads[li];
         sl.assign(static_cast<std::size_t>(E) * G, 0);
         for (int r = 0; r < G; ++r)
-          for (std::int64_t t = rm.source_offsets[r]; t < rm.source_offsets[r + 1]; ++t)
+          for (std::int64_t t = rs.source_offsets[r]; t < rs.source_offsets[r + 1]; ++t)
             for (int k = 0; k < K; ++k) {
               const int e = ids[static_cast<std::size_t>(t) * K + k];
               require(e >= 0 && e < E, "simulate: routed id ", e, " of micro-step ", m, " layer ", l, " token ", t,
@@ -1449,7 +1548,7 @@ simulate_counted(const SimConfig &cfg, const Topology &topo, const LoadTensor &l
             if (same != done.end()) {
               cost = same->second;
             } else {
-              cost = sim->count_layer(lp, ids, rm.source_offsets, sl, scratch[static_cast<std::size_t>(w)].slots);
+              cost = sim->count_layer(lp, ids, rs.source_offsets, sl, scratch[static_cast<std::size_t>(w)].slots);
               done.emplace_back(&lp, cost);
             }
             dst[li] = cost;
