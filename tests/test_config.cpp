@@ -311,7 +311,7 @@ TEST_CASE("schema: the generator's options are one schema; simulate's batch sect
     CHECK(o.range_text() == g.range_text());
     ++batch;
   }
-  CHECK(batch == 13);
+  CHECK(batch == 15);
   // Flags as `trace gen` gives them: the preset first (the MoE shape), explicit keys over it.
   const auto &s = config::synthetic_settings_schema();
   const std::pair<std::string, std::string> flags[] = {
@@ -497,7 +497,7 @@ TEST_CASE("load cache: settings") {
 TEST_CASE("load cache: the batch key changes with every generator input") {
   // A field added to SyntheticConfig must join synthetic_cache_key (tools/run_simulate.hpp); this size is
   // the struct's on x86-64 with the fields the key lists today.
-  static_assert(sizeof(SyntheticConfig) == 176 || sizeof(void *) != 8,
+  static_assert(sizeof(SyntheticConfig) == 192 || sizeof(void *) != 8,
                 "SyntheticConfig changed: add the new field to synthetic_cache_key, then update this size");
   const SyntheticConfig base;
   const std::string k0 = cli::synthetic_cache_key(base, false, 1);
@@ -551,6 +551,15 @@ TEST_CASE("load cache: the batch key changes with every generator input") {
     c.route_groups = 4;
     c.route_max_groups = 3;
   });
+  with([](SyntheticConfig &c) { c.coactivation = 0.5; });
+  with([](SyntheticConfig &c) {
+    c.coactivation = 0.5;
+    c.coactivation_clusters = 8;
+  });
+  // Clusters without co-activation (the same ids as the default) keep the default's key.
+  SyntheticConfig clusters_only = base;
+  clusters_only.coactivation_clusters = 8;
+  CHECK(cli::synthetic_cache_key(clusters_only, false, 1) == k0);
   // No limit (the same ids as the default) keeps the default's key.
   SyntheticConfig unlimited = base;
   unlimited.route_groups = 8;

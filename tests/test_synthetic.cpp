@@ -365,6 +365,126 @@ TEST_CASE("synthetic: without a group limit the ids are those of the unlimited g
   CHECK_FALSE(SyntheticConfig{}.group_limited());
 }
 
+TEST_CASE("synthetic: without co-activation the ids are those of the generator before it") {
+  // coactivation 0 draws nothing from its streams, whatever the cluster count: the ids of the default config.
+  for (int i = 0; i < num_seeds(16); ++i) {
+    const SyntheticConfig base = random_config(9700 + static_cast<std::uint64_t>(i));
+    INFO(describe(base));
+    CHECK(base.coactivation == 0.0); // the default
+    const SyntheticTrace t0 = generate_trace(base);
+    detail::Xoshiro256 rng(9800 + static_cast<std::uint64_t>(i));
+    SyntheticConfig c = base;
+    c.coactivation_clusters = static_cast<int>(rng.below(static_cast<std::uint64_t>(base.num_experts) + 1));
+    INFO("coactivation_clusters=", c.coactivation_clusters);
+    CHECK(generate_trace(c).routed_ids == t0.routed_ids);
+    // ... and co-activation on changes them (when anything can change: more than top-k experts).
+    c.coactivation = 0.9;
+    if (base.topk < base.num_experts && c.coactivation_cluster_count() > 1)
+      CHECK(generate_trace(c).routed_ids != t0.routed_ids);
+  }
+}
+
+/// Per layer, the co-activation of expert pairs in one cluster against pairs in different clusters of `cfg`'s
+/// partition: the mean over pairs of (tokens routing both) / (expected under independence, load_a * load_b / T).
+struct PairLift {
+  double within = 0, across = 0;
+};
+PairLift pair_lift(const SyntheticConfig &cfg, const SyntheticTrace &t, const SyntheticConfig &clusters_of) {
+  const auto ne = static_cast<std::size_t>(cfg.num_experts), k = static_cast<std::size_t>(cfg.topk);
+  double within = 0, across = 0;
+  std::int64_t n_within = 0, n_across = 0;
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    const std::vector<int> cl = detail::coactivation_clusters_of_layer(clusters_of, l);
+    std::vector<double> load(ne, 0.0), pair(ne * ne, 0.0);
+    for (std::int64_t tok = 0; tok < t.num_tokens; ++tok) {
+      const std::int16_t *row =
+          t.routed_ids.data() +
+          (static_cast<std::size_t>(tok) * static_cast<std::size_t>(cfg.num_layers) + static_cast<std::size_t>(l)) * k;
+      for (std::size_t a = 0; a < k; ++a) {
+        load[static_cast<std::size_t>(row[a])] += 1;
+        for (std::size_t b = 0; b < k; ++b)
+          if (a != b) pair[static_cast<std::size_t>(row[a]) * ne + static_cast<std::size_t>(row[b])] += 1;
+      }
+    }
+    const auto tokens = static_cast<double>(t.num_tokens);
+    for (std::size_t a = 0; a < ne; ++a)
+      for (std::size_t b = a + 1; b < ne; ++b) {
+        const double expect = load[a] * load[b] / tokens;
+        if (expect < 1.0) continue; // too rare to say
+        const double lift = pair[a * ne + b] / expect;
+        if (cl[a] == cl[b]) {
+          within += lift;
+          ++n_within;
+        } else {
+          across += lift;
+          ++n_across;
+        }
+      }
+  }
+  return {n_within > 0 ? within / static_cast<double>(n_within) : 0.0,
+          n_across > 0 ? across / static_cast<double>(n_across) : 0.0};
+}
+
+TEST_CASE("synthetic: with co-activation, experts of one cluster are routed together more than across clusters") {
+  int checked = 0;
+  for (int i = 0; i < num_seeds(24); ++i) {
+    SyntheticConfig c = random_config(9900 + static_cast<std::uint64_t>(i));
+    detail::Xoshiro256 rng(10000 + static_cast<std::uint64_t>(i));
+    // Enough experts for several clusters of more than one expert, enough tokens to count pairs.
+    c.num_experts = 16 + static_cast<int>(rng.below(49));
+    c.topk = 2 + static_cast<int>(rng.below(7));
+    c.num_topics = 4 + static_cast<int>(rng.below(29));
+    c.topics_per_prompt = 1 + static_cast<int>(rng.below(3));
+    c.prompts_per_step = 48;
+    c.num_steps = 1;
+    c.coactivation = 0.7 + 0.3 * rng.uniform();
+    // Clusters of at least top-k experts (0: E / k), so that a token can take its experts from one cluster.
+    const int most = c.num_experts / c.topk;
+    c.coactivation_clusters =
+        rng.below(2) == 0 ? 0 : 2 + static_cast<int>(rng.below(static_cast<std::uint64_t>(most - 1)));
+    INFO(describe(c), " coactivation=", c.coactivation, " clusters=", c.coactivation_cluster_count());
+    const PairLift on = pair_lift(c, generate_trace(c), c);
+    // The same partition measured on the ids without co-activation: no preference for within-cluster pairs.
+    SyntheticConfig off = c;
+    off.coactivation = 0;
+    const PairLift base = pair_lift(off, generate_trace(off), c);
+    INFO("lift within/across: on ", on.within, "/", on.across, ", off ", base.within, "/", base.across);
+    CHECK(on.within > on.across);
+    CHECK(on.within / on.across > 1.1 * (base.within / base.across));
+    ++checked;
+  }
+  CHECK(checked > 0);
+}
+
+TEST_CASE("synthetic: co-activation keeps the experts' marginal loads close to those without it") {
+  // The favoured cluster is drawn with its popularity share, so step loads keep their imbalance roughly.
+  SyntheticConfig c = one_step(4, 64, 8, 64, 8);
+  c.coactivation = 0.5;
+  SyntheticConfig off = c;
+  off.coactivation = 0;
+  const LoadTensor on_loads = generate_loads(c), off_loads = generate_loads(off);
+  const auto max_mean = [](const LoadTensor &t) {
+    double worst = 0;
+    for (int l = 0; l < t.num_layers(); ++l) {
+      std::vector<double> row(static_cast<std::size_t>(t.num_experts()), 0.0);
+      for (int m = 0; m < t.num_micro_steps(); ++m)
+        for (int e = 0; e < t.num_experts(); ++e)
+          row[static_cast<std::size_t>(e)] += static_cast<double>(t.at(m, l, e));
+      double sum = 0, mx = 0;
+      for (const double v : row) {
+        sum += v;
+        mx = std::max(mx, v);
+      }
+      worst = std::max(worst, mx * static_cast<double>(row.size()) / sum);
+    }
+    return worst;
+  };
+  const double a = max_mean(on_loads), b = max_mean(off_loads);
+  INFO("worst layer's step max/mean: on ", a, ", off ", b);
+  CHECK(a < 1.5 * b);
+  CHECK(a > b / 1.5);
+}
+
 TEST_CASE("synthetic: offsets are consistent and micro-batches respect the budget") {
   for (int i = 0; i < num_seeds(12); ++i) {
     const SyntheticConfig c = random_config(3000 + static_cast<std::uint64_t>(i));
@@ -872,6 +992,13 @@ TEST_CASE("synthetic: presets validate and bad configs are named") {
       {[](SyntheticConfig &c) { c.persistence = -0.1; }, "persistence must be in [0, 1], got -0.1"},
       {[](SyntheticConfig &c) { c.response_topic_weight = 2; }, "response_topic_weight must be in [0, 1], got 2"},
       {[](SyntheticConfig &c) { c.topic_concentration = 0; }, "topic_concentration must be positive and finite, got 0"},
+      {[](SyntheticConfig &c) { c.coactivation = 1.5; }, "coactivation must be in [0, 1], got 1.5"},
+      {[](SyntheticConfig &c) { c.coactivation = -0.25; }, "coactivation must be in [0, 1], got -0.25"},
+      {[](SyntheticConfig &c) { c.coactivation = std::nan(""); }, "coactivation must be in [0, 1], got "},
+      {[](SyntheticConfig &c) { c.coactivation_clusters = 129; },
+       "coactivation_clusters 129 must be in [0, num_experts = 128] (0: num_experts / topk)"},
+      {[](SyntheticConfig &c) { c.coactivation_clusters = -1; },
+       "coactivation_clusters -1 must be in [0, num_experts = 128]"},
       {[](SyntheticConfig &c) { c.topics_per_prompt = 33; }, "topics_per_prompt 33 must be in [1, num_topics = 32]"},
       {[](SyntheticConfig &c) { c.num_topics = 0; }, "num_topics must be positive, got 0"},
       {[](SyntheticConfig &c) { c.num_gpus = 0; }, "num_gpus must be positive, got 0"},

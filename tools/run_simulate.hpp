@@ -73,6 +73,8 @@ struct LoadsReport {
     << " skew=" << c.skew << " skew_layer_sigma=" << c.skew_layer_sigma << " persistence=" << c.persistence
     << " gpus=" << c.num_gpus << " microbatch_tokens=" << c.microbatch_tokens_per_gpu << " by_source=" << by_source
     << " ranks_per_source=" << ranks_per_source;
+  // Absent without co-activation (the same ids as before it existed), so that those batches' keys stay as they were.
+  if (c.coactivation > 0) k << " coactivation=" << c.coactivation << '/' << c.coactivation_cluster_count();
   // Absent without a group limit, so that the keys of unlimited batches stay as they were.
   if (c.group_limited()) k << " route_groups=" << c.route_groups << '/' << c.route_max_groups;
   // Absent for `none`, so that the keys of unpacked batches (the built-in default's among them) stay as they were.

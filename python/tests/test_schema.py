@@ -211,7 +211,7 @@ def test_simulate_batch_entries_are_the_synthetic_entries():
     # options
     batch = [o for o in foremoe.options("simulate")
              if o["key"].startswith("batch.") and o["key"] not in ("batch.workload", "batch.cache")]
-    assert len(batch) == 13
+    assert len(batch) == 15
     for o in batch:
         s = syn[o["key"].removeprefix("batch.")]
         # simulate counts its steps (the warm-up steps are generated in front): only that help text differs
@@ -223,7 +223,7 @@ def test_simulate_batch_entries_are_the_synthetic_entries():
 
 def test_synthetic_keys_match_trace_gen_for_every_key(cli_bin, tmp_path):
     opts = foremoe.options("synthetic")
-    assert [o["key"] for o in opts][:3] == ["preset", "seed", "layers"] and len(opts) == 30
+    assert [o["key"] for o in opts][:3] == ["preset", "seed", "layers"] and len(opts) == 32
     for o in opts:
         # The default is accepted by both, with identical loads and steps.
         ok = {**TINY_TRACE, o["key"]: o["default"]}

@@ -179,6 +179,17 @@ inline void apply_synthetic_preset(SyntheticConfig &c, std::string_view name) {
         "topic_concentration", 1e-6, 1e6, "Dirichlet concentration of a topic's expert preference, per expert",
         [](auto &c) -> auto & { return c.topic_concentration; }));
     o.push_back(number<C>(
+        "coactivation", 0, 1,
+        "co-activation strength: share of each topic's per-layer preference put on one cluster of experts, so that "
+        "a token's experts tend to come from the same clusters (0: none, the ids as without it; 0.95: calibrated to "
+        "an OLMoE-shaped routing measurement, docs/simulator.md \"Co-activation\")",
+        [](auto &c) -> auto & { return c.coactivation; }));
+    o.push_back(integer<C>(
+        "coactivation_clusters", 0, 32767,
+        "expert clusters per layer for coactivation (a random partition per layer; at most experts; 0: experts / "
+        "topk)",
+        [](auto &c) -> auto & { return c.coactivation_clusters; }));
+    o.push_back(number<C>(
         "topic_mix_concentration", 1e-6, 1e6, "Dirichlet concentration of a prompt's weights over its topics",
         [](auto &c) -> auto & { return c.topic_mix_concentration; }));
     o.push_back(number<C>(
@@ -703,7 +714,8 @@ template <class I>
     // batch: the synthetic GRPO batch (its layers, experts, top-k and GPUs follow the model and topology)
     lift(o, synthetic_schema(), "batch", [](auto &x) -> auto & { return x.batch; },
          {"steps", "prompts", "responses", "prompt_mean", "response_mean", "microbatch_tokens", "packing", "seed",
-          "skew", "persistence", "topic_concentration", "route_groups", "route_max_groups"});
+          "skew", "persistence", "topic_concentration", "coactivation", "coactivation_clusters", "route_groups",
+          "route_max_groups"});
     o.push_back(bound<S>(
         "batch.workload", Type::string,
         "load generator: grpo (the synthetic GRPO batch), ultraep:A (UltraEP's: rank weight 1/r^alpha, alpha "

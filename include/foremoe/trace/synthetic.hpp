@@ -7,6 +7,10 @@
 ///   permutation of the experts), whose `skew` (jittered per layer) sets the step-level skew;
 /// - `num_topics` topics each have, per layer, a preference over experts drawn from a Dirichlet centred on that
 ///   popularity; a prompt mixes a few topics, and each of its responses adds a topic of its own;
+/// - with `coactivation` > 0 each topic also moves that share of its per-layer preference onto one cluster of
+///   experts (a random partition per layer, the cluster drawn with its popularity share), so that a token's top-k
+///   tend to come from its topics' clusters: pairwise co-activation. At 0 nothing is drawn for it and the ids are
+///   unchanged;
 /// - a sequence is its prompt (routed identically in every response of that prompt, as a real router would)
 ///   followed by its response. Per layer, consecutive tokens keep each of their top-k experts with probability
 ///   `persistence` and re-draw the others, distinct within the token, from the sequence's expert distribution;
@@ -116,6 +120,18 @@ struct SyntheticConfig {
   /// Dirichlet concentration of a topic's per-layer expert preference, per expert (the total is this times
   /// `num_experts`), centred on the layer's popularity; smaller means more specialised topics.
   double topic_concentration = 0.5;
+  /// In [0, 1]: co-activation strength, the share of each topic's per-layer preference that it puts on one cluster
+  /// of experts, so that a token's top-k tend to come from the clusters of its topics. Every layer's experts form
+  /// `coactivation_clusters` clusters (a random partition per layer, fixed by the seed, of sizes differing by at
+  /// most one); each topic favours one cluster per layer, drawn with probability equal to the cluster's share of
+  /// the layer's popularity (so the experts' marginal loads keep the popularity in expectation), and its preference
+  /// becomes `(1 - coactivation) * q + coactivation * q|c`, where `q` is its Dirichlet preference and `q|c` that
+  /// restricted to the cluster and renormalised. 0 = none: the preferences and the ids are those without it, to the
+  /// bit. Calibrated value: see docs/simulator.md "Co-activation" (an assumption until a real trace is measured).
+  double coactivation = 0.0;
+  /// Expert clusters per layer for `coactivation`, in [0, num_experts]; 0 = `num_experts / topk` (clusters of about
+  /// top-k experts, so that a token of one topic can take all its experts from its cluster).
+  int coactivation_clusters = 0;
   /// Symmetric Dirichlet concentration of a prompt's weights over its topics.
   double topic_mix_concentration = 1.0;
   /// In [0, 1]: weight of one topic that each response draws for itself (uniformly), because responses to one
@@ -173,6 +189,11 @@ struct SyntheticConfig {
     return c;
   }
 
+  /// The expert clusters per layer that `coactivation` uses (`coactivation_clusters`, or `num_experts / topk`).
+  [[nodiscard]] int coactivation_cluster_count() const noexcept {
+    return coactivation_clusters > 0 ? coactivation_clusters : std::max(1, num_experts / std::max(1, topk));
+  }
+
   /// Whether tokens are group-limited (`route_max_groups` between 1 and `route_groups - 1`).
   [[nodiscard]] bool group_limited() const noexcept {
     return route_groups > 1 && route_max_groups > 0 && route_max_groups < route_groups;
@@ -211,6 +232,11 @@ struct SyntheticConfig {
             "SyntheticConfig: topic_concentration must be positive and finite, got ", topic_concentration);
     require(std::isfinite(topic_mix_concentration) && topic_mix_concentration > 0,
             "SyntheticConfig: topic_mix_concentration must be positive and finite, got ", topic_mix_concentration);
+    require(std::isfinite(coactivation) && coactivation >= 0 && coactivation <= 1,
+            "SyntheticConfig: coactivation must be in [0, 1], got ", coactivation);
+    require(coactivation_clusters >= 0 && coactivation_clusters <= num_experts,
+            "SyntheticConfig: coactivation_clusters ", coactivation_clusters,
+            " must be in [0, num_experts = ", num_experts, "] (0: num_experts / topk)");
     require(response_topic_weight >= 0 && response_topic_weight <= 1,
             "SyntheticConfig: response_topic_weight must be in [0, 1], got ", response_topic_weight);
     require(popularity == PopularityModel::lognormal || popularity == PopularityModel::zipf,
@@ -295,7 +321,57 @@ struct SyntheticWorld {
 
 // Stream tags, so that adding a stream never shifts another one.
 inline constexpr std::uint64_t tag_popularity = 1, tag_topic = 2, tag_step = 3, tag_prompt = 4, tag_response = 5,
-                               tag_route = 6;
+                               tag_route = 6, tag_coactivation = 7;
+
+/// Expert clusters of layer `l` for `cfg.coactivation`: `cluster_of[e]`, a random partition of the experts into
+/// `cfg.coactivation_cluster_count()` clusters whose sizes differ by at most one.
+inline std::vector<int> coactivation_clusters_of_layer(const SyntheticConfig &cfg, int l) {
+  const auto ne = static_cast<std::size_t>(cfg.num_experts);
+  const auto nc = static_cast<std::size_t>(cfg.coactivation_cluster_count());
+  Xoshiro256 rng(stream_seed(cfg.seed, tag_coactivation, 0, static_cast<std::uint64_t>(l)));
+  std::vector<int> perm(ne);
+  for (std::size_t e = 0; e < ne; ++e)
+    perm[e] = static_cast<int>(e);
+  for (std::size_t i = ne; i > 1; --i)
+    std::swap(perm[i - 1], perm[rng.below(i)]);
+  std::vector<int> cluster_of(ne);
+  for (std::size_t i = 0; i < ne; ++i) // position i of the permutation is in cluster floor(i * nc / ne)
+    cluster_of[static_cast<std::size_t>(perm[i])] = static_cast<int>(i * nc / ne);
+  return cluster_of;
+}
+
+/// Moves `cfg.coactivation` of topic `t`'s preference `q` (layer `l`, popularity `p`) onto one cluster of
+/// `cluster_of`, drawn with probability equal to its share of `p`: `q <- (1 - s) q + s q|c` (see
+/// `SyntheticConfig::coactivation`). A cluster where `q` has no mass at all takes `p` restricted to it instead.
+inline void apply_coactivation(const SyntheticConfig &cfg, int t, int l, const double *p,
+                               const std::vector<int> &cluster_of, double *q) {
+  const std::size_t ne = cluster_of.size();
+  Xoshiro256 rng(
+      stream_seed(cfg.seed, tag_coactivation, static_cast<std::uint64_t>(t) + 1, static_cast<std::uint64_t>(l)));
+  const double u = rng.uniform();
+  // The favoured cluster: the first whose cumulative popularity passes u (experts in index order).
+  const int nc = cfg.coactivation_cluster_count();
+  std::vector<double> mass(static_cast<std::size_t>(nc), 0.0);
+  for (std::size_t e = 0; e < ne; ++e)
+    mass[static_cast<std::size_t>(cluster_of[e])] += p[e];
+  int c = nc - 1;
+  double acc = 0;
+  for (int i = 0; i < nc; ++i) {
+    acc += mass[static_cast<std::size_t>(i)];
+    if (u < acc) {
+      c = i;
+      break;
+    }
+  }
+  double in = 0;
+  for (std::size_t e = 0; e < ne; ++e)
+    if (cluster_of[e] == c) in += q[e];
+  const double *src = in > 0 ? q : p;
+  const double norm = in > 0 ? in : mass[static_cast<std::size_t>(c)];
+  const double s = cfg.coactivation;
+  for (std::size_t e = 0; e < ne; ++e)
+    q[e] = (1.0 - s) * q[e] + (cluster_of[e] == c ? s * src[e] / norm : 0.0);
+}
 
 inline SyntheticWorld make_world(const SyntheticConfig &cfg) {
   const int num_layers = cfg.num_layers, num_experts = cfg.num_experts;
@@ -329,6 +405,11 @@ inline SyntheticWorld make_world(const SyntheticConfig &cfg) {
   std::vector<double> alpha(ne);
   // Every expert stays reachable, so k distinct experts can always be drawn.
   const double floor_mass = 1e-4;
+  // Without co-activation nothing below draws from its streams, so the preferences are those before it existed.
+  std::vector<std::vector<int>> clusters;
+  if (cfg.coactivation > 0)
+    for (int l = 0; l < num_layers; ++l)
+      clusters.push_back(coactivation_clusters_of_layer(cfg, l));
   for (int t = 0; t < cfg.num_topics; ++t)
     for (int l = 0; l < num_layers; ++l) {
       Xoshiro256 rng(stream_seed(cfg.seed, tag_topic, static_cast<std::uint64_t>(t), static_cast<std::uint64_t>(l)));
@@ -337,6 +418,7 @@ inline SyntheticWorld make_world(const SyntheticConfig &cfg) {
         alpha[e] = cfg.topic_concentration * num_experts * p[e];
       double *q = w.topic_prefs.data() + (static_cast<std::size_t>(t) * num_layers + l) * ne;
       sample_dirichlet(rng, alpha.data(), q, ne);
+      if (cfg.coactivation > 0) apply_coactivation(cfg, t, l, p, clusters[static_cast<std::size_t>(l)], q);
       for (std::size_t e = 0; e < ne; ++e)
         q[e] = (1.0 - floor_mass) * q[e] + floor_mass / num_experts;
     }
