@@ -10,7 +10,8 @@ the model in DDP or builds its optimizer:
   per-expert weights each alias one row; a ``GroupedMLP``'s fused ``weight1`` ``[H, n F1]`` and ``weight2``
   ``[n F, H]`` (``n`` local experts, ``F1`` = ``2 F`` with a gated linear unit) alias the ``n`` owner rows of the
   kinds ``weight1`` (rows ``[H, F1]``) and ``weight2`` (rows ``[F, H]``), the ``[n, H, F1]`` / ``[n, F, H]`` views
-  ``GroupedMLP.forward`` hands to ``grouped_gemm.ops.gmm`` (expert ``i`` is the ``i``-th contiguous block);
+  ``GroupedMLP.forward`` hands to ``grouped_gemm.ops.gmm`` (expert ``i`` is the ``i``-th contiguous block): the
+  public :meth:`ExpertStorage.bind_parameters` (per-expert) and :meth:`ExpertStorage.bind_fused` (fused) do it;
 - each layer's ``MoEAlltoAllTokenDispatcher`` becomes a :class:`ForeMoEAlltoAllTokenDispatcher`, which sends every
   ``(token, k)`` to the physical slot the micro-step's plan gives it, with the plan's exact split, and runs the
   replica moves (:meth:`ExpertStorage.sync`) before the expert compute; a ``MoEAllGatherTokenDispatcher`` becomes a
@@ -414,30 +415,6 @@ def _grouped_rows(experts: GroupedMLP, config: Any, index: int) -> Dict[str, Tup
     return {"weight1": (n, H, F1), "weight2": (n, F, H)}
 
 
-def _bind_fused(storage: ExpertStorage, fused: Dict[str, torch.nn.Parameter]) -> None:
-    """Makes each fused ``GroupedMLP`` parameter (``{kind: parameter}``) a view of the owner rows of its kind in
-    ``storage`` (rows ``[0, n_owned)``, contiguous: the fused layout), keeping the parameter object, as
-    :meth:`ExpertStorage.bind_parameters` does for per-expert parameters: the parameter's in-place updates (the
-    optimizer step) count as owner weight changes and its ``.data`` being replaced is an error at the next call.
-    The storage was filled from these parameters, so the values do not change."""
-    n = storage.num_owned
-    bound = []
-    for name, p in fused.items():
-        rows = storage.storage[name][:n]
-        if rows.numel() != p.numel() or rows.dtype != p.dtype:
-            raise ValueError(f"foremoe.megatron: GroupedMLP {name} is {list(p.shape)} {p.dtype}, its {n} owner rows "
-                             f"{list(rows.shape)} {rows.dtype}")
-        bound.append((p, rows.view(p.shape)))
-    with torch.no_grad():
-        for p, view in bound:
-            p.data = view
-    # ExpertStorage tracks bound parameters in `_bound` (versions for owners_changed, pointers for check_aliasing).
-    storage._bound.extend(bound)
-    storage._bound_ptrs = [int(v.data_ptr()) for _, v in storage._bound]
-    storage._bound_shapes = [v.shape for _, v in storage._bound]
-    storage._versions = storage._param_versions()
-
-
 class _GroupedWeights(torch.autograd.Function):
     """The whole slot storage of every weight kind (``[rows, ...]``: owner rows, then spare rows; views, copying
     nothing) for a grouped GEMM over the plan's slots, with the fused ``GroupedMLP`` parameters as inputs.
@@ -493,7 +470,7 @@ class _LayerState:
             weights = {n: p.detach().view(rows[n]) for n, p in fused.items()}
             self.storage = ExpertStorage(weights, self.owners, slots, rank=self.rank, world=self.world,
                                          group=self.group, **options)
-            _bind_fused(self.storage, fused)
+            self.storage.bind_fused(fused)  # the fused parameters become views of the owner rows
             self.rows_total = int(self.storage.storage["weight1"].shape[0])
             self.params = list(fused.values())
             self.template, self.swap, self.plain = None, [], None
