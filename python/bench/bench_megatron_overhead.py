@@ -29,7 +29,8 @@ Modes: ``resident`` plans one micro-step's routing again and again (replicas sta
 ``changing`` alternates two routings (replicas move every micro-step). The CPU patches of the tests make Megatron
 run without a GPU. One JSON object per shape on stdout, then a table.
 
-Run: python python/bench/bench_megatron_overhead.py [--quick] [--module-mlp | --grouped] [--json out.json]
+Run: python python/bench/bench_megatron_overhead.py [--quick] [--module-mlp | --grouped] [--shape E,K,T,H,SPARE]
+     [--repeats N] [--json out.json]
 """
 
 from __future__ import annotations
@@ -124,12 +125,25 @@ def main() -> None:
                          "adds besides the cheaper expert calls)")
     ap.add_argument("--grouped", action="store_true",
                     help="GroupedMLP experts (moe_grouped_gemm=True, the tests' CPU stand-in for grouped_gemm's gmm)")
+    ap.add_argument("--shape", action="append", metavar="E,K,T,H,SPARE",
+                    help="experts, top-k, tokens per rank, hidden = ffn, spare rows per rank (repeatable; default: "
+                         "16,2,512,8,2 32,4,2048,8,2 64,8,4096,8,2)")
+    ap.add_argument("--repeats", type=int, default=21, help="micro-steps per mode (the first is not counted)")
     a = ap.parse_args()
     if a.grouped and a.module_mlp:
         ap.error("--module-mlp is for SequentialMLP experts (GroupedMLP has no per-expert MLP module)")
     # (experts, top-k, tokens per rank, hidden = ffn, spare rows per rank)
     shapes = [(16, 2, 512, 8, 2), (32, 4, 2048, 8, 2), (64, 8, 4096, 8, 2)]
-    repeats = 21
+    repeats = a.repeats
+    if a.shape:
+        try:
+            shapes = [tuple(int(v) for v in sh.split(",")) for sh in a.shape]
+        except ValueError:
+            ap.error(f"--shape takes five integers E,K,T,H,SPARE, got {a.shape}")
+        if any(len(sh) != 5 for sh in shapes):
+            ap.error(f"--shape takes five integers E,K,T,H,SPARE, got {a.shape}")
+    if repeats < 2:
+        ap.error(f"--repeats must be at least 2, got {repeats}")
     if a.quick:
         shapes, repeats = [(16, 2, 256, 8, 2)], 5
     with tempfile.TemporaryDirectory() as tmp:
