@@ -283,7 +283,7 @@ def _routes(routing_map: torch.Tensor, topk: int, layer: int) -> Tuple[torch.Ten
     ids = torch.empty((rm.shape[0], topk), dtype=torch.int32)
     counts = np.empty(rm.shape[1], dtype=np.int64)
     try:
-        short = _core.routes_from_map(rm, topk, ids, counts)
+        short = _core.routes_from_map(rm.numpy(), topk, ids.numpy(), counts)  # numpy views: no DLPack export
     except ValueError as e:
         raise ValueError(f"foremoe.megatron: MoE layer {layer}: {e}") from None
     return ids, counts, int(short)
