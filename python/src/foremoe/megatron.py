@@ -63,8 +63,10 @@ HybridEP) dispatcher, ``TEGroupedMLP`` (Transformer Engine's grouped linear laye
 expert capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and
 Megatron's distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)`` moves every
 parameter into its own buffer: Megatron's DDP refuses the expert parameters, which are views of the slot storage,
-with an ``AssertionError``; a parameter whose ``.data`` is replaced after :func:`install` is an error at the next
-call).
+with an ``AssertionError`` (``assert old_param_data._base is None``, distributed/param_and_grad_buffer.py:830-832 of
+0.16.1); a parameter whose ``.data`` is replaced after :func:`install` is an error at the next call. Installing
+after DDP instead would need owner rows backed by Megatron's buffer, and its optimizer writes the parameters through
+that buffer (optimizer/distrib_optimizer.py:2465-2474), which no parameter's version counter sees).
 Megatron's ``DistributedDataParallel`` without it works: its hook adds each expert parameter's ``.grad`` (owner and
 replica gradients summed) into ``main_grad``.
 """
