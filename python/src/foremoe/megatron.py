@@ -61,12 +61,13 @@ parallelism 1, dropless routing. Anything else raises ``ValueError`` naming the 
 ``GroupedMLP`` whose fused weights do not have the shapes above: naming both). Not supported: the flex (DeepEP /
 HybridEP) dispatcher, ``TEGroupedMLP`` (Transformer Engine's grouped linear layers: not available here to test),
 expert capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and
-Megatron's distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)`` moves every
-parameter into its own buffer: Megatron's DDP refuses the expert parameters, which are views of the slot storage,
-with an ``AssertionError`` (``assert old_param_data._base is None``, distributed/param_and_grad_buffer.py:830-832 of
-0.16.1); a parameter whose ``.data`` is replaced after :func:`install` is an error at the next call. Installing
-after DDP instead would need owner rows backed by Megatron's buffer, and its optimizer writes the parameters through
-that buffer (optimizer/distrib_optimizer.py:2465-2474), which no parameter's version counter sees).
+Megatron's distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)``: its DDP gives
+every parameter a segment of its own parameter buffer as ``.data``, distributed/param_and_grad_buffer.py:820-835 of
+0.16.1; its ``assert old_param_data._base is None`` there does not catch the expert parameters, whose ``.data`` alias
+has no ``_base``, so the parameters silently stop aliasing the slot storage and the next balanced call raises
+``ValueError``: a bound parameter no longer aliases its slot storage row). Supporting it needs owner rows backed by
+that buffer, and its optimizer writes the parameters through the buffer (optimizer/distrib_optimizer.py:2465-2474),
+which no parameter's version counter sees.
 Megatron's ``DistributedDataParallel`` without it works: its hook adds each expert parameter's ``.grad`` (owner and
 replica gradients summed) into ``main_grad``.
 """
