@@ -2,8 +2,8 @@
 
 Two ranks (expert parallelism 2) run one Megatron ``MoELayer`` (SequentialMLP experts, or with ``--grouped``
 GroupedMLP experts: ``moe_grouped_gemm=True`` with the tests' CPU stand-in for ``grouped_gemm.ops.gmm``, one matmul
-per group, the same on both sides) on the same replayed routing, twice per micro-step: Megatron's own path and the adapter's, forward and backward. The hidden and FFN
-sizes are tiny, so the expert math and the token exchange cost little and the difference is what the adapter adds on
+per group, the same on both sides) on the same replayed routing, twice per micro-step: Megatron's own path and the
+adapter's, forward and backward. The hidden and FFN sizes are tiny, so the expert math and the token exchange cost little and the difference is what the adapter adds on
 the host: the routed ids out of the routing map, the gathered counts and the plan's dispatch layout, the replica
 bookkeeping (and the replica moves when the plan changes), the slot loop (Megatron's MLP arithmetic on each
 computing slot's weight rows, where Megatron loops over its local experts) and the replica gradient reduction.
