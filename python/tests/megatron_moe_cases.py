@@ -240,6 +240,23 @@ def bad_inputs(case: MCase, fm: Any, bal: Any, planner: Any, recorded: List[List
         ex.weight1 = torch.nn.Parameter(ex.weight1.detach()[:, :-2].clone())
         out["grouped_shape"] = _catch(lambda: fmeg.install(fresh, case.slots))
         out["grouped_untouched"] = str([type(layer.experts).__name__ for layer in fresh.layers])
+    # Megatron's distributed optimizer: its DDP gives every parameter a segment of its own buffer as .data (its
+    # `_base` assertion does not catch the expert parameters), so the next balanced call must refuse, on every rank.
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    fresh = mc.TinyMoE(bal.layers[0].config)
+    fresh_fm = fmeg.install(fresh, case.slots)
+    wrapped = DistributedDataParallel(fresh.layers[0].config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True), module=fresh)
+    mc.set_action(fresh, RouterReplayAction.REPLAY_FORWARD)
+    mc.set_targets(fresh, recorded[0])
+    with fresh_fm.driver(planner, recorded, stage="update") as drv:
+        def distributed_optimizer() -> None:
+            with torch.no_grad(), fresh_fm.micro_step(0, drv):
+                wrapped(batches[0]["x"])
+
+        out["distributed_optimizer"] = _catch(distributed_optimizer)
     out["hold_not_bool"] = _catch(lambda: fmeg.install(bal, case.slots, hold_replica_gradients="yes"))
     with fm.driver(planner, recorded, stage="update") as drv:
         out["last_not_bool"] = _catch(lambda: fm.set_micro_step(0, drv, last=1))

@@ -58,12 +58,15 @@ def test_megatron_train_example():
         assert a == b, ln
 
 
-def test_megatron_bench_runs_quick():
+@pytest.mark.parametrize("experts", ["sequential", "grouped"])
+def test_megatron_bench_runs_quick(experts):
     pytest.importorskip("megatron.core", reason="the benchmark needs megatron-core 0.16.1 and torch >= 2.6")
     bench = Path(__file__).resolve().parents[1] / "bench" / "bench_megatron_overhead.py"
-    r = subprocess.run([sys.executable, str(bench), "--quick"], capture_output=True, text=True, timeout=300)
+    extra = ["--grouped"] if experts == "grouped" else []
+    r = subprocess.run([sys.executable, str(bench), "--quick"] + extra, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     import json
 
     row = json.loads(r.stdout.splitlines()[0])
     assert row["replica_tokens"] > 0 and row["resident_megatron_us"] > 0 and "resident_added_us" in row
+    assert row["experts"] == ("GroupedMLP" if experts == "grouped" else "SequentialMLP")

@@ -195,6 +195,10 @@ def test_bad_input(tmp_path_factory, name):
         assert e["pack"] == "ok", e["pack"]
         assert "sample 0 has 1 per-layer arrays, the model 2 MoE layers" in e["pack_layers"]
         assert "already balanced" in e["install_twice"]
+        assert e["distributed_optimizer"].startswith(
+            "ValueError: foremoe.megatron: MoE layer 0, micro-step 0: ExpertStorage: a bound trainer parameter no "
+            "longer aliases its slot storage row (its .data was replaced, e.g. by a distributed optimizer's"), \
+            e["distributed_optimizer"]
         assert "hold_replica_gradients must be True or False, got 'yes'" in e["hold_not_bool"]
         assert "last must be True, False or None, got 1" in e["last_not_bool"]
         assert "moe_token_dispatcher_type='flex'" in e["config_moe_token_dispatcher_type_flex"]

@@ -1,5 +1,5 @@
-"""ExpertStorage.bind_parameters: a trainer's own per-expert parameters become the owner rows (what foremoe.megatron
-does with Megatron's SequentialMLP experts), in one process."""
+"""ExpertStorage.bind_parameters and bind_fused: a trainer's own per-expert parameters (what foremoe.megatron does with
+Megatron's SequentialMLP experts) or fused ones (GroupedMLP's weight1/weight2) become the owner rows, in one process."""
 
 import pytest
 
@@ -44,4 +44,77 @@ def test_bind_bad_input():
         st.bind_parameters({"w1": params["w1"][:1]})
     with pytest.raises(ValueError, match=r"parameter 0 of 'w1' is \[3, 4\]"):
         st.bind_parameters({"w1": params["w2"]})
+    assert all(p.data_ptr() != st.storage["w1"][0].data_ptr() for p in params["w1"])  # nothing bound
+
+
+def _storage_and_fused():
+    g = torch.Generator().manual_seed(5)
+    # Megatron's GroupedMLP layout: weight1 [H, n F1] for rows [H, F1], weight2 [n F, H] for rows [F, H] (n = 2)
+    fused = {"w1": torch.nn.Parameter(torch.randn(3, 8, generator=g, dtype=torch.float64)),
+             "w2": torch.nn.Parameter(torch.randn(4, 3, generator=g, dtype=torch.float64))}
+    st = ft.ExpertStorage({"w1": torch.zeros(2, 3, 4, dtype=torch.float64), "w2": torch.zeros(2, 2, 3,
+                           dtype=torch.float64)}, [0, 0, 1, 1], 3, rank=0, world=2)
+    return st, fused
+
+
+def test_bind_fused_aliases_owner_rows_and_tracks_updates():
+    st, fused = _storage_and_fused()
+    values = {n: p.detach().clone() for n, p in fused.items()}
+    st.bind_fused(fused)
+    for n, p in fused.items():
+        assert p.shape == values[n].shape  # the parameter keeps its own (fused) shape
+        assert p.data_ptr() == st.storage[n].data_ptr()  # expert 0's row is its first block
+        assert torch.equal(st.storage[n][:2].reshape(-1), values[n].reshape(-1))
+        assert torch.count_nonzero(st.storage[n][2:]) == 0  # the spare row is not touched
+    assert not st.owners_changed()
+    with torch.no_grad():
+        fused["w1"].add_(1.0)  # an optimizer's in-place step
+    assert st.owners_changed()
+    assert torch.equal(st.storage["w1"][:2].reshape(-1), (values["w1"] + 1.0).reshape(-1))
+    st.check_aliasing()
+    fused["w2"].data = fused["w2"].data.clone()
+    with pytest.raises(ValueError, match="bound trainer parameter no longer aliases"):
+        st.check_aliasing()
+
+
+def test_bind_fused_bad_input_names_the_value():
+    st, fused = _storage_and_fused()
+    with pytest.raises(ValueError, match=r"bind_fused: parameter 'w1' is \[3, 7\] \(21 elements\), its 2 owner rows "
+                                         r"\[2, 3, 4\] \(24 elements\)"):
+        st.bind_fused({"w1": torch.nn.Parameter(torch.zeros(3, 7, dtype=torch.float64))})
+    with pytest.raises(ValueError, match=r"bind_fused: parameter 'w1' is torch.float32, the storage of 'w1' "
+                                         r"torch.float64"):
+        st.bind_fused({"w1": torch.nn.Parameter(fused["w1"].detach().float())})
+    with pytest.raises(ValueError, match="bind_fused: no weight kind 'w3'"):
+        st.bind_fused({"w3": fused["w1"]})
+    with pytest.raises(ValueError, match=r"bind_fused: parameter 'w1' \[8, 3\] is not contiguous"):
+        st.bind_fused({"w1": torch.nn.Parameter(torch.zeros(3, 8, dtype=torch.float64)).t()})
+    with pytest.raises(ValueError, match="bind_fused: 'w1' must be one fused parameter"):
+        st.bind_fused({"w1": [fused["w1"]]})
+    with pytest.raises(ValueError, match=r"bind_parameters: 'w1' is one tensor \[3, 8\].*bind_fused"):
+        st.bind_parameters({"w1": fused["w1"]})
+    with pytest.raises(ValueError, match="bind_fused: parameter 'w1' is on meta, the storage of 'w1' on cpu"):
+        st.bind_fused({"w1": torch.nn.Parameter(torch.empty(3, 8, dtype=torch.float64, device="meta"))})  # no GPU
+    assert all(p.data_ptr() != st.storage["w1"].data_ptr() for p in fused.values())  # nothing bound so far
+    st.bind_fused({"w1": fused["w1"]})
+    with pytest.raises(ValueError, match="bind_fused: parameter 'w1' is bound twice"):
+        st.bind_fused({"w1": fused["w1"]})
+    with pytest.raises(ValueError, match="owner row 0 of 'w1' is already bound to another parameter"):
+        st.bind_fused({"w1": torch.nn.Parameter(torch.zeros(3, 8, dtype=torch.float64))})
+    rows = [torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.float64)) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"bind_parameters: parameter 0 of 'w1': owner row 0 of 'w1' is already"):
+        st.bind_parameters({"w1": rows})
+    st.bind_fused({"w2": fused["w2"]})  # the other kind still binds
+    assert fused["w2"].data_ptr() == st.storage["w2"].data_ptr()
+
+
+def test_bind_parameters_same_parameter_twice_and_device():
+    st, params = _storage_and_params()
+    with pytest.raises(ValueError, match="bind_parameters: parameter 1 of 'w1' is bound twice"):
+        st.bind_parameters({"w1": [params["w1"][0], params["w1"][0]]})
+    meta = [torch.nn.Parameter(torch.empty(4, 3, dtype=torch.float64, device="meta")) for _ in range(2)]
+    with pytest.raises(ValueError, match="bind_parameters: parameter 0 of 'w1' is on meta"):
+        st.bind_parameters({"w1": meta})
+    with pytest.raises(ValueError, match=r"parameter 0 of 'w1' is torch.float32, the storage of 'w1' torch.float64"):
+        st.bind_parameters({"w1": [torch.nn.Parameter(p.detach().float()) for p in params["w1"]]})
     assert all(p.data_ptr() != st.storage["w1"][0].data_ptr() for p in params["w1"])  # nothing bound

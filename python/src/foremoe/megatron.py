@@ -10,7 +10,8 @@ the model in DDP or builds its optimizer:
   per-expert weights each alias one row; a ``GroupedMLP``'s fused ``weight1`` ``[H, n F1]`` and ``weight2``
   ``[n F, H]`` (``n`` local experts, ``F1`` = ``2 F`` with a gated linear unit) alias the ``n`` owner rows of the
   kinds ``weight1`` (rows ``[H, F1]``) and ``weight2`` (rows ``[F, H]``), the ``[n, H, F1]`` / ``[n, F, H]`` views
-  ``GroupedMLP.forward`` hands to ``grouped_gemm.ops.gmm`` (expert ``i`` is the ``i``-th contiguous block);
+  ``GroupedMLP.forward`` hands to ``grouped_gemm.ops.gmm`` (expert ``i`` is the ``i``-th contiguous block): the
+  public :meth:`ExpertStorage.bind_parameters` (per-expert) and :meth:`ExpertStorage.bind_fused` (fused) do it;
 - each layer's ``MoEAlltoAllTokenDispatcher`` becomes a :class:`ForeMoEAlltoAllTokenDispatcher`, which sends every
   ``(token, k)`` to the physical slot the micro-step's plan gives it, with the plan's exact split, and runs the
   replica moves (:meth:`ExpertStorage.sync`) before the expert compute; a ``MoEAllGatherTokenDispatcher`` becomes a
@@ -60,10 +61,13 @@ parallelism 1, dropless routing. Anything else raises ``ValueError`` naming the 
 ``GroupedMLP`` whose fused weights do not have the shapes above: naming both). Not supported: the flex (DeepEP /
 HybridEP) dispatcher, ``TEGroupedMLP`` (Transformer Engine's grouped linear layers: not available here to test),
 expert capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and
-Megatron's distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)`` moves every
-parameter into its own buffer: Megatron's DDP refuses the expert parameters, which are views of the slot storage,
-with an ``AssertionError``; a parameter whose ``.data`` is replaced after :func:`install` is an error at the next
-call).
+Megatron's distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)``: its DDP gives
+every parameter a segment of its own parameter buffer as ``.data``, distributed/param_and_grad_buffer.py:820-835 of
+0.16.1; its ``assert old_param_data._base is None`` there does not catch the expert parameters, whose ``.data`` alias
+has no ``_base``, so the parameters silently stop aliasing the slot storage and the next balanced call raises
+``ValueError``: a bound parameter no longer aliases its slot storage row). Supporting it needs owner rows backed by
+that buffer, and its optimizer writes the parameters through the buffer (optimizer/distrib_optimizer.py:2465-2474),
+which no parameter's version counter sees.
 Megatron's ``DistributedDataParallel`` without it works: its hook adds each expert parameter's ``.grad`` (owner and
 replica gradients summed) into ``main_grad``.
 """
@@ -282,7 +286,7 @@ def _routes(routing_map: torch.Tensor, topk: int, layer: int) -> Tuple[torch.Ten
     ids = torch.empty((rm.shape[0], topk), dtype=torch.int32)
     counts = np.empty(rm.shape[1], dtype=np.int64)
     try:
-        short = _core.routes_from_map(rm, topk, ids, counts)
+        short = _core.routes_from_map(rm.numpy(), topk, ids.numpy(), counts)  # numpy views: no DLPack export
     except ValueError as e:
         raise ValueError(f"foremoe.megatron: MoE layer {layer}: {e}") from None
     return ids, counts, int(short)
@@ -414,30 +418,6 @@ def _grouped_rows(experts: GroupedMLP, config: Any, index: int) -> Dict[str, Tup
     return {"weight1": (n, H, F1), "weight2": (n, F, H)}
 
 
-def _bind_fused(storage: ExpertStorage, fused: Dict[str, torch.nn.Parameter]) -> None:
-    """Makes each fused ``GroupedMLP`` parameter (``{kind: parameter}``) a view of the owner rows of its kind in
-    ``storage`` (rows ``[0, n_owned)``, contiguous: the fused layout), keeping the parameter object, as
-    :meth:`ExpertStorage.bind_parameters` does for per-expert parameters: the parameter's in-place updates (the
-    optimizer step) count as owner weight changes and its ``.data`` being replaced is an error at the next call.
-    The storage was filled from these parameters, so the values do not change."""
-    n = storage.num_owned
-    bound = []
-    for name, p in fused.items():
-        rows = storage.storage[name][:n]
-        if rows.numel() != p.numel() or rows.dtype != p.dtype:
-            raise ValueError(f"foremoe.megatron: GroupedMLP {name} is {list(p.shape)} {p.dtype}, its {n} owner rows "
-                             f"{list(rows.shape)} {rows.dtype}")
-        bound.append((p, rows.view(p.shape)))
-    with torch.no_grad():
-        for p, view in bound:
-            p.data = view
-    # ExpertStorage tracks bound parameters in `_bound` (versions for owners_changed, pointers for check_aliasing).
-    storage._bound.extend(bound)
-    storage._bound_ptrs = [int(v.data_ptr()) for _, v in storage._bound]
-    storage._bound_shapes = [v.shape for _, v in storage._bound]
-    storage._versions = storage._param_versions()
-
-
 class _GroupedWeights(torch.autograd.Function):
     """The whole slot storage of every weight kind (``[rows, ...]``: owner rows, then spare rows; views, copying
     nothing) for a grouped GEMM over the plan's slots, with the fused ``GroupedMLP`` parameters as inputs.
@@ -493,7 +473,7 @@ class _LayerState:
             weights = {n: p.detach().view(rows[n]) for n, p in fused.items()}
             self.storage = ExpertStorage(weights, self.owners, slots, rank=self.rank, world=self.world,
                                          group=self.group, **options)
-            _bind_fused(self.storage, fused)
+            self.storage.bind_fused(fused)  # the fused parameters become views of the owner rows
             self.rows_total = int(self.storage.storage["weight1"].shape[0])
             self.params = list(fused.values())
             self.template, self.swap, self.plain = None, [], None

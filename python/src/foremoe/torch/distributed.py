@@ -85,9 +85,17 @@ def gather_rows(row: torch.Tensor, group: Any, timeout: float, what: str) -> tor
     G = group_size(group)
     if G == 1:
         return row[None]
+    if _GATHER_INTO_TENSOR:  # one output tensor, no per-rank buffers and no stack (the same values)
+        out = row.new_empty(G * row.numel())
+        wait(dist.all_gather_into_tensor(out, row, group=group, async_op=True), timeout, what)
+        return out.view(G, row.numel())
     parts = [torch.empty_like(row) for _ in range(G)]
     wait(dist.all_gather(parts, row, group=group, async_op=True), timeout, what)
     return torch.stack(parts)
+
+
+# ``all_gather_into_tensor`` with gloo needs torch >= 2 (torch 1.13's gloo raises "no support for _allgather_base").
+_GATHER_INTO_TENSOR = hasattr(dist, "all_gather_into_tensor") and int(torch.__version__.split(".")[0]) >= 2
 
 
 def gather_checked(values: Sequence[int], error: Optional[str], group: Any, timeout: float, what: str,
@@ -238,8 +246,11 @@ def local_layout(
             and loads.flags.c_contiguous):
         # One C++ call from the gathered counts to the layout; on any error the checked steps below name it.
         T, K = expert_ids.shape
+        ids = expert_ids.reshape(T, 1, K)
+        if ids.device.type == "cpu" and not ids.requires_grad:
+            ids = ids.numpy()  # a numpy view reaches C++ faster than the tensor's DLPack export (same memory)
         try:
-            d = plan.dispatch_loads(layer, expert_ids.reshape(T, 1, K), loads, rank)
+            d = plan.dispatch_loads(layer, ids, loads, rank)
             split = d["split"]
         except ValueError:
             d = None

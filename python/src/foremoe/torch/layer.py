@@ -207,9 +207,10 @@ class ExpertStorage:
         # free row (and for the owner rows, which hold the owned experts in `owned` order).
         self.resident_rows = np.full((world, self.slots), -1, dtype=np.int64)
         self.row_generation = np.zeros(rows_total, dtype=np.int64)  # bumped when a row of this rank is rewritten
-        self._bound: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (trainer parameter, its row): bind_parameters
+        self._bound: List[Tuple[nn.Parameter, torch.Tensor]] = []  # (trainer parameter, its view): _bind
         self._bound_ptrs: List[int] = []
         self._bound_shapes: List[torch.Size] = []
+        self._bound_rows: List[Tuple[str, int]] = []  # (kind, owner row) of every bound parameter's view
         self._checked: Optional[Tuple[Any, int, np.ndarray]] = None  # check_plan's last (plan, layer, placement)
         self._row_views: Optional[List[List[torch.Tensor]]] = None
         self._versions = self._param_versions()
@@ -298,27 +299,88 @@ class ExpertStorage:
         expert's weight of kind ``name``, shaped like one row) gets the storage row as its ``.data``, keeping the
         parameter object (and whatever the trainer attached to it). Their in-place updates count as owner weight
         changes (:meth:`owners_changed`), and :meth:`check_aliasing` checks that they still share the rows.
-        Copies their current values into the rows first."""
-        bound = []
+        Copies their current values into the rows first. Raises ``ValueError`` naming the parameter (and binds
+        nothing) for an unknown kind, a wrong count, shape, dtype or device, or a parameter or row bound twice."""
+        who = "ExpertStorage.bind_parameters"
+        targets = []
         for name, ps in params.items():
-            if name not in self.storage:
-                raise ValueError(f"ExpertStorage.bind_parameters: no weight kind {name!r} (kinds: {list(self.names)})")
+            self._check_kind(who, name)
+            if isinstance(ps, torch.Tensor):
+                raise ValueError(f"{who}: {name!r} is one tensor {list(ps.shape)}, expected a list of the "
+                                 f"{self.num_owned} owned experts' parameters (a fused parameter: bind_fused)")
             if len(ps) != self.num_owned:
-                raise ValueError(f"ExpertStorage.bind_parameters: {len(ps)} parameters of {name!r} for the "
-                                 f"{self.num_owned} experts rank {self.rank} owns")
+                raise ValueError(f"{who}: {len(ps)} parameters of {name!r} for the {self.num_owned} experts rank "
+                                 f"{self.rank} owns")
             for i, p in enumerate(ps):
                 row = self.storage[name][i]
-                if tuple(p.shape) != tuple(row.shape) or p.dtype != row.dtype:
-                    raise ValueError(f"ExpertStorage.bind_parameters: parameter {i} of {name!r} is "
-                                     f"{list(p.shape)} {p.dtype}, a row is {list(row.shape)} {row.dtype}")
-                bound.append((p, row))
+                if not isinstance(p, torch.Tensor):
+                    raise ValueError(f"{who}: parameter {i} of {name!r} must be a tensor (a torch.nn.Parameter), "
+                                     f"got {type(p).__name__}")
+                if tuple(p.shape) != tuple(row.shape):
+                    raise ValueError(f"{who}: parameter {i} of {name!r} is {list(p.shape)} {p.dtype}, a row is "
+                                     f"{list(row.shape)} {row.dtype}")
+                targets.append((f"parameter {i} of {name!r}", p, row, (name, i, i + 1)))
+        self._bind(who, targets)
+
+    def bind_fused(self, params: Mapping[str, nn.Parameter]) -> None:
+        """Makes a trainer's fused parameter of each weight kind (all owned experts in one tensor of
+        ``num_owned * row.numel()`` elements, any shape, contiguous, expert ``i``'s weight the ``i``-th contiguous
+        block: e.g. Megatron's ``GroupedMLP`` ``weight1`` ``[H, n F1]`` for rows ``[H, F1]``) a view of that kind's
+        owner rows ``[0, num_owned)``, keeping the parameter object and its shape. Otherwise as
+        :meth:`bind_parameters` (values copied into the rows first; in-place updates tracked; a replaced ``.data``
+        is an error at the next call; ``ValueError`` naming the parameter for an unknown kind, a wrong element
+        count, dtype or device, a non-contiguous parameter, or a parameter or row bound twice)."""
+        who = "ExpertStorage.bind_fused"
+        targets = []
+        for name, p in params.items():
+            self._check_kind(who, name)
+            rows = self.storage[name][:self.num_owned]
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"{who}: {name!r} must be one fused parameter (a tensor), got {type(p).__name__}"
+                                 f" (per-expert parameters: bind_parameters)")
+            if p.numel() != rows.numel():
+                raise ValueError(f"{who}: parameter {name!r} is {list(p.shape)} ({p.numel()} elements), its "
+                                 f"{self.num_owned} owner rows {list(rows.shape)} ({rows.numel()} elements)")
+            if not p.is_contiguous():
+                raise ValueError(f"{who}: parameter {name!r} {list(p.shape)} is not contiguous (expert i must be "
+                                 f"its i-th contiguous block)")
+            targets.append((f"parameter {name!r}", p, rows.view(p.shape), (name, 0, self.num_owned)))
+        self._bind(who, targets)
+
+    def _check_kind(self, who: str, name: str) -> None:
+        if name not in self.storage:
+            raise ValueError(f"{who}: no weight kind {name!r} (kinds: {list(self.names)})")
+
+    def _bind(self, who: str, targets: Sequence[Tuple[str, Any, torch.Tensor, Tuple[str, int, int]]]) -> None:
+        """The one binding of :meth:`bind_parameters` and :meth:`bind_fused`: ``targets`` are (label, parameter,
+        its view of the storage, (kind, first row, end row)). Checks them all (dtype, device, each parameter and
+        row bound once), then copies each parameter's values into its view, makes the view its ``.data`` and
+        records it for :meth:`check_aliasing` and :meth:`owners_changed`."""
+        seen = {id(p) for p, _ in self._bound}
+        taken = set(self._bound_rows)
+        for label, p, view, (name, lo, hi) in targets:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"{who}: {label} must be a tensor (a torch.nn.Parameter), got {type(p).__name__}")
+            if p.dtype != view.dtype:
+                raise ValueError(f"{who}: {label} is {p.dtype}, the storage of {name!r} {view.dtype}")
+            if p.device != view.device:
+                raise ValueError(f"{who}: {label} is on {p.device}, the storage of {name!r} on {view.device}")
+            if id(p) in seen:
+                raise ValueError(f"{who}: {label} is bound twice (a parameter aliases one place of the storage)")
+            rows = {(name, r) for r in range(lo, hi)}
+            if rows & taken:
+                r = min(r for _, r in rows & taken)
+                raise ValueError(f"{who}: {label}: owner row {r} of {name!r} is already bound to another parameter")
+            seen.add(id(p))
+            taken |= rows
         with torch.no_grad():
-            for p, row in bound:
-                row.copy_(p.detach())
-                p.data = row
-        self._bound.extend(bound)
-        self._bound_ptrs = [int(row.data_ptr()) for _, row in self._bound]  # what check_aliasing compares with
-        self._bound_shapes = [row.shape for _, row in self._bound]
+            for _, p, view, _ in targets:
+                view.copy_(p.detach())
+                p.data = view
+        self._bound.extend((p, view) for _, p, view, _ in targets)
+        self._bound_rows.extend(r for _, _, _, (name, lo, hi) in targets for r in ((name, i) for i in range(lo, hi)))
+        self._bound_ptrs = [int(view.data_ptr()) for _, view in self._bound]  # what check_aliasing compares with
+        self._bound_shapes = [view.shape for _, view in self._bound]
         self._versions = self._param_versions()
 
     def invalidate(self) -> None:
