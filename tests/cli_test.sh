@@ -654,10 +654,17 @@ PY
 a, b = (json.load(open(f)) for f in sys.argv[1:])
 print("same" if a["micro_steps"] == b["micro_steps"] else "differ")'
   expect 0 "^same$" -- python3 -c "$same_plans" "$work/pp_routing.json" "$work/pp_again.json"
-  # The packed loads plan as --loads would: the same plan from --out-loads.
+  # The packed loads plan as --loads would with the load-only owners (--no-traffic-aware; with --ids the owners are
+  # traffic-aware by default, which --loads cannot be): the same plan from --out-loads.
+  expect 0 "with --packing routing" -- "$bin" plan --ids "$work/pids.npy" "${pack[@]}" --token-budget "$budget" \
+    --no-traffic-aware --out "$work/pp_load_only.json"
   expect 0 "wrote" -- "$bin" plan --loads "$work/pl_routing.npy" --nodes 2 --gpus-per-node 2 --slots 5 \
     --out "$work/pp_loads.json"
-  expect 0 "^same$" -- python3 -c "$same_plans" "$work/pp_routing.json" "$work/pp_loads.json"
+  expect 0 "^same$" -- python3 -c "$same_plans" "$work/pp_load_only.json" "$work/pp_loads.json"
+  expect 0 "traffic_aware on" -- python3 -c 'import json, sys
+a, b = (json.load(open(f)) for f in sys.argv[1:])
+print("traffic_aware on" if "traffic_aware" in a and "traffic_aware" not in b else "traffic_aware missing")' \
+    "$work/pp_routing.json" "$work/pp_load_only.json"
   expect 0 "wrote .*pk_all.json" -- "$bin" plan --ids "$work/pids.npy" "${pack[@]}" --token-budget "$budget" \
     --strategy all --out-packing "$work/pk_all.json"
   expect 0 "" -- cmp "$work/pk_routing.json" "$work/pk_all.json"

@@ -536,9 +536,10 @@ Command make_plan() {
                 a.flag("traffic-aware")))
       throw UsageError{"--strategy all prints a comparison; --out, --out-placement, --plot, --traffic-aware and "
                        "--node-hits need one strategy"};
-    const bool traffic_flag = a.flag("traffic-aware");
+    const bool no_traffic = a.has("no-traffic-aware");
     for (const char *o : {"traffic-tolerance", "traffic-tokens"})
-      if (a.has(o) && !traffic_flag) throw UsageError{std::string("--") + o + " is for --traffic-aware"};
+      if (a.has(o) && no_traffic)
+        throw UsageError{std::string("--") + o + " is for traffic-aware owners, not --no-traffic-aware"};
     const json::Value flags = all ? schema_overrides(config::plan_schema(), a, {"planner.strategy"})
                                   : schema_overrides(config::plan_schema(), a);
     config::PlanSettings settings;
@@ -561,10 +562,13 @@ Command make_plan() {
     }
     const Topology topo = settings.topo;
     const PlannerOptions opts = settings.planner;
-    const bool traffic = settings.traffic.aware; // planner.traffic_aware: off unless --traffic-aware
-    if (traffic && find_strategy(opts.strategy).name != "foremoe")
+    // planner.traffic_aware: on by default, where the ids are known and the strategy chooses owners (foremoe); asked
+    // for explicitly with another strategy, an error.
+    const bool foremoe_strategy = find_strategy(opts.strategy).name == "foremoe";
+    if (a.flag("traffic-aware") && !foremoe_strategy)
       throw UsageError{"--traffic-aware chooses the owners of two-level planning: it needs --strategy foremoe, got '" +
                        opts.strategy + "'"};
+    const bool traffic = settings.traffic.aware && from_ids && foremoe_strategy && !all;
     const Stage stage = settings.stage;
     // Every output is staged first and renamed into place together: a failure leaves none of them behind.
     files::OutputSet outputs;

@@ -494,8 +494,9 @@ struct PlanSettings {
   Topology topo = default_topology();
   PlannerOptions planner{};
   Stage stage = Stage::update;
-  MoveParams move{};         ///< what the transfer plan (`--expert-bytes`) prices moves with
-  TrafficSettings traffic{}; ///< `--[no-]traffic-aware` (off by default; `--ids` with strategy foremoe only)
+  MoveParams move{}; ///< what the transfer plan (`--expert-bytes`) prices moves with
+  /// `--[no-]traffic-aware`: on by default, acting where the ids are known (`--ids`) and the strategy is foremoe.
+  TrafficSettings traffic = {.aware = true};
 };
 
 [[nodiscard]] inline const Schema<PlanSettings> &plan_schema() {
@@ -506,7 +507,8 @@ struct PlanSettings {
     lift(
         o, planner_schema(), "planner", [](auto &p) -> auto & { return p.planner; });
     traffic_options(
-        o, "planner", "--ids, strategy foremoe", [](auto &p) -> auto & { return p.traffic; });
+        o, "planner", "with --ids and strategy foremoe (on by default there; no effect otherwise)",
+        [](auto &p) -> auto & { return p.traffic; });
     o.push_back(choice<PlanSettings>(
         "stage", {"update", "recompute"}, "micro-step stage (in update, replicas also return gradients)",
         [](const PlanSettings &p) { return p.stage == Stage::update ? "update" : "recompute"; },
