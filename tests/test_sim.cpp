@@ -1315,7 +1315,12 @@ PlantedCase planted_case(std::uint64_t seed, int nodes, int experts, double p_in
         for (int k = 0; k < K; ++k) {
           int e = 0;
           do {
-            e = inside(rng) ? member[l][static_cast<std::size_t>(cl * per + in(rng))] : any(rng);
+            if (inside(rng)) {
+              const int i = cl * per + in(rng);
+              e = member[l][static_cast<std::size_t>(i)];
+            } else {
+              e = any(rng);
+            }
           } while (std::find(row, row + k, e) != row + k);
           row[k] = static_cast<std::int16_t>(e);
           ++c.loads.layer(m, l)[e];
