@@ -382,23 +382,23 @@ double worst_node_ratio(const Planner::OwnerMap &owners, std::span<const std::in
   return worst;
 }
 
-/// `--traffic-aware`: the step's co-activation counted from the packed ids (about `sample` tokens of them; 0: all), the
+/// `--traffic-aware`: the step's co-activation counted from the packed ids (about `s.tokens` of them; 0: all), the
 /// load-only owners improved by `traffic_aware_owners`, then every micro-step planned under them.
-StepPlan plan_traffic_aware(Planner &planner, const LoadTensor &loads, const PackedBatch &b, const TrafficOptions &o,
-                            std::int64_t sample, const Placement *resident, Stage stage, TrafficReport &r) {
+StepPlan plan_traffic_aware(Planner &planner, const LoadTensor &loads, const PackedBatch &b, const TrafficSettings &s,
+                            const Placement *resident, Stage stage, TrafficReport &r) {
   using clock = std::chrono::steady_clock;
   const Topology &topo = planner.topology();
   auto t = clock::now();
   const RoutedView view = b.ids.view();
   const LayerMap map = b.dense_layers > 0 ? LayerMap::dense_prefix(view.num_layers(), b.dense_layers) : LayerMap{};
-  const std::int64_t every = sample > 0 ? std::max<std::int64_t>(1, (view.num_tokens() + sample - 1) / sample) : 1;
+  const std::int64_t every = s.every(view.num_tokens());
   const CoActivation co = count_coactivation(view, b.experts, 0, -1, map, every);
   r.counted_tokens = (view.num_tokens() + every - 1) / every;
   r.count_seconds = std::chrono::duration<double>(clock::now() - t).count();
   t = clock::now();
   const std::vector<std::int64_t> totals = planner.sum_steps(loads);
   const Planner::OwnerMap start = planner.plan_owners(totals);
-  Planner::OwnerMap owners = traffic_aware_owners(totals, co, topo, start, o);
+  Planner::OwnerMap owners = traffic_aware_owners(totals, co, topo, start, s.options());
   r.owner_seconds = std::chrono::duration<double>(clock::now() - t).count();
   for (int l = 0; l < co.num_layers; ++l) {
     r.cut_before += coactivation_cut(co, l, start[static_cast<std::size_t>(l)], topo);
@@ -649,9 +649,9 @@ Command make_plan() {
 
     Planner planner(loads.num_layers(), loads.num_experts(), topo, opts);
     TrafficReport traffic_report;
-    const StepPlan sp = traffic ? plan_traffic_aware(planner, loads, packed, settings.traffic.options(),
-                                                     settings.traffic.tokens, res, stage, traffic_report)
-                                : planner.plan_step(loads, res, previous, stage);
+    const StepPlan sp = traffic
+                            ? plan_traffic_aware(planner, loads, packed, settings.traffic, res, stage, traffic_report)
+                            : planner.plan_step(loads, res, previous, stage);
 
     // Sources are what the slots held before each micro-step: the previous one's placement, or --resident, or
     // (micro-step 0 without --resident) what the planner assumed resident: every slot its moves do not write.
