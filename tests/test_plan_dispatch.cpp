@@ -384,6 +384,14 @@ TEST_CASE("replica_sync: the plan's replicas end resident, kept ones are not mov
         }
       }
       CHECK(static_cast<std::int64_t>(by_tag.size()) == out[0].moves);
+      // `all_moves` is every rank's same list of every move, in tag order: the rows the ranks name, without tags.
+      for (int r = 0; r < G; ++r) {
+        REQUIRE(out[r].all_moves.size() == static_cast<std::size_t>(out[0].moves) * 4);
+        CHECK(out[r].all_moves == out[0].all_moves);
+      }
+      for (const auto &[tag, row] : by_tag)
+        CHECK(std::vector<std::int64_t>(out[0].all_moves.begin() + tag * 4, out[0].all_moves.begin() + tag * 4 + 4) ==
+              std::vector<std::int64_t>(row.begin() + 1, row.end()));
       // Each plan slot maps to the storage row holding its expert.
       for (int r = 0; r < G; ++r)
         for (int j = 0; j < S; ++j) {

@@ -838,7 +838,8 @@ using RoFlags = nb::ndarray<nb::ro, const std::uint8_t, nb::ndim<1>, nb::c_conti
 /// free; rows below a rank's owned count are its owner rows), updated in place to the plan's replicas: a replica
 /// already resident stays (unless its owner's weights `changed`), the others take the lowest free rows in expert
 /// order. Returns `moves` (the count, all ranks), `my_moves` `[n, 5]` (tag, expert, source, destination,
-/// destination row) of those naming `rank`, sorted by expert then destination; `reused`; `rows` `[S]` the storage
+/// destination row) of those naming `rank`, sorted by expert then destination; `all_moves` `[moves, 4]` (expert,
+/// source, destination, destination row) of every move in the same order; `reused`; `rows` `[S]` the storage
 /// row of each of `rank`'s plan slots (-1 empty); `grads` `[m, 4]` (expert, holder, holder row, tag) of the replica
 /// gradient transfers naming `rank` (replicas given tokens, sorted by expert then holder).
 nb::dict replica_sync(const PyPlan &p, int layer, const RoI32 &owners, RwRows resident, const RoFlags &changed,
@@ -858,6 +859,7 @@ nb::dict replica_sync(const PyPlan &p, int layer, const RoI32 &owners, RwRows re
   out["reused"] = r.reused;
   const std::size_t nm = r.my_moves.size() / 5, ng = r.grads.size() / 4;
   out["my_moves"] = owned_array(std::move(r.my_moves), {nm, 5});
+  out["all_moves"] = owned_array(std::move(r.all_moves), {static_cast<std::size_t>(r.moves), 4});
   out["rows"] = owned_array(std::move(r.rows), {static_cast<std::size_t>(p.S)});
   out["grads"] = owned_array(std::move(r.grads), {ng, 4});
   return out;

@@ -24,6 +24,9 @@ struct ReplicaSync {
   /// `[n][5]` (tag, expert, source, destination, destination row) of the moves naming this rank, sorted by expert
   /// then destination; `tag` is the move's index in that order over all ranks (the same on every rank).
   std::vector<std::int64_t> my_moves;
+  /// `[moves][4]` (expert, source, destination, destination row) of every move, in tag order (the same on every
+  /// rank): the batch every rank hands the transfer engine.
+  std::vector<std::int64_t> all_moves;
   std::vector<std::int64_t> rows; ///< `[S]` the storage row of each of this rank's plan slots (-1 empty)
   /// `[m][4]` (expert, holder, holder row, tag) of the replica-gradient transfers naming this rank (as holder or
   /// owner): every replica given tokens, sorted by expert then holder; `tag` its index over all ranks.
@@ -117,6 +120,9 @@ struct ReplicaSync {
   std::sort(all.begin(), all.end(),
             [](const MoveRow &a, const MoveRow &b) { return a.e != b.e ? a.e < b.e : a.dst < b.dst; });
   out.moves = static_cast<std::int64_t>(all.size());
+  out.all_moves.reserve(all.size() * 4);
+  for (const MoveRow &m : all)
+    out.all_moves.insert(out.all_moves.end(), {m.e, m.src, m.dst, m.row});
   for (std::size_t i = 0; i < all.size(); ++i)
     if (all[i].src == rank || all[i].dst == rank)
       out.my_moves.insert(out.my_moves.end(),
