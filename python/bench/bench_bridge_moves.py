@@ -5,9 +5,11 @@ Each rank owns E/2 experts of ``size`` bytes; every round moves ``moves`` of ran
 slots and as many of rank 1's into rank 0's (``2 * moves * size`` bytes cross the group per round).
   engine   TransferEngine(group=WORLD).submit(moves).wait(): one engine per rank, the paired transfers run by the
            bridge (one gloo send/recv per chunk, each with a 16-byte header; max_chunk_bytes per the options)
-  python   ExpertStorage._post + _finish (foremoe/torch/layer.py, what ExpertStorage.sync runs after its
-           bookkeeping): batch_isend_irecv of every weight row into staging rows, the waits, the status
-           all_gather, the install copy into the storage rows
+  storage  ExpertStorage._post + _finish on CPU storage (foremoe/torch/layer.py, what ExpertStorage.sync runs after
+           its bookkeeping): the same batch on the storage's own engine (foremoe.torch.mover), the status all_gather
+  python   the same with ExpertStorage(_mover="python"), the Python moves CUDA storage still takes:
+           batch_isend_irecv of every weight row into staging rows, the waits, the status all_gather, the install
+           copy into the storage rows
 Both with and without verification (engine: its C++ checksum in the header; python: row_checksum per row).
 Reported per rank 0, median of the rounds: wall seconds, GB/s (bytes crossing the group / wall) and CPU
 nanoseconds per byte (process CPU time of all its threads -- gloo's, the engine's, the bridge's -- / bytes).
@@ -74,23 +76,28 @@ def rank_main(rank, tmp, sizes, moves, reps, out_path):
 
             ew, ec = rounds_of(engine_round, reps)
             eng.close()
-            # -- the Python path of ExpertStorage (float32 rows of the same bytes)
+            # -- ExpertStorage's moves (float32 rows of the same bytes): on its engine, and on the Python path
             full = {"w": torch.randn(E, size // 4)}
-            st = ft.ExpertStorage.from_full(full, owners, S, rank=rank, world=2, verify=verify)
             my = []
             for i, (e, src, dst, slot) in enumerate(mv.tolist()):
                 my.append([i, e, src, dst, slot])
-            out = {"moves": len(my), "my_moves": np.array(my, dtype=np.int64)}
+            out = {"moves": len(my), "my_moves": np.array(my, dtype=np.int64),
+                   "all_moves": mv.astype(np.int64)}
+            row = {"size": size, "verify": verify, "bytes": 2 * moves * size}
+            nbytes = row["bytes"]
+            row["engine"] = {"s": ew, "gbps": nbytes / ew / 1e9, "cpu_ns_per_byte": ec / nbytes * 1e9}
+            for kind, mover in (("storage", "engine"), ("python", "python")):
+                st = ft.ExpertStorage.from_full(full, owners, S, rank=rank, world=2, verify=verify, _mover=mover)
 
-            def python_round():
-                pending = st._post(out, None, 0)
-                st._finish(pending, None, 60.0, 0)
+                def storage_round():
+                    pending = st._post(out, None, 0, timeout=60.0)
+                    st._finish(pending, None, 60.0, 0)
 
-            pw, pc = rounds_of(python_round, reps)
-            nbytes = 2 * moves * size
-            results.append({"size": size, "verify": verify, "bytes": nbytes,
-                            "engine": {"s": ew, "gbps": nbytes / ew / 1e9, "cpu_ns_per_byte": ec / nbytes * 1e9},
-                            "python": {"s": pw, "gbps": nbytes / pw / 1e9, "cpu_ns_per_byte": pc / nbytes * 1e9}})
+                w, c = rounds_of(storage_round, reps)
+                row[kind] = {"s": w, "gbps": nbytes / w / 1e9, "cpu_ns_per_byte": c / nbytes * 1e9}
+                if st._mover is not None:
+                    st._mover.close()
+            results.append(row)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)
@@ -109,12 +116,12 @@ def main():
         out = os.path.join(tmp, "out.json")
         mp.start_processes(rank_main, args=(tmp, sizes, args.moves, reps, out), nprocs=2, start_method="spawn")
         results = json.load(open(out))
-    print(f"{'bytes/expert':>12} {'verify':>6} | {'engine s':>9} {'GB/s':>6} {'CPU ns/B':>8} | "
-          f"{'python s':>9} {'GB/s':>6} {'CPU ns/B':>8}")
+    kinds = ("engine", "storage", "python")
+    print(f"{'bytes/expert':>12} {'verify':>6} | " + " | ".join(f"{k + ' s':>10} {'GB/s':>6} {'CPU ns/B':>8}"
+                                                              for k in kinds))
     for r in results:
-        e, p = r["engine"], r["python"]
-        print(f"{r['size']:>12} {str(r['verify']):>6} | {e['s']:>9.4f} {e['gbps']:>6.2f} {e['cpu_ns_per_byte']:>8.2f} | "
-              f"{p['s']:>9.4f} {p['gbps']:>6.2f} {p['cpu_ns_per_byte']:>8.2f}")
+        print(f"{r['size']:>12} {str(r['verify']):>6} | " + " | ".join(
+            f"{r[k]['s']:>10.4f} {r[k]['gbps']:>6.2f} {r[k]['cpu_ns_per_byte']:>8.2f}" for k in kinds))
 
 
 if __name__ == "__main__":

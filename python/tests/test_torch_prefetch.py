@@ -15,7 +15,9 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 import torch_moe_cases as tc  # noqa: E402
 
-FAULTS = dict(fail_probability=0.2, corrupt_probability=0.25, delay_probability=0.15, delay_us=10**9)
+# The moves run on the transfer engine, whose fault injector fails, corrupts or delays its paired transfers; a
+# delayed one lands late within the batch deadline (the engine has no per-move deadline to fall back at).
+FAULTS = dict(fail_probability=0.2, corrupt_probability=0.25, delay_probability=0.15, delay_us=20_000)
 # Few spare rows, so consecutive micro-steps' replicas share rows (what double buffers are for).
 G2 = tc.Case(world=2, experts=16, topk=2, hidden=32, ffn=32, dtype="float64", seed=22, spare=1, skew=3.0)
 G4 = tc.Case(world=4, experts=32, topk=4, hidden=32, ffn=32, nodes=2, dtype="float64", seed=22, spare=2,
@@ -84,8 +86,10 @@ def test_prefetch_under_faults_with_mirror_is_exact(name, tmp_path_factory):
     tc.assert_equals_reference(case, ranks, tc.reference(case))
     assert_bitwise(ranks, got["faults_sync"], "faults")
     assert summed(ranks, "fallbacks") > 0 and summed(ranks, "prefetched") == summed(ranks, "moves")
-    for key in ("faults", "verify_failures", "fallbacks"):
-        assert summed(ranks, key) == summed(got["faults_sync"], key), key
+    # The injector's draws are keyed by the engine's transfers, and prefetched moves land in staging rows: other
+    # transfers than the synchronous run's, so other faults, but some in both, every one replaced.
+    for run in (ranks, got["faults_sync"]):
+        assert summed(run, "faults") > 0 and summed(run, "fallbacks") >= summed(run, "faults")
 
 
 def test_prefetch_misuse_fails_every_rank(tmp_path):

@@ -208,8 +208,9 @@ class _GroupBridge:
     failed, so nothing writes into the engine's memory after the group ended (a failed or timed-out gloo wait
     closes its connection)."""
 
-    def __init__(self, pg: Any, num_gpus: int, timeout: float) -> None:
+    def __init__(self, pg: Any, num_gpus: int, timeout: float, tag_space: int = 0) -> None:
         self.pg = pg
+        self.tag_base = _TAG_BASE + 2 * num_gpus * num_gpus * tag_space
         self.rank = pg.rank()
         self.per_rank = num_gpus // pg.size()
         self.num_gpus = num_gpus
@@ -225,7 +226,7 @@ class _GroupBridge:
         posted, heads = [], []
         for send, local, peer, buf, h0, h1 in ops:
             rank = peer // self.per_rank
-            tag = _TAG_BASE + (local * G + peer if send else peer * G + local)
+            tag = self.tag_base + (local * G + peer if send else peer * G + local)
             data = torch.from_numpy(buf)
             works = []
             try:
@@ -276,7 +277,7 @@ class _GroupBridge:
         return RuntimeError(self.failed)
 
 
-def _bridge_of(group: Any, options: EngineOptions, timeout: float) -> _GroupBridge:
+def _bridge_of(group: Any, options: EngineOptions, timeout: float, tag_space: int = 0) -> _GroupBridge:
     """Checks ``group`` against the options and sets ``local_gpus``; returns the bridge's runner."""
     import torch.distributed as dist
 
@@ -301,8 +302,12 @@ def _bridge_of(group: Any, options: EngineOptions, timeout: float) -> _GroupBrid
     if options.local_gpus and list(options.local_gpus) != mine:
         raise ValueError(f"TransferEngine: local_gpus {list(options.local_gpus)} disagrees with rank {rank} of a "
                          f"{size}-rank group over {gpus} GPUs, which drives GPUs {mine}")
+    tag_space = integer(tag_space, "TransferEngine: tag_space", 0)
+    if _TAG_BASE + 2 * gpus * gpus * (tag_space + 1) > 2**31 - 1:
+        raise ValueError(f"TransferEngine: tag_space {tag_space} puts the bridge's point-to-point tags of {gpus} GPUs "
+                         f"past 2**31 - 1 (at most {(2**31 - 1 - _TAG_BASE) // (2 * gpus * gpus) - 1})")
     options.local_gpus = mine
-    return _GroupBridge(group, gpus, float(timeout))
+    return _GroupBridge(group, gpus, float(timeout), tag_space)
 
 
 # Engines with a group bridge still open: closed at interpreter exit, while the bridge's worker thread can still
@@ -324,18 +329,20 @@ class TransferEngine:
         group: a ``torch.distributed`` process group (gloo): one engine per rank, its paired transfers over the
             group (see the module's documentation); None: one engine drives every GPU.
         bridge_timeout: seconds one exchange over ``group`` waits for its peer before it fails ``timed_out``.
+        tag_space: with ``group``, the block of point-to-point tags this engine's exchanges use (0, 1, ...): engines
+            on one group with batches in flight at once need different ones, the same on every rank.
         **fields: ``EngineOptions`` fields (``EngineOptions.fields()``): ``topology``, ``num_layers``,
             ``num_experts``, ``expert_bytes`` or ``tensors``, ``backend`` (``host``/``cuda``), ``verify``,
             ``max_attempts``, ``faults`` (a :class:`FaultSchedule`: the seeded fault injector), ...
     """
 
     def __init__(self, options: Optional[EngineOptions] = None, *, group: Any = None,
-                 bridge_timeout: float = DEFAULT_BRIDGE_TIMEOUT, **fields: Any) -> None:
+                 bridge_timeout: float = DEFAULT_BRIDGE_TIMEOUT, tag_space: int = 0, **fields: Any) -> None:
         if options is None:
             options = EngineOptions(**fields)
         elif fields:
             raise ValueError(f"TransferEngine: give options or fields, not both (got {sorted(fields)})")
-        runner = _bridge_of(group, options, bridge_timeout) if group is not None else None
+        runner = _bridge_of(group, options, bridge_timeout, tag_space) if group is not None else None
         self._e = _core.TransferEngine(options, runner)
         if runner is not None:
             _BRIDGED.add(self)

@@ -10,15 +10,20 @@ never seen by an optimizer or DDP).
 
 1. the per-rank expert counts are gathered (one small ``all_gather`` that also carries every rank's input
    check and whether its owner weights changed since the last sync);
-2. replicas the plan wants and the rank does not hold (or holds stale) are sent from their owners with
-   ``batch_isend_irecv`` on the trainer's process group; resident replicas are reused without a move;
+2. replicas the plan wants and the rank does not hold (or holds stale) are copied from their owners, resident
+   replicas are reused without a move. CPU storage moves on the runtime's transfer engine
+   (:mod:`foremoe.torch.mover`: every rank submits the same batch, the engine's paired transfers run over the
+   trainer's gloo group, and verification, retries, the fallback to the host mirror, the seeded fault injector,
+   deadlines and telemetry are the engine's); CUDA storage still moves with ``batch_isend_irecv`` on the group and
+   the checks of :mod:`foremoe.torch.moves` until the engine's CUDA backend runs under the layer;
 3. tokens go to physical slots with the plan's exact split (:mod:`foremoe.torch.distributed`), are exchanged
    with ``all_to_all_single`` and computed slot by slot on the local slots, then sent back and combined with the
    routing weights.
 
 Moves are verified and can fall back to a host mirror: every received replica row comes with the sender's exact
-checksum of its bytes (:func:`foremoe.torch.moves.row_checksum`) and lands in a staging buffer first; a row that is
-dropped, late, or fails its checksum is copied from the host mirror (``mirror=True``: this rank's own copy;
+checksum of its bytes (the engine's checksum in its transfer header; on CUDA storage
+:func:`foremoe.torch.moves.row_checksum`); a row that is dropped, late, or fails its checksum is copied from the host
+mirror (``mirror=True``: this rank's own copy;
 ``mirror="node"``: one copy per node in shared memory that the node's ranks map; refreshed by the trainer after
 each optimizer step with :meth:`ExpertStorage.refresh_mirror`), and without a fresh mirror every rank
 raises (a gathered flag): a wrong replica is never used. ``faults`` (a :class:`foremoe.FaultSchedule`) injects
@@ -57,6 +62,7 @@ from foremoe._args import int_array, integer
 from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
 from .distributed import gather_rows, gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
 from .moves import HostMirror, NodeMirror, corrupt_, injected_fault, resolve_local_world, row_checksum
+from .mover import EngineMover, engine_rows
 
 __all__ = [
     "BalancedMoE",
@@ -135,8 +141,11 @@ class ExpertStorage:
             variable ``LOCAL_WORLD_SIZE`` (set by ``torchrun``) when there is a mirror, else 1. It must divide
             ``world``; node ``n`` holds the group's ranks ``[n * local_world, (n + 1) * local_world)``.
         verify: send an exact checksum with every replica move and check it on arrival (default on).
-        faults: a :class:`foremoe.FaultSchedule` whose ``seed``, ``fail_probability``, ``corrupt_probability``
-            and ``delay_probability``/``delay_us`` act on the received moves (:func:`moves.injected_fault`).
+        faults: a :class:`foremoe.FaultSchedule`, the runtime's seeded fault injector: on CPU storage the transfer
+            engine's (``fail_probability``, ``corrupt_probability``, ``delay_probability``/``delay_us`` act on its
+            copies and paired transfers, keyed by the batch's transfers); on CUDA storage the received moves'
+            (:func:`moves.injected_fault`). Assigning ``storage.faults`` or ``storage.verify`` later takes effect at
+            the next sync on every rank.
         double_buffer: two storage rows per spare row (``slots + spare`` rows per weight kind): a move always
             writes the copy the last sync did not use, so micro-step ``m``'s replica rows stay intact while
             micro-step ``m + 1``'s land and run (its forward may come before ``m``'s backward, as in pipeline
@@ -148,7 +157,7 @@ class ExpertStorage:
     def __init__(self, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int, world: int,
                  mirror: Any = False, group: Any = None, verify: bool = True, faults: Any = None,
                  double_buffer: bool = False, timeout: float = DEFAULT_TIMEOUT, local_world: Optional[int] = None,
-                 _full: Optional[Mapping[str, torch.Tensor]] = None):
+                 _full: Optional[Mapping[str, torch.Tensor]] = None, _mover: str = "auto"):
         own = int_array(owners, "ExpertStorage: owners", dtype=np.int32)  # an owner past int32 never wraps
         slots, rank, world = (integer(v, f"ExpertStorage: {k}") for k, v in
                               (("slots", slots), ("rank", rank), ("world", world)))
@@ -181,12 +190,29 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: rank {g} owns {busiest} experts but has only {slots} slots")
         n_own = int(self.owned[rank].size)
         self.double_buffer = bool(double_buffer)
-        # With double buffers every spare row r has a second copy r + spare; `copy[r]` is the one holding its replica.
+        # With double buffers every spare row r has a second copy r + spare; `copy[g, r]` is the one holding rank
+        # g's replica (tracked for every rank alike: the engine's batch names every rank's destination rows).
         self.spare = self.slots - n_own
-        self.copy = np.zeros(self.slots, dtype=np.int64)
+        self.num_owned_by = np.array([o.size for o in self.owned], dtype=np.int64)
+        self._copy_all = np.zeros((world, self.slots), dtype=np.int64)
+        self.copy = self._copy_all[rank]
         rows_total = self.slots + (self.spare if self.double_buffer else 0)
         if not weights:
             raise ValueError("ExpertStorage: no weights")
+        if _mover not in ("auto", "engine", "python"):
+            raise ValueError(f"ExpertStorage: _mover must be 'auto', 'engine' or 'python', got {_mover!r}")
+        on_cpu = all(isinstance(w, torch.Tensor) and w.device.type == "cpu" for w in weights.values())
+        if _mover == "engine" and not on_cpu:
+            raise ValueError("ExpertStorage: _mover='engine' runs the engine's host backend, which needs CPU weights")
+        # CPU storage moves on the transfer engine (foremoe.torch.mover); CUDA storage keeps the Python moves over
+        # torch.distributed until the engine's CUDA backend runs under the layer (issue 29, D2).
+        self.mover_kind = "engine" if on_cpu and _mover != "python" else "python"
+        alloc_rows = rows_total
+        if self.mover_kind == "engine":
+            self._engine_rows, self._stage0 = engine_rows(self.slots, self.num_owned_by, self.double_buffer)
+            alloc_rows = self._engine_rows
+        self._mover: Optional[EngineMover] = None
+        self._alloc: Dict[str, torch.Tensor] = {}
         self.names: Tuple[str, ...] = tuple(weights)
         self.storage: Dict[str, torch.Tensor] = {}
         self.params: Dict[str, nn.Parameter] = {}
@@ -196,13 +222,13 @@ class ExpertStorage:
             if w.dim() < 1 or w.shape[0] != n_own:
                 raise ValueError(f"ExpertStorage: weight {name!r} is {list(w.shape)}, expected [{n_own}, ...] "
                                  f"(the {n_own} experts rank {rank} owns)")
-            buf = torch.zeros((rows_total,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
+            buf = torch.zeros((alloc_rows,) + tuple(w.shape[1:]), dtype=w.dtype, device=w.device)
             with torch.no_grad():
                 buf[:n_own].copy_(w.detach())
-            self.storage[name] = buf
+            self._alloc[name] = buf
+            self.storage[name] = buf[:rows_total]
             self.params[name] = nn.Parameter(buf[:n_own])
         self.expert_bytes = sum(int(t[0].numel()) * t.element_size() for t in self.storage.values())
-        self.num_owned_by = np.array([o.size for o in self.owned], dtype=np.int64)
         # Storage rows of every rank, tracked identically on every rank: the expert of each replica row, -1 for a
         # free row (and for the owner rows, which hold the owned experts in `owned` order).
         self.resident_rows = np.full((world, self.slots), -1, dtype=np.int64)
@@ -487,8 +513,11 @@ class ExpertStorage:
                                  self.rank)
         if self.double_buffer:  # a move goes to the other copy of its row: the one in use stays intact
             out = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
+            every = out["all_moves"]
+            self._copy_all[every[:, 2], every[:, 3]] ^= 1  # every move's row is distinct: one flip each
+            spare_of = self.slots - self.num_owned_by
+            every[:, 3] += spare_of[every[:, 2]] * self._copy_all[every[:, 2], every[:, 3]]
             mine = out["my_moves"][:, 3] == self.rank
-            self.copy[out["my_moves"][mine, 4]] ^= 1
             out["my_moves"][mine, 4] = self._physical(out["my_moves"][mine, 4])
             out["rows"] = self._physical(out["rows"])
             held = out["grads"][:, 1] == self.rank
@@ -517,7 +546,7 @@ class ExpertStorage:
         if pending is None:
             out = self.bookkeep(plan, layer, changed)
             self.num_syncs += 1
-            pending = self._post(out, group, layer)
+            pending = self._post(out, group, layer, timeout=timeout)
         out = pending["out"]
         counts = self._finish(pending, group, timeout, layer)
         self.last_sync = SyncStats(int(out["moves"]), int(out["moves"]) * self.expert_bytes, int(out["reused"]),
@@ -554,7 +583,7 @@ class ExpertStorage:
         self.check_mirrors([g for g in range(self.world) if flags[g, 1]])
         out = self.bookkeep(plan, layer, [g for g in range(self.world) if flags[g, 0]])
         self.num_syncs += 1
-        pending = self._post(out, group, layer, snapshot=True)
+        pending = self._post(out, group, layer, snapshot=True, timeout=timeout)
         pending.update(layer=int(layer), placement=np.array(plan.gpu_slots[layer]), versions=self._param_versions(),
                        prefetched=int(out["moves"]))
         self._versions, self._invalid = pending["versions"], False
@@ -605,12 +634,15 @@ class ExpertStorage:
 
     # -- moves --------------------------------------------------------------------------------------------------
 
-    def _post(self, out: Dict[str, Any], group: Any, layer: int, snapshot: bool = False) -> Dict[str, Any]:
+    def _post(self, out: Dict[str, Any], group: Any, layer: int, snapshot: bool = False,
+              timeout: float = DEFAULT_TIMEOUT) -> Dict[str, Any]:
         """Posts the moves naming this rank (``out``: :meth:`bookkeep`'s) without waiting; received rows go to
         staging buffers. ``snapshot``: send copies of the owner rows (they may change before the sends finish)."""
         pending: Dict[str, Any] = {"out": out, "works": [], "recvs": [], "prefetched": 0}
         if int(out["moves"]) == 0:
             return pending
+        if self.mover_kind == "engine":
+            return self._post_engine(pending, group, snapshot, timeout)
         ops = []
         nk, tags = len(self.names), len(self.names) + 1
         for i, e, src, dst, row in out["my_moves"].tolist():
@@ -635,8 +667,34 @@ class ExpertStorage:
             pending["works"] = dist.batch_isend_irecv(ops)
         return pending
 
+    def _post_engine(self, pending: Dict[str, Any], group: Any, staged: bool, timeout: float) -> Dict[str, Any]:
+        """Submits the sync's moves to this storage's transfer engine (:mod:`foremoe.torch.mover`): every rank the
+        same batch, each move from its owner's row into its destination row, or (``staged``, a prefetch) into the
+        destination rank's staging rows, installed at the call."""
+        if self._mover is not None and not self._mover.fits(self):  # `faults` or `verify` changed since
+            self._mover.close()
+            self._mover = None
+        if self._mover is None:
+            self._mover = EngineMover(self, group, timeout)
+        every = pending["out"]["all_moves"]
+        batch = every.astype(np.int32)  # (expert, source rank, destination rank, destination row)
+        if staged:  # the k-th move into a rank lands in its k-th staging row
+            nth = np.zeros(len(batch), dtype=np.int64)
+            for g in np.unique(batch[:, 2]):
+                at = np.flatnonzero(batch[:, 2] == g)
+                nth[at] = np.arange(at.size)
+            batch[:, 3] = self._stage0 + nth
+        mine = np.flatnonzero(batch[:, 2] == self.rank)
+        # (expert, source rank, storage row, engine slot) of every move into this rank.
+        pending["incoming"] = [(int(every[i, 0]), int(every[i, 1]), int(every[i, 3]), int(batch[i, 3])) for i in mine]
+        pending["index"] = mine
+        pending["ticket"] = self._mover.submit(batch, timeout)
+        return pending
+
     def _land(self, pending: Dict[str, Any], timeout: float, layer: int) -> Optional[str]:
         """Waits for the posted moves within ``timeout``; the first failure's message, or None."""
+        if pending.get("ticket") is not None:
+            return self._mover.finish(pending["ticket"], timeout)[0]
         lost = None
         deadline = time.monotonic() + timeout
         for w in pending["works"]:
@@ -651,6 +709,8 @@ class ExpertStorage:
         ranks."""
         if int(pending["out"]["moves"]) == 0:
             return (0, 0, 0)
+        if pending.get("ticket") is not None:
+            return self._finish_engine(pending, group, timeout, layer)
         nk = len(self.names)
         lost = self._land(pending, timeout, layer)  # a failed or late wait: this rank's received rows are not trusted
         faults = bad = fallbacks = 0
@@ -688,6 +748,45 @@ class ExpertStorage:
             raise RuntimeError(error or f"foremoe.torch: layer {layer}: a replica move to rank {failed[0]} failed "
                                         f"and could not be replaced (its error names the move); no replica of this "
                                         f"sync is used")
+        return tuple(int(v) for v in status[:, 1:].sum(dim=0).tolist())
+
+    def _finish_engine(self, pending: Dict[str, Any], group: Any, timeout: float, layer: int) -> Tuple[int, ...]:
+        """The engine's batch: waits for it, installs staged rows, and agrees over ``group`` whether every rank's
+        moves landed (all raise otherwise); returns (faults, verify_failures, fallbacks) over all ranks, from the
+        engine's telemetry of the moves into this rank: moves that needed more copies than chunks (a failed or
+        wrong copy, retried), copies whose checksum did not match, moves that landed from the host mirror after
+        another path failed."""
+        error, tel = self._mover.finish(pending["ticket"], timeout)
+        faults = bad = fallbacks = 0
+        for i in pending["index"]:
+            m = tel[int(i)] if int(i) < len(tel) else {}
+            faults += int(m.get("attempts", 0) > m.get("num_chunks", 0))
+            bad += int(m.get("verify_failures", 0))
+            fallbacks += int(bool(m.get("fallback", False)))
+        message = None
+        if error is not None:
+            failed = [(e, src) for (e, src, _, _), i in zip(pending["incoming"], pending["index"])
+                      if int(i) >= len(tel) or not tel[int(i)].get("ok", False)]
+            e, src = failed[0] if failed else (pending["incoming"][0][:2] if pending["incoming"] else (-1, -1))
+            fix = (", also from the host mirror" if self.mirror is not None else
+                   f", and rank {self.rank} has no host mirror to fall back to (ExpertStorage(..., mirror=True))")
+            message = (f"foremoe.torch: layer {layer}: the replica move of expert {e} from rank {src} to rank "
+                       f"{self.rank} did not land ({error}){fix}; no replica of this sync is used")
+        else:
+            for e, src, row, slot in pending["incoming"]:
+                if slot != row:  # staged by prefetch: installed now, after the rows' last readers
+                    for name in self.names:
+                        self._alloc[name].data[row].copy_(self._alloc[name][slot])
+        for _, _, row, _ in pending["incoming"]:
+            self.row_generation[row] += 1
+        status = gather_rows(torch.tensor([int(message is not None), faults, bad, fallbacks], dtype=torch.int64),
+                             group, timeout, f"replica move status of layer {layer}")
+        failed = torch.nonzero(status[:, 0]).reshape(-1).tolist()
+        if failed:
+            self.resident_rows.fill(-1)  # every rank forgets every replica: all are re-sent at the next sync
+            raise RuntimeError(message or f"foremoe.torch: layer {layer}: a replica move to rank {failed[0]} failed "
+                                          f"and could not be replaced (its error names the move); no replica of "
+                                          f"this sync is used")
         return tuple(int(v) for v in status[:, 1:].sum(dim=0).tolist())
 
 
