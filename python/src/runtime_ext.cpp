@@ -13,6 +13,7 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -29,6 +30,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "foremoe/runtime/node_mirror.hpp"
@@ -287,6 +289,8 @@ nb::list telemetry_list(const rt::Ticket &t) {
     d["ok"] = m.ok;
     d["verified"] = m.verified;
     d["remote"] = m.remote;
+    d["verify_failures"] = m.verify_failures;
+    d["fallback"] = m.fallback;
     out.append(d);
   }
   return out;
@@ -479,13 +483,66 @@ public:
     keep_.push_back(a);
   }
 
-  void register_mirror(int layer, int node, const Array &a) {
+  /// The split layout: one contiguous `[slots, ...]` (or `[2, slots, ...]`) array per `EngineOptions::tensors`
+  /// entry, tensor `i` of slot `s` in row `s` of `parts[i]`.
+  void register_slots_split(int layer, int gpu, const std::vector<Array> &parts, int num_buffers) {
+    const std::string what = str("register_slots: layer ", layer, " GPU ", gpu);
+    check_gpu(gpu, what);
+    if (num_buffers != 1 && num_buffers != 2)
+      raise(PyExc_ValueError, str(what, ": num_buffers must be 1 or 2, got ", num_buffers));
+    check_parts(parts.size(), what);
+    const int S = opts_.topology.slots_per_gpu;
+    const std::size_t slot_dim = num_buffers == 2 ? 1 : 0;
+    rt::SlotRegion r;
+    r.num_slots = S;
+    r.num_buffers = num_buffers;
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const Array &a = parts[i];
+      const std::string tw = str(what, " tensor ", i, " ", shape_str(a));
+      check_memory(a, tw, slot_memory(gpu));
+      if (a.ndim() <= slot_dim || (num_buffers == 2 && a.shape(0) != 2) ||
+          a.shape(slot_dim) != static_cast<std::size_t>(S))
+        raise(PyExc_ValueError,
+              str(tw, ": expected ", num_buffers == 2 ? "[2, " : "[", S, ", ...] (",
+                  num_buffers == 2 ? "buffers x " : "", "slots x the tensor's bytes) for ", S, " slots per GPU"));
+      r.tensors.push_back({a.data(), row_bytes(a, slot_dim), num_buffers == 2 ? row_bytes(a, 0) : 0});
+    }
+    check(eng().register_slots(layer, gpu, r));
+    keep_.insert(keep_.end(), parts.begin(), parts.end());
+  }
+
+  /// `node_mirror`: None, or the `NodeMirror` segment `a` lies in (checked; the engine then never reads it stale).
+  void register_mirror(int layer, int node, const Array &a, nb::object node_mirror) {
     const std::string what = str("register_mirror: layer ", layer, " node ", node, " mirror ", shape_str(a));
     check_memory(a, what, Where{});
     if (a.shape(0) != static_cast<std::size_t>(opts_.num_experts))
       raise(PyExc_ValueError, str(what, ": expected [", opts_.num_experts, ", ...] (one row per expert)"));
-    check(eng().register_mirror(layer, node, {a.data(), row_bytes(a, 0), opts_.num_experts}));
+    rt::MirrorRegion r{a.data(), row_bytes(a, 0), opts_.num_experts};
+    r.node_mirror = segment_of(node_mirror, what);
+    check(eng().register_mirror(layer, node, r));
     keep_.push_back(a);
+    if (!node_mirror.is_none()) keep_mirrors_.push_back(std::move(node_mirror));
+  }
+
+  /// The split layout: one contiguous `[experts, ...]` array per `EngineOptions::tensors` entry; with
+  /// `node_mirror`, views that lie inside that segment's payload.
+  void register_mirror_split(int layer, int node, const std::vector<Array> &parts, nb::object node_mirror) {
+    const std::string what = str("register_mirror: layer ", layer, " node ", node);
+    check_parts(parts.size(), what);
+    rt::MirrorRegion r;
+    r.num_experts = opts_.num_experts;
+    r.node_mirror = segment_of(node_mirror, what);
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const Array &a = parts[i];
+      const std::string tw = str(what, " tensor ", i, " ", shape_str(a));
+      check_memory(a, tw, Where{});
+      if (a.shape(0) != static_cast<std::size_t>(opts_.num_experts))
+        raise(PyExc_ValueError, str(tw, ": expected [", opts_.num_experts, ", ...] (one row per expert)"));
+      r.tensors.push_back({a.data(), row_bytes(a, 0)});
+    }
+    check(eng().register_mirror(layer, node, r));
+    keep_.insert(keep_.end(), parts.begin(), parts.end());
+    if (!node_mirror.is_none()) keep_mirrors_.push_back(std::move(node_mirror));
   }
 
   /// Node `node`'s mirror of `layer` as a node-shared segment (`NodeMirror`): its payload holds one row per
@@ -604,6 +661,14 @@ private:
     if (!engine_) raise(PyExc_RuntimeError, "TransferEngine: the engine was closed");
     return *engine_;
   }
+  void check_parts(std::size_t n, const std::string &what) const {
+    if (n != opts_.tensors.size())
+      raise(PyExc_ValueError, str(what, ": ", n, " tensors given, the engine has ", opts_.tensors.size(),
+                                  " (EngineOptions.tensors): give one tensor per entry"));
+  }
+  /// The segment of a `foremoe._core.NodeMirror`, or null for None.
+  static const rt::NodeMirror *segment_of(nb::handle node_mirror, const std::string &what);
+
   void check_gpu(int gpu, const std::string &what) const {
     if (gpu < 0 || gpu >= opts_.topology.num_gpus())
       raise(PyExc_ValueError, str(what, ": GPU ", gpu, " outside [0, ", opts_.topology.num_gpus(), ")"));
@@ -778,6 +843,14 @@ void PyEngine::register_node_mirror(int layer, int node, nb::object mirror) {
   keep_mirrors_.push_back(std::move(mirror));
 }
 
+const rt::NodeMirror *PyEngine::segment_of(nb::handle node_mirror, const std::string &what) {
+  if (node_mirror.is_none()) return nullptr;
+  if (!nb::isinstance<PyNodeMirror>(node_mirror))
+    raise(PyExc_ValueError, str(what, ": node_mirror must be a foremoe._core.NodeMirror, got ",
+                                nb::type_name(node_mirror.type()).c_str()));
+  return &nb::cast<const PyNodeMirror &>(node_mirror).get();
+}
+
 PyNodeMirror make_node_mirror(const rt::NodeMirrorOptions &o, bool create) {
   PyNodeMirror out;
   rt::Status st;
@@ -897,12 +970,21 @@ void bind_runtime(nb::module_ &m) {
               out.emplace_back(t.offset_bytes, t.num_bytes);
             return out;
           },
-          [](rt::EngineOptions &o, const std::vector<std::pair<std::int64_t, std::int64_t>> &v) {
+          [](rt::EngineOptions &o,
+             const std::vector<std::variant<std::int64_t, std::pair<std::int64_t, std::int64_t>>> &v) {
             o.tensors.clear();
-            for (const auto &[off, n] : v)
-              o.tensors.push_back({off, n});
+            std::int64_t next = 0; // a bare size: packed right after the previous tensor
+            for (const auto &x : v) {
+              const rt::TensorSpan t = std::holds_alternative<std::int64_t>(x)
+                                           ? rt::TensorSpan{next, std::get<std::int64_t>(x)}
+                                           : rt::TensorSpan{std::get<1>(x).first, std::get<1>(x).second};
+              o.tensors.push_back(t);
+              next = t.offset_bytes + t.num_bytes;
+            }
           },
-          "an expert's weight tensors inside a slot, as (offset_bytes, num_bytes); a move carries their bytes")
+          "an expert's weight tensors inside a slot, as (offset_bytes, num_bytes), or as num_bytes (right after the "
+          "previous one); a move carries their bytes. Split regions (a list of per-tensor tensors given to "
+          "register_slots / register_mirror) place each tensor themselves and ignore the offsets")
       .def_prop_rw(
           "expert_bytes",
           [](const rt::EngineOptions &o) {
@@ -991,7 +1073,12 @@ void bind_runtime(nb::module_ &m) {
       .def_prop_ro("closed", &PyEngine::closed)
       .def_prop_ro("options", &PyEngine::options)
       .def("register_slots", &PyEngine::register_slots, "layer"_a, "gpu"_a, "slots"_a, "num_buffers"_a = 1)
-      .def("register_mirror", &PyEngine::register_mirror, "layer"_a, "node"_a, "mirror"_a)
+      .def("register_slots_split", &PyEngine::register_slots_split, "layer"_a, "gpu"_a, "tensors"_a,
+           "num_buffers"_a = 1)
+      .def("register_mirror", &PyEngine::register_mirror, "layer"_a, "node"_a, "mirror"_a,
+           "node_mirror"_a.none() = nb::none())
+      .def("register_mirror_split", &PyEngine::register_mirror_split, "layer"_a, "node"_a, "tensors"_a,
+           "node_mirror"_a.none() = nb::none())
       .def("register_node_mirror", &PyEngine::register_node_mirror, "layer"_a, "node"_a, "mirror"_a)
       .def("register_grads", &PyEngine::register_grads, "layer"_a, "gpu"_a, "grads"_a,
            "grad_bytes"_a.none() = nb::none())

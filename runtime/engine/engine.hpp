@@ -19,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -33,6 +34,23 @@ inline namespace v0 {
 namespace runtime::detail {
 
 using clock = std::chrono::steady_clock;
+
+// Whether a weight region was registered (either layout).
+[[nodiscard]] inline bool is_registered(const SlotRegion &r) noexcept {
+  return r.base != nullptr || !r.tensors.empty();
+}
+[[nodiscard]] inline bool is_registered(const MirrorRegion &m) noexcept {
+  return m.base != nullptr || !m.tensors.empty();
+}
+
+// Where an expert's bytes are: GPU `gpu`'s slot `index`, buffer `buffer`; or (`mirror`) expert `index` of the
+// mirror of GPU `gpu`'s node.
+struct Site {
+  bool mirror = false;
+  int gpu = 0, index = 0, buffer = 0;
+};
+[[nodiscard]] inline Site slot_site(int gpu, int slot, int buffer) noexcept { return {false, gpu, slot, buffer}; }
+[[nodiscard]] inline Site mirror_site(int gpu, int expert) noexcept { return {true, gpu, expert, 0}; }
 
 struct LayerState {
   std::vector<SlotRegion> slots;     // per GPU
@@ -97,6 +115,7 @@ struct ChunkRun {
   Role role = Role::local;
   ChunkState state = ChunkState::idle;
   int attempts = 0;
+  bool fell_back = false; // now reads the host mirror after an attempt on a GPU path failed or did not verify
   std::vector<std::uint64_t> handles;
   std::size_t pending = 0; // pieces (local) or paired operations not yet ended
   double seconds = 0.0;
@@ -136,7 +155,7 @@ struct MoveRun {
   std::uint64_t src_sum = 0;
   bool have_send_sum = false; // this process sends chunks of the move: checksum of its source
   std::uint64_t send_sum = 0;
-  int verify_rounds = 0;
+  int verify_rounds = 0;      // landed copies that did not verify
   std::vector<int> chunk_idx; // its chunks in TicketImpl::chunks
   std::int64_t path_bytes[transfer::num_paths] = {0, 0, 0};
   double start = -1.0, end = 0.0;
@@ -256,6 +275,12 @@ private:
   // (GPU, expert) whether it returns. The caller holds `mu_`.
   Status check_selection(const ReduceBatch &b, const LayerPlacement &where, std::vector<char> &chosen) const;
   std::int64_t span_end() const;
+  // Checks a split region (`SlotRegion::tensors`, `MirrorRegion::tensors`): one entry per tensor, non-null bases,
+  // strides that hold each tensor, and no two rows sharing a byte; `where` names layer and GPU or node.
+  Status check_split(const std::string &where, const SlotRegion &r) const;
+  Status check_split(const std::string &where, const MirrorRegion &m) const;
+  // `invalid_argument` while batches of `layer` are in flight (they read its regions); the caller holds `mu_`.
+  Status check_idle(int layer, const char *what) const;
   // Busy batches of `layer` that write what a new batch touches or reads, or read what it writes (all sorted);
   // the caller holds `mu_`.
   std::vector<std::shared_ptr<TicketImpl>> overlapping(int layer, const std::vector<int> &writes,
@@ -274,8 +299,8 @@ private:
   // never posted again (its sender would not know), so a received chunk without a local alternative is lost:
   // returns false then.
   bool switch_path(const TicketImpl &t, ChunkRun &cr, const MoveRun &mr) const;
-  // Checksum of an expert's bytes in a slot or mirror entry (tensor by tensor, combined).
-  Status expert_sum(int gpu, void *base, std::uint64_t &out);
+  // Checksum of an expert's bytes in a slot or mirror entry (tensor by tensor, combined; the same in both layouts).
+  Status expert_sum(const LayerState &ls, const Site &where, std::uint64_t &out);
 
   // peers.cpp
   std::byte *scratch(TicketImpl &t, int gpu, std::int64_t need);
@@ -296,21 +321,29 @@ private:
   // telemetry.cpp
   void end(TicketImpl &t);
 
-  // Pointer to byte `from` of tensor `ti` of a slot or mirror entry starting at `base`.
-  std::byte *at(void *base, int ti, std::int64_t from) const {
-    return static_cast<std::byte *>(base) + opts_.tensors[ti].offset_bytes + from;
-  }
-  std::byte *slot_base(const LayerState &ls, int gpu, int slot, int buffer) const {
+  // Byte `from` of tensor `ti` of GPU `gpu`'s slot `slot`, buffer `buffer`, in either layout (`SlotRegion`).
+  std::byte *slot_at(const LayerState &ls, int gpu, int slot, int buffer, int ti, std::int64_t from) const {
     const SlotRegion &r = ls.slots[gpu];
-    return static_cast<std::byte *>(r.base) + buffer * r.buffer_stride_bytes + slot * r.slot_stride_bytes;
+    if (r.tensors.empty())
+      return static_cast<std::byte *>(r.base) + buffer * r.buffer_stride_bytes + slot * r.slot_stride_bytes +
+             opts_.tensors[ti].offset_bytes + from;
+    const SlotTensor &x = r.tensors[ti];
+    return static_cast<std::byte *>(x.base) + buffer * x.buffer_stride_bytes + slot * x.slot_stride_bytes + from;
   }
-  // Expert `expert`'s entry in the mirror of GPU `gpu`'s node.
-  std::byte *mirror_base(const LayerState &ls, int gpu, int expert) const {
+  // Byte `from` of tensor `ti` of expert `expert` in the mirror of GPU `gpu`'s node, in either layout.
+  std::byte *mirror_at(const LayerState &ls, int gpu, int expert, int ti, std::int64_t from) const {
     const MirrorRegion &m = ls.mirrors[opts_.topology.node_of(gpu)];
-    return static_cast<std::byte *>(const_cast<void *>(m.base)) + expert * m.expert_stride_bytes;
+    if (m.tensors.empty())
+      return static_cast<std::byte *>(const_cast<void *>(m.base)) + expert * m.expert_stride_bytes +
+             opts_.tensors[ti].offset_bytes + from;
+    const MirrorTensor &x = m.tensors[ti];
+    return static_cast<std::byte *>(const_cast<void *>(x.base)) + expert * x.expert_stride_bytes + from;
+  }
+  std::byte *at(const LayerState &ls, const Site &s, int ti, std::int64_t from) const {
+    return s.mirror ? mirror_at(ls, s.gpu, s.index, ti, from) : slot_at(ls, s.gpu, s.index, s.buffer, ti, from);
   }
   // Calls `f(tensor, lo, hi)` for each piece `[lo, hi)` of chunk `c` that lies in one tensor (offsets into the
-  // expert's packed bytes; the piece starts at `at(base, tensor, lo - prefix_[tensor])` of a slot or mirror entry).
+  // expert's packed bytes; the piece starts at `at(ls, site, tensor, lo - prefix_[tensor])`).
   template <class F> void for_each_piece(const transfer::Chunk &c, F &&f) const {
     for (std::size_t ti = 0; ti < opts_.tensors.size(); ++ti) {
       const std::int64_t lo = std::max(c.offset_bytes, prefix_[ti]),

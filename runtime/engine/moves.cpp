@@ -26,11 +26,9 @@ void EngineImpl::start_moves(TicketImpl &t, double now_s) {
       const Move &m = t.plan.moves[i];
       MoveRun &mr = t.moves[i];
       if (mr.remote) continue;
-      void *base;
-      int gpu;
+      Site src;
       if (t.host_mirror) {
-        base = mirror_base(ls, m.dst_gpu, m.expert);
-        gpu = -1;
+        src = mirror_site(m.dst_gpu, m.expert);
       } else if (mr.gpu_src >= 0) {
         std::unique_lock lock(mu_);
         if (ls.resident.slot(mr.gpu_src, mr.gpu_src_slot) != m.expert) {
@@ -38,12 +36,11 @@ void EngineImpl::start_moves(TicketImpl &t, double now_s) {
           continue;
         }
         lock.unlock();
-        gpu = mr.gpu_src;
-        base = slot_base(ls, mr.gpu_src, mr.gpu_src_slot, ls.buffer[mr.gpu_src * slots + mr.gpu_src_slot]);
+        src = slot_site(mr.gpu_src, mr.gpu_src_slot, ls.buffer[mr.gpu_src * slots + mr.gpu_src_slot]);
       } else {
         continue; // only another process holds it: its sender's header carries the checksum
       }
-      if (!expert_sum(gpu, base, mr.src_sum).ok()) mr.failed = true;
+      if (!expert_sum(ls, src, mr.src_sum).ok()) mr.failed = true;
       mr.have_sum = true;
     }
   for (ChunkRun &cr : t.chunks) {
@@ -134,7 +131,7 @@ void EngineImpl::step_moves(TicketImpl &t, double now_s) {
     const Move &m = t.plan.moves[i];
     if (opts_.verify) {
       std::uint64_t got = 0;
-      const bool read = expert_sum(m.dst_gpu, slot_base(ls, m.dst_gpu, m.dst_slot, t.dst_buffer), got).ok();
+      const bool read = expert_sum(ls, slot_site(m.dst_gpu, m.dst_slot, t.dst_buffer), got).ok();
       if (!read || !mr.have_sum || got != mr.src_sum) {
         // Wrong bytes: copy the whole expert again over the other path, while attempts remain.
         ++mr.verify_rounds;

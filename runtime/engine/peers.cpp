@@ -64,22 +64,22 @@ bool EngineImpl::post_peer(TicketImpl &t, bool discard) {
       MoveRun &mr = t.moves[c.move_idx];
       const bool send = cr.role == Role::send;
       bool valid = false;
-      std::byte *base = nullptr;
+      Site site;
       if (send) {
         std::lock_guard lock(mu_);
         valid = ls.resident.slot(c.src_gpu, c.src_slot) == c.expert;
-        base = slot_base(ls, c.src_gpu, c.src_slot, ls.buffer[c.src_gpu * slots + c.src_slot]);
+        site = slot_site(c.src_gpu, c.src_slot, ls.buffer[c.src_gpu * slots + c.src_slot]);
       } else {
-        base = slot_base(ls, c.dst_gpu, c.dst_slot, t.dst_buffer);
+        site = slot_site(c.dst_gpu, c.dst_slot, t.dst_buffer);
       }
       if (send && valid && opts_.verify && !mr.have_send_sum && !discard) {
-        valid = expert_sum(c.src_gpu, base, mr.send_sum).ok();
+        valid = expert_sum(ls, site, mr.send_sum).ok();
         mr.have_send_sum = valid;
       }
       for_each_piece(c, [&](int ti, std::int64_t lo, std::int64_t hi) {
         biggest = std::max(biggest, hi - lo);
-        add(send, send ? c.src_gpu : c.dst_gpu, send ? c.dst_gpu : c.src_gpu, at(base, ti, lo - prefix_[ti]), hi - lo,
-            valid && !discard, mr.send_sum, static_cast<int>(i), c.round,
+        add(send, send ? c.src_gpu : c.dst_gpu, send ? c.dst_gpu : c.src_gpu, at(ls, site, ti, lo - prefix_[ti]),
+            hi - lo, valid && !discard, mr.send_sum, static_cast<int>(i), c.round,
             tag_of({c.expert, c.src_gpu, c.src_slot, c.dst_gpu, c.dst_slot, lo, hi}));
       });
     }

@@ -36,7 +36,7 @@ void EngineImpl::run() {
 bool EngineImpl::issue(TicketImpl &t, ChunkRun &cr, int move_idx) {
   LayerState &ls = layers_[t.layer];
   const transfer::Chunk &c = cr.c;
-  void *src_base;
+  Site src;
   {
     std::lock_guard lock(mu_);
     if (c.path != transfer::Path::pcie && ls.resident.slot(c.src_gpu, c.src_slot) != c.expert) {
@@ -48,12 +48,11 @@ bool EngineImpl::issue(TicketImpl &t, ChunkRun &cr, int move_idx) {
       cr.to(ChunkState::copying_bad); // no pieces: the next poll ends it failed
       return false;
     }
-    src_base =
-        c.path == transfer::Path::pcie
-            ? mirror_base(ls, c.dst_gpu, c.expert)
-            : slot_base(ls, c.src_gpu, c.src_slot, ls.buffer[c.src_gpu * opts_.topology.slots_per_gpu + c.src_slot]);
+    src = c.path == transfer::Path::pcie
+              ? mirror_site(c.dst_gpu, c.expert)
+              : slot_site(c.src_gpu, c.src_slot, ls.buffer[c.src_gpu * opts_.topology.slots_per_gpu + c.src_slot]);
   }
-  std::byte *dst_base = slot_base(ls, c.dst_gpu, c.dst_slot, t.dst_buffer);
+  const Site dst = slot_site(c.dst_gpu, c.dst_slot, t.dst_buffer);
   cr.handles.clear();
   cr.to(ChunkState::copying);
   cr.seconds = 0.0;
@@ -64,8 +63,8 @@ bool EngineImpl::issue(TicketImpl &t, ChunkRun &cr, int move_idx) {
     op.path = c.path;
     op.src_gpu = c.path == transfer::Path::pcie ? -1 : c.src_gpu;
     op.dst_gpu = c.dst_gpu;
-    op.src = at(src_base, ti, lo - prefix_[ti]);
-    op.dst = at(dst_base, ti, lo - prefix_[ti]);
+    op.src = at(ls, src, ti, lo - prefix_[ti]);
+    op.dst = at(ls, dst, ti, lo - prefix_[ti]);
     op.num_bytes = hi - lo;
     op.fault_key = mix64(t.serial) ^
                    mix64((static_cast<std::uint64_t>(move_idx) << 20) ^ static_cast<std::uint64_t>(lo)) ^
@@ -101,10 +100,12 @@ bool EngineImpl::switch_path(const TicketImpl &t, ChunkRun &cr, const MoveRun &m
   transfer::Chunk &c = cr.c;
   const bool was_peer = cr.role != Role::local;
   if (c.path != transfer::Path::pcie && t.host_mirror) {
+    cr.fell_back = true;
     c.path = transfer::Path::pcie;
     c.src_gpu = host_mirror;
     c.src_slot = -1;
   } else if ((c.path == transfer::Path::pcie || was_peer) && mr.gpu_src >= 0) {
+    cr.fell_back = false;
     c.src_gpu = mr.gpu_src;
     c.src_slot = mr.gpu_src_slot;
     c.path = opts_.topology.node_of(mr.gpu_src) == opts_.topology.node_of(c.dst_gpu) ? transfer::Path::nvlink
@@ -116,11 +117,13 @@ bool EngineImpl::switch_path(const TicketImpl &t, ChunkRun &cr, const MoveRun &m
   return true;
 }
 
-Status EngineImpl::expert_sum(int gpu, void *base, std::uint64_t &out) {
+Status EngineImpl::expert_sum(const LayerState &ls, const Site &where, std::uint64_t &out) {
   out = 0;
+  const int device = where.mirror ? -1 : where.gpu; // the mirror is host memory
   for (std::size_t ti = 0; ti < opts_.tensors.size(); ++ti) {
     std::uint64_t s = 0;
-    if (Status st = transport_->checksum(gpu, at(base, static_cast<int>(ti), 0), opts_.tensors[ti].num_bytes, s);
+    if (Status st =
+            transport_->checksum(device, at(ls, where, static_cast<int>(ti), 0), opts_.tensors[ti].num_bytes, s);
         !st.ok())
       return st;
     out += s * (2 * ti + 1);

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "engine.hpp"
 #include "foremoe/runtime/node_mirror.hpp"
@@ -63,18 +66,27 @@ Status EngineImpl::register_region(int layer, int idx, const SlotRegion &r, bool
   if (idx < 0 || idx >= opts_.topology.num_gpus())
     return bad(what, ": GPU ", idx, " outside [0, ", opts_.topology.num_gpus(), ")");
   if (!local_[idx]) return bad(what, ": GPU ", idx, " is driven by another process (peers.local_gpus)");
-  if (r.base == nullptr) return bad(what, ": null base for GPU ", idx);
+  if (grads && !r.tensors.empty())
+    return bad(what, ": layer ", layer, " GPU ", idx, ": gradient regions are packed (SlotRegion::tensors must be ",
+               "empty, got ", r.tensors.size(), ")");
+  const bool split = !r.tensors.empty();
+  if (!split && r.base == nullptr) return bad(what, ": null base for GPU ", idx);
   if (r.num_slots != opts_.topology.slots_per_gpu)
     return bad(what, ": GPU ", idx, " has ", r.num_slots, " slots, the topology ", opts_.topology.slots_per_gpu);
   if (r.num_buffers < 1 || r.num_buffers > 2) return bad(what, ": num_buffers must be 1 or 2, got ", r.num_buffers);
   const std::int64_t need = grads ? grad_bytes : span_end();
   if (grads && (grad_bytes <= 0 || grad_bytes % 4 != 0))
     return bad(what, ": grad_bytes must be a positive multiple of 4, got ", grad_bytes);
-  if (r.slot_stride_bytes < need)
-    return bad(what, ": slot stride ", r.slot_stride_bytes, " is smaller than the ", need, " bytes of an expert");
-  if (r.num_buffers == 2 && r.buffer_stride_bytes < r.slot_stride_bytes * r.num_slots)
-    return bad(what, ": buffer stride ", r.buffer_stride_bytes, " overlaps the ", r.num_slots, " slots");
+  if (split) {
+    if (Status st = check_split(foremoe::detail::concat(what, ": layer ", layer, " GPU ", idx), r); !st.ok()) return st;
+  } else {
+    if (r.slot_stride_bytes < need)
+      return bad(what, ": slot stride ", r.slot_stride_bytes, " is smaller than the ", need, " bytes of an expert");
+    if (r.num_buffers == 2 && r.buffer_stride_bytes < r.slot_stride_bytes * r.num_slots)
+      return bad(what, ": buffer stride ", r.buffer_stride_bytes, " overlaps the ", r.num_slots, " slots");
+  }
   std::lock_guard lock(mu_);
+  if (Status st = check_idle(layer, what); !st.ok()) return st;
   LayerState &ls = layers_[layer];
   ++ls.generation;
   if (grads) {
@@ -92,16 +104,35 @@ Status EngineImpl::register_mirror(int layer, int node, const MirrorRegion &m) {
   if (Status st = check_layer(layer, "register_mirror"); !st.ok()) return st;
   if (node < 0 || node >= opts_.topology.num_nodes)
     return bad("register_mirror: node ", node, " outside [0, ", opts_.topology.num_nodes, ")");
-  if (m.base == nullptr) return bad("register_mirror: null base for node ", node);
+  const bool split = !m.tensors.empty();
+  if (!split && m.base == nullptr) return bad("register_mirror: null base for node ", node);
   bool has_local = false;
   for (int g = 0; g < opts_.topology.gpus_per_node; ++g)
     has_local = has_local || local_[node * opts_.topology.gpus_per_node + g];
   if (!has_local) return bad("register_mirror: node ", node, " has no GPU this engine drives");
   if (m.num_experts != opts_.num_experts)
     return bad("register_mirror: ", m.num_experts, " experts, the engine has ", opts_.num_experts);
-  if (m.expert_stride_bytes < span_end())
+  if (split) {
+    if (Status st = check_split(foremoe::detail::concat("register_mirror: layer ", layer, " node ", node), m); !st.ok())
+      return st;
+  } else if (m.expert_stride_bytes < span_end()) {
     return bad("register_mirror: expert stride ", m.expert_stride_bytes, " is smaller than ", span_end());
-  if (m.node_mirror != nullptr) {
+  }
+  if (m.node_mirror != nullptr && split) {
+    // Every tensor's entries must lie inside the segment's payload (addresses as integers).
+    const auto first = reinterpret_cast<std::uintptr_t>(m.node_mirror->payload().data());
+    const auto bytes = static_cast<std::uintptr_t>(m.node_mirror->payload_bytes());
+    for (std::size_t ti = 0; ti < m.tensors.size(); ++ti) {
+      const auto lo = reinterpret_cast<std::uintptr_t>(m.tensors[ti].base);
+      const auto extent = static_cast<std::uintptr_t>((m.num_experts - 1) * m.tensors[ti].expert_stride_bytes +
+                                                      opts_.tensors[ti].num_bytes);
+      if (lo < first || lo - first > bytes || extent > bytes - (lo - first))
+        return bad("register_mirror: layer ", layer, " node ", node, " tensor ", ti, ": ", m.num_experts,
+                   " experts of stride ", m.tensors[ti].expert_stride_bytes, " at offset ",
+                   lo >= first ? static_cast<std::int64_t>(lo - first) : -static_cast<std::int64_t>(first - lo),
+                   " do not fit node mirror ", m.node_mirror->name(), "'s ", m.node_mirror->payload_bytes(), " bytes");
+    }
+  } else if (m.node_mirror != nullptr) {
     // Addresses as integers: the region must lie inside the segment's payload.
     const auto first = reinterpret_cast<std::uintptr_t>(m.node_mirror->payload().data());
     const auto lo = reinterpret_cast<std::uintptr_t>(m.base);
@@ -113,6 +144,7 @@ Status EngineImpl::register_mirror(int layer, int node, const MirrorRegion &m) {
                  " do not fit node mirror ", m.node_mirror->name(), "'s ", bytes, " bytes");
   }
   std::lock_guard lock(mu_);
+  if (Status st = check_idle(layer, "register_mirror"); !st.ok()) return st;
   layers_[layer].mirrors[node] = m;
   ++layers_[layer].generation;
   return Status::success();
@@ -181,6 +213,84 @@ transfer::TransferPlan EngineImpl::last_plan(int layer) const {
 Status EngineImpl::check_layer(int layer, const char *what) const {
   if (layer < 0 || layer >= opts_.num_layers)
     return bad(what, ": layer ", layer, " outside [0, ", opts_.num_layers, ")");
+  return Status::success();
+}
+
+Status EngineImpl::check_idle(int layer, const char *what) const {
+  for (const auto &t : active_)
+    if (t->layer == layer && t->busy())
+      return bad(what, ": layer ", layer, " has batches in flight (they read its registered regions)");
+  return Status::success();
+}
+
+namespace {
+// One row of a split region: tensor `ti`'s bytes of slot (or expert) `index`, buffer `buffer`.
+struct Row {
+  std::uintptr_t lo = 0, hi = 0;
+  int ti = 0, index = 0, buffer = 0;
+};
+// The first two rows that share a byte, or nullopt.
+std::optional<std::pair<Row, Row>> overlapping_rows(std::vector<Row> rows) {
+  std::sort(rows.begin(), rows.end(), [](const Row &a, const Row &b) { return a.lo < b.lo; });
+  std::size_t reach = 0; // the row reaching furthest so far
+  for (std::size_t i = 1; i < rows.size(); ++i) {
+    if (rows[i].lo < rows[reach].hi) return std::make_pair(rows[reach], rows[i]);
+    if (rows[i].hi > rows[reach].hi) reach = i;
+  }
+  return std::nullopt;
+}
+} // namespace
+
+Status EngineImpl::check_split(const std::string &where, const SlotRegion &r) const {
+  if (r.tensors.size() != opts_.tensors.size())
+    return bad(where, ": ", r.tensors.size(), " tensor regions, the engine has ", opts_.tensors.size(),
+               " tensors (EngineOptions::tensors)");
+  std::vector<Row> rows;
+  for (std::size_t ti = 0; ti < r.tensors.size(); ++ti) {
+    const SlotTensor &x = r.tensors[ti];
+    const std::int64_t n = opts_.tensors[ti].num_bytes;
+    if (x.base == nullptr) return bad(where, " tensor ", ti, ": null base");
+    if (x.slot_stride_bytes < n)
+      return bad(where, " tensor ", ti, ": slot stride ", x.slot_stride_bytes, " is smaller than its ", n, " bytes");
+    if (r.num_buffers == 2 && x.buffer_stride_bytes < x.slot_stride_bytes * r.num_slots)
+      return bad(where, " tensor ", ti, ": buffer stride ", x.buffer_stride_bytes, " overlaps its ", r.num_slots,
+                 " slots of ", x.slot_stride_bytes, " bytes");
+    for (int b = 0; b < r.num_buffers; ++b)
+      for (int s = 0; s < r.num_slots; ++s) {
+        const std::uintptr_t lo = reinterpret_cast<std::uintptr_t>(x.base) +
+                                  static_cast<std::uintptr_t>(b * x.buffer_stride_bytes + s * x.slot_stride_bytes);
+        rows.push_back({lo, lo + static_cast<std::uintptr_t>(n), static_cast<int>(ti), s, b});
+      }
+  }
+  if (auto o = overlapping_rows(std::move(rows)))
+    return bad(where, ": tensor ", o->first.ti, " slot ", o->first.index,
+               r.num_buffers == 2 ? foremoe::detail::concat(" buffer ", o->first.buffer) : std::string(),
+               " overlaps tensor ", o->second.ti, " slot ", o->second.index,
+               r.num_buffers == 2 ? foremoe::detail::concat(" buffer ", o->second.buffer) : std::string());
+  return Status::success();
+}
+
+Status EngineImpl::check_split(const std::string &where, const MirrorRegion &m) const {
+  if (m.tensors.size() != opts_.tensors.size())
+    return bad(where, ": ", m.tensors.size(), " tensor regions, the engine has ", opts_.tensors.size(),
+               " tensors (EngineOptions::tensors)");
+  std::vector<Row> rows;
+  for (std::size_t ti = 0; ti < m.tensors.size(); ++ti) {
+    const MirrorTensor &x = m.tensors[ti];
+    const std::int64_t n = opts_.tensors[ti].num_bytes;
+    if (x.base == nullptr) return bad(where, " tensor ", ti, ": null base");
+    if (x.expert_stride_bytes < n)
+      return bad(where, " tensor ", ti, ": expert stride ", x.expert_stride_bytes, " is smaller than its ", n,
+                 " bytes");
+    for (int e = 0; e < m.num_experts; ++e) {
+      const std::uintptr_t lo =
+          reinterpret_cast<std::uintptr_t>(x.base) + static_cast<std::uintptr_t>(e * x.expert_stride_bytes);
+      rows.push_back({lo, lo + static_cast<std::uintptr_t>(n), static_cast<int>(ti), e, 0});
+    }
+  }
+  if (auto o = overlapping_rows(std::move(rows)))
+    return bad(where, ": tensor ", o->first.ti, " of expert ", o->first.index, " overlaps tensor ", o->second.ti,
+               " of expert ", o->second.index);
   return Status::success();
 }
 

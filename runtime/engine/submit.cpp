@@ -31,7 +31,7 @@ Status EngineImpl::submit(const MoveBatch &b, Ticket &out, std::shared_ptr<Ticke
         if (m.dst_gpu < 0 || m.dst_gpu >= topo.num_gpus())
           return bad("submit: move of expert ", m.expert, " targets GPU ", m.dst_gpu);
         if (!local_[m.dst_gpu]) continue;
-        if (ls.slots[m.dst_gpu].base == nullptr)
+        if (!is_registered(ls.slots[m.dst_gpu]))
           return bad("submit: layer ", b.layer, " GPU ", m.dst_gpu, " has no registered slots");
         if (b.dst_buffer < 0 || b.dst_buffer >= ls.slots[m.dst_gpu].num_buffers)
           return bad("submit: dst_buffer ", b.dst_buffer, " but GPU ", m.dst_gpu, " has ",
@@ -53,7 +53,7 @@ Status EngineImpl::submit(const MoveBatch &b, Ticket &out, std::shared_ptr<Ticke
           for (const Move &m : b.moves) {
             if (!local_[m.dst_gpu]) continue;
             const int nd = topo.node_of(m.dst_gpu);
-            if (ls.mirrors[nd].base == nullptr)
+            if (!is_registered(ls.mirrors[nd]))
               return bad("submit: planning.host_mirror is set but node ", nd, " has no registered mirror for layer ",
                          b.layer, " (multi-process use declares the mirrors of every node)");
             if (const NodeMirror *nm = ls.mirrors[nd].node_mirror; nm != nullptr && nm->stale())
@@ -71,18 +71,18 @@ Status EngineImpl::submit(const MoveBatch &b, Ticket &out, std::shared_ptr<Ticke
         view = ls.resident;
         for (int g = 0; g < topo.num_gpus(); ++g)
           for (int s = 0; s < slots; ++s)
-            if (written[static_cast<std::size_t>(g) * slots + s] || ls.slots[g].base == nullptr)
+            if (written[static_cast<std::size_t>(g) * slots + s] || !is_registered(ls.slots[g]))
               view.slot(g, s) = empty_slot;
         // A node-shared mirror under refresh (or missed by this rank) is no source: GPU-direct only.
         bool all_mirrors = true;
         for (const Move &m : b.moves) {
           const MirrorRegion &mr = ls.mirrors[topo.node_of(m.dst_gpu)];
-          all_mirrors = all_mirrors && mr.base != nullptr && (mr.node_mirror == nullptr || !mr.node_mirror->stale());
+          all_mirrors = all_mirrors && is_registered(mr) && (mr.node_mirror == nullptr || !mr.node_mirror->stale());
         }
         popt.host_mirror = popt.host_mirror && all_mirrors;
       }
       for (int g = 0; g < topo.num_gpus(); ++g)
-        registered[g] = ls.slots[g].base != nullptr;
+        registered[g] = is_registered(ls.slots[g]);
       generation = ls.generation;
     }
     // Planning runs outside the lock the progress thread needs. A submit, registration or set_resident on the layer

@@ -38,6 +38,10 @@ void EngineImpl::end(TicketImpl &t) {
       m.ok = mr.finished && !mr.failed;
       m.verified = mr.checked;
       m.remote = mr.remote;
+      m.verify_failures = mr.verify_rounds;
+      if (m.ok && !mr.remote)
+        for (int ci : mr.chunk_idx)
+          m.fallback = m.fallback || (t.chunks[ci].fell_back && t.chunks[ci].c.path == transfer::Path::pcie);
       tel.push_back(m);
       if (!mr.remote) note(static_cast<int>(i), m.ok, "move", t.plan.moves[i].expert, t.plan.moves[i].dst_gpu);
     }

@@ -22,19 +22,46 @@ namespace foremoe {
 inline namespace v0 {
 namespace runtime {
 
-/// One GPU's expert slots of one layer: slot `s`, buffer `b` starts at `base + b * buffer_stride_bytes +
-/// s * slot_stride_bytes`. Device memory for CUDA; plain host memory standing for device memory on the host backend.
+/// One weight tensor's rows in a split slot layout (`SlotRegion::tensors`): this tensor of slot `s`, buffer `b`
+/// starts at `base + b * buffer_stride_bytes + s * slot_stride_bytes` (e.g. one `[slots, ...]` tensor per weight
+/// kind, rows of its own size, without re-laying out the trainer's memory).
+struct SlotTensor {
+  void *base = nullptr;
+  std::int64_t slot_stride_bytes = 0;   ///< >= the tensor's `TensorSpan::num_bytes`
+  std::int64_t buffer_stride_bytes = 0; ///< double-buffered slots: >= `slot_stride_bytes * num_slots`
+};
+
+/// One GPU's expert slots of one layer. Device memory for CUDA; plain host memory standing for device memory on the
+/// host backend. Two layouts:
+///   - packed (`tensors` empty): slot `s`, buffer `b` starts at `base + b * buffer_stride_bytes +
+///     s * slot_stride_bytes`, and tensor `ti` of it at `TensorSpan::offset_bytes` inside;
+///   - split (`tensors` non-empty, one entry per `EngineOptions::tensors` entry, same order): tensor `ti` of slot
+///     `s`, buffer `b` starts at `tensors[ti].base + b * tensors[ti].buffer_stride_bytes +
+///     s * tensors[ti].slot_stride_bytes`; `base`, `slot_stride_bytes`, `buffer_stride_bytes` and the tensors'
+///     `offset_bytes` are not used. No two rows of the region may overlap (registration checks it).
+/// Gradient regions (`register_grads`) are packed.
 struct SlotRegion {
   void *base = nullptr;
   std::int64_t slot_stride_bytes = 0;
   int num_slots = 0;
   int num_buffers = 1; ///< 2: double-buffered slots (a move writes one buffer while compute reads the other)
   std::int64_t buffer_stride_bytes = 0;
+  std::vector<SlotTensor> tensors{}; ///< non-empty: the split layout above
+};
+
+/// One weight tensor's entries in a split mirror (`MirrorRegion::tensors`): expert `e`'s tensor starts at
+/// `base + e * expert_stride_bytes` (e.g. one `[experts, ...]` tensor per weight kind).
+struct MirrorTensor {
+  const void *base = nullptr;
+  std::int64_t expert_stride_bytes = 0; ///< >= the tensor's `TensorSpan::num_bytes`
 };
 
 class NodeMirror;
 
-/// A node's pinned host mirror of one layer: expert `e` starts at `base + e * expert_stride_bytes`.
+/// A node's pinned host mirror of one layer. Packed (`tensors` empty): expert `e` starts at `base + e *
+/// expert_stride_bytes`, its tensor `ti` at `TensorSpan::offset_bytes` inside. Split (`tensors` non-empty, one
+/// entry per `EngineOptions::tensors` entry): expert `e`'s tensor `ti` starts at `tensors[ti].base + e *
+/// tensors[ti].expert_stride_bytes`; `base` and `expert_stride_bytes` are not used. No two entries may overlap.
 struct MirrorRegion {
   const void *base = nullptr;
   std::int64_t expert_stride_bytes = 0;
@@ -45,7 +72,10 @@ struct MirrorRegion {
   /// rank takes GPU-direct sources only (a single-process engine), or is refused naming the generations when it
   /// must read the mirror (SPMD use, where every process must plan the same chunks). Refresh only while no batch
   /// reads the mirror (after the optimizer step, as DESIGN.md has it). The segment must outlive its registration.
+  /// Split mirrors may name a segment too: every tensor's entries must then lie inside its payload (e.g. one
+  /// 64-byte aligned block per weight kind, as foremoe.torch's node mirror lays them out).
   const NodeMirror *node_mirror = nullptr;
+  std::vector<MirrorTensor> tensors{}; ///< non-empty: the split layout above
 };
 
 /// The region of `mirror`'s payload holding `num_experts` experts of equal stride (payload bytes / `num_experts`,
@@ -53,8 +83,10 @@ struct MirrorRegion {
 /// naming the sizes otherwise.
 [[nodiscard]] Status node_mirror_region(const NodeMirror &mirror, int num_experts, MirrorRegion &out);
 
-/// One weight tensor of an expert, at `offset_bytes` inside a slot (and inside a mirror entry). An expert's bytes
-/// are its tensors concatenated in this order; chunks of a move are ranges of that concatenation.
+/// One weight tensor of an expert, at `offset_bytes` inside a slot (and inside a mirror entry) of the packed layout;
+/// split regions (`SlotRegion::tensors`, `MirrorRegion::tensors`) place each tensor themselves and ignore
+/// `offset_bytes`. An expert's bytes are its tensors concatenated in this order; chunks of a move are ranges of that
+/// concatenation, so both layouts move, checksum and verify the same bytes.
 struct TensorSpan {
   std::int64_t offset_bytes = 0;
   std::int64_t num_bytes = 0;
@@ -150,6 +182,13 @@ struct MoveTelemetry {
   bool ok = false;
   bool verified = false;
   bool remote = false; ///< multi-process: the destination is another process's GPU (this one sent bytes)
+  /// Moves: landed copies of this move whose checksum did not match its source's (each one copied the expert again,
+  /// over the other path while attempts remained); 0 without `EngineOptions::verify`. Counted by the process that
+  /// drives the destination (0 where `remote`).
+  int verify_failures = 0;
+  /// Moves: the move landed with bytes read from the host mirror after an attempt of them on another path (a GPU
+  /// copy, or a paired transfer from another process's GPU) failed or did not verify. False where `remote`.
+  bool fallback = false;
 };
 
 /// What the engine's backend resources cost so far, to check that a steady state creates none.
@@ -252,9 +291,10 @@ public:
   TransferEngine(const TransferEngine &) = delete;
   TransferEngine &operator=(const TransferEngine &) = delete;
 
-  /// Registers GPU `gpu`'s slots of `layer`; `placement` is what they hold now (copies valid from the start).
+  /// Registers GPU `gpu`'s slots of `layer` (packed or split, `SlotRegion`); `invalid_argument` naming layer, GPU
+  /// and tensor for a bad region, or while batches of `layer` are in flight (they read the registration).
   [[nodiscard]] Status register_slots(int layer, int gpu, const SlotRegion &slots);
-  /// Registers node `node`'s pinned mirror of `layer`.
+  /// Registers node `node`'s pinned mirror of `layer` (packed or split, `MirrorRegion`); checked as `register_slots`.
   [[nodiscard]] Status register_mirror(int layer, int node, const MirrorRegion &mirror);
   /// Registers GPU `gpu`'s float32 gradient slots of `layer` (same slot indices as the weights); an expert's
   /// gradient is `grad_bytes / 4` floats at the start of its slot.

@@ -12,6 +12,9 @@ Options are the C++ ``EngineOptions`` fields (``EngineOptions.fields()``), given
                          expert_bytes=slots.shape[-1] * slots.element_size())
     eng.register_slots(layer, gpu, slots)        # [slots, ...] (or [2, slots, ...] double-buffered)
     eng.register_mirror(layer, node, mirror)     # [experts, ...]
+    # or split, one tensor per EngineOptions.tensors entry (tensors=[bytes_a, bytes_b]; e.g. one per weight kind):
+    #   eng.register_slots(layer, gpu, [w_a, w_b]) with w_a [slots, ...], w_b [slots, ...]; register_mirror with
+    #   [m_a, m_b] ([experts, ...] each), views inside a node-shared segment with node_mirror=segment
     eng.set_resident(layer, placement)           # what the slots hold now
     eng.submit(plan, layer).wait(timeout=10.0)   # the plan's moves of that layer
 
@@ -146,7 +149,10 @@ class Ticket:
 
     def telemetry(self) -> List[Dict[str, Any]]:
         """Per move: ``path``, ``num_bytes``, ``start_seconds``/``end_seconds`` since submit, ``gb_per_s``,
-        ``num_chunks``, ``attempts`` (more than ``num_chunks``: retried), ``ok``, ``verified``."""
+        ``num_chunks``, ``attempts`` (more than ``num_chunks``: retried), ``ok``, ``verified``, ``remote`` (the
+        destination is another rank's GPU), ``verify_failures`` (landed copies whose checksum did not match, each
+        copied again) and ``fallback`` (the move landed from the host mirror after an attempt on another path failed
+        or did not verify); the last two are counted by the destination's rank."""
         return self._t.telemetry()
 
     def __repr__(self) -> str:
@@ -368,17 +374,41 @@ class TransferEngine:
 
     def register_slots(self, layer: int, gpu: int, slots: Any, *, num_buffers: int = 1) -> None:
         """GPU ``gpu``'s expert slots of ``layer``: a contiguous tensor ``[slots, ...]`` (``[2, slots, ...]`` with
-        ``num_buffers=2``), one row per slot holding an expert's ``tensors``. Any dtype: moves copy bytes."""
+        ``num_buffers=2``), one row per slot holding an expert's ``tensors`` at their offsets (the packed layout);
+        or a list (tuple) of contiguous tensors, one per ``EngineOptions.tensors`` entry, each ``[slots, ...]``
+        (``[2, slots, ...]``) with one row per slot holding that tensor's bytes (the split layout, e.g. one tensor
+        per weight kind; the entries' offsets are not used). Any dtype: moves copy bytes."""
         layer, gpu = integer(layer, "register_slots: layer"), integer(gpu, "register_slots: gpu")
         what = f"register_slots: layer {layer} GPU {gpu} slots"
-        self._e.register_slots(layer, gpu, _borrow(slots, what, self._device),
-                               integer(num_buffers, "register_slots: num_buffers"))
+        num_buffers = integer(num_buffers, "register_slots: num_buffers")
+        if isinstance(slots, (list, tuple)):
+            parts = [_borrow(t, f"{what} tensor {i}", self._device) for i, t in enumerate(slots)]
+            self._e.register_slots_split(layer, gpu, parts, num_buffers)
+            return
+        self._e.register_slots(layer, gpu, _borrow(slots, what, self._device), num_buffers)
 
-    def register_mirror(self, layer: int, node: int, mirror: Any) -> None:
-        """Node ``node``'s host mirror of ``layer``: a contiguous CPU tensor ``[experts, ...]`` (pinned for CUDA)."""
+    def register_mirror(self, layer: int, node: int, mirror: Any, *, node_mirror: Any = None) -> None:
+        """Node ``node``'s host mirror of ``layer``: a contiguous CPU tensor ``[experts, ...]`` (pinned for CUDA),
+        or a list (tuple) of them, one per ``EngineOptions.tensors`` entry (the split layout, as
+        :meth:`register_slots`).
+
+        ``node_mirror``: the node-shared segment (a ``foremoe._core.NodeMirror``, or a
+        ``foremoe.torch.moves.NodeMirror``) the tensors are views of; every tensor must lie inside its payload
+        (checked), and the engine checks the segment's generation at each submit and never reads it stale, as
+        :meth:`register_node_mirror`. The engine keeps the tensors and the segment alive."""
         layer, node = integer(layer, "register_mirror: layer"), integer(node, "register_mirror: node")
         what = f"register_mirror: layer {layer} node {node} mirror"
-        self._e.register_mirror(layer, node, _borrow(mirror, what, "cpu"))
+        if node_mirror is not None and not isinstance(node_mirror, _core.NodeMirror):
+            inner = getattr(node_mirror, "_m", None)  # foremoe.torch.moves.NodeMirror wraps the segment
+            if not isinstance(inner, _core.NodeMirror):
+                raise ValueError(f"{what}: node_mirror must be a foremoe._core.NodeMirror or a "
+                                 f"foremoe.torch.moves.NodeMirror, got {describe(node_mirror)}")
+            node_mirror = inner
+        if isinstance(mirror, (list, tuple)):
+            parts = [_borrow(t, f"{what} tensor {i}", "cpu") for i, t in enumerate(mirror)]
+            self._e.register_mirror_split(layer, node, parts, node_mirror)
+            return
+        self._e.register_mirror(layer, node, _borrow(mirror, what, "cpu"), node_mirror)
 
     def register_node_mirror(self, layer: int, node: int, mirror: Any) -> None:
         """Node ``node``'s mirror of ``layer`` as a node-shared segment (``foremoe._core.NodeMirror``) whose payload
