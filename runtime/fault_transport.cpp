@@ -24,11 +24,12 @@ public:
     handle = next_++;
     Pending p;
     p.op = op;
-    if (f_->fail_path[static_cast<int>(op.path)] || draw(op.fault_key, fail) < f_->fail_probability) {
+    const bool drawn = !f_->paired_only; // a copy of this process's own
+    if (f_->fail_path[static_cast<int>(op.path)] || (drawn && draw(op.fault_key, fail) < f_->fail_probability)) {
       p.failed = true;
     } else {
-      if (draw(op.fault_key, corrupt) < f_->corrupt_probability && p.op.num_bytes > 0) --p.op.num_bytes;
-      if (draw(op.fault_key, delay) < f_->delay_probability)
+      if (drawn && draw(op.fault_key, corrupt) < f_->corrupt_probability && p.op.num_bytes > 0) --p.op.num_bytes;
+      if (drawn && draw(op.fault_key, delay) < f_->delay_probability)
         p.release = std::chrono::steady_clock::now() + std::chrono::microseconds(f_->delay_us);
       else if (Status st = inner().start(p.op, p.inner); !st.ok())
         return st;

@@ -930,6 +930,9 @@ void bind_runtime(nb::module_ &m) {
               f.fail_path[static_cast<int>(path_of(n))] = true;
           },
           "paths over which every copy fails (nvlink, pcie, network)")
+      .def_rw("paired_only", &rt::FaultSchedule::paired_only,
+              "the probabilities act only on paired transfers with other processes, never on a process's own "
+              "copies (host mirror, its own GPUs)")
       .def_rw("seed", &rt::FaultSchedule::seed)
       .def(
           "draw",

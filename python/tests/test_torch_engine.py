@@ -472,3 +472,21 @@ def test_registered_memory_lives_as_long_as_the_engine():
     del eng
     gc.collect()
     assert alive() is None, "the engine kept the memory after it was destroyed"
+
+
+@pytest.mark.parametrize("paired_only", [False, True])
+def test_paired_only_faults_spare_a_process_own_copies(paired_only):
+    """Every copy fails with probability 1; with paired_only a single process has no paired transfer to fail, so
+    its own copies (GPU to GPU, and from the mirror) land; without it every path fails and the batch says so."""
+    faults = fe.FaultSchedule(fail_probability=1.0, seed=3, paired_only=paired_only)
+    assert faults.paired_only is paired_only
+    c = small(faults=faults, verify=True)
+    t = c.engine.submit([[0, 0, 1, 1], [3, 1, 0, 0]], 0)
+    if paired_only:
+        t.wait(timeout=10.0)
+        assert c.holds(0, 1, 1, 0) and c.holds(0, 0, 0, 3)
+        assert all(m["ok"] and m["attempts"] == m["num_chunks"] for m in t.telemetry())
+    else:
+        with pytest.raises(fe.TransferError, match="failed on every path"):
+            t.wait(timeout=10.0)
+        assert c.engine.valid_expert(0, 1, 1) == -1 and c.engine.valid_expert(0, 0, 0) == -1

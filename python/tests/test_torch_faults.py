@@ -14,9 +14,10 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 import torch_moe_cases as tc  # noqa: E402
 
-# The moves run on the transfer engine, whose fault injector fails, corrupts or delays its paired transfers; a
-# delayed one lands late within the batch deadline (the engine has no per-move deadline to fall back at).
-FAULTS = dict(fail_probability=0.2, corrupt_probability=0.25, delay_probability=0.15, delay_us=20_000)
+# The moves run on the transfer engine, whose fault injector fails, corrupts or delays its paired transfers between
+# ranks (paired_only: the host mirror's copies do not fail); a delayed one lands late within the batch deadline (the
+# engine has no per-move deadline to fall back at).
+FAULTS = dict(fail_probability=0.2, corrupt_probability=0.25, delay_probability=0.15, delay_us=20_000, paired_only=True)
 G2 = tc.Case(world=2, experts=16, topk=2, hidden=32, ffn=32, dtype="float64", seed=11)
 G4 = tc.Case(world=4, experts=32, topk=4, hidden=32, ffn=32, nodes=2, dtype="float64", seed=12, steps=2)
 RUNS = {
@@ -106,8 +107,10 @@ def test_mirror_is_not_a_parameter_or_state(tmp_path_factory):
 
 def test_without_verification_a_corrupted_move_is_wrong(tmp_path_factory):
     # The negative control: the same corruption with verification off reaches the numbers.
+    # (Unverified, the engine cannot tell a corrupted copy from a good one, so `faults` stays 0: only the numbers show
+    # that the injected corruption landed.)
     ranks = ranks_of("g2", tmp_path_factory)[0]["unverified"]
-    assert totals(ranks)["faults"] > 0
+    assert totals(ranks)["moves"] > 0
     with pytest.raises(AssertionError):
         tc.assert_equals_reference(G2, ranks, tc.reference(G2))
 

@@ -25,7 +25,7 @@ from foremoe import _core  # noqa: E402
 
 # 32 experts of 3 x 32 x 32 float64 (24 KiB each): one copy of the layer is 768 KiB, a whole number of pages.
 G4 = tc.Case(world=4, experts=32, topk=4, hidden=32, ffn=32, nodes=2, dtype="float64", seed=12, steps=2)
-DROPS = dict(seed=6, fail_probability=0.3)
+DROPS = dict(seed=6, fail_probability=0.3, paired_only=True)  # transfers between ranks fail, host copies do not
 RUNS = {
     "clean": dict(),
     "node_faults": dict(mirror="node", local_world=2, faults=DROPS),

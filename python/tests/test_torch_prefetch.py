@@ -15,9 +15,10 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 import torch_moe_cases as tc  # noqa: E402
 
-# The moves run on the transfer engine, whose fault injector fails, corrupts or delays its paired transfers; a
-# delayed one lands late within the batch deadline (the engine has no per-move deadline to fall back at).
-FAULTS = dict(fail_probability=0.2, corrupt_probability=0.25, delay_probability=0.15, delay_us=20_000)
+# The moves run on the transfer engine, whose fault injector fails, corrupts or delays its paired transfers between
+# ranks (paired_only: the host mirror's copies do not fail); a delayed one lands late within the batch deadline (the
+# engine has no per-move deadline to fall back at).
+FAULTS = dict(fail_probability=0.2, corrupt_probability=0.25, delay_probability=0.15, delay_us=20_000, paired_only=True)
 # Few spare rows, so consecutive micro-steps' replicas share rows (what double buffers are for).
 G2 = tc.Case(world=2, experts=16, topk=2, hidden=32, ffn=32, dtype="float64", seed=22, spare=1, skew=3.0)
 G4 = tc.Case(world=4, experts=32, topk=4, hidden=32, ffn=32, nodes=2, dtype="float64", seed=22, spare=2,

@@ -182,6 +182,8 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
     layer = ft.BalancedMoE(make_experts(case), case.slots, timeout=opts.get("timeout", 60.0), mirror=mirror,
                            verify=opts.get("verify", True), faults=faults,
                            double_buffer=bool(opts.get("double_buffer")), local_world=opts.get("local_world"))
+    if opts.get("mover"):  # "python": the Python moves CUDA storage takes, for comparison with the engine's
+        layer.storage.mover_kind = opts["mover"]
     opt = make_optimizer(layer.parameters())
     planner = foremoe.Planner(foremoe.Topology(case.nodes, case.world // case.nodes, case.slots))
     rec: Dict[str, Any] = {"out": [], "x_grad": [], "w_grad": [], "grads": [], "params": [], "sync": [],
@@ -243,6 +245,9 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
         optimizer_step(rec, opt, layer)
         if mirror and s not in opts.get("skip_refresh", ()):
             layer.refresh_mirror()
+    mover = layer.storage._mover
+    rec["mover"] = layer.storage.mover_kind
+    rec["engine_batches"] = 0 if mover is None else int(mover.engine.stats()["batches"])
     return rec
 
 

@@ -24,6 +24,10 @@ struct FaultSchedule {
   double delay_probability = 0.0;   ///< the copy is held back by `delay_us`
   int delay_us = 0;
   bool fail_path[transfer::num_paths] = {false, false, false}; ///< every copy over this path fails
+  /// The probabilities act only on paired transfers with other processes (the bytes that cross between ranks),
+  /// never on a process's own copies (from its node's host mirror, between its own GPUs): the schedule of a
+  /// trainer whose network fails while its host memory does not (foremoe.torch's replica moves).
+  bool paired_only = false;
   std::uint64_t seed = 0;
 };
 

@@ -208,6 +208,7 @@ class FaultSchedule:
     delay_probability: float
     delay_us: int
     fail_paths: List[str]
+    paired_only: bool
     seed: int
     def __init__(self, **fields: Any) -> None: ...
     @staticmethod
