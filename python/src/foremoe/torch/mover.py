@@ -2,11 +2,13 @@
 
 For CPU slot storage every replica move of a sync runs on :class:`foremoe.torch.engine.TransferEngine` (the C++
 ``foremoe::runtime::TransferEngine``, host backend), one engine per storage and rank, its paired transfers over the
-trainer's gloo group through the engine's bridge. Python keeps only the tensor handles and the process group: which
-bytes travel (the batch every rank submits, from ``replica_sync``'s ``all_moves``), the transfer plan (a move's
-source is the planner's choice, read from the node's host mirror where the transfer planner splits or falls back),
-verification (the engine's checksum in every paired transfer's header), retries and the fallback to the host mirror,
-the seeded fault injector (``EngineOptions.faults``: a :class:`foremoe.FaultSchedule`), deadlines and telemetry are the
+trainer's gloo group through the engine's bridge. Python keeps only the tensor handles and the process group, and
+says which bytes travel: the batch every rank submits is ``replica_sync``'s ``all_moves``, each move from its owner's
+row (the storage's bookkeeping reuses resident replicas and copies the others from their owners; the engine sees only
+the owner rows as readable, so it keeps that source or, recording why, takes the node's host mirror). The transfer
+plan (chunks, rounds, a split of a move between the owner and the host mirror when both end sooner), verification
+(the engine's checksum in every paired transfer's header), retries and the fallback to the host mirror, the seeded
+fault injector (``EngineOptions.faults``: a :class:`foremoe.FaultSchedule`), deadlines and telemetry are the
 engine's.
 
 The engine addresses each weight kind's storage tensor ``[rows, ...]`` and each kind's mirror tensor ``[E, ...]``
