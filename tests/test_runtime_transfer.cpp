@@ -726,6 +726,7 @@ TEST_CASE("split regions land exactly the bytes of the packed layout, under rand
 }
 
 TEST_CASE("telemetry: fallback and verify_failures follow the injected faults") {
+  int over_gpu = 0;
   for (int run = 0; run < 20; ++run) {
     INFO("run ", run);
     std::mt19937_64 rng(900 + run);
@@ -741,7 +742,16 @@ TEST_CASE("telemetry: fallback and verify_failures follow the injected faults") 
     Cluster c;
     REQUIRE(c.build(rng, o).ok());
     c.random_resident(rng, 0);
-    const auto moves = c.random_moves(rng, 0, 0.6);
+    auto moves = c.random_moves(rng, 0, 0.6);
+    // The planner's sources: a GPU copy that no move overwrites where there is one, else the mirror.
+    const LayerPlacement before = c.engine->resident(0);
+    for (Move &m : moves)
+      for (int g = 0; g < c.topo.num_gpus() && m.src_gpu == host_mirror; ++g)
+        for (int s = 0; s < c.topo.slots_per_gpu; ++s)
+          if (g != m.dst_gpu && before.slot(g, s) == m.expert &&
+              std::none_of(moves.begin(), moves.end(),
+                           [&](const Move &x) { return x.dst_gpu == g && x.dst_slot == s; }))
+            m.src_gpu = g;
     rt::MoveBatch mb;
     mb.moves = moves;
     rt::Ticket t;
@@ -756,8 +766,10 @@ TEST_CASE("telemetry: fallback and verify_failures follow the injected faults") 
         gpu_chunk = gpu_chunk || (ch.move_idx == static_cast<int>(i) && ch.path != transfer::Path::pcie);
       CHECK_MESSAGE((tel[i].ok && tel[i].fallback == gpu_chunk && tel[i].verify_failures == 0), telemetry_str(tel[i]),
                     " planned over NVLink: ", gpu_chunk);
+      over_gpu += gpu_chunk;
     }
   }
+  CHECK(over_gpu > 10); // the fault did act
   // Every copy truncated: each verification fails, max_attempts times, and the move fails without a fallback.
   rt::EngineOptions o;
   o.verify = true;
