@@ -129,16 +129,34 @@ private:
   std::thread worker_; // last: starts once the rest is built
 };
 
-// One layer, one process per GPU, no mirror (every move is a paired transfer or a local copy).
+// One layer, one process per GPU (every move is a paired transfer, or a copy from the node's mirror when `mirror`).
+// Slots packed, or in split regions of random layouts (`split`), single or double-buffered.
 struct World {
   rt::EngineOptions opts;
+  bool split = false, mirror = false;
+  int num_buffers = 1;
+  std::shared_ptr<const rt::FaultSchedule> faults;
   std::int64_t stride = 0;
-  std::vector<std::vector<std::byte>> mem; // [gpu]
+  int slots_per_gpu = 0;
+  std::vector<std::vector<std::byte>> mem;          // [gpu], packed
+  std::vector<foremoe_test::SplitMemory> split_mem; // [gpu], split
+  std::vector<std::byte> mirror_mem;                // packed
+  foremoe_test::SplitMemory split_mirror;
   std::shared_ptr<Board> board = std::make_shared<Board>();
   std::vector<std::shared_ptr<ThreadBridge>> bridges;
   std::vector<std::unique_ptr<rt::TransferEngine>> engines;
 
-  std::byte *slot(int g, int s) { return mem[g].data() + s * stride; }
+  std::byte *slot(int g, int s, int b = 0) { return mem[g].data() + (b * slots_per_gpu + s) * stride; }
+  // Tensor `ti` of GPU `g`'s slot `s`, buffer `b`.
+  std::byte *at(int g, int s, int ti, int b = 0) {
+    return split ? split_mem[g].at(ti, s, b) : slot(g, s, b) + opts.tensors[ti].offset_bytes;
+  }
+  void fill(int g, int s, int e, int b = 0) {
+    foremoe_test::fill_expert_at([&](int ti) { return at(g, s, ti, b); }, opts.tensors, 0, e);
+  }
+  bool holds(int g, int s, int e, int b = 0) {
+    return foremoe_test::holds_expert_at([&](int ti) { return at(g, s, ti, b); }, opts.tensors, 0, e);
+  }
 
   void build(std::mt19937_64 &rng, int gpus, int slots, int experts, std::chrono::milliseconds bridge_timeout,
              const std::string &fail_gpu0 = "") {
@@ -146,10 +164,12 @@ struct World {
     opts.topology.gpus_per_node = gpus;
     opts.topology.slots_per_gpu = slots;
     opts.num_experts = experts;
-    opts.planning.host_mirror = false;
+    opts.planning.host_mirror = mirror;
     opts.planning.align_bytes = 256;
     opts.planning.max_chunk_bytes = 256 * std::uniform_int_distribution<int>(1, 16)(rng);
     opts.host_threads_per_path = 1;
+    opts.faults = faults;
+    slots_per_gpu = slots;
     std::int64_t off = std::uniform_int_distribution<int>(0, 64)(rng);
     for (int i = std::uniform_int_distribution<int>(1, 3)(rng); i > 0; --i) {
       const std::int64_t n = std::uniform_int_distribution<std::int64_t>(1, 10 << 10)(rng);
@@ -157,7 +177,19 @@ struct World {
       off += n + std::uniform_int_distribution<int>(0, 50)(rng);
     }
     stride = off;
-    mem.assign(static_cast<std::size_t>(gpus), std::vector<std::byte>(static_cast<std::size_t>(stride * slots)));
+    mem.assign(static_cast<std::size_t>(gpus),
+               std::vector<std::byte>(static_cast<std::size_t>(stride * slots * num_buffers)));
+    split_mem.resize(static_cast<std::size_t>(gpus));
+    for (int g = 0; g < gpus && split; ++g)
+      split_mem[g].build(rng, opts.tensors, slots, num_buffers);
+    if (mirror) {
+      mirror_mem.assign(static_cast<std::size_t>(stride * experts), std::byte{0});
+      split_mirror.build(rng, opts.tensors, experts, 1);
+      for (int e = 0; e < experts; ++e) {
+        foremoe_test::fill_expert(mirror_mem.data() + e * stride, opts.tensors, 0, e);
+        foremoe_test::fill_expert_at([&](int ti) { return split_mirror.at(ti, e); }, opts.tensors, 0, e);
+      }
+    }
     for (int p = 0; p < gpus; ++p) {
       auto b = std::make_shared<ThreadBridge>(board, bridge_timeout);
       if (p == 0) b->fail_with = fail_gpu0;
@@ -168,14 +200,28 @@ struct World {
       std::unique_ptr<rt::TransferEngine> e;
       const rt::Status st = rt::TransferEngine::create(o, e);
       REQUIRE_MESSAGE(st.ok(), st.to_string());
-      REQUIRE(e->register_slots(0, p, {slot(p, 0), stride, slots, 1, 0}).ok());
+      rt::SlotRegion r{slot(p, 0), stride, slots, num_buffers, stride * slots};
+      if (split) {
+        r.base = nullptr;
+        r.tensors = split_mem[p].slot_tensors();
+      }
+      const rt::Status reg = e->register_slots(0, p, r);
+      REQUIRE_MESSAGE(reg.ok(), reg.to_string());
+      if (mirror) { // every process maps the node's mirror
+        rt::MirrorRegion m{mirror_mem.data(), stride, experts};
+        if (split) {
+          m.base = nullptr;
+          m.tensors = split_mirror.mirror_tensors();
+        }
+        REQUIRE(e->register_mirror(0, 0, m).ok());
+      }
       engines.push_back(std::move(e));
     }
   }
   void set_resident(const LayerPlacement &p) {
     for (int g = 0; g < p.num_gpus(); ++g)
       for (int s = 0; s < p.slots_per_gpu(); ++s)
-        if (p.slot(g, s) != empty_slot) foremoe_test::fill_expert(slot(g, s), opts.tensors, 0, p.slot(g, s));
+        if (p.slot(g, s) != empty_slot) fill(g, s, p.slot(g, s));
     for (auto &e : engines)
       REQUIRE(e->set_resident(0, p).ok());
   }
@@ -242,8 +288,7 @@ TEST_CASE("moves over a bridge land exactly where the engine says, on every proc
         const int e = w.engines[g]->valid_expert(0, g, s);
         CHECK_MESSAGE(e == target.slot(g, s), "seed ", seed, " GPU ", g, " slot ", s);
         if (e != empty_slot)
-          CHECK_MESSAGE(foremoe_test::holds_expert(w.slot(g, s), w.opts.tensors, 0, e), "seed ", seed, " GPU ", g,
-                        " slot ", s, " holds wrong bytes for expert ", e);
+          CHECK_MESSAGE(w.holds(g, s, e), "seed ", seed, " GPU ", g, " slot ", s, " holds wrong bytes for expert ", e);
       }
   }
   CHECK(paired > 20); // the instances did exercise paired transfers
@@ -350,4 +395,159 @@ TEST_CASE("a bridge and a host fabric together, or neither for a multi-process e
                 st.to_string());
   o.peers.host_fabric = nullptr;
   CHECK(rt::TransferEngine::create(o, e).ok());
+}
+
+namespace {
+// Per process: the telemetry of its batch, and its status.
+struct Outcome {
+  rt::Status status;
+  std::vector<rt::MoveTelemetry> tel;
+};
+std::vector<Outcome> run_all(World &w, const std::vector<Move> &moves, int dst_buffer) {
+  std::vector<Outcome> out(w.engines.size());
+  std::vector<std::thread> procs;
+  for (std::size_t p = 0; p < w.engines.size(); ++p)
+    procs.emplace_back([&, p] {
+      rt::MoveBatch b = batch_of(moves, 10s);
+      b.dst_buffer = dst_buffer;
+      rt::Ticket t;
+      out[p].status = w.engines[p]->submit(b, t);
+      if (!out[p].status.ok()) return;
+      out[p].status = t.wait_for(20s);
+      out[p].tel = t.telemetry();
+    });
+  for (auto &t : procs)
+    t.join();
+  return out;
+}
+// Whether the transfer plan of `engine`'s last batch carries move `i` over a GPU path (here: a paired transfer, as
+// every process drives one GPU).
+bool planned_over_gpu(const rt::TransferEngine &engine, int i) {
+  for (const transfer::Chunk &c : engine.last_plan(0).chunks)
+    if (c.move_idx == i && c.path != transfer::Path::pcie) return true;
+  return false;
+}
+} // namespace
+
+TEST_CASE("split regions over a bridge under injected faults: exact bytes, receivers fall back to their mirror") {
+  int fallbacks = 0, paired_fallbacks = 0, verify_failures = 0, paired = 0, faultless_runs = 0;
+  for (std::uint64_t seed = 1; seed <= 30 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    INFO("seed ", seed);
+    std::mt19937_64 rng(seed * 7919);
+    World w;
+    w.split = rng() % 4 != 0;
+    w.mirror = true;
+    w.num_buffers = rng() % 2 == 0 ? 2 : 1;
+    w.opts.verify = rng() % 3 != 0;
+    w.opts.max_attempts = 3;
+    auto f = std::make_shared<rt::FaultSchedule>();
+    f->seed = seed;
+    const bool faultless = seed % 5 == 0;
+    faultless_runs += faultless;
+    if (!faultless) {
+      f->fail_probability = std::uniform_real_distribution<double>(0, 0.3)(rng);
+      f->corrupt_probability = w.opts.verify ? std::uniform_real_distribution<double>(0, 0.3)(rng) : 0.0;
+    }
+    w.faults = f;
+    const int gpus = std::uniform_int_distribution<int>(2, 4)(rng),
+              slots = std::uniform_int_distribution<int>(1, 3)(rng);
+    const int experts = std::uniform_int_distribution<int>(slots, gpus * slots + 2)(rng);
+    w.build(rng, gpus, slots, experts, 10s);
+    LayerPlacement before(gpus, slots, experts);
+    for (int g = 0; g < gpus; ++g)
+      for (int s = 0; s < slots; ++s)
+        if (const int e = static_cast<int>(rng() % experts); !before.holds(g, e) && rng() % 4 != 0)
+          before.slot(g, s) = e;
+    w.set_resident(before);
+    // Moves from GPU copies that stay in place where there is one, else from the mirror.
+    LayerPlacement target = before;
+    std::vector<char> kept(static_cast<std::size_t>(gpus * slots), 0);
+    std::vector<Move> moves;
+    for (int g = 0; g < gpus; ++g)
+      for (int s = 0; s < slots; ++s) {
+        if (kept[g * slots + s] || rng() % 3 == 0) continue;
+        const int e = static_cast<int>(rng() % experts);
+        if (target.holds(g, e)) continue;
+        int src = -1;
+        for (int p = 0; p < gpus * slots && src < 0; ++p)
+          if (p / slots != g && before.slot(p / slots, p % slots) == e && target.slot(p / slots, p % slots) == e)
+            src = p;
+        if (src >= 0) kept[src] = 1;
+        target.slot(g, s) = e;
+        moves.push_back({e, src < 0 ? host_mirror : src / slots, g, s});
+      }
+    const int dst_buffer = w.num_buffers == 2 ? static_cast<int>(rng() % 2) : 0;
+    const std::vector<Outcome> out = run_all(w, moves, dst_buffer);
+    for (int p = 0; p < gpus; ++p) {
+      CHECK_MESSAGE((out[p].status.ok() || out[p].status.code() == rt::StatusCode::device_error), "process ", p, ": ",
+                    out[p].status.to_string());
+      REQUIRE(out[p].tel.size() == moves.size());
+    }
+    for (std::size_t i = 0; i < moves.size(); ++i) {
+      const Move &m = moves[i];
+      const rt::MoveTelemetry &mine = out[m.dst_gpu].tel[i];
+      for (int p = 0; p < gpus; ++p)
+        if (p != m.dst_gpu) // the destination's process counts verification and fallbacks
+          CHECK((out[p].tel[i].remote && out[p].tel[i].verify_failures == 0 && !out[p].tel[i].fallback));
+      CHECK(!mine.remote);
+      const bool over_gpu = planned_over_gpu(*w.engines[m.dst_gpu], static_cast<int>(i));
+      paired += over_gpu;
+      if (mine.ok) {
+        CHECK_MESSAGE(w.holds(m.dst_gpu, m.dst_slot, m.expert, dst_buffer), "move ", i, ": wrong bytes");
+        CHECK(w.engines[m.dst_gpu]->valid_expert(0, m.dst_gpu, m.dst_slot) == m.expert);
+      }
+      if (mine.fallback) CHECK((mine.ok && mine.attempts > mine.num_chunks));
+      if (!w.opts.verify) CHECK(mine.verify_failures == 0);
+      if (faultless) CHECK((mine.ok && !mine.fallback && mine.verify_failures == 0));
+      fallbacks += mine.fallback;
+      paired_fallbacks += mine.fallback && over_gpu;
+      verify_failures += mine.verify_failures;
+    }
+    for (int g = 0; g < gpus; ++g) {
+      for (int s = 0; s < slots; ++s)
+        if (const int e = w.engines[g]->valid_expert(0, g, s); e != empty_slot) {
+          bool ok = false;
+          for (int b = 0; b < w.num_buffers; ++b)
+            ok = ok || w.holds(g, s, e, b);
+          CHECK_MESSAGE(ok, "GPU ", g, " slot ", s, " valid for expert ", e, " with wrong bytes");
+        }
+      if (w.split) CHECK_MESSAGE(w.split_mem[g].guards_intact(), "GPU ", g, ": a byte outside the rows was written");
+    }
+  }
+  MESSAGE(paired, " moves planned over paired transfers; ", fallbacks, " fell back to the mirror (", paired_fallbacks,
+          " after a paired transfer), ", verify_failures, " received copies failed verification");
+  CHECK(faultless_runs > 0);
+  CHECK(paired > 10);
+  CHECK(paired_fallbacks > 0); // the injector acts on bridged transfers, and receivers retry from the mirror
+  CHECK(verify_failures > 0);
+}
+
+TEST_CASE("a receiver whose bridge fails takes the bytes from its node's mirror, and telemetry says so") {
+  int fell_back = 0;
+  for (std::uint64_t seed = 1; seed <= 10; ++seed) {
+    INFO("seed ", seed);
+    std::mt19937_64 rng(seed);
+    World w;
+    w.split = seed % 2 == 0;
+    w.mirror = true;
+    w.opts.verify = true;
+    w.build(rng, 2, 3, 4, 5s, "bridge says no");
+    LayerPlacement p(2, 3, 4);
+    p.slot(1, 0) = 1;
+    p.slot(1, 1) = 2;
+    w.set_resident(p);
+    const std::vector<Move> moves{{1, 1, 0, 0}, {2, 1, 0, 1}}; // GPU 1's experts into GPU 0 (which only receives)
+    const std::vector<Outcome> out = run_all(w, moves, 0);
+    REQUIRE_MESSAGE(out[0].status.ok(), out[0].status.to_string());
+    REQUIRE_MESSAGE(out[1].status.ok(), out[1].status.to_string());
+    for (int i = 0; i < 2; ++i) {
+      const rt::MoveTelemetry &m = out[0].tel[static_cast<std::size_t>(i)];
+      const bool over_gpu = planned_over_gpu(*w.engines[0], i);
+      CHECK_MESSAGE((m.ok && m.verified && m.fallback == over_gpu && !m.remote), "move ", i, " over GPU ", over_gpu);
+      CHECK(w.holds(0, i, moves[static_cast<std::size_t>(i)].expert));
+      CHECK((out[1].tel[static_cast<std::size_t>(i)].remote && !out[1].tel[static_cast<std::size_t>(i)].fallback));
+      fell_back += m.fallback;
+    }
+  }
+  CHECK(fell_back > 0);
 }

@@ -436,3 +436,83 @@ TEST_CASE("the transfer engine reads a node mirror only while it is fresh") {
   REQUIRE(move(2).ok());
   CHECK(holds(0, 1, 0xab));
 }
+
+TEST_CASE("a split mirror in a node segment: its tensors must lie in the payload, and it is read only while fresh") {
+  // One node of 2 GPUs x 2 slots, 3 experts of two tensors (512 and 384 bytes), each tensor's entries in a 64-byte
+  // aligned block of the segment (as foremoe.torch lays out a node mirror by weight kind); split slots too. Expert e's
+  // tensor t is all bytes 10 e + t + 1. GPU 1 slot 0 holds expert 1; expert 2 is only in the mirror.
+  const std::int64_t n0 = 512, n1 = 384, off1 = (3 * n0 + 63) / 64 * 64;
+  rt::EngineOptions o;
+  o.topology = {1, 2, 2};
+  o.num_layers = 1;
+  o.num_experts = 3;
+  o.tensors = {{0, n0}, {n0, n1}};
+  o.planning.align_bytes = 128;
+  o.planning.max_chunk_bytes = 256;
+  std::unique_ptr<rt::TransferEngine> engine;
+  REQUIRE(rt::TransferEngine::create(o, engine).ok());
+  rt::NodeMirrorOptions mo = options("split", off1 + 3 * n1);
+  std::unique_ptr<rt::NodeMirror> mirror;
+  REQUIRE(rt::NodeMirror::create(mo, mirror).ok());
+  std::byte *payload = mirror->payload().data();
+  auto write_expert = [&](int e, int value) {
+    std::memset(payload + e * n0, value >= 0 ? value : 10 * e + 1, static_cast<std::size_t>(n0));
+    std::memset(payload + off1 + e * n1, value >= 0 ? value : 10 * e + 2, static_cast<std::size_t>(n1));
+  };
+  REQUIRE(mirror->begin_refresh().ok());
+  for (int e = 0; e < 3; ++e)
+    write_expert(e, -1);
+  REQUIRE(mirror->end_refresh().ok());
+  // Slots: per GPU one block per tensor, rows of the tensor's size.
+  std::vector<std::vector<std::byte>> t0(2, std::vector<std::byte>(2 * n0)), t1(2, std::vector<std::byte>(2 * n1));
+  for (int g = 0; g < 2; ++g) {
+    rt::SlotRegion r;
+    r.num_slots = 2;
+    r.tensors = {{t0[g].data(), n0, 0}, {t1[g].data(), n1, 0}};
+    REQUIRE(engine->register_slots(0, g, r).ok());
+  }
+  std::memset(t0[1].data(), 11, static_cast<std::size_t>(n0));
+  std::memset(t1[1].data(), 12, static_cast<std::size_t>(n1));
+  foremoe::LayerPlacement resident(2, 2, 3);
+  resident.slot(1, 0) = 1;
+  REQUIRE(engine->set_resident(0, resident).ok());
+
+  rt::MirrorRegion region;
+  region.num_experts = 3;
+  region.node_mirror = mirror.get();
+  region.tensors = {{payload, n0}, {payload + off1 + 64, n1}}; // tensor 1 runs 64 bytes past the payload
+  const rt::Status past = engine->register_mirror(0, 0, region);
+  CHECK_MESSAGE(past.message().find("layer 0 node 0 tensor 1") != std::string::npos, past.message());
+  CHECK(past.message().find("do not fit node mirror") != std::string::npos);
+  region.tensors[1].base = payload + off1;
+  REQUIRE(engine->register_mirror(0, 0, region).ok());
+
+  const auto holds = [&](int value0, int value1) { // GPU 0 slot 1
+    return std::all_of(t0[0].begin() + n0, t0[0].end(), [&](std::byte b) { return b == std::byte(value0); }) &&
+           std::all_of(t1[0].begin() + n1, t1[0].end(), [&](std::byte b) { return b == std::byte(value1); });
+  };
+  const auto move = [&](int expert) {
+    std::fill(t0[0].begin() + n0, t0[0].end(), std::byte{0});
+    std::fill(t1[0].begin() + n1, t1[0].end(), std::byte{0});
+    REQUIRE(engine->set_resident(0, resident).ok());
+    const foremoe::Move mv{expert, foremoe::host_mirror, 0, 1};
+    rt::MoveBatch b;
+    b.moves = std::span<const foremoe::Move>(&mv, 1);
+    rt::Ticket t;
+    rt::Status st = engine->submit(b, t);
+    if (st.ok()) st = t.wait_for(10s);
+    return st;
+  };
+  REQUIRE(move(2).ok());
+  CHECK(holds(21, 22));
+  REQUIRE(mirror->begin_refresh().ok()); // stale: the mirror is no source
+  write_expert(1, 0xab);
+  write_expert(2, 0xab);
+  CHECK_FALSE(move(2).ok());
+  CHECK(holds(0, 0));
+  REQUIRE(move(1).ok()); // from GPU 1
+  CHECK(holds(11, 12));
+  REQUIRE(mirror->end_refresh().ok());
+  REQUIRE(move(2).ok());
+  CHECK(holds(0xab, 0xab));
+}

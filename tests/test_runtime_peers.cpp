@@ -36,11 +36,24 @@ struct Group {
   std::shared_ptr<rt::HostFabric> fabric = std::make_shared<rt::HostFabric>();
   std::vector<std::unique_ptr<rt::TransferEngine>> engines;
 
+  // `split`: slots and mirrors in split regions (`SlotRegion::tensors`) of random layouts drawn from `layout_seed`.
+  bool split = false;
+  std::uint64_t layout_seed = 0;
+  std::vector<foremoe_test::SplitMemory> split_mem, split_mirror; // [layer * gpus + gpu], [layer * nodes + node]
+
   std::byte *slot_ptr(int l, int g, int s) {
     return gpu_mem[static_cast<std::size_t>(l) * topo.num_gpus() + g].data() + s * slot_stride;
   }
-  void fill(int l, int g, int s, int e) { foremoe_test::fill_expert(slot_ptr(l, g, s), tensors, l, e); }
-  bool holds_bytes(int l, int g, int s, int e) { return foremoe_test::holds_expert(slot_ptr(l, g, s), tensors, l, e); }
+  std::byte *at(int l, int g, int s, int ti) {
+    return split ? split_mem[static_cast<std::size_t>(l) * topo.num_gpus() + g].at(ti, s)
+                 : slot_ptr(l, g, s) + tensors[ti].offset_bytes;
+  }
+  void fill(int l, int g, int s, int e) {
+    foremoe_test::fill_expert_at([&](int ti) { return at(l, g, s, ti); }, tensors, l, e);
+  }
+  bool holds_bytes(int l, int g, int s, int e) {
+    return foremoe_test::holds_expert_at([&](int ti) { return at(l, g, s, ti); }, tensors, l, e);
+  }
   rt::TransferEngine &engine_of(int g) { return *engines[proc_of_gpu[g]]; }
 
   void build(std::mt19937_64 &rng, rt::EngineOptions opts) {
@@ -74,9 +87,19 @@ struct Group {
       REQUIRE_MESSAGE(st.ok(), st.to_string());
       engines.push_back(std::move(e));
     }
+    std::mt19937_64 layout_rng(layout_seed);
+    if (split) {
+      split_mem.resize(static_cast<std::size_t>(num_layers) * topo.num_gpus());
+      split_mirror.resize(static_cast<std::size_t>(num_layers) * topo.num_nodes);
+      for (auto &m : split_mem)
+        m.build(layout_rng, tensors, topo.slots_per_gpu, 1);
+      for (auto &m : split_mirror)
+        m.build(layout_rng, tensors, num_experts, 1);
+    }
     for (int l = 0; l < num_layers; ++l)
       for (int g = 0; g < topo.num_gpus(); ++g) {
         rt::SlotRegion r{slot_ptr(l, g, 0), slot_stride, topo.slots_per_gpu, 1, 0};
+        if (split) r.tensors = split_mem[static_cast<std::size_t>(l) * topo.num_gpus() + g].slot_tensors();
         REQUIRE(engine_of(g).register_slots(l, g, r).ok());
         if (l == 0) {
           rt::SlotRegion gr{grad_mem[g].data(), grad_bytes, topo.slots_per_gpu, 1, 0};
@@ -88,12 +111,19 @@ struct Group {
         auto &m = mirror_mem[static_cast<std::size_t>(l) * topo.num_nodes + nd];
         for (int e = 0; e < num_experts; ++e)
           foremoe_test::fill_expert(m.data() + e * slot_stride, tensors, l, e);
+        rt::MirrorRegion region{m.data(), slot_stride, num_experts};
+        if (split) {
+          auto &sm = split_mirror[static_cast<std::size_t>(l) * topo.num_nodes + nd];
+          for (int e = 0; e < num_experts; ++e)
+            foremoe_test::fill_expert_at([&](int ti) { return sm.at(ti, e); }, tensors, l, e);
+          region.tensors = sm.mirror_tensors();
+        }
         // Every process on the node registers the node's mirror (each has its own mapping of it).
         for (int p = 0; p < num_procs; ++p) {
           bool on_node = false;
           for (int g = nd * topo.gpus_per_node; g < (nd + 1) * topo.gpus_per_node; ++g)
             on_node = on_node || proc_of_gpu[g] == p;
-          if (on_node) REQUIRE(engines[p]->register_mirror(l, nd, {m.data(), slot_stride, num_experts}).ok());
+          if (on_node) REQUIRE(engines[p]->register_mirror(l, nd, region).ok());
         }
       }
   }
@@ -165,6 +195,9 @@ struct Group {
           CHECK_MESSAGE(holds_bytes(l, g, s, e), "layer ", l, " GPU ", g, " slot ", s, " is valid for expert ", e,
                         " with wrong bytes");
         }
+      if (split)
+        CHECK_MESSAGE(split_mem[static_cast<std::size_t>(l) * topo.num_gpus() + g].guards_intact(), "layer ", l,
+                      " GPU ", g, ": a byte outside the rows was written");
     }
     return valid;
   }
@@ -276,6 +309,8 @@ TEST_CASE("multi-process moves without faults land everywhere, over paired trans
     grp.mirrors = rng() % 2 == 0;
     o.planning.host_mirror = grp.mirrors;
     o.verify = rng() % 2 == 0;
+    grp.split = seed % 2 == 0; // split regions, in a layout of their own seed (the instance is drawn as before)
+    grp.layout_seed = seed;
     grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
     grp.build(rng, o);
     std::vector<LayerPlacement> target;
@@ -321,6 +356,8 @@ TEST_CASE("multi-process moves under random faults: valid slots hold exact bytes
     f->delay_us = 200;
     f->seed = seed;
     o.faults = f;
+    grp.split = seed % 2 == 0;
+    grp.layout_seed = seed;
     grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
     grp.build(rng, o);
     std::vector<LayerPlacement> target;

@@ -554,3 +554,308 @@ TEST_CASE("several threads submit at once: batches on shared slots serialise, ev
   for (int l = 0; l < o.num_layers; ++l)
     c.check_valid_bytes(l);
 }
+
+// --- split (per-tensor) slot and mirror regions ------------------------------------------------------------------
+
+namespace {
+
+// The same EP group as a `Cluster`, its slots and mirrors in split regions (`SlotRegion::tensors`,
+// `MirrorRegion::tensors`) of random layouts.
+struct SplitCluster {
+  Topology topo;
+  int num_layers = 0, num_experts = 0, num_buffers = 1;
+  std::vector<rt::TensorSpan> tensors;
+  std::vector<foremoe_test::SplitMemory> gpu_mem, mirror_mem; // [layer * gpus + gpu], [layer * nodes + node]
+  std::unique_ptr<rt::TransferEngine> engine;
+
+  foremoe_test::SplitMemory &mem(int l, int g) { return gpu_mem[static_cast<std::size_t>(l) * topo.num_gpus() + g]; }
+  std::byte *at(int l, int g, int s, int b, int ti) { return mem(l, g).at(ti, s, b); }
+  void fill(int l, int g, int s, int b, int e) {
+    foremoe_test::fill_expert_at([&](int ti) { return at(l, g, s, b, ti); }, tensors, l, e);
+  }
+  bool holds_bytes(int l, int g, int s, int b, int e) {
+    return foremoe_test::holds_expert_at([&](int ti) { return at(l, g, s, b, ti); }, tensors, l, e);
+  }
+
+  // `opts.tensors` must be set (the packed twin's); the split regions ignore their offsets.
+  rt::Status build(std::mt19937_64 &rng, const rt::EngineOptions &opts, int buffers) {
+    topo = opts.topology;
+    num_layers = opts.num_layers;
+    num_experts = opts.num_experts;
+    num_buffers = buffers;
+    tensors = opts.tensors;
+    if (rt::Status st = rt::TransferEngine::create(opts, engine); !st.ok()) return st;
+    gpu_mem.resize(static_cast<std::size_t>(num_layers) * topo.num_gpus());
+    mirror_mem.resize(static_cast<std::size_t>(num_layers) * topo.num_nodes);
+    for (int l = 0; l < num_layers; ++l) {
+      for (int g = 0; g < topo.num_gpus(); ++g) {
+        mem(l, g).build(rng, tensors, topo.slots_per_gpu, num_buffers);
+        rt::SlotRegion r;
+        r.num_slots = topo.slots_per_gpu;
+        r.num_buffers = num_buffers;
+        r.tensors = mem(l, g).slot_tensors();
+        if (rt::Status st = engine->register_slots(l, g, r); !st.ok()) return st;
+      }
+      for (int nd = 0; nd < topo.num_nodes; ++nd) {
+        auto &m = mirror_mem[static_cast<std::size_t>(l) * topo.num_nodes + nd];
+        m.build(rng, tensors, num_experts, 1);
+        for (int e = 0; e < num_experts; ++e)
+          foremoe_test::fill_expert_at([&](int ti) { return m.at(ti, e); }, tensors, l, e);
+        rt::MirrorRegion mr;
+        mr.num_experts = num_experts;
+        mr.tensors = m.mirror_tensors();
+        if (rt::Status st = engine->register_mirror(l, nd, mr); !st.ok()) return st;
+      }
+    }
+    return rt::Status::success();
+  }
+};
+
+std::string telemetry_str(const rt::MoveTelemetry &m) {
+  return foremoe::detail::concat("move ", m.move_idx, " path ", transfer::to_string(m.path), " ok ", m.ok, " attempts ",
+                                 m.attempts, "/", m.num_chunks, " verified ", m.verified, " verify_failures ",
+                                 m.verify_failures, " fallback ", m.fallback);
+}
+
+} // namespace
+
+TEST_CASE("split regions land exactly the bytes of the packed layout, under random faults, with double buffers") {
+  const int runs = 60 * foremoe_test::seed_multiplier();
+  int moves_total = 0, fallbacks = 0, verify_failures = 0, failed_moves = 0, interleaved = 0;
+  for (int run = 0; run < runs; ++run) {
+    INFO("run ", run);
+    std::mt19937_64 rng(7000 + run);
+    rt::EngineOptions o = random_options(rng);
+    auto faults = std::make_shared<rt::FaultSchedule>();
+    faults->seed = rng();
+    faults->fail_probability = std::uniform_real_distribution<double>(0, 0.4)(rng);
+    faults->delay_probability = std::uniform_real_distribution<double>(0, 0.2)(rng);
+    faults->delay_us = std::uniform_int_distribution<int>(0, 200)(rng);
+    o.verify = rng() % 2 == 0;
+    faults->corrupt_probability = o.verify ? std::uniform_real_distribution<double>(0, 0.3)(rng) : 0.0;
+    if (rng() % 8 == 0) faults->fail_path[rng() % 2] = true;
+    if (rng() % 6 == 0) *faults = rt::FaultSchedule{}; // some runs without faults
+    o.faults = faults;
+    Cluster c;
+    c.num_buffers = rng() % 3 == 0 ? 2 : 1;
+    REQUIRE(c.build(rng, o).ok());
+    rt::EngineOptions so = o;
+    so.tensors = c.tensors;
+    SplitCluster d;
+    const rt::Status built = d.build(rng, so, c.num_buffers);
+    REQUIRE_MESSAGE(built.ok(), built.to_string());
+    interleaved += d.gpu_mem[0].blocks.size() == 1 && c.tensors.size() > 1;
+    for (int l = 0; l < c.num_layers; ++l) {
+      c.random_resident(rng, l);
+      const LayerPlacement p = c.engine->resident(l);
+      for (int g = 0; g < c.topo.num_gpus(); ++g)
+        for (int s = 0; s < c.topo.slots_per_gpu; ++s)
+          if (p.slot(g, s) != empty_slot) d.fill(l, g, s, 0, p.slot(g, s));
+      REQUIRE(d.engine->set_resident(l, p).ok());
+    }
+    const bool faultless = faults->fail_probability == 0 && faults->corrupt_probability == 0 && !faults->fail_path[0] &&
+                           !faults->fail_path[1];
+    for (int batch = 0; batch < 3; ++batch) {
+      const int l = batch % c.num_layers;
+      const auto moves = c.random_moves(rng, l, 0.5);
+      rt::MoveBatch mb;
+      mb.layer = l;
+      mb.moves = moves;
+      mb.dst_buffer = c.num_buffers == 2 ? static_cast<int>(rng() % 2) : 0;
+      mb.timeout = 20s;
+      rt::Ticket tc, td;
+      REQUIRE(c.engine->submit(mb, tc).ok());
+      const rt::Status ec = tc.wait_for(30s);
+      REQUIRE(d.engine->submit(mb, td).ok());
+      const rt::Status ed = td.wait_for(30s);
+      CHECK(ec.code() == ed.code());
+      const auto tel_c = tc.telemetry(), tel_d = td.telemetry();
+      REQUIRE(tel_d.size() == moves.size());
+      REQUIRE(tel_c.size() == tel_d.size());
+      for (std::size_t i = 0; i < moves.size(); ++i) {
+        const rt::MoveTelemetry &a = tel_c[i], &b = tel_d[i];
+        // The same decisions: fault draws name the packed byte range, not an address. (A failed move's count of
+        // attempts depends on when its chunks learn that another one was given up, so only `ok` is compared.)
+        CHECK_MESSAGE((a.ok == b.ok && a.num_chunks == b.num_chunks &&
+                       (!a.ok || (a.attempts == b.attempts && a.path == b.path && a.verified == b.verified &&
+                                  a.verify_failures == b.verify_failures && a.fallback == b.fallback))),
+                      "packed ", telemetry_str(a), " vs split ", telemetry_str(b));
+        // Telemetry against the injected faults.
+        if (!o.verify) CHECK(b.verify_failures == 0);
+        if (b.fallback) CHECK((b.ok && b.attempts > b.num_chunks));
+        if (faultless) CHECK((b.ok && !b.fallback && b.verify_failures == 0 && b.attempts == b.num_chunks));
+        if (b.ok) CHECK(d.holds_bytes(l, moves[i].dst_gpu, moves[i].dst_slot, mb.dst_buffer, moves[i].expert));
+        ++moves_total;
+        fallbacks += b.fallback;
+        verify_failures += b.verify_failures;
+        failed_moves += !b.ok;
+      }
+      // The same resident placement and, byte for byte, the same slot contents (landed or untouched; a failed
+      // move's partial bytes depend on timing as its attempts do).
+      const LayerPlacement pc = c.engine->resident(l), pd = d.engine->resident(l);
+      CHECK(std::ranges::equal(pc.phys_to_log(), pd.phys_to_log()));
+      std::vector<char> partial(static_cast<std::size_t>(pd.num_slots()), 0);
+      for (std::size_t i = 0; i < moves.size(); ++i)
+        if (!tel_d[i].ok || !tel_c[i].ok) partial[moves[i].dst_gpu * c.topo.slots_per_gpu + moves[i].dst_slot] = 1;
+      for (int g = 0; g < c.topo.num_gpus(); ++g)
+        for (int s = 0; s < c.topo.slots_per_gpu; ++s) {
+          for (int b = 0; b < c.num_buffers; ++b)
+            for (std::size_t ti = 0;
+                 ti < c.tensors.size() && !(partial[g * c.topo.slots_per_gpu + s] && b == mb.dst_buffer); ++ti)
+              CHECK_MESSAGE(std::memcmp(c.slot_ptr(l, g, s, b) + c.tensors[ti].offset_bytes,
+                                        d.at(l, g, s, b, static_cast<int>(ti)),
+                                        static_cast<std::size_t>(c.tensors[ti].num_bytes)) == 0,
+                            "layer ", l, " GPU ", g, " slot ", s, " buffer ", b, " tensor ", ti);
+          if (const int e = pd.slot(g, s); e != empty_slot) {
+            bool ok = false;
+            for (int b = 0; b < d.num_buffers; ++b)
+              ok = ok || d.holds_bytes(l, g, s, b, e);
+            CHECK_MESSAGE(ok, "layer ", l, " GPU ", g, " slot ", s, " valid for expert ", e, " with wrong bytes");
+          }
+        }
+      for (int g = 0; g < c.topo.num_gpus(); ++g)
+        CHECK_MESSAGE(d.mem(l, g).guards_intact(), "layer ", l, " GPU ", g, ": a byte outside the rows was written");
+    }
+  }
+  MESSAGE(runs, " runs (", interleaved, " interleaved): ", moves_total, " moves, ", failed_moves, " failed, ",
+          fallbacks, " fell back to the mirror, ", verify_failures, " copies failed verification");
+  CHECK(fallbacks > 0);
+  CHECK(verify_failures > 0);
+  CHECK(failed_moves > 0);
+  CHECK(interleaved > 0);
+}
+
+TEST_CASE("telemetry: fallback and verify_failures follow the injected faults") {
+  int over_gpu = 0;
+  for (int run = 0; run < 20; ++run) {
+    INFO("run ", run);
+    std::mt19937_64 rng(900 + run);
+    rt::EngineOptions o = random_options(rng);
+    o.topology.num_nodes = 1;
+    o.topology.gpus_per_node = std::max(2, o.topology.gpus_per_node);
+    o.num_experts = std::max(o.num_experts, o.topology.slots_per_gpu);
+    o.max_attempts = 3;
+    o.verify = true;
+    auto faults = std::make_shared<rt::FaultSchedule>();
+    faults->fail_path[static_cast<int>(transfer::Path::nvlink)] = true; // every GPU copy fails
+    o.faults = faults;
+    Cluster c;
+    REQUIRE(c.build(rng, o).ok());
+    c.random_resident(rng, 0);
+    auto moves = c.random_moves(rng, 0, 0.6);
+    // The planner's sources: a GPU copy that no move overwrites where there is one, else the mirror.
+    const LayerPlacement before = c.engine->resident(0);
+    for (Move &m : moves)
+      for (int g = 0; g < c.topo.num_gpus() && m.src_gpu == host_mirror; ++g)
+        for (int s = 0; s < c.topo.slots_per_gpu; ++s)
+          if (g != m.dst_gpu && before.slot(g, s) == m.expert &&
+              std::none_of(moves.begin(), moves.end(),
+                           [&](const Move &x) { return x.dst_gpu == g && x.dst_slot == s; }))
+            m.src_gpu = g;
+    rt::MoveBatch mb;
+    mb.moves = moves;
+    rt::Ticket t;
+    REQUIRE(c.engine->submit(mb, t).ok());
+    const rt::Status st = t.wait_for(20s);
+    CHECK_MESSAGE(st.ok(), st.to_string());
+    const auto tel = t.telemetry();
+    const transfer::TransferPlan plan = c.engine->last_plan(0);
+    for (std::size_t i = 0; i < moves.size(); ++i) {
+      bool gpu_chunk = false; // planned a chunk over NVLink, which fails: it lands from the mirror
+      for (const transfer::Chunk &ch : plan.chunks)
+        gpu_chunk = gpu_chunk || (ch.move_idx == static_cast<int>(i) && ch.path != transfer::Path::pcie);
+      CHECK_MESSAGE((tel[i].ok && tel[i].fallback == gpu_chunk && tel[i].verify_failures == 0), telemetry_str(tel[i]),
+                    " planned over NVLink: ", gpu_chunk);
+      over_gpu += gpu_chunk;
+    }
+  }
+  CHECK(over_gpu > 10); // the fault did act
+  // Every copy truncated: each verification fails, max_attempts times, and the move fails without a fallback.
+  rt::EngineOptions o;
+  o.verify = true;
+  o.max_attempts = 3;
+  auto faults = std::make_shared<rt::FaultSchedule>();
+  faults->corrupt_probability = 1.0;
+  o.faults = faults;
+  Cluster c = small_cluster(o);
+  const std::vector<Move> moves{{0, host_mirror, 1, 1}, {3, host_mirror, 0, 0}};
+  rt::MoveBatch mb;
+  mb.moves = moves;
+  rt::Ticket t;
+  REQUIRE(c.engine->submit(mb, t).ok());
+  CHECK(t.wait_for(20s).code() == rt::StatusCode::device_error);
+  for (const rt::MoveTelemetry &m : t.telemetry())
+    CHECK_MESSAGE((!m.ok && !m.fallback && m.verify_failures == 3 && !m.verified), telemetry_str(m));
+}
+
+TEST_CASE("split regions: bad registrations are refused naming layer, GPU or node and tensor") {
+  rt::EngineOptions o;
+  o.tensors = {{0, 100}, {100, 40}};
+  o.topology = {1, 2, 2};
+  o.num_experts = 3;
+  std::unique_ptr<rt::TransferEngine> e;
+  REQUIRE(rt::TransferEngine::create(o, e).ok());
+  std::vector<std::byte> a(1000), b(1000);
+  auto slots = [&](std::vector<rt::SlotTensor> t, int buffers = 1) {
+    rt::SlotRegion r;
+    r.num_slots = 2;
+    r.num_buffers = buffers;
+    r.tensors = std::move(t);
+    return r;
+  };
+  auto mirror = [&](std::vector<rt::MirrorTensor> t) {
+    rt::MirrorRegion m;
+    m.num_experts = 3;
+    m.tensors = std::move(t);
+    return m;
+  };
+  auto msg = [](const rt::Status &st) { return st.message(); };
+  auto has = [](const std::string &s, const char *part) {
+    INFO(s);
+    return s.find(part) != std::string::npos;
+  };
+  CHECK(has(msg(e->register_slots(0, 1, slots({{a.data(), 100, 0}}))), "layer 0 GPU 1: 1 tensor regions"));
+  CHECK(has(msg(e->register_slots(0, 1, slots({{a.data(), 100, 0}, {nullptr, 40, 0}}))), "GPU 1 tensor 1: null base"));
+  CHECK(has(msg(e->register_slots(0, 0, slots({{a.data(), 99, 0}, {b.data(), 40, 0}}))),
+            "tensor 0: slot stride 99 is smaller than its 100 bytes"));
+  CHECK(has(msg(e->register_slots(0, 0, slots({{a.data(), 100, 300}, {b.data(), 40, 79}}, 2))),
+            "tensor 1: buffer stride 79 overlaps its 2 slots"));
+  // Tensor 1's rows inside tensor 0's: refused naming both.
+  CHECK(has(msg(e->register_slots(0, 0, slots({{a.data(), 100, 0}, {a.data() + 150, 40, 0}}))),
+            "tensor 0 slot 1 overlaps tensor 1 slot 0"));
+  CHECK(has(msg(e->register_slots(0, 0, slots({{a.data(), 140, 280}, {a.data() + 100, 140, 280}}, 2))), "") ==
+        true); // interleaved rows (a packed layout) are fine...
+  REQUIRE(e->register_slots(0, 0, slots({{a.data(), 140, 280}, {a.data() + 100, 140, 280}}, 2)).ok());
+  // ...but not one buffer of tensor 1 reaching into the other buffer's rows of tensor 0.
+  const std::string reach = msg(e->register_slots(0, 1, slots({{b.data(), 140, 280}, {b.data() + 250, 140, 280}}, 2)));
+  CHECK_MESSAGE(has(reach, "layer 0 GPU 1: tensor"), reach);
+  CHECK_MESSAGE(has(reach, "overlaps tensor"), reach);
+  rt::SlotRegion grads = slots({{a.data(), 100, 0}, {b.data(), 40, 0}});
+  CHECK(has(msg(e->register_grads(0, 0, grads, 100)), "gradient regions are packed"));
+
+  CHECK(has(msg(e->register_mirror(0, 0, mirror({{a.data(), 100}}))), "layer 0 node 0: 1 tensor regions"));
+  CHECK(has(msg(e->register_mirror(0, 0, mirror({{a.data(), 100}, {nullptr, 40}}))), "node 0 tensor 1: null base"));
+  CHECK(has(msg(e->register_mirror(0, 0, mirror({{a.data(), 100}, {b.data(), 39}}))),
+            "tensor 1: expert stride 39 is smaller than its 40 bytes"));
+  CHECK(has(msg(e->register_mirror(0, 0, mirror({{a.data(), 100}, {a.data() + 240, 40}}))),
+            "tensor 0 of expert 2 overlaps tensor 1 of expert 0"));
+  REQUIRE(e->register_mirror(0, 0, mirror({{a.data(), 100}, {a.data() + 300, 40}})).ok());
+}
+
+TEST_CASE("registration is refused while batches of the layer are in flight") {
+  Cluster c = small_cluster();
+  rt::HostEvent free_ev;
+  const std::vector<Move> moves{{0, 0, 1, 1}};
+  rt::MoveBatch mb;
+  mb.moves = moves;
+  mb.slots_free.host = &free_ev;
+  rt::Ticket t;
+  REQUIRE(c.engine->submit(mb, t).ok());
+  const rt::SlotRegion r{c.slot_ptr(0, 1, 0, 0), c.slot_stride, 2, 1, 0};
+  CHECK(c.engine->register_slots(0, 1, r).message().find("layer 0 has batches in flight") != std::string::npos);
+  CHECK(c.engine->register_mirror(0, 0, {c.mirror_mem[0].data(), c.slot_stride, 4}).message().find("in flight") !=
+        std::string::npos);
+  free_ev.set();
+  REQUIRE(t.wait_for(10s).ok());
+  CHECK(c.engine->register_slots(0, 1, r).ok());
+}

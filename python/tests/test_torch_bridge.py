@@ -185,6 +185,85 @@ def dead_peer_rank(rank, tmp):
         json.dump(out, f)
 
 
+KINDS = [(torch.float32, (500,)), (torch.bfloat16, (3, 492))]  # per-kind rows of 2000 and 2952 bytes
+
+
+def split_rank(rank, tmp):
+    """Two ranks, per-kind slot tensors and per-kind mirror views inside one node-shared segment, under injected
+    faults with verification: every move lands exact bytes or fails cleanly, and receivers whose paired transfer
+    failed (or did not verify) land from the node's mirror, which telemetry reports as ``fallback``."""
+    from foremoe import _core
+
+    tc.init_group(rank, 2, tmp)
+    E, L = 4, 12  # one layer per batch: every placement is declared before any batch runs
+    sizes = [int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size() for dtype, shape in KINDS]
+    ref = [np.random.default_rng(k).integers(0, 256, (E, n), dtype=np.uint8) for k, n in enumerate(sizes)]
+    offsets = [0, (E * sizes[0] + 63) // 64 * 64]
+    payload = offsets[1] + E * sizes[1]
+    key = f"split-{os.path.basename(tmp)}"
+    if rank == 0:
+        seg = _core.NodeMirror.create(key, 0, 0, payload)
+        seg.begin_refresh()
+        seg.array()[:] = 0
+        for k in range(2):
+            seg.array()[offsets[k]:offsets[k] + E * sizes[k]] = ref[k].reshape(-1)
+        seg.end_refresh()
+    dist.barrier()
+    if rank == 1:
+        seg = _core.NodeMirror.open(key, 0, 0, payload)
+    dist.barrier()
+    if rank == 0:
+        seg.unlink()
+    base = torch.from_numpy(seg.array())
+    views = [base[o:o + E * n].view(dtype).view((E,) + shape) for o, n, (dtype, shape) in zip(offsets, sizes, KINDS)]
+    faults = fe.FaultSchedule(fail_probability=0.08, corrupt_probability=0.08, seed=17)
+    eng = fe.TransferEngine(topology=foremoe.Topology(1, 2, SLOTS), num_layers=L, num_experts=E, tensors=sizes,
+                            verify=True, max_attempts=3, max_chunk_bytes=1024, align_bytes=256, faults=faults,
+                            group=dist.group.WORLD, bridge_timeout=30.0)
+    resident = np.array([[0, 1, -1], [2, 3, -1]], dtype=np.int32)
+    slots = []
+    for layer in range(L):
+        mine = [torch.zeros((SLOTS,) + shape, dtype=dtype) for dtype, shape in KINDS]
+        for s, e in enumerate(resident[rank]):
+            for k, t in enumerate(mine):
+                if e >= 0:
+                    t[s].view(torch.uint8).view(-1)[:] = torch.from_numpy(ref[k][e])
+        eng.register_slots(layer, rank, mine)
+        eng.register_mirror(layer, 0, views, node_mirror=seg)
+        eng.set_resident(layer, resident)
+        slots.append(mine)
+    moves = np.array([[2, 1, 0, 2], [0, 0, 1, 2], [3, 1, 0, 1]], dtype=np.int32)  # over the group both ways
+    tickets = [eng.submit(moves, layer, timeout=30.0) for layer in range(L)]
+    counts = torch.zeros(4, dtype=torch.int64)  # landed here, fallbacks, verify failures, failed moves
+    for layer, t in enumerate(tickets):
+        try:
+            t.wait(timeout=60.0)
+        except fe.TransferError as e:
+            assert e.code == "device_error", str(e)
+        for (e, _, g, s), m in zip(moves.tolist(), t.telemetry()):
+            if g != rank:
+                assert m["remote"] and not m["fallback"] and m["verify_failures"] == 0, m
+                continue
+            if m["ok"]:
+                counts[0] += 1
+                for k, tk in enumerate(slots[layer]):
+                    got = np.from_dlpack(tk[s].view(torch.uint8).reshape(-1))
+                    assert np.array_equal(got, ref[k][e]), f"rank {rank} layer {layer} slot {s} kind {k}"
+                assert eng.valid_expert(layer, g, s) == e
+            else:
+                counts[3] += 1
+                assert eng.valid_expert(layer, g, s) != e
+            assert not m["fallback"] or m["ok"], m
+            counts[1] += int(m["fallback"])
+            counts[2] += m["verify_failures"]
+    eng.close()
+    dist.all_reduce(counts)
+    with open(f"{tmp}/rank{rank}.json", "w") as f:
+        json.dump(counts.tolist(), f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _raises(t, kind):
     try:
         t.wait(timeout=10.0)
@@ -219,3 +298,10 @@ def test_dead_peer_fails_before_the_deadline(tmp_path):
     assert r0["code"] == "device_error", r0
     assert "GPU 1" in r0["error"] and "rank 1" in r0["error"], r0["error"]
     assert r0["seconds"] < 30.0  # not the 60 s deadline
+
+
+def test_per_kind_tensors_over_the_group_fall_back_to_the_node_mirror(tmp_path):
+    tc.run_ranks(split_rank, 2, (str(tmp_path),), str(tmp_path), timeout=240.0)
+    landed, fallbacks, verify_failures, failed = json.loads((tmp_path / "rank0.json").read_text())
+    assert landed > 0 and fallbacks > 0, (landed, fallbacks, verify_failures, failed)
+    assert verify_failures > 0, "no received copy was corrupted: the fault proved nothing"

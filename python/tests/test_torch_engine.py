@@ -490,3 +490,131 @@ def test_paired_only_faults_spare_a_process_own_copies(paired_only):
         with pytest.raises(fe.TransferError, match="failed on every path"):
             t.wait(timeout=10.0)
         assert c.engine.valid_expert(0, 1, 1) == -1 and c.engine.valid_expert(0, 0, 0) == -1
+
+
+# -- split (per-kind) regions: one tensor per weight kind, as ExpertStorage keeps them -------------------------------
+
+KINDS = [(torch.float32, (370,)), (torch.bfloat16, (2, 500)), (torch.uint8, (9,))]  # row bytes 1480, 2000, 9
+
+
+def kind_bytes(dtype, shape):
+    return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+def put_row(t, index, data):
+    """Writes NumPy bytes `data` into row `index` of tensor `t` (any dtype and row shape)."""
+    t[index].view(torch.uint8).view(-1)[:] = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+
+
+@pytest.mark.parametrize("num_buffers", [1, 2])
+def test_per_kind_tensor_lists_land_the_bytes_a_reference_says(num_buffers):
+    topo, E = foremoe.Topology(2, 2, 2), 6
+    G, S = topo.num_gpus, topo.slots
+    rng = np.random.default_rng(num_buffers)
+    sizes = [kind_bytes(d, s) for d, s in KINDS]
+    ref = [rng.integers(0, 256, (E, n), dtype=np.uint8) for n in sizes]  # per kind: each expert's bytes
+    buf = (2,) if num_buffers == 2 else ()
+    slots = [[torch.full(buf + (S,) + shape, 0, dtype=dtype) for dtype, shape in KINDS] for _ in range(G)]
+    for g in range(G):
+        for t in slots[g]:
+            t.view(torch.uint8).fill_(FILL)
+    mirrors = [[torch.empty((E,) + shape, dtype=dtype) for dtype, shape in KINDS] for _ in range(topo.nodes)]
+    for n in range(topo.nodes):
+        for k, t in enumerate(mirrors[n]):
+            for e in range(E):
+                put_row(t, e, ref[k][e])
+    # Bare sizes: the kinds back to back (their offsets are not used by split regions).
+    eng = fe.TransferEngine(topology=topo, num_experts=E, tensors=sizes, verify=True, max_chunk_bytes=256,
+                            align_bytes=64, faults=fe.FaultSchedule(fail_paths=["nvlink"], seed=3))
+    assert eng.options.tensors == [(0, 1480), (1480, 2000), (3480, 9)]
+    for g in range(G):
+        eng.register_slots(0, g, slots[g], num_buffers=num_buffers)
+    for n in range(topo.nodes):
+        eng.register_mirror(0, n, tuple(mirrors[n]))
+
+    def holds(g, s, e, b=0):
+        return all(np.array_equal(byte_view(t[(b, s) if num_buffers == 2 else s].contiguous()).reshape(-1),
+                                  ref[k][e]) for k, t in enumerate(slots[g]))
+
+    resident = np.array([[0, 1], [2, -1], [3, 4], [-1, 5]], dtype=np.int32)
+    for g in range(G):
+        for s in range(S):
+            if resident[g, s] >= 0:
+                for k, t in enumerate(slots[g]):
+                    put_row(t, (0, s) if num_buffers == 2 else s, ref[k][resident[g, s]])
+    eng.set_resident(0, resident)
+    moves = np.array([[5, 3, 0, 1], [0, 0, 1, 1], [1, 0, 3, 0], [4, 2, 1, 0]], dtype=np.int32)
+    dst_buffer = num_buffers - 1
+    t = eng.submit(moves, 0, dst_buffer=dst_buffer)
+    t.wait(timeout=30.0)
+    tel = t.telemetry()
+    for (e, _, g, s), m in zip(moves.tolist(), tel):
+        assert m["ok"] and m["verified"] and m["verify_failures"] == 0, m
+        assert holds(g, s, e, dst_buffer), f"GPU {g} slot {s}: wrong bytes for expert {e}"
+        assert eng.valid_expert(0, g, s) == e
+        # NVLink is down and nothing else fails: a move retried had a chunk over NVLink first, which then landed
+        # from the mirror, and says so.
+        assert m["fallback"] == (m["attempts"] > m["num_chunks"]), m
+    assert eng.last_plan(0)["path_bytes"]["nvlink"] > 0
+    assert any(m["fallback"] for m in tel), "no move went over NVLink first: the fault proved nothing"
+    for g in range(G):  # untouched slots keep their bytes (and the other buffer its old copy)
+        for s in range(S):
+            if resident[g, s] >= 0 and not any(mv[2] == g and mv[3] == s for mv in moves.tolist()):
+                assert holds(g, s, int(resident[g, s]))
+
+
+def test_per_kind_mirror_views_inside_a_node_segment():
+    import os
+
+    from foremoe import _core
+
+    topo, E = foremoe.Topology(1, 2, 2), 3
+    sizes = [kind_bytes(d, s) for d, s in KINDS]
+    offsets, off = [], 0
+    for n in sizes:  # one 64-byte aligned block per kind, as foremoe.torch's node mirror lays them out
+        offsets.append(off)
+        off = (off + E * n + 63) // 64 * 64
+    seg = _core.NodeMirror.create(f"split-{os.getpid()}", 0, 0, offsets[-1] + E * sizes[-1])
+    seg.unlink()
+    base = torch.from_numpy(seg.array())
+    views = [base[o:o + E * n].view(dtype).view((E,) + shape) for o, n, (dtype, shape) in zip(offsets, sizes, KINDS)]
+    seg.begin_refresh()
+    for k, v in enumerate(views):
+        for e in range(E):
+            v[e].view(torch.uint8).fill_(e * 10 + k + 1)
+    seg.end_refresh()
+    eng = fe.TransferEngine(topology=topo, num_experts=E, tensors=sizes)
+    slots = [[torch.zeros((2,) + shape, dtype=dtype) for dtype, shape in KINDS] for _ in range(2)]
+    for g in range(2):
+        eng.register_slots(0, g, slots[g])
+    other = [torch.zeros((E,) + shape, dtype=dtype) for dtype, shape in KINDS]
+    with pytest.raises(ValueError, match="tensor 0: .*do not fit node mirror"):
+        eng.register_mirror(0, 0, other, node_mirror=seg)
+    with pytest.raises(ValueError, match="3 tensors given, the engine has 3|2 tensors given, the engine has 3"):
+        eng.register_mirror(0, 0, views[:2], node_mirror=seg)
+    with pytest.raises(ValueError, match="node_mirror must be"):
+        eng.register_mirror(0, 0, views, node_mirror=base)
+    eng.register_mirror(0, 0, views, node_mirror=seg)
+    resident = np.array([[-1, -1], [1, -1]], dtype=np.int32)
+    for k in range(len(KINDS)):
+        slots[1][k][0].view(torch.uint8).fill_(1 * 10 + k + 1)
+
+    def move(expert):
+        for t in slots[0]:
+            t.zero_()
+        eng.set_resident(0, resident)
+        eng.submit(np.array([[expert, -1, 0, 0]]), 0).wait()
+
+    def landed(expert):
+        return all(bool((t[0].view(torch.uint8) == expert * 10 + k + 1).all()) for k, t in enumerate(slots[0]))
+
+    move(2)
+    assert landed(2)
+    seg.begin_refresh()  # stale: only GPU sources
+    with pytest.raises(ValueError, match="no source|mirror"):
+        move(2)
+    move(1)
+    assert landed(1)
+    seg.end_refresh()
+    move(2)
+    assert landed(2)

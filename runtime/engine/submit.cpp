@@ -98,6 +98,7 @@ Status EngineImpl::submit(const MoveBatch &b, Ticket &out, std::shared_ptr<Ticke
                    " but has no registered slots");
     for (const Move &m : b.moves)
       if (local_[m.dst_gpu]) t->touched.push_back(m.dst_gpu * slots + m.dst_slot);
+    std::sort(t->touched.begin(), t->touched.end()); // searched below: a retry source is never a slot it writes
     t->moves.resize(b.moves.size());
     for (std::size_t i = 0; i < b.moves.size(); ++i) {
       MoveRun &mr = t->moves[i];
@@ -118,7 +119,6 @@ Status EngineImpl::submit(const MoveBatch &b, Ticket &out, std::shared_ptr<Ticke
       mr.gpu_src_slot = best_slot;
       if (best >= 0) t->reads.push_back(best * slots + best_slot);
     }
-    std::sort(t->touched.begin(), t->touched.end());
     t->chunks.reserve(t->plan.chunks.size());
     for (const transfer::Chunk &c : t->plan.chunks) {
       t->moves[c.move_idx].chunk_idx.push_back(static_cast<int>(t->chunks.size()));
