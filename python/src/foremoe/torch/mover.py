@@ -20,7 +20,6 @@ spare rows, into which :meth:`ExpertStorage.prefetch` lands its moves until the 
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
@@ -34,9 +33,10 @@ from .engine import TransferEngine, TransferError
 
 __all__ = ["EngineMover", "engine_rows"]
 
-# This process's engines made so far: each storage's engine takes its own tag space on the group (agreed by every
-# rank at creation), so that the batches of several layers in flight at once never pair across engines.
-_made = itertools.count()
+# The next tag space this process may give an engine: each storage's engine takes its own on the group (the largest
+# of every rank's, agreed at creation, after which every rank moves past it), so that the batches of several layers
+# in flight at once never pair across engines.
+_next_space = [0]
 
 
 def engine_rows(slots: int, num_owned_by: np.ndarray, double_buffer: bool) -> Tuple[int, int]:
@@ -54,8 +54,9 @@ class EngineMover:
 
     def __init__(self, storage: Any, group: Any, timeout: float) -> None:
         pg = group if group is not None else dist.group.WORLD
-        mine = torch.tensor([next(_made)], dtype=torch.int64)
+        mine = torch.tensor([_next_space[0]], dtype=torch.int64)
         space = int(gather_rows(mine, pg, timeout, "ExpertStorage: the transfer engine's tag space").max())
+        _next_space[0] = space + 1
         st = storage
         self.rank, self.world = st.rank, st.world
         self.faults, self.verify = st.faults, st.verify
