@@ -11,6 +11,8 @@ if not torch.distributed.is_available() or not torch.distributed.is_gloo_availab
 
 import torch_moe_cases as tc  # noqa: E402
 
+import foremoe.torch as ft  # noqa: E402
+
 G2 = tc.Case(world=2, experts=16, topk=2, hidden=32, ffn=32, dtype="float64", seed=31, spare=2)
 G4 = tc.Case(world=4, experts=32, topk=4, hidden=16, ffn=24, nodes=2, dtype="float32", seed=32, spare=2)
 RUNS = {
@@ -19,6 +21,7 @@ RUNS = {
     "engine_node": dict(mirror="node", local_world=2, double_buffer=True, prefetch="before_backward", lag=True),
     "python_node": dict(mirror="node", local_world=2, double_buffer=True, prefetch="before_backward", lag=True,
                         mover="python"),
+    "engine_closed": dict(mirror=True, close=True),
     "engine_faults": dict(mirror=True, faults=dict(seed=9, fail_probability=0.2, corrupt_probability=0.6,
                                                    paired_only=True)),
 }
@@ -71,3 +74,21 @@ def test_engine_faults_fall_back_exactly(name, tmp_path_factory):
     faults, fallbacks = sum(s["faults"] for s in syncs), sum(s["fallbacks"] for s in syncs)
     assert faults > 0 and fallbacks == faults, syncs
     assert sum(s["verify_failures"] for s in syncs) > 0, syncs
+
+
+@pytest.mark.parametrize("name", ["g2", "g4"])
+def test_closing_the_engine_between_steps_changes_nothing(name, tmp_path_factory):
+    got = ranks_of(name, tmp_path_factory)
+    assert not any(rec["errors"] for rec in got["engine_closed"])
+    assert_bitwise(got["engine_closed"], got["engine"], "closed")
+
+
+def test_close_is_refused_while_prefetched_moves_wait():
+    full = {"w": torch.zeros(4, 3)}
+    st = ft.ExpertStorage.from_full(full, [0, 0, 1, 1], 3, rank=0, world=2)
+    assert st.mover_kind == "engine"
+    st._pending = {"layer": 5}  # what prefetch() leaves for the layer's next call
+    with pytest.raises(ValueError, match="layer 5 has prefetched moves in flight"):
+        st.close()
+    st._pending = None
+    st.close()  # no engine yet: nothing to end

@@ -245,6 +245,9 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
         optimizer_step(rec, opt, layer)
         if mirror and s not in opts.get("skip_refresh", ()):
             layer.refresh_mirror()
+        if opts.get("close"):  # the storage's engine ends; the next sync with moves makes a new one
+            layer.storage.close()
+            assert layer.storage._mover is None
     mover = layer.storage._mover
     rec["mover"] = layer.storage.mover_kind
     rec["engine_batches"] = 0 if mover is None else int(mover.engine.stats()["batches"])

@@ -619,6 +619,17 @@ class ExpertStorage:
                          f"moves are dropped and every replica is re-sent at the next call (prefetch the plan of the "
                          f"call that comes next on this layer)")
 
+    def close(self) -> None:
+        """Ends this storage's transfer engine (CPU storage), e.g. before ``destroy_process_group``: its threads and
+        its exchanges over the group end; a later sync with moves makes a new one (every rank again). Refused while
+        prefetched moves wait for their call (call the layer, or :meth:`drop_prefetch` on every rank, first)."""
+        if self._pending is not None:
+            raise ValueError(f"ExpertStorage.close: layer {self._pending['layer']} has prefetched moves in flight; call "
+                             f"the layer or drop_prefetch() on every rank first")
+        mover, self._mover = self._mover, None
+        if mover is not None:
+            mover.close()
+
     def drop_prefetch(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Waits for prefetched moves (within ``timeout``) and discards them; every replica is re-sent at the next
         sync. Every rank calls it together (they are the other ranks' sends)."""
