@@ -95,9 +95,13 @@ class SyncStats:
     bytes_moved: int  # their bytes, all ranks
     reused: int  # replicas the plan wants that were already resident and current
     refreshed_owners: Tuple[int, ...]  # ranks whose owner weights changed since the last sync
-    faults: int = 0  # received moves the fault injector dropped, corrupted or made late, all ranks
-    verify_failures: int = 0  # received rows whose checksum did not match, all ranks
-    fallbacks: int = 0  # failed moves replaced by a copy from the receiver's host mirror, all ranks
+    # All ranks. faults: received moves that needed another copy (on the engine: a copy failed or did not verify
+    # and was retried; on the Python moves: dropped, corrupted or made late by the injector); verify_failures:
+    # received copies whose checksum did not match; fallbacks: moves that landed from the receiver's host mirror
+    # after a failed copy.
+    faults: int = 0
+    verify_failures: int = 0
+    fallbacks: int = 0
     prefetched: int = 0  # moves of this sync posted ahead by ExpertStorage.prefetch, all ranks
 
 
