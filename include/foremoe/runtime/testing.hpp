@@ -24,11 +24,12 @@ struct FaultSchedule {
   double delay_probability = 0.0;   ///< the copy is held back by `delay_us`
   int delay_us = 0;
   bool fail_path[transfer::num_paths] = {false, false, false}; ///< every copy over this path fails
+  std::uint64_t seed = 0;
   /// The probabilities act only on paired transfers with other processes (the bytes that cross between ranks),
   /// never on a process's own copies (from its node's host mirror, between its own GPUs): the schedule of a
-  /// trainer whose network fails while its host memory does not (foremoe.torch's replica moves).
+  /// trainer whose network fails while its host memory does not (foremoe.torch's replica moves). Last, so that
+  /// aggregate initialisers written before it keep their meaning.
   bool paired_only = false;
-  std::uint64_t seed = 0;
 };
 
 /// The injector's decisions about one operation, each drawn on its own.
