@@ -1030,3 +1030,71 @@ TEST_CASE("a2a_volumes_from_routes: the per-rank hit counts give the token-by-to
     CHECK(got.nvl_peers == want.nvl_peers);
   }
 }
+
+TEST_CASE("a2a_volumes_from_routes and its oracle refuse bad input alike, naming the first bad value") {
+  // Random instances with up to two defects among those the shared checks (`detail::check_route_args`, then the
+  // slots) find, in their order: the shape, whole tokens, the offsets' ends, decreasing offsets, a slot outside
+  // [-1, slots). Both functions throw the message of the first defect, listed here by hand, or both succeed.
+  std::mt19937_64 rng(0xc4ec);
+  const int rounds = 400 * foremoe_test::seed_multiplier();
+  for (int round = 0; round < rounds; ++round) {
+    CAPTURE(round);
+    int P = 1 + static_cast<int>(rng() % 4), N = 1 + static_cast<int>(rng() % (round % 4 == 0 ? 20 : 4));
+    int G = N * P, S = 1 + static_cast<int>(rng() % 3), k = 1 + static_cast<int>(rng() % 4);
+    std::vector<std::int64_t> offsets(1, 0);
+    for (int r = 0; r < G; ++r)
+      offsets.push_back(offsets.back() + static_cast<std::int64_t>(rng() % 6));
+    std::vector<std::int32_t> slots(static_cast<std::size_t>(offsets.back()) * k);
+    for (auto &p : slots)
+      p = rng() % 5 == 0 ? -1 : static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(G * S));
+    for (int defects = static_cast<int>(rng() % 3); defects > 0; --defects)
+      switch (rng() % 6) {
+      case 0: (rng() % 2 == 0 ? k : S) = 0; break;
+      case 1: P = G + 1; break;
+      case 2: slots.push_back(0); break;
+      case 3: offsets[rng() % offsets.size()] += 1 + static_cast<std::int64_t>(rng() % 3); break;
+      case 4:
+        if (G > 1) { // inside the ends: only the order breaks
+          const std::size_t r = 1 + rng() % static_cast<std::size_t>(G - 1);
+          offsets[r] = offsets[r + 1] + 1;
+        }
+        break;
+      default:
+        if (!slots.empty()) slots[rng() % slots.size()] = rng() % 2 == 0 ? -2 : G * S + static_cast<int>(rng() % 3);
+      }
+    // The first defect, by hand.
+    std::string want;
+    const std::int64_t T = k > 0 ? static_cast<std::int64_t>(slots.size()) / k : 0;
+    if (k <= 0 || S <= 0 || G % P != 0) {
+      want = "top-" + std::to_string(k) + ", " + std::to_string(S) + " slots per GPU";
+    } else if (slots.size() % static_cast<std::size_t>(k) != 0) {
+      want = "routes are not whole tokens of top-" + std::to_string(k);
+    } else if (offsets.size() != static_cast<std::size_t>(G) + 1 || offsets.front() != 0 || offsets.back() != T) {
+      want = "source offsets must run from 0 to " + std::to_string(T);
+    } else {
+      for (int r = 0; r < G && want.empty(); ++r)
+        if (offsets[r + 1] < offsets[r]) want = "source offsets decrease at " + std::to_string(r);
+      for (std::size_t x = 0; x < slots.size() && want.empty(); ++x)
+        if (slots[x] < -1 || slots[x] >= G * S)
+          want = "token " + std::to_string(x / k) + " k " + std::to_string(x % k) + " goes to slot " +
+                 std::to_string(slots[x]) + " of " + std::to_string(G * S);
+    }
+    CAPTURE(want);
+    const std::string got = error_of([&] { (void)a2a_volumes_from_routes(slots, k, S, P, G, offsets); });
+    const std::string oracle =
+        error_of([&] { (void)detail::a2a_volumes_from_routes_marks(slots, k, S, P, G, offsets); });
+    CHECK(got == oracle);
+    if (want.empty())
+      CHECK(got.empty());
+    else
+      CHECK(got.find(want) != std::string::npos);
+  }
+  // The working-cell bounds differ (hit counts for the function, peer cells for its oracle), each named.
+  const std::vector<std::int64_t> zeros(40001, 0);
+  CHECK(error_of([&] {
+          (void)a2a_volumes_from_routes({}, 1, 1, 1, 40000, zeros);
+        }).find("40000 GPUs x 80000 hit counts exceed 1e9") != std::string::npos);
+  CHECK(error_of([&] {
+          (void)detail::a2a_volumes_from_routes_marks({}, 1, 1, 1, 40000, zeros);
+        }).find("40000 GPUs x 40001 peer cells exceed 1e9") != std::string::npos);
+}

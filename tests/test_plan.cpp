@@ -351,6 +351,56 @@ TEST_CASE("validate catches every broken invariant") {
   CHECK_THROWS_AS(validate(bad, loads, &resident), Error);
 }
 
+TEST_CASE("readable_copy: a copy on the GPU in a slot no move writes, against the slots listed by hand") {
+  std::mt19937_64 rng(0x4eadc0);
+  for (int it = 0; it < 200 * foremoe_test::seed_multiplier(); ++it) {
+    const int G = 1 + int(rng() % 6), S = 1 + int(rng() % 5), E = 1 + int(rng() % 12);
+    LayerPlacement base(G, S, E);
+    for (int g = 0; g < G; ++g)
+      for (int s = 0; s < S; ++s)
+        base.slot(g, s) = rng() % 4 == 0 ? empty_slot : std::int32_t(rng() % std::uint64_t(E)); // repeats too
+    std::vector<char> written(std::size_t(G) * std::size_t(S), 0);
+    for (auto &w : written)
+      w = rng() % 3 == 0 ? 1 : 0;
+    // By hand: the (GPU, expert) pairs of every slot, and of every slot the moves leave alone.
+    std::vector<char> held(std::size_t(G) * std::size_t(E), 0), kept = held;
+    for (int q = 0; q < G * S; ++q)
+      if (const std::int32_t e = base.phys_to_log()[std::size_t(q)]; e != empty_slot) {
+        held[std::size_t(q / S) * std::size_t(E) + std::size_t(e)] = 1;
+        if (!written[std::size_t(q)]) kept[std::size_t(q / S) * std::size_t(E) + std::size_t(e)] = 1;
+      }
+    for (int g = 0; g < G; ++g)
+      for (int e = 0; e < E; ++e) {
+        CHECK(detail::readable_copy(base, e, g, written) ==
+              bool(kept[std::size_t(g) * std::size_t(E) + std::size_t(e)]));
+        CHECK(detail::readable_copy(base, e, g) == bool(held[std::size_t(g) * std::size_t(E) + std::size_t(e)]));
+      }
+  }
+  // Validation refuses a move whose source copy another move of the batch overwrites: GPU 1's replica of expert 0
+  // is replaced by expert 2 while it is read for GPU 2's new copy of expert 0; read from the owner, it is fine.
+  LayerPlacement resident(3, 2, 3);
+  resident.slot(0, 0) = 0;
+  resident.slot(1, 0) = 1;
+  resident.slot(1, 1) = 0;
+  resident.slot(2, 0) = 2;
+  LayerPlan lp;
+  lp.placement = LayerPlacement(3, 2, 3);
+  lp.placement.slot(0, 0) = 0;
+  lp.placement.slot(1, 0) = 1;
+  lp.placement.slot(1, 1) = 2;
+  lp.placement.slot(2, 0) = 2;
+  lp.placement.slot(2, 1) = 0;
+  lp.owner_gpu = {0, 1, 2};
+  lp.slot_tokens = {1, 0, 2, 1, 1, 1};
+  lp.max_gpu_load = 3;
+  lp.moves = {{2, 2, 1, 1}, {0, 0, 2, 1}};
+  const std::vector<std::int64_t> loads{2, 2, 2};
+  REQUIRE_NOTHROW(validate(lp, loads, &resident));
+  lp.moves[1].src_gpu = 1;
+  CHECK_ERROR_CONTAINS(validate(lp, loads, &resident),
+                       "move 1 reads expert 0 from GPU 1, whose copy a move of the same micro-step overwrites");
+}
+
 TEST_CASE("EPLB re-implementation: hand-checked cases") {
   SUBCASE("replicate_experts gives copies by max load per copy") {
     const std::vector<double> w{10, 6, 1};

@@ -1,7 +1,8 @@
 // Traffic-aware owners (plan/traffic.hpp): the co-activation count against a direct count, the owner maps' rules
 // (one owner per expert, every GPU its starting count, node loads within the tolerance, the cut never above the
 // start's) on random instances, the remote node hits on instances with planted co-activation clusters, and bad
-// input.
+// input; `traffic_step_owners` (one RL step's owners, shared by `plan --ids` and the simulator) against its steps
+// done by hand.
 
 #include <doctest/doctest.h>
 
@@ -13,7 +14,9 @@
 #include <vector>
 
 #include "foremoe/core/error.hpp"
+#include "foremoe/core/load_tensor.hpp"
 #include "foremoe/plan/owners.hpp"
+#include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/token_map.hpp"
 #include "foremoe/plan/traffic.hpp"
 #include "test_support.hpp"
@@ -222,6 +225,54 @@ TEST_CASE("traffic_aware_owners cuts remote node hits on planted co-activation c
   }
   MESSAGE("planted clusters: remote node hits over the planted placement's, mean ", sum_start / runs,
           " (load-only) -> ", sum_got / runs, " (traffic-aware)");
+}
+
+TEST_CASE("traffic_step_owners: the step's totals summed by hand, the planner's owners of them, improved for traffic") {
+  std::mt19937_64 rng(0x5732);
+  for (int it = 0; it < 40 * foremoe_test::seed_multiplier(); ++it) {
+    const int nodes = 1 + int(rng() % 4), gpn = 1 + int(rng() % 3), G = nodes * gpn;
+    const int experts = 2 + int(rng() % 30), layers = 1 + int(rng() % 3), M = 1 + int(rng() % 4);
+    const Topology topo{nodes, gpn, (experts + G - 1) / G + int(rng() % 2)};
+    const Planner planner(layers, experts, topo);
+    std::vector<std::int64_t> counts(std::size_t(M) * std::size_t(layers) * std::size_t(experts));
+    for (auto &c : counts)
+      c = rng() % 5 == 0 ? 0 : std::int64_t(rng() % 200);
+    const LoadTensor step = LoadTensor::from_counts(counts, M, layers, experts);
+    const Ids in = random_ids(rng, 20 + std::int64_t(rng() % 200), layers, 1 + int(rng() % std::min(6, experts)),
+                              experts, rng() % 2 == 0 ? std::min(nodes, experts) : 0, 0.8, rng() % 3 == 0);
+    const CoActivation co = count_coactivation(in.view(), experts);
+    TrafficSettings settings;
+    settings.aware = true;
+    settings.tolerance = 1.0 + double(rng() % 30) / 100.0;
+    // Previous owners (kept where the planner's tolerance allows) half the time: those of other random totals.
+    OwnerMap previous;
+    if (rng() % 2 == 0) {
+      std::vector<std::int64_t> other(std::size_t(layers) * std::size_t(experts));
+      for (auto &c : other)
+        c = std::int64_t(rng() % 300);
+      previous = planner.plan_owners(other);
+    }
+    const TrafficStepOwners got = traffic_step_owners(planner, step, co, settings, previous);
+    std::vector<std::int64_t> totals(std::size_t(layers) * std::size_t(experts), 0);
+    for (int m = 0; m < M; ++m)
+      for (std::size_t i = 0; i < totals.size(); ++i)
+        totals[i] += counts[std::size_t(m) * totals.size() + i];
+    CHECK(got.totals == totals);
+    CHECK(got.start == planner.plan_owners(totals, previous));
+    TrafficOptions opts;
+    opts.node_tolerance = settings.tolerance;
+    CHECK(got.owners == traffic_aware_owners(totals, co, planner.topology(), got.start, opts));
+    REQUIRE(static_cast<int>(got.owners.size()) == layers);
+    for (int l = 0; l < layers; ++l) {
+      std::vector<int> count_start(std::size_t(G), 0), count_got = count_start;
+      for (int e = 0; e < experts; ++e) {
+        ++count_start[std::size_t(got.start[l][e])];
+        ++count_got[std::size_t(got.owners[l][e])];
+      }
+      CHECK(count_got == count_start);
+      CHECK(coactivation_cut(co, l, got.owners[l], topo) <= coactivation_cut(co, l, got.start[l], topo));
+    }
+  }
 }
 
 TEST_CASE("traffic-aware owners refuse bad input, naming the value") {

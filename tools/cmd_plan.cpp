@@ -383,7 +383,8 @@ double worst_node_ratio(const Planner::OwnerMap &owners, std::span<const std::in
 }
 
 /// `--traffic-aware`: the step's co-activation counted from the packed ids (about `s.tokens` of them; 0: all), the
-/// load-only owners improved by `traffic_aware_owners`, then every micro-step planned under them.
+/// load-only owners improved by `traffic_aware_owners` (`traffic_step_owners`), then every micro-step planned under
+/// them.
 StepPlan plan_traffic_aware(Planner &planner, const LoadTensor &loads, const PackedBatch &b, const TrafficSettings &s,
                             const Placement *resident, Stage stage, TrafficReport &r) {
   using clock = std::chrono::steady_clock;
@@ -396,17 +397,15 @@ StepPlan plan_traffic_aware(Planner &planner, const LoadTensor &loads, const Pac
   r.counted_tokens = (view.num_tokens() + every - 1) / every;
   r.count_seconds = std::chrono::duration<double>(clock::now() - t).count();
   t = clock::now();
-  const std::vector<std::int64_t> totals = planner.sum_steps(loads);
-  const Planner::OwnerMap start = planner.plan_owners(totals);
-  Planner::OwnerMap owners = traffic_aware_owners(totals, co, topo, start, s.options());
+  TrafficStepOwners o = traffic_step_owners(planner, loads, co, s);
   r.owner_seconds = std::chrono::duration<double>(clock::now() - t).count();
   for (int l = 0; l < co.num_layers; ++l) {
-    r.cut_before += coactivation_cut(co, l, start[static_cast<std::size_t>(l)], topo);
-    r.cut_after += coactivation_cut(co, l, owners[static_cast<std::size_t>(l)], topo);
+    r.cut_before += coactivation_cut(co, l, o.start[static_cast<std::size_t>(l)], topo);
+    r.cut_after += coactivation_cut(co, l, o.owners[static_cast<std::size_t>(l)], topo);
   }
-  r.node_ratio_before = worst_node_ratio(start, totals, topo);
-  r.node_ratio_after = worst_node_ratio(owners, totals, topo);
-  return planner.plan_step_with_owners(loads, std::move(owners), resident, stage);
+  r.node_ratio_before = worst_node_ratio(o.start, o.totals, topo);
+  r.node_ratio_after = worst_node_ratio(o.owners, o.totals, topo);
+  return planner.plan_step_with_owners(loads, std::move(o.owners), resident, stage);
 }
 
 Command make_plan() {

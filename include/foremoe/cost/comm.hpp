@@ -249,17 +249,16 @@ struct A2aVolumes {
 
 namespace detail {
 
-/// The first version of `a2a_volumes_from_routes`, kept as its test oracle and bench baseline (`tests/test_cost.cpp`,
-/// `bench/bench_count.cpp`): it marks every token's GPUs and nodes and scatters its counts token by token.
-/// Volumes counted from the routes themselves: `slots` is `[tokens][topk]` physical slots (`gpu * slots_per_gpu +
-/// slot`, -1 for no route) and `source_offsets` (`[num_gpus + 1]`) groups the tokens by the rank that holds them.
-/// Each token counts the distinct nodes and GPUs its routes reach, so co-activated experts and a token map that
-/// keeps a token's copies together show as they are. Throws `Error` for inconsistent sizes, a slot outside the
-/// GPUs or malformed offsets. O(tokens x topk) plus O(num_gpus x (nodes + gpus_per_node)) for the peers.
-[[nodiscard]] inline A2aVolumes a2a_volumes_from_routes_marks(std::span<const std::int32_t> slots, int topk,
-                                                              int slots_per_gpu, int gpus_per_node, int num_gpus,
-                                                              std::span<const std::int64_t> source_offsets) {
-  using detail::require;
+/// The working cells `check_route_args` bounds: `hits` (`a2a_volumes_from_routes`, `[gpus][gpus + nodes]` hit counts)
+/// or `peers` (`a2a_volumes_from_routes_marks`, `[gpus][nodes + gpus_per_node]` peer marks).
+enum class RouteCells { hits, peers };
+
+/// The argument checks of `a2a_volumes_from_routes` and its oracle, in this order: the shape (top-k, slots per GPU,
+/// whole nodes), whole tokens of top-k, the source offsets running from 0 to the token count over `num_gpus` ranks,
+/// the working cells (`cells`) at most 1e9, the source offsets never decreasing. The slots themselves are checked
+/// by `check_route_slots` or as they are read (`fail_route_slot`). Throws `Error` naming the bad value.
+inline void check_route_args(std::span<const std::int32_t> slots, int topk, int slots_per_gpu, int gpus_per_node,
+                             int num_gpus, std::span<const std::int64_t> source_offsets, RouteCells cells) {
   require(topk > 0 && slots_per_gpu > 0 && gpus_per_node > 0 && num_gpus > 0 && num_gpus % gpus_per_node == 0,
           "a2a_volumes_from_routes: top-", topk, ", ", slots_per_gpu, " slots per GPU, ", num_gpus, " GPUs of ",
           gpus_per_node, " per node");
@@ -271,22 +270,46 @@ namespace detail {
           "a2a_volumes_from_routes: ", source_offsets.size(), " source offsets must run from 0 to ", num_tokens,
           " over ", num_gpus, " GPUs");
   const int P = gpus_per_node, N = num_gpus / P, G = num_gpus;
-  require(static_cast<double>(G) * (N + P) <= 1e9, "a2a_volumes_from_routes: ", G, " GPUs x ", N + P,
-          " peer cells exceed 1e9");
+  const int per_gpu = cells == RouteCells::hits ? G + N : N + P;
+  require(static_cast<double>(G) * per_gpu <= 1e9, "a2a_volumes_from_routes: ", G, " GPUs x ", per_gpu,
+          cells == RouteCells::hits ? " hit counts exceed 1e9" : " peer cells exceed 1e9");
+  for (int r = 0; r < G; ++r)
+    require(source_offsets[r + 1] >= source_offsets[r], "a2a_volumes_from_routes: source offsets decrease at ", r);
+}
+
+/// Throws `Error` for route `index` of `slots` (`[tokens][topk]`), whose slot is outside `[-1, num_slots)`.
+[[noreturn]] inline void fail_route_slot(std::span<const std::int32_t> slots, int topk, std::size_t index,
+                                         std::int64_t num_slots) {
+  fail("a2a_volumes_from_routes: token ", index / static_cast<std::size_t>(topk), " k ",
+       index % static_cast<std::size_t>(topk), " goes to slot ", slots[index], " of ", num_slots);
+}
+
+/// Throws `Error` (`fail_route_slot`) for the first route of `slots` outside `[-1, num_slots)`.
+inline void check_route_slots(std::span<const std::int32_t> slots, int topk, std::int64_t num_slots) {
+  if (const auto bad =
+          std::find_if(slots.begin(), slots.end(), [num_slots](std::int32_t p) { return p < -1 || p >= num_slots; });
+      bad != slots.end())
+    fail_route_slot(slots, topk, static_cast<std::size_t>(bad - slots.begin()), num_slots);
+}
+
+/// The first version of `a2a_volumes_from_routes`, kept as its test oracle and bench baseline (`tests/test_cost.cpp`,
+/// `bench/bench_count.cpp`): it marks every token's GPUs and nodes and scatters its counts token by token.
+/// Volumes counted from the routes themselves: `slots` is `[tokens][topk]` physical slots (`gpu * slots_per_gpu +
+/// slot`, -1 for no route) and `source_offsets` (`[num_gpus + 1]`) groups the tokens by the rank that holds them.
+/// Each token counts the distinct nodes and GPUs its routes reach, so co-activated experts and a token map that
+/// keeps a token's copies together show as they are. Throws `Error` for inconsistent sizes, a slot outside the
+/// GPUs or malformed offsets. O(tokens x topk) plus O(num_gpus x (nodes + gpus_per_node)) for the peers.
+[[nodiscard]] inline A2aVolumes a2a_volumes_from_routes_marks(std::span<const std::int32_t> slots, int topk,
+                                                              int slots_per_gpu, int gpus_per_node, int num_gpus,
+                                                              std::span<const std::int64_t> source_offsets) {
+  check_route_args(slots, topk, slots_per_gpu, gpus_per_node, num_gpus, source_offsets, RouteCells::peers);
+  const int P = gpus_per_node, N = num_gpus / P, G = num_gpus;
   const std::int64_t num_slots = static_cast<std::int64_t>(G) * slots_per_gpu;
   A2aVolumes v;
   v.gpus_per_node = P;
   for (auto *x : {&v.nic_send, &v.nic_recv, &v.nvl_send, &v.nvl_recv, &v.nic_peers, &v.nvl_peers})
     x->assign(static_cast<std::size_t>(G), 0.0);
-  if (const auto bad =
-          std::find_if(slots.begin(), slots.end(), [num_slots](std::int32_t p) { return p < -1 || p >= num_slots; });
-      bad != slots.end()) {
-    const auto x = static_cast<std::size_t>(bad - slots.begin());
-    detail::fail("a2a_volumes_from_routes: token ", x / static_cast<std::size_t>(topk), " k ",
-                 x % static_cast<std::size_t>(topk), " goes to slot ", *bad, " of ", num_slots);
-  }
-  for (int r = 0; r < G; ++r)
-    require(source_offsets[r + 1] >= source_offsets[r], "a2a_volumes_from_routes: source offsets decrease at ", r);
+  check_route_slots(slots, topk, num_slots);
   // Integer counts in the loop (no divisions: the GPU of every slot and the node of every GPU looked up).
   std::vector<std::int32_t> gpu_of(static_cast<std::size_t>(num_slots));
   for (std::int64_t p = 0; p < num_slots; ++p)
@@ -375,39 +398,17 @@ namespace detail {
 [[nodiscard]] inline A2aVolumes a2a_volumes_from_routes(std::span<const std::int32_t> slots, int topk,
                                                         int slots_per_gpu, int gpus_per_node, int num_gpus,
                                                         std::span<const std::int64_t> source_offsets) {
-  using detail::require;
-  require(topk > 0 && slots_per_gpu > 0 && gpus_per_node > 0 && num_gpus > 0 && num_gpus % gpus_per_node == 0,
-          "a2a_volumes_from_routes: top-", topk, ", ", slots_per_gpu, " slots per GPU, ", num_gpus, " GPUs of ",
-          gpus_per_node, " per node");
-  require(slots.size() % static_cast<std::size_t>(topk) == 0, "a2a_volumes_from_routes: ", slots.size(),
-          " routes are not whole tokens of top-", topk);
-  const auto num_tokens = static_cast<std::int64_t>(slots.size() / static_cast<std::size_t>(topk));
-  require(static_cast<int>(source_offsets.size()) == num_gpus + 1 && source_offsets.front() == 0 &&
-              source_offsets.back() == num_tokens,
-          "a2a_volumes_from_routes: ", source_offsets.size(), " source offsets must run from 0 to ", num_tokens,
-          " over ", num_gpus, " GPUs");
+  detail::check_route_args(slots, topk, slots_per_gpu, gpus_per_node, num_gpus, source_offsets,
+                           detail::RouteCells::hits);
   const int P = gpus_per_node, N = num_gpus / P, G = num_gpus;
-  require(static_cast<double>(G) * (G + N) <= 1e9, "a2a_volumes_from_routes: ", G, " GPUs x ", G + N,
-          " hit counts exceed 1e9");
   const std::int64_t num_slots = static_cast<std::int64_t>(G) * slots_per_gpu;
   A2aVolumes v;
   v.gpus_per_node = P;
   for (auto *x : {&v.nic_send, &v.nic_recv, &v.nvl_send, &v.nvl_recv, &v.nic_peers, &v.nvl_peers})
     x->assign(static_cast<std::size_t>(G), 0.0);
-  for (int r = 0; r < G; ++r)
-    require(source_offsets[r + 1] >= source_offsets[r], "a2a_volumes_from_routes: source offsets decrease at ", r);
   // A slot outside [-1, num_slots): the first such route names its token and k (checked inside the GPU-mask loop,
   // which visits the tokens in order, so the routes are read once).
-  auto bad_slot = [&](const std::int32_t *at) {
-    const auto x = static_cast<std::size_t>(at - slots.data());
-    detail::fail("a2a_volumes_from_routes: token ", x / static_cast<std::size_t>(topk), " k ",
-                 x % static_cast<std::size_t>(topk), " goes to slot ", *at, " of ", num_slots);
-  };
-  if (G > 64)
-    if (const auto bad =
-            std::find_if(slots.begin(), slots.end(), [num_slots](std::int32_t p) { return p < -1 || p >= num_slots; });
-        bad != slots.end())
-      bad_slot(&*bad);
+  if (G > 64) detail::check_route_slots(slots, topk, num_slots);
   std::vector<std::int32_t> gpu_of(static_cast<std::size_t>(num_slots));
   for (std::int64_t p = 0; p < num_slots; ++p)
     gpu_of[static_cast<std::size_t>(p)] = static_cast<std::int32_t>(p / slots_per_gpu);
@@ -430,7 +431,8 @@ namespace detail {
         std::uint64_t gm = 0, nm = 0;
         for (int k = 0; k < topk; ++k) {
           const auto u = static_cast<std::uint64_t>(static_cast<std::int64_t>(row[k]) + 1);
-          if (u > static_cast<std::uint64_t>(num_slots)) bad_slot(row + k);
+          if (u > static_cast<std::uint64_t>(num_slots))
+            detail::fail_route_slot(slots, topk, static_cast<std::size_t>(row + k - slots.data()), num_slots);
           gm |= mask_of[u];
         }
         for (std::uint64_t m = gm; m != 0; m &= m - 1) {

@@ -121,6 +121,17 @@ namespace detail {
   return holder;
 }
 
+/// Whether GPU `gpu` of `base` holds `expert` in a slot that no move of the batch writes (`written`, `[gpus * slots]`
+/// of the layer; empty: none): a copy a move of the batch may read, as `move_source` chooses them. O(slots).
+[[nodiscard]] inline bool readable_copy(const LayerPlacement &base, std::int32_t expert, int gpu,
+                                        std::span<const char> written = {}) {
+  const int slots = base.slots_per_gpu();
+  for (int s = 0; s < slots; ++s)
+    if (base.slot(gpu, s) == expert && (written.empty() || !written[static_cast<std::size_t>(gpu) * slots + s]))
+      return true;
+  return false;
+}
+
 } // namespace detail
 
 /// Lays out the distinct experts `want` (at most `slots_per_gpu`) on GPU `gpu_idx` of `p`, keeping every expert
@@ -326,14 +337,13 @@ inline void validate(const LayerPlan &plan, std::span<const std::int64_t> expert
     state.slot(m.dst_gpu, m.dst_slot) = m.expert;
     if (plan.owner_gpu[m.expert] != m.dst_gpu) ++new_replicas[m.dst_gpu];
   }
-  // A GPU source is read while the batch runs: one of its copies must survive it (`detail::move_source`).
+  // A GPU source is read while the batch runs: one of its copies must survive it (`detail::readable_copy`, as
+  // `detail::move_source` chooses sources).
   for (std::size_t i = 0; i < plan.moves.size(); ++i) {
     const Move &m = plan.moves[i];
     if (m.src_gpu == host_mirror) continue;
-    bool readable = false;
-    for (int s = 0; s < slots && !readable; ++s)
-      readable = before.slot(m.src_gpu, s) == m.expert && !written[static_cast<std::size_t>(m.src_gpu) * slots + s];
-    detail::require(readable, "LayerPlan: move ", i, " reads expert ", m.expert, " from GPU ", m.src_gpu,
+    detail::require(detail::readable_copy(before, m.expert, m.src_gpu, written), "LayerPlan: move ", i,
+                    " reads expert ", m.expert, " from GPU ", m.src_gpu,
                     ", whose copy a move of the same micro-step overwrites");
   }
   for (int g = 0; g < num_gpus; ++g)

@@ -24,7 +24,9 @@
 
 #include "foremoe/core/error.hpp"
 #include "foremoe/core/limits.hpp"
+#include "foremoe/core/load_tensor.hpp"
 #include "foremoe/core/topology.hpp"
+#include "foremoe/plan/planner.hpp"
 #include "foremoe/plan/strategy.hpp"
 #include "foremoe/trace/routed_view.hpp"
 
@@ -371,6 +373,28 @@ inline void traffic_layer(const CoActivation &co, int l, std::span<const std::in
     detail::traffic_layer(co, l, step_totals.subspan(static_cast<std::size_t>(l) * E, static_cast<std::size_t>(E)),
                           topo, opts, out[l]);
   }
+  return out;
+}
+
+/// One RL step's traffic-aware owners and what they come from (`traffic_step_owners`).
+struct TrafficStepOwners {
+  std::vector<std::int64_t> totals; ///< `[layers][E]` the step's loads summed over its micro-steps
+  OwnerMap start;                   ///< the planner's load-only owners of `totals`
+  OwnerMap owners;                  ///< `start` improved for the step's co-activation by `traffic_aware_owners`
+};
+
+/// The owners of one RL step `step` (its micro-steps' loads) under traffic-aware settings `settings`: the planner's
+/// load-only owners of the step's totals (`Planner::plan_owners`, keeping `previous` where its tolerance allows;
+/// empty: none), improved for the step's co-activation `co` by `traffic_aware_owners` with `settings.options()`.
+/// The one definition `foremoe plan --traffic-aware` and the simulator's traffic-aware strategies share. Throws
+/// `Error` as those do.
+[[nodiscard]] inline TrafficStepOwners traffic_step_owners(const Planner &planner, const LoadTensor &step,
+                                                           const CoActivation &co, const TrafficSettings &settings,
+                                                           const OwnerMap &previous = {}) {
+  TrafficStepOwners out;
+  out.totals = planner.sum_steps(step);
+  out.start = planner.plan_owners(out.totals, previous);
+  out.owners = traffic_aware_owners(out.totals, co, planner.topology(), out.start, settings.options());
   return out;
 }
 

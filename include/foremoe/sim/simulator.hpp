@@ -1067,12 +1067,10 @@ private:
                       "given no co-activation for the step");
       // The owners of the step, once (every stage uses them): the load-only owners the strategy would choose (the
       // previous step's kept where it keeps them), improved for the step's co-activation.
-      if (pass == 0) {
-        const std::vector<std::int64_t> totals = planner.sum_steps(step);
-        const Planner::OwnerMap start =
-            planner.plan_owners(totals, cfg.planner.reowning_free ? Planner::OwnerMap{} : prev_owners);
-        step_owners = traffic_aware_owners(totals, *step_co, planner.topology(), start, cfg.traffic.options());
-      }
+      if (pass == 0)
+        step_owners = traffic_step_owners(planner, step, *step_co, cfg.traffic,
+                                          cfg.planner.reowning_free ? Planner::OwnerMap{} : prev_owners)
+                          .owners;
       sr.sp = planner.plan_step_with_owners(step, step_owners, has_resident ? &resident : nullptr,
                                             sr.update ? Stage::update : Stage::recompute);
       sr.sp.owner_gpu = step_owners;

@@ -945,15 +945,9 @@ private:
       written_.assign(static_cast<std::size_t>(num_gpus_) * slots_, 0);
       for (const Move &m : moves_)
         written_[static_cast<std::size_t>(m.dst_gpu) * slots_ + m.dst_slot] = 1;
-      for (Move &m : moves_) {
-        if (m.src_gpu == host_mirror) continue;
-        bool readable = false;
-        for (int j = 0; j < slots_ && !readable; ++j)
-          readable =
-              resident->slot(m.src_gpu, j) == m.expert && !written_[static_cast<std::size_t>(m.src_gpu) * slots_ + j];
-        if (!readable)
+      for (Move &m : moves_)
+        if (m.src_gpu != host_mirror && !detail::readable_copy(*resident, m.expert, m.src_gpu, written_))
           m.src_gpu = detail::move_source(*resident, owner_gpu, m.expert, m.dst_gpu, topo_.gpus_per_node, written_);
-      }
     }
     if (!construction_split) {
       for (int g = 0; g < num_gpus_; ++g)
