@@ -755,8 +755,14 @@ class ExpertStorage:
                        if self.mirror is not None else "host mirror to fall back to (ExpertStorage(..., mirror=True))")
                 error = (f"foremoe.torch: layer {layer}: the replica move of expert {e} from rank {src} to rank "
                          f"{self.rank} {why}, and rank {self.rank} has no {fix}; no replica of this sync is used")
-        status = gather_rows(torch.tensor([int(error is not None), faults, bad, fallbacks], dtype=torch.int64), group,
-                             timeout, f"replica move status of layer {layer}")
+        return self._agree(error, (faults, bad, fallbacks), group, timeout, layer)
+
+    def _agree(self, error: Optional[str], counts: Tuple[int, int, int], group: Any, timeout: float,
+               layer: int) -> Tuple[int, ...]:
+        """Gathers every rank's move status: all raise ``RuntimeError`` (this rank's ``error``, or one naming the
+        first rank that failed) and forget every replica when any rank's moves failed; else the summed ``counts``."""
+        status = gather_rows(torch.tensor([int(error is not None), *counts], dtype=torch.int64), group, timeout,
+                             f"replica move status of layer {layer}")
         failed = torch.nonzero(status[:, 0]).reshape(-1).tolist()
         if failed:
             self.resident_rows.fill(-1)  # every rank forgets every replica: all are re-sent at the next sync
@@ -794,15 +800,7 @@ class ExpertStorage:
                         self._alloc[name].data[row].copy_(self._alloc[name][slot])
         for _, _, row, _ in pending["incoming"]:
             self.row_generation[row] += 1
-        status = gather_rows(torch.tensor([int(message is not None), faults, bad, fallbacks], dtype=torch.int64),
-                             group, timeout, f"replica move status of layer {layer}")
-        failed = torch.nonzero(status[:, 0]).reshape(-1).tolist()
-        if failed:
-            self.resident_rows.fill(-1)  # every rank forgets every replica: all are re-sent at the next sync
-            raise RuntimeError(message or f"foremoe.torch: layer {layer}: a replica move to rank {failed[0]} failed "
-                                          f"and could not be replaced (its error names the move); no replica of "
-                                          f"this sync is used")
-        return tuple(int(v) for v in status[:, 1:].sum(dim=0).tolist())
+        return self._agree(message, (faults, bad, fallbacks), group, timeout, layer)
 
 
 def reference_moe(x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
