@@ -37,7 +37,7 @@ struct Half16 {
     }
   }
   [[nodiscard]] float decode(std::uint16_t h) const {
-    const double v = value[h & 0x7fffu];
+    const double v = (h & 0x7fffu) == inf ? HUGE_VAL : value[h & 0x7fffu];
     return static_cast<float>((h & 0x8000u) ? -v : v);
   }
   [[nodiscard]] std::uint16_t encode(float f) const {

@@ -486,7 +486,7 @@ TEST_CASE("replica gradients of every dtype, packed or split, add bitwise in the
     o.num_experts = std::uniform_int_distribution<int>(1, gpus * slots)(rng);
     const int num_tensors = std::uniform_int_distribution<int>(1, 3)(rng);
     for (int i = 0; i < num_tensors; ++i)
-      o.tensors.push_back({0, 64}); // weights are not moved here; the gradients have their own sizes
+      o.tensors.push_back({64 * i, 64}); // weights are not moved here; the gradients have their own sizes
     if (!split) o.tensors = {{0, 64}};
     if (faults) {
       auto f = std::make_shared<rt::FaultSchedule>();
