@@ -14,6 +14,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "foremoe/core/placement.hpp"
@@ -188,10 +189,12 @@ inline foremoe::LayerPlacement random_owned(std::mt19937_64 &rng, int gpus, int 
 // Checks `w` after a reduction of `p` (owners `owner`) from `before`: each expert's owner rows hold its own
 // gradient plus every returned replica's, added in the engine's order (replicas by GPU ascending), or (only where
 // `may_fail`) unchanged; returned replicas are zero where `select` and their expert's additions were applied;
-// everything else, padding included, is as before. Returns how many experts were applied.
+// everything else, padding included, is as before. Returns how many experts were applied (`unapplied` counts the
+// others that had replicas).
 inline int check_reduced(GradWorld &w, const GradWorld &before, const foremoe::LayerPlacement &p,
                          const std::vector<std::int32_t> &owner, bool may_fail, bool select,
-                         const std::vector<rt::ReplicaRef> &returns, const std::string &what) {
+                         const std::vector<rt::ReplicaRef> &returns, const std::string &what,
+                         int *unapplied = nullptr) {
   GradWorld want = before;
   int applied = 0;
   for (int e = 0; e < static_cast<int>(owner.size()); ++e) {
@@ -221,6 +224,7 @@ inline int check_reduced(GradWorld &w, const GradWorld &before, const foremoe::L
                   " holds neither the ordered sum of its ", reps.size(), " replicas nor its own gradient");
     const bool done = is_full;
     applied += done;
+    if (unapplied != nullptr) *unapplied += !done;
     if (done)
       for (int ti = 0; ti < w.tensors(); ++ti)
         std::memcpy(want.row(o, os, ti), full.row(o, os, ti), static_cast<std::size_t>(w.layout.tensor_bytes[ti]));
@@ -233,6 +237,23 @@ inline int check_reduced(GradWorld &w, const GradWorld &before, const foremoe::L
   for (std::size_t k = 0; k < w.mem.size(); ++k)
     CHECK_MESSAGE(w.mem[k] == want.mem[k], what, ": gradient memory ", k, " differs from the expected bytes");
   return applied;
+}
+
+// Submits `b` on every engine (one per process, each from its own thread, as SPMD trainers do) and waits.
+template <class Engines>
+std::vector<rt::Status> reduce_everywhere(Engines &engines, const rt::ReduceBatch &b,
+                                          std::chrono::milliseconds wait = std::chrono::seconds(10)) {
+  std::vector<rt::Status> st(engines.size());
+  std::vector<std::thread> procs;
+  for (std::size_t q = 0; q < engines.size(); ++q)
+    procs.emplace_back([&, q] {
+      rt::Ticket t;
+      st[q] = engines[q]->submit_reduce(b, t);
+      if (st[q].ok()) st[q] = t.wait_for(wait);
+    });
+  for (auto &t : procs)
+    t.join();
+  return st;
 }
 
 } // namespace foremoe_test
