@@ -32,9 +32,9 @@ struct Half16 {
   Half16(int mb, int b, std::uint16_t i) : mant_bits(mb), bias(b), inf(i) {
     for (std::uint32_t p = 0; p <= inf; ++p) {
       const std::uint32_t e = p >> mant_bits, m = p & ((1u << mant_bits) - 1u);
-      value.push_back(e == 0 ? std::ldexp(static_cast<double>(m), 1 - bias - mant_bits)
-                             : std::ldexp(static_cast<double>(m + (1u << mant_bits)), static_cast<int>(e) - bias -
-                                                                                          mant_bits));
+      value.push_back(
+          e == 0 ? std::ldexp(static_cast<double>(m), 1 - bias - mant_bits)
+                 : std::ldexp(static_cast<double>(m + (1u << mant_bits)), static_cast<int>(e) - bias - mant_bits));
     }
   }
   [[nodiscard]] float decode(std::uint16_t h) const {
@@ -117,8 +117,8 @@ struct GradWorld {
   rt::GradLayout layout;
   bool split = false;
   int gpus = 0, slots = 0;
-  std::vector<std::int64_t> stride;           // per tensor (split) or [0] (packed)
-  std::vector<std::vector<std::byte>> mem;    // [gpu * tensors + ti] (split) or [gpu] (packed)
+  std::vector<std::int64_t> stride;        // per tensor (split) or [0] (packed)
+  std::vector<std::vector<std::byte>> mem; // [gpu * tensors + ti] (split) or [gpu] (packed)
   [[nodiscard]] int tensors() const { return static_cast<int>(layout.tensor_bytes.size()); }
   [[nodiscard]] std::int64_t esize() const { return rt::grad_type_bytes(layout.type); }
 

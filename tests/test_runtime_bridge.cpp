@@ -18,8 +18,8 @@
 #include "expert_bytes.hpp"
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
-#include "grad_ref.hpp"
 #include "foremoe/runtime/transport.hpp"
+#include "grad_ref.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -567,7 +567,8 @@ TEST_CASE("replica gradients of every dtype, packed or split, over a bridge: ord
       f->seed = seed;
       w.faults = f;
     }
-    const int gpus = std::uniform_int_distribution<int>(2, 4)(rng), slots = std::uniform_int_distribution<int>(2, 3)(rng);
+    const int gpus = std::uniform_int_distribution<int>(2, 4)(rng),
+              slots = std::uniform_int_distribution<int>(2, 3)(rng);
     const int experts = std::uniform_int_distribution<int>(1, gpus * slots)(rng);
     w.build(rng, gpus, slots, experts, 5s);
     const int num_tensors = split ? static_cast<int>(w.opts.tensors.size()) : 1;
@@ -598,8 +599,9 @@ TEST_CASE("replica gradients of every dtype, packed or split, over a bridge: ord
     b.returns = returns;
     b.held = held;
     const std::vector<rt::Status> st = foremoe_test::reduce_everywhere(w.engines, b);
-    const std::string what = foremoe::detail::concat("seed ", seed, " ", rt::to_string(type), split ? " split" : " packed",
-                                                     faults ? " faults" : "", select ? " select" : "");
+    const std::string what =
+        foremoe::detail::concat("seed ", seed, " ", rt::to_string(type), split ? " split" : " packed",
+                                faults ? " faults" : "", select ? " select" : "");
     for (const rt::Status &s : st)
       CHECK_MESSAGE((s.ok() || faults), what, ": ", s.to_string());
     int unapplied = 0;

@@ -12,9 +12,9 @@
 
 #include "expert_bytes.hpp"
 #include "foremoe/runtime/grad_add.hpp"
-#include "grad_ref.hpp"
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
+#include "grad_ref.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -456,8 +456,9 @@ TEST_CASE("16-bit conversions round to nearest even like an independent table of
   for (int i = 0; i < 400000; ++i) {
     // Random floats over every exponent, and exact midpoints between neighbouring 16-bit values.
     std::uint32_t u = bits(rng);
-    if (i % 4 == 1) u = (u & 0x80000000u) | (std::uniform_int_distribution<std::uint32_t>(90, 145)(rng) << 23) |
-                        (u & 0x7fffffu); // f16's range and beyond
+    if (i % 4 == 1)
+      u = (u & 0x80000000u) | (std::uniform_int_distribution<std::uint32_t>(90, 145)(rng) << 23) |
+          (u & 0x7fffffu);                           // f16's range and beyond
     if (i % 4 == 2) u = (u & 0xffff8000u) | 0x8000u; // a bf16 tie (the dropped half is exactly 0x8000)
     if (i % 4 == 3) u = (u & 0xffffe000u) | 0x1000u; // an f16 tie among normals
     const float f = std::bit_cast<float>(u);
@@ -465,7 +466,7 @@ TEST_CASE("16-bit conversions round to nearest even like an independent table of
     REQUIRE_MESSAGE(rt::float_to_f16(f) == f16.encode(f), "float bits ", u);
     REQUIRE_MESSAGE(rt::float_to_bf16(f) == bf16.encode(f), "float bits ", u);
   }
-  CHECK(rt::float_to_f16(65520.f) == 0x7c00); // the tie above 65504 goes to the even pattern: infinity
+  CHECK(rt::float_to_f16(65520.f) == 0x7c00);         // the tie above 65504 goes to the even pattern: infinity
   CHECK(rt::float_to_f16(std::ldexp(1.f, -25)) == 0); // the tie below the least subnormal: zero
   CHECK(rt::float_to_f16(std::ldexp(1.5f, -25)) == 1);
   CHECK(std::isnan(rt::f16_to_float(rt::float_to_f16(std::nanf("")))));
@@ -526,8 +527,9 @@ TEST_CASE("replica gradients of every dtype, packed or split, add bitwise in the
     rt::Ticket t;
     REQUIRE(engine->submit_reduce(rb, t).ok());
     const rt::Status st = t.wait_for(10s);
-    const std::string what = foremoe::detail::concat("seed ", seed, " ", rt::to_string(type), split ? " split" : " packed",
-                                                     faults ? " faults" : "", select ? " select" : "");
+    const std::string what =
+        foremoe::detail::concat("seed ", seed, " ", rt::to_string(type), split ? " split" : " packed",
+                                faults ? " faults" : "", select ? " select" : "");
     CHECK_MESSAGE((st.ok() || faults), what, ": ", st.to_string());
     const int applied = foremoe_test::check_reduced(w, before, p, owner, faults, select, returns, what);
     if (faults) {

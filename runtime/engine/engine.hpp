@@ -53,10 +53,10 @@ struct Site {
 [[nodiscard]] inline Site mirror_site(int gpu, int expert) noexcept { return {true, gpu, expert, 0}; }
 
 struct LayerState {
-  std::vector<SlotRegion> slots;     // per GPU
-  std::vector<MirrorRegion> mirrors; // per node
-  std::vector<SlotRegion> grads;     // per GPU
-  GradLayout grad_layout;            // one per layer (every GPU registers the same)
+  std::vector<SlotRegion> slots;         // per GPU
+  std::vector<MirrorRegion> mirrors;     // per node
+  std::vector<SlotRegion> grads;         // per GPU
+  GradLayout grad_layout;                // one per layer (every GPU registers the same)
   std::vector<std::int64_t> grad_offset; // per gradient tensor: its offset in the concatenation (staging)
   std::int64_t grad_bytes = 0;           // an expert's gradient: the tensors' sum (0: none registered)
 

@@ -36,8 +36,9 @@ void EngineImpl::issue_reduce(TicketImpl &t, ReduceRun &r, double now_s) {
     op.dst = r.staging + ls.grad_offset[ti];
     op.num_bytes = ls.grad_layout.tensor_bytes[ti];
     // Tensor 0's key is the packed layout's (the same fault decisions as before split regions).
-    op.fault_key = mix64(t.serial) ^ mix64(0xabcdull + (static_cast<std::uint64_t>(r.expert) << 24) +
-                                           (static_cast<std::uint64_t>(r.gpu) << 8) + r.copy.attempts) ^
+    op.fault_key = mix64(t.serial) ^
+                   mix64(0xabcdull + (static_cast<std::uint64_t>(r.expert) << 24) +
+                         (static_cast<std::uint64_t>(r.gpu) << 8) + r.copy.attempts) ^
                    (ti == 0 ? 0 : mix64(0x7e45ull + ti));
     std::uint64_t h = 0;
     if (transport_->start(op, h).ok())

@@ -70,12 +70,13 @@ Status EngineImpl::register_region(int layer, int idx, const SlotRegion &r, cons
   std::int64_t grad_bytes = 0;
   if (grads) {
     const std::int64_t esize = grad_type_bytes(grads->type);
-    if (esize == 0) return bad(what, ": layer ", layer, " GPU ", idx, ": unknown gradient type ", static_cast<int>(grads->type));
+    if (esize == 0)
+      return bad(what, ": layer ", layer, " GPU ", idx, ": unknown gradient type ", static_cast<int>(grads->type));
     const std::size_t want = split ? opts_.tensors.size() : 1;
     if (grads->tensor_bytes.size() != want)
       return bad(what, ": layer ", layer, " GPU ", idx, ": ", grads->tensor_bytes.size(),
-                 " gradient tensor sizes for a ", split ? "split" : "packed", " region (", want, " expected: ",
-                 split ? "one per EngineOptions::tensors entry" : "one, the whole gradient", ")");
+                 " gradient tensor sizes for a ", split ? "split" : "packed", " region (", want,
+                 " expected: ", split ? "one per EngineOptions::tensors entry" : "one, the whole gradient", ")");
     for (std::size_t ti = 0; ti < want; ++ti) {
       const std::int64_t n = grads->tensor_bytes[ti];
       if (n <= 0 || n % esize != 0)

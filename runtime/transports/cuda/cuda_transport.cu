@@ -70,8 +70,7 @@ __device__ inline void add_one(__nv_bfloat16 &d, __nv_bfloat16 s) {
 }
 __device__ inline void add_one(__half &d, __half s) { d = __float2half_rn(__half2float(d) + __half2float(s)); }
 
-template <class T>
-__global__ void accumulate_kernel(T *__restrict__ dst, const T *__restrict__ src, std::int64_t n) {
+template <class T> __global__ void accumulate_kernel(T *__restrict__ dst, const T *__restrict__ src, std::int64_t n) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
     add_one(dst[i], src[i]);
