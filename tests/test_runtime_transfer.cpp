@@ -569,16 +569,23 @@ TEST_CASE("gradient registration: dtype and layout checked, every GPU the same")
             "tensor 1: gradient bytes must be a positive multiple of 8 (float64), got 12"));
   CHECK(has(e->register_grads(0, 0, {a.data(), 64, 2, 1, 0}, rt::GradLayout{GT::bf16, {0}}),
             "positive multiple of 2 (bfloat16), got 0"));
-  CHECK(has(e->register_grads(0, 0, split(a.data(), 64, b.data(), 15), rt::GradLayout{GT::f16, {64, 16}}),
-            "tensor 1: slot stride 15 is smaller than its 16 bytes"));
+  CHECK(has(e->register_grads(0, 0, split(a.data(), 64, b.data(), 14), rt::GradLayout{GT::f16, {64, 16}}),
+            "tensor 1: slot stride 14 is smaller than its 16 bytes"));
   CHECK(has(e->register_grads(0, 0, split(a.data(), 64, a.data() + 64, 16), rt::GradLayout{GT::f16, {64, 16}}),
             "overlaps tensor"));
-  CHECK(has(e->register_grads(0, 0, {a.data(), 63, 2, 1, 0}, rt::GradLayout{GT::f16, {64}}),
-            "slot stride 63 is smaller than the 64 bytes"));
+  CHECK(has(e->register_grads(0, 0, {a.data(), 62, 2, 1, 0}, rt::GradLayout{GT::f16, {64}}),
+            "slot stride 62 is smaller than the 64 bytes"));
   CHECK(has(e->register_grads(0, 0, split(nullptr, 64, b.data(), 16), rt::GradLayout{GT::f16, {64, 16}}),
             "tensor 0: null base"));
   CHECK(has(e->register_grads(0, 0, {a.data(), 64, 2, 1, 0}, rt::GradLayout{static_cast<GT>(9), {64}}),
             "unknown gradient type 9"));
+  CHECK(has(e->register_grads(0, 0, {a.data(), 68, 2, 1, 0}, rt::GradLayout{GT::f64, {64}}),
+            "slot stride 68) are not aligned to the 8-byte float64 elements"));
+  CHECK(has(e->register_grads(0, 0, split(a.data(), 64, b.data() + 2, 16), rt::GradLayout{GT::f32, {64, 16}}),
+            "GPU 0 tensor 1: rows (base"));
+  rt::SlotRegion two = split(a.data(), 64, b.data(), 16);
+  two.num_buffers = 2;
+  CHECK(has(e->register_grads(0, 0, two, rt::GradLayout{GT::f32, {64, 16}}), "one buffer, got num_buffers 2"));
   // GPU 0 registers split bf16; GPU 1 must match dtype, sizes and layout.
   REQUIRE(e->register_grads(0, 0, split(a.data(), 64, b.data(), 16), rt::GradLayout{GT::bf16, {64, 16}}).ok());
   CHECK(has(e->register_grads(0, 1, split(c.data(), 64, c.data() + 200, 16), rt::GradLayout{GT::f16, {64, 16}}),

@@ -84,6 +84,21 @@ Status EngineImpl::register_region(int layer, int idx, const SlotRegion &r, cons
                    "multiple of ", esize, " (", to_string(grads->type), "), got ", n);
       grad_bytes += n;
     }
+    if (split && r.num_buffers != 1)
+      return bad(what, ": layer ", layer, " GPU ", idx, ": gradient regions have one buffer, got num_buffers ",
+                 r.num_buffers);
+    // Elements are read and written as `type`: every row must start on a multiple of its size.
+    auto misaligned = [&](const void *base, std::int64_t stride) {
+      return reinterpret_cast<std::uintptr_t>(base) % static_cast<std::uintptr_t>(esize) != 0 || stride % esize != 0;
+    };
+    for (std::size_t ti = 0; ti < (split ? r.tensors.size() : 1); ++ti) {
+      const void *base = split ? r.tensors[ti].base : r.base;
+      const std::int64_t stride = split ? r.tensors[ti].slot_stride_bytes : r.slot_stride_bytes;
+      if (misaligned(base, stride))
+        return bad(what, ": layer ", layer, " GPU ", idx, split ? foremoe::detail::concat(" tensor ", ti) : "",
+                   ": rows (base ", base, ", slot stride ", stride, ") are not aligned to the ", esize, "-byte ",
+                   to_string(grads->type), " elements");
+    }
   }
   if (!split && r.base == nullptr) return bad(what, ": null base for GPU ", idx);
   if (r.num_slots != opts_.topology.slots_per_gpu)
