@@ -590,12 +590,12 @@ public:
       check_memory(a, tw, slot_memory(gpu));
       const rt::GradType type = grad_type_of(a, tw);
       if (i > 0 && type != layout.type)
-        raise(PyExc_ValueError, str(tw, ": gradients of one layer have one dtype, got ", rt::to_string(type),
-                                    " after ", rt::to_string(layout.type), " for tensor 0"));
+        raise(PyExc_ValueError, str(tw, ": gradients of one layer have one dtype, got ", rt::to_string(type), " after ",
+                                    rt::to_string(layout.type), " for tensor 0"));
       layout.type = type;
       if (a.ndim() == 0 || a.shape(0) != static_cast<std::size_t>(S))
-        raise(PyExc_ValueError, str(tw, ": expected [", S, ", ...] (slots x the tensor's gradient) for ", S,
-                                    " slots per GPU"));
+        raise(PyExc_ValueError,
+              str(tw, ": expected [", S, ", ...] (slots x the tensor's gradient) for ", S, " slots per GPU"));
       r.tensors.push_back({a.data(), row_bytes(a, 0), 0});
       layout.tensor_bytes.push_back(row_bytes(a, 0));
     }
