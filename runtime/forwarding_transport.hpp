@@ -23,10 +23,10 @@ public:
   Status checksum(int gpu, const std::byte *p, std::int64_t n, std::uint64_t &out) override {
     return inner_->checksum(gpu, p, n, out);
   }
-  Status accumulate(int gpu, float *dst, const float *src, std::int64_t n) override {
-    return inner_->accumulate(gpu, dst, src, n);
+  Status accumulate(int gpu, void *dst, const void *src, std::int64_t n, GradType type) override {
+    return inner_->accumulate(gpu, dst, src, n, type);
   }
-  Status zero(int gpu, float *dst, std::int64_t n) override { return inner_->zero(gpu, dst, n); }
+  Status zero(int gpu, void *dst, std::int64_t num_bytes) override { return inner_->zero(gpu, dst, num_bytes); }
   Status alloc(int gpu, std::int64_t n, std::byte *&out) override { return inner_->alloc(gpu, n, out); }
   void free(int gpu, std::byte *p) noexcept override { inner_->free(gpu, p); }
   Status alloc_flags(std::int64_t n, volatile std::uint32_t *&flags) override { return inner_->alloc_flags(n, flags); }

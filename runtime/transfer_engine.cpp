@@ -141,13 +141,17 @@ Status TransferEngine::create(EngineOptions o, std::unique_ptr<TransferEngine> &
 }
 
 Status TransferEngine::register_slots(int layer, int gpu, const SlotRegion &slots) {
-  return impl_->register_region(layer, gpu, slots, false, 0);
+  return impl_->register_region(layer, gpu, slots, nullptr);
 }
 Status TransferEngine::register_mirror(int layer, int node, const MirrorRegion &mirror) {
   return impl_->register_mirror(layer, node, mirror);
 }
 Status TransferEngine::register_grads(int layer, int gpu, const SlotRegion &grads, std::int64_t grad_bytes) {
-  return impl_->register_region(layer, gpu, grads, true, grad_bytes);
+  const GradLayout layout{GradType::f32, {grad_bytes}};
+  return impl_->register_region(layer, gpu, grads, &layout);
+}
+Status TransferEngine::register_grads(int layer, int gpu, const SlotRegion &grads, const GradLayout &layout) {
+  return impl_->register_region(layer, gpu, grads, &layout);
 }
 Status TransferEngine::set_resident(int layer, const LayerPlacement &placement) {
   return impl_->set_resident(layer, placement);

@@ -6,10 +6,13 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
+#include "foremoe/runtime/grad_add.hpp"
 #include "foremoe/runtime/runtime.hpp"
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
@@ -253,6 +256,62 @@ TEST_CASE("CUDA engine: replica gradients reduce on the device") {
   CHECK(std::all_of(got.begin(), got.end(), [](float x) { return x == 0.0f; }));
   cudaFree(d0);
   cudaFree(d1);
+}
+
+TEST_CASE("CUDA engine: split replica gradients in every dtype add as the host reference does, bit for bit") {
+  const rt::GradType types[] = {rt::GradType::f64, rt::GradType::bf16, rt::GradType::f16, rt::GradType::f32};
+  for (const rt::GradType type : types) {
+    DeviceCluster c(2, 2, 2, 1 << 12); // two tensors: split gradient regions of two tensors per GPU
+    LayerPlacement p(2, 2, 2);
+    p.slot(0, 0) = 0;
+    p.slot(1, 0) = 1;
+    p.slot(1, 1) = 0;
+    REQUIRE(c.engine->set_resident(0, p).ok());
+    const std::int64_t n = (1 << 15) + 3, bytes = n * rt::grad_type_bytes(type), stride = bytes + 64;
+    // Tensor ti of GPU g's slot s at mem_g + (ti * 2 + s) * stride.
+    std::vector<std::byte> h0(static_cast<std::size_t>(4 * stride)), h1(h0.size());
+    std::mt19937_64 rng(static_cast<std::uint64_t>(type) + 1);
+    std::normal_distribution<float> nd;
+    auto fill = [&](std::vector<std::byte> &h) {
+      for (std::int64_t i = 0; i < 4 * stride / rt::grad_type_bytes(type); ++i) {
+        const float x = std::ldexp(nd(rng), static_cast<int>(rng() % 13) - 6);
+        std::byte *at = h.data() + i * rt::grad_type_bytes(type);
+        if (type == rt::GradType::f32) std::memcpy(at, &x, 4);
+        if (type == rt::GradType::f64) {
+          const double d = static_cast<double>(x) * (1.0 + 1e-9);
+          std::memcpy(at, &d, 8);
+        }
+        const std::uint16_t b = type == rt::GradType::bf16 ? rt::float_to_bf16(x) : rt::float_to_f16(x);
+        if (rt::grad_type_bytes(type) == 2) std::memcpy(at, &b, 2);
+      }
+    };
+    fill(h0);
+    fill(h1);
+    void *d0, *d1;
+    REQUIRE(cudaMalloc(&d0, h0.size()) == cudaSuccess);
+    REQUIRE(cudaMalloc(&d1, h1.size()) == cudaSuccess);
+    REQUIRE(cudaMemcpy(d0, h0.data(), h0.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+    REQUIRE(cudaMemcpy(d1, h1.data(), h1.size(), cudaMemcpyHostToDevice) == cudaSuccess);
+    for (int g = 0; g < 2; ++g) {
+      rt::SlotRegion r{nullptr, 0, 2, 1, 0};
+      auto *base = static_cast<std::byte *>(g == 0 ? d0 : d1);
+      r.tensors = {{base, stride, 0}, {base + 2 * stride, stride, 0}};
+      REQUIRE(c.engine->register_grads(0, g, r, rt::GradLayout{type, {bytes, bytes}}).ok());
+    }
+    const std::vector<std::int32_t> owner{0, 1};
+    rt::ReduceBatch rb;
+    rb.owner_gpu = owner;
+    rt::Ticket t;
+    REQUIRE(c.engine->submit_reduce(rb, t).ok());
+    REQUIRE(t.wait_for(30s).ok());
+    std::vector<std::byte> got(h0.size()), want = h0;
+    for (int ti = 0; ti < 2; ++ti) // GPU 1 slot 1 into GPU 0 slot 0, each tensor
+      rt::add_grads(want.data() + ti * 2 * stride, h1.data() + (ti * 2 + 1) * stride, n, type);
+    REQUIRE(cudaMemcpy(got.data(), d0, got.size(), cudaMemcpyDeviceToHost) == cudaSuccess);
+    CHECK_MESSAGE(got == want, rt::to_string(type));
+    cudaFree(d0);
+    cudaFree(d1);
+  }
 }
 #endif
 

@@ -19,6 +19,7 @@
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
 #include "foremoe/runtime/transport.hpp"
+#include "grad_ref.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -550,4 +551,63 @@ TEST_CASE("a receiver whose bridge fails takes the bytes from its node's mirror,
     }
   }
   CHECK(fell_back > 0);
+}
+
+TEST_CASE("replica gradients of every dtype, packed or split, over a bridge: ordered sums, all or nothing") {
+  const rt::GradType types[] = {rt::GradType::f32, rt::GradType::f64, rt::GradType::bf16, rt::GradType::f16};
+  int applied_with_faults = 0, unapplied_with_faults = 0;
+  for (std::uint64_t seed = 1; seed <= 24 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    std::mt19937_64 rng(seed * 11 + 5);
+    const rt::GradType type = types[seed % 4];
+    const bool split = (seed / 4) % 2 == 1, faults = (seed / 8) % 3 == 1, select = (seed / 8) % 3 == 2;
+    World w;
+    if (faults) {
+      auto f = std::make_shared<rt::FaultSchedule>();
+      f->fail_probability = 0.25;
+      f->seed = seed;
+      w.faults = f;
+    }
+    const int gpus = std::uniform_int_distribution<int>(2, 4)(rng),
+              slots = std::uniform_int_distribution<int>(2, 3)(rng);
+    const int experts = std::uniform_int_distribution<int>(1, gpus * slots)(rng);
+    w.build(rng, gpus, slots, experts, 5s);
+    const int num_tensors = split ? static_cast<int>(w.opts.tensors.size()) : 1;
+    foremoe_test::GradWorld gw;
+    gw.build(rng, type, split, gpus, slots, num_tensors);
+    std::vector<std::int32_t> owner;
+    const LayerPlacement p = foremoe_test::random_owned(rng, gpus, slots, experts, owner);
+    w.set_resident(p);
+    for (int g = 0; g < gpus; ++g) { // each process registers its own GPU's gradients
+      const rt::Status st = w.engines[g]->register_grads(0, g, gw.region(g), gw.layout);
+      REQUIRE_MESSAGE(st.ok(), st.to_string());
+    }
+    std::vector<rt::ReplicaRef> returns;
+    std::vector<std::int32_t> held(static_cast<std::size_t>(gpus) * experts, -1);
+    for (int g = 0; g < gpus && select; ++g)
+      for (int e = 0; e < experts; ++e)
+        if (g != owner[e] && p.holds(g, e)) {
+          if (rng() % 2 == 0)
+            returns.push_back({g, e});
+          else
+            held[static_cast<std::size_t>(g) * experts + e] = owner[e];
+        }
+    const foremoe_test::GradWorld before = gw;
+    rt::ReduceBatch b;
+    b.owner_gpu = owner;
+    b.timeout = 5s;
+    b.select = select;
+    b.returns = returns;
+    b.held = held;
+    const std::vector<rt::Status> st = foremoe_test::reduce_everywhere(w.engines, b);
+    const std::string what =
+        foremoe::detail::concat("seed ", seed, " ", rt::to_string(type), split ? " split" : " packed",
+                                faults ? " faults" : "", select ? " select" : "");
+    for (const rt::Status &s : st)
+      CHECK_MESSAGE((s.ok() || faults), what, ": ", s.to_string());
+    int unapplied = 0;
+    const int applied = foremoe_test::check_reduced(gw, before, p, owner, faults, select, returns, what, &unapplied);
+    if (faults) applied_with_faults += applied, unapplied_with_faults += unapplied;
+  }
+  CHECK(applied_with_faults > 0); // the fault schedule failed some experts' reductions, not all
+  CHECK(unapplied_with_faults > 0);
 }

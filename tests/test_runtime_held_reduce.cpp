@@ -13,7 +13,9 @@
 
 #include "foremoe/plan/held_gradients.hpp"
 #include "foremoe/runtime/held_reduce.hpp"
+#include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
+#include "grad_ref.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -263,6 +265,112 @@ TEST_CASE("held replica gradients: owners get every gradient once, returns as He
           " stages kept a gradient in place across a reduction");
   CHECK(held_returns < every_returns);
   CHECK(held_across > instances / 4);
+}
+
+TEST_CASE("held gradients in every dtype and split regions, over processes: held, then returned, sums bitwise") {
+  const rt::GradType types[] = {rt::GradType::f32, rt::GradType::f64, rt::GradType::bf16, rt::GradType::f16};
+  int held_total = 0, unapplied_total = 0, applied_with_faults = 0;
+  for (std::uint64_t seed = 1; seed <= 32 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    std::mt19937_64 rng(seed * 13 + 1);
+    const rt::GradType type = types[seed % 4];
+    const bool split = (seed / 4) % 2 == 0, faults = (seed / 8) % 2 == 1; // faults: no selection (see below)
+    rt::EngineOptions o;
+    o.topology = {std::uniform_int_distribution<int>(1, 2)(rng), std::uniform_int_distribution<int>(1, 3)(rng),
+                  std::uniform_int_distribution<int>(2, 4)(rng)};
+    const int gpus = o.topology.num_gpus(), slots = o.topology.slots_per_gpu;
+    if (gpus < 2) o.topology.gpus_per_node = 2;
+    const int G = o.topology.num_gpus();
+    o.num_experts = std::uniform_int_distribution<int>(1, G * slots)(rng);
+    const int num_tensors = split ? std::uniform_int_distribution<int>(1, 3)(rng) : 1;
+    for (int i = 0; i < num_tensors; ++i)
+      o.tensors.push_back({weight_bytes * i, weight_bytes});
+    if (faults) {
+      auto f = std::make_shared<rt::FaultSchedule>();
+      f->fail_probability = 0.3;
+      f->seed = seed;
+      o.faults = f;
+    }
+    o.peers.host_fabric = std::make_shared<rt::HostFabric>();
+    // Processes: GPUs split at random into 2..G groups.
+    std::vector<int> proc_of(static_cast<std::size_t>(G));
+    int procs = 1;
+    for (int g = 1; g < G; ++g)
+      proc_of[g] = rng() % 2 == 0 ? procs++ : procs - 1;
+    if (procs == 1) proc_of[G - 1] = procs++;
+    std::vector<std::unique_ptr<rt::TransferEngine>> engines;
+    for (int q = 0; q < procs; ++q) {
+      rt::EngineOptions oq = o;
+      for (int g = 0; g < G; ++g)
+        if (proc_of[g] == q) oq.peers.local_gpus.push_back(g);
+      std::unique_ptr<rt::TransferEngine> e;
+      const rt::Status st = rt::TransferEngine::create(oq, e);
+      REQUIRE_MESSAGE(st.ok(), st.to_string());
+      engines.push_back(std::move(e));
+    }
+    foremoe_test::GradWorld w;
+    w.build(rng, type, split, G, slots, num_tensors);
+    std::vector<std::int32_t> owner;
+    const LayerPlacement p = foremoe_test::random_owned(rng, G, slots, o.num_experts, owner);
+    for (auto &e : engines)
+      REQUIRE(e->set_resident(0, p).ok());
+    for (int g = 0; g < G; ++g) {
+      const rt::Status st = engines[proc_of[g]]->register_grads(0, g, w.region(g), w.layout);
+      REQUIRE_MESSAGE(st.ok(), st.to_string());
+    }
+    // Round 1: a random part of the replicas returns, the rest is held (without faults: a sender zeroes its
+    // replica once its send landed, even where another replica of the expert failed, so with faults the zeroes
+    // would not follow the owner's outcome); with faults every replica returns, no selection.
+    std::vector<rt::ReplicaRef> returns, all;
+    std::vector<std::int32_t> held(static_cast<std::size_t>(G) * o.num_experts, -1);
+    for (int g = 0; g < G; ++g)
+      for (int e = 0; e < o.num_experts; ++e)
+        if (g != owner[e] && p.holds(g, e)) {
+          all.push_back({g, e});
+          if (rng() % 2 == 0)
+            returns.push_back({g, e});
+          else
+            held[static_cast<std::size_t>(g) * o.num_experts + e] = owner[e], ++held_total;
+        }
+    rt::ReduceBatch b;
+    b.owner_gpu = owner;
+    b.timeout = 5s;
+    b.select = !faults;
+    b.returns = returns;
+    b.held = held;
+    const std::string what = foremoe::detail::concat("seed ", seed, " ", rt::to_string(type),
+                                                     split ? " split" : " packed", faults ? " faults" : " held");
+    foremoe_test::GradWorld before = w;
+    for (const rt::Status &st : foremoe_test::reduce_everywhere(engines, b))
+      CHECK_MESSAGE((st.ok() || faults), what, ": ", st.to_string());
+    int unapplied = 0;
+    const int applied = foremoe_test::check_reduced(w, before, p, owner, faults, !faults, returns, what, &unapplied);
+    unapplied_total += unapplied;
+    if (faults) {
+      applied_with_faults += applied;
+      continue;
+    }
+    // Round 2: the held replicas kept accumulating (a new micro-step's gradient added in place), the returned
+    // ones restarted from zero and ran tokens again; now every replica returns.
+    for (const rt::ReplicaRef &r : all)
+      for (int s = 0; s < slots; ++s)
+        if (p.slot(r.gpu, s) == r.expert)
+          for (int ti = 0; ti < w.tensors(); ++ti)
+            for (std::int64_t i = 0; i < w.layout.tensor_bytes[ti]; i += w.esize()) {
+              std::byte more[8];
+              foremoe_test::random_value(rng, type, more);
+              foremoe_test::ref_add(type, w.row(r.gpu, s, ti) + i, more);
+            }
+    before = w;
+    std::vector<std::int32_t> none(held.size(), -1);
+    b.returns = all;
+    b.held = none;
+    for (const rt::Status &st : foremoe_test::reduce_everywhere(engines, b))
+      CHECK_MESSAGE(st.ok(), what, " round 2: ", st.to_string());
+    foremoe_test::check_reduced(w, before, p, owner, false, true, all, what + " round 2");
+  }
+  CHECK(held_total > 0);
+  CHECK(applied_with_faults > 0);
+  CHECK(unapplied_total > 0); // the fault schedule failed some experts (all or nothing, told apart from sums)
 }
 
 TEST_CASE("a held gradient's slot cannot be overwritten, by a move or set_resident, until it returns") {

@@ -11,8 +11,10 @@
 #include <thread>
 
 #include "expert_bytes.hpp"
+#include "foremoe/runtime/grad_add.hpp"
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
+#include "grad_ref.hpp"
 #include "test_support.hpp"
 
 using namespace foremoe;
@@ -441,6 +443,168 @@ TEST_CASE("replica gradients reduce into owners, in a fixed order, all or nothin
   }
 }
 
+TEST_CASE("16-bit conversions round to nearest even like an independent table of every value") {
+  std::mt19937_64 rng(17);
+  const auto &f16 = foremoe_test::f16_ref();
+  const auto &bf16 = foremoe_test::bf16_ref();
+  for (std::uint32_t h = 0; h < 0x10000; ++h) { // every pattern decodes exactly (NaNs aside)
+    const auto x = static_cast<std::uint16_t>(h);
+    if ((x & 0x7fffu) <= 0x7c00u) REQUIRE(rt::f16_to_float(x) == f16.decode(x));
+    if ((x & 0x7fffu) <= 0x7f80u) REQUIRE(rt::bf16_to_float(x) == bf16.decode(x));
+  }
+  std::uniform_int_distribution<std::uint32_t> bits;
+  for (int i = 0; i < 400000; ++i) {
+    // Random floats over every exponent, and exact midpoints between neighbouring 16-bit values.
+    std::uint32_t u = bits(rng);
+    if (i % 4 == 1)
+      u = (u & 0x80000000u) | (std::uniform_int_distribution<std::uint32_t>(90, 145)(rng) << 23) |
+          (u & 0x7fffffu);                           // f16's range and beyond
+    if (i % 4 == 2) u = (u & 0xffff8000u) | 0x8000u; // a bf16 tie (the dropped half is exactly 0x8000)
+    if (i % 4 == 3) u = (u & 0xffffe000u) | 0x1000u; // an f16 tie among normals
+    const float f = std::bit_cast<float>(u);
+    if (std::isnan(f)) continue;
+    REQUIRE_MESSAGE(rt::float_to_f16(f) == f16.encode(f), "float bits ", u);
+    REQUIRE_MESSAGE(rt::float_to_bf16(f) == bf16.encode(f), "float bits ", u);
+  }
+  CHECK(rt::float_to_f16(65520.f) == 0x7c00);         // the tie above 65504 goes to the even pattern: infinity
+  CHECK(rt::float_to_f16(std::ldexp(1.f, -25)) == 0); // the tie below the least subnormal: zero
+  CHECK(rt::float_to_f16(std::ldexp(1.5f, -25)) == 1);
+  CHECK(std::isnan(rt::f16_to_float(rt::float_to_f16(std::nanf("")))));
+  CHECK(std::isnan(rt::bf16_to_float(rt::float_to_bf16(std::nanf("")))));
+}
+
+TEST_CASE("replica gradients of every dtype, packed or split, add bitwise in the fixed order, all or nothing") {
+  const rt::GradType types[] = {rt::GradType::f32, rt::GradType::f64, rt::GradType::bf16, rt::GradType::f16};
+  int applied_with_faults = 0, failed_replicas = 0;
+  for (std::uint64_t seed = 1; seed <= 48 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    std::mt19937_64 rng(seed * 7 + 3);
+    const rt::GradType type = types[seed % 4];
+    const bool split = (seed / 4) % 2 == 1, faults = (seed / 8) % 2 == 1, select = (seed / 16) % 2 == 1;
+    rt::EngineOptions o;
+    o.topology = {std::uniform_int_distribution<int>(1, 2)(rng), std::uniform_int_distribution<int>(1, 3)(rng),
+                  std::uniform_int_distribution<int>(2, 4)(rng)};
+    const int gpus = o.topology.num_gpus(), slots = o.topology.slots_per_gpu;
+    o.num_experts = std::uniform_int_distribution<int>(1, gpus * slots)(rng);
+    const int num_tensors = std::uniform_int_distribution<int>(1, 3)(rng);
+    for (int i = 0; i < num_tensors; ++i)
+      o.tensors.push_back({64 * i, 64}); // weights are not moved here; the gradients have their own sizes
+    if (!split) o.tensors = {{0, 64}};
+    if (faults) {
+      auto f = std::make_shared<rt::FaultSchedule>();
+      f->fail_probability = 0.25;
+      f->seed = seed;
+      o.faults = f;
+      o.max_attempts = 1;
+    }
+    std::unique_ptr<rt::TransferEngine> engine;
+    REQUIRE(rt::TransferEngine::create(o, engine).ok());
+    foremoe_test::GradWorld w;
+    w.build(rng, type, split, gpus, slots, num_tensors);
+    std::vector<std::int32_t> owner;
+    const LayerPlacement p = foremoe_test::random_owned(rng, gpus, slots, o.num_experts, owner);
+    REQUIRE(engine->set_resident(0, p).ok());
+    for (int g = 0; g < gpus; ++g) {
+      const rt::Status st = engine->register_grads(0, g, w.region(g), w.layout);
+      REQUIRE_MESSAGE(st.ok(), st.to_string());
+    }
+    std::vector<rt::ReplicaRef> returns;
+    std::vector<std::int32_t> held(static_cast<std::size_t>(gpus) * o.num_experts, -1);
+    for (int g = 0; g < gpus && select; ++g)
+      for (int e = 0; e < o.num_experts; ++e)
+        if (g != owner[e] && p.holds(g, e)) {
+          if (rng() % 3 != 0)
+            returns.push_back({g, e});
+          else
+            held[static_cast<std::size_t>(g) * o.num_experts + e] = owner[e];
+        }
+    std::shuffle(returns.begin(), returns.end(), rng); // the order of `returns` does not matter
+    const foremoe_test::GradWorld before = w;
+    rt::ReduceBatch rb;
+    rb.owner_gpu = owner;
+    rb.select = select;
+    rb.returns = returns;
+    rb.held = held;
+    rt::Ticket t;
+    REQUIRE(engine->submit_reduce(rb, t).ok());
+    const rt::Status st = t.wait_for(10s);
+    const std::string what =
+        foremoe::detail::concat("seed ", seed, " ", rt::to_string(type), split ? " split" : " packed",
+                                faults ? " faults" : "", select ? " select" : "");
+    CHECK_MESSAGE((st.ok() || faults), what, ": ", st.to_string());
+    const int applied = foremoe_test::check_reduced(w, before, p, owner, faults, select, returns, what);
+    if (faults) {
+      applied_with_faults += applied;
+      for (const rt::MoveTelemetry &m : t.telemetry())
+        failed_replicas += m.ok ? 0 : 1;
+    }
+  }
+  // The fault schedule did fail some replicas, and some experts were still applied (the test can tell them apart).
+  CHECK(applied_with_faults > 0);
+  CHECK(failed_replicas > 0);
+}
+
+TEST_CASE("gradient registration: dtype and layout checked, every GPU the same") {
+  rt::EngineOptions o;
+  o.tensors = {{0, 100}, {100, 40}};
+  o.topology = {1, 2, 2};
+  o.num_experts = 4;
+  std::unique_ptr<rt::TransferEngine> e;
+  REQUIRE(rt::TransferEngine::create(o, e).ok());
+  std::vector<std::byte> a(1000), b(1000), c(1000);
+  auto has = [](const rt::Status &st, const std::string &s) {
+    INFO(st.to_string());
+    return st.message().find(s) != std::string::npos;
+  };
+  auto split = [&](std::byte *x, std::int64_t sx, std::byte *y, std::int64_t sy) {
+    rt::SlotRegion r{nullptr, 0, 2, 1, 0};
+    r.tensors = {{x, sx, 0}, {y, sy, 0}};
+    return r;
+  };
+  using GT = rt::GradType;
+  CHECK(has(e->register_grads(0, 0, split(a.data(), 64, b.data(), 16), rt::GradLayout{GT::f64, {64}}),
+            "1 gradient tensor sizes for a split region (2 expected"));
+  CHECK(has(e->register_grads(0, 0, {a.data(), 64, 2, 1, 0}, rt::GradLayout{GT::f64, {32, 32}}),
+            "2 gradient tensor sizes for a packed region"));
+  CHECK(has(e->register_grads(0, 0, split(a.data(), 64, b.data(), 16), rt::GradLayout{GT::f64, {64, 12}}),
+            "tensor 1: gradient bytes must be a positive multiple of 8 (float64), got 12"));
+  CHECK(has(e->register_grads(0, 0, {a.data(), 64, 2, 1, 0}, rt::GradLayout{GT::bf16, {0}}),
+            "positive multiple of 2 (bfloat16), got 0"));
+  CHECK(has(e->register_grads(0, 0, split(a.data(), 64, b.data(), 14), rt::GradLayout{GT::f16, {64, 16}}),
+            "tensor 1: slot stride 14 is smaller than its 16 bytes"));
+  CHECK(has(e->register_grads(0, 0, split(a.data(), 64, a.data() + 64, 16), rt::GradLayout{GT::f16, {64, 16}}),
+            "overlaps tensor"));
+  CHECK(has(e->register_grads(0, 0, {a.data(), 62, 2, 1, 0}, rt::GradLayout{GT::f16, {64}}),
+            "slot stride 62 is smaller than the 64 bytes"));
+  CHECK(has(e->register_grads(0, 0, split(nullptr, 64, b.data(), 16), rt::GradLayout{GT::f16, {64, 16}}),
+            "tensor 0: null base"));
+  CHECK(has(e->register_grads(0, 0, {a.data(), 64, 2, 1, 0}, rt::GradLayout{static_cast<GT>(9), {64}}),
+            "unknown gradient type 9"));
+  CHECK(has(e->register_grads(0, 0, {a.data(), 68, 2, 1, 0}, rt::GradLayout{GT::f64, {64}}),
+            "slot stride 68) are not aligned to the 8-byte float64 elements"));
+  CHECK(has(e->register_grads(0, 0, split(a.data(), 64, b.data() + 2, 16), rt::GradLayout{GT::f32, {64, 16}}),
+            "GPU 0 tensor 1: rows (base"));
+  rt::SlotRegion two = split(a.data(), 64, b.data(), 16);
+  two.num_buffers = 2;
+  CHECK(has(e->register_grads(0, 0, two, rt::GradLayout{GT::f32, {64, 16}}), "one buffer, got num_buffers 2"));
+  // GPU 0 registers split bf16; GPU 1 must match dtype, sizes and layout.
+  REQUIRE(e->register_grads(0, 0, split(a.data(), 64, b.data(), 16), rt::GradLayout{GT::bf16, {64, 16}}).ok());
+  CHECK(has(e->register_grads(0, 1, split(c.data(), 64, c.data() + 200, 16), rt::GradLayout{GT::f16, {64, 16}}),
+            "gradient type float16 differs from bfloat16 registered before"));
+  CHECK(has(e->register_grads(0, 1, split(c.data(), 64, c.data() + 200, 16), rt::GradLayout{GT::bf16, {64, 14}}),
+            "gradient tensor sizes (78 bytes in 2 tensors) differ from those registered before (80 bytes"));
+  CHECK(has(e->register_grads(0, 1, {c.data(), 80, 2, 1, 0}, 80), "gradient type float32 differs from bfloat16"));
+  CHECK(e->register_grads(0, 1, split(c.data(), 64, c.data() + 200, 16), rt::GradLayout{GT::bf16, {64, 16}}).ok());
+  // A packed region of the same total is another layout: refused (one tensor, so sizes alone do not tell).
+  rt::EngineOptions o1 = o;
+  o1.tensors = {{0, 100}};
+  REQUIRE(rt::TransferEngine::create(o1, e).ok());
+  rt::SlotRegion one{nullptr, 0, 2, 1, 0};
+  one.tensors = {{a.data(), 64, 0}};
+  REQUIRE(e->register_grads(0, 0, one, rt::GradLayout{GT::f64, {64}}).ok());
+  CHECK(has(e->register_grads(0, 1, {c.data(), 64, 2, 1, 0}, rt::GradLayout{GT::f64, {64}}),
+            "a packed gradient region, GPU 0 registered a split one"));
+}
+
 TEST_CASE("engine bad input: clear statuses, no crash") {
   rt::EngineOptions o;
   std::unique_ptr<rt::TransferEngine> e;
@@ -831,7 +995,7 @@ TEST_CASE("split regions: bad registrations are refused naming layer, GPU or nod
   CHECK_MESSAGE(has(reach, "layer 0 GPU 1: tensor"), reach);
   CHECK_MESSAGE(has(reach, "overlaps tensor"), reach);
   rt::SlotRegion grads = slots({{a.data(), 100, 0}, {b.data(), 40, 0}});
-  CHECK(has(msg(e->register_grads(0, 0, grads, 100)), "gradient regions are packed"));
+  CHECK(has(msg(e->register_grads(0, 0, grads, 100)), "1 gradient tensor sizes for a split region"));
 
   CHECK(has(msg(e->register_mirror(0, 0, mirror({{a.data(), 100}}))), "layer 0 node 0: 1 tensor regions"));
   CHECK(has(msg(e->register_mirror(0, 0, mirror({{a.data(), 100}, {nullptr, 40}}))), "node 0 tensor 1: null base"));

@@ -76,8 +76,8 @@ public:
   rt::Status checksum(int gpu, const std::byte *p, std::int64_t n, std::uint64_t &out) override {
     return inner_->checksum(gpu, p, n, out);
   }
-  rt::Status accumulate(int gpu, float *dst, const float *src, std::int64_t n) override {
-    return inner_->accumulate(gpu, dst, src, n);
+  rt::Status accumulate(int gpu, void *dst, const void *src, std::int64_t n, rt::GradType type) override {
+    return inner_->accumulate(gpu, dst, src, n, type);
   }
   rt::Status alloc(int gpu, std::int64_t n, std::byte *&out) override { return inner_->alloc(gpu, n, out); }
   void free(int gpu, std::byte *p) noexcept override { inner_->free(gpu, p); }

@@ -549,19 +549,58 @@ public:
   /// expert; the engine never reads it while it is stale. The segment is kept alive by the engine.
   void register_node_mirror(int layer, int node, nb::object mirror);
 
+  // The gradient type of `a` (`rt::GradType`), or a ValueError naming its dtype.
+  static rt::GradType grad_type_of(const Array &a, const std::string &what) {
+    if (is_dtype(a, nb::dlpack::dtype_code::Float, 32)) return rt::GradType::f32;
+    if (is_dtype(a, nb::dlpack::dtype_code::Float, 64)) return rt::GradType::f64;
+    if (is_dtype(a, nb::dlpack::dtype_code::Float, 16)) return rt::GradType::f16;
+    if (is_dtype(a, nb::dlpack::dtype_code::Bfloat, 16)) return rt::GradType::bf16;
+    raise(PyExc_ValueError,
+          str(what, ": gradients must be float32, float64, bfloat16 or float16, got ", dtype_str(a.dtype())));
+  }
+
+  /// The packed layout: one `[slots, ...]` array; an expert's gradient is its row's first `grad_bytes` bytes.
   void register_grads(int layer, int gpu, const Array &a, std::optional<std::int64_t> grad_bytes) {
     const std::string what = str("register_grads: layer ", layer, " GPU ", gpu, " gradients ", shape_str(a));
     check_gpu(gpu, what);
     check_memory(a, what, slot_memory(gpu));
-    if (!is_dtype(a, nb::dlpack::dtype_code::Float, 32))
-      raise(PyExc_ValueError, str(what, ": gradients must be float32, got ", dtype_str(a.dtype())));
+    const rt::GradType type = grad_type_of(a, what);
     const int S = opts_.topology.slots_per_gpu;
-    if (a.shape(0) != static_cast<std::size_t>(S))
+    if (a.ndim() == 0 || a.shape(0) != static_cast<std::size_t>(S))
       raise(PyExc_ValueError, str(what, ": expected [", S, ", ...] for ", S, " slots per GPU"));
     const std::int64_t row = row_bytes(a, 0);
     rt::SlotRegion r{a.data(), row, S, 1, 0};
-    check(eng().register_grads(layer, gpu, r, grad_bytes.value_or(row)));
+    check(eng().register_grads(layer, gpu, r, rt::GradLayout{type, {grad_bytes.value_or(row)}}));
     keep_.push_back(a);
+  }
+
+  /// The split layout: one `[slots, ...]` array per `EngineOptions::tensors` entry, all of one dtype; tensor `i`'s
+  /// gradient of an expert is its whole row.
+  void register_grads_split(int layer, int gpu, const std::vector<Array> &parts) {
+    const std::string what = str("register_grads: layer ", layer, " GPU ", gpu);
+    check_gpu(gpu, what);
+    check_parts(parts.size(), what);
+    const int S = opts_.topology.slots_per_gpu;
+    rt::SlotRegion r;
+    r.num_slots = S;
+    rt::GradLayout layout;
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const Array &a = parts[i];
+      const std::string tw = str(what, " tensor ", i, " ", shape_str(a));
+      check_memory(a, tw, slot_memory(gpu));
+      const rt::GradType type = grad_type_of(a, tw);
+      if (i > 0 && type != layout.type)
+        raise(PyExc_ValueError, str(tw, ": gradients of one layer have one dtype, got ", rt::to_string(type), " after ",
+                                    rt::to_string(layout.type), " for tensor 0"));
+      layout.type = type;
+      if (a.ndim() == 0 || a.shape(0) != static_cast<std::size_t>(S))
+        raise(PyExc_ValueError,
+              str(tw, ": expected [", S, ", ...] (slots x the tensor's gradient) for ", S, " slots per GPU"));
+      r.tensors.push_back({a.data(), row_bytes(a, 0), 0});
+      layout.tensor_bytes.push_back(row_bytes(a, 0));
+    }
+    check(eng().register_grads(layer, gpu, r, layout));
+    keep_.insert(keep_.end(), parts.begin(), parts.end());
   }
 
   void set_resident(int layer, nb::ndarray<nb::ro, const std::int32_t, nb::c_contig, nb::device::cpu> gpu_slots) {
@@ -1085,6 +1124,7 @@ void bind_runtime(nb::module_ &m) {
       .def("register_node_mirror", &PyEngine::register_node_mirror, "layer"_a, "node"_a, "mirror"_a)
       .def("register_grads", &PyEngine::register_grads, "layer"_a, "gpu"_a, "grads"_a,
            "grad_bytes"_a.none() = nb::none())
+      .def("register_grads_split", &PyEngine::register_grads_split, "layer"_a, "gpu"_a, "tensors"_a)
       .def("set_resident", &PyEngine::set_resident, "layer"_a, "gpu_slots"_a)
       .def("resident", &PyEngine::resident, "layer"_a)
       .def("submit", &PyEngine::submit, "layer"_a, "moves"_a, "sources_ready"_a.none(), "slots_free"_a.none(),

@@ -264,6 +264,54 @@ def split_rank(rank, tmp):
     dist.destroy_process_group()
 
 
+GRAD_KINDS = [(5, 7), (11,)]  # per-kind gradient rows (elements)
+
+
+def all_grads(seed, world, dtype):
+    """Every rank's per-kind gradients ``[SLOTS, *shape]`` (each rank builds all of them from the seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[(torch.randn((SLOTS,) + shape, generator=gen, dtype=torch.float64)
+              * torch.pow(2.0, torch.randint(-6, 7, (SLOTS,) + shape, generator=gen).double())).to(dtype)
+             for shape in GRAD_KINDS] for _ in range(world)]
+
+
+def grads_rank(rank, world, tmp):
+    """Per-kind replica gradients over the group, layer 0 float64 and layer 1 bfloat16 (one dtype per layer): each
+    owner row is its own gradient plus its replicas' in GPU order, added by torch one at a time, bit for bit."""
+    tc.init_group(rank, world, tmp)
+    E = 2 * world
+    eng = fe.TransferEngine(topology=foremoe.Topology(1, world, SLOTS), num_layers=2, num_experts=E,
+                            tensors=[64, 32], group=dist.group.WORLD, bridge_timeout=30.0)
+    # Expert 2g (owned by GPU g, slot 0) and 2g+1 (GPU g, slot 1) are replicated on every other GPU in slot 2 in
+    # turn: GPU g's slot 2 holds expert 2(g+1 mod world), so each owner has one replica on another rank.
+    placement = np.array([[2 * g, 2 * g + 1, 2 * ((g + 1) % world)] for g in range(world)], dtype=np.int32)
+    owners = [e // 2 for e in range(E)]
+    layers = {0: torch.float64, 1: torch.bfloat16}
+    mine, ref = {}, {}
+    for layer, dtype in layers.items():
+        ref[layer] = all_grads(7 + layer, world, dtype)
+        mine[layer] = [t.clone() for t in ref[layer][rank]]
+        eng.register_grads(layer, rank, mine[layer])
+        eng.set_resident(layer, placement)
+    for layer in layers:
+        eng.submit_reduce(layer, owners, timeout=30.0).wait(timeout=60.0)
+    for layer in layers:
+        for k in range(len(GRAD_KINDS)):
+            e = 2 * rank  # owned here in slot 0, replicated on GPU rank-1's slot 2
+            want = ref[layer][rank][k][0].clone()
+            for g in range(world):
+                if g != rank and placement[g, 2] == e:
+                    want += ref[layer][g][k][2]
+            got = mine[layer][k][0]
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (rank, layer, k)
+            assert not torch.equal(got, ref[layer][rank][k][0])  # something was added
+            assert torch.equal(mine[layer][k][1], ref[layer][rank][k][1])  # expert 2r+1 has no replica
+            assert torch.equal(mine[layer][k][2], ref[layer][rank][k][2])  # a replica's row is left as it is
+    eng.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _raises(t, kind):
     try:
         t.wait(timeout=10.0)
@@ -305,3 +353,8 @@ def test_per_kind_tensors_over_the_group_fall_back_to_the_node_mirror(tmp_path):
     landed, fallbacks, verify_failures, failed = json.loads((tmp_path / "rank0.json").read_text())
     assert landed > 0 and fallbacks > 0, (landed, fallbacks, verify_failures, failed)
     assert verify_failures > 0, "no received copy was corrupted: the fault proved nothing"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_per_kind_gradients_reduce_over_the_group_bitwise(tmp_path, world):
+    tc.run_ranks(grads_rank, world, (world, str(tmp_path)), str(tmp_path), timeout=240.0)

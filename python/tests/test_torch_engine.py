@@ -293,8 +293,8 @@ def test_bad_input_is_refused_with_a_clear_message():
         eng.register_slots(0, 0, torch.zeros(2, 64, device="meta"))
     with pytest.raises(TypeError, match="torch.Tensor"):
         eng.register_slots(0, 0, [[0.0] * 64] * 2)
-    with pytest.raises(ValueError, match="float32, got float64"):
-        eng.register_grads(0, 0, torch.zeros(2, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match="float32, float64, bfloat16 or float16, got int32"):
+        eng.register_grads(0, 0, torch.zeros(2, 64, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"expected \[4, \.\.\.\]"):
         eng.register_mirror(0, 0, torch.zeros(3, 64))
     eng.register_slots(0, 0, torch.zeros(2, 64, requires_grad=True))  # a parameter's memory: detached, not copied
@@ -340,6 +340,76 @@ def test_replica_gradients_reduce_into_owners():
     want = grads[0][0] + grads[1][1]
     eng.submit_reduce(0, [0, 0, 1]).wait(10.0)
     assert torch.equal(grads[0][0], want)
+
+
+GRAD_KINDS = [(5, 7), (11,)]  # per-kind gradient rows (elements) of a split layout
+
+
+def _kind_grads(seed, gpus, slots, dtype):
+    """Every GPU's per-kind gradient tensors ``[slots, *shape]``, random values spanning several binades."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(gpus):
+        out.append([(torch.randn((slots,) + shape, generator=gen, dtype=torch.float64)
+                     * torch.pow(2.0, torch.randint(-6, 7, (slots,) + shape, generator=gen).double())).to(dtype)
+                    for shape in GRAD_KINDS])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16, torch.float32])
+def test_per_kind_gradients_reduce_bitwise_in_the_fixed_order(dtype):
+    """Split gradient regions (one tensor per weight kind) in each float dtype: every owner row is its own gradient
+    plus its replicas' in GPU order, added by torch one at a time (bfloat16 / float16: float32 sums rounded to
+    nearest even, as torch's add), bit for bit; held replicas stay, returned ones are zeroed."""
+    topo = foremoe.Topology(1, 3, 3)
+    eng = fe.TransferEngine(topology=topo, num_layers=1, num_experts=4, tensors=[64, 32])
+    grads = _kind_grads(5, 3, 3, dtype)
+    for g in range(3):
+        eng.register_grads(0, g, grads[g])
+    # Expert 0: owner GPU 0 slot 0, replicas on GPU 1 slot 1 and GPU 2 slot 2; expert 3: owner GPU 2 slot 0,
+    # replica on GPU 0 slot 2; expert 1 on GPU 1 slot 0 and expert 2 on GPU 2 slot 1 without replicas.
+    eng.set_resident(0, [[0, -1, 3], [1, 0, -1], [3, 2, 0]])
+    owners = [0, 1, 2, 2]
+    before = [[t.clone() for t in kinds] for kinds in grads]
+    eng.submit_reduce(0, owners).wait(10.0)
+    for k in range(len(GRAD_KINDS)):
+        want0 = before[0][k][0].clone()
+        want0 += before[1][k][1]  # replicas by GPU ascending
+        want0 += before[2][k][2]
+        assert torch.equal(grads[0][k][0].view(torch.uint8), want0.view(torch.uint8)), (dtype, k)
+        want3 = before[2][k][0] + before[0][k][2]
+        assert torch.equal(grads[2][k][0].view(torch.uint8), want3.view(torch.uint8)), (dtype, k)
+        for g, s in [(1, 0), (2, 1), (1, 1), (2, 2), (0, 2)]:  # the others are left as they were
+            assert torch.equal(grads[g][k][s].view(torch.uint8), before[g][k][s].view(torch.uint8))
+    # The held-gradient rule with split regions: GPU 1's replica of expert 0 returns (added, zeroed), GPU 2's stays.
+    before = [[t.clone() for t in kinds] for kinds in grads]
+    held = -np.ones((3, 4), dtype=np.int32)
+    held[2, 0] = 0
+    eng.submit_reduce(0, owners, returns=[[1, 0]], held=held).wait(10.0)
+    for k in range(len(GRAD_KINDS)):
+        want0 = before[0][k][0] + before[1][k][1]
+        assert torch.equal(grads[0][k][0].view(torch.uint8), want0.view(torch.uint8))
+        assert not grads[1][k][1].any() and torch.equal(grads[2][k][2], before[2][k][2])
+
+
+def test_gradient_dtypes_and_kinds_are_checked():
+    topo = foremoe.Topology(1, 2, 2)
+    eng = fe.TransferEngine(topology=topo, num_layers=1, num_experts=3, tensors=[64, 32])
+    with pytest.raises(ValueError, match="1 tensors given, the engine has 2"):
+        eng.register_grads(0, 0, [torch.zeros(2, 4)])
+    with pytest.raises(ValueError, match="tensor 1 .*one dtype, got float16 after bfloat16"):
+        eng.register_grads(0, 0, [torch.zeros(2, 4, dtype=torch.bfloat16), torch.zeros(2, 4, dtype=torch.float16)])
+    with pytest.raises(ValueError, match=r"tensor 0 .*expected \[2, \.\.\.\]"):
+        eng.register_grads(0, 0, [torch.zeros(3, 4), torch.zeros(2, 4)])
+    with pytest.raises(ValueError, match="grad_bytes applies to one packed tensor"):
+        eng.register_grads(0, 0, [torch.zeros(2, 4), torch.zeros(2, 4)], grad_bytes=8)
+    with pytest.raises(ValueError, match="int8"):
+        eng.register_grads(0, 0, [torch.zeros(2, 4, dtype=torch.int8), torch.zeros(2, 4, dtype=torch.int8)])
+    eng.register_grads(0, 0, [torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float64)])
+    with pytest.raises(ValueError, match="gradient type float32 differs from float64 registered before"):
+        eng.register_grads(0, 1, [torch.zeros(2, 4), torch.zeros(2, 3)])
+    with pytest.raises(ValueError, match="gradient tensor sizes"):
+        eng.register_grads(0, 1, [torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.float64)])
 
 
 def test_held_replica_gradients_return_once_and_guard_their_slot():

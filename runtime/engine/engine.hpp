@@ -53,10 +53,19 @@ struct Site {
 [[nodiscard]] inline Site mirror_site(int gpu, int expert) noexcept { return {true, gpu, expert, 0}; }
 
 struct LayerState {
-  std::vector<SlotRegion> slots;     // per GPU
-  std::vector<MirrorRegion> mirrors; // per node
-  std::vector<SlotRegion> grads;     // per GPU
-  std::int64_t grad_bytes = 0;
+  std::vector<SlotRegion> slots;         // per GPU
+  std::vector<MirrorRegion> mirrors;     // per node
+  std::vector<SlotRegion> grads;         // per GPU
+  GradLayout grad_layout;                // one per layer (every GPU registers the same)
+  std::vector<std::int64_t> grad_offset; // per gradient tensor: its offset in the concatenation (staging)
+  std::int64_t grad_bytes = 0;           // an expert's gradient: the tensors' sum (0: none registered)
+
+  // Tensor `ti`'s gradient in GPU `gpu`'s slot `slot` (packed: one tensor at the start of the slot).
+  [[nodiscard]] std::byte *grad_at(int gpu, int slot, std::size_t ti) const noexcept {
+    const SlotRegion &g = grads[static_cast<std::size_t>(gpu)];
+    if (g.tensors.empty()) return static_cast<std::byte *>(g.base) + slot * g.slot_stride_bytes;
+    return static_cast<std::byte *>(g.tensors[ti].base) + slot * g.tensors[ti].slot_stride_bytes;
+  }
   LayerPlacement resident;          // valid copies (other processes' GPUs: as planned)
   LayerPlacement planned;           // multi-process: the placement every submitted move leads to
   std::vector<std::uint8_t> buffer; // per physical slot: the buffer holding the valid copy
@@ -247,7 +256,7 @@ public:
   const EngineOptions &options() const noexcept { return opts_; }
 
   // registration.cpp
-  Status register_region(int layer, int idx, const SlotRegion &r, bool grads, std::int64_t grad_bytes);
+  Status register_region(int layer, int idx, const SlotRegion &r, const GradLayout *grads);
   Status register_mirror(int layer, int node, const MirrorRegion &m);
   Status set_resident(int layer, const LayerPlacement &p);
   std::int32_t valid_expert(int layer, int gpu, int slot) const;
@@ -277,7 +286,9 @@ private:
   std::int64_t span_end() const;
   // Checks a split region (`SlotRegion::tensors`, `MirrorRegion::tensors`): one entry per tensor, non-null bases,
   // strides that hold each tensor, and no two rows sharing a byte; `where` names layer and GPU or node.
-  Status check_split(const std::string &where, const SlotRegion &r) const;
+  // `sizes`: each tensor's row bytes (gradients: `GradLayout::tensor_bytes`); null: the tensors' spans.
+  Status check_split(const std::string &where, const SlotRegion &r,
+                     const std::vector<std::int64_t> *sizes = nullptr) const;
   Status check_split(const std::string &where, const MirrorRegion &m) const;
   // `invalid_argument` while batches of `layer` are in flight (they read its regions); the caller holds `mu_`.
   Status check_idle(int layer, const char *what) const;

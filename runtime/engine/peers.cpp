@@ -89,20 +89,31 @@ bool EngineImpl::post_peer(TicketImpl &t, bool discard) {
       if (r.role != Role::send && r.role != Role::recv) continue;
       const bool send = r.role == Role::send;
       bool valid = false;
-      std::byte *buf = r.staging;
       if (send) {
         std::lock_guard lock(mu_);
         valid = ls.resident.slot(r.gpu, r.slot) == r.expert;
-        buf = static_cast<std::byte *>(ls.grads[r.gpu].base) + r.slot * ls.grads[r.gpu].slot_stride_bytes;
       }
-      biggest = std::max(biggest, ls.grad_bytes);
-      add(send, send ? r.gpu : r.owner, send ? r.owner : r.gpu, buf, ls.grad_bytes, valid && !discard, 0,
-          static_cast<int>(i), 0, tag_of({-1, r.expert, r.gpu, r.slot, r.owner, ls.grad_bytes}));
+      // One paired transfer per gradient tensor; the packed float32 layout keeps its tag of before, other layouts
+      // name the tensor and the type too (processes registering different layouts fail rather than mix bytes).
+      const GradLayout &gl = ls.grad_layout;
+      const bool plain = gl.type == GradType::f32 && gl.tensor_bytes.size() == 1;
+      r.copy.pending = 0;
+      for (std::size_t ti = 0; ti < gl.tensor_bytes.size(); ++ti) {
+        const std::int64_t n = gl.tensor_bytes[ti];
+        std::byte *buf = send ? ls.grad_at(r.gpu, r.slot, ti) : r.staging + ls.grad_offset[ti];
+        biggest = std::max(biggest, n);
+        add(send, send ? r.gpu : r.owner, send ? r.owner : r.gpu, buf, n, valid && !discard, 0, static_cast<int>(i), 0,
+            plain ? tag_of({-1, r.expert, r.gpu, r.slot, r.owner, n})
+                  : tag_of({-2, r.expert, r.gpu, r.slot, r.owner, n, static_cast<std::int64_t>(ti),
+                            static_cast<std::int64_t>(gl.type), static_cast<std::int64_t>(gl.tensor_bytes.size())}));
+      }
     }
   }
-  if (t.kind == TicketImpl::Kind::moves)
-    for (int item : t.peer_item)
+  for (int item : t.peer_item)
+    if (t.kind == TicketImpl::Kind::moves)
       ++t.chunks[item].pending;
+    else
+      ++t.reduces[item].copy.pending;
   if (discard)
     for (PeerOp &op : t.peer_ops) {
       std::byte *p = scratch(t, op.local_gpu, biggest);
@@ -175,10 +186,9 @@ void EngineImpl::poll_peer(TicketImpl &t) {
         if (--cr.pending == 0 && waiting) cr.pairs_ended();
       } else {
         ReduceRun &r = t.reduces[t.peer_item[k]];
-        r.copy.pending = 0;
-        if (!r.copy.waiting_for_peer()) continue;
-        if (!ok) r.copy.piece_failed();
-        r.copy.pairs_ended();
+        const bool waiting = r.copy.waiting_for_peer(); // not when given up (drained) meanwhile
+        if (!ok && waiting) r.copy.piece_failed();
+        if (r.copy.pending > 0 && --r.copy.pending == 0 && waiting) r.copy.pairs_ended();
       }
     }
     g.end = g.begin; // consumed

@@ -20,25 +20,31 @@ void EngineImpl::start_reduce(TicketImpl &t, double now_s) {
   step_reduce(t, now_s);
 }
 
+// One copy per gradient tensor (packed: one), each into its place in the staging concatenation.
 void EngineImpl::issue_reduce(TicketImpl &t, ReduceRun &r, double now_s) {
   LayerState &ls = layers_[t.layer];
-  const SlotRegion &g = ls.grads[r.gpu];
-  CopyOp op;
-  op.path = r.copy.c.path;
-  op.src_gpu = r.gpu;
-  op.dst_gpu = r.owner;
-  op.src = static_cast<const std::byte *>(g.base) + r.slot * g.slot_stride_bytes;
-  op.dst = r.staging;
-  op.num_bytes = ls.grad_bytes;
   ++r.copy.attempts;
-  op.fault_key = mix64(t.serial) ^ mix64(0xabcdull + (static_cast<std::uint64_t>(r.expert) << 24) +
-                                         (static_cast<std::uint64_t>(r.gpu) << 8) + r.copy.attempts);
   if (r.start < 0) r.start = now_s;
-  r.copy.handles.assign(1, 0);
+  r.copy.handles.clear();
   r.copy.to(ChunkState::copying);
-  if (!transport_->start(op, r.copy.handles[0]).ok()) {
-    r.copy.handles.clear();
-    r.copy.piece_failed();
+  for (std::size_t ti = 0; ti < ls.grad_layout.tensor_bytes.size(); ++ti) {
+    CopyOp op;
+    op.path = r.copy.c.path;
+    op.src_gpu = r.gpu;
+    op.dst_gpu = r.owner;
+    op.src = ls.grad_at(r.gpu, r.slot, ti);
+    op.dst = r.staging + ls.grad_offset[ti];
+    op.num_bytes = ls.grad_layout.tensor_bytes[ti];
+    // Tensor 0's key is the packed layout's (the same fault decisions as before split regions).
+    op.fault_key = mix64(t.serial) ^
+                   mix64(0xabcdull + (static_cast<std::uint64_t>(r.expert) << 24) +
+                         (static_cast<std::uint64_t>(r.gpu) << 8) + r.copy.attempts) ^
+                   (ti == 0 ? 0 : mix64(0x7e45ull + ti));
+    std::uint64_t h = 0;
+    if (transport_->start(op, h).ok())
+      r.copy.handles.push_back(h);
+    else
+      r.copy.piece_failed();
   }
   r.copy.pending = r.copy.handles.size();
 }
@@ -60,8 +66,9 @@ void EngineImpl::step_reduce(TicketImpl &t, double now_s) {
       r.end = now_s;
       continue;
     }
-    if (t.draining && !r.copy.handles.empty() && r.copy.handles[0] != 0 && transport_->cancel(r.copy.handles[0]))
-      r.copy.handles[0] = 0, --r.copy.pending, r.copy.piece_failed();
+    if (t.draining)
+      for (std::uint64_t &h : r.copy.handles)
+        if (h != 0 && transport_->cancel(h)) h = 0, --r.copy.pending, r.copy.piece_failed();
     if (!poll(r.copy)) {
       in_flight = true;
       continue;
@@ -80,7 +87,8 @@ void EngineImpl::step_reduce(TicketImpl &t, double now_s) {
   if (in_flight) return;
   // Every staging copy ended: add each expert's replicas into a local owner, in replica order, all or nothing.
   LayerState &ls = layers_[t.layer];
-  const std::int64_t n = ls.grad_bytes / 4;
+  const GradLayout &gl = ls.grad_layout;
+  const std::int64_t esize = grad_type_bytes(gl.type);
   for (std::size_t i = 0; i < t.reduces.size();) {
     std::size_t j = i;
     bool ok = true;
@@ -93,10 +101,12 @@ void EngineImpl::step_reduce(TicketImpl &t, double now_s) {
       if (ok)
         for (std::size_t k = i; k < j; ++k) {
           const ReduceRun &r = t.reduces[k];
-          const SlotRegion &og = ls.grads[r.owner];
-          auto *dst =
-              reinterpret_cast<float *>(static_cast<std::byte *>(og.base) + r.owner_slot * og.slot_stride_bytes);
-          if (!transport_->accumulate(r.owner, dst, reinterpret_cast<const float *>(r.staging), n).ok()) ok = false;
+          for (std::size_t ti = 0; ti < gl.tensor_bytes.size(); ++ti)
+            if (!transport_
+                     ->accumulate(r.owner, ls.grad_at(r.owner, r.owner_slot, ti), r.staging + ls.grad_offset[ti],
+                                  gl.tensor_bytes[ti] / esize, gl.type)
+                     .ok())
+              ok = false;
         }
       for (std::size_t k = i; k < j; ++k)
         t.reduces[k].ok = ok;
@@ -105,9 +115,8 @@ void EngineImpl::step_reduce(TicketImpl &t, double now_s) {
     for (std::size_t k = i; k < j; ++k) {
       ReduceRun &r = t.reduces[k];
       if (!r.zero || !r.ok || !local_[r.gpu]) continue;
-      const SlotRegion &rg = ls.grads[r.gpu];
-      auto *src = reinterpret_cast<float *>(static_cast<std::byte *>(rg.base) + r.slot * rg.slot_stride_bytes);
-      r.ok = transport_->zero(r.gpu, src, n).ok();
+      for (std::size_t ti = 0; ti < gl.tensor_bytes.size() && r.ok; ++ti)
+        r.ok = transport_->zero(r.gpu, ls.grad_at(r.gpu, r.slot, ti), gl.tensor_bytes[ti]).ok();
     }
     i = j;
   }

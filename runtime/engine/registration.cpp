@@ -60,25 +60,56 @@ EngineImpl::~EngineImpl() {
   progress_.join();
 }
 
-Status EngineImpl::register_region(int layer, int idx, const SlotRegion &r, bool grads, std::int64_t grad_bytes) {
+Status EngineImpl::register_region(int layer, int idx, const SlotRegion &r, const GradLayout *grads) {
   const char *what = grads ? "register_grads" : "register_slots";
   if (Status st = check_layer(layer, what); !st.ok()) return st;
   if (idx < 0 || idx >= opts_.topology.num_gpus())
     return bad(what, ": GPU ", idx, " outside [0, ", opts_.topology.num_gpus(), ")");
   if (!local_[idx]) return bad(what, ": GPU ", idx, " is driven by another process (peers.local_gpus)");
-  if (grads && !r.tensors.empty())
-    return bad(what, ": layer ", layer, " GPU ", idx, ": gradient regions are packed (SlotRegion::tensors must be ",
-               "empty, got ", r.tensors.size(), ")");
   const bool split = !r.tensors.empty();
+  std::int64_t grad_bytes = 0;
+  if (grads) {
+    const std::int64_t esize = grad_type_bytes(grads->type);
+    if (esize == 0)
+      return bad(what, ": layer ", layer, " GPU ", idx, ": unknown gradient type ", static_cast<int>(grads->type));
+    const std::size_t want = split ? opts_.tensors.size() : 1;
+    if (grads->tensor_bytes.size() != want)
+      return bad(what, ": layer ", layer, " GPU ", idx, ": ", grads->tensor_bytes.size(),
+                 " gradient tensor sizes for a ", split ? "split" : "packed", " region (", want,
+                 " expected: ", split ? "one per EngineOptions::tensors entry" : "one, the whole gradient", ")");
+    for (std::size_t ti = 0; ti < want; ++ti) {
+      const std::int64_t n = grads->tensor_bytes[ti];
+      if (n <= 0 || n % esize != 0)
+        return bad(what, ": layer ", layer, " GPU ", idx, " tensor ", ti, ": gradient bytes must be a positive ",
+                   "multiple of ", esize, " (", to_string(grads->type), "), got ", n);
+      grad_bytes += n;
+    }
+    if (split && r.num_buffers != 1)
+      return bad(what, ": layer ", layer, " GPU ", idx, ": gradient regions have one buffer, got num_buffers ",
+                 r.num_buffers);
+    // Elements are read and written as `type`: every row must start on a multiple of its size.
+    auto misaligned = [&](const void *base, std::int64_t stride) {
+      return reinterpret_cast<std::uintptr_t>(base) % static_cast<std::uintptr_t>(esize) != 0 || stride % esize != 0;
+    };
+    for (std::size_t ti = 0; ti < (split ? r.tensors.size() : 1); ++ti) {
+      const void *base = split ? r.tensors[ti].base : r.base;
+      const std::int64_t stride = split ? r.tensors[ti].slot_stride_bytes : r.slot_stride_bytes;
+      if (misaligned(base, stride))
+        return bad(what, ": layer ", layer, " GPU ", idx, split ? foremoe::detail::concat(" tensor ", ti) : "",
+                   ": rows (base ", base, ", slot stride ", stride, ") are not aligned to the ", esize, "-byte ",
+                   to_string(grads->type), " elements");
+    }
+  }
   if (!split && r.base == nullptr) return bad(what, ": null base for GPU ", idx);
   if (r.num_slots != opts_.topology.slots_per_gpu)
     return bad(what, ": GPU ", idx, " has ", r.num_slots, " slots, the topology ", opts_.topology.slots_per_gpu);
   if (r.num_buffers < 1 || r.num_buffers > 2) return bad(what, ": num_buffers must be 1 or 2, got ", r.num_buffers);
   const std::int64_t need = grads ? grad_bytes : span_end();
-  if (grads && (grad_bytes <= 0 || grad_bytes % 4 != 0))
-    return bad(what, ": grad_bytes must be a positive multiple of 4, got ", grad_bytes);
   if (split) {
-    if (Status st = check_split(foremoe::detail::concat(what, ": layer ", layer, " GPU ", idx), r); !st.ok()) return st;
+    if (Status st = check_split(foremoe::detail::concat(what, ": layer ", layer, " GPU ", idx), r,
+                                grads ? &grads->tensor_bytes : nullptr);
+        !st.ok())
+      return st;
   } else {
     if (r.slot_stride_bytes < need)
       return bad(what, ": slot stride ", r.slot_stride_bytes, " is smaller than the ", need, " bytes of an expert");
@@ -90,9 +121,25 @@ Status EngineImpl::register_region(int layer, int idx, const SlotRegion &r, bool
   LayerState &ls = layers_[layer];
   ++ls.generation;
   if (grads) {
-    if (ls.grad_bytes != 0 && ls.grad_bytes != grad_bytes)
-      return bad(what, ": grad_bytes ", grad_bytes, " differs from ", ls.grad_bytes, " registered before");
+    // Every GPU of the layer has the same layout (replica gradients travel as raw bytes to their owners).
+    if (ls.grad_bytes != 0) {
+      if (ls.grad_layout.type != grads->type)
+        return bad(what, ": layer ", layer, " GPU ", idx, ": gradient type ", to_string(grads->type), " differs from ",
+                   to_string(ls.grad_layout.type), " registered before");
+      if (ls.grad_layout.tensor_bytes != grads->tensor_bytes)
+        return bad(what, ": layer ", layer, " GPU ", idx, ": gradient tensor sizes (", grad_bytes, " bytes in ",
+                   grads->tensor_bytes.size(), " tensors) differ from those registered before (", ls.grad_bytes,
+                   " bytes in ", ls.grad_layout.tensor_bytes.size(), ")");
+      for (std::size_t g = 0; g < ls.grads.size(); ++g)
+        if (static_cast<int>(g) != idx && is_registered(ls.grads[g]) && ls.grads[g].tensors.empty() == split)
+          return bad(what, ": layer ", layer, " GPU ", idx, ": a ", split ? "split" : "packed",
+                     " gradient region, GPU ", g, " registered a ", split ? "packed" : "split", " one");
+    }
     ls.grads[idx] = r;
+    ls.grad_layout = *grads;
+    ls.grad_offset.assign(grads->tensor_bytes.size(), 0);
+    for (std::size_t ti = 1; ti < grads->tensor_bytes.size(); ++ti)
+      ls.grad_offset[ti] = ls.grad_offset[ti - 1] + grads->tensor_bytes[ti - 1];
     ls.grad_bytes = grad_bytes;
   } else {
     ls.slots[idx] = r;
@@ -241,14 +288,15 @@ std::optional<std::pair<Row, Row>> overlapping_rows(std::vector<Row> rows) {
 }
 } // namespace
 
-Status EngineImpl::check_split(const std::string &where, const SlotRegion &r) const {
+Status EngineImpl::check_split(const std::string &where, const SlotRegion &r,
+                               const std::vector<std::int64_t> *sizes) const {
   if (r.tensors.size() != opts_.tensors.size())
     return bad(where, ": ", r.tensors.size(), " tensor regions, the engine has ", opts_.tensors.size(),
                " tensors (EngineOptions::tensors)");
   std::vector<Row> rows;
   for (std::size_t ti = 0; ti < r.tensors.size(); ++ti) {
     const SlotTensor &x = r.tensors[ti];
-    const std::int64_t n = opts_.tensors[ti].num_bytes;
+    const std::int64_t n = sizes ? (*sizes)[ti] : opts_.tensors[ti].num_bytes;
     if (x.base == nullptr) return bad(where, " tensor ", ti, ": null base");
     if (x.slot_stride_bytes < n)
       return bad(where, " tensor ", ti, ": slot stride ", x.slot_stride_bytes, " is smaller than its ", n, " bytes");

@@ -192,7 +192,7 @@ Status EngineImpl::submit_reduce(const ReduceBatch &b, Ticket &out, std::shared_
           r.expert = e, r.gpu = g, r.slot = s, r.owner = o, r.owner_slot = owner_slot, r.zero = b.select;
           r.role = local_[g] && local_[o] ? Role::local : local_[o] ? Role::recv : local_[g] ? Role::send : Role::none;
           for (int x : {g, o})
-            if (local_[x] && ls.grads[x].base == nullptr)
+            if (local_[x] && !is_registered(ls.grads[x]))
               return bad("submit_reduce: gradients of GPU ", x, " layer ", b.layer, " are not registered");
           t->has_peer = t->has_peer || r.role == Role::send || r.role == Role::recv;
           t->reduces.push_back(r);

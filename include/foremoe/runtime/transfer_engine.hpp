@@ -9,6 +9,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "foremoe/core/placement.hpp"
@@ -39,7 +40,9 @@ struct SlotTensor {
 ///     `s`, buffer `b` starts at `tensors[ti].base + b * tensors[ti].buffer_stride_bytes +
 ///     s * tensors[ti].slot_stride_bytes`; `base`, `slot_stride_bytes`, `buffer_stride_bytes` and the tensors'
 ///     `offset_bytes` are not used. No two rows of the region may overlap (registration checks it).
-/// Gradient regions (`register_grads`) are packed.
+/// Gradient regions (`register_grads`) use the same two layouts with `GradLayout` sizes instead of the tensors'
+/// spans: packed, an expert's gradient at the start of its slot; split, tensor `ti`'s gradient at
+/// `tensors[ti].base + s * tensors[ti].slot_stride_bytes` (gradients have one buffer: buffer strides are unused).
 struct SlotRegion {
   void *base = nullptr;
   std::int64_t slot_stride_bytes = 0;
@@ -90,6 +93,43 @@ struct MirrorRegion {
 struct TensorSpan {
   std::int64_t offset_bytes = 0;
   std::int64_t num_bytes = 0;
+};
+
+/// Element type of replica gradients (`GradLayout`). One per layer: every GPU and every tensor of a layer's
+/// gradients has it. A trainer's expert parameters of one layer share one dtype (and so their `.grad`s, or one
+/// fp32 `main_grad` dtype under mixed precision), and a replica's gradient travels as raw bytes to its owner, which
+/// adds it in that dtype, so the dtype is a property of the layer, checked at every registration.
+/// Additions (`Transport::accumulate`, every backend): `f32` and `f64` add in their type; `bf16` and `f16` add the
+/// two operands converted to float32 in float32 and round that sum to the type, to nearest, ties to even (what
+/// PyTorch's CPU and CUDA kernels do for a bfloat16 / float16 `add_`).
+enum class GradType : int { f32 = 0, f64, bf16, f16 };
+[[nodiscard]] constexpr std::int64_t grad_type_bytes(GradType t) noexcept {
+  switch (t) {
+  case GradType::f32: return 4;
+  case GradType::f64: return 8;
+  case GradType::bf16:
+  case GradType::f16: return 2;
+  }
+  return 0;
+}
+[[nodiscard]] constexpr std::string_view to_string(GradType t) noexcept {
+  switch (t) {
+  case GradType::f32: return "float32";
+  case GradType::f64: return "float64";
+  case GradType::bf16: return "bfloat16";
+  case GradType::f16: return "float16";
+  }
+  return "?";
+}
+
+/// An expert's replica gradient in one layer's gradient regions (`TransferEngine::register_grads`): `type`'s
+/// elements, `tensor_bytes[ti]` bytes of tensor `ti` (each a positive multiple of `grad_type_bytes(type)`). A
+/// packed region takes one entry (the whole gradient at the start of a slot); a split region (`SlotRegion::tensors`)
+/// one per `EngineOptions::tensors` entry, in that order. Every GPU of a layer registers the same layout. An
+/// expert's gradient travels as the concatenation of its tensors' gradients; each tensor is added on its own.
+struct GradLayout {
+  GradType type = GradType::f32;
+  std::vector<std::int64_t> tensor_bytes;
 };
 
 /// Events that gate a move batch or a reduction. Host events are flags set by `HostEvent::set`; CUDA events are
@@ -296,9 +336,14 @@ public:
   [[nodiscard]] Status register_slots(int layer, int gpu, const SlotRegion &slots);
   /// Registers node `node`'s pinned mirror of `layer` (packed or split, `MirrorRegion`); checked as `register_slots`.
   [[nodiscard]] Status register_mirror(int layer, int node, const MirrorRegion &mirror);
-  /// Registers GPU `gpu`'s float32 gradient slots of `layer` (same slot indices as the weights); an expert's
-  /// gradient is `grad_bytes / 4` floats at the start of its slot.
+  /// Registers GPU `gpu`'s float32 gradient slots of `layer` (same slot indices as the weights), packed: an
+  /// expert's gradient is `grad_bytes / 4` floats at the start of its slot (`GradLayout{f32, {grad_bytes}}`).
   [[nodiscard]] Status register_grads(int layer, int gpu, const SlotRegion &grads, std::int64_t grad_bytes);
+  /// Registers GPU `gpu`'s gradient slots of `layer`, packed or split (`SlotRegion`), laid out as `layout` says;
+  /// `invalid_argument` naming layer, GPU and tensor for a bad region (a stride smaller than the tensor's gradient,
+  /// overlapping rows, a size not a multiple of the element size) or a layout (dtype, sizes, packed or split)
+  /// that differs from one registered before for `layer`.
+  [[nodiscard]] Status register_grads(int layer, int gpu, const SlotRegion &grads, const GradLayout &layout);
   /// Declares which expert each slot of `layer` validly holds now (`empty_slot` = none).
   [[nodiscard]] Status set_resident(int layer, const LayerPlacement &placement);
 

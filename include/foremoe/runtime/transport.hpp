@@ -107,12 +107,13 @@ public:
   [[nodiscard]] virtual Status gate(const Gate &g, bool &ready) = 0;
   /// `checksum` (see `runtime::checksum`) of the `num_bytes` at `p` on GPU `gpu` (-1: host memory); synchronous.
   [[nodiscard]] virtual Status checksum(int gpu, const std::byte *p, std::int64_t num_bytes, std::uint64_t &out) = 0;
-  /// `dst[i] += src[i]` for `n` floats on GPU `gpu`; synchronous.
-  [[nodiscard]] virtual Status accumulate(int gpu, float *dst, const float *src, std::int64_t n) = 0;
-  /// `dst[i] = 0` for `n` floats on GPU `gpu`; synchronous. Reductions under the held-gradient rule
+  /// `dst[i] += src[i]` for `n` elements of `type` on GPU `gpu` (`dst` and `src` there), rounding as `GradType`
+  /// says; synchronous.
+  [[nodiscard]] virtual Status accumulate(int gpu, void *dst, const void *src, std::int64_t n, GradType type) = 0;
+  /// Clears `num_bytes` at `dst` on GPU `gpu`; synchronous. Reductions under the held-gradient rule
   /// (`ReduceBatch::select`) clear each returned replica gradient with it; the default answers `unavailable`.
-  [[nodiscard]] virtual Status zero(int gpu, float *dst, std::int64_t n) {
-    (void)dst, (void)n;
+  [[nodiscard]] virtual Status zero(int gpu, void *dst, std::int64_t num_bytes) {
+    (void)dst, (void)num_bytes;
     return {StatusCode::unavailable, "zero: this transport cannot clear GPU " + std::to_string(gpu) + "'s memory"};
   }
   /// Staging memory on GPU `gpu` (replica gradients on their way to the owner, scratch of abandoned exchanges).

@@ -11,6 +11,8 @@
 // blocks are reused, and the driver's stream-wait entry point is looked up once.
 
 #include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #if defined(FOREMOE_HAVE_NCCL)
 #include <nccl.h>
@@ -58,10 +60,26 @@ __global__ void checksum_kernel(const unsigned char *__restrict__ p, std::int64_
   if ((threadIdx.x & 31) == 0) atomicAdd(out, sum);
 }
 
-__global__ void accumulate_kernel(float *__restrict__ dst, const float *__restrict__ src, std::int64_t n) {
+// `dst[i] += src[i]` in `GradType`'s rule, element by element as `runtime::add_grads` (grad_add.hpp) on the host:
+// float32 / float64 add in their type; bfloat16 / float16 add both operands converted to float32 in float32 and
+// round the sum to nearest, ties to even (`__float2bfloat16_rn`, `__float2half_rn`).
+__device__ inline void add_one(float &d, float s) { d += s; }
+__device__ inline void add_one(double &d, double s) { d += s; }
+__device__ inline void add_one(__nv_bfloat16 &d, __nv_bfloat16 s) {
+  d = __float2bfloat16_rn(__bfloat162float(d) + __bfloat162float(s));
+}
+__device__ inline void add_one(__half &d, __half s) { d = __float2half_rn(__half2float(d) + __half2float(s)); }
+
+template <class T> __global__ void accumulate_kernel(T *__restrict__ dst, const T *__restrict__ src, std::int64_t n) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
-    dst[i] += src[i];
+    add_one(dst[i], src[i]);
+}
+
+template <class T> void launch_accumulate(void *dst, const void *src, std::int64_t n, cudaStream_t s) {
+  // At least one block; the grid is named so that clang-format keeps the launch syntax whole.
+  const int grid = std::max(1, static_cast<int>(std::min<std::int64_t>(2048, (n + 255) / 256)));
+  accumulate_kernel<T><<<grid, 256, 0, s>>>(static_cast<T *>(dst), static_cast<const T *>(src), n);
 }
 
 // Fallback of enqueue_wait where stream memory operations are unsupported: one thread spins on the flag, bounded.
@@ -452,28 +470,31 @@ public:
     }
     return Status::success();
   }
-  Status accumulate(int gpu, float *dst, const float *src, std::int64_t n) override {
+  Status accumulate(int gpu, void *dst, const void *src, std::int64_t n, GradType type) override {
     const int d = dev_[gpu];
     if (d < 0) return {StatusCode::unavailable, "accumulate: GPU " + std::to_string(gpu) + " is not local"};
     try {
       FOREMOE_CUDA_CHECK(cudaSetDevice(d));
       cudaStream_t s = streams_[d][transfer::num_paths];
-      // At least one block; the grid is named so that clang-format keeps the launch syntax whole.
-      const int grid = std::max(1, static_cast<int>(std::min<std::int64_t>(2048, (n + 255) / 256)));
-      accumulate_kernel<<<grid, 256, 0, s>>>(dst, src, n);
+      switch (type) {
+      case GradType::f32: launch_accumulate<float>(dst, src, n, s); break;
+      case GradType::f64: launch_accumulate<double>(dst, src, n, s); break;
+      case GradType::bf16: launch_accumulate<__nv_bfloat16>(dst, src, n, s); break;
+      case GradType::f16: launch_accumulate<__half>(dst, src, n, s); break;
+      }
       FOREMOE_CUDA_CHECK(cudaGetLastError());
       return wait_stream(s, "accumulate");
     } catch (const DeviceError &e) {
       return {StatusCode::device_error, e.what()};
     }
   }
-  Status zero(int gpu, float *dst, std::int64_t n) override {
+  Status zero(int gpu, void *dst, std::int64_t num_bytes) override {
     const int d = dev_[gpu];
     if (d < 0) return {StatusCode::unavailable, "zero: GPU " + std::to_string(gpu) + " is not local"};
     try {
       FOREMOE_CUDA_CHECK(cudaSetDevice(d));
       cudaStream_t s = streams_[d][transfer::num_paths];
-      FOREMOE_CUDA_CHECK(cudaMemsetAsync(dst, 0, static_cast<std::size_t>(n) * sizeof(float), s));
+      FOREMOE_CUDA_CHECK(cudaMemsetAsync(dst, 0, static_cast<std::size_t>(num_bytes), s));
       return wait_stream(s, "zero");
     } catch (const DeviceError &e) {
       return {StatusCode::device_error, e.what()};

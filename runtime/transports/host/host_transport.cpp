@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../../transport_util.hpp"
+#include "foremoe/runtime/grad_add.hpp"
 #include "host_fabric.hpp"
 
 namespace foremoe {
@@ -104,13 +105,12 @@ public:
     out = runtime::checksum({p, static_cast<std::size_t>(n)});
     return Status::success();
   }
-  Status accumulate(int, float *dst, const float *src, std::int64_t n) override {
-    for (std::int64_t i = 0; i < n; ++i)
-      dst[i] += src[i];
+  Status accumulate(int, void *dst, const void *src, std::int64_t n, GradType type) override {
+    add_grads(dst, src, n, type);
     return Status::success();
   }
-  Status zero(int, float *dst, std::int64_t n) override {
-    std::fill(dst, dst + n, 0.0f);
+  Status zero(int, void *dst, std::int64_t num_bytes) override {
+    std::memset(dst, 0, static_cast<std::size_t>(num_bytes));
     return Status::success();
   }
   Status alloc(int, std::int64_t n, std::byte *&out) override {

@@ -421,10 +421,21 @@ class TransferEngine:
         self._e.register_node_mirror(layer, node, mirror)
 
     def register_grads(self, layer: int, gpu: int, grads: Any, grad_bytes: Optional[int] = None) -> None:
-        """GPU ``gpu``'s float32 gradient slots of ``layer`` ``[slots, ...]`` (for :meth:`submit_reduce`); an
-        expert's gradient is its row's first ``grad_bytes`` bytes (default: the whole row)."""
+        """GPU ``gpu``'s gradient slots of ``layer`` (for :meth:`submit_reduce`), float32, float64, bfloat16 or
+        float16 (one dtype per layer, the same on every GPU and rank). Packed: one ``[slots, ...]`` tensor, an
+        expert's gradient its row's first ``grad_bytes`` bytes (default: the whole row). Split: a list of
+        ``[slots, ...]`` tensors, one per weight kind (``tensors=`` of the engine, in order), an expert's gradient of
+        kind ``i`` the whole row of tensor ``i`` (``grad_bytes`` must be None). Additions are element-wise in the
+        dtype; bfloat16 / float16 add in float32 and round to nearest even, as ``torch.add`` does."""
         layer, gpu = integer(layer, "register_grads: layer"), integer(gpu, "register_grads: gpu")
         what = f"register_grads: layer {layer} GPU {gpu} gradients"
+        if isinstance(grads, (list, tuple)):
+            if grad_bytes is not None:
+                raise ValueError(f"{what}: grad_bytes applies to one packed tensor, not to a list of "
+                                 f"{len(grads)} per-kind tensors (each row is that kind's whole gradient)")
+            parts = [_borrow(t, f"{what} tensor {i}", self._device) for i, t in enumerate(grads)]
+            self._e.register_grads_split(layer, gpu, parts)
+            return
         self._e.register_grads(layer, gpu, _borrow(grads, what, self._device),
                                optional_integer(grad_bytes, "register_grads: grad_bytes", 0, INT64_MAX))
 
