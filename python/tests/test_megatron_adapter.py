@@ -296,10 +296,13 @@ def test_spread_and_collect_with_unrouted_routes():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_grouped_call_row_order(seed):
-    """GroupedMLP's dispatch (``_Call`` with ``rows_total``) on random instances: the received rows are grouped by
+    """GroupedMLP's regrouping of the received rows (``_core.group_by_storage_row``, what ``_prepare_call`` hands
+    the expert module; ``_by_row`` for the allgather path) on random instances: the received rows are grouped by
     storage row, ascending (the slot blocks reordered when the plan's slots are not in row order), ``counts`` has
     each used slot's count at its row and zeros elsewhere, and ``recv_inverse`` inverts ``recv_perm``."""
     from types import SimpleNamespace
+
+    from foremoe import _core
 
     rng = np.random.default_rng(seed)
     S = int(rng.integers(1, 9))
@@ -309,21 +312,26 @@ def test_grouped_call_row_order(seed):
     rows = np.where(counts > 0, rows, np.where(rng.random(S) < 0.5, -1, rows))  # an empty slot may have no row
     N = int(counts.sum())
     recv_perm = torch.from_numpy(rng.permutation(N))
-    recv_inverse = torch.empty_like(recv_perm)
-    recv_inverse[recv_perm] = torch.arange(N)
-    T, K = 3, 2
-    layout = SimpleNamespace(route_pos=torch.zeros(T * K, dtype=torch.long), num_send=0,
-                             send_tokens=torch.zeros(0, dtype=torch.long), recv_perm=recv_perm,
-                             recv_inverse=recv_inverse, slot_counts=[int(c) for c in counts])
-    run = SimpleNamespace(layout=layout, rows=rows)
-    call = fmeg._Call(run, torch.Size([T, 4]), T, 0, torch.device("cpu"), rows_total)
-    by_slot = recv_perm.split(layout.slot_counts)  # received row ids grouped by slot (Megatron's SequentialMLP order)
-    want = [by_slot[j] for j in sorted((j for j in range(S) if counts[j] > 0), key=lambda j: rows[j])]
+    slot_counts = [int(c) for c in counts]
+    got_counts, got_perm, got_inverse, reordered = _core.group_by_storage_row(
+        np.asarray(slot_counts, dtype=np.int64), rows.astype(np.int64), rows_total, recv_perm.numpy())
+    by_slot = recv_perm.split(slot_counts)  # received row ids grouped by slot (Megatron's SequentialMLP order)
+    order = sorted((j for j in range(S) if counts[j] > 0), key=lambda j: rows[j])
+    want = [by_slot[j] for j in order]
     want = torch.cat(want) if want else torch.zeros(0, dtype=torch.long)
-    assert torch.equal(call.recv_perm, want)
-    assert torch.equal(call.recv_inverse[call.recv_perm], torch.arange(N))
+    assert torch.equal(torch.from_numpy(got_perm), want)
+    assert reordered == (order != sorted(order))
+    assert torch.equal(torch.from_numpy(got_inverse)[want], torch.arange(N))
     want_counts = np.zeros(rows_total, dtype=np.int64)
     want_counts[rows[counts > 0]] = counts[counts > 0]
-    assert call.counts.dtype == torch.int64 and call.counts.tolist() == want_counts.tolist()
-    plain = fmeg._Call(run, torch.Size([T, 4]), T, 0, torch.device("cpu"))  # SequentialMLP: slot order kept
-    assert torch.equal(plain.recv_perm, recv_perm) and plain.counts.tolist() == layout.slot_counts
+    assert got_counts.dtype == np.int64 and got_counts.tolist() == want_counts.tolist()
+    # The allgather path's permutation of the slot-grouped rows: the same regrouping of the identity.
+    run = SimpleNamespace(layout=SimpleNamespace(slot_counts=slot_counts), rows=rows)
+    row_counts, perm = fmeg._by_row(run, rows_total)
+    assert row_counts.tolist() == want_counts.tolist()
+    ident = torch.arange(N).split(slot_counts)
+    want_perm = torch.cat([ident[j] for j in order]) if order else torch.zeros(0, dtype=torch.long)
+    assert (perm is None) == (order == sorted(order))
+    assert torch.equal(torch.arange(N) if perm is None else perm, want_perm)
+    plain, none = fmeg._by_row(run, None)  # SequentialMLP: slot order kept
+    assert none is None and plain.tolist() == slot_counts
