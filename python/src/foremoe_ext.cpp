@@ -994,31 +994,44 @@ std::string plan_document(const std::vector<const PyPlan *> &plans) {
 
 using RoVec64 = nb::ndarray<nb::ro, const std::int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-/// `adapter_dispatch`: `Plan.dispatch_loads`'s dict plus `plan/adapter_layout.hpp`'s `adapter_index` for a
-/// `[T, prob_columns]` probability matrix: `gather` `[T * K]`, `prob_index` `[N_send]` and `padded` (bool).
-nb::dict adapter_dispatch(const PyPlan &p, int layer, const RoIds &ids, const RoLayerLoads &loads, int rank,
-                          std::int64_t prob_columns) {
+/// `adapter_dispatch`: `Plan.dispatch_loads`'s layout plus `plan/adapter_layout.hpp`'s `adapter_index` for a
+/// `[T, prob_columns]` probability matrix, packed into two flat arrays (one NumPy array per field would cost more
+/// than the work on the per-call path): `(i64, i32)`. `i64` is `[n_send, n_recv, padded]` followed by `order`,
+/// `send_tokens`, `prob_index` (`n_send` each), `route_pos`, `gather` (`T * K` each), `input_splits`,
+/// `output_splits` (`G` each), `slot_counts` (`S`), `recv_perm`, `recv_inverse` (`n_recv` each) and the split
+/// (`G * S * G`); `i32` is `slots` (`T * K`) followed by `send_experts` (`n_send`).
+nb::tuple adapter_dispatch(const PyPlan &p, int layer, const RoIds &ids, const RoLayerLoads &loads, int rank,
+                           std::int64_t prob_columns) {
   const fm::LayerPlan &lp = layer_plan(p, layer, "adapter_dispatch");
   require(static_cast<int>(loads.shape(0)) == p.E && static_cast<int>(loads.shape(1)) == p.G,
           "adapter_dispatch: source loads are [", loads.shape(0), ", ", loads.shape(1), "], expected [", p.E, ", ", p.G,
           "] (experts x source ranks)");
   const fm::RoutedView view = routed_view(ids, "adapter_dispatch");
-  fm::DispatchLayout d;
-  fm::AdapterIndex a;
-  std::vector<std::int64_t> split;
+  std::vector<std::int64_t> i64;
+  std::vector<std::int32_t> i32;
   {
     nb::gil_scoped_release nogil;
-    d = fm::dispatch_from_loads(lp.placement, lp.slot_tokens, {loads.data(), loads.size()}, view, rank,
+    std::vector<std::int64_t> split;
+    const fm::DispatchLayout d =
+        fm::dispatch_from_loads(lp.placement, lp.slot_tokens, {loads.data(), loads.size()}, view, rank,
                                 p.topo.gpus_per_node, fm::TokenMapRule::positional, &split);
-    a = fm::adapter_index(d, prob_columns);
+    const fm::AdapterIndex a = fm::adapter_index(d, prob_columns);
+    i64.reserve(3 + 3 * d.order.size() + 2 * d.route_pos.size() + 2 * d.input_splits.size() + d.slot_counts.size() +
+                2 * d.recv_perm.size() + split.size());
+    i64.push_back(static_cast<std::int64_t>(d.order.size()));
+    i64.push_back(static_cast<std::int64_t>(d.recv_perm.size()));
+    i64.push_back(a.padded ? 1 : 0);
+    const std::vector<std::int64_t> *parts[] = {
+        &d.order,         &d.send_tokens, &a.prob_index, &d.route_pos,    &a.gather, &d.input_splits,
+        &d.output_splits, &d.slot_counts, &d.recv_perm,  &d.recv_inverse, &split};
+    for (const std::vector<std::int64_t> *v : parts)
+      i64.insert(i64.end(), v->begin(), v->end());
+    i32.reserve(d.slots.size() + d.send_experts.size());
+    i32.insert(i32.end(), d.slots.begin(), d.slots.end());
+    i32.insert(i32.end(), d.send_experts.begin(), d.send_experts.end());
   }
-  nb::dict out = layout_dict(std::move(d), view);
-  out["split"] = owned_array(std::move(split), {static_cast<std::size_t>(p.G) * p.S, static_cast<std::size_t>(p.G)});
-  const std::size_t ng = a.gather.size(), np_ = a.prob_index.size();
-  out["gather"] = owned_array(std::move(a.gather), {ng});
-  out["prob_index"] = owned_array(std::move(a.prob_index), {np_});
-  out["padded"] = a.padded;
-  return out;
+  const std::size_t n64 = i64.size(), n32 = i32.size();
+  return nb::make_tuple(owned_array(std::move(i64), {n64}), owned_array(std::move(i32), {n32}));
 }
 
 /// `group_by_storage_row`: `plan/adapter_layout.hpp`'s, as `(counts, recv_perm, recv_inverse, reordered)`.

@@ -391,19 +391,25 @@ def _prepare_call(st: "_LayerState", x: torch.Tensor, ids: torch.Tensor, counts:
                                      counts=counts)
     T, K = ids.shape
     try:
-        d = _core.adapter_dispatch(plan, layer, ids.numpy().reshape(T, 1, K), loads, st.rank, st.num_experts)
+        i64, i32 = _core.adapter_dispatch(plan, layer, ids.numpy().reshape(T, 1, K), loads, st.rank, st.num_experts)
     except ValueError:
         local_layout(plan, layer, ids, loads, st.rank, flags=got)  # the checked path names what does not fit
         raise
-    counts_np = d["slot_counts"]
+    # The two flat arrays' fields (see _core.adapter_dispatch), as views: one split each.
+    n_send, n_recv, padded = i64[:3].tolist()
+    G, S = st.world, storage.slots
+    n = T * K
+    (order, send_tokens, prob_index, route_pos, gather, _, _, _, recv_perm, recv_inverse,
+     _) = torch.from_numpy(i64[3:]).split([n_send, n_send, n_send, n, n, G, G, S, n_recv, n_recv, G * S * G])
+    at = 3 + 3 * n_send + 2 * n
+    in_splits, out_splits, counts_np = i64[at:at + G], i64[at + G:at + 2 * G], i64[at + 2 * G:at + 2 * G + S]
+    at += 2 * G + S + 2 * n_recv
+    slots, send_experts = torch.from_numpy(i32).split([n, n_send])
     layout = DispatchLayout(
-        rank=st.rank, world=st.world, layer=layer, num_experts=st.num_experts, slots_per_rank=st.storage.slots,
-        slots=torch.from_numpy(d["slots"]), order=torch.from_numpy(d["order"]),
-        send_tokens=torch.from_numpy(d["send_tokens"]), input_splits=d["input_splits"].tolist(),
-        output_splits=d["output_splits"].tolist(), recv_perm=torch.from_numpy(d["recv_perm"]),
-        recv_inverse=torch.from_numpy(d["recv_inverse"]), slot_counts=counts_np.tolist(), source_split=d["split"],
-        flags=got, send_experts=torch.from_numpy(d["send_experts"]), route_pos=torch.from_numpy(d["route_pos"]))
-    G = st.world
+        rank=st.rank, world=G, layer=layer, num_experts=st.num_experts, slots_per_rank=S, slots=slots.view(T, K),
+        order=order, send_tokens=send_tokens, input_splits=in_splits.tolist(), output_splits=out_splits.tolist(),
+        recv_perm=recv_perm, recv_inverse=recv_inverse, slot_counts=counts_np.tolist(),
+        source_split=i64[at:].reshape(G * S, G), flags=got, send_experts=send_experts, route_pos=route_pos)
     changed = [g for g in range(G) if got[g, 0]]
     stale = [g for g in range(G) if got[g, 1]]
     book = storage.sync(plan, layer, changed, group=group, timeout=timeout, stale_mirrors=stale,
@@ -413,14 +419,13 @@ def _prepare_call(st: "_LayerState", x: torch.Tensor, ids: torch.Tensor, counts:
     run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
                                                                          for p in storage.params.values()))
     c = _Call()
-    c.shape, c.T, c.pad = shape, T, bool(d["padded"]) or short > 0
+    c.shape, c.T, c.pad = shape, T, bool(padded) or short > 0
     if st.rows_total is None:
-        c.counts, recv_perm, recv_inverse = torch.from_numpy(counts_np), layout.recv_perm, layout.recv_inverse
+        c.counts = torch.from_numpy(counts_np)
     else:
         row_counts, perm, inverse, _ = _core.group_by_storage_row(
-            counts_np, np.ascontiguousarray(run.rows, dtype=np.int64), st.rows_total, d["recv_perm"])
+            counts_np, np.ascontiguousarray(run.rows, dtype=np.int64), st.rows_total, recv_perm.numpy())
         c.counts, recv_perm, recv_inverse = torch.from_numpy(row_counts), torch.from_numpy(perm), torch.from_numpy(inverse)
-    send_tokens, gather, prob_index = layout.send_tokens, torch.from_numpy(d["gather"]), torch.from_numpy(d["prob_index"])
     if x.device.type != "cpu":
         dev = x.device
         send_tokens, gather, prob_index = send_tokens.to(dev), gather.to(dev), prob_index.to(dev)
