@@ -995,11 +995,11 @@ std::string plan_document(const std::vector<const PyPlan *> &plans) {
 using RoVec64 = nb::ndarray<nb::ro, const std::int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 /// `adapter_dispatch`: `Plan.dispatch_loads`'s layout plus `plan/adapter_layout.hpp`'s `adapter_index` for a
-/// `[T, prob_columns]` probability matrix, packed into two flat arrays (one NumPy array per field would cost more
-/// than the work on the per-call path): `(i64, i32)`. `i64` is `[n_send, n_recv, padded]` followed by `order`,
-/// `send_tokens`, `prob_index` (`n_send` each), `route_pos`, `gather` (`T * K` each), `input_splits`,
-/// `output_splits` (`G` each), `slot_counts` (`S`), `recv_perm`, `recv_inverse` (`n_recv` each) and the split
-/// (`G * S * G`); `i32` is `slots` (`T * K`) followed by `send_experts` (`n_send`).
+/// `[T, prob_columns]` probability matrix, as a tuple (each NumPy array costs about a microsecond to hand over, so
+/// the small fields travel packed and the large ones as they are, without a copy): `(small, order, send_tokens,
+/// prob_index, route_pos, gather, recv_perm, recv_inverse, slots, send_experts)`; `small` is int64 `[padded,
+/// input_splits (G), output_splits (G), slot_counts (S), split (G * S * G)]`; `gather` is `None` when no route is
+/// unsent (it equals `route_pos` then); `slots` (`[T, K]`) and `send_experts` are int32, the rest int64.
 nb::tuple adapter_dispatch(const PyPlan &p, int layer, const RoIds &ids, const RoLayerLoads &loads, int rank,
                            std::int64_t prob_columns) {
   const fm::LayerPlan &lp = layer_plan(p, layer, "adapter_dispatch");
@@ -1007,31 +1007,33 @@ nb::tuple adapter_dispatch(const PyPlan &p, int layer, const RoIds &ids, const R
           "adapter_dispatch: source loads are [", loads.shape(0), ", ", loads.shape(1), "], expected [", p.E, ", ", p.G,
           "] (experts x source ranks)");
   const fm::RoutedView view = routed_view(ids, "adapter_dispatch");
-  std::vector<std::int64_t> i64;
-  std::vector<std::int32_t> i32;
+  fm::DispatchLayout d;
+  fm::AdapterIndex a;
+  std::vector<std::int64_t> small;
   {
     nb::gil_scoped_release nogil;
     std::vector<std::int64_t> split;
-    const fm::DispatchLayout d =
-        fm::dispatch_from_loads(lp.placement, lp.slot_tokens, {loads.data(), loads.size()}, view, rank,
+    d = fm::dispatch_from_loads(lp.placement, lp.slot_tokens, {loads.data(), loads.size()}, view, rank,
                                 p.topo.gpus_per_node, fm::TokenMapRule::positional, &split);
-    const fm::AdapterIndex a = fm::adapter_index(d, prob_columns);
-    i64.reserve(3 + 3 * d.order.size() + 2 * d.route_pos.size() + 2 * d.input_splits.size() + d.slot_counts.size() +
-                2 * d.recv_perm.size() + split.size());
-    i64.push_back(static_cast<std::int64_t>(d.order.size()));
-    i64.push_back(static_cast<std::int64_t>(d.recv_perm.size()));
-    i64.push_back(a.padded ? 1 : 0);
-    const std::vector<std::int64_t> *parts[] = {
-        &d.order,         &d.send_tokens, &a.prob_index, &d.route_pos,    &a.gather, &d.input_splits,
-        &d.output_splits, &d.slot_counts, &d.recv_perm,  &d.recv_inverse, &split};
+    a = fm::adapter_index(d, prob_columns);
+    small.reserve(1 + 2 * d.input_splits.size() + d.slot_counts.size() + split.size());
+    small.push_back(a.padded ? 1 : 0);
+    const std::vector<std::int64_t> *parts[] = {&d.input_splits, &d.output_splits, &d.slot_counts, &split};
     for (const std::vector<std::int64_t> *v : parts)
-      i64.insert(i64.end(), v->begin(), v->end());
-    i32.reserve(d.slots.size() + d.send_experts.size());
-    i32.insert(i32.end(), d.slots.begin(), d.slots.end());
-    i32.insert(i32.end(), d.send_experts.begin(), d.send_experts.end());
+      small.insert(small.end(), v->begin(), v->end());
   }
-  const std::size_t n64 = i64.size(), n32 = i32.size();
-  return nb::make_tuple(owned_array(std::move(i64), {n64}), owned_array(std::move(i32), {n32}));
+  auto vec1 = [](auto &&v) {
+    const std::size_t m = v.size();
+    return nb::cast(owned_array(std::move(v), {m}));
+  };
+  const std::size_t n_small = small.size();
+  nb::object gather = a.padded ? vec1(std::move(a.gather)) : nb::none();
+  return nb::make_tuple(owned_array(std::move(small), {n_small}), vec1(std::move(d.order)),
+                        vec1(std::move(d.send_tokens)), vec1(std::move(a.prob_index)), vec1(std::move(d.route_pos)),
+                        gather, vec1(std::move(d.recv_perm)), vec1(std::move(d.recv_inverse)),
+                        owned_array(std::move(d.slots), {static_cast<std::size_t>(view.num_tokens()),
+                                                         static_cast<std::size_t>(view.topk())}),
+                        vec1(std::move(d.send_experts)));
 }
 
 /// `group_by_storage_row`: `plan/adapter_layout.hpp`'s, as `(counts, recv_perm, recv_inverse, reordered)`.

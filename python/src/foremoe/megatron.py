@@ -389,27 +389,12 @@ def _prepare_call(st: "_LayerState", x: torch.Tensor, ids: torch.Tensor, counts:
     loads, got = gather_source_loads(ids if error is None else None, st.num_experts, group=group, flags=flags,
                                      error=error, timeout=timeout, what=f"dispatch_layout (layer {layer})",
                                      counts=counts)
-    T, K = ids.shape
     try:
-        i64, i32 = _core.adapter_dispatch(plan, layer, ids.numpy().reshape(T, 1, K), loads, st.rank, st.num_experts)
+        layout, extra = _adapter_layout(plan, layer, ids, loads, st.rank, got, storage.slots)
     except ValueError:
         local_layout(plan, layer, ids, loads, st.rank, flags=got)  # the checked path names what does not fit
         raise
-    # The two flat arrays' fields (see _core.adapter_dispatch), as views: one split each.
-    n_send, n_recv, padded = i64[:3].tolist()
-    G, S = st.world, storage.slots
-    n = T * K
-    (order, send_tokens, prob_index, route_pos, gather, _, _, _, recv_perm, recv_inverse,
-     _) = torch.from_numpy(i64[3:]).split([n_send, n_send, n_send, n, n, G, G, S, n_recv, n_recv, G * S * G])
-    at = 3 + 3 * n_send + 2 * n
-    in_splits, out_splits, counts_np = i64[at:at + G], i64[at + G:at + 2 * G], i64[at + 2 * G:at + 2 * G + S]
-    at += 2 * G + S + 2 * n_recv
-    slots, send_experts = torch.from_numpy(i32).split([n, n_send])
-    layout = DispatchLayout(
-        rank=st.rank, world=G, layer=layer, num_experts=st.num_experts, slots_per_rank=S, slots=slots.view(T, K),
-        order=order, send_tokens=send_tokens, input_splits=in_splits.tolist(), output_splits=out_splits.tolist(),
-        recv_perm=recv_perm, recv_inverse=recv_inverse, slot_counts=counts_np.tolist(),
-        source_split=i64[at:].reshape(G * S, G), flags=got, send_experts=send_experts, route_pos=route_pos)
+    G = st.world
     changed = [g for g in range(G) if got[g, 0]]
     stale = [g for g in range(G) if got[g, 1]]
     book = storage.sync(plan, layer, changed, group=group, timeout=timeout, stale_mirrors=stale,
@@ -418,20 +403,54 @@ def _prepare_call(st: "_LayerState", x: torch.Tensor, ids: torch.Tensor, counts:
     run.plan, run.plan_layer = plan, layer
     run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
                                                                          for p in storage.params.values()))
+    return run, _make_call(run, extra, shape, short, st.rows_total, x.device)
+
+
+def _adapter_layout(plan: Any, layer: int, ids: torch.Tensor, loads: np.ndarray, rank: int, flags: np.ndarray,
+                    S: int) -> Tuple[DispatchLayout, Tuple[Any, ...]]:
+    """The :class:`DispatchLayout` of ``ids`` (``[T, K]`` int32 on the CPU) under ``plan``'s layer ``layer`` for the
+    gathered ``[E, G]`` ``loads`` (``flags``: the gathered flags), and ``(gather, prob_index, padded, counts)``: one
+    C++ call (``_core.adapter_dispatch``; the large arrays handed over without a copy, the small ones packed)."""
+    T, K = ids.shape
+    E, G = loads.shape
+    (small, order, send_tokens, prob_index, route_pos, gather, recv_perm, recv_inverse, slots,
+     send_experts) = _core.adapter_dispatch(plan, layer, ids.numpy().reshape(T, 1, K), loads, rank, E)
+    padded = bool(small[0])
+    counts = small[1 + 2 * G:1 + 2 * G + S]
+    route_pos = torch.from_numpy(route_pos)
+    gather = route_pos if gather is None else torch.from_numpy(gather)
+    layout = DispatchLayout(
+        rank=rank, world=G, layer=layer, num_experts=E, slots_per_rank=S, slots=torch.from_numpy(slots),
+        order=torch.from_numpy(order), send_tokens=torch.from_numpy(send_tokens),
+        input_splits=small[1:1 + G].tolist(), output_splits=small[1 + G:1 + 2 * G].tolist(),
+        recv_perm=torch.from_numpy(recv_perm), recv_inverse=torch.from_numpy(recv_inverse),
+        slot_counts=counts.tolist(), source_split=small[1 + 2 * G + S:].reshape(G * S, G), flags=flags,
+        send_experts=torch.from_numpy(send_experts), route_pos=route_pos)
+    prob_index = torch.from_numpy(prob_index)
+    return layout, (gather, prob_index, padded, counts)
+
+
+def _make_call(run: _Run, extra: Tuple[Any, ...], shape: torch.Size, short: int, rows_total: Optional[int],
+               device: torch.device) -> _Call:
+    """The :class:`_Call` of ``run`` (``extra``: :func:`_adapter_layout`'s), on ``device``; with ``rows_total``
+    (GroupedMLP) the received rows regrouped by storage row (``_core.group_by_storage_row``, one C++ call)."""
+    gather, prob_index, padded, counts = extra
+    lay = run.layout
     c = _Call()
-    c.shape, c.T, c.pad = shape, T, bool(padded) or short > 0
-    if st.rows_total is None:
-        c.counts = torch.from_numpy(counts_np)
+    c.shape, c.T, c.pad = shape, lay.slots.shape[0], padded or short > 0
+    recv_perm, recv_inverse = lay.recv_perm, lay.recv_inverse
+    if rows_total is None:
+        c.counts = torch.from_numpy(counts)
     else:
         row_counts, perm, inverse, _ = _core.group_by_storage_row(
-            counts_np, np.ascontiguousarray(run.rows, dtype=np.int64), st.rows_total, recv_perm.numpy())
+            counts, np.ascontiguousarray(run.rows, dtype=np.int64), rows_total, recv_perm.numpy())
         c.counts, recv_perm, recv_inverse = torch.from_numpy(row_counts), torch.from_numpy(perm), torch.from_numpy(inverse)
-    if x.device.type != "cpu":
-        dev = x.device
-        send_tokens, gather, prob_index = send_tokens.to(dev), gather.to(dev), prob_index.to(dev)
-        recv_perm, recv_inverse = recv_perm.to(dev), recv_inverse.to(dev)
+    send_tokens = lay.send_tokens
+    if device.type != "cpu":
+        send_tokens, gather, prob_index = send_tokens.to(device), gather.to(device), prob_index.to(device)
+        recv_perm, recv_inverse = recv_perm.to(device), recv_inverse.to(device)
     c.send_tokens, c.gather, c.prob_index, c.recv_perm, c.recv_inverse = send_tokens, gather, prob_index, recv_perm, recv_inverse
-    return run, c
+    return c
 
 
 def _grouped_rows(experts: GroupedMLP, config: Any, index: int) -> Dict[str, Tuple[int, ...]]:
