@@ -444,12 +444,14 @@ def _make_call(run: _Run, extra: Tuple[Any, ...], shape: torch.Size, short: int,
     else:
         row_counts, perm, inverse, _ = _core.group_by_storage_row(
             counts, np.ascontiguousarray(run.rows, dtype=np.int64), rows_total, recv_perm.numpy())
-        c.counts, recv_perm, recv_inverse = torch.from_numpy(row_counts), torch.from_numpy(perm), torch.from_numpy(inverse)
+        c.counts = torch.from_numpy(row_counts)
+        recv_perm, recv_inverse = torch.from_numpy(perm), torch.from_numpy(inverse)
     send_tokens = lay.send_tokens
     if device.type != "cpu":
         send_tokens, gather, prob_index = send_tokens.to(device), gather.to(device), prob_index.to(device)
         recv_perm, recv_inverse = recv_perm.to(device), recv_inverse.to(device)
-    c.send_tokens, c.gather, c.prob_index, c.recv_perm, c.recv_inverse = send_tokens, gather, prob_index, recv_perm, recv_inverse
+    c.send_tokens, c.gather, c.prob_index = send_tokens, gather, prob_index
+    c.recv_perm, c.recv_inverse = recv_perm, recv_inverse
     return c
 
 
