@@ -25,6 +25,7 @@
 #include "default_loads.hpp" // tools/, built into this module as into the program
 #include "foremoe/config/documents.hpp"
 #include "foremoe/foremoe.hpp"
+#include "foremoe/plan/adapter_layout.hpp"
 #include "foremoe/plan/dispatch.hpp"
 #include "foremoe/plan/replica_sync.hpp"
 #include "foremoe/plan/token_map.hpp"
@@ -989,6 +990,68 @@ std::string plan_document(const std::vector<const PyPlan *> &plans) {
   return fm::json::dump(fm::config::plan_document(h, micro));
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// foremoe.megatron's per-call path (issue 28, "Performance"): the dispatch layout and the adapter's index arrays in
+// one call after the counts are gathered, and the received rows regrouped by storage row after the replica sync.
+
+using RoVec64 = nb::ndarray<nb::ro, const std::int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+/// `adapter_dispatch`: `Plan.dispatch_loads`'s layout plus `plan/adapter_layout.hpp`'s `adapter_index` for a
+/// `[T, prob_columns]` probability matrix, as a tuple (each NumPy array costs about a microsecond to hand over, so
+/// the small fields travel packed and the large ones as they are, without a copy): `(small, order, send_tokens,
+/// prob_index, route_pos, gather, recv_perm, recv_inverse, slots, send_experts)`; `small` is int64 `[padded,
+/// input_splits (G), output_splits (G), slot_counts (S), split (G * S * G)]`; `gather` is `None` when no route is
+/// unsent (it equals `route_pos` then); `slots` (`[T, K]`) and `send_experts` are int32, the rest int64.
+nb::tuple adapter_dispatch(const PyPlan &p, int layer, const RoIds &ids, const RoLayerLoads &loads, int rank,
+                           std::int64_t prob_columns) {
+  const fm::LayerPlan &lp = layer_plan(p, layer, "adapter_dispatch");
+  require(static_cast<int>(loads.shape(0)) == p.E && static_cast<int>(loads.shape(1)) == p.G,
+          "adapter_dispatch: source loads are [", loads.shape(0), ", ", loads.shape(1), "], expected [", p.E, ", ", p.G,
+          "] (experts x source ranks)");
+  const fm::RoutedView view = routed_view(ids, "adapter_dispatch");
+  fm::DispatchLayout d;
+  fm::AdapterIndex a;
+  std::vector<std::int64_t> small;
+  {
+    nb::gil_scoped_release nogil;
+    std::vector<std::int64_t> split;
+    d = fm::dispatch_from_loads(lp.placement, lp.slot_tokens, {loads.data(), loads.size()}, view, rank,
+                                p.topo.gpus_per_node, fm::TokenMapRule::positional, &split);
+    a = fm::adapter_index(d, prob_columns);
+    small.reserve(1 + 2 * d.input_splits.size() + d.slot_counts.size() + split.size());
+    small.push_back(a.padded ? 1 : 0);
+    const std::vector<std::int64_t> *parts[] = {&d.input_splits, &d.output_splits, &d.slot_counts, &split};
+    for (const std::vector<std::int64_t> *v : parts)
+      small.insert(small.end(), v->begin(), v->end());
+  }
+  auto vec1 = [](auto &&v) {
+    const std::size_t m = v.size();
+    return nb::cast(owned_array(std::move(v), {m}));
+  };
+  const std::size_t n_small = small.size();
+  nb::object gather = a.padded ? vec1(std::move(a.gather)) : nb::none();
+  return nb::make_tuple(owned_array(std::move(small), {n_small}), vec1(std::move(d.order)),
+                        vec1(std::move(d.send_tokens)), vec1(std::move(a.prob_index)), vec1(std::move(d.route_pos)),
+                        gather, vec1(std::move(d.recv_perm)), vec1(std::move(d.recv_inverse)),
+                        owned_array(std::move(d.slots), {static_cast<std::size_t>(view.num_tokens()),
+                                                         static_cast<std::size_t>(view.topk())}),
+                        vec1(std::move(d.send_experts)));
+}
+
+/// `group_by_storage_row`: `plan/adapter_layout.hpp`'s, as `(counts, recv_perm, recv_inverse, reordered)`.
+nb::tuple group_by_storage_row(const RoVec64 &slot_counts, const RoVec64 &rows, std::int64_t rows_total,
+                               const RoVec64 &recv_perm) {
+  fm::RowGrouping g;
+  {
+    nb::gil_scoped_release nogil;
+    g = fm::group_by_storage_row({slot_counts.data(), slot_counts.size()}, {rows.data(), rows.size()}, rows_total,
+                                 {recv_perm.data(), recv_perm.size()});
+  }
+  const std::size_t nc = g.counts.size(), n = g.recv_perm.size();
+  return nb::make_tuple(owned_array(std::move(g.counts), {nc}), owned_array(std::move(g.recv_perm), {n}),
+                        owned_array(std::move(g.recv_inverse), {n}), g.reordered);
+}
+
 } // namespace
 
 NB_MODULE(_core, m) {
@@ -1193,4 +1256,9 @@ NB_MODULE(_core, m) {
   fm::python::bind_even_split(m);
   fm::python::bind_packing(m);
   fm::python::bind_runtime(m);
+
+  // foremoe.megatron's per-call path (issue 28, "Performance").
+  m.def("adapter_dispatch", &adapter_dispatch, "plan"_a, "layer"_a, "routed_experts"_a, "source_loads"_a, "rank"_a,
+        "prob_columns"_a);
+  m.def("group_by_storage_row", &group_by_storage_row, "slot_counts"_a, "rows"_a, "rows_total"_a, "recv_perm"_a);
 }

@@ -296,10 +296,13 @@ def test_spread_and_collect_with_unrouted_routes():
 
 @pytest.mark.parametrize("seed", range(20))
 def test_grouped_call_row_order(seed):
-    """GroupedMLP's dispatch (``_Call`` with ``rows_total``) on random instances: the received rows are grouped by
+    """GroupedMLP's regrouping of the received rows (``_core.group_by_storage_row``, what ``_prepare_call`` hands
+    the expert module; ``_by_row`` for the allgather path) on random instances: the received rows are grouped by
     storage row, ascending (the slot blocks reordered when the plan's slots are not in row order), ``counts`` has
     each used slot's count at its row and zeros elsewhere, and ``recv_inverse`` inverts ``recv_perm``."""
     from types import SimpleNamespace
+
+    from foremoe import _core
 
     rng = np.random.default_rng(seed)
     S = int(rng.integers(1, 9))
@@ -309,21 +312,86 @@ def test_grouped_call_row_order(seed):
     rows = np.where(counts > 0, rows, np.where(rng.random(S) < 0.5, -1, rows))  # an empty slot may have no row
     N = int(counts.sum())
     recv_perm = torch.from_numpy(rng.permutation(N))
-    recv_inverse = torch.empty_like(recv_perm)
-    recv_inverse[recv_perm] = torch.arange(N)
-    T, K = 3, 2
-    layout = SimpleNamespace(route_pos=torch.zeros(T * K, dtype=torch.long), num_send=0,
-                             send_tokens=torch.zeros(0, dtype=torch.long), recv_perm=recv_perm,
-                             recv_inverse=recv_inverse, slot_counts=[int(c) for c in counts])
-    run = SimpleNamespace(layout=layout, rows=rows)
-    call = fmeg._Call(run, torch.Size([T, 4]), T, 0, torch.device("cpu"), rows_total)
-    by_slot = recv_perm.split(layout.slot_counts)  # received row ids grouped by slot (Megatron's SequentialMLP order)
-    want = [by_slot[j] for j in sorted((j for j in range(S) if counts[j] > 0), key=lambda j: rows[j])]
+    slot_counts = [int(c) for c in counts]
+    got_counts, got_perm, got_inverse, reordered = _core.group_by_storage_row(
+        np.asarray(slot_counts, dtype=np.int64), rows.astype(np.int64), rows_total, recv_perm.numpy())
+    by_slot = recv_perm.split(slot_counts)  # received row ids grouped by slot (Megatron's SequentialMLP order)
+    order = sorted((j for j in range(S) if counts[j] > 0), key=lambda j: rows[j])
+    want = [by_slot[j] for j in order]
     want = torch.cat(want) if want else torch.zeros(0, dtype=torch.long)
-    assert torch.equal(call.recv_perm, want)
-    assert torch.equal(call.recv_inverse[call.recv_perm], torch.arange(N))
+    assert torch.equal(torch.from_numpy(got_perm), want)
+    assert reordered == (order != sorted(order))
+    assert torch.equal(torch.from_numpy(got_inverse)[want], torch.arange(N))
     want_counts = np.zeros(rows_total, dtype=np.int64)
     want_counts[rows[counts > 0]] = counts[counts > 0]
-    assert call.counts.dtype == torch.int64 and call.counts.tolist() == want_counts.tolist()
-    plain = fmeg._Call(run, torch.Size([T, 4]), T, 0, torch.device("cpu"))  # SequentialMLP: slot order kept
-    assert torch.equal(plain.recv_perm, recv_perm) and plain.counts.tolist() == layout.slot_counts
+    assert got_counts.dtype == np.int64 and got_counts.tolist() == want_counts.tolist()
+    # The allgather path's permutation of the slot-grouped rows: the same regrouping of the identity.
+    run = SimpleNamespace(layout=SimpleNamespace(slot_counts=slot_counts), rows=rows)
+    row_counts, perm = fmeg._by_row(run, rows_total)
+    assert row_counts.tolist() == want_counts.tolist()
+    ident = torch.arange(N).split(slot_counts)
+    want_perm = torch.cat([ident[j] for j in order]) if order else torch.zeros(0, dtype=torch.long)
+    assert (perm is None) == (order == sorted(order))
+    assert torch.equal(torch.arange(N) if perm is None else perm, want_perm)
+    plain, none = fmeg._by_row(run, None)  # SequentialMLP: slot order kept
+    assert none is None and plain.tolist() == slot_counts
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_adapter_layout_matches_local_layout(seed):
+    """``_adapter_layout`` (one ``_core.adapter_dispatch`` call) on random skewed routing with dropped routes: every
+    field equals ``foremoe.torch``'s ``local_layout`` for the same plan, ids and gathered loads; the combine gather is
+    ``route_pos`` with an unsent route on the zero row past the sent ones; the probability index is
+    ``send_tokens * E + send_experts``; ``_make_call`` regroups by storage row as ``group_by_storage_row`` does."""
+    from types import SimpleNamespace
+
+    import foremoe
+    from foremoe.torch.distributed import local_layout
+
+    rng = np.random.default_rng(seed)
+    G = int(rng.integers(2, 4))
+    E = G * int(rng.integers(2, 5))
+    S = E // G + int(rng.integers(1, 3))
+    K = int(rng.integers(1, min(3, E) + 1))
+    pop = np.exp(1.5 * rng.standard_normal(E))
+    ids = []
+    for r in range(G):
+        T = int(rng.integers(1, 40))
+        a = np.stack([rng.choice(E, K, replace=False, p=pop / pop.sum()) for _ in range(T)]).astype(np.int32)
+        if seed % 2:
+            a[rng.random(a.shape) < 0.15] = -1  # tokens with fewer routes than top-k
+        ids.append(torch.from_numpy(a))
+    loads = np.zeros((E, G), np.int64)
+    for r in range(G):
+        v = ids[r].numpy().reshape(-1)
+        loads[:, r] = np.bincount(v[v >= 0], minlength=E)
+    owners = np.repeat(np.arange(G), E // G).astype(np.int32)
+    plan = foremoe.Planner(foremoe.Topology(1, G, S)).plan(loads.sum(1)[None], owners=owners)
+    flags = np.zeros((G, 4), np.int64)
+    for rank in range(G):
+        got, extra = fmeg._adapter_layout(plan, 0, ids[rank], loads, rank, flags, S)
+        want = local_layout(plan, 0, ids[rank], loads, rank, flags=flags)
+        for name in ("slots", "order", "send_tokens", "recv_perm", "recv_inverse", "send_experts", "route_pos"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        for name in ("input_splits", "output_splits", "slot_counts", "rank", "world", "num_experts", "slots_per_rank"):
+            assert getattr(got, name) == getattr(want, name), name
+        assert np.array_equal(got.source_split, want.source_split)
+        gather, prob_index, padded, counts = extra
+        unsent = want.route_pos < 0
+        assert padded == bool(unsent.any())
+        assert torch.equal(gather, torch.where(unsent, torch.full_like(want.route_pos, want.num_send), want.route_pos))
+        assert torch.equal(prob_index, want.send_tokens * E + want.send_experts.to(torch.int64))
+        assert counts.tolist() == want.slot_counts
+        rows = rng.permutation(S).astype(np.int64)
+        c = fmeg._make_call(SimpleNamespace(layout=got, rows=rows), extra, torch.Size([want.slots.shape[0], 4]), 0, S,
+                            torch.device("cpu"))
+        row_counts, perm, inverse, _ = _core_group(want, rows, S)
+        assert c.counts.tolist() == row_counts.tolist() and c.recv_perm.tolist() == perm.tolist()
+        assert c.recv_inverse.tolist() == inverse.tolist() and c.pad == padded
+
+
+def _core_group(layout, rows, S):
+    from foremoe import _core
+
+    return _core.group_by_storage_row(np.asarray(layout.slot_counts, dtype=np.int64), rows, S,
+                                      layout.recv_perm.numpy())

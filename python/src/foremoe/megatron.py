@@ -130,9 +130,10 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 import foremoe  # noqa: E402
 from foremoe import _core  # noqa: E402
 from foremoe._args import integer  # noqa: E402
-from foremoe.torch.distributed import DEFAULT_TIMEOUT, all_to_all, group_rank, group_size  # noqa: E402
+from foremoe.torch.distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, gather_source_loads  # noqa: E402
+from foremoe.torch.distributed import group_rank, group_size, local_layout  # noqa: E402
 from foremoe.torch.held import describe, gradients_mode, guard_optimizer_steps, held_gradients  # noqa: E402
-from foremoe.torch.layer import _APPLIED_INSIDE, ExpertStorage, _prepare, _Run, _schedule_gradients  # noqa: E402
+from foremoe.torch.layer import _APPLIED_INSIDE, ExpertStorage, _input_error, _Run, _schedule_gradients  # noqa: E402
 from foremoe.torch.layer import _check_rows, _reduce_replica_grads, _return_held_grads  # noqa: E402
 from foremoe.torch.layer import _slot_compute, _SlotExperts, contiguous_owners  # noqa: E402
 from foremoe.torch.replay import ReplayDriver, StepPacking, pack_from_slime  # noqa: E402
@@ -345,55 +346,113 @@ class _Collect(torch.autograd.Function):
 
 
 class _Call:
-    """The index tensors of one balanced layer call, on the tokens' device.
+    """The index tensors of one balanced layer call, on the tokens' device (:func:`_prepare_call` makes them).
 
-    ``rows_total`` (GroupedMLP: the storage rows per weight kind): the received rows are grouped by storage row
-    (ascending) instead of by plan slot, and ``counts`` has one entry per storage row (zero for a row without
-    tokens), the ``batch_sizes`` of a grouped GEMM over the whole slot storage."""
+    ``send_tokens`` the token of each sent row; ``gather`` ``[T K]`` the sent row each route comes back from (with
+    ``pad``: a route not sent reads the zero row past the sent ones); ``prob_index`` the flat index of each sent
+    row's routing weight in Megatron's ``[T, E]`` probs; ``recv_perm`` / ``recv_inverse`` the received rows grouped
+    as the expert module computes them and back; ``counts`` its ``tokens_per_expert`` (CPU int64). GroupedMLP
+    (``rows_total``: the storage rows per weight kind): the received rows are grouped by storage row (ascending)
+    instead of by plan slot, and ``counts`` has one entry per storage row (zero for a row without tokens), the
+    ``batch_sizes`` of a grouped GEMM over the whole slot storage."""
 
-    __slots__ = ("shape", "T", "send_tokens", "gather", "pad", "recv_perm", "recv_inverse", "counts")
-
-    def __init__(self, run: _Run, shape: torch.Size, T: int, short: int, device: torch.device,
-                 rows_total: Optional[int] = None):
-        lay = run.layout
-        self.shape, self.T = shape, T
-        gather = lay.route_pos
-        self.pad = short > 0
-        if self.pad:  # a route not sent reads the zero row after the sent ones
-            gather = torch.where(gather < 0, torch.full_like(gather, lay.num_send), gather)
-        self.send_tokens = lay.send_tokens.to(device)
-        self.gather = gather.to(device)
-        recv_perm, recv_inverse = lay.recv_perm, lay.recv_inverse
-        self.counts, perm = _by_row(run, rows_total)
-        if perm is not None:
-            recv_perm = recv_perm.index_select(0, perm)
-            recv_inverse = torch.empty_like(recv_perm)
-            recv_inverse[recv_perm] = torch.arange(recv_perm.numel(), dtype=recv_perm.dtype)
-        self.recv_perm = recv_perm.to(device)
-        self.recv_inverse = recv_inverse.to(device)
+    __slots__ = ("shape", "T", "send_tokens", "gather", "pad", "prob_index", "recv_perm", "recv_inverse", "counts")
 
 
 def _by_row(run: _Run, rows_total: Optional[int]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The expert module's ``tokens_per_expert`` (CPU int64) for rows grouped by plan slot (``run.layout``'s
     ``slot_counts``), and the permutation of those rows that the expert module needs (``None``: as they are).
     ``rows_total`` ``None`` (SequentialMLP): the slot counts, slot order kept. Otherwise (GroupedMLP): one count
-    per storage row, zero for a row without tokens, and the slot blocks reordered by storage row, ascending."""
+    per storage row, zero for a row without tokens, and the slot blocks reordered by storage row, ascending
+    (``_core.group_by_storage_row`` over the identity)."""
     counts = np.asarray(run.layout.slot_counts, dtype=np.int64)
     if rows_total is None:
         return torch.from_numpy(counts), None
-    used = np.flatnonzero(counts > 0)
-    rows = np.asarray(run.rows, dtype=np.int64)[used]
-    row_counts = np.zeros(rows_total, dtype=np.int64)
-    row_counts[rows] = counts[used]
-    order = np.argsort(rows, kind="stable")
-    if not np.any(order != np.arange(used.size)):
-        return torch.from_numpy(row_counts), None
-    starts = np.cumsum(counts) - counts  # slot j's first grouped row
-    blocks = used[order]
-    n = counts[blocks]
-    new_starts = np.cumsum(n) - n
-    return torch.from_numpy(row_counts), torch.from_numpy(np.repeat(starts[blocks] - new_starts, n) +
-                                                          np.arange(int(n.sum())))
+    row_counts, perm, _, reordered = _core.group_by_storage_row(
+        counts, np.ascontiguousarray(run.rows, dtype=np.int64), rows_total, np.arange(int(counts.sum())))
+    return torch.from_numpy(row_counts), (torch.from_numpy(perm) if reordered else None)
+
+
+def _prepare_call(st: "_LayerState", x: torch.Tensor, ids: torch.Tensor, counts: np.ndarray, short: int,
+                  plan: Any, shape: torch.Size) -> Tuple[_Run, _Call]:
+    """Everything of one balanced layer call before the token exchange: ``foremoe.torch.layer._prepare``'s checks,
+    its one ``all_gather`` (counts and flags), the dispatch layout and the replica sync (:meth:`ExpertStorage.sync`),
+    in the same order with the same errors, for the adapter's fixed group and the micro-step plan
+    :meth:`MegatronBalancer.set_micro_step` checked; the layout and the adapter's index arrays come from one C++
+    call (``_core.adapter_dispatch``), the regrouping by storage row (GroupedMLP) from a second one after the sync
+    (``_core.group_by_storage_row``): no index arithmetic in Python. Returns the run and its :class:`_Call`."""
+    storage, layer, group, timeout = st.storage, st.index, st.group, st.balancer.timeout
+    storage.check_aliasing()
+    error = _input_error(x, ids, _APPLIED_INSIDE, storage, None)
+    flags = (int(storage.owners_changed()), int(storage.mirror_stale())) + storage.prefetch_flags(plan, layer)
+    storage.check_plan(plan, layer)  # remembered per plan: costs nothing on the micro-step's other passes
+    loads, got = gather_source_loads(ids if error is None else None, st.num_experts, group=group, flags=flags,
+                                     error=error, timeout=timeout, what=f"dispatch_layout (layer {layer})",
+                                     counts=counts)
+    try:
+        layout, extra = _adapter_layout(plan, layer, ids, loads, st.rank, got, storage.slots)
+    except ValueError:
+        local_layout(plan, layer, ids, loads, st.rank, flags=got)  # the checked path names what does not fit
+        raise
+    G = st.world
+    changed = [g for g in range(G) if got[g, 0]]
+    stale = [g for g in range(G) if got[g, 1]]
+    book = storage.sync(plan, layer, changed, group=group, timeout=timeout, stale_mirrors=stale,
+                        prefetch_state=got[:, 2:4])
+    run = _Run(storage, st.expert_fn, book, layout, layer, group, timeout)
+    run.plan, run.plan_layer = plan, layer
+    run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
+                                                                         for p in storage.params.values()))
+    return run, _make_call(run, extra, shape, short, st.rows_total, x.device)
+
+
+def _adapter_layout(plan: Any, layer: int, ids: torch.Tensor, loads: np.ndarray, rank: int, flags: np.ndarray,
+                    S: int) -> Tuple[DispatchLayout, Tuple[Any, ...]]:
+    """The :class:`DispatchLayout` of ``ids`` (``[T, K]`` int32 on the CPU) under ``plan``'s layer ``layer`` for the
+    gathered ``[E, G]`` ``loads`` (``flags``: the gathered flags), and ``(gather, prob_index, padded, counts)``: one
+    C++ call (``_core.adapter_dispatch``; the large arrays handed over without a copy, the small ones packed)."""
+    T, K = ids.shape
+    E, G = loads.shape
+    (small, order, send_tokens, prob_index, route_pos, gather, recv_perm, recv_inverse, slots,
+     send_experts) = _core.adapter_dispatch(plan, layer, ids.numpy().reshape(T, 1, K), loads, rank, E)
+    padded = bool(small[0])
+    counts = small[1 + 2 * G:1 + 2 * G + S]
+    route_pos = torch.from_numpy(route_pos)
+    gather = route_pos if gather is None else torch.from_numpy(gather)
+    layout = DispatchLayout(
+        rank=rank, world=G, layer=layer, num_experts=E, slots_per_rank=S, slots=torch.from_numpy(slots),
+        order=torch.from_numpy(order), send_tokens=torch.from_numpy(send_tokens),
+        input_splits=small[1:1 + G].tolist(), output_splits=small[1 + G:1 + 2 * G].tolist(),
+        recv_perm=torch.from_numpy(recv_perm), recv_inverse=torch.from_numpy(recv_inverse),
+        slot_counts=counts.tolist(), source_split=small[1 + 2 * G + S:].reshape(G * S, G), flags=flags,
+        send_experts=torch.from_numpy(send_experts), route_pos=route_pos)
+    prob_index = torch.from_numpy(prob_index)
+    return layout, (gather, prob_index, padded, counts)
+
+
+def _make_call(run: _Run, extra: Tuple[Any, ...], shape: torch.Size, short: int, rows_total: Optional[int],
+               device: torch.device) -> _Call:
+    """The :class:`_Call` of ``run`` (``extra``: :func:`_adapter_layout`'s), on ``device``; with ``rows_total``
+    (GroupedMLP) the received rows regrouped by storage row (``_core.group_by_storage_row``, one C++ call)."""
+    gather, prob_index, padded, counts = extra
+    lay = run.layout
+    c = _Call()
+    c.shape, c.T, c.pad = shape, lay.slots.shape[0], padded or short > 0
+    recv_perm, recv_inverse = lay.recv_perm, lay.recv_inverse
+    if rows_total is None:
+        c.counts = torch.from_numpy(counts)
+    else:
+        row_counts, perm, inverse, _ = _core.group_by_storage_row(
+            counts, np.ascontiguousarray(run.rows, dtype=np.int64), rows_total, recv_perm.numpy())
+        c.counts = torch.from_numpy(row_counts)
+        recv_perm, recv_inverse = torch.from_numpy(perm), torch.from_numpy(inverse)
+    send_tokens = lay.send_tokens
+    if device.type != "cpu":
+        send_tokens, gather, prob_index = send_tokens.to(device), gather.to(device), prob_index.to(device)
+        recv_perm, recv_inverse = recv_perm.to(device), recv_inverse.to(device)
+    c.send_tokens, c.gather, c.prob_index = send_tokens, gather, prob_index
+    c.recv_perm, c.recv_inverse = recv_perm, recv_inverse
+    return c
 
 
 def _grouped_rows(experts: GroupedMLP, config: Any, index: int) -> Dict[str, Tuple[int, ...]]:
@@ -509,9 +568,10 @@ class _LayerState:
 
 def _start_call(st: _LayerState, hidden_states: torch.Tensor, routing_map: torch.Tensor) -> Optional[tuple]:
     """The start of a layer call shared by both dispatchers: ``None`` (and ``st.run`` cleared) outside a balanced
-    micro-step, else ``(x, plan, run, short)`` with ``st.run`` set: the tokens as ``[T, H]``, the micro-step's plan,
-    its run of this layer (``_prepare``; a plan that does not fit the routing raises ``ValueError`` naming the layer
-    and micro-step) and how many tokens have fewer routes than top-k (:func:`_routes`)."""
+    micro-step, else ``(x, plan, run, short)`` with ``st.run`` and ``st.call`` set: the tokens as ``[T, H]``, the
+    micro-step's plan, its run of this layer (:func:`_prepare_call`; a plan that does not fit the routing raises
+    ``ValueError`` naming the layer and micro-step) and how many tokens have fewer routes than top-k
+    (:func:`_routes`)."""
     plan = st.balancer._plan_for(st.index)
     if plan is None:
         st.run = None
@@ -519,12 +579,11 @@ def _start_call(st: _LayerState, hidden_states: torch.Tensor, routing_map: torch
     x = hidden_states.reshape(-1, hidden_states.shape[-1])
     ids, counts, short = _routes(routing_map, st.topk, st.index)
     try:
-        run = _prepare(x, ids, _APPLIED_INSIDE, plan, st.storage, st.expert_fn, st.index, st.group, None,
-                       st.balancer.timeout, counts=counts)
+        run, call = _prepare_call(st, x, ids, counts, short, plan, hidden_states.shape)
     except ValueError as e:
         raise ValueError(f"foremoe.megatron: MoE layer {st.index}, micro-step {st.balancer.current_micro_step}: "
                          f"{e}") from None
-    st.run = run
+    st.run, st.call = run, call
     return x, plan, run, short
 
 
@@ -542,15 +601,15 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         started = _start_call(st, hidden_states, routing_map)
         if started is None:
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
-        x, plan, run, short = started
-        T, K = x.shape[0], st.topk
-        lay = run.layout
-        call = st.call = _Call(run, hidden_states.shape, T, short, x.device, st.rows_total)
+        x, plan, run, _ = started
+        call = st.call
         st.balancer._record(st, plan, run)
-        send = _Spread.apply(x, call.send_tokens, call.gather, call.pad, K)
-        # probs [T, E]: sent row i takes probs[send_tokens[i], send_experts[i]] (one gather)
-        flat = (lay.send_tokens * probs.shape[1] + lay.send_experts).to(probs.device)
-        send_probs = probs.reshape(-1).index_select(0, flat)
+        if probs.shape[-1] != st.num_experts:
+            raise ValueError(f"foremoe.megatron: MoE layer {st.index}: probs have {probs.shape[-1]} columns, the "
+                             f"layer {st.num_experts} experts")
+        send = _Spread.apply(x, call.send_tokens, call.gather, call.pad, st.topk)
+        # probs [T, E]: sent row i takes probs[send_tokens[i], send_experts[i]] (one gather, index made in C++)
+        send_probs = probs.reshape(-1).index_select(0, call.prob_index)
         return send, send_probs
 
     def token_dispatch(self, permutated_local_input_tokens: torch.Tensor, permuted_probs: torch.Tensor):
@@ -658,7 +717,7 @@ class ForeMoEAllGatherTokenDispatcher(MoEAllGatherTokenDispatcher):
         pos[tok * K + k] = np.arange(len(tok))
         dev = hidden_states.device
         rows = torch.from_numpy(tok).to(dev)
-        st.call = _Call.__new__(_Call)
+        st.call = _Call()
         c = st.call
         c.shape, c.T, c.send_tokens, c.gather, c.pad = self.hidden_shape, N, rows, torch.from_numpy(pos).to(dev), True
         c.counts = counts
