@@ -4,10 +4,12 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <memory>
 #include <numeric>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "expert_bytes.hpp"
@@ -819,6 +821,8 @@ TEST_CASE("split regions land exactly the bytes of the packed layout, under rand
     }
     const bool faultless = faults->fail_probability == 0 && faults->corrupt_probability == 0 && !faults->fail_path[0] &&
                            !faults->fail_path[1];
+    // (layer, GPU, slot, buffer) holding a failed move's partial bytes, until a later move lands there in both.
+    std::set<std::array<int, 4>> partial;
     for (int batch = 0; batch < 3; ++batch) {
       const int l = batch % c.num_layers;
       const auto moves = c.random_moves(rng, l, 0.5);
@@ -855,17 +859,20 @@ TEST_CASE("split regions land exactly the bytes of the packed layout, under rand
         failed_moves += !b.ok;
       }
       // The same resident placement and, byte for byte, the same slot contents (landed or untouched; a failed
-      // move's partial bytes depend on timing as its attempts do).
+      // move's partial bytes depend on timing as its attempts do, and stay until a later move lands there).
       const LayerPlacement pc = c.engine->resident(l), pd = d.engine->resident(l);
       CHECK(std::ranges::equal(pc.phys_to_log(), pd.phys_to_log()));
-      std::vector<char> partial(static_cast<std::size_t>(pd.num_slots()), 0);
-      for (std::size_t i = 0; i < moves.size(); ++i)
-        if (!tel_d[i].ok || !tel_c[i].ok) partial[moves[i].dst_gpu * c.topo.slots_per_gpu + moves[i].dst_slot] = 1;
+      for (std::size_t i = 0; i < moves.size(); ++i) {
+        const std::array<int, 4> at{l, moves[i].dst_gpu, moves[i].dst_slot, mb.dst_buffer};
+        if (!tel_d[i].ok || !tel_c[i].ok)
+          partial.insert(at);
+        else
+          partial.erase(at);
+      }
       for (int g = 0; g < c.topo.num_gpus(); ++g)
         for (int s = 0; s < c.topo.slots_per_gpu; ++s) {
           for (int b = 0; b < c.num_buffers; ++b)
-            for (std::size_t ti = 0;
-                 ti < c.tensors.size() && !(partial[g * c.topo.slots_per_gpu + s] && b == mb.dst_buffer); ++ti)
+            for (std::size_t ti = 0; ti < c.tensors.size() && !partial.contains({l, g, s, b}); ++ti)
               CHECK_MESSAGE(std::memcmp(c.slot_ptr(l, g, s, b) + c.tensors[ti].offset_bytes,
                                         d.at(l, g, s, b, static_cast<int>(ti)),
                                         static_cast<std::size_t>(c.tensors[ti].num_bytes)) == 0,
