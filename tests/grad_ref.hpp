@@ -152,7 +152,9 @@ struct GradWorld {
             random_value(rng, type, row(g, s, ti) + i);
   }
   [[nodiscard]] std::byte *row(int g, int s, int ti) {
-    return mem[static_cast<std::size_t>(g * tensors() + ti)].data() + s * stride[ti];
+    return mem[static_cast<std::size_t>(g) * static_cast<std::size_t>(tensors()) + static_cast<std::size_t>(ti)]
+               .data() +
+           s * stride[ti];
   }
   [[nodiscard]] rt::SlotRegion region(int g) {
     if (!split) return {mem[static_cast<std::size_t>(g)].data(), stride[0], slots, 1, 0};
@@ -207,7 +209,7 @@ inline int check_reduced(GradWorld &w, const GradWorld &before, const foremoe::L
       for (int s = 0; s < w.slots; ++s)
         if (g != o && p.slot(g, s) == e &&
             (!select || std::find(returns.begin(), returns.end(), rt::ReplicaRef{g, e}) != returns.end()))
-          reps.push_back({g, s});
+          reps.emplace_back(g, s);
     if (reps.empty()) continue;
     GradWorld full = want; // the full sum, in order
     for (auto [g, s] : reps)
