@@ -134,7 +134,7 @@ from foremoe.torch.distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_al
 from foremoe.torch.distributed import group_rank, group_size, local_layout  # noqa: E402
 from foremoe.torch.held import describe, gradients_mode, guard_optimizer_steps, held_gradients  # noqa: E402
 from foremoe.torch.layer import _APPLIED_INSIDE, ExpertStorage, _input_error, _Run, _schedule_gradients  # noqa: E402
-from foremoe.torch.layer import _check_rows, _reduce_replica_grads, _return_held_grads  # noqa: E402
+from foremoe.torch.layer import _check_rows, _reduce_replica_grads, _return_held_grads, _synced_run  # noqa: E402
 from foremoe.torch.layer import _slot_compute, _SlotExperts, contiguous_owners  # noqa: E402
 from foremoe.torch.replay import ReplayDriver, StepPacking, pack_from_slime  # noqa: E402
 
@@ -384,7 +384,7 @@ def _prepare_call(st: "_LayerState", x: torch.Tensor, ids: torch.Tensor, counts:
     storage, layer, group, timeout = st.storage, st.index, st.group, st.balancer.timeout
     storage.check_aliasing()
     error = _input_error(x, ids, _APPLIED_INSIDE, storage, None)
-    flags = (int(storage.owners_changed()), int(storage.mirror_stale())) + storage.prefetch_flags(plan, layer)
+    flags = storage.call_flags(plan, layer)
     storage.check_plan(plan, layer)  # remembered per plan: costs nothing on the micro-step's other passes
     loads, got = gather_source_loads(ids if error is None else None, st.num_experts, group=group, flags=flags,
                                      error=error, timeout=timeout, what=f"dispatch_layout (layer {layer})",
@@ -394,15 +394,7 @@ def _prepare_call(st: "_LayerState", x: torch.Tensor, ids: torch.Tensor, counts:
     except ValueError:
         local_layout(plan, layer, ids, loads, st.rank, flags=got)  # the checked path names what does not fit
         raise
-    G = st.world
-    changed = [g for g in range(G) if got[g, 0]]
-    stale = [g for g in range(G) if got[g, 1]]
-    book = storage.sync(plan, layer, changed, group=group, timeout=timeout, stale_mirrors=stale,
-                        prefetch_state=got[:, 2:4])
-    run = _Run(storage, st.expert_fn, book, layout, layer, group, timeout)
-    run.plan, run.plan_layer = plan, layer
-    run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad
-                                                                         for p in storage.params.values()))
+    run = _synced_run(storage, st.expert_fn, plan, layer, layout, x, group, timeout)
     return run, _make_call(run, extra, shape, short, st.rows_total, x.device)
 
 

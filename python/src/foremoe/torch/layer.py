@@ -593,6 +593,11 @@ class ExpertStorage:
         self._versions, self._invalid = pending["versions"], False
         self._pending = pending
 
+    def call_flags(self, plan: Optional["foremoe.Plan"], layer: int) -> Tuple[int, int, int, int]:
+        """What a layer call gathers from every rank beside its counts: (owner weights changed since the last sync,
+        host mirror stale, and :meth:`prefetch_flags` for ``plan``'s layer ``layer``)."""
+        return (int(self.owners_changed()), int(self.mirror_stale())) + self.prefetch_flags(plan, layer)
+
     def prefetch_flags(self, plan: Optional["foremoe.Plan"], layer: int) -> Tuple[int, int]:
         """(has prefetched moves, 0 or the reason code why they do not fit a call with ``plan``'s layer
         ``layer``: 1 another layer, 2 another placement, 3 owner weights changed since the prefetch)."""
@@ -1174,7 +1179,7 @@ def _prepare(x: Any, expert_ids: Any, routing_weights: Any, plan: Optional["fore
                          f"belongs to rank {storage.rank}")
     storage.check_aliasing()
     error = _input_error(x, expert_ids, routing_weights, storage, hidden)
-    flags = (int(storage.owners_changed()), int(storage.mirror_stale())) + storage.prefetch_flags(plan, layer)
+    flags = storage.call_flags(plan, layer)
     if plan is None:  # plain expert parallelism: every expert on its owner, no replica
         loads, got = gather_source_loads(expert_ids if error is None else None, storage.num_experts, group=group,
                                          flags=flags, error=error, timeout=timeout, what="balanced_moe")
@@ -1185,10 +1190,18 @@ def _prepare(x: Any, expert_ids: Any, routing_weights: Any, plan: Optional["fore
         storage.check_plan(plan, layer)
         layout = dispatch_layout(plan, layer, expert_ids if error is None else None, group=group, flags=flags,
                                  timeout=timeout, error=error, counts=counts)
-    changed = [g for g in range(G) if layout.flags[g, 0]]
-    stale = [g for g in range(G) if layout.flags[g, 1]]
+    return _synced_run(storage, expert_fn, plan, layer, layout, x, group, timeout)
+
+
+def _synced_run(storage: ExpertStorage, expert_fn: ExpertFn, plan: "foremoe.Plan", layer: int,
+                layout: DispatchLayout, x: torch.Tensor, group: Any, timeout: float) -> _Run:
+    """The replica sync of a call whose ``layout`` carries the gathered :meth:`ExpertStorage.call_flags`, and the
+    call's :class:`_Run` (the end of :func:`_prepare`, and of adapters that make the layout their own way)."""
+    flags = layout.flags
+    changed = np.flatnonzero(flags[:, 0]).tolist()
+    stale = np.flatnonzero(flags[:, 1]).tolist()
     book = storage.sync(plan, layer, changed, group=group, timeout=timeout, stale_mirrors=stale,
-                        prefetch_state=layout.flags[:, 2:4])
+                        prefetch_state=flags[:, 2:4])
     run = _Run(storage, expert_fn, book, layout, layer, group, timeout)
     run.plan, run.plan_layer = plan, layer
     run.need_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad

@@ -58,17 +58,10 @@ class EngineMover:
         space = int(gather_rows(mine, pg, timeout, "ExpertStorage: the transfer engine's tag space").max())
         _next_space[0] = space + 1
         st = storage
-        self.rank, self.world = st.rank, st.world
         self.faults, self.verify = st.faults, st.verify
-        self.group = pg
-        self.rows, self.stage0 = st._engine_rows, st._stage0
-        tensors, off = [], 0
-        for name in st.names:
-            t = st._alloc[name]
-            n = int(t[0].numel()) * t.element_size()
-            tensors.append((off, n))
-            off += n
-        topo = foremoe.Topology(st.world // st.local_world, st.local_world, self.rows)
+        rows = st._engine_rows
+        tensors = [int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names]  # bytes per kind
+        topo = foremoe.Topology(st.world // st.local_world, st.local_world, rows)
         self.engine = TransferEngine(topology=topo, num_layers=1, num_experts=st.num_experts, tensors=tensors,
                                      verify=st.verify, faults=st.faults, host_mirror=st.mirror is not None,
                                      host_threads_per_path=1, group=pg, bridge_timeout=timeout, tag_space=space)
@@ -78,7 +71,7 @@ class EngineMover:
             node = st.rank // st.local_world
             self.engine.register_mirror(0, node, views, node_mirror=getattr(st.mirror, "_m", None))
         # The owner rows of every rank: the only copies the engine may read at the start of a batch.
-        self.owner_table = np.full((st.world, self.rows), -1, dtype=np.int32)
+        self.owner_table = np.full((st.world, rows), -1, dtype=np.int32)
         for g in range(st.world):
             self.owner_table[g, :st.owned[g].size] = st.owned[g]
 
