@@ -18,11 +18,18 @@ Patches (each applied once per process, by :func:`apply_cpu_patches`):
 - GroupedMLP's activation recompute (``recompute_modules`` with ``"moe_act"``) uses ``CheckpointWithoutOutput``, whose
   ``__init__`` sets ``self.fp8 = fp8 is not None`` (random.py:636 of 0.16.1: true for the default ``fp8=False``) and
   then needs Transformer Engine's ``FP8GlobalStateManager``: ``fp8`` is what the caller passed (``False``).
+- Megatron's optimizers (``get_megatron_optimizer``: ``Float16OptimizerWithFloat16Params``, ``FP32Optimizer``,
+  ``DistributedOptimizer``, their grad scaler and gradient clipping) allocate their flags and scales with
+  ``device='cuda'`` and sort the parameters by ``param.type()`` against ``'torch.cuda.FloatTensor'`` /
+  ``'torch.cuda.HalfTensor'`` / ``'torch.cuda.BFloat16Tensor'`` (optimizer.py:473-485, 671-700, 907;
+  distrib_optimizer.py:361-435, 582; the grad norm's ``local_multi_tensor_l2_norm``, utils.py:1207 of 0.16.1): in
+  those modules ``torch`` is a stand-in whose factories put a
+  ``'cuda'`` device on the CPU, and while their methods run a CPU tensor's ``type()`` names the CUDA type.
 """
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any, List, Optional
 
 import torch
@@ -72,6 +79,74 @@ def apply_cpu_patches() -> None:
     mrandom.CheckpointWithoutOutput.__init__ = checkpoint_init
     mrandom._set_cuda_rng_state = lambda state, device=-1, graph_safe=False: torch.set_rng_state(state)
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    _patch_optimizers()
+
+
+class _TorchOnCpu(ModuleType):
+    """``torch`` for Megatron's optimizer modules: tensor factories given ``device='cuda'`` (or a CUDA device) make
+    CPU tensors; everything else is torch's own."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in ("tensor", "zeros", "ones", "empty", "full", "zeros_like", "ones_like", "empty_like"):
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _cpu_factory(fn: Any) -> Any:
+    def make(*args: Any, **kwargs: Any) -> Any:
+        dev = kwargs.get("device")
+        if dev is not None and str(dev).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return fn(*args, **kwargs)
+
+    return make
+
+
+_PLAIN_TYPE = torch.Tensor.type
+_CUDA_TYPES = 0  # nesting depth of Megatron optimizer methods running (their type() checks see CUDA types)
+
+
+def _type_as_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    out = _PLAIN_TYPE(self, *args, **kwargs)
+    if _CUDA_TYPES and not args and not kwargs and isinstance(out, str) and out.startswith("torch.") \
+            and not out.startswith("torch.cuda."):
+        return "torch.cuda." + out[len("torch."):]
+    return out
+
+
+def _with_cuda_types(fn: Any) -> Any:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        global _CUDA_TYPES
+        _CUDA_TYPES += 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _CUDA_TYPES -= 1
+
+    run.__wrapped__ = fn  # type: ignore[attr-defined]
+    return run
+
+
+def _patch_optimizers() -> None:
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, grad_scaler, optimizer
+
+    shim = _TorchOnCpu()
+    for mod in (clip_grads, distrib_optimizer, grad_scaler, optimizer, utils):
+        mod.torch = shim
+    torch.Tensor.type = _type_as_cuda  # type: ignore[method-assign]
+    for cls in (optimizer.MixedPrecisionOptimizer, optimizer.Float16OptimizerWithFloat16Params,
+                optimizer.FP32Optimizer, distrib_optimizer.DistributedOptimizer):
+        for name, fn in list(vars(cls).items()):
+            if callable(fn) and not isinstance(fn, (staticmethod, classmethod, type)):
+                setattr(cls, name, _with_cuda_types(fn))
+            elif isinstance(fn, staticmethod):
+                setattr(cls, name, staticmethod(_with_cuda_types(fn.__func__)))
+            elif isinstance(fn, classmethod):
+                setattr(cls, name, classmethod(_with_cuda_types(fn.__func__)))
 
 
 def cpu_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_a: bool = False,
