@@ -38,6 +38,13 @@ class MCase:
     grouped: bool = False  # GroupedMLP experts (moe_grouped_gemm=True; the CPU stand-in for grouped_gemm.ops.gmm)
     dispatcher: str = "alltoall"  # moe_token_dispatcher_type ("allgather": every rank the same token count)
     double_buffer: bool = False  # install(..., double_buffer=True): spare rows in two copies, slots not in row order
+    # Megatron's distributed optimizer on both sides: DistributedDataParallel(use_distributed_optimizer=True) and
+    # get_megatron_optimizer's Adam (DistributedOptimizer), instead of torch's SGD. "before": the adapter installed
+    # before the model is wrapped (its parameters then move into DDP's buffer), "after": installed on the wrapped
+    # model. `refresh`: "versions" turns off the version check (only the optimizer step post-hook marks the copied
+    # owner rows stale), "none" every refresh of them (the rows stay those of the first call: must differ).
+    distopt: str = ""
+    refresh: str = "all"
 
     @property
     def slots(self) -> int:
@@ -79,8 +86,26 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
         bal_cfg.recompute_modules = ["moe", "moe_act"] if case.grouped else ["moe"]
     bal = mc.TinyMoE(bal_cfg)
     bal.load_state_dict(ref.state_dict())
-    fm = fmeg.install(bal, case.slots, timeout=60.0, hold_replica_gradients=case.hold,
+    run_ref, run_bal = ref, bal
+    if case.distopt:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        def wrap(c: Any, model: torch.nn.Module) -> torch.nn.Module:
+            return DistributedDataParallel(c, DistributedDataParallelConfig(use_distributed_optimizer=True),
+                                           module=model)
+
+        run_ref = wrap(cfg, ref)
+        if case.distopt == "after":
+            run_bal = wrap(bal_cfg, bal)
+    fm = fmeg.install(run_bal, case.slots, timeout=60.0, hold_replica_gradients=case.hold,
                       double_buffer=case.double_buffer)
+    if case.distopt == "before":
+        run_bal = wrap(bal_cfg, bal)
+    for st in fm._states:  # test-only breakage of the refresh of copied owner rows
+        if case.refresh == "versions":
+            st.storage._copied_versions = lambda: []
+        elif case.refresh == "none":
+            st.storage.refresh_copies = lambda: False
     plain = [st.plain is not None for st in fm._states]  # the local spec's MLP: the plain arithmetic
     if case.module_mlp:
         for st in fm._states:
@@ -91,7 +116,6 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
         hook = expert0.register_forward_hook(lambda *args: None)
         plain_with_hook = fmeg._plain_mlp(expert0, ["linear_fc1.weight", "linear_fc2.weight"], cfg) is not None
         hook.remove()
-    run_bal = bal
     if case.ddp:  # Megatron's DDP hook adds each parameter's .grad into its main_grad and clears .grad
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -107,10 +131,16 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                            "dispatchers": [type(layer.token_dispatcher).__name__ for layer in bal.layers],
                            "ref_dispatchers": [type(layer.token_dispatcher).__name__ for layer in ref.layers]}
 
-    def opt(model: torch.nn.Module) -> torch.optim.Optimizer:
+    def opt(model: torch.nn.Module) -> Any:
+        if case.distopt:  # Megatron's DistributedOptimizer (Adam) over the DDP-wrapped model
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, clip_grad=0.0,
+                                                          use_distributed_optimizer=True, params_dtype=dt),
+                                          [model])
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
-    opt_ref, opt_bal = opt(ref), opt(bal)
+    opt_ref, opt_bal = opt(run_ref), opt(run_bal)
     planner = foremoe.Planner(fm.topology())
     resident = None
 
@@ -134,7 +164,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                 mc.set_targets(ref, recorded[m])
                 mc.set_targets(bal, recorded[m])
                 with torch.no_grad():
-                    want = ref(b["x"])
+                    want = run_ref(b["x"])
                     with fm.micro_step(m, drv) as plan:
                         got = run_bal(b["x"])
                 compare(f"step {s} recompute micro-batch {m} output", got, want)
@@ -148,7 +178,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                 mc.set_targets(bal, recorded[m])
                 xr = b["x"].clone().requires_grad_(True)
                 xb = b["x"].clone().requires_grad_(True)
-                out_r = ref(xr)
+                out_r = run_ref(xr)
                 (out_r * b["target"]).sum().backward()
                 with fm.micro_step(m, drv, last=False if case.no_flush else None) as plan:
                     out_b = run_bal(xb)
@@ -160,6 +190,10 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                 compare(f"step {s} update micro-batch {m} input grad", xb.grad, xr.grad)
             resident = drv.last_plan
         for (n, pb), pr in zip(bal.named_parameters(), ref.parameters()):
+            if case.distopt:  # DDP's hooks accumulated every micro-step's .grad into main_grad, on both sides
+                assert pb.grad is None and pr.grad is None
+                compare(f"step {s} accumulated main_grad of {n}", pb.main_grad, pr.main_grad)
+                continue
             if case.ddp:  # what Megatron's optimizer reads (the DP all-reduce is left out: both sides alike)
                 assert pb.grad is None
                 pb.grad = pb.main_grad.clone()
@@ -169,15 +203,25 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
             rec["no_flush_step"] = _catch(opt_bal.step)
             rec["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, bal.parameters()))
             break
-        opt_ref.step()
-        opt_bal.step()
-        opt_ref.zero_grad(set_to_none=True)
-        opt_bal.zero_grad(set_to_none=True)
+        if case.distopt:  # Megatron's training step: reduce-scatter, Adam on the shards, all-gather into the buffer
+            for model, o in ((run_ref, opt_ref), (run_bal, opt_bal)):
+                model.finish_grad_sync()
+                ok, _, _ = o.step()
+                assert ok
+                model.zero_grad_buffer()
+                o.zero_grad()
+        else:
+            opt_ref.step()
+            opt_bal.step()
+            opt_ref.zero_grad(set_to_none=True)
+            opt_bal.zero_grad(set_to_none=True)
         if case.ddp:
             run_bal.zero_grad_buffer()
         for (n, pb), pr in zip(bal.named_parameters(), ref.parameters()):
             compare(f"step {s} weight {n} after the optimizer step", pb, pr)
     rec["stats"] = fm.stats
+    if case.distopt:
+        rec["copy_bound"] = [st.storage.copy_bound for st in fm._states]
     save_and_leave(rec, tmp, rank)
 
 

@@ -58,6 +58,16 @@ CASES["grouped_allgather_ep4_top4_fp32"] = MCase(world=4, experts=32, topk=4, la
                                                  grouped=True)
 CASES["grouped_ep2_top2_fp64_double"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=2,
                                               micro=4, double_buffer=True, grouped=True)
+# Megatron's distributed optimizer (DDP's parameter buffer, Megatron's Adam on the shards) on both sides, the adapter
+# installed before and after the wrap; fp32 (the distributed optimizer takes fp16/bf16/fp32 parameters only).
+CASES["distopt_before_ep2_top2_fp32"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float32", micro=4,
+                                              distopt="before")
+CASES["distopt_after_ep2_top2_fp32"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float32", micro=4,
+                                             distopt="after")
+CASES["grouped_distopt_after_ep2_top2_fp32"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float32",
+                                                     micro=4, distopt="after", grouped=True)
+CASES["grouped_distopt_before_ep4_top4_fp32"] = MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24,
+                                                      dtype="float32", distopt="before", grouped=True)
 NO_FLUSH = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=1, micro=4, no_flush=True)
 
 
@@ -144,6 +154,40 @@ def test_optimizer_step_without_flush_is_refused(tmp_path, grouped):
         assert f"layer {layer} expert {expert} on rank {holder}" in msg
         assert "last=True" in msg and "hold_replica_gradients=False" in msg
         assert rec["unchanged"]
+
+
+def test_distributed_optimizer_copies(trained):
+    """With Megatron's distributed optimizer the expert parameters live in DDP's parameter buffer: every layer's owner
+    rows are copies (copy-bound), whichever order the adapter and the wrap came in; otherwise they alias."""
+    case, ranks = trained
+    for rec in ranks:
+        if case.distopt:
+            assert rec["copy_bound"] == [True] * case.layers
+        else:
+            assert "copy_bound" not in rec
+
+
+@pytest.mark.parametrize("refresh", ["versions", "none"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
+def test_distributed_optimizer_refresh(tmp_path, grouped, refresh):
+    """The copied owner rows follow each optimizer step. "versions": the parameters' version counters ignored, the
+    optimizer step post-hook alone marks them stale, and every step still equals the reference. "none": the rows
+    never refreshed after the first call: the first step equals the reference, every later step's outputs do not
+    (the test can fail)."""
+    case = replace(CASES["distopt_before_ep2_top2_fp32"], steps=2, micro=2, refresh=refresh, grouped=grouped)
+    ranks = _run(case, tmp_path)
+    for r, rec in enumerate(ranks):
+        def off(what: str, got, want) -> bool:
+            return float((got - want).abs().max()) > 1e-5 * max(1.0, float(want.abs().max()))
+
+        first = [c for c in rec["cmp"] if c[0].startswith("step 0 ")]
+        later = [c for c in rec["cmp"] if c[0].startswith("step 1 ") and " output" in c[0]]
+        assert first and later
+        assert not any(off(*c) for c in first), f"rank {r}: step 0 differs"
+        if refresh == "versions":
+            assert not any(off(*c) for c in rec["cmp"]), f"rank {r}: the post-hook alone did not refresh"
+        else:
+            assert all(off(*c) for c in later), f"rank {r}: stale owner rows gave the reference's outputs"
 
 
 def test_replicas_used_and_plans_change(trained):

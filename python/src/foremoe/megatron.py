@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import weakref
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 SUPPORTED_MEGATRON = ("0.16.1",)
@@ -382,13 +383,21 @@ def _prepare_call(st: "_LayerState", x: torch.Tensor, ids: torch.Tensor, counts:
     call (``_core.adapter_dispatch``), the regrouping by storage row (GroupedMLP) from a second one after the sync
     (``_core.group_by_storage_row``): no index arithmetic in Python. Returns the run and its :class:`_Call`."""
     storage, layer, group, timeout = st.storage, st.index, st.group, st.balancer.timeout
-    storage.check_aliasing()
+    st.check_bound()
+    if storage.copy_bound and storage.refresh_copies():  # after an optimizer step: the parameters into the rows
+        st.check_param_gather()
     error = _input_error(x, ids, _APPLIED_INSIDE, storage, None)
     flags = storage.call_flags(plan, layer)
     storage.check_plan(plan, layer)  # remembered per plan: costs nothing on the micro-step's other passes
     loads, got = gather_source_loads(ids if error is None else None, st.num_experts, group=group, flags=flags,
                                      error=error, timeout=timeout, what=f"dispatch_layout (layer {layer})",
                                      counts=counts)
+    if storage.copy_bound and storage.mirror is not None and got[:, 1].any():
+        # Copy-bound owner rows were refreshed after an optimizer step on some rank: the host mirror follows
+        # them here, on every rank together (the gathered flags are the same everywhere).
+        storage.refresh_mirror(group, timeout)
+        got = got.copy()
+        got[:, 1] = 0
     try:
         layout, extra = _adapter_layout(plan, layer, ids, loads, st.rank, got, storage.slots)
     except ValueError:
@@ -499,6 +508,34 @@ class _GroupedWeights(torch.autograd.Function):
         return (None, None, *[g.reshape(shape) for g, shape in zip(go, ctx.shapes)])
 
 
+def _in_flat_buffer(p: torch.Tensor) -> bool:
+    """Whether ``p``'s ``.data`` is a segment of a larger storage (a flat parameter buffer, e.g. Megatron DDP's with
+    the distributed optimizer, distributed/param_and_grad_buffer.py:820-835 of 0.16.1), not a tensor of its own."""
+    return int(p.untyped_storage().nbytes()) > int(p.numel()) * p.element_size()
+
+
+_BALANCERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_STEP_HOOK: Optional[Any] = None
+
+
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """torch's global optimizer step post-hook (it also fires for the inner ``torch.optim`` step of Megatron's
+    optimizers, before they write the parameter buffer): copy-bound owner rows are stale from now on; the next
+    balanced call of each layer copies the parameters again (:meth:`ExpertStorage.refresh_copies`)."""
+    for balancer in list(_BALANCERS):
+        for storage in balancer.storages:
+            storage.mark_copies_stale()
+
+
+def _watch_optimizer_steps(balancer: Any) -> None:
+    global _STEP_HOOK
+    _BALANCERS.add(balancer)
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
 class _LayerState:
     """What one balanced MoE layer keeps: its index, storage, expert function and the call in flight."""
 
@@ -524,7 +561,10 @@ class _LayerState:
             weights = {n: p.detach().view(rows[n]) for n, p in fused.items()}
             self.storage = ExpertStorage(weights, self.owners, slots, rank=self.rank, world=self.world,
                                          group=self.group, **options)
-            self.storage.bind_fused(fused)  # the fused parameters become views of the owner rows
+            # The fused parameters become views of the owner rows, or (in a distributed optimizer's parameter
+            # buffer already) keep their .data and the rows hold a copy.
+            self.storage.bind_fused(fused, copy=any(_in_flat_buffer(p) for p in fused.values()))
+            self.check_param_gather()
             self.rows_total = int(self.storage.storage["weight1"].shape[0])
             self.params = list(fused.values())
             self.template, self.swap, self.plain = None, [], None
@@ -540,7 +580,9 @@ class _LayerState:
         weights = {n: torch.stack([p[n].detach() for p in by_name]) for n in names}
         self.storage = ExpertStorage(weights, self.owners, slots, rank=self.rank, world=self.world,
                                      group=self.group, **options)
-        self.storage.bind_parameters({n: [p[n] for p in by_name] for n in names})
+        self.storage.bind_parameters({n: [p[n] for p in by_name] for n in names},
+                                     copy=any(_in_flat_buffer(p[n]) for p in by_name for n in names))
+        self.check_param_gather()
         self.params = [p[n] for n in names for p in by_name]  # kind-major, like _OwnerRows' outputs
         template = local[0]
         self.swap = []
@@ -549,6 +591,39 @@ class _LayerState:
             self.swap.append((template.get_submodule(mod_name) if mod_name else template, attr))
         self.template = template
         self.plain = _plain_mlp(template, names, layer.config)  # None: Megatron's MLP module, weights swapped in
+
+    def check_bound(self) -> None:
+        """:meth:`ExpertStorage.check_aliasing`, after making copy-bound the aliasing parameters that Megatron's
+        ``DistributedDataParallel`` moved into its parameter buffer since :func:`install` (the distributed
+        optimizer: each ``.data`` now a segment of a larger flat buffer). A parameter whose ``.data`` was replaced
+        by anything else still raises ``ValueError``."""
+        storage = self.storage
+        try:
+            storage.check_aliasing()
+            return
+        except ValueError:
+            moved = [p for (p, view), c in zip(storage._bound, storage._bound_copy)
+                     if not c and int(p.data_ptr()) != int(view.data_ptr()) and _in_flat_buffer(p)]
+            if not moved:
+                raise
+        storage.rebind_copies(moved)
+        self.check_param_gather()
+        storage.check_aliasing()
+
+    def check_param_gather(self) -> None:
+        """Raises ``ValueError`` when the layer's parameters are copied from a distributed optimizer's buffer that
+        Megatron's DDP all-gathers lazily (``overlap_param_gather=True``: its forward pre-hooks wait for each
+        module's parameters as that module runs, after the copy here would read them)."""
+        if not self.storage.copy_bound:
+            return
+        for m in self.module.modules():
+            for h in m._forward_pre_hooks.values():
+                if "_make_forward_pre_hook" in getattr(h, "__qualname__", ""):
+                    raise ValueError(
+                        f"foremoe.megatron: MoE layer {self.index}: Megatron's DistributedDataParallel gathers the "
+                        f"parameters lazily in forward pre-hooks (DistributedDataParallelConfig("
+                        f"overlap_param_gather=True)); the adapter copies the expert parameters into its slot "
+                        f"storage before the layer's modules run, so it needs overlap_param_gather=False")
 
     def expert_fn(self, x: torch.Tensor, *weights: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.grouped:  # GroupedMLP computes all slots at once (_BalancedGroupedMLP), never one expert
@@ -839,6 +914,7 @@ class MegatronBalancer:
         self._last: Optional[bool] = None  # set_micro_step's `last` (None: the update driver's last micro-step)
         self._calls: Deque[Tuple[Any, ...]] = collections.deque(maxlen=stats_limit)
         guard_optimizer_steps(self)
+        _watch_optimizer_steps(self)
 
     # -- drivers and micro-steps ------------------------------------------------------------------------------
 

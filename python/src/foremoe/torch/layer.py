@@ -241,6 +241,13 @@ class ExpertStorage:
         self._bound_ptrs: List[int] = []
         self._bound_shapes: List[torch.Size] = []
         self._bound_rows: List[Tuple[str, int]] = []  # (kind, owner row) of every bound parameter's view
+        # Copy-bound parameters (bind_*(copy=True), rebind_copies): the parameter keeps its own .data (e.g. a
+        # segment of a distributed optimizer's parameter buffer) and its rows hold a copy, refreshed by
+        # refresh_copies() when mark_copies_stale() (an optimizer step) or invalidate() was called or its version
+        # moved since the last copy.
+        self._bound_copy: List[bool] = []
+        self._copies_stale = False
+        self._copy_versions: List[int] = []
         self._checked: Optional[Tuple[Any, int, np.ndarray]] = None  # check_plan's last (plan, layer, placement)
         self._row_views: Optional[List[List[torch.Tensor]]] = None
         self._versions = self._param_versions()
@@ -324,13 +331,17 @@ class ExpertStorage:
     def _param_ptrs(self) -> List[int]:
         return [int(p.data_ptr()) for p in self.params.values()]
 
-    def bind_parameters(self, params: Mapping[str, Sequence[nn.Parameter]]) -> None:
+    def bind_parameters(self, params: Mapping[str, Sequence[nn.Parameter]], *, copy: bool = False) -> None:
         """Makes a trainer's own per-expert parameters the owner rows: ``params[name][i]`` (the ``i``-th owned
         expert's weight of kind ``name``, shaped like one row) gets the storage row as its ``.data``, keeping the
         parameter object (and whatever the trainer attached to it). Their in-place updates count as owner weight
         changes (:meth:`owners_changed`), and :meth:`check_aliasing` checks that they still share the rows.
         Copies their current values into the rows first. Raises ``ValueError`` naming the parameter (and binds
-        nothing) for an unknown kind, a wrong count, shape, dtype or device, or a parameter or row bound twice."""
+        nothing) for an unknown kind, a wrong count, shape, dtype or device, or a parameter or row bound twice.
+
+        ``copy=True``: the parameters keep their own ``.data`` (a segment of a trainer's flat parameter buffer, e.g.
+        Megatron's ``DistributedDataParallel`` with the distributed optimizer, whose optimizer writes the buffer)
+        and the rows hold a copy of their values, refreshed by :meth:`refresh_copies` (see there)."""
         who = "ExpertStorage.bind_parameters"
         targets = []
         for name, ps in params.items():
@@ -350,16 +361,16 @@ class ExpertStorage:
                     raise ValueError(f"{who}: parameter {i} of {name!r} is {list(p.shape)} {p.dtype}, a row is "
                                      f"{list(row.shape)} {row.dtype}")
                 targets.append((f"parameter {i} of {name!r}", p, row, (name, i, i + 1)))
-        self._bind(who, targets)
+        self._bind(who, targets, copy)
 
-    def bind_fused(self, params: Mapping[str, nn.Parameter]) -> None:
+    def bind_fused(self, params: Mapping[str, nn.Parameter], *, copy: bool = False) -> None:
         """Makes a trainer's fused parameter of each weight kind (all owned experts in one tensor of
         ``num_owned * row.numel()`` elements, any shape, contiguous, expert ``i``'s weight the ``i``-th contiguous
         block: e.g. Megatron's ``GroupedMLP`` ``weight1`` ``[H, n F1]`` for rows ``[H, F1]``) a view of that kind's
         owner rows ``[0, num_owned)``, keeping the parameter object and its shape. Otherwise as
         :meth:`bind_parameters` (values copied into the rows first; in-place updates tracked; a replaced ``.data``
         is an error at the next call; ``ValueError`` naming the parameter for an unknown kind, a wrong element
-        count, dtype or device, a non-contiguous parameter, or a parameter or row bound twice)."""
+        count, dtype or device, a non-contiguous parameter, or a parameter or row bound twice; ``copy``: as there)."""
         who = "ExpertStorage.bind_fused"
         targets = []
         for name, p in params.items():
@@ -375,17 +386,21 @@ class ExpertStorage:
                 raise ValueError(f"{who}: parameter {name!r} {list(p.shape)} is not contiguous (expert i must be "
                                  f"its i-th contiguous block)")
             targets.append((f"parameter {name!r}", p, rows.view(p.shape), (name, 0, self.num_owned)))
-        self._bind(who, targets)
+        self._bind(who, targets, copy)
 
     def _check_kind(self, who: str, name: str) -> None:
         if name not in self.storage:
             raise ValueError(f"{who}: no weight kind {name!r} (kinds: {list(self.names)})")
 
-    def _bind(self, who: str, targets: Sequence[Tuple[str, Any, torch.Tensor, Tuple[str, int, int]]]) -> None:
+    def _bind(self, who: str, targets: Sequence[Tuple[str, Any, torch.Tensor, Tuple[str, int, int]]],
+              copy: bool = False) -> None:
         """The one binding of :meth:`bind_parameters` and :meth:`bind_fused`: ``targets`` are (label, parameter,
         its view of the storage, (kind, first row, end row)). Checks them all (dtype, device, each parameter and
         row bound once), then copies each parameter's values into its view, makes the view its ``.data`` and
-        records it for :meth:`check_aliasing` and :meth:`owners_changed`."""
+        records it for :meth:`check_aliasing` and :meth:`owners_changed` (``copy``: the parameter keeps its
+        ``.data``; :meth:`refresh_copies` copies it again)."""
+        if not isinstance(copy, bool):
+            raise ValueError(f"{who}: copy must be True or False, got {copy!r}")
         seen = {id(p) for p, _ in self._bound}
         taken = set(self._bound_rows)
         for label, p, view, (name, lo, hi) in targets:
@@ -406,18 +421,89 @@ class ExpertStorage:
         with torch.no_grad():
             for _, p, view, _ in targets:
                 view.copy_(p.detach())
-                p.data = view
+                if not copy:
+                    p.data = view
         self._bound.extend((p, view) for _, p, view, _ in targets)
+        self._bound_copy.extend([copy] * len(targets))
         self._bound_rows.extend(r for _, _, _, (name, lo, hi) in targets for r in ((name, i) for i in range(lo, hi)))
-        self._bound_ptrs = [int(view.data_ptr()) for _, view in self._bound]  # what check_aliasing compares with
-        self._bound_shapes = [view.shape for _, view in self._bound]
+        self._rebound()
+
+    def _rebound(self) -> None:
+        """What :meth:`check_aliasing` compares with: every bound parameter's storage address and shape now (its
+        view's for an aliasing one, its own buffer's for a copy-bound one)."""
+        self._bound_ptrs = [int(p.data_ptr()) for p, _ in self._bound]
+        self._bound_shapes = [p.shape for p, _ in self._bound]
+        self._copy_versions = self._copied_versions()
         self._versions = self._param_versions()
+
+    def _copied_versions(self) -> List[int]:
+        return [int(p._version) for (p, _), c in zip(self._bound, self._bound_copy) if c]
+
+    @property
+    def copy_bound(self) -> bool:
+        """Whether any bound parameter is copy-bound (its rows hold a copy: :meth:`refresh_copies`)."""
+        return any(self._bound_copy)
+
+    def rebind_copies(self, params: Sequence[torch.Tensor]) -> None:
+        """Makes bound parameters whose ``.data`` a trainer replaced since they were bound (e.g. Megatron's
+        ``DistributedDataParallel`` with the distributed optimizer, which gives every parameter a segment of its
+        parameter buffer) copy-bound: each keeps its new ``.data``, its values are copied into its rows now and by
+        :meth:`refresh_copies` later. Raises ``ValueError`` (and changes nothing) for a parameter that is not bound
+        here or whose shape, dtype or device no longer match its rows."""
+        who = "ExpertStorage.rebind_copies"
+        index = {id(p): i for i, (p, _) in enumerate(self._bound)}
+        for p in params:
+            i = index.get(id(p))
+            if i is None:
+                raise ValueError(f"{who}: a parameter {list(getattr(p, 'shape', []))} is not bound to this storage")
+            view = self._bound[i][1]
+            if p.shape != view.shape or p.dtype != view.dtype or p.device != view.device:
+                raise ValueError(f"{who}: a bound parameter is now {list(p.shape)} {p.dtype} on {p.device}, its "
+                                 f"rows {list(view.shape)} {view.dtype} on {view.device}")
+        with torch.no_grad():
+            for p in params:
+                i = index[id(p)]
+                self._bound[i][1].copy_(p.detach())
+                self._bound_copy[i] = True
+        self._rebound()
+        self.invalidate()  # replicas re-sent, mirror stale: the rows were rewritten
+        self._copies_stale = False
+
+    def mark_copies_stale(self) -> None:
+        """Notes that copy-bound parameters may have changed without their version moving (an optimizer that
+        writes them through a buffer): the next :meth:`refresh_copies` copies them. Cheap (a flag), safe to call
+        after any optimizer step."""
+        if self.copy_bound:
+            self._copies_stale = True
+
+    def refresh_copies(self) -> bool:
+        """Copies every copy-bound parameter into its rows when :meth:`mark_copies_stale` or :meth:`invalidate`
+        was called or a parameter's version moved since the last copy; returns whether it copied. A copy makes
+        the owner weights changed (replicas re-sent at the next sync) and the host mirror stale (refresh it on
+        every rank). Local: no collective."""
+        if not self.copy_bound:
+            return False
+        versions = self._copied_versions()
+        if not self._copies_stale and versions == self._copy_versions:
+            return False
+        with torch.no_grad():
+            for (p, view), c in zip(self._bound, self._bound_copy):
+                if c:
+                    view.copy_(p.detach())
+        self._copies_stale = False
+        self._copy_versions = versions
+        self._invalid = True
+        if self.mirror is not None:
+            self.mirror.invalid = True
+        return True
 
     def invalidate(self) -> None:
         """Marks this rank's owner weights as changed: every replica of them is re-sent at the next sync. Only
         needed when the weights change without an in-place update of the parameters (``p.data = ...``,
-        a load through ``.data``); the optimizer's in-place steps are detected on their own."""
+        a load through ``.data``); the optimizer's in-place steps are detected on their own. Copy-bound parameters
+        are copied into their rows again at the next :meth:`refresh_copies`."""
         self._invalid = True
+        self._copies_stale = self.copy_bound
         if self.mirror is not None:
             self.mirror.invalid = True
 
@@ -460,11 +546,14 @@ class ExpertStorage:
         if [p.data_ptr() for p, _ in self._bound] == self._bound_ptrs and \
                 [p.shape for p, _ in self._bound] == self._bound_shapes:
             return
-        for p, row in self._bound:
-            if int(p.data_ptr()) != int(row.data_ptr()) or p.shape != row.shape:
+        for (p, row), copied, ptr, shape in zip(self._bound, self._bound_copy, self._bound_ptrs, self._bound_shapes):
+            if copied and (int(p.data_ptr()) != ptr or p.shape != shape):
+                raise ValueError("ExpertStorage: a copy-bound trainer parameter's .data was replaced since it was "
+                                 "bound (its rows would copy another tensor than the one bound); bind it again")
+            if not copied and (int(p.data_ptr()) != int(row.data_ptr()) or p.shape != row.shape):
                 raise ValueError("ExpertStorage: a bound trainer parameter no longer aliases its slot storage row "
                                  "(its .data was replaced, e.g. by a distributed optimizer's parameter buffer); "
-                                 "update it in place instead")
+                                 "update it in place instead, or make it copy-bound (rebind_copies)")
 
     def owners_changed(self) -> bool:
         """Whether this rank's owner weights changed since the last sync (in-place updates or :meth:`invalidate`)."""
