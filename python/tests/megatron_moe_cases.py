@@ -284,23 +284,49 @@ def bad_inputs(case: MCase, fm: Any, bal: Any, planner: Any, recorded: List[List
         ex.weight1 = torch.nn.Parameter(ex.weight1.detach()[:, :-2].clone())
         out["grouped_shape"] = _catch(lambda: fmeg.install(fresh, case.slots))
         out["grouped_untouched"] = str([type(layer.experts).__name__ for layer in fresh.layers])
-    # Megatron's distributed optimizer: its DDP gives every parameter a segment of its own buffer as .data (its
-    # `_base` assertion does not catch the expert parameters), so the next balanced call must refuse, on every rank.
+    # Megatron's distributed optimizer with overlap_param_gather=True: DDP all-gathers the parameters lazily in
+    # forward pre-hooks, after the adapter would copy them: refused at install (wrapped first) or at the first
+    # balanced call (installed first), on every rank.
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    def overlapped(model: Any) -> Any:
+        return DistributedDataParallel(model.layers[0].config, DistributedDataParallelConfig(
+            use_distributed_optimizer=True, overlap_param_gather=True), module=model)
+
+    fresh = mc.TinyMoE(bal.layers[0].config)
+    out["overlap_param_gather_after"] = _catch(lambda: fmeg.install(overlapped(fresh), case.slots))
     fresh = mc.TinyMoE(bal.layers[0].config)
     fresh_fm = fmeg.install(fresh, case.slots)
-    wrapped = DistributedDataParallel(fresh.layers[0].config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True), module=fresh)
+    wrapped = overlapped(fresh)
     mc.set_action(fresh, RouterReplayAction.REPLAY_FORWARD)
     mc.set_targets(fresh, recorded[0])
-    with fresh_fm.driver(planner, recorded, stage="update") as drv:
-        def distributed_optimizer() -> None:
-            with torch.no_grad(), fresh_fm.micro_step(0, drv):
-                wrapped(batches[0]["x"])
 
-        out["distributed_optimizer"] = _catch(distributed_optimizer)
+    def call_fresh(model: Any) -> None:
+        with fresh_fm.driver(planner, recorded, stage="update") as drv:
+            with torch.no_grad(), fresh_fm.micro_step(0, drv):
+                model(batches[0]["x"])
+
+    out["overlap_param_gather_before"] = _catch(lambda: call_fresh(wrapped))
+    # A bound parameter whose .data is replaced by a tensor of its own (not a flat parameter buffer): still refused.
+    fresh = mc.TinyMoE(bal.layers[0].config)
+    fresh_fm = fmeg.install(fresh, case.slots)
+    mc.set_action(fresh, RouterReplayAction.REPLAY_FORWARD)
+    mc.set_targets(fresh, recorded[0])
+    p = fresh.layers[0].experts.weight1 if case.grouped else fresh.layers[0].experts.local_experts[0].linear_fc1.weight
+    p.data = p.data.clone()
+    out["replaced_data"] = _catch(lambda: call_fresh(fresh))
+    # A copy-bound parameter (the model wrapped first) whose .data is replaced after install: refused.
+    fresh = mc.TinyMoE(bal.layers[0].config)
+    wrapped = DistributedDataParallel(fresh.layers[0].config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True), module=fresh)
+    fresh_fm = fmeg.install(wrapped, case.slots)
+    mc.set_action(fresh, RouterReplayAction.REPLAY_FORWARD)
+    mc.set_targets(fresh, recorded[0])
+    out["copy_bound_fresh"] = str([st.storage.copy_bound for st in fresh_fm._states])
+    p = fresh.layers[0].experts.weight1 if case.grouped else fresh.layers[0].experts.local_experts[0].linear_fc1.weight
+    p.data = p.data.clone()
+    out["replaced_copy_bound"] = _catch(lambda: call_fresh(wrapped))
     out["hold_not_bool"] = _catch(lambda: fmeg.install(bal, case.slots, hold_replica_gradients="yes"))
     with fm.driver(planner, recorded, stage="update") as drv:
         out["last_not_bool"] = _catch(lambda: fm.set_micro_step(0, drv, last=1))

@@ -239,10 +239,19 @@ def test_bad_input(tmp_path_factory, name):
         assert e["pack"] == "ok", e["pack"]
         assert "sample 0 has 1 per-layer arrays, the model 2 MoE layers" in e["pack_layers"]
         assert "already balanced" in e["install_twice"]
-        assert e["distributed_optimizer"].startswith(
+        overlap = ("ValueError: foremoe.megatron: MoE layer 0: Megatron's DistributedDataParallel gathers the "
+                   "parameters lazily in forward pre-hooks (DistributedDataParallelConfig(overlap_param_gather=True))")
+        assert e["overlap_param_gather_after"].startswith(overlap), e["overlap_param_gather_after"]
+        assert e["overlap_param_gather_before"].startswith(overlap.replace("layer 0:", "layer 0, micro-step 0: "
+                                                                           "foremoe.megatron: MoE layer 0:")), \
+            e["overlap_param_gather_before"]
+        assert e["replaced_data"].startswith(
             "ValueError: foremoe.megatron: MoE layer 0, micro-step 0: ExpertStorage: a bound trainer parameter no "
-            "longer aliases its slot storage row (its .data was replaced, e.g. by a distributed optimizer's"), \
-            e["distributed_optimizer"]
+            "longer aliases its slot storage row (its .data was replaced"), e["replaced_data"]
+        assert e["copy_bound_fresh"] == "[True, True]"
+        assert e["replaced_copy_bound"].startswith(
+            "ValueError: foremoe.megatron: MoE layer 0, micro-step 0: ExpertStorage: a copy-bound trainer parameter's "
+            ".data was replaced since it was bound"), e["replaced_copy_bound"]
         assert "hold_replica_gradients must be True or False, got 'yes'" in e["hold_not_bool"]
         assert "last must be True, False or None, got 1" in e["last_not_bool"]
         assert "moe_token_dispatcher_type='flex'" in e["config_moe_token_dispatcher_type_flex"]
