@@ -45,6 +45,7 @@ class MCase:
     # owner rows stale), "none" every refresh of them (the rows stay those of the first call: must differ).
     distopt: str = ""
     refresh: str = "all"
+    mirror: bool = False  # install(..., mirror=True): a host mirror per rank (refreshed by the adapter with distopt)
 
     @property
     def slots(self) -> int:
@@ -98,7 +99,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
         if case.distopt == "after":
             run_bal = wrap(bal_cfg, bal)
     fm = fmeg.install(run_bal, case.slots, timeout=60.0, hold_replica_gradients=case.hold,
-                      double_buffer=case.double_buffer)
+                      double_buffer=case.double_buffer, mirror=case.mirror)
     if case.distopt == "before":
         run_bal = wrap(bal_cfg, bal)
     for st in fm._states:  # test-only breakage of the refresh of copied owner rows
@@ -189,6 +190,17 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
                 compare(f"step {s} update micro-batch {m} output", out_b, out_r)
                 compare(f"step {s} update micro-batch {m} input grad", xb.grad, xr.grad)
             resident = drv.last_plan
+        if case.distopt:  # after this step's calls, before its optimizer step: rows and mirror hold the parameters
+            rec.setdefault("rows_fresh", []).append(all(torch.equal(p, v) for st in fm._states
+                                                        for p, v in st.storage._bound))
+        if case.mirror:
+            fresh = []
+            for st in fm._states:
+                mine = torch.from_numpy(st.storage.owned[rank])
+                fresh += [not st.storage.mirror_stale()] + [
+                    torch.equal(st.storage.mirror.tensors[k][mine], st.storage.storage[k][:st.storage.num_owned])
+                    for k in st.storage.names]
+            rec.setdefault("mirror_fresh", []).append(all(fresh))
         for (n, pb), pr in zip(bal.named_parameters(), ref.parameters()):
             if case.distopt:  # DDP's hooks accumulated every micro-step's .grad into main_grad, on both sides
                 assert pb.grad is None and pr.grad is None
@@ -200,8 +212,11 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
             compare(f"step {s} accumulated grad of {n}", pb.grad, pr.grad)
         if case.no_flush:  # the optimizer step must be refused, before any parameter changes
             before = [p.detach().clone() for p in bal.parameters()]
+            if case.distopt:
+                run_bal.finish_grad_sync()
             rec["no_flush_step"] = _catch(opt_bal.step)
             rec["unchanged"] = all(torch.equal(a, p) for a, p in zip(before, bal.parameters()))
+            rec["changed"] = [n for a, (n, p) in zip(before, bal.named_parameters()) if not torch.equal(a, p)]
             break
         if case.distopt:  # Megatron's training step: reduce-scatter, Adam on the shards, all-gather into the buffer
             for model, o in ((run_ref, opt_ref), (run_bal, opt_bal)):

@@ -63,7 +63,7 @@ CASES["grouped_ep2_top2_fp64_double"] = MCase(world=2, experts=16, topk=2, layer
 CASES["distopt_before_ep2_top2_fp32"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float32", micro=4,
                                               distopt="before")
 CASES["distopt_after_ep2_top2_fp32"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float32", micro=4,
-                                             distopt="after")
+                                             distopt="after", mirror=True)
 CASES["grouped_distopt_after_ep2_top2_fp32"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float32",
                                                      micro=4, distopt="after", grouped=True)
 CASES["grouped_distopt_before_ep4_top4_fp32"] = MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24,
@@ -135,15 +135,17 @@ def test_held_gradients(trained):
         assert any(set(a) - set(b) for h in steps for a, b in zip(h[:-2], h[1:-1]))
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["sequential", "grouped"])
-def test_optimizer_step_without_flush_is_refused(tmp_path, grouped):
+@pytest.mark.parametrize("grouped,distopt", [(False, ""), (True, ""), (False, "after")],
+                         ids=["sequential", "grouped", "distopt"])
+def test_optimizer_step_without_flush_is_refused(tmp_path, grouped, distopt):
     """The last micro-step run with last=False: gradients stay held, the accumulated gradients differ from the
-    reference, and the optimizer step raises naming them, with every parameter unchanged."""
-    case = replace(NO_FLUSH, grouped=grouped)
+    reference, and the optimizer step raises naming them, with every parameter unchanged (also Megatron's
+    distributed optimizer, fp32: its inner step over shards of DDP's parameter buffer)."""
+    case = replace(NO_FLUSH, grouped=grouped, distopt=distopt, dtype="float32" if distopt else NO_FLUSH.dtype)
     ranks = _run(case, tmp_path)
     for r, rec in enumerate(ranks):
         assert rec["held"][-1], "nothing held after the last micro-step"
-        grads = [c for c in rec["cmp"] if "accumulated grad" in c[0]]
+        grads = [c for c in rec["cmp"] if "accumulated " in c[0]]
         assert grads
         off = [what for what, got, want in grads
                if float((got - want).abs().max()) > 1e-12 * float(want.abs().max())]
@@ -153,7 +155,10 @@ def test_optimizer_step_without_flush_is_refused(tmp_path, grouped):
         layer, holder, expert = rec["held"][-1][0]
         assert f"layer {layer} expert {expert} on rank {holder}" in msg
         assert "last=True" in msg and "hold_replica_gradients=False" in msg
-        assert rec["unchanged"]
+        if distopt:  # Megatron's ChainedOptimizer steps the dense parameters' optimizer before the experts' one
+            assert rec["changed"] and all(".router." in n for n in rec["changed"]), rec["changed"]
+        else:
+            assert rec["unchanged"]
 
 
 def test_distributed_optimizer_copies(trained):
@@ -163,8 +168,11 @@ def test_distributed_optimizer_copies(trained):
     for rec in ranks:
         if case.distopt:
             assert rec["copy_bound"] == [True] * case.layers
+            assert rec["rows_fresh"] == [True] * case.steps  # the copied owner rows equal the parameters
         else:
             assert "copy_bound" not in rec
+        if case.mirror:  # refreshed by the adapter after each optimizer step: holds the owners' current rows
+            assert rec["mirror_fresh"] == [True] * case.steps
 
 
 @pytest.mark.parametrize("refresh", ["versions", "none"])
@@ -318,6 +326,19 @@ def test_optimizer_guard_covers_main_param_copies():
     h.storages[0]._held_grads.clear()
     opt.step()  # nothing held: the step runs
     assert torch.equal(main.detach(), torch.full((2,), -0.5))
+    # Megatron's distributed optimizer steps fp32 parameters as shards, views of DDP's buffer where the parameter's
+    # .data lives: a shard overlapping a guarded parameter is refused, a disjoint one runs.
+    flat = torch.zeros(8)
+    h.param = torch.nn.Parameter(flat[2:6])
+    h.storages[0]._held_grads[7] = [torch.zeros(1)]
+    shard = torch.nn.Parameter(flat[5:8])
+    shard.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"^held \[\(0, 0, 7\)\]$"):
+        torch.optim.SGD([shard], lr=0.5).step()
+    other = torch.nn.Parameter(flat[6:8])
+    other.grad = torch.ones(2)
+    torch.optim.SGD([other], lr=0.5).step()
+    assert torch.equal(flat[6:8], torch.full((2,), -0.5))
 
 
 def test_spread_and_collect_with_unrouted_routes():

@@ -1,8 +1,8 @@
 """ForeMoE inside Megatron-core's ``MoELayer`` (optional: needs torch >= 2.6 and megatron-core, pinned below).
 
 With router replay the expert choices of every micro-step of a recompute or update stage are known before the stage
-runs. :func:`install` turns every ``MoELayer`` of a model into a balanced one, in place and before the trainer wraps
-the model in DDP or builds its optimizer:
+runs. :func:`install` turns every ``MoELayer`` of a model into a balanced one, in place, before or after the trainer
+wraps the model in DDP (see the distributed optimizer below):
 
 - each layer's local experts keep their parameters, whose storage becomes the owner rows of a
   :class:`foremoe.torch.ExpertStorage` (``[slots, ...]`` per weight kind; the spare rows hold the plan's replicas of
@@ -60,14 +60,21 @@ experts and ``GroupedMLP`` experts (``moe_grouped_gemm=True`` without Transforme
 parallelism 1, dropless routing. Anything else raises ``ValueError`` naming the setting at :func:`install` (a
 ``GroupedMLP`` whose fused weights do not have the shapes above: naming both). Not supported: the flex (DeepEP /
 HybridEP) dispatcher, ``TEGroupedMLP`` (Transformer Engine's grouped linear layers: not available here to test),
-expert capacity (token dropping and padding), FP8/FP4, shared-expert overlap, ``moe_apply_probs_on_input`` and
-Megatron's distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)``: its DDP gives
-every parameter a segment of its own parameter buffer as ``.data``, distributed/param_and_grad_buffer.py:820-835 of
-0.16.1; its ``assert old_param_data._base is None`` there does not catch the expert parameters, whose ``.data`` alias
-has no ``_base``, so the parameters silently stop aliasing the slot storage and the next balanced call raises
-``ValueError``: a bound parameter no longer aliases its slot storage row). Supporting it needs owner rows backed by
-that buffer, and its optimizer writes the parameters through the buffer (optimizer/distrib_optimizer.py:2465-2474),
-which no parameter's version counter sees.
+expert capacity (token dropping and padding), FP8/FP4, shared-expert overlap and ``moe_apply_probs_on_input``.
+
+Megatron's distributed optimizer (``DistributedDataParallelConfig(use_distributed_optimizer=True)``) with
+``overlap_param_gather=False``, the adapter installed on the DDP-wrapped model chunks or before the wrap: its DDP
+gives every parameter a segment of its own parameter buffer as ``.data`` (distributed/param_and_grad_buffer.py:820-835
+of 0.16.1), so such a parameter is *copy-bound*: :func:`install` binds it with ``copy=True`` (its ``.data`` already a
+segment of a larger flat buffer), or the next balanced call rebinds a parameter DDP moved after :func:`install`
+(:meth:`ExpertStorage.rebind_copies`); its owner rows hold a copy of its values. The optimizer writes the buffer
+(optimizer/distrib_optimizer.py:2429-2474, then its all-gather, 2598-2620): torch's global optimizer step post-hook
+(which fires for Megatron's inner ``torch.optim`` step too) marks the copies stale, as does a moved version counter,
+and the next balanced call of each layer copies the parameters into the rows (:meth:`ExpertStorage.refresh_copies`),
+re-sends the replicas and, with a host mirror, refreshes it on every rank together. Gradients flow as without it.
+``overlap_param_gather=True`` raises ``ValueError`` (its forward pre-hooks gather each module's parameters after the
+copy would read them); a bound parameter whose ``.data`` is replaced by anything but a flat buffer, or a copy-bound
+one whose ``.data`` is replaced again, raises ``ValueError`` at the next call.
 Megatron's ``DistributedDataParallel`` without it works: its hook adds each expert parameter's ``.grad`` (owner and
 replica gradients summed) into ``main_grad``.
 """
@@ -1079,8 +1086,9 @@ def _moe_layers(model: Any) -> List[MoELayer]:
 def install(model: Any, slots: int, *, timeout: float = DEFAULT_TIMEOUT, stats_limit: int = 10000,
             hold_replica_gradients: bool = True, **storage_options: Any) -> MegatronBalancer:
     """Makes every ``MoELayer`` of ``model`` (a module or a list of model chunks) balanced per micro-step, in
-    place, and returns their :class:`MegatronBalancer`. Call it on every rank after building the model and before
-    DDP and the optimizer. ``slots``: expert rows per rank (the local experts plus spare replica rows);
+    place, and returns their :class:`MegatronBalancer`. Call it on every rank after building the model, before or
+    after wrapping it in Megatron's DDP (with the distributed optimizer the expert parameters are then copy-bound:
+    see the module docstring). ``slots``: expert rows per rank (the local experts plus spare replica rows);
     ``timeout``: seconds any collective or transfer of a layer call may take; ``stats_limit``: calls kept in
     :attr:`MegatronBalancer.stats`; ``hold_replica_gradients``: hold a resident replica's gradient until its slot is
     reused or the update stage's last backward (see the module docstring; ``False``: return it every micro-step).

@@ -63,10 +63,27 @@ def _stepped(optimizer: Any) -> set:
     return {id(p) for group in optimizer.param_groups for p in group["params"]}
 
 
-def _touches(params: set, guarded: Iterable[torch.Tensor]) -> bool:
+def _span(t: torch.Tensor) -> Tuple[int, int]:
+    start = int(t.data_ptr())
+    return start, start + int(t.numel()) * t.element_size()
+
+
+def _touches(params: set, guarded: Iterable[torch.Tensor], tensors: Sequence[torch.Tensor] = ()) -> bool:
+    spans = []
     for p in guarded:
         # A mixed-precision optimizer (Megatron's Float16Optimizer) steps fp32 copies, kept as `param.main_param`.
         if id(p) in params or id(getattr(p, "main_param", p)) in params:
+            return True
+        if p.device.type != "meta" and p.numel():
+            spans.append(_span(p))
+    # Megatron's distributed optimizer steps fp32 parameters as shards: views of DDP's parameter buffer, where the
+    # parameters' .data live (distrib_optimizer.py:420-425 of 0.16.1), so a stepped tensor overlapping a guarded
+    # parameter's memory touches it.
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or not t.numel():
+            continue
+        lo, hi = _span(t)
+        if any(lo < b and a < hi for a, b in spans):
             return True
     return False
 
@@ -79,7 +96,8 @@ def _refuse_held(optimizer: Any, args: Any, kwargs: Any) -> None:
             continue
         if params is None:
             params = _stepped(optimizer)
-        if _touches(params, holder.guarded_parameters()):
+        tensors = [p for group in optimizer.param_groups for p in group["params"]]
+        if _touches(params, holder.guarded_parameters(), tensors):
             raise RuntimeError(holder.held_error(held))
 
 
