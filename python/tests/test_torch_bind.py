@@ -118,3 +118,72 @@ def test_bind_parameters_same_parameter_twice_and_device():
     with pytest.raises(ValueError, match=r"parameter 0 of 'w1' is torch.float32, the storage of 'w1' torch.float64"):
         st.bind_parameters({"w1": [torch.nn.Parameter(p.detach().float()) for p in params["w1"]]})
     assert all(p.data_ptr() != st.storage["w1"][0].data_ptr() for p in params["w1"])  # nothing bound
+
+
+def _flat_params():
+    """Per-expert parameters as segments of one flat buffer (what Megatron's DDP with the distributed optimizer
+    makes of them), and the buffer."""
+    g = torch.Generator().manual_seed(7)
+    flat = torch.randn(2 * (12 + 12) + 5, generator=g, dtype=torch.float64)
+    params, at = {"w1": [], "w2": []}, 0
+    for _ in range(2):
+        for n, shape in (("w1", (4, 3)), ("w2", (3, 4))):
+            params[n].append(torch.nn.Parameter(flat[at:at + 12].view(shape)))
+            at += 12
+    return flat, params
+
+
+def test_copy_bound_rows_follow_the_parameters():
+    """copy=True: the parameters keep their .data (the buffer), the rows hold a copy, refreshed after
+    mark_copies_stale (a write through the buffer: no version moves), an in-place update or invalidate()."""
+    st, _ = _storage_and_params()
+    flat, params = _flat_params()
+    ptrs = [p.data_ptr() for ps in params.values() for p in ps]
+    st.bind_parameters(params, copy=True)
+    assert st.copy_bound
+    assert [p.data_ptr() for ps in params.values() for p in ps] == ptrs  # still in the buffer
+
+    def rows_equal() -> bool:
+        return all(torch.equal(st.storage[n][i], p) for n, ps in params.items() for i, p in enumerate(ps))
+
+    assert rows_equal()
+    assert not st.refresh_copies()  # nothing changed: no copy
+    flat.data.add_(1.0)  # the optimizer writes the buffer through .data: no version counter moves
+    assert not rows_equal() and not st.refresh_copies()  # undetectable without the mark
+    st.mark_copies_stale()
+    assert st.refresh_copies() and rows_equal() and st.owners_changed()
+    with torch.no_grad():
+        params["w2"][1].mul_(2.0)  # an in-place update of a parameter: its version moves
+    assert st.refresh_copies() and rows_equal()
+    flat.data.sub_(0.5)
+    st.invalidate()
+    assert st.refresh_copies() and rows_equal()
+    st.check_aliasing()
+    params["w1"][1].data = params["w1"][1].data.clone()  # replaced again: refused
+    with pytest.raises(ValueError, match="copy-bound trainer parameter's .data was replaced since it was bound"):
+        st.check_aliasing()
+
+
+def test_rebind_copies_after_a_buffer_took_the_parameters():
+    """Bound aliasing, then moved into a flat buffer (DDP wrapped after the binding): rebind_copies makes them
+    copy-bound with the buffer's values; bad input is refused and changes nothing."""
+    st, params = _storage_and_params()
+    st.bind_parameters(params)
+    flat, moved = _flat_params()
+    for n, ps in params.items():
+        for p, q in zip(ps, moved[n]):
+            p.data = q.data  # DDP: `param.data = segment of its buffer` (values copied there)
+    with pytest.raises(ValueError, match="no longer aliases its slot storage row"):
+        st.check_aliasing()
+    stranger = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"ExpertStorage.rebind_copies: a parameter \[4, 3\] is not bound"):
+        st.rebind_copies([params["w1"][0], stranger])
+    assert not st.copy_bound
+    everything = [p for ps in params.values() for p in ps]
+    st.rebind_copies(everything)
+    st.check_aliasing()
+    assert st.copy_bound and st.owners_changed()  # rows rewritten: replicas re-sent at the next sync
+    assert all(torch.equal(st.storage[n][i], p) for n, ps in params.items() for i, p in enumerate(ps))
+    with pytest.raises(ValueError, match="copy must be True or False, got 1"):
+        ft.ExpertStorage({"w": torch.zeros(1, 2)}, [0], 1, rank=0, world=1).bind_parameters(
+            {"w": [torch.nn.Parameter(torch.zeros(2))]}, copy=1)
