@@ -246,6 +246,7 @@ class ExpertStorage:
         # refresh_copies() when mark_copies_stale() (an optimizer step) or invalidate() was called or its version
         # moved since the last copy.
         self._bound_copy: List[bool] = []
+        self.copy_bound = False  # any(self._bound_copy), kept by _rebound
         self._copies_stale = False
         self._copy_versions: List[int] = []
         self._checked: Optional[Tuple[Any, int, np.ndarray]] = None  # check_plan's last (plan, layer, placement)
@@ -433,16 +434,12 @@ class ExpertStorage:
         view's for an aliasing one, its own buffer's for a copy-bound one)."""
         self._bound_ptrs = [int(p.data_ptr()) for p, _ in self._bound]
         self._bound_shapes = [p.shape for p, _ in self._bound]
+        self.copy_bound = any(self._bound_copy)  # whether any bound parameter is copy-bound (refresh_copies)
         self._copy_versions = self._copied_versions()
         self._versions = self._param_versions()
 
     def _copied_versions(self) -> List[int]:
         return [int(p._version) for (p, _), c in zip(self._bound, self._bound_copy) if c]
-
-    @property
-    def copy_bound(self) -> bool:
-        """Whether any bound parameter is copy-bound (its rows hold a copy: :meth:`refresh_copies`)."""
-        return any(self._bound_copy)
 
     def rebind_copies(self, params: Sequence[torch.Tensor]) -> None:
         """Makes bound parameters whose ``.data`` a trainer replaced since they were bound (e.g. Megatron's
