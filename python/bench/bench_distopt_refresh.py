@@ -84,7 +84,7 @@ def rank_main(rank, tmp, names, reps, out_path):
                         "owned_bytes_per_rank": nbytes, "layer_bytes": 2 * nbytes,
                         "copy_s": t_copy, "mirror_s": t_mirror, "total_s": t_copy + t_mirror,
                         "copy_GBps": nbytes / t_copy / 1e9, "mirror_GBps_received": 2 * nbytes / t_mirror / 1e9})
-        del st, params, flat
+        del params, flat
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f)

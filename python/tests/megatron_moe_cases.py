@@ -88,9 +88,9 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     bal = mc.TinyMoE(bal_cfg)
     bal.load_state_dict(ref.state_dict())
     run_ref, run_bal = ref, bal
-    if case.distopt:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    if case.distopt:
         def wrap(c: Any, model: torch.nn.Module) -> torch.nn.Module:
             return DistributedDataParallel(c, DistributedDataParallelConfig(use_distributed_optimizer=True),
                                            module=model)
@@ -118,8 +118,6 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
         plain_with_hook = fmeg._plain_mlp(expert0, ["linear_fc1.weight", "linear_fc2.weight"], cfg) is not None
         hook.remove()
     if case.ddp:  # Megatron's DDP hook adds each parameter's .grad into its main_grad and clears .grad
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
         run_bal = DistributedDataParallel(bal_cfg, DistributedDataParallelConfig(use_distributed_optimizer=False),
                                           module=bal)
     assert all(p.data_ptr() != q.data_ptr() for p, q in zip(ref.parameters(), bal.parameters()))
