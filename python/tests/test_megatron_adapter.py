@@ -66,6 +66,8 @@ CASES["distopt_after_ep2_top2_fp32"] = MCase(world=2, experts=16, topk=2, layers
                                              distopt="after", mirror=True)
 CASES["grouped_distopt_after_ep2_top2_fp32"] = MCase(world=2, experts=16, topk=2, layers=2, dtype="float32",
                                                      micro=4, distopt="after", grouped=True)
+CASES["distopt_after_ep4_top4_fp32_recompute"] = MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24,
+                                                       dtype="float32", distopt="after", recompute=True)
 CASES["grouped_distopt_before_ep4_top4_fp32"] = MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24,
                                                       dtype="float32", distopt="before", grouped=True)
 NO_FLUSH = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=1, micro=4, no_flush=True)
