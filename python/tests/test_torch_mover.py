@@ -24,7 +24,15 @@ RUNS = {
     "engine_closed": dict(mirror=True, close=True),
     "engine_faults": dict(mirror=True, faults=dict(seed=9, fail_probability=0.2, corrupt_probability=0.6,
                                                    paired_only=True)),
+    # Held replica gradients (issue 30): the held rule returns them on the engine too.
+    "engine_hold": dict(mirror=True, hold=True, double_buffer=True, prefetch="before_backward", lag=True),
+    "python_hold": dict(mirror=True, hold=True, double_buffer=True, prefetch="before_backward", lag=True,
+                        mover="python"),
+    "engine_hold_plain": dict(hold=True, prefetch="after_backward"),
+    "python_hold_plain": dict(hold=True, prefetch="after_backward", mover="python"),
 }
+PAIRS = (("engine", "python"), ("engine_node", "python_node"), ("engine_hold", "python_hold"),
+         ("engine_hold_plain", "python_hold_plain"))
 CASES = {"g2": G2, "g4": G4}
 _runs = {}
 
@@ -51,10 +59,10 @@ def assert_bitwise(a, b, what):
 def test_engine_moves_equal_the_python_moves_bitwise(name, tmp_path_factory):
     case, got = CASES[name], ranks_of(name, tmp_path_factory)
     ref = tc.reference(case)
-    for engine, python in (("engine", "python"), ("engine_node", "python_node")):
+    for engine, python in PAIRS:
         for run in (engine, python):
             assert not any(rec["errors"] for rec in got[run]), run
-            tc.assert_equals_reference(case, got[run], ref)
+            tc.assert_equals_reference(case, got[run], ref, held="hold" in run)
         assert_bitwise(got[engine], got[python], engine)
         # The same bookkeeping, so the same moves and reuse, whichever mover carried them.
         for key in ("moves", "reused", "prefetched"):
@@ -62,6 +70,13 @@ def test_engine_moves_equal_the_python_moves_bitwise(name, tmp_path_factory):
         assert sum(s["moves"] for s in got[engine][0]["sync"]) > 0, "no move: the comparison proved nothing"
         assert all(rec["mover"] == "engine" and rec["engine_batches"] > 0 for rec in got[engine])
         assert all(rec["mover"] == "python" and rec["engine_batches"] == 0 for rec in got[python])
+        # Replica gradients returned on the engine's reductions (the same count on every rank), none on the Python
+        # path; held runs really held some across micro-steps.
+        assert all(rec["engine_reductions"] == got[engine][0]["engine_reductions"] > 0 for rec in got[engine])
+        assert all(rec["engine_reductions"] == 0 for rec in got[python])
+        if "hold" in engine:
+            assert [rec["held"] for rec in got[engine]] == [rec["held"] for rec in got[python]]
+            assert any(set(a) & set(b) for a, b in zip(got[engine][0]["held"], got[engine][0]["held"][1:]))
 
 
 @pytest.mark.parametrize("name", ["g2", "g4"])

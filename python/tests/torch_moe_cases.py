@@ -251,6 +251,7 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
     mover = layer.storage._mover
     rec["mover"] = layer.storage.mover_kind
     rec["engine_batches"] = 0 if mover is None else int(mover.engine.stats()["batches"])
+    rec["engine_reductions"] = layer.storage.engine_reductions  # replica gradient reductions run on the engine
     return rec
 
 
