@@ -184,6 +184,9 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
                            double_buffer=bool(opts.get("double_buffer")), local_world=opts.get("local_world"))
     if opts.get("mover"):  # "python": the Python moves CUDA storage takes, for comparison with the engine's
         layer.storage.mover_kind = opts["mover"]
+    if opts.get("room"):  # the gradient engine may use only this many rows per rank: returns split into reductions
+        layer.storage._reducer = ft.mover.GradReducer(layer.storage, None, 60.0)
+        layer.storage._reducer.room[:] = opts["room"]
     opt = make_optimizer(layer.parameters())
     planner = foremoe.Planner(foremoe.Topology(case.nodes, case.world // case.nodes, case.slots))
     rec: Dict[str, Any] = {"out": [], "x_grad": [], "w_grad": [], "grads": [], "params": [], "sync": [],
