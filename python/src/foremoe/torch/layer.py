@@ -37,7 +37,9 @@ intact through micro-step ``m + 1``'s forward.
 The backward sends the gradients back the same way, and every replica's weight gradient is sent to the owner
 and added to the owner's gradient (its ``.grad``, or whatever the trainer's gradient hooks accumulate into)
 in a fixed order (owner's own first, then the replicas in ascending rank order) before autograd hands it on,
-all or nothing: a failed or late transfer raises and no gradient of that layer reaches the parameters.
+all or nothing: a failed or late transfer raises and no gradient of that layer reaches the parameters. On CPU
+storage the transfer engine's reductions carry and add them (:class:`foremoe.torch.mover.GradReducer`, every rank
+agreeing over the group whether they all landed); on CUDA storage ``batch_isend_irecv`` and additions here.
 With ``gradients="hold"`` (issue 30) a replica that later plans keep on its rank accumulates its gradient beside
 its row and sends it once, in the backward of the first call whose plan drops it, or with ``gradients="flush"``
 (the last micro-step before the optimizer step), in the same fixed order at the owner.
