@@ -172,3 +172,19 @@ def test_a_failed_move_batch_names_a_move_of_the_rank():
     # Nothing comes into it.
     msg = st._engine_error({"incoming": [], "index": []}, ok, "timed_out: z", 3)
     assert "rank 0: the replica move batch failed (timed_out: z); no move goes into rank 0" in msg, msg
+
+
+def test_a_failed_reduction_fails_every_rank_naming_the_layer(tmp_path):
+    tc.run_ranks(tc.reduction_failure_rank, 2, (str(tmp_path),), str(tmp_path), timeout=120.0)
+    got = [torch.load(f"{tmp_path}/rank{r}.pt") for r in range(2)]
+    last = got[0]["last"]  # the last micro-step with replica gradients: its reduction is refused on rank 1
+    # The earlier backwards returned gradients on the engine.
+    assert all(g[m] == "no error" for g in got for m in range(last)) and got[0]["reductions"] > 0, got
+    # Every rank raises naming the layer, each with its own failure (rank 1's refusal leaves rank 0's exchanges
+    # unmatched until their deadline, so the status gather may time out too).
+    for r, g in enumerate(got):
+        assert g[last].startswith("RuntimeError: foremoe.torch: the replica gradient reduction of layer 0 failed on "
+                                  "rank"), g[last]
+        assert "no gradient of this layer reaches the parameters" in g[last], g[last]
+    assert "rank 1" in got[1][last] and "submit_reduce: returns names GPU " in got[1][last], got[1][last]
+    assert "is its owner, not a replica" in got[1][last], got[1][last]

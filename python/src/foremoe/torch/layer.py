@@ -1071,15 +1071,20 @@ def _to_owners_engine(run: _Run, go: List[torch.Tensor], pairs: Sequence[Tuple[i
     except (ValueError, RuntimeError) as e:  # e.g. a gradient this rank holds of the wrong shape
         error, out = str(e), go
     st.engine_reductions += st._reducer.reductions - before
-    status = gather_rows(torch.tensor([int(error is not None)], dtype=torch.int64), run.group, run.timeout,
-                         f"{what}: status")
+    try:
+        status = gather_rows(torch.tensor([int(error is not None)], dtype=torch.int64), run.group, run.timeout,
+                             f"{what}: status")
+    except RuntimeError as exc:  # e.g. a peer's exchanges timed out and gloo closed the pair
+        own = f" on rank {st.rank} ({error})" if error is not None else ""
+        raise RuntimeError(f"foremoe.torch: the {what} failed{own}, and the ranks could not agree on it ({exc}); no "
+                           f"gradient of this layer reaches the parameters") from exc
     failed = torch.nonzero(status[:, 0]).reshape(-1).tolist()
     if failed:
         if error is not None:
-            raise RuntimeError(f"foremoe.torch: the {what} failed on rank {st.rank} ({error}); no gradient of this "
-                               f"layer reaches the parameters")
-        raise RuntimeError(f"foremoe.torch: the {what} failed on rank {failed[0]} (its error names the transfer); no "
-                           f"gradient of this layer reaches the parameters")
+            raise RuntimeError(f"foremoe.torch: the {what} failed on rank(s) {failed} (rank {st.rank}: {error}); no "
+                               f"gradient of this layer reaches the parameters")
+        raise RuntimeError(f"foremoe.torch: the {what} failed on rank(s) {failed} (their errors name the transfer); "
+                           f"no gradient of this layer reaches the parameters")
     return out
 
 
