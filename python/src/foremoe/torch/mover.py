@@ -144,8 +144,8 @@ class GradReducer:
     would be added into an owner's gradient unseen (the Python path never injected faults into gradients either).
 
     Each gradient kind has a ``[engine rows, ...]`` tensor registered with the engine (split layout, the storage's
-    dtype). A reduction writes this rank's owner gradients into its owner rows and the replica gradients it returns
-    into rows after them, declares with ``set_resident`` which row of every rank holds which returning expert (the
+    dtype). A reduction writes this rank's owner gradients that receive additions into their owner rows and the
+    replica gradients it returns into rows after them, declares with ``set_resident`` which row of every rank holds which returning expert (the
     owner rows hold the owned experts; nothing else is resident, so only the returning pairs are read), submits
     ``submit_reduce(returns=...)`` and waits: the engine adds each expert's replicas into its owner's row in a fixed
     order, the owner's own first, then the replicas by rank ascending, experts ascending: the order of the Python
@@ -172,6 +172,7 @@ class GradReducer:
         self.first_free = st.num_owned_by.astype(np.int64)  # a rank's first row after its owner rows
         self.room = rows - self.first_free  # rows a reduction may use per rank for returning replicas
         self.owner_gpu = st.owners.astype(np.int32)
+        self.own_row = st.own_row  # an owned expert's row on its owner
         self.rank = st.rank
         self.reductions = 0  # reductions submitted (the same count on every rank)
 
@@ -205,9 +206,11 @@ class GradReducer:
         gradients per kind of the pairs this rank holds (None: zeros). Every rank calls it with the same ``pairs``.
         Returns (this rank's first failure or None, this rank's owner gradients with the replicas added)."""
         grads, nk = self.grads, len(self.grads)
-        n = int(owner_grads[0].shape[0])
+        # Only the owner rows that receive an addition travel through the engine's rows and back.
+        rows = sorted({int(self.own_row[e]) for e, _ in pairs if self.owner_gpu[e] == self.rank})
         for k in range(nk):
-            grads[k][:n].copy_(owner_grads[k])
+            for r in rows:
+                grads[k][r].copy_(owner_grads[k][r])
         error = None
         for batch in self.batches(pairs):
             table = self.owner_table.copy()
@@ -233,4 +236,8 @@ class GradReducer:
                 continue
             self.reductions += 1
             error = error or _finish(ticket, timeout)[0]
-        return error, [grads[k][:n].clone() for k in range(nk)]
+        out = [t.clone() for t in owner_grads]
+        for k in range(nk):
+            for r in rows:
+                out[k][r].copy_(grads[k][r])
+        return error, out
