@@ -145,9 +145,9 @@ class GradReducer:
 
     Each gradient kind has a ``[engine rows, ...]`` tensor registered with the engine (split layout, the storage's
     dtype). A reduction writes this rank's owner gradients that receive additions into their owner rows and the
-    replica gradients it returns into rows after them, declares with ``set_resident`` which row of every rank holds which returning expert (the
-    owner rows hold the owned experts; nothing else is resident, so only the returning pairs are read), submits
-    ``submit_reduce(returns=...)`` and waits: the engine adds each expert's replicas into its owner's row in a fixed
+    replica gradients it returns into rows after them, declares with ``set_resident`` which row of every rank holds
+    which returning expert (the owner rows hold the owned experts; nothing else is resident, so only the returning
+    pairs are read), submits ``submit_reduce(returns=...)`` and waits: the engine adds each expert's replicas into its owner's row in a fixed
     order, the owner's own first, then the replicas by rank ascending, experts ascending: the order of the Python
     path. When more gradients return from a rank than it has rows after its owner rows, the returns are split into
     several reductions by expert (all replicas of an expert in one), one after another."""
