@@ -14,7 +14,16 @@ Both with and without verification (engine: its C++ checksum in the header; pyth
 Reported per rank 0, median of the rounds: wall seconds, GB/s (bytes crossing the group / wall) and CPU
 nanoseconds per byte (process CPU time of all its threads -- gloo's, the engine's, the bridge's -- / bytes).
 
-Run: python python/bench/bench_bridge_moves.py [--quick]
+With ``--grads``: the replica gradients of a backward returning to their owners instead (each rank holds a
+replica of every expert the other owns, ``moves`` per rank, float32, ``size`` bytes each; every one returns):
+  engine   foremoe.torch.layer._to_owners_engine on CPU storage: the gradients written into the storage's
+           gradient engine's rows, its reductions (submit_reduce over the bridge, added at the owner in the fixed
+           order), the owner rows read back, the status all_gather
+  python   foremoe.torch.layer._to_owners with ExpertStorage(_mover="python"): batch_isend_irecv of every replica
+           gradient, the waits, the additions at the owner
+Reported as above (bytes: the gradients crossing the group).
+
+Run: python python/bench/bench_bridge_moves.py [--quick] [--grads]
 """
 
 from __future__ import annotations
@@ -105,11 +114,66 @@ def rank_main(rank, tmp, sizes, moves, reps, out_path):
     dist.destroy_process_group()
 
 
+def grads_main(rank, tmp, sizes, moves, reps, out_path):
+    """``--grads``: one backward's replica gradient returns, on the engine and on the Python path."""
+    from types import SimpleNamespace
+
+    from foremoe.torch.layer import _to_owners, _to_owners_engine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    E, S = 2 * moves, 2 * moves
+    owners = np.repeat(np.arange(2, dtype=np.int32), moves)
+    pairs = sorted((e, 1 - int(owners[e])) for e in range(E))  # (expert, holder): every replica returns
+    results = []
+    for size in sizes:
+        g = torch.Generator().manual_seed(rank)
+        go = [torch.randn(moves, size // 4, generator=g)]
+        mine = {e: [torch.randn(size // 4, generator=g)] for e, h in pairs if h == rank}
+        items = [(e, h, i, mine[e] if h == rank else None) for i, (e, h) in enumerate(pairs)]
+        row = {"size": size, "bytes": E * size}
+        got = {}
+        for kind in ("engine", "python"):
+            st = ft.ExpertStorage.from_full({"w": torch.zeros(E, size // 4)}, owners, S, rank=rank, world=2,
+                                            _mover=kind)
+            run = SimpleNamespace(storage=st, group=None, timeout=60.0, layer=0)
+            if kind == "engine":
+                def fn():
+                    got[kind] = _to_owners_engine(run, go, pairs, mine, "bench")
+            else:
+                def fn():
+                    got[kind] = _to_owners(run, go, items, "bench")
+            w, c = rounds_of(fn, reps)
+            row[kind] = {"s": w, "gbps": row["bytes"] / w / 1e9, "cpu_ns_per_byte": c / row["bytes"] * 1e9}
+            st.close()
+        assert all(torch.equal(a, b) for a, b in zip(got["engine"], got["python"])), "engine != python"
+        results.append(row)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two sizes, 3 rounds")
     ap.add_argument("--moves", type=int, default=4, help="experts each rank sends per round")
+    ap.add_argument("--grads", action="store_true", help="replica gradient returns (1 MiB and 8 MiB experts)")
     args = ap.parse_args()
+    if args.grads:
+        sizes, reps = ([1 << 20] if args.quick else [1 << 20, 8 << 20]), (3 if args.quick else 9)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            mp.start_processes(grads_main, args=(tmp, sizes, args.moves, reps, out), nprocs=2, start_method="spawn")
+            results = json.load(open(out))
+        kinds = ("engine", "python")
+        print(f"{'bytes/expert':>12} | " + " | ".join(f"{k + ' s':>10} {'GB/s':>6} {'CPU ns/B':>8}" for k in kinds))
+        for r in results:
+            print(f"{r['size']:>12} | " + " | ".join(
+                f"{r[k]['s']:>10.4f} {r[k]['gbps']:>6.2f} {r[k]['cpu_ns_per_byte']:>8.2f}" for k in kinds))
+        return
     sizes = [1 << 16, 1 << 20] if args.quick else [1 << 16, 1 << 20, 8 << 20]
     reps = 3 if args.quick else 9
     with tempfile.TemporaryDirectory() as tmp:

@@ -3,6 +3,9 @@ what the Python moves (the path CUDA storage still takes) give, across 2 and 4 g
 node-shared host mirror, double buffers and prefetch. Every rank's engine really ran batches; the Python path ran
 none. Under the engine's fault injector the run is still exact, and the counters come from the engine's telemetry."""
 
+import types
+
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="skipped: PyTorch (torch) is not installed; foremoe.torch needs it")
@@ -24,7 +27,19 @@ RUNS = {
     "engine_closed": dict(mirror=True, close=True),
     "engine_faults": dict(mirror=True, faults=dict(seed=9, fail_probability=0.2, corrupt_probability=0.6,
                                                    paired_only=True)),
+    # Held replica gradients (issue 30): the held rule returns them on the engine too.
+    "engine_hold": dict(mirror=True, hold=True, double_buffer=True, prefetch="before_backward", lag=True),
+    "python_hold": dict(mirror=True, hold=True, double_buffer=True, prefetch="before_backward", lag=True,
+                        mover="python"),
+    "engine_hold_plain": dict(hold=True, prefetch="after_backward"),
+    # One row per rank for returning replicas: the returns split into several reductions, by expert.
+    "engine_room1": dict(mirror=True, room=1),
+    "engine_hold_room1": dict(mirror=True, hold=True, double_buffer=True, prefetch="before_backward", lag=True,
+                              room=1),
+    "python_hold_plain": dict(hold=True, prefetch="after_backward", mover="python"),
 }
+PAIRS = (("engine", "python"), ("engine_node", "python_node"), ("engine_hold", "python_hold"),
+         ("engine_hold_plain", "python_hold_plain"), ("engine_room1", "python"), ("engine_hold_room1", "python_hold"))
 CASES = {"g2": G2, "g4": G4}
 _runs = {}
 
@@ -51,10 +66,10 @@ def assert_bitwise(a, b, what):
 def test_engine_moves_equal_the_python_moves_bitwise(name, tmp_path_factory):
     case, got = CASES[name], ranks_of(name, tmp_path_factory)
     ref = tc.reference(case)
-    for engine, python in (("engine", "python"), ("engine_node", "python_node")):
+    for engine, python in PAIRS:
         for run in (engine, python):
             assert not any(rec["errors"] for rec in got[run]), run
-            tc.assert_equals_reference(case, got[run], ref)
+            tc.assert_equals_reference(case, got[run], ref, held="hold" in run)
         assert_bitwise(got[engine], got[python], engine)
         # The same bookkeeping, so the same moves and reuse, whichever mover carried them.
         for key in ("moves", "reused", "prefetched"):
@@ -62,6 +77,51 @@ def test_engine_moves_equal_the_python_moves_bitwise(name, tmp_path_factory):
         assert sum(s["moves"] for s in got[engine][0]["sync"]) > 0, "no move: the comparison proved nothing"
         assert all(rec["mover"] == "engine" and rec["engine_batches"] > 0 for rec in got[engine])
         assert all(rec["mover"] == "python" and rec["engine_batches"] == 0 for rec in got[python])
+        # Replica gradients returned on the engine's reductions (the same count on every rank), none on the Python
+        # path; held runs really held some across micro-steps.
+        assert all(rec["engine_reductions"] == got[engine][0]["engine_reductions"] > 0 for rec in got[engine])
+        assert all(rec["engine_reductions"] == 0 for rec in got[python])
+        if "hold" in engine:
+            assert [rec["held"] for rec in got[engine]] == [rec["held"] for rec in got[python]]
+            assert any(set(a) & set(b) for a, b in zip(got[engine][0]["held"], got[engine][0]["held"][1:]))
+
+
+@pytest.mark.parametrize("name", ["g2", "g4"])
+def test_split_reductions_keep_the_order(name, tmp_path_factory):
+    got = ranks_of(name, tmp_path_factory)
+    # At least as many reductions as with every row available, more in all (the bitwise equality with the Python
+    # path is test_engine_moves_equal_the_python_moves_bitwise's).
+    counts = {k: got[k][0]["engine_reductions"] for k in ("engine_room1", "engine", "engine_hold_room1", "engine_hold")}
+    assert counts["engine_room1"] >= counts["engine"] and counts["engine_hold_room1"] >= counts["engine_hold"], counts
+    assert counts["engine_room1"] + counts["engine_hold_room1"] > counts["engine"] + counts["engine_hold"], counts
+
+
+def test_reductions_split_by_expert():
+    red = types.SimpleNamespace(room=np.array([2, 1, 3]))
+    pairs = [(0, 1), (0, 2), (3, 0), (3, 1), (3, 2), (5, 1), (7, 0), (7, 2), (8, 0)]
+    got = ft.mover.GradReducer.batches(red, pairs)
+    assert [p for b in got for p in b] == pairs  # experts ascending, each expert's holders ascending, nothing lost
+    for b in got:  # every replica of an expert in the same reduction, no rank over its rows
+        assert [p for p in pairs if p[0] in {e for e, _ in b}] == b
+        assert np.all(np.bincount([g for _, g in b], minlength=3) <= red.room), b
+    # Rank 1 has one row: experts 0, 3 and 5 each start a reduction; 7 and 8 join 5's (rank 0 holds two there).
+    assert [sorted({e for e, _ in b}) for b in got] == [[0], [3], [5, 7, 8]]
+    assert ft.mover.GradReducer.batches(red, []) == []
+
+
+@pytest.mark.skipif(int(torch.__version__.split(".")[0]) < 2,
+                    reason="skipped: gloo of torch < 2 has no bfloat16 collectives (the layer's exchanges)")
+def test_bfloat16_engine_reductions_equal_the_python_path(tmp_path):
+    case = tc.Case(world=4, experts=16, topk=4, hidden=16, ffn=16, dtype="bfloat16", seed=33, spare=2, steps=2)
+    runs = [dict(), dict(mover="python"), dict(hold=True, lag=True, double_buffer=True),
+            dict(hold=True, lag=True, double_buffer=True, mover="python")]
+    tc.run_ranks(tc.fault_rank, case.world, (case, runs, str(tmp_path)), str(tmp_path), timeout=180.0)
+    recs = [torch.load(f"{tmp_path}/rank{r}.pt")["runs"] for r in range(case.world)]
+    for i in (0, 2):
+        engine, python = [rec[i] for rec in recs], [rec[i + 1] for rec in recs]
+        assert_bitwise(engine, python, f"bfloat16 run {i}")
+        assert all(rec["engine_reductions"] > 0 for rec in engine)
+        assert all(rec["engine_reductions"] == 0 for rec in python)
 
 
 @pytest.mark.parametrize("name", ["g2", "g4"])
@@ -92,3 +152,39 @@ def test_close_is_refused_while_prefetched_moves_wait():
         st.close()
     st._pending = None
     st.close()  # no engine yet: nothing to end
+
+
+def test_a_failed_move_batch_names_a_move_of_the_rank():
+    full = {"w": torch.zeros(4, 3)}
+    st = ft.ExpertStorage.from_full(full, [0, 0, 1, 1], 3, rank=0, world=2)
+    pending = {"incoming": [(2, 1, 2, 7), (3, 1, 5, 8)], "index": [4, 6]}  # (expert, source, row, engine slot)
+    ok = [{"ok": True}] * 7
+    # A move into this rank failed: that move.
+    bad = list(ok)
+    bad[6] = {"ok": False}
+    msg = st._engine_error(pending, bad, "device_error: x", 3)
+    assert "layer 3: the replica move of expert 3 from rank 1 to rank 0 (row 5) did not land" in msg
+    assert "device_error: x" in msg and "no host mirror" in msg
+    # Every move into it landed (a move out of it or an exchange failed): its first incoming move, named as such.
+    msg = st._engine_error(pending, ok, "aborted: y", 3)
+    assert "every move into rank 0 landed (the first: expert 2 from rank 1 into row 2; 2 in all)" in msg, msg
+    assert "aborted: y" in msg
+    # Nothing comes into it.
+    msg = st._engine_error({"incoming": [], "index": []}, ok, "timed_out: z", 3)
+    assert "rank 0: the replica move batch failed (timed_out: z); no move goes into rank 0" in msg, msg
+
+
+def test_a_failed_reduction_fails_every_rank_naming_the_layer(tmp_path):
+    tc.run_ranks(tc.reduction_failure_rank, 2, (str(tmp_path),), str(tmp_path), timeout=120.0)
+    got = [torch.load(f"{tmp_path}/rank{r}.pt") for r in range(2)]
+    last = got[0]["last"]  # the last micro-step with replica gradients: its reduction is refused on rank 1
+    # The earlier backwards returned gradients on the engine.
+    assert all(g[m] == "no error" for g in got for m in range(last)) and got[0]["reductions"] > 0, got
+    # Every rank raises naming the layer, each with its own failure (rank 1's refusal leaves rank 0's exchanges
+    # unmatched until their deadline, so the status gather may time out too).
+    for r, g in enumerate(got):
+        assert g[last].startswith("RuntimeError: foremoe.torch: the replica gradient reduction of layer 0 failed on "
+                                  "rank"), g[last]
+        assert "no gradient of this layer reaches the parameters" in g[last], g[last]
+    assert "rank 1" in got[1][last] and "submit_reduce: returns names GPU " in got[1][last], got[1][last]
+    assert "is its owner, not a replica" in got[1][last], got[1][last]

@@ -184,6 +184,9 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
                            double_buffer=bool(opts.get("double_buffer")), local_world=opts.get("local_world"))
     if opts.get("mover"):  # "python": the Python moves CUDA storage takes, for comparison with the engine's
         layer.storage.mover_kind = opts["mover"]
+    if opts.get("room"):  # the gradient engine may use only this many rows per rank: returns split into reductions
+        layer.storage._reducer = ft.mover.GradReducer(layer.storage, None, 60.0)
+        layer.storage._reducer.room[:] = opts["room"]
     opt = make_optimizer(layer.parameters())
     planner = foremoe.Planner(foremoe.Topology(case.nodes, case.world // case.nodes, case.slots))
     rec: Dict[str, Any] = {"out": [], "x_grad": [], "w_grad": [], "grads": [], "params": [], "sync": [],
@@ -251,6 +254,7 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
     mover = layer.storage._mover
     rec["mover"] = layer.storage.mover_kind
     rec["engine_batches"] = 0 if mover is None else int(mover.engine.stats()["batches"])
+    rec["engine_reductions"] = layer.storage.engine_reductions  # replica gradient reductions run on the engine
     return rec
 
 
@@ -365,6 +369,35 @@ def two_rank_layer(rank: int, tmp: str, seed: int) -> Tuple[Case, Any, ft.SwiGLU
     experts = make_experts(case)
     full = {n: getattr(experts, n).detach().clone() for n in experts.weight_names}
     return case, make_data(case)[0], experts, full, ft.BalancedMoE(experts, case.slots, timeout=30.0)
+
+
+def reduction_failure_rank(rank: int, tmp: str) -> None:
+    """Micro-steps of a 2-rank layer (5 s deadlines) whose last backward's replica gradient reduction is refused on
+    rank 1 alone (its gradient engine is handed owners that make a returning replica an owner copy); writes
+    ``{micro-step: backward's error or "no error"}`` and the reductions before the last to ``tmp/rank{rank}.pt`` and
+    leaves without a barrier (the group may be broken)."""
+    case = Case(world=2, experts=16, topk=2, hidden=32, ffn=32, dtype="float64", seed=31, spare=2, steps=1, micro=3)
+    init_group(rank, 2, tmp)
+    data = make_data(case)[0]
+    layer = ft.BalancedMoE(make_experts(case), case.slots, timeout=5.0)
+    plans = foremoe.Planner(foremoe.Topology(1, 2, case.slots)).plan(step_loads(case, data), owners=layer.owners)
+    def returns(plan: Any) -> int:  # replicas given tokens: gradients that return in the backward
+        place, taken = np.asarray(plan.gpu_slots[0]), np.asarray(plan.slot_tokens[0])
+        return int(((layer.owners[place] != np.arange(2)[:, None]) & (place >= 0) & (taken > 0)).sum())
+
+    last = [m for m in range(case.micro) if returns(plans[m])][-1]
+    out: Dict[Any, Any] = {"last": last}
+    for m in range(last + 1):
+        d = data[m][rank]
+        x = d["x"].clone().requires_grad_(True)
+        y = layer(x, d["ids"], torch.softmax(d["logits"], dim=-1), plans[m])
+        if m == last:
+            out["reductions"] = layer.storage.engine_reductions
+            if rank == 1:
+                red = layer.storage._reducer
+                red.owner_gpu = (1 - red.owner_gpu).astype(np.int32)  # every returning replica an "owner"
+        out[m] = _catch(lambda: ((y - d["target"]) ** 2).sum().backward())
+    torch.save(out, f"{tmp}/rank{rank}.pt")
 
 
 def bad_input_rank(rank: int, tmp: str) -> None:

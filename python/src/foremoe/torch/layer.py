@@ -37,7 +37,9 @@ intact through micro-step ``m + 1``'s forward.
 The backward sends the gradients back the same way, and every replica's weight gradient is sent to the owner
 and added to the owner's gradient (its ``.grad``, or whatever the trainer's gradient hooks accumulate into)
 in a fixed order (owner's own first, then the replicas in ascending rank order) before autograd hands it on,
-all or nothing: a failed or late transfer raises and no gradient of that layer reaches the parameters.
+all or nothing: a failed or late transfer raises and no gradient of that layer reaches the parameters. On CPU
+storage the transfer engine's reductions carry and add them (:class:`foremoe.torch.mover.GradReducer`, every rank
+agreeing over the group whether they all landed); on CUDA storage ``batch_isend_irecv`` and additions here.
 With ``gradients="hold"`` (issue 30) a replica that later plans keep on its rank accumulates its gradient beside
 its row and sends it once, in the backward of the first call whose plan drops it, or with ``gradients="flush"``
 (the last micro-step before the optimizer step), in the same fixed order at the owner.
@@ -62,7 +64,7 @@ from foremoe._args import int_array, integer
 from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
 from .distributed import gather_rows, gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
 from .moves import HostMirror, NodeMirror, corrupt_, injected_fault, resolve_local_world, row_checksum
-from .mover import EngineMover, engine_rows
+from .mover import EngineMover, GradReducer, engine_rows, reduces_on_engine
 
 __all__ = [
     "BalancedMoE",
@@ -216,6 +218,8 @@ class ExpertStorage:
             self._engine_rows, self._stage0 = engine_rows(self.slots, self.num_owned_by, self.double_buffer)
             alloc_rows = self._engine_rows
         self._mover: Optional[EngineMover] = None
+        self._reducer: Optional[GradReducer] = None  # replica gradient reductions on the engine (made at first use)
+        self.engine_reductions = 0  # reductions this storage ran on the engine so far (the same on every rank)
         self._alloc: Dict[str, torch.Tensor] = {}
         self.names: Tuple[str, ...] = tuple(weights)
         self.storage: Dict[str, torch.Tensor] = {}
@@ -724,6 +728,9 @@ class ExpertStorage:
         mover, self._mover = self._mover, None
         if mover is not None:
             mover.close()
+        reducer, self._reducer = self._reducer, None
+        if reducer is not None:
+            reducer.close()
 
     def drop_prefetch(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Waits for prefetched moves (within ``timeout``) and discards them; every replica is re-sent at the next
@@ -877,13 +884,7 @@ class ExpertStorage:
             fallbacks += int(bool(m.get("fallback", False)))
         message = None
         if error is not None:
-            failed = [(e, src) for (e, src, _, _), i in zip(pending["incoming"], pending["index"])
-                      if int(i) >= len(tel) or not tel[int(i)].get("ok", False)]
-            e, src = failed[0] if failed else (pending["incoming"][0][:2] if pending["incoming"] else (-1, -1))
-            fix = (", also from the host mirror" if self.mirror is not None else
-                   f", and rank {self.rank} has no host mirror to fall back to (ExpertStorage(..., mirror=True))")
-            message = (f"foremoe.torch: layer {layer}: the replica move of expert {e} from rank {src} to rank "
-                       f"{self.rank} did not land ({error}){fix}; no replica of this sync is used")
+            message = self._engine_error(pending, tel, error, layer)
         else:
             for e, src, row, slot in pending["incoming"]:
                 if slot != row:  # staged by prefetch: installed now, after the rows' last readers
@@ -892,6 +893,29 @@ class ExpertStorage:
         for _, _, row, _ in pending["incoming"]:
             self.row_generation[row] += 1
         return self._agree(message, (faults, bad, fallbacks), group, timeout, layer)
+
+
+    def _engine_error(self, pending: Dict[str, Any], tel: List[Dict[str, Any]], error: str, layer: int) -> str:
+        """The message of this rank's failed move batch: its first incoming move that did not land, else (the batch
+        failed on a move out of this rank, or the exchange with a peer) its first incoming move, else that it
+        receives nothing."""
+        incoming = pending["incoming"]  # (expert, source rank, storage row, engine slot)
+        failed = [m for m, i in zip(incoming, pending["index"])
+                  if int(i) >= len(tel) or not tel[int(i)].get("ok", False)]
+        where = f"foremoe.torch: layer {layer}: rank {self.rank}"
+        if failed:
+            e, src, row, _ = failed[0]
+            fix = (", also from the host mirror" if self.mirror is not None else
+                   f", and rank {self.rank} has no host mirror to fall back to (ExpertStorage(..., mirror=True))")
+            return (f"foremoe.torch: layer {layer}: the replica move of expert {e} from rank {src} to rank "
+                    f"{self.rank} (row {row}) did not land ({error}){fix}; no replica of this sync is used")
+        if incoming:
+            e, src, row, _ = incoming[0]
+            return (f"{where}: the replica move batch failed ({error}) although every move into rank {self.rank} "
+                    f"landed (the first: expert {e} from rank {src} into row {row}; {len(incoming)} in all): a move "
+                    f"out of it or an exchange with a peer failed; no replica of this sync is used")
+        return (f"{where}: the replica move batch failed ({error}); no move goes into rank {self.rank} (it only "
+                f"sends): a move out of it or an exchange with a peer failed; no replica of this sync is used")
 
 
 def reference_moe(x: torch.Tensor, expert_ids: torch.Tensor, routing_weights: torch.Tensor,
@@ -1069,9 +1093,18 @@ def _slot_compute(run: _Run, x: torch.Tensor, scale: torch.Tensor, params: Seque
 
 def _reduce_replica_grads(run: _Run, go: List[torch.Tensor], rep_grad: Dict[int, List[torch.Tensor]],
                           row_slot: Dict[int, int]) -> List[torch.Tensor]:
-    r = run.storage.rank
+    st = run.storage
+    r = st.rank
+    what = f"replica gradient reduction of layer {run.layer}"
+    if reduces_on_engine(st):  # every replica given tokens by the plan returns: (expert, holder), ascending
+        place = np.asarray(run.plan.gpu_slots[run.plan_layer])
+        taken = np.asarray(run.plan.slot_tokens[run.plan_layer])
+        g, j = np.nonzero((st._owner_of[place] != st._ranks) & (place >= 0) & (taken > 0))
+        pairs = sorted(zip(place[g, j].tolist(), g.tolist()))
+        mine = {e: rep_grad[row_slot[row]] for e, h, row, _ in run.grad_transfers if h == r}
+        return _to_owners_engine(run, go, pairs, mine, what)
     items = [(e, g, i, rep_grad[row_slot[row]] if g == r else None) for e, g, row, i in run.grad_transfers]
-    return _to_owners(run, go, items, f"replica gradient reduction of layer {run.layer}")
+    return _to_owners(run, go, items, what)
 
 
 def _to_owners(run: _Run, go: List[torch.Tensor], items: Sequence[Tuple[int, int, int, Optional[List[torch.Tensor]]]],
@@ -1105,6 +1138,40 @@ def _to_owners(run: _Run, go: List[torch.Tensor], items: Sequence[Tuple[int, int
         for k in range(nk):
             go[k][row] += bufs[k]
     return go
+
+
+def _to_owners_engine(run: _Run, go: List[torch.Tensor], pairs: Sequence[Tuple[int, int]],
+                      mine: Dict[int, Optional[List[torch.Tensor]]], what: str) -> List[torch.Tensor]:
+    """:func:`_to_owners` on the storage's gradient engine (:class:`foremoe.torch.mover.GradReducer`): ``pairs``
+    (expert, holder rank) return, ascending, the same on every rank; ``mine`` the gradients of those this rank holds.
+    Every rank then agrees over the group whether every reduction succeeded: all raise ``RuntimeError`` naming the
+    layer otherwise (no gradient of the layer reaches the parameters)."""
+    if not pairs:
+        return go
+    st = run.storage
+    if st._reducer is None:
+        st._reducer = GradReducer(st, run.group, run.timeout)
+    before = st._reducer.reductions
+    try:
+        error, out = st._reducer.reduce(go, pairs, mine, run.timeout)
+    except (ValueError, RuntimeError) as e:  # e.g. a gradient this rank holds of the wrong shape
+        error, out = str(e), go
+    st.engine_reductions += st._reducer.reductions - before
+    try:
+        status = gather_rows(torch.tensor([int(error is not None)], dtype=torch.int64), run.group, run.timeout,
+                             f"{what}: status")
+    except RuntimeError as exc:  # e.g. a peer's exchanges timed out and gloo closed the pair
+        own = f" on rank {st.rank} ({error})" if error is not None else ""
+        raise RuntimeError(f"foremoe.torch: the {what} failed{own}, and the ranks could not agree on it ({exc}); no "
+                           f"gradient of this layer reaches the parameters") from exc
+    failed = torch.nonzero(status[:, 0]).reshape(-1).tolist()
+    if failed:
+        if error is not None:
+            raise RuntimeError(f"foremoe.torch: the {what} failed on rank(s) {failed} (rank {st.rank}: {error}); no "
+                               f"gradient of this layer reaches the parameters")
+        raise RuntimeError(f"foremoe.torch: the {what} failed on rank(s) {failed} (their errors name the transfer); "
+                           f"no gradient of this layer reaches the parameters")
+    return out
 
 
 def _hold_schedule(st: ExpertStorage, plan: "foremoe.Plan", layer: int, gradients: str,
@@ -1152,6 +1219,10 @@ def _return_held_grads(run: _Run, go: List[torch.Tensor],
         else:
             for k in range(nk):
                 held[k].add_(grads[k])
+    what = f"held replica gradient return of layer {run.layer}"
+    if reduces_on_engine(st):  # a held gradient with nothing accumulated returns zeros (the reducer writes them)
+        mine = {e: st._held_grads.pop(e, None) for e, g in run.hold if g == r}
+        return _to_owners_engine(run, go, run.hold, mine, what)
     items = []
     for i, (e, g) in enumerate(run.hold):
         send = None
@@ -1160,7 +1231,7 @@ def _return_held_grads(run: _Run, go: List[torch.Tensor],
             if send is None:  # a replica given tokens by the plan that received none here: nothing accumulated
                 send = [torch.zeros_like(go[k][0]) for k in range(nk)]
         items.append((e, g, i, send))
-    return _to_owners(run, go, items, f"held replica gradient return of layer {run.layer}")
+    return _to_owners(run, go, items, what)
 
 
 #: ``routing_weights`` of :func:`_prepare` for a caller that applies the routing weights itself (the Megatron

@@ -16,11 +16,19 @@ where they lie (per-tensor regions): nothing is copied or laid out again. Its sl
 count on every rank: the rows of the storage (owned experts first, then the spare rows and, with double buffers,
 their second copies) padded to the busiest rank's, then one staging row per spare row of the rank with the most
 spare rows, into which :meth:`ExpertStorage.prefetch` lands its moves until the call installs them.
+
+Replica gradients go back on the engine too (:class:`GradReducer`): the backward writes the owner gradients and the
+returning replica gradients into per-kind gradient tensors registered with an engine of the storage, every rank
+submits the same ``submit_reduce(returns=...)`` and the engine adds each expert's replicas into its owner's in the
+fixed order (the owner's own first, then by rank, experts ascending). Which gradients return when is the layer's
+(``gradients="hold"``: :func:`foremoe.torch.layer._hold_schedule`); held gradients wait in Python tensors, since the
+layer returns one in the backward of the call whose plan drops it, after that call's moves may have reused its row,
+which the engine's own held-slot records refuse.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -31,7 +39,7 @@ import foremoe
 from .distributed import gather_rows
 from .engine import TransferEngine, TransferError
 
-__all__ = ["EngineMover", "engine_rows"]
+__all__ = ["EngineMover", "GradReducer", "engine_rows", "reduces_on_engine"]
 
 # The next tag space this process may give an engine: each storage's engine takes its own on the group (the largest
 # of every rank's, agreed at creation, after which every rank moves past it), so that the batches of several layers
@@ -92,20 +100,144 @@ class EngineMover:
     def finish(self, ticket: Any, timeout: float) -> Tuple[Optional[str], List[Dict[str, Any]]]:
         """Waits for ``ticket`` (at most ``timeout`` seconds past its own deadline, then aborts it); returns the
         failure's message (None when every move landed) and the per-move telemetry."""
-        error = None
+        return _finish(ticket, timeout)
+
+
+def _finish(ticket: Any, timeout: float) -> Tuple[Optional[str], List[Dict[str, Any]]]:
+    """:meth:`EngineMover.finish` for any ticket (moves or a reduction)."""
+    error = None
+    try:
+        ticket.wait(timeout=timeout)
+    except TimeoutError:
+        ticket.abort()
         try:
             ticket.wait(timeout=timeout)
-        except TimeoutError:
-            ticket.abort()
-            try:
-                ticket.wait(timeout=timeout)
-            except (TransferError, TimeoutError) as e:
-                error = str(e)
-            error = error or "the batch did not end within its deadline"
-        except TransferError as e:
+        except (TransferError, TimeoutError) as e:
             error = str(e)
-        try:
-            tel = ticket.telemetry()
-        except RuntimeError:
-            tel = []
-        return error, tel
+        error = error or "the batch did not end within its deadline"
+    except TransferError as e:
+        error = str(e)
+    try:
+        tel = ticket.telemetry()
+    except RuntimeError:
+        tel = []
+    return error, tel
+
+
+#: Gradient dtypes the engine's reductions add (``GradType``): the layer's replica gradients return on the engine
+#: only when every weight kind has one of them, the same one.
+GRAD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def reduces_on_engine(storage: Any) -> bool:
+    """Whether ``storage``'s replica gradients return on the engine (:class:`GradReducer`): CPU storage on the engine
+    mover whose weight kinds share one dtype the engine adds."""
+    dtypes = {storage._alloc[n].dtype for n in storage.names}
+    return storage.mover_kind == "engine" and len(dtypes) == 1 and next(iter(dtypes)) in GRAD_DTYPES
+
+
+class GradReducer:
+    """One storage's replica-gradient reductions on this rank, on a transfer engine of their own (the same topology
+    and group as :class:`EngineMover`'s, its own tag space; made at the first backward that returns a gradient, a
+    collective over ``group``). Its own engine, not the mover's, because the mover's carries the storage's fault
+    injector, which acts on every paired transfer, and a reduction's bytes carry no checksum: an injected corrupt byte
+    would be added into an owner's gradient unseen (the Python path never injected faults into gradients either).
+
+    Each gradient kind has a ``[engine rows, ...]`` tensor registered with the engine (split layout, the storage's
+    dtype). A reduction writes this rank's owner gradients that receive additions into their owner rows and the
+    replica gradients it returns into rows after them, declares with ``set_resident`` which row of every rank holds
+    which returning expert (the owner rows hold the owned experts; nothing else is resident, so only the returning
+    pairs are read), submits ``submit_reduce(returns=...)`` and waits: the engine adds each expert's replicas into its owner's row in a fixed
+    order, the owner's own first, then the replicas by rank ascending, experts ascending: the order of the Python
+    path. When more gradients return from a rank than it has rows after its owner rows, the returns are split into
+    several reductions by expert (all replicas of an expert in one), one after another."""
+
+    def __init__(self, storage: Any, group: Any, timeout: float) -> None:
+        pg = group if group is not None else dist.group.WORLD
+        mine = torch.tensor([_next_space[0]], dtype=torch.int64)
+        space = int(gather_rows(mine, pg, timeout, "ExpertStorage: the gradient engine's tag space").max())
+        _next_space[0] = space + 1
+        st = storage
+        rows = st._engine_rows
+        tensors = [int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names]
+        topo = foremoe.Topology(st.world // st.local_world, st.local_world, rows)
+        self.engine = TransferEngine(topology=topo, num_layers=1, num_experts=st.num_experts, tensors=tensors,
+                                     verify=False, faults=None, host_mirror=False, host_threads_per_path=1,
+                                     group=pg, bridge_timeout=timeout, tag_space=space)
+        self.grads = [torch.zeros_like(st._alloc[n]) for n in st.names]
+        self.engine.register_grads(0, st.rank, self.grads)
+        self.owner_table = np.full((st.world, rows), -1, dtype=np.int32)
+        for g in range(st.world):
+            self.owner_table[g, :st.owned[g].size] = st.owned[g]
+        self.first_free = st.num_owned_by.astype(np.int64)  # a rank's first row after its owner rows
+        self.room = rows - self.first_free  # rows a reduction may use per rank for returning replicas
+        self.owner_gpu = st.owners.astype(np.int32)
+        self.own_row = st.own_row  # an owned expert's row on its owner
+        self.rank = st.rank
+        self.reductions = 0  # reductions submitted (the same count on every rank)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def batches(self, pairs: Sequence[Tuple[int, int]]) -> List[List[Tuple[int, int]]]:
+        """``pairs`` (expert, holder rank), ascending, in reductions that fit every rank's rows, each expert's
+        replicas in one reduction, experts ascending over the reductions."""
+        out: List[List[Tuple[int, int]]] = []
+        used = np.zeros_like(self.room)
+        i = 0
+        while i < len(pairs):
+            j = i
+            while j < len(pairs) and pairs[j][0] == pairs[i][0]:
+                j += 1
+            holders = [g for _, g in pairs[i:j]]
+            if not out or np.any(used[holders] + 1 > self.room[holders]):
+                out.append([])
+                used[:] = 0
+            used[holders] += 1
+            out[-1].extend(pairs[i:j])
+            i = j
+        return out
+
+    def reduce(self, owner_grads: Sequence[torch.Tensor], pairs: Sequence[Tuple[int, int]],
+               mine: Dict[int, Optional[Sequence[torch.Tensor]]], timeout: float) -> Tuple[Optional[str],
+                                                                                          List[torch.Tensor]]:
+        """Adds the returning replica gradients ``pairs`` (expert, holder rank), ascending and the same on every
+        rank, into the owners': ``owner_grads`` this rank's ``[owned, ...]`` per kind, ``mine`` expert -> the
+        gradients per kind of the pairs this rank holds (None: zeros). Every rank calls it with the same ``pairs``.
+        Returns (this rank's first failure or None, this rank's owner gradients with the replicas added)."""
+        grads, nk = self.grads, len(self.grads)
+        # Only the owner rows that receive an addition travel through the engine's rows and back.
+        rows = sorted({int(self.own_row[e]) for e, _ in pairs if self.owner_gpu[e] == self.rank})
+        for k in range(nk):
+            for r in rows:
+                grads[k][r].copy_(owner_grads[k][r])
+        error = None
+        for batch in self.batches(pairs):
+            table = self.owner_table.copy()
+            free = self.first_free.copy()
+            returns = np.empty((len(batch), 2), dtype=np.int32)
+            for i, (e, g) in enumerate(batch):
+                row = int(free[g])
+                free[g] += 1
+                table[g, row] = e
+                returns[i] = (g, e)
+                if g == self.rank:
+                    src = mine.get(e)
+                    for k in range(nk):
+                        if src is None:
+                            grads[k][row].zero_()
+                        else:
+                            grads[k][row].copy_(src[k])
+            try:
+                self.engine.set_resident(0, table)
+                ticket = self.engine.submit_reduce(0, self.owner_gpu, returns=returns, timeout=timeout)
+            except (ValueError, RuntimeError) as e:
+                error = error or str(e)
+                continue
+            self.reductions += 1
+            error = error or _finish(ticket, timeout)[0]
+        out = [t.clone() for t in owner_grads]
+        for k in range(nk):
+            for r in rows:
+                out[k][r].copy_(grads[k][r])
+        return error, out
