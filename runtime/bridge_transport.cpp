@@ -58,9 +58,9 @@ public:
     return Status::success();
   }
   void flush_peer() override { post_held(); }
-  bool set_peer_waker(std::function<void()> wake) override {
+  bool set_peer_waker(const std::function<void()> &wake) override {
     std::lock_guard lock(state_->mu);
-    state_->wake = std::move(wake);
+    state_->wake = wake;
     return true;
   }
   Status query(std::uint64_t handle, double &seconds) override {
@@ -93,7 +93,7 @@ private:
     const std::span<PeerOp> ops = held_ops_;
     held_ops_ = {};
     held_bytes_ = 0;
-    bridge_->post(ops, [state = state_, handles = std::move(handles)](Status st) {
+    bridge_->post(ops, [state = state_, handles = std::move(handles)](const Status &st) {
       {
         std::lock_guard lock(state->mu);
         const auto t1 = std::chrono::steady_clock::now();

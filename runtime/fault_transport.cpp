@@ -53,8 +53,8 @@ public:
     return Status::success();
   }
   // A delayed group ends later than its inner group woke the engine: with delays drawn, it is polled.
-  bool set_peer_waker(std::function<void()> wake) override {
-    return inner().set_peer_waker(std::move(wake)) && !(f_->delay_probability > 0);
+  bool set_peer_waker(const std::function<void()> &wake) override {
+    return inner().set_peer_waker(wake) && !(f_->delay_probability > 0);
   }
   Status query(std::uint64_t handle, double &seconds) override {
     std::lock_guard lock(mu_);

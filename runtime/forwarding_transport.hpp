@@ -37,7 +37,7 @@ public:
   }
   Status start_peer(std::span<PeerOp> ops, std::uint64_t &handle) override { return inner_->start_peer(ops, handle); }
   void flush_peer() override { inner_->flush_peer(); }
-  bool set_peer_waker(std::function<void()> wake) override { return inner_->set_peer_waker(std::move(wake)); }
+  bool set_peer_waker(const std::function<void()> &wake) override { return inner_->set_peer_waker(wake); }
   std::int64_t resources_created() const noexcept override { return inner_->resources_created(); }
 
 protected:

@@ -140,7 +140,7 @@ public:
   /// posted group ended; `nullptr` withdraws it, and no call starts after that returned. Returns whether it will:
   /// then the engine's progress thread sleeps while its batches wait only for groups, instead of polling them
   /// every 50 us. The default answers false (polled).
-  virtual bool set_peer_waker(std::function<void()> wake) {
+  virtual bool set_peer_waker(const std::function<void()> &wake) {
     (void)wake;
     return false;
   }
