@@ -12,8 +12,19 @@
 #include "foremoe/plan/planner.hpp"
 #include "foremoe/transfer/transfer_plan.hpp"
 #if defined(FOREMOE_BENCH_RUNTIME)
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <span>
+#include <thread>
+
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
+#include "foremoe/runtime/transport.hpp"
+namespace rt_bench = foremoe::runtime;
 #endif
 
 using namespace foremoe;
@@ -195,6 +206,143 @@ BENCHMARK(BM_engine_host_deepseek_processes)
     ->Args({256, 1})
     ->UseRealTime()
     ->Unit(benchmark::kMillisecond);
+
+// The latency floor of a small batch between processes: two engines (one GPU each, as two trainer ranks), each
+// submitting the same batch of `moves` experts each way of `range(0)` KiB, joined by a PeerBridge (`range(1)` =
+// 1: an in-process bridge with a worker thread per engine, as foremoe.torch's process-group bridge has) or by a
+// HostFabric (0). Wall time per batch, submit to both tickets done.
+struct MiniBridge final : rt_bench::PeerBridge {
+  // Messages per (source GPU, destination GPU) in send order: sends deposit, receives wait (10 s deadline).
+  struct Board {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::map<std::pair<int, int>, std::deque<std::pair<std::vector<std::byte>, std::array<std::uint64_t, 2>>>> q;
+  };
+  explicit MiniBridge(std::shared_ptr<Board> b) : board(std::move(b)), worker([this] { work(); }) {}
+  ~MiniBridge() override {
+    {
+      std::lock_guard lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    worker.join();
+  }
+  void post(std::span<rt_bench::PeerOp> ops, Done done) override {
+    {
+      std::lock_guard lock(mu);
+      groups.emplace_back(ops, std::move(done));
+    }
+    cv.notify_all();
+  }
+  void work() {
+    std::unique_lock lock(mu);
+    for (;;) {
+      cv.wait(lock, [&] { return stop || !groups.empty(); });
+      if (groups.empty()) return;
+      auto [ops, done] = std::move(groups.front());
+      groups.pop_front();
+      lock.unlock();
+      done(run(ops));
+      lock.lock();
+    }
+  }
+  rt_bench::Status run(std::span<rt_bench::PeerOp> ops) {
+    std::unique_lock lock(board->mu);
+    for (const rt_bench::PeerOp &op : ops)
+      if (op.send)
+        board->q[{op.local_gpu, op.peer_gpu}].emplace_back(std::vector<std::byte>(op.buf, op.buf + op.num_bytes),
+                                                           std::array<std::uint64_t, 2>{op.header[0], op.header[1]});
+    board->cv.notify_all();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    for (rt_bench::PeerOp &op : ops) {
+      if (op.send) continue;
+      auto &q = board->q[{op.peer_gpu, op.local_gpu}];
+      if (!board->cv.wait_until(lock, deadline, [&] { return !q.empty(); }))
+        return {rt_bench::StatusCode::timed_out, "bench bridge: no message within 10 s"};
+      auto m = std::move(q.front());
+      q.pop_front();
+      if (static_cast<std::int64_t>(m.first.size()) != op.num_bytes)
+        return {rt_bench::StatusCode::device_error, "bench bridge: size mismatch"};
+      std::copy(m.first.begin(), m.first.end(), op.buf);
+      op.header[0] = m.second[0];
+      op.header[1] = m.second[1];
+    }
+    return rt_bench::Status::success();
+  }
+  std::shared_ptr<Board> board;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<std::span<rt_bench::PeerOp>, Done>> groups;
+  bool stop = false;
+  std::thread worker; // last: starts once the rest is built
+};
+
+void BM_engine_small_batch_latency(benchmark::State &state) {
+  namespace rt = foremoe::runtime;
+  const std::int64_t bytes = state.range(0) << 10;
+  const bool bridged = state.range(1) != 0;
+  constexpr int moves = 4, slots = 2 * moves, experts = 2 * moves;
+  const Topology topo{1, 2, slots};
+  auto fabric = std::make_shared<rt::HostFabric>();
+  auto board = std::make_shared<MiniBridge::Board>();
+  std::vector<std::vector<std::byte>> gpus(2, std::vector<std::byte>(static_cast<std::size_t>(bytes * slots)));
+  std::vector<std::unique_ptr<rt::TransferEngine>> engines(2);
+  // Rank r owns experts r*moves .. r*moves+moves-1 in its first slots; each moves to the other rank's spare slots.
+  LayerPlacement before(2, slots, experts);
+  std::vector<Move> mv;
+  for (int e = 0; e < experts; ++e) {
+    const int owner = e / moves;
+    before.slot(owner, e % moves) = e;
+    mv.push_back({e, owner, 1 - owner, moves + e % moves});
+  }
+  for (int p = 0; p < 2; ++p) {
+    rt::EngineOptions o;
+    o.topology = topo;
+    o.num_experts = experts;
+    o.tensors = {{0, bytes}};
+    o.host_threads_per_path = 1;
+    o.planning.host_mirror = false; // GPU-direct only: every move is a paired transfer
+    o.peers.local_gpus = {p};
+    if (bridged)
+      o.peers.bridge = std::make_shared<MiniBridge>(board);
+    else
+      o.peers.host_fabric = fabric;
+    rt::Status st = rt::TransferEngine::create(o, engines[p]);
+    if (st.ok()) st = engines[p]->register_slots(0, p, {gpus[p].data(), bytes, slots, 1, 0});
+    if (!st.ok()) {
+      state.SkipWithError(st.to_string().c_str());
+      return;
+    }
+  }
+  for (auto _ : state) {
+    state.PauseTiming();
+    bool ok = true;
+    for (auto &e : engines)
+      ok = ok && e->set_resident(0, before).ok();
+    state.ResumeTiming();
+    std::vector<rt::Ticket> tickets(engines.size());
+    rt::MoveBatch mb;
+    mb.moves = mv;
+    mb.timeout = std::chrono::seconds(60);
+    for (std::size_t p = 0; p < engines.size() && ok; ++p)
+      ok = engines[p]->submit(mb, tickets[p]).ok();
+    for (std::size_t p = 0; p < engines.size() && ok; ++p)
+      ok = tickets[p].wait_for(std::chrono::seconds(60)).ok();
+    if (!ok) {
+      state.SkipWithError("batch failed");
+      break;
+    }
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 2 * moves * bytes);
+  state.counters["bridge"] = bridged ? 1 : 0;
+}
+BENCHMARK(BM_engine_small_batch_latency)
+    ->Args({64, 1})
+    ->Args({64, 0})
+    ->Args({1024, 1})
+    ->Args({1024, 0})
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 #endif
 
 } // namespace

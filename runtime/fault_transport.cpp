@@ -52,6 +52,10 @@ public:
     peer_[handle] = p;
     return Status::success();
   }
+  // A delayed group ends later than its inner group woke the engine: with delays drawn, it is polled.
+  bool set_peer_waker(const std::function<void()> &wake) override {
+    return inner().set_peer_waker(wake) && !(f_->delay_probability > 0);
+  }
   Status query(std::uint64_t handle, double &seconds) override {
     std::lock_guard lock(mu_);
     if (auto pi = peer_.find(handle); pi != peer_.end()) {

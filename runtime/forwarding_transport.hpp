@@ -3,6 +3,7 @@
 // decorator overrides only what it changes (the bridge: paired transfers; the fault injector: copies and paired
 // transfers).
 
+#include <functional>
 #include <memory>
 #include <span>
 
@@ -35,6 +36,8 @@ public:
     return inner_->enqueue_wait(stream, flag, value);
   }
   Status start_peer(std::span<PeerOp> ops, std::uint64_t &handle) override { return inner_->start_peer(ops, handle); }
+  void flush_peer() override { inner_->flush_peer(); }
+  bool set_peer_waker(const std::function<void()> &wake) override { return inner_->set_peer_waker(wake); }
   std::int64_t resources_created() const noexcept override { return inner_->resources_created(); }
 
 protected:

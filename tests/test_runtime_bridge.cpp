@@ -611,3 +611,41 @@ TEST_CASE("replica gradients of every dtype, packed or split, over a bridge: ord
   CHECK(applied_with_faults > 0); // the fault schedule failed some experts' reductions, not all
   CHECK(unapplied_with_faults > 0);
 }
+
+TEST_CASE("a batch's small rounds reach the bridge as one post, and land as they did one by one") {
+  for (std::uint64_t seed = 1; seed <= 5; ++seed) {
+    std::mt19937_64 rng(seed);
+    World w;
+    w.opts.verify = seed % 2 == 0;
+    w.build(rng, 2, 4, 4, 10s);
+    LayerPlacement before(2, 4, 4);
+    for (int e = 0; e < 4; ++e)
+      before.slot(e / 2, e % 2) = e;
+    w.set_resident(before);
+    // Each GPU's two experts into the other's spare slots: at least two chunks each way, so several rounds.
+    const std::vector<Move> moves{{0, 0, 1, 2}, {1, 0, 1, 3}, {2, 1, 0, 2}, {3, 1, 0, 3}};
+    std::vector<rt::Status> st(2);
+    std::vector<std::thread> procs;
+    for (int p = 0; p < 2; ++p)
+      procs.emplace_back([&, p] {
+        rt::Ticket t;
+        st[p] = w.engines[p]->submit(batch_of(moves, 10s), t);
+        if (st[p].ok()) st[p] = t.wait_for(15s);
+      });
+    for (auto &t : procs)
+      t.join();
+    const int rounds = w.engines[0]->last_plan(0).num_rounds;
+    REQUIRE(rounds >= 2);
+    for (int p = 0; p < 2; ++p) {
+      CHECK_MESSAGE(st[p].ok(), "seed ", seed, " process ", p, ": ", st[p].to_string());
+      // Every round's groups together carry far less than the bridge transport's 1 MiB: one post, not one per round.
+      CHECK_MESSAGE(w.bridges[p]->groups_run == 1, "seed ", seed, " process ", p, ": ", w.bridges[p]->groups_run,
+                    " posts for ", rounds, " rounds");
+      for (int s = 2; s < 4; ++s) {
+        const int e = 2 * (1 - p) + s - 2;
+        CHECK(w.engines[p]->valid_expert(0, p, s) == e);
+        CHECK_MESSAGE(w.holds(p, s, e), "seed ", seed, " GPU ", p, " slot ", s);
+      }
+    }
+  }
+}

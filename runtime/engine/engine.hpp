@@ -268,7 +268,13 @@ public:
   Status submit_reduce(const ReduceBatch &b, Ticket &out, std::shared_ptr<TicketImpl> &made);
 
   [[nodiscard]] EngineStats stats() const;
-  void wake() { cv_.notify_all(); }
+  void wake() {
+    {
+      std::lock_guard lock(mu_);
+      kicked_ = true;
+    }
+    cv_.notify_all();
+  }
   Transport &transport() { return *transport_; }
 
 private:
@@ -301,6 +307,9 @@ private:
 
   // progress.cpp
   void run();
+  // Whether `t` waits only for paired-transfer groups (posted, their transport wakes the engine when one ends):
+  // nothing local in flight, no gate or earlier batch to wait for, no arrival to take up.
+  [[nodiscard]] bool waits_for_peers_only(const TicketImpl &t) const;
   void step(TicketImpl &t);
   // Issues `cr` (its current path and source) as one copy per tensor it overlaps.
   bool issue(TicketImpl &t, ChunkRun &cr, int move_idx);
@@ -376,6 +385,13 @@ private:
   bool spmd_ = false;                   // some GPUs are driven by other processes
   std::uint64_t serial_ = 0;
   bool stopping_ = false;
+  // Polling: every 50 us while a batch has local copies, gates or arrivals to see to; while every batch only
+  // waits for paired-transfer groups of a transport that wakes the engine (`Transport::set_peer_waker`), the
+  // thread sleeps until woken (`kicked_`: a group ended, a batch was submitted), at most `peer_sleep` (which
+  // bounds how late it sees a deadline, an abort or a delayed group).
+  static constexpr std::chrono::microseconds poll_interval{50}, peer_sleep{1000};
+  bool peer_wakes_ = false;
+  bool kicked_ = false; // under mu_
   std::thread progress_;
 
   friend class ::foremoe::runtime::TransferEngine;

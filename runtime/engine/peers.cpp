@@ -134,6 +134,7 @@ bool EngineImpl::post_peer(TicketImpl &t, bool discard) {
     t.peer_groups.push_back(g);
     i = j;
   }
+  transport_->flush_peer();
   t.peer_posted = true;
   t.peer_outstanding.store(true, std::memory_order_release);
   {

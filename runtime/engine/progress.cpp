@@ -24,13 +24,31 @@ void EngineImpl::run() {
       continue;
     }
     std::vector<std::shared_ptr<TicketImpl>> batch = active_;
+    kicked_ = false; // a wake-up from here on ends the sleep below at once
     lock.unlock();
-    for (auto &t : batch)
+    bool sleep = peer_wakes_;
+    for (auto &t : batch) {
       step(*t);
+      sleep = sleep && waits_for_peers_only(*t);
+    }
     lock.lock();
     std::erase_if(active_, [](const auto &t) { return !t->busy(); });
-    if (!active_.empty()) cv_.wait_for(lock, std::chrono::microseconds(50));
+    if (active_.empty()) continue;
+    if (sleep)
+      cv_.wait_for(lock, peer_sleep, [&] { return kicked_ || stopping_; });
+    else
+      cv_.wait_for(lock, poll_interval);
   }
+}
+
+bool EngineImpl::waits_for_peers_only(const TicketImpl &t) const {
+  if (t.finished()) return !t.has_peer || t.peer_posted; // an ended batch only collects its posted groups
+  if (!t.gated || t.draining || (t.has_peer && !t.peer_posted)) return false;
+  if (t.kind == TicketImpl::Kind::moves)
+    return std::all_of(t.chunks.begin(), t.chunks.end(),
+                       [](const ChunkRun &cr) { return !cr.in_flight() || cr.waiting_for_peer(); });
+  return std::all_of(t.reduces.begin(), t.reduces.end(),
+                     [](const ReduceRun &r) { return !r.copy.in_flight() || r.copy.waiting_for_peer(); });
 }
 
 bool EngineImpl::issue(TicketImpl &t, ChunkRun &cr, int move_idx) {

@@ -45,6 +45,7 @@ EngineImpl::EngineImpl(EngineOptions o, std::shared_ptr<Transport> t)
   prefix_.push_back(0);
   for (const TensorSpan &ts : opts_.tensors)
     prefix_.push_back(prefix_.back() + ts.num_bytes);
+  peer_wakes_ = transport_->set_peer_waker([this] { wake(); });
   progress_ = std::thread([this] { run(); });
 }
 EngineImpl::~EngineImpl() {
@@ -58,6 +59,8 @@ EngineImpl::~EngineImpl() {
   }
   cv_.notify_all();
   progress_.join();
+  // The transport (shared with pools that tickets may still hold) calls no waker of this engine from now on.
+  if (peer_wakes_) (void)transport_->set_peer_waker(nullptr);
 }
 
 Status EngineImpl::register_region(int layer, int idx, const SlotRegion &r, const GradLayout *grads) {

@@ -336,6 +336,7 @@ Status EngineImpl::finish_submit(std::shared_ptr<TicketImpl> &t, std::chrono::mi
   }
   made = t;
   (void)out;
+  kicked_ = true; // the caller holds mu_
   cv_.notify_all();
   return Status::success();
 }

@@ -132,6 +132,18 @@ public:
     (void)handle;
     return {StatusCode::unavailable, "this transport cannot reach GPUs of other processes"};
   }
+  /// Ends a burst of `start_peer` calls: the engine posts a batch's groups (one per round) back to back and then
+  /// calls this. A transport may hold groups of a burst back and post several as one (same posting order, so the
+  /// same pairing); it must have posted every group when this returns. The default posts each group at once.
+  virtual void flush_peer() {}
+  /// Asks the transport to call `wake` (from any thread, at once and without blocking on the engine) whenever a
+  /// posted group ended; `nullptr` withdraws it, and no call starts after that returned. Returns whether it will:
+  /// then the engine's progress thread sleeps while its batches wait only for groups, instead of polling them
+  /// every 50 us. The default answers false (polled).
+  virtual bool set_peer_waker(const std::function<void()> &wake) {
+    (void)wake;
+    return false;
+  }
   /// Resources the transport created itself since construction (events, pinned blocks, device scratch); what
   /// the engine counts in `EngineStats::allocations` besides its own pools. A steady state adds none.
   [[nodiscard]] virtual std::int64_t resources_created() const noexcept { return 0; }
