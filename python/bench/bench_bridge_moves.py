@@ -160,10 +160,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two sizes, 3 rounds")
     ap.add_argument("--moves", type=int, default=4, help="experts each rank sends per round")
-    ap.add_argument("--grads", action="store_true", help="replica gradient returns (1 MiB and 8 MiB experts)")
+    ap.add_argument("--grads", action="store_true", help="replica gradient returns (64 KiB, 1 MiB and 8 MiB experts)")
     args = ap.parse_args()
     if args.grads:
-        sizes, reps = ([1 << 20] if args.quick else [1 << 20, 8 << 20]), (3 if args.quick else 9)
+        sizes, reps = ([1 << 20] if args.quick else [1 << 16, 1 << 20, 8 << 20]), (3 if args.quick else 9)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "out.json")
             mp.start_processes(grads_main, args=(tmp, sizes, args.moves, reps, out), nprocs=2, start_method="spawn")
