@@ -622,6 +622,77 @@ TEST_CASE("multi-process replica gradients under a schedule that spares reductio
   CHECK(bad_unspared > 0);
 }
 
+// FaultSchedule::spare_reductions: reductions do not advance the serial that fault decisions hash, so moves after a
+// reduction meet the faults they meet on an engine that runs none (what foremoe.torch relies on to keep a seeded
+// schedule's decisions when its reductions share the moves' engine). Without it they differ for some seeds.
+TEST_CASE("multi-process: under spare_reductions a reduction between move batches leaves the moves' faults alone") {
+  int differ_unspared = 0;
+  for (std::uint64_t seed = 1; seed <= 30 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    for (const bool spare : {true, false}) {
+      // Two runs of the same batches (same seed everywhere), one with a reduction between the halves.
+      std::vector<std::vector<rt::Status>> st[2];
+      std::vector<std::int32_t> valid[2];
+      for (int with_reduce = 0; with_reduce < 2; ++with_reduce) {
+        std::mt19937_64 rng(seed * 11 + 5);
+        Group grp;
+        rt::EngineOptions o = random_options(rng);
+        grp.mirrors = false;
+        o.planning.host_mirror = false;
+        auto f = std::make_shared<rt::FaultSchedule>();
+        f->fail_probability = 0.25;
+        f->seed = seed;
+        f->spare_reductions = spare;
+        o.faults = f;
+        grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
+        grp.build(rng, o);
+        std::vector<LayerPlacement> target;
+        auto batches = grp.random_batches(rng, target);
+        const std::size_t half = batches.size() / 2;
+        const std::vector<std::pair<int, std::vector<Move>>> first(batches.begin(), batches.begin() + half),
+            second(batches.begin() + half, batches.end());
+        st[with_reduce] = run_everywhere(grp, first, 10s);
+        if (with_reduce == 1) {
+          const LayerPlacement where = grp.engines[0]->resident(0); // planned placement (the same everywhere)
+          std::vector<std::int32_t> owner(static_cast<std::size_t>(grp.num_experts), 0);
+          for (int e = 0; e < grp.num_experts; ++e)
+            for (int g = grp.topo.num_gpus() - 1; g >= 0; --g)
+              if (where.holds(g, e)) owner[e] = g;
+          std::vector<std::thread> procs;
+          for (int q = 0; q < grp.num_procs; ++q)
+            procs.emplace_back([&, q] {
+              rt::ReduceBatch b;
+              b.owner_gpu = owner;
+              b.timeout = 5s;
+              rt::Ticket t;
+              if (grp.engines[q]->submit_reduce(b, t).ok()) (void)t.wait_for(8s);
+            });
+          for (auto &t : procs)
+            t.join();
+        }
+        const auto rest = run_everywhere(grp, second, 10s);
+        for (int q = 0; q < grp.num_procs; ++q)
+          st[with_reduce][q].insert(st[with_reduce][q].end(), rest[q].begin(), rest[q].end());
+        for (int l = 0; l < grp.num_layers; ++l)
+          for (int g = 0; g < grp.topo.num_gpus(); ++g)
+            for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+              valid[with_reduce].push_back(grp.engine_of(g).valid_expert(l, g, s));
+      }
+      bool same = valid[0] == valid[1] && st[0].size() == st[1].size();
+      for (std::size_t q = 0; same && q < st[0].size(); ++q) {
+        same = st[0][q].size() == st[1][q].size();
+        for (std::size_t i = 0; same && i < st[0][q].size(); ++i)
+          same = st[0][q][i].code() == st[1][q][i].code();
+      }
+      if (spare)
+        CHECK_MESSAGE(same, "seed ", seed, ": the moves after a reduction met other faults");
+      else if (!same)
+        ++differ_unspared;
+    }
+  }
+  MESSAGE(differ_unspared, " seeds differed without spare_reductions");
+  CHECK(differ_unspared > 0);
+}
+
 TEST_CASE("multi-process options and registration are checked") {
   rt::EngineOptions o;
   o.topology.num_nodes = 2;
