@@ -17,13 +17,14 @@ count on every rank: the rows of the storage (owned experts first, then the spar
 their second copies) padded to the busiest rank's, then one staging row per spare row of the rank with the most
 spare rows, into which :meth:`ExpertStorage.prefetch` lands its moves until the call installs them.
 
-Replica gradients go back on the engine too (:class:`GradReducer`): the backward writes the owner gradients and the
-returning replica gradients into per-kind gradient tensors registered with an engine of the storage, every rank
-submits the same ``submit_reduce(returns=...)`` and the engine adds each expert's replicas into its owner's in the
-fixed order (the owner's own first, then by rank, experts ascending). Which gradients return when is the layer's
-(``gradients="hold"``: :func:`foremoe.torch.layer._hold_schedule`); held gradients wait in Python tensors, since the
-layer returns one in the backward of the call whose plan drops it, after that call's moves may have reused its row,
-which the engine's own held-slot records refuse.
+Replica gradients go back on the same engine (:class:`GradReducer`, the engine's layer 1, its fault injector sparing
+reductions): the backward writes the owner gradients and the returning replica gradients into per-kind gradient
+tensors registered with it, every rank that sends or receives one submits the same ``submit_reduce`` and the
+engine adds each expert's replicas into its owner's in the fixed order (the owner's own first, then by rank,
+experts ascending). Which gradients return when is the layer's (``gradients="hold"``:
+:func:`foremoe.torch.layer._hold_schedule`); held gradients wait in Python tensors, since the layer returns one in
+the backward of the call whose plan drops it, after that call's moves may have reused its row, which the engine's
+own held-slot records refuse.
 """
 
 from __future__ import annotations
