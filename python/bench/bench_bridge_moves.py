@@ -17,8 +17,8 @@ nanoseconds per byte (process CPU time of all its threads -- gloo's, the engine'
 With ``--grads``: the replica gradients of a backward returning to their owners instead (each rank holds a
 replica of every expert the other owns, ``moves`` per rank, float32, ``size`` bytes each; every one returns):
   engine   foremoe.torch.layer._to_owners_engine on CPU storage: the gradients written into the rows of the
-           storage's engine (its layer 1), its reductions (submit_reduce over the bridge, added at the owner in the fixed
-           order), the owner rows read back, the status all_gather
+           storage's engine (its layer 1), its reductions (submit_reduce over the bridge, added at the owner in the
+           fixed order), the owner rows read back, the status all_gather
   python   foremoe.torch.layer._to_owners with ExpertStorage(_mover="python"): batch_isend_irecv of every replica
            gradient, the waits, the additions at the owner
 Reported as above (bytes: the gradients crossing the group).
