@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <mutex>
+#include <span>
 #include <unordered_map>
 
 #include "foremoe/runtime/testing.hpp"
@@ -14,13 +15,27 @@ inline namespace v0 {
 namespace runtime::detail {
 namespace {
 
-class FaultTransport final : public ForwardingTransport {
+class FaultTransport final : public ForwardingTransport, public FaultControl {
 public:
   FaultTransport(std::unique_ptr<Transport> inner, std::shared_ptr<const FaultSchedule> f, bool host_memory)
       : ForwardingTransport(std::move(inner)), f_(std::move(f)), host_memory_(host_memory) {}
 
+  void spare(bool on) noexcept override {
+    std::lock_guard lock(mu_);
+    spare_ = on;
+  }
+
   Status start(const CopyOp &op, std::uint64_t &handle) override {
     std::lock_guard lock(mu_);
+    if (spare_) { // forwarded as it is, under a handle of this transport
+      Pending p;
+      p.op = op;
+      if (Status st = inner().start(p.op, p.inner); !st.ok()) return st;
+      p.started = true;
+      handle = next_++;
+      ops_[handle] = p;
+      return Status::success();
+    }
     handle = next_++;
     Pending p;
     p.op = op;
@@ -49,6 +64,7 @@ public:
     PeerPending p;
     p.inner = inner_handle;
     p.ops = ops;
+    p.spared = spare_;
     peer_[handle] = p;
     return Status::success();
   }
@@ -66,7 +82,7 @@ public:
         p.landed = true;
         p.result = st;
         p.seconds = seconds;
-        for (PeerOp &op : p.ops) {
+        for (PeerOp &op : p.spared ? std::span<PeerOp>{} : p.ops) {
           if (draw(op.fault_key, fail) < f_->fail_probability && p.result.ok())
             p.result = {StatusCode::device_error, "injected peer transfer failure"};
           if (!op.send && host_memory_ && op.num_bytes > 0 && draw(op.fault_key, corrupt) < f_->corrupt_probability)
@@ -122,13 +138,14 @@ private:
   struct PeerPending {
     std::uint64_t inner = 0;
     std::span<PeerOp> ops;
-    bool landed = false;
+    bool landed = false, spared = false;
     Status result;
     double seconds = 0.0;
     std::chrono::steady_clock::time_point release{};
   };
   std::shared_ptr<const FaultSchedule> f_;
   bool host_memory_ = false;
+  bool spare_ = false; // FaultControl::spare
   std::unordered_map<std::uint64_t, PeerPending> peer_;
   std::mutex mu_;
   std::uint64_t next_ = 1;

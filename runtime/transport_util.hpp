@@ -25,6 +25,17 @@ void add_builtin_transport(const char *name, TransportFactory factory);
   return !o.peers.local_gpus.empty() && static_cast<int>(o.peers.local_gpus.size()) < o.topology.num_gpus();
 }
 
+/// The fault injector's switch (`FaultSchedule::spare_reductions`): while `spare(true)` is in effect, the copies and
+/// paired transfers started get no injected fault. Called from the engine's progress thread only, around the
+/// operations of a reduction it starts.
+class FaultControl {
+public:
+  virtual void spare(bool on) noexcept = 0;
+
+protected:
+  ~FaultControl() = default;
+};
+
 /// 64-bit mix used by checksums and fault decisions.
 [[nodiscard]] constexpr std::uint64_t mix64(std::uint64_t x) noexcept {
   x += 0x9e3779b97f4a7c15ull;

@@ -547,6 +547,152 @@ TEST_CASE("multi-process replica gradients: owners receive every replica's gradi
   }
 }
 
+// FaultSchedule::spare_reductions: a schedule that fails and corrupts paired transfers and copies leaves the
+// reductions alone, so every one adds the exact replica gradients (a reduction's bytes carry no checksum); the same
+// schedule without it makes some reductions fail or add corrupt bytes (the check can fail).
+TEST_CASE("multi-process replica gradients under a schedule that spares reductions: exact sums every time") {
+  int bad_unspared = 0;
+  for (std::uint64_t seed = 1; seed <= 24 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    for (const bool spare : {true, false}) {
+      std::mt19937_64 rng(seed * 7 + 3);
+      Group grp;
+      rt::EngineOptions o = random_options(rng);
+      o.num_layers = 1;
+      auto f = std::make_shared<rt::FaultSchedule>();
+      f->fail_probability = 0.3;
+      f->corrupt_probability = 0.5;
+      f->seed = seed;
+      f->spare_reductions = spare;
+      o.faults = f;
+      grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
+      grp.build(rng, o);
+      const LayerPlacement p = grp.random_resident(rng, 0);
+      std::vector<std::int32_t> owner(static_cast<std::size_t>(grp.num_experts), 0);
+      for (int e = 0; e < grp.num_experts; ++e) {
+        owner[e] = -1;
+        for (int g = 0; g < grp.topo.num_gpus() && owner[e] < 0; ++g)
+          if (p.holds(g, e)) owner[e] = g;
+        if (owner[e] < 0) owner[e] = 0;
+      }
+      const std::int64_t n = grp.grad_bytes / 4;
+      std::uniform_real_distribution<float> val(-4.f, 4.f);
+      for (int g = 0; g < grp.topo.num_gpus(); ++g)
+        for (float &x : grp.grad_mem[g])
+          x = val(rng);
+      const auto before = grp.grad_mem;
+      std::vector<rt::Status> st(static_cast<std::size_t>(grp.num_procs));
+      std::vector<std::thread> procs;
+      for (int q = 0; q < grp.num_procs; ++q)
+        procs.emplace_back([&, q] {
+          rt::ReduceBatch b;
+          b.owner_gpu = owner;
+          b.timeout = 5s;
+          rt::Ticket t;
+          st[q] = grp.engines[q]->submit_reduce(b, t);
+          if (st[q].ok()) st[q] = t.wait_for(8s);
+        });
+      for (auto &t : procs)
+        t.join();
+      bool bad = false;
+      for (int q = 0; q < grp.num_procs; ++q) {
+        if (spare) CHECK_MESSAGE(st[q].ok(), "seed ", seed, ": ", st[q].to_string());
+        bad = bad || !st[q].ok();
+      }
+      // Owner slots: their own gradient, then each replica's added in GPU order (the engine's fixed order).
+      for (int e = 0; e < grp.num_experts; ++e) {
+        const int o_gpu = owner[e];
+        int o_slot = -1;
+        for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+          if (p.slot(o_gpu, s) == e) o_slot = s;
+        if (o_slot < 0) continue;
+        for (std::int64_t i = 0; i < n; ++i) {
+          float all = before[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
+          for (int g = 0; g < grp.topo.num_gpus(); ++g)
+            for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+              if (g != o_gpu && p.slot(g, s) == e) all += before[g][static_cast<std::size_t>(s * n + i)];
+          const float got = grp.grad_mem[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
+          if (spare) CHECK_MESSAGE(got == all, "seed ", seed, " expert ", e, " element ", i);
+          bad = bad || got != all;
+        }
+      }
+      if (!spare && bad) ++bad_unspared;
+    }
+  }
+  MESSAGE(bad_unspared, " seeds went wrong without spare_reductions");
+  CHECK(bad_unspared > 0);
+}
+
+// FaultSchedule::spare_reductions: reductions do not advance the serial that fault decisions hash, so moves after a
+// reduction meet the faults they meet on an engine that runs none (what foremoe.torch relies on to keep a seeded
+// schedule's decisions when its reductions share the moves' engine). Without it they differ for some seeds.
+TEST_CASE("multi-process: under spare_reductions a reduction between move batches leaves the moves' faults alone") {
+  int differ_unspared = 0;
+  for (std::uint64_t seed = 1; seed <= 30 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    for (const bool spare : {true, false}) {
+      // Two runs of the same batches (same seed everywhere), one with a reduction between the halves.
+      std::vector<std::vector<rt::Status>> st[2];
+      std::vector<std::int32_t> valid[2];
+      for (int with_reduce = 0; with_reduce < 2; ++with_reduce) {
+        std::mt19937_64 rng(seed * 11 + 5);
+        Group grp;
+        rt::EngineOptions o = random_options(rng);
+        grp.mirrors = false;
+        o.planning.host_mirror = false;
+        auto f = std::make_shared<rt::FaultSchedule>();
+        f->fail_probability = 0.25;
+        f->seed = seed;
+        f->spare_reductions = spare;
+        o.faults = f;
+        grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
+        grp.build(rng, o);
+        std::vector<LayerPlacement> target;
+        auto batches = grp.random_batches(rng, target);
+        const std::size_t half = batches.size() / 2;
+        const std::vector<std::pair<int, std::vector<Move>>> first(batches.begin(), batches.begin() + half),
+            second(batches.begin() + half, batches.end());
+        st[with_reduce] = run_everywhere(grp, first, 10s);
+        if (with_reduce == 1) {
+          const LayerPlacement where = grp.engines[0]->resident(0); // planned placement (the same everywhere)
+          std::vector<std::int32_t> owner(static_cast<std::size_t>(grp.num_experts), 0);
+          for (int e = 0; e < grp.num_experts; ++e)
+            for (int g = grp.topo.num_gpus() - 1; g >= 0; --g)
+              if (where.holds(g, e)) owner[e] = g;
+          std::vector<std::thread> procs;
+          for (int q = 0; q < grp.num_procs; ++q)
+            procs.emplace_back([&, q] {
+              rt::ReduceBatch b;
+              b.owner_gpu = owner;
+              b.timeout = 5s;
+              rt::Ticket t;
+              if (grp.engines[q]->submit_reduce(b, t).ok()) (void)t.wait_for(8s);
+            });
+          for (auto &t : procs)
+            t.join();
+        }
+        const auto rest = run_everywhere(grp, second, 10s);
+        for (int q = 0; q < grp.num_procs; ++q)
+          st[with_reduce][q].insert(st[with_reduce][q].end(), rest[q].begin(), rest[q].end());
+        for (int l = 0; l < grp.num_layers; ++l)
+          for (int g = 0; g < grp.topo.num_gpus(); ++g)
+            for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+              valid[with_reduce].push_back(grp.engine_of(g).valid_expert(l, g, s));
+      }
+      bool same = valid[0] == valid[1] && st[0].size() == st[1].size();
+      for (std::size_t q = 0; same && q < st[0].size(); ++q) {
+        same = st[0][q].size() == st[1][q].size();
+        for (std::size_t i = 0; same && i < st[0][q].size(); ++i)
+          same = st[0][q][i].code() == st[1][q][i].code();
+      }
+      if (spare)
+        CHECK_MESSAGE(same, "seed ", seed, ": the moves after a reduction met other faults");
+      else if (!same)
+        ++differ_unspared;
+    }
+  }
+  MESSAGE(differ_unspared, " seeds differed without spare_reductions");
+  CHECK(differ_unspared > 0);
+}
+
 TEST_CASE("multi-process options and registration are checked") {
   rt::EngineOptions o;
   o.topology.num_nodes = 2;

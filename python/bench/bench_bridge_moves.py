@@ -16,9 +16,9 @@ nanoseconds per byte (process CPU time of all its threads -- gloo's, the engine'
 
 With ``--grads``: the replica gradients of a backward returning to their owners instead (each rank holds a
 replica of every expert the other owns, ``moves`` per rank, float32, ``size`` bytes each; every one returns):
-  engine   foremoe.torch.layer._to_owners_engine on CPU storage: the gradients written into the storage's
-           gradient engine's rows, its reductions (submit_reduce over the bridge, added at the owner in the fixed
-           order), the owner rows read back, the status all_gather
+  engine   foremoe.torch.layer._to_owners_engine on CPU storage: the gradients written into the rows of the
+           storage's engine (its layer 1), its reductions (submit_reduce over the bridge, added at the owner in the
+           fixed order), the owner rows read back, the status all_gather
   python   foremoe.torch.layer._to_owners with ExpertStorage(_mover="python"): batch_isend_irecv of every replica
            gradient, the waits, the additions at the owner
 Reported as above (bytes: the gradients crossing the group).
@@ -160,10 +160,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="two sizes, 3 rounds")
     ap.add_argument("--moves", type=int, default=4, help="experts each rank sends per round")
-    ap.add_argument("--grads", action="store_true", help="replica gradient returns (1 MiB and 8 MiB experts)")
+    ap.add_argument("--grads", action="store_true", help="replica gradient returns (64 KiB, 1 MiB and 8 MiB experts)")
     args = ap.parse_args()
     if args.grads:
-        sizes, reps = ([1 << 20] if args.quick else [1 << 20, 8 << 20]), (3 if args.quick else 9)
+        sizes, reps = ([1 << 20] if args.quick else [1 << 16, 1 << 20, 8 << 20]), (3 if args.quick else 9)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "out.json")
             mp.start_processes(grads_main, args=(tmp, sizes, args.moves, reps, out), nprocs=2, start_method="spawn")

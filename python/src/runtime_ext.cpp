@@ -972,6 +972,10 @@ void bind_runtime(nb::module_ &m) {
       .def_rw("paired_only", &rt::FaultSchedule::paired_only,
               "the probabilities act only on paired transfers with other processes, never on a process's own "
               "copies (host mirror, its own GPUs)")
+      .def_rw("spare_reductions", &rt::FaultSchedule::spare_reductions,
+              "the injector leaves replica-gradient reductions alone (their bytes carry no checksum) and they do "
+              "not advance the serial that decisions hash: the decisions on moves are an engine's without "
+              "reductions")
       .def_rw("seed", &rt::FaultSchedule::seed)
       .def(
           "draw",

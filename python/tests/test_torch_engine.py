@@ -562,6 +562,37 @@ def test_paired_only_faults_spare_a_process_own_copies(paired_only):
         assert c.engine.valid_expert(0, 1, 1) == -1 and c.engine.valid_expert(0, 0, 0) == -1
 
 
+@pytest.mark.parametrize("spare", [False, True])
+def test_spare_reductions_keeps_the_injector_off_reductions(spare):
+    """Every copy fails with probability 1: with spare_reductions the reduction's copies get no fault and the owner
+    row is its own gradient plus the replica's, while a move batch on the same engine still fails; without it the
+    reduction fails and the owner row keeps its own gradient."""
+    faults = fe.FaultSchedule(fail_probability=1.0, seed=3, spare_reductions=spare)
+    assert faults.spare_reductions is spare and "spare_reductions" in fe.FaultSchedule.fields()
+    topo = foremoe.Topology(1, 2, 2)
+    eng = fe.TransferEngine(topology=topo, num_layers=2, num_experts=3, expert_bytes=64, faults=faults,
+                            host_mirror=False)
+    slots = [torch.zeros(2, 16) for _ in range(2)]
+    grads = [torch.randn(2, 16, generator=torch.Generator().manual_seed(g)) for g in range(2)]
+    for g in range(2):
+        eng.register_slots(0, g, slots[g])
+        eng.register_grads(1, g, grads[g])
+    eng.set_resident(1, [[0, 1], [2, 0]])  # expert 0 owned by GPU 0 (slot 0), replicated on GPU 1 (slot 1)
+    own, want = grads[0][0].clone(), grads[0][0] + grads[1][1]
+    t = eng.submit_reduce(1, [0, 0, 1])
+    if spare:
+        t.wait(10.0)
+        assert torch.equal(grads[0][0], want)
+    else:
+        with pytest.raises(fe.TransferError):
+            t.wait(10.0)
+        assert torch.equal(grads[0][0], own)
+    eng.set_resident(0, [[0, 1], [2, -1]])
+    with pytest.raises(fe.TransferError):  # the moves still meet the faults
+        eng.submit([[0, 0, 1, 1]], 0).wait(10.0)
+    eng.close()
+
+
 # -- split (per-kind) regions: one tensor per weight kind, as ExpertStorage keeps them -------------------------------
 
 KINDS = [(torch.float32, (370,)), (torch.bfloat16, (2, 500)), (torch.uint8, (9,))]  # row bytes 1480, 2000, 9

@@ -69,6 +69,8 @@ def test_faults_with_fresh_mirror_are_exact(name, tmp_path_factory):
         # The mirror replaced every failed move, and some moves got through.
         assert t["fallbacks"] >= t["faults"], (run, t)
         assert t["moves"] > t["fallbacks"], (run, t)
+        # The replica gradients returned on the engine the faults act on (its injector spares the reductions).
+        assert all(rec["engine_reductions"] > 0 for rec in got[run]), run
     # Over the seeded runs (a handful of moves each) faults really happened and verification caught corrupted rows.
     assert sum(t["faults"] for t in seeded.values()) > 0, seeded
     assert sum(t["verify_failures"] for t in seeded.values()) > 0, seeded

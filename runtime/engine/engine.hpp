@@ -337,6 +337,12 @@ private:
   void start_reduce(TicketImpl &t, double now_s);
   void issue_reduce(TicketImpl &t, ReduceRun &r, double now_s);
   void step_reduce(TicketImpl &t, double now_s);
+  // Runs `f` with the fault injector sparing what it starts (`FaultSchedule::spare_reductions`).
+  template <class F> void spared(F &&f) {
+    if (spare_faults_ != nullptr) spare_faults_->spare(true);
+    f();
+    if (spare_faults_ != nullptr) spare_faults_->spare(false);
+  }
 
   // telemetry.cpp
   void end(TicketImpl &t);
@@ -384,6 +390,8 @@ private:
   std::vector<char> local_;             // per GPU: driven by this engine
   bool spmd_ = false;                   // some GPUs are driven by other processes
   std::uint64_t serial_ = 0;
+  std::uint64_t reduce_serial_ = 0;      // reductions' serials under FaultSchedule::spare_reductions
+  FaultControl *spare_faults_ = nullptr; // the fault injector, when it spares reductions
   bool stopping_ = false;
   // Polling: every 50 us while a batch has local copies, gates or arrivals to see to; while every batch only
   // waits for paired-transfer groups of a transport that wakes the engine (`Transport::set_peer_waker`), the

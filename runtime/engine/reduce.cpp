@@ -41,7 +41,9 @@ void EngineImpl::issue_reduce(TicketImpl &t, ReduceRun &r, double now_s) {
                          (static_cast<std::uint64_t>(r.gpu) << 8) + r.copy.attempts) ^
                    (ti == 0 ? 0 : mix64(0x7e45ull + ti));
     std::uint64_t h = 0;
-    if (transport_->start(op, h).ok())
+    bool started = false;
+    spared([&] { started = transport_->start(op, h).ok(); });
+    if (started)
       r.copy.handles.push_back(h);
     else
       r.copy.piece_failed();
@@ -50,7 +52,7 @@ void EngineImpl::issue_reduce(TicketImpl &t, ReduceRun &r, double now_s) {
 }
 
 void EngineImpl::step_reduce(TicketImpl &t, double now_s) {
-  if (t.has_peer && !t.peer_posted) post_peer(t, t.draining);
+  if (t.has_peer && !t.peer_posted) spared([&] { post_peer(t, t.draining); });
   bool in_flight = false;
   for (ReduceRun &r : t.reduces) {
     if (!r.copy.in_flight()) continue;

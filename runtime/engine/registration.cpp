@@ -9,6 +9,7 @@
 
 #include "engine.hpp"
 #include "foremoe/runtime/node_mirror.hpp"
+#include "foremoe/runtime/testing.hpp"
 
 namespace foremoe {
 inline namespace v0 {
@@ -46,6 +47,7 @@ EngineImpl::EngineImpl(EngineOptions o, std::shared_ptr<Transport> t)
   for (const TensorSpan &ts : opts_.tensors)
     prefix_.push_back(prefix_.back() + ts.num_bytes);
   peer_wakes_ = transport_->set_peer_waker([this] { wake(); });
+  if (opts_.faults && opts_.faults->spare_reductions) spare_faults_ = dynamic_cast<FaultControl *>(transport_.get());
   progress_ = std::thread([this] { run(); });
 }
 EngineImpl::~EngineImpl() {
@@ -238,7 +240,7 @@ EngineStats EngineImpl::stats() const {
   EngineStats s;
   s.allocations = pool_->allocations() + transport_->resources_created();
   std::lock_guard lock(mu_);
-  s.batches = static_cast<std::int64_t>(serial_);
+  s.batches = static_cast<std::int64_t>(serial_ + reduce_serial_);
   return s;
 }
 

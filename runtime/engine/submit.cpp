@@ -326,7 +326,9 @@ Status EngineImpl::finish_submit(std::shared_ptr<TicketImpl> &t, std::chrono::mi
   }
   t->pool = pool_;
   if (Status st = pool_->take_flag(t->flag, t->flag_value); !st.ok()) return st;
-  t->serial = ++serial_;
+  // Under FaultSchedule::spare_reductions a reduction takes a serial of its own count: the moves' serials (and so
+  // their fault decisions) are then those of an engine without reductions.
+  t->serial = t->kind == TicketImpl::Kind::reduce && spare_faults_ != nullptr ? ++reduce_serial_ : ++serial_;
   t->t0 = clock::now();
   t->deadline = t->t0 + timeout;
   active_.push_back(t);

@@ -30,6 +30,13 @@ struct FaultSchedule {
   /// trainer whose network fails while its host memory does not (foremoe.torch's replica moves). Last, so that
   /// aggregate initialisers written before it keep their meaning.
   bool paired_only = false;
+  /// The injector leaves replica-gradient reductions alone (their copies and paired transfers; `fail_path` too),
+  /// acting on moves only, and reductions do not advance the batch serial that fault decisions hash, so the
+  /// decisions on moves are those of an engine that runs no reductions. A reduction's bytes carry no checksum
+  /// (only moves are verified), so an injected corruption would be added into an owner's gradient unseen: a trainer
+  /// that injects faults into its moves and reduces gradients on the same engine sets this (foremoe.torch does).
+  /// Last, so that aggregate initialisers written before it keep their meaning.
+  bool spare_reductions = false;
 };
 
 /// The injector's decisions about one operation, each drawn on its own.

@@ -209,6 +209,7 @@ class FaultSchedule:
     delay_us: int
     fail_paths: List[str]
     paired_only: bool
+    spare_reductions: bool
     seed: int
     def __init__(self, **fields: Any) -> None: ...
     @staticmethod

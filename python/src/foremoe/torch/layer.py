@@ -780,15 +780,22 @@ class ExpertStorage:
             pending["works"] = dist.batch_isend_irecv(ops)
         return pending
 
+    def _engine_mover(self, group: Any, timeout: float) -> EngineMover:
+        """This storage's transfer engine (moves and replica-gradient reductions), made at first use (a collective:
+        every rank gets there at the same sync or backward) and remade when ``faults`` or ``verify`` changed since,
+        which also drops the gradient reducer registered with the old one."""
+        if self._mover is not None and not self._mover.fits(self):
+            self._mover.close()
+            self._mover, self._reducer = None, None
+        if self._mover is None:
+            self._mover = EngineMover(self, group, timeout)
+        return self._mover
+
     def _post_engine(self, pending: Dict[str, Any], group: Any, staged: bool, timeout: float) -> Dict[str, Any]:
         """Submits the sync's moves to this storage's transfer engine (:mod:`foremoe.torch.mover`): every rank the
         same batch, each move from its owner's row into its destination row, or (``staged``, a prefetch) into the
         destination rank's staging rows, installed at the call."""
-        if self._mover is not None and not self._mover.fits(self):  # `faults` or `verify` changed since
-            self._mover.close()
-            self._mover = None
-        if self._mover is None:
-            self._mover = EngineMover(self, group, timeout)
+        mover = self._engine_mover(group, timeout)
         every = pending["out"]["all_moves"]
         batch = every.astype(np.int32)  # (expert, source rank, destination rank, destination row)
         if staged:  # the k-th move into a rank lands in its k-th staging row
@@ -801,7 +808,7 @@ class ExpertStorage:
         # (expert, source rank, storage row, engine slot) of every move into this rank.
         pending["incoming"] = [(int(every[i, 0]), int(every[i, 1]), int(every[i, 3]), int(batch[i, 3])) for i in mine]
         pending["index"] = mine
-        pending["ticket"] = self._mover.submit(batch, timeout)
+        pending["ticket"] = mover.submit(batch, timeout)
         return pending
 
     def _land(self, pending: Dict[str, Any], timeout: float, layer: int) -> Optional[str]:
@@ -1142,7 +1149,7 @@ def _to_owners(run: _Run, go: List[torch.Tensor], items: Sequence[Tuple[int, int
 
 def _to_owners_engine(run: _Run, go: List[torch.Tensor], pairs: Sequence[Tuple[int, int]],
                       mine: Dict[int, Optional[List[torch.Tensor]]], what: str) -> List[torch.Tensor]:
-    """:func:`_to_owners` on the storage's gradient engine (:class:`foremoe.torch.mover.GradReducer`): ``pairs``
+    """:func:`_to_owners` on the storage's transfer engine (:class:`foremoe.torch.mover.GradReducer`): ``pairs``
     (expert, holder rank) return, ascending, the same on every rank; ``mine`` the gradients of those this rank holds.
     Every rank then agrees over the group whether every reduction succeeded: all raise ``RuntimeError`` naming the
     layer otherwise (no gradient of the layer reaches the parameters)."""

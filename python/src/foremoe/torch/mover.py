@@ -17,13 +17,14 @@ count on every rank: the rows of the storage (owned experts first, then the spar
 their second copies) padded to the busiest rank's, then one staging row per spare row of the rank with the most
 spare rows, into which :meth:`ExpertStorage.prefetch` lands its moves until the call installs them.
 
-Replica gradients go back on the engine too (:class:`GradReducer`): the backward writes the owner gradients and the
-returning replica gradients into per-kind gradient tensors registered with an engine of the storage, every rank
-submits the same ``submit_reduce(returns=...)`` and the engine adds each expert's replicas into its owner's in the
-fixed order (the owner's own first, then by rank, experts ascending). Which gradients return when is the layer's
-(``gradients="hold"``: :func:`foremoe.torch.layer._hold_schedule`); held gradients wait in Python tensors, since the
-layer returns one in the backward of the call whose plan drops it, after that call's moves may have reused its row,
-which the engine's own held-slot records refuse.
+Replica gradients go back on the same engine (:class:`GradReducer`, the engine's layer 1, its fault injector sparing
+reductions): the backward writes the owner gradients and the returning replica gradients into per-kind gradient
+tensors registered with it, every rank that sends or receives one submits the same ``submit_reduce`` and the
+engine adds each expert's replicas into its owner's in the fixed order (the owner's own first, then by rank,
+experts ascending). Which gradients return when is the layer's (``gradients="hold"``:
+:func:`foremoe.torch.layer._hold_schedule`); held gradients wait in Python tensors, since the layer returns one in
+the backward of the call whose plan drops it, after that call's moves may have reused its row, which the engine's
+own held-slot records refuse.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ class EngineMover:
         rows = st._engine_rows
         tensors = [int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names]  # bytes per kind
         topo = foremoe.Topology(st.world // st.local_world, st.local_world, rows)
-        self.engine = TransferEngine(topology=topo, num_layers=1, num_experts=st.num_experts, tensors=tensors,
-                                     verify=st.verify, faults=st.faults, host_mirror=st.mirror is not None,
+        # Engine layer 0: the weights (moves); layer 1: the gradients (GradReducer's reductions), whose resident
+        # table changes per reduction while a prefetch's moves may still run on layer 0.
+        self.engine = TransferEngine(topology=topo, num_layers=2, num_experts=st.num_experts, tensors=tensors,
+                                     verify=st.verify, faults=_sparing(st.faults), host_mirror=st.mirror is not None,
                                      host_threads_per_path=1, group=pg, bridge_timeout=timeout, tag_space=space)
         self.engine.register_slots(0, st.rank, [st._alloc[n] for n in st.names])
         if st.mirror is not None:
@@ -101,6 +104,17 @@ class EngineMover:
         """Waits for ``ticket`` (at most ``timeout`` seconds past its own deadline, then aborts it); returns the
         failure's message (None when every move landed) and the per-move telemetry."""
         return _finish(ticket, timeout)
+
+
+def _sparing(faults: Any) -> Any:
+    """A copy of ``faults`` (a :class:`foremoe.FaultSchedule` or None) with ``spare_reductions`` set: the injector acts
+    on the moves alone, with the decisions it takes on an engine without reductions, and never on the replica
+    gradients the same engine reduces (their bytes carry no checksum, so a corrupted one would be added unseen)."""
+    if faults is None:
+        return None
+    out = type(faults)(**{f: getattr(faults, f) for f in type(faults).fields()})
+    out.spare_reductions = True
+    return out
 
 
 def _finish(ticket: Any, timeout: float) -> Tuple[Optional[str], List[Dict[str, Any]]]:
@@ -137,35 +151,31 @@ def reduces_on_engine(storage: Any) -> bool:
 
 
 class GradReducer:
-    """One storage's replica-gradient reductions on this rank, on a transfer engine of their own (the same topology
-    and group as :class:`EngineMover`'s, its own tag space; made at the first backward that returns a gradient, a
-    collective over ``group``). Its own engine, not the mover's, because the mover's carries the storage's fault
-    injector, which acts on every paired transfer, and a reduction's bytes carry no checksum: an injected corrupt byte
-    would be added into an owner's gradient unseen (the Python path never injected faults into gradients either).
+    """One storage's replica-gradient reductions on this rank, on the storage's transfer engine (:class:`EngineMover`'s,
+    made if there is none yet: a collective over ``group``), its layer 1. The engine's fault injector spares
+    reductions (``FaultSchedule.spare_reductions``, set by :class:`EngineMover`): a reduction's bytes carry no
+    checksum, so an injected corruption would be added into an owner's gradient unseen (the Python path never
+    injected faults into gradients either), and the moves keep the decisions of an engine without reductions.
 
     Each gradient kind has a ``[engine rows, ...]`` tensor registered with the engine (split layout, the storage's
-    dtype). A reduction writes this rank's owner gradients that receive additions into their owner rows and the
-    replica gradients it returns into rows after them, declares with ``set_resident`` which row of every rank holds
-    which returning expert (the owner rows hold the owned experts; nothing else is resident, so only the returning
-    pairs are read), submits ``submit_reduce(returns=...)`` and waits: the engine adds each expert's replicas into its owner's row in a fixed
-    order, the owner's own first, then the replicas by rank ascending, experts ascending: the order of the Python
-    path. When more gradients return from a rank than it has rows after its owner rows, the returns are split into
+    dtype). A reduction writes this rank's owner gradients that receive additions into their owner rows (all owner
+    rows in one copy when most receive) and the replica gradients it returns into rows after them, declares with
+    ``set_resident`` which row of every rank holds which returning expert (the owner rows hold the owned experts;
+    nothing else is resident, so exactly the returning pairs are read, without a ``returns`` selection, whose
+    zeroing of the returned rows the next reduction's writes make useless), submits ``submit_reduce`` and waits: the
+    engine adds each expert's replicas into its owner's row in a fixed order, the owner's own first, then the
+    replicas by rank ascending, experts ascending: the order of the Python path. A rank that neither sends nor
+    receives in a reduction does not submit it (the injector spares reductions, so their serials decide nothing).
+    When more gradients return from a rank than it has rows after its owner rows, the returns are split into
     several reductions by expert (all replicas of an expert in one), one after another."""
 
     def __init__(self, storage: Any, group: Any, timeout: float) -> None:
-        pg = group if group is not None else dist.group.WORLD
-        mine = torch.tensor([_next_space[0]], dtype=torch.int64)
-        space = int(gather_rows(mine, pg, timeout, "ExpertStorage: the gradient engine's tag space").max())
-        _next_space[0] = space + 1
         st = storage
+        self.mover = st._engine_mover(group, timeout)
+        self.engine = self.mover.engine
         rows = st._engine_rows
-        tensors = [int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names]
-        topo = foremoe.Topology(st.world // st.local_world, st.local_world, rows)
-        self.engine = TransferEngine(topology=topo, num_layers=1, num_experts=st.num_experts, tensors=tensors,
-                                     verify=False, faults=None, host_mirror=False, host_threads_per_path=1,
-                                     group=pg, bridge_timeout=timeout, tag_space=space)
         self.grads = [torch.zeros_like(st._alloc[n]) for n in st.names]
-        self.engine.register_grads(0, st.rank, self.grads)
+        self.engine.register_grads(1, st.rank, self.grads)
         self.owner_table = np.full((st.world, rows), -1, dtype=np.int32)
         for g in range(st.world):
             self.owner_table[g, :st.owned[g].size] = st.owned[g]
@@ -174,10 +184,10 @@ class GradReducer:
         self.owner_gpu = st.owners.astype(np.int32)
         self.own_row = st.own_row  # an owned expert's row on its owner
         self.rank = st.rank
-        self.reductions = 0  # reductions submitted (the same count on every rank)
+        self.reductions = 0  # reductions run (the same count on every rank, submitted or skipped)
 
     def close(self) -> None:
-        self.engine.close()
+        """Nothing of its own to end: the engine is the storage's mover's."""
 
     def batches(self, pairs: Sequence[Tuple[int, int]]) -> List[List[Tuple[int, int]]]:
         """``pairs`` (expert, holder rank), ascending, in reductions that fit every rank's rows, each expert's
@@ -204,24 +214,33 @@ class GradReducer:
         """Adds the returning replica gradients ``pairs`` (expert, holder rank), ascending and the same on every
         rank, into the owners': ``owner_grads`` this rank's ``[owned, ...]`` per kind, ``mine`` expert -> the
         gradients per kind of the pairs this rank holds (None: zeros). Every rank calls it with the same ``pairs``.
-        Returns (this rank's first failure or None, this rank's owner gradients with the replicas added)."""
+        Returns (this rank's first failure or None, this rank's owner gradients with the replicas added: new tensors
+        where some row received an addition, ``owner_grads``' own otherwise)."""
         grads, nk = self.grads, len(self.grads)
-        # Only the owner rows that receive an addition travel through the engine's rows and back.
-        rows = sorted({int(self.own_row[e]) for e, _ in pairs if self.owner_gpu[e] == self.rank})
+        rank, owner_gpu = self.rank, self.owner_gpu
+        # Only the owner rows that receive an addition travel through the engine's rows and back; when most do,
+        # all of them in one copy each way.
+        rows = sorted({int(self.own_row[e]) for e, _ in pairs if owner_gpu[e] == rank})
+        n = int(owner_grads[0].shape[0]) if nk else 0
+        bulk = 2 * len(rows) > n
         for k in range(nk):
-            for r in rows:
-                grads[k][r].copy_(owner_grads[k][r])
+            if bulk:
+                grads[k][:n].copy_(owner_grads[k])
+            else:
+                for r in rows:
+                    grads[k][r].copy_(owner_grads[k][r])
         error = None
         for batch in self.batches(pairs):
+            self.reductions += 1
+            if not any(g == rank or owner_gpu[e] == rank for e, g in batch):
+                continue  # nothing to send or receive here
             table = self.owner_table.copy()
             free = self.first_free.copy()
-            returns = np.empty((len(batch), 2), dtype=np.int32)
-            for i, (e, g) in enumerate(batch):
+            for e, g in batch:
                 row = int(free[g])
                 free[g] += 1
                 table[g, row] = e
-                returns[i] = (g, e)
-                if g == self.rank:
+                if g == rank:
                     src = mine.get(e)
                     for k in range(nk):
                         if src is None:
@@ -229,13 +248,16 @@ class GradReducer:
                         else:
                             grads[k][row].copy_(src[k])
             try:
-                self.engine.set_resident(0, table)
-                ticket = self.engine.submit_reduce(0, self.owner_gpu, returns=returns, timeout=timeout)
+                self.engine.set_resident(1, table)
+                ticket = self.engine.submit_reduce(1, owner_gpu, timeout=timeout)
             except (ValueError, RuntimeError) as e:
                 error = error or str(e)
                 continue
-            self.reductions += 1
             error = error or _finish(ticket, timeout)[0]
+        if not rows:
+            return error, list(owner_grads)
+        if bulk:
+            return error, [grads[k][:n].clone() for k in range(nk)]
         out = [t.clone() for t in owner_grads]
         for k in range(nk):
             for r in rows:
