@@ -184,6 +184,7 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: slots {slots} must be in [1, {self.num_experts}]: a rank holds distinct "
                              f"experts, at most the {self.num_experts} there are")
         self.owners = own
+        self._owners_bytes = own.tobytes()  # check_plan compares a plan's [E] int32 owners with these bytes
         self._owner_of = np.append(own, -1)  # indexed by a placement: an empty slot (-1) has owner -1
         self._ranks = np.arange(world)[:, None]
         self.owned = [np.flatnonzero(own == g).astype(np.int64) for g in range(world)]
@@ -256,7 +257,7 @@ class ExpertStorage:
         self._checked: Optional[Tuple[Any, int, np.ndarray]] = None  # check_plan's last (plan, layer, placement)
         # Per-call work remembered across calls with the same layer plan (_layer_key: the last plan's key; the
         # held-gradient schedule's replicas; bookkeep's last fixed point (key, tracked rows, result)).
-        self._key_memo: Optional[Tuple[Any, int, Tuple[int, bytes, bytes]]] = None
+        self._key_memo: Optional[Tuple[Any, int, Tuple[int, bytes, bytes], np.ndarray]] = None
         self._replicas_memo: Optional[Tuple[Any, ...]] = None
         self._book_memo: Optional[Tuple[Any, ...]] = None
         self._row_views: Optional[List[List[torch.Tensor]]] = None
@@ -590,12 +591,12 @@ class ExpertStorage:
                              f"{self.num_experts}")
         layer = integer(layer, "ExpertStorage: plan layer", 0, plan.num_layers - 1)  # -1 would be the last one
         owner = plan.owner_gpu[layer]
-        if not np.array_equal(owner, self.owners):
+        if owner.tobytes() != self._owners_bytes:  # both [E] int32
             e = int(np.flatnonzero(owner != self.owners)[0])
             raise ValueError(f"ExpertStorage: plan layer {layer} makes GPU {int(owner[e])} the owner of expert {e}, "
                              f"the storage rank {int(self.owners[e])} (plan with owners=... the trainer's "
                              f"sharding)")
-        placement = np.asarray(plan.gpu_slots[layer])
+        placement = self._placement(plan, layer)
         self._checked = (plan, layer, placement)
         return placement
 
@@ -640,13 +641,20 @@ class ExpertStorage:
     def _layer_key(self, plan: "foremoe.Plan", layer: int) -> Tuple[int, bytes, bytes]:
         """What the bookkeeping and the held-gradient schedule read of ``plan``'s layer ``layer`` (a valid index):
         the layer, its placement and which slots take tokens, as bytes; remembered for the last (plan, layer)."""
+        return self._layer_memo(plan, layer)[2]
+
+    def _placement(self, plan: "foremoe.Plan", layer: int) -> np.ndarray:
+        """``plan``'s ``[G, S]`` placement of layer ``layer`` (a valid index), remembered like :meth:`_layer_key`."""
+        return self._layer_memo(plan, layer)[3]
+
+    def _layer_memo(self, plan: "foremoe.Plan", layer: int) -> Tuple[Any, int, Tuple[int, bytes, bytes], np.ndarray]:
         memo = self._key_memo
         if memo is not None and memo[0] is plan and memo[1] == layer:
-            return memo[2]
+            return memo
         place = np.asarray(plan.gpu_slots[layer])
         key = (layer, place.tobytes(), (np.asarray(plan.slot_tokens[layer]) > 0).tobytes())
-        self._key_memo = (plan, layer, key)
-        return key
+        self._key_memo = (plan, layer, key, place)
+        return self._key_memo
 
     def sync(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int], *, group: Any = None,
              timeout: float = DEFAULT_TIMEOUT, stale_mirrors: Sequence[int] = (),
@@ -1359,9 +1367,10 @@ def _schedule_gradients(run: _Run, gradients: str) -> None:
     without autograd holds and returns nothing. Every rank calls it after :func:`_prepare`, with the same mode."""
     storage = run.storage
     if run.need_grad and (gradients != "reduce" or storage._held):
-        changed = [g for g in range(storage.world) if run.layout.flags[g, 0]]
+        flags = run.layout.flags[:, 0]
+        changed = np.flatnonzero(flags).tolist() if flags.any() else []
         run.hold = _hold_schedule(storage, run.plan, run.plan_layer, gradients, changed)
-        run.slot_expert = np.asarray(run.plan.gpu_slots[run.plan_layer])[storage.rank]
+        run.slot_expert = storage._placement(run.plan, run.plan_layer)[storage.rank]
 
 
 def _prepare(x: Any, expert_ids: Any, routing_weights: Any, plan: Optional["foremoe.Plan"], storage: ExpertStorage,
