@@ -1222,7 +1222,7 @@ def _plan_replicas(st: ExpertStorage, plan: "foremoe.Plan", layer: int
     memo = st._replicas_memo
     if memo is not None and memo[0] == key:
         return memo[1], memo[2]
-    place, taken = np.asarray(plan.gpu_slots[layer]), np.asarray(plan.slot_tokens[layer])
+    place, taken = st._placement(plan, layer), np.asarray(plan.slot_tokens[layer])
     owner = st._owner_of[place]  # -1 for an empty slot
     gs, js = np.nonzero((owner != st._ranks) & (place >= 0))  # the replicas, row-major
     es, os_, ts = place[gs, js].tolist(), owner[gs, js].tolist(), taken[gs, js].tolist()
