@@ -30,7 +30,7 @@ Modes: ``resident`` plans one micro-step's routing again and again (replicas sta
 run without a GPU. One JSON object per shape on stdout, then a table.
 
 Run: python python/bench/bench_megatron_overhead.py [--quick] [--module-mlp | --grouped] [--shape E,K,T,H,SPARE]
-     [--repeats N] [--json out.json]
+     [--repeats N] [--json out.json] [--profile out.prof]
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # megatr
 
 
 def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str, module_mlp: bool = False,
-              grouped: bool = False) -> None:
+              grouped: bool = False, profile: str = "") -> None:
     import megatron_cpu as mc
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
@@ -65,6 +65,12 @@ def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str, modul
                             timeout=datetime.timedelta(seconds=120))
     mc.init_megatron(world)
     results = []
+    prof = None
+    if profile and rank == 0:  # rank 0's adapter calls under cProfile, thread CPU time per function
+        import cProfile
+
+        prof = cProfile.Profile(time.thread_time)
+        prof_ref = cProfile.Profile(time.thread_time)  # Megatron's own layer, for comparison (FILE.megatron)
     for E, K, T, H, spare in shapes:
         cfg = mc.make_config(layers=1, hidden=H, ffn=H, experts=E, topk=K, ep=world, dtype=torch.float32,
                              grouped=grouped)
@@ -97,10 +103,18 @@ def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str, modul
                         dist.barrier()
                         t0, c0 = time.perf_counter(), time.thread_time()
                         if name == "foremoe":
+                            if prof is not None and m > 0:
+                                prof.enable()
                             with fm.micro_step(m, drv):
                                 model(xi).sum().backward()
+                            if prof is not None and m > 0:
+                                prof.disable()
                         else:
+                            if prof is not None and m > 0:
+                                prof_ref.enable()
                             model(xi).sum().backward()
+                            if prof is not None and m > 0:
+                                prof_ref.disable()
                         cpu[name].append(time.thread_time() - c0)
                         times[name].append(time.perf_counter() - t0)
             for name in times:
@@ -112,6 +126,9 @@ def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str, modul
         results.append(row)
     if rank == 0:
         Path(tmp, "out.json").write_text(json.dumps(results))
+        if prof is not None:
+            prof.dump_stats(profile)
+            prof_ref.dump_stats(profile + ".megatron")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -128,6 +145,9 @@ def main() -> None:
     ap.add_argument("--shape", action="append", metavar="E,K,T,H,SPARE",
                     help="experts, top-k, tokens per rank, hidden = ffn, spare rows per rank (repeatable; default: "
                          "16,2,512,8,2 32,4,2048,8,2 64,8,4096,8,2)")
+    ap.add_argument("--profile", metavar="FILE", default="",
+                    help="write a cProfile of rank 0's adapter calls (thread CPU time, all shapes and modes) to FILE "
+                         "and of Megatron's own layer to FILE.megatron (pstats format)")
     ap.add_argument("--repeats", type=int, default=21, help="micro-steps per mode (the first is not counted)")
     a = ap.parse_args()
     if a.grouped and a.module_mlp:
@@ -147,7 +167,8 @@ def main() -> None:
     if a.quick:
         shapes, repeats = [(16, 2, 256, 8, 2)], 5
     with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(rank_main, args=(2, shapes, repeats, tmp, a.module_mlp, a.grouped), nprocs=2)
+        mp.spawn(rank_main, args=(2, shapes, repeats, tmp, a.module_mlp, a.grouped,
+                                         os.path.abspath(a.profile) if a.profile else ""), nprocs=2)
         results = json.loads(Path(tmp, "out.json").read_text())
     for r in results:
         print(json.dumps(r))

@@ -59,12 +59,17 @@ def test_megatron_train_example():
 
 
 @pytest.mark.parametrize("experts", ["sequential", "grouped"])
-def test_megatron_bench_runs_quick(experts):
+def test_megatron_bench_runs_quick(experts, tmp_path):
     pytest.importorskip("megatron.core", reason="the benchmark needs megatron-core 0.16.1 and torch >= 2.6")
     bench = Path(__file__).resolve().parents[1] / "bench" / "bench_megatron_overhead.py"
-    extra = ["--grouped"] if experts == "grouped" else []
+    extra = ["--grouped"] if experts == "grouped" else ["--profile", str(tmp_path / "p.prof")]
     r = subprocess.run([sys.executable, str(bench), "--quick"] + extra, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+    if experts == "sequential":  # --profile: rank 0's adapter calls and Megatron's own layer, pstats files
+        import pstats
+
+        for name in ("p.prof", "p.prof.megatron"):
+            assert pstats.Stats(str(tmp_path / name)).total_calls > 0
     import json
 
     row = json.loads(r.stdout.splitlines()[0])

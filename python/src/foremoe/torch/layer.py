@@ -184,6 +184,7 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: slots {slots} must be in [1, {self.num_experts}]: a rank holds distinct "
                              f"experts, at most the {self.num_experts} there are")
         self.owners = own
+        self._owners_bytes = own.tobytes()  # check_plan compares a plan's [E] int32 owners with these bytes
         self._owner_of = np.append(own, -1)  # indexed by a placement: an empty slot (-1) has owner -1
         self._ranks = np.arange(world)[:, None]
         self.owned = [np.flatnonzero(own == g).astype(np.int64) for g in range(world)]
@@ -254,6 +255,11 @@ class ExpertStorage:
         self._copies_stale = False
         self._copy_versions: List[int] = []
         self._checked: Optional[Tuple[Any, int, np.ndarray]] = None  # check_plan's last (plan, layer, placement)
+        # Per-call work remembered across calls with the same layer plan (_layer_key: the last plan's key; the
+        # held-gradient schedule's replicas; bookkeep's last fixed point (key, tracked rows, result)).
+        self._key_memo: Optional[Tuple[Any, int, Tuple[int, bytes, bytes], np.ndarray]] = None
+        self._replicas_memo: Optional[Tuple[Any, ...]] = None
+        self._book_memo: Optional[Tuple[Any, ...]] = None
         self._row_views: Optional[List[List[torch.Tensor]]] = None
         self._versions = self._param_versions()
         self._ptrs = self._param_ptrs()
@@ -585,12 +591,12 @@ class ExpertStorage:
                              f"{self.num_experts}")
         layer = integer(layer, "ExpertStorage: plan layer", 0, plan.num_layers - 1)  # -1 would be the last one
         owner = plan.owner_gpu[layer]
-        if not np.array_equal(owner, self.owners):
+        if owner.tobytes() != self._owners_bytes:  # both [E] int32
             e = int(np.flatnonzero(owner != self.owners)[0])
             raise ValueError(f"ExpertStorage: plan layer {layer} makes GPU {int(owner[e])} the owner of expert {e}, "
                              f"the storage rank {int(self.owners[e])} (plan with owners=... the trainer's "
                              f"sharding)")
-        placement = np.asarray(plan.gpu_slots[layer])
+        placement = self._placement(plan, layer)
         self._checked = (plan, layer, placement)
         return placement
 
@@ -601,10 +607,21 @@ class ExpertStorage:
         each of this rank's plan slots, -1 empty) and ``grads`` ``[m, 4]`` (expert, holder, holder row, tag) of
         the replica gradient transfers naming this rank. A replica is reused when its rank holds it already and
         its owner is not in ``changed`` (ranks whose owner weights changed since the last sync)."""
+        memo, self._book_memo = self._book_memo, None
+        if (memo is not None and not len(changed) and type(layer) is int and isinstance(plan, foremoe.Plan)
+                and 0 <= layer < plan.num_layers
+                and memo[0] == self._layer_key(plan, layer) and np.array_equal(memo[1], self.resident_rows)):
+            # The same placement and used replicas again (the micro-step's other passes over the layer, or a later
+            # micro-step keeping its replicas), the tracked rows where that call left them and no owner changed:
+            # the bookkeeping is a function of those alone (its owners are the storage's, check_plan).
+            self._book_memo = memo
+            return memo[2]
         flags = np.zeros(self.world, dtype=np.uint8)
         flags[int_array(list(changed), "bookkeep: changed", lo=0, hi=self.world - 1)] = 1
+        before = self.resident_rows.copy()
         out = _core.replica_sync(plan, integer(layer, "bookkeep: layer"), self.owners, self.resident_rows, flags,
                                  self.rank)
+        fixed = int(out["moves"]) == 0 and not flags.any() and np.array_equal(before, self.resident_rows)
         if self.double_buffer:  # a move goes to the other copy of its row: the one in use stays intact
             out = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in out.items()}
             every = out["all_moves"]
@@ -617,7 +634,27 @@ class ExpertStorage:
             held = out["grads"][:, 1] == self.rank
             out["grads"][held, 2] = self._physical(out["grads"][held, 2])
         out["changed"] = tuple(int(g) for g in np.flatnonzero(flags))
+        if fixed:  # nothing moved and no row was freed: the same call again returns this
+            self._book_memo = (self._layer_key(plan, int(layer)), before, out)
         return out
+
+    def _layer_key(self, plan: "foremoe.Plan", layer: int) -> Tuple[int, bytes, bytes]:
+        """What the bookkeeping and the held-gradient schedule read of ``plan``'s layer ``layer`` (a valid index):
+        the layer, its placement and which slots take tokens, as bytes; remembered for the last (plan, layer)."""
+        return self._layer_memo(plan, layer)[2]
+
+    def _placement(self, plan: "foremoe.Plan", layer: int) -> np.ndarray:
+        """``plan``'s ``[G, S]`` placement of layer ``layer`` (a valid index), remembered like :meth:`_layer_key`."""
+        return self._layer_memo(plan, layer)[3]
+
+    def _layer_memo(self, plan: "foremoe.Plan", layer: int) -> Tuple[Any, int, Tuple[int, bytes, bytes], np.ndarray]:
+        memo = self._key_memo
+        if memo is not None and memo[0] is plan and memo[1] == layer:
+            return memo
+        place = np.asarray(plan.gpu_slots[layer])
+        key = (layer, place.tobytes(), (np.asarray(plan.slot_tokens[layer]) > 0).tobytes())
+        self._key_memo = (plan, layer, key, place)
+        return self._key_memo
 
     def sync(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int], *, group: Any = None,
              timeout: float = DEFAULT_TIMEOUT, stale_mirrors: Sequence[int] = (),
@@ -705,6 +742,8 @@ class ExpertStorage:
         if state is None:
             state = np.array([self.prefetch_flags(plan, layer)] * self.world, dtype=np.int64)
         state = np.asarray(state).reshape(self.world, 2)
+        if not state.any():  # no rank prefetched (the common case)
+            return
         bad = np.flatnonzero(state[:, 1] | (state[:, 0] != state[0, 0]))
         if not bad.size:
             return
@@ -1181,6 +1220,26 @@ def _to_owners_engine(run: _Run, go: List[torch.Tensor], pairs: Sequence[Tuple[i
     return out
 
 
+def _plan_replicas(st: ExpertStorage, plan: "foremoe.Plan", layer: int
+                   ) -> Tuple[Dict[Tuple[int, int], int], List[Tuple[int, int]]]:
+    """``plan``'s replicas of layer ``layer``: ``{(holder, expert): owner}`` and the ``(holder, expert)`` of those the
+    plan gives tokens, row-major. Remembered for the last placement and used slots (:meth:`ExpertStorage._layer_key`):
+    the micro-step's other passes over the layer, and later micro-steps keeping the same replicas, reuse it."""
+    key = st._layer_key(plan, layer)
+    memo = st._replicas_memo
+    if memo is not None and memo[0] == key:
+        return memo[1], memo[2]
+    place, taken = st._placement(plan, layer), np.asarray(plan.slot_tokens[layer])
+    owner = st._owner_of[place]  # -1 for an empty slot
+    gs, js = np.nonzero((owner != st._ranks) & (place >= 0))  # the replicas, row-major
+    es, os_, ts = place[gs, js].tolist(), owner[gs, js].tolist(), taken[gs, js].tolist()
+    gs = gs.tolist()
+    present = {(g, e): o for g, e, o in zip(gs, es, os_)}
+    used = [(g, e) for g, e, t in zip(gs, es, ts) if t > 0]
+    st._replicas_memo = (key, present, used)
+    return present, used
+
+
 def _hold_schedule(st: ExpertStorage, plan: "foremoe.Plan", layer: int, gradients: str,
                    changed: Sequence[int]) -> List[Tuple[int, int]]:
     """Updates the held table for ``plan`` (the same on every rank) and returns the (expert, holder) gradients
@@ -1191,20 +1250,12 @@ def _hold_schedule(st: ExpertStorage, plan: "foremoe.Plan", layer: int, gradient
         raise RuntimeError(f"foremoe.torch: layer {layer}: replica gradients are still held but the owner weights of "
                            f"ranks {list(changed)} changed (an optimizer step?): run the last micro-step before "
                            f"the optimizer step with gradients='flush'")
-    place, taken = np.asarray(plan.gpu_slots[layer]), np.asarray(plan.slot_tokens[layer])
-    owner = st._owner_of[place]  # -1 for an empty slot
-    present: Dict[Tuple[int, int], int] = {}
-    used = []
-    for g, j in zip(*np.nonzero((owner != st._ranks) & (place >= 0))):  # the replicas, row-major
-        e, g = int(place[g, j]), int(g)
-        present[(g, e)] = int(owner[g, j])
-        if taken[g, j] > 0:
-            used.append((g, e))
+    present, used = _plan_replicas(st, plan, layer)
     sends = [(e, g) for (g, e), o in st._held.items() if present.get((g, e)) != o]
     for e, g in sends:
         del st._held[(g, e)]
-    for g, e in used:
-        st._held[(g, e)] = int(st.owners[e])
+    for key in used:
+        st._held[key] = present[key]  # the expert's owner
     if gradients != "hold":
         sends += [(e, g) for (g, e) in st._held]
         st._held.clear()
@@ -1323,9 +1374,10 @@ def _schedule_gradients(run: _Run, gradients: str) -> None:
     without autograd holds and returns nothing. Every rank calls it after :func:`_prepare`, with the same mode."""
     storage = run.storage
     if run.need_grad and (gradients != "reduce" or storage._held):
-        changed = [g for g in range(storage.world) if run.layout.flags[g, 0]]
+        flags = run.layout.flags[:, 0]
+        changed = np.flatnonzero(flags).tolist() if flags.any() else []
         run.hold = _hold_schedule(storage, run.plan, run.plan_layer, gradients, changed)
-        run.slot_expert = np.asarray(run.plan.gpu_slots[run.plan_layer])[storage.rank]
+        run.slot_expert = storage._placement(run.plan, run.plan_layer)[storage.rank]
 
 
 def _prepare(x: Any, expert_ids: Any, routing_weights: Any, plan: Optional["foremoe.Plan"], storage: ExpertStorage,
