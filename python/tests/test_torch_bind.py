@@ -187,3 +187,52 @@ def test_rebind_copies_after_a_buffer_took_the_parameters():
     with pytest.raises(ValueError, match="copy must be True or False, got 1"):
         ft.ExpertStorage({"w": torch.zeros(1, 2)}, [0], 1, rank=0, world=1).bind_parameters(
             {"w": [torch.nn.Parameter(torch.zeros(2))]}, copy=1)
+
+
+def _one_rank_copy_bound(mirror: bool):
+    """A one-rank storage (two owned experts) whose parameters are copy-bound segments of a flat
+    buffer, a plan for it, and what an optimizer step through the buffer does (values change, no version moves;
+    the step post-hook marks the copies stale)."""
+    import numpy as np
+    import foremoe
+
+    flat, params = _flat_params()
+    st = ft.ExpertStorage({n: torch.zeros((2,) + tuple(ps[0].shape), dtype=torch.float64) for n, ps in params.items()},
+                          [0, 0], 2, rank=0, world=1, mirror=mirror)
+    st.bind_parameters(params, copy=True)
+    plan = foremoe.Planner(foremoe.Topology(1, 1, 2)).plan(np.array([[5, 3]], dtype=np.float32),
+                                                            owners=np.array([0, 0], dtype=np.int64))
+
+    def step() -> None:
+        flat.data.add_(1.0)
+        st.mark_copies_stale()
+
+    def rows_equal() -> bool:
+        return all(torch.equal(st.storage[n][i], p) for n, ps in params.items() for i, p in enumerate(ps))
+
+    return st, params, plan, step, rows_equal
+
+
+def test_copy_bound_rows_refreshed_by_prefetch():
+    """A prefetch after an optimizer step reads the owner rows: it copies the parameters in first, so the rows it
+    sends from are the stepped ones and the call that follows (which refreshes copies first) keeps the prefetch."""
+    st, _, plan, step, rows_equal = _one_rank_copy_bound(mirror=False)
+    step()
+    st.prefetch(plan, 0)
+    assert rows_equal(), "prefetch read stale copy-bound owner rows"
+    assert not st.refresh_copies()  # what the layer's call does first: nothing left to copy
+    assert st.prefetch_flags(plan, 0) == (1, 0), "the prefetch made after the step no longer fits the call"
+    st.drop_prefetch()
+
+
+def test_copy_bound_rows_refreshed_by_refresh_mirror():
+    """refresh_mirror after an optimizer step takes the stepped weights into the mirror, not stale copy-bound rows,
+    and leaves it fresh."""
+    st, params, _, step, rows_equal = _one_rank_copy_bound(mirror=True)
+    step()
+    st.refresh_mirror()
+    assert rows_equal()
+    for n, ps in params.items():
+        for i, p in enumerate(ps):
+            assert torch.equal(st.mirror.tensors[n][i], p), f"mirror of {n!r} expert {i} is stale"
+    assert not st.refresh_copies() and not st.mirror_stale()

@@ -481,7 +481,9 @@ class ExpertStorage:
         """Copies every copy-bound parameter into its rows when :meth:`mark_copies_stale` or :meth:`invalidate`
         was called or a parameter's version moved since the last copy; returns whether it copied. A copy makes
         the owner weights changed (replicas re-sent at the next sync) and the host mirror stale (refresh it on
-        every rank). Local: no collective."""
+        every rank). Local: no collective. :meth:`prefetch` and :meth:`refresh_mirror` call it first (they read the
+        rows); a direct caller of :func:`balanced_moe` with copy-bound parameters calls it before a layer's first call
+        after an optimizer step (:mod:`foremoe.megatron` does)."""
         if not self.copy_bound:
             return False
         versions = self._copied_versions()
@@ -524,10 +526,12 @@ class ExpertStorage:
         """Refreshes the host mirror from every owner's current weights (every rank of ``group`` calls it, after
         each optimizer step): :meth:`moves.HostMirror.refresh`, about the layer's whole weights received per rank;
         with ``mirror="node"`` each local rank receives and writes only its share of the node's mirror, then a
-        barrier over ``group`` and the segment's generation moves on (:meth:`moves.NodeMirror.refresh`)."""
+        barrier over ``group`` and the segment's generation moves on (:meth:`moves.NodeMirror.refresh`).
+        Copy-bound owner rows are refreshed first (:meth:`refresh_copies`)."""
         if self.mirror is None:
             raise ValueError("refresh_mirror: this ExpertStorage has no host mirror (construct it with mirror=True or "
                              "mirror='node')")
+        self.refresh_copies()  # copy-bound owner rows first: the mirror is taken from the rows
         self.mirror.refresh(self, group, timeout)
 
     def check_mirrors(self, stale: Sequence[int]) -> None:
@@ -671,6 +675,7 @@ class ExpertStorage:
         layer = integer(layer, "ExpertStorage.prefetch: layer")
         check_plan(plan, layer, self.world, "ExpertStorage.prefetch")
         self.check_plan(plan, layer)
+        self.refresh_copies()  # copy-bound owner rows after an optimizer step: the moves read the rows
         _, flags = gather_source_loads(None, 0, group=group, flags=(int(self.owners_changed()),
                                                                     int(self.mirror_stale())),
                                        timeout=timeout, what=f"ExpertStorage.prefetch (layer {layer})")
