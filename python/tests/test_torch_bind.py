@@ -200,7 +200,7 @@ def _one_rank_copy_bound(mirror: bool):
     st = ft.ExpertStorage({n: torch.zeros((2,) + tuple(ps[0].shape), dtype=torch.float64) for n, ps in params.items()},
                           [0, 0], 2, rank=0, world=1, mirror=mirror)
     st.bind_parameters(params, copy=True)
-    plan = foremoe.Planner(foremoe.Topology(1, 1, 2)).plan(np.array([[5, 3]], dtype=np.float32),
+    plan = foremoe.Planner(foremoe.Topology(1, 1, 2)).plan(np.array([[3, 3]], dtype=np.float32),
                                                             owners=np.array([0, 0], dtype=np.int64))
 
     def step() -> None:
@@ -236,3 +236,27 @@ def test_copy_bound_rows_refreshed_by_refresh_mirror():
         for i, p in enumerate(ps):
             assert torch.equal(st.mirror.tensors[n][i], p), f"mirror of {n!r} expert {i} is stale"
     assert not st.refresh_copies() and not st.mirror_stale()
+
+
+@pytest.mark.parametrize("how", ["in_place", "through_buffer"])
+def test_balanced_moe_reads_refreshed_copy_bound_rows(how):
+    """balanced_moe after an optimizer step on copy-bound parameters (an in-place step moves their versions; a
+    write through the buffer is marked by mark_copies_stale) computes with the stepped weights."""
+    st, params, plan, step, rows_equal = _one_rank_copy_bound(mirror=False)
+    if how == "in_place":
+        with torch.no_grad():
+            params["w1"][0].mul_(3.0)
+    else:
+        step()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[0], [1]] * 3)
+    rw = torch.rand(6, 1, generator=g, dtype=torch.float64)
+
+    def fn(x, w1, w2):
+        return (x @ w1) @ w2
+
+    y = ft.balanced_moe(x, ids, rw, plan, st, fn)
+    weights = {n: torch.stack([p.detach() for p in ps]) for n, ps in params.items()}
+    assert torch.equal(y, ft.reference_moe(x, ids, rw, weights, fn)), "computed with stale copy-bound owner rows"
+    assert rows_equal()

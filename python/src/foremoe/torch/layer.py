@@ -481,9 +481,8 @@ class ExpertStorage:
         """Copies every copy-bound parameter into its rows when :meth:`mark_copies_stale` or :meth:`invalidate`
         was called or a parameter's version moved since the last copy; returns whether it copied. A copy makes
         the owner weights changed (replicas re-sent at the next sync) and the host mirror stale (refresh it on
-        every rank). Local: no collective. :meth:`prefetch` and :meth:`refresh_mirror` call it first (they read the
-        rows); a direct caller of :func:`balanced_moe` with copy-bound parameters calls it before a layer's first call
-        after an optimizer step (:mod:`foremoe.megatron` does)."""
+        every rank). Local: no collective. :func:`balanced_moe`, :meth:`prefetch` and :meth:`refresh_mirror` call it
+        first (they read the rows), as does :mod:`foremoe.megatron`'s layer call."""
         if not self.copy_bound:
             return False
         versions = self._copied_versions()
@@ -1309,6 +1308,8 @@ def balanced_moe(
     """
     if gradients not in ("reduce", "hold", "flush"):
         raise ValueError(f"balanced_moe: gradients must be 'reduce', 'hold' or 'flush', got {gradients!r}")
+    if isinstance(storage, ExpertStorage):  # copy-bound owner rows after an optimizer step (local, cheap otherwise)
+        storage.refresh_copies()
     run = _prepare(x, expert_ids, routing_weights, plan, storage, expert_fn, layer, group, hidden, timeout)
     _schedule_gradients(run, gradients)
     layout = run.layout
