@@ -729,12 +729,9 @@ class ExpertStorage:
         if self._pending is not None:
             raise ValueError(f"ExpertStorage.close: layer {self._pending['layer']} has prefetched moves in flight; call "
                              f"the layer or drop_prefetch() on every rank first")
-        mover, self._mover = self._mover, None
+        mover, self._mover, self._reducer = self._mover, None, None  # the reducer runs on the mover's engine
         if mover is not None:
             mover.close()
-        reducer, self._reducer = self._reducer, None
-        if reducer is not None:
-            reducer.close()
 
     def drop_prefetch(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Waits for prefetched moves (within ``timeout``) and discards them; every replica is re-sent at the next
