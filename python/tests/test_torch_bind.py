@@ -260,3 +260,16 @@ def test_balanced_moe_reads_refreshed_copy_bound_rows(how):
     weights = {n: torch.stack([p.detach() for p in ps]) for n, ps in params.items()}
     assert torch.equal(y, ft.reference_moe(x, ids, rw, weights, fn)), "computed with stale copy-bound owner rows"
     assert rows_equal()
+
+
+def test_refresh_refuses_a_replaced_copy_bound_parameter():
+    """A copy-bound parameter whose .data was replaced again (another shape): the refresh that balanced_moe and
+    prefetch run first raises check_aliasing's ValueError instead of copying the new tensor (or failing in copy_)."""
+    st, params, plan, step, _ = _one_rank_copy_bound(mirror=False)
+    params["w1"][1].data = torch.zeros(2, 6, dtype=torch.float64)
+    step()
+    with pytest.raises(ValueError, match="copy-bound trainer parameter's .data was replaced since it was bound"):
+        st.refresh_copies()
+    with pytest.raises(ValueError, match="copy-bound trainer parameter's .data was replaced since it was bound"):
+        ft.balanced_moe(torch.zeros(2, 4, dtype=torch.float64), torch.tensor([[0], [1]]),
+                        torch.ones(2, 1, dtype=torch.float64), plan, st, lambda x, w1, w2: (x @ w1) @ w2)

@@ -485,6 +485,7 @@ class ExpertStorage:
         first (they read the rows), as does :mod:`foremoe.megatron`'s layer call."""
         if not self.copy_bound:
             return False
+        self.check_aliasing()  # a copy-bound parameter's .data replaced again: ValueError, not a copy of another tensor
         versions = self._copied_versions()
         if not self._copies_stale and versions == self._copy_versions:
             return False
