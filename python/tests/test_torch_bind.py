@@ -187,3 +187,89 @@ def test_rebind_copies_after_a_buffer_took_the_parameters():
     with pytest.raises(ValueError, match="copy must be True or False, got 1"):
         ft.ExpertStorage({"w": torch.zeros(1, 2)}, [0], 1, rank=0, world=1).bind_parameters(
             {"w": [torch.nn.Parameter(torch.zeros(2))]}, copy=1)
+
+
+def _one_rank_copy_bound(mirror: bool):
+    """A one-rank storage (two owned experts) whose parameters are copy-bound segments of a flat
+    buffer, a plan for it, and what an optimizer step through the buffer does (values change, no version moves;
+    the step post-hook marks the copies stale)."""
+    import numpy as np
+    import foremoe
+
+    flat, params = _flat_params()
+    st = ft.ExpertStorage({n: torch.zeros((2,) + tuple(ps[0].shape), dtype=torch.float64) for n, ps in params.items()},
+                          [0, 0], 2, rank=0, world=1, mirror=mirror)
+    st.bind_parameters(params, copy=True)
+    plan = foremoe.Planner(foremoe.Topology(1, 1, 2)).plan(np.array([[3, 3]], dtype=np.float32),
+                                                            owners=np.array([0, 0], dtype=np.int64))
+
+    def step() -> None:
+        flat.data.add_(1.0)
+        st.mark_copies_stale()
+
+    def rows_equal() -> bool:
+        return all(torch.equal(st.storage[n][i], p) for n, ps in params.items() for i, p in enumerate(ps))
+
+    return st, params, plan, step, rows_equal
+
+
+def test_copy_bound_rows_refreshed_by_prefetch():
+    """A prefetch after an optimizer step reads the owner rows: it copies the parameters in first, so the rows it
+    sends from are the stepped ones and the call that follows (which refreshes copies first) keeps the prefetch."""
+    st, _, plan, step, rows_equal = _one_rank_copy_bound(mirror=False)
+    step()
+    st.prefetch(plan, 0)
+    assert rows_equal(), "prefetch read stale copy-bound owner rows"
+    assert not st.refresh_copies()  # what the layer's call does first: nothing left to copy
+    assert st.prefetch_flags(plan, 0) == (1, 0), "the prefetch made after the step no longer fits the call"
+    st.drop_prefetch()
+
+
+def test_copy_bound_rows_refreshed_by_refresh_mirror():
+    """refresh_mirror after an optimizer step takes the stepped weights into the mirror, not stale copy-bound rows,
+    and leaves it fresh."""
+    st, params, _, step, rows_equal = _one_rank_copy_bound(mirror=True)
+    step()
+    st.refresh_mirror()
+    assert rows_equal()
+    for n, ps in params.items():
+        for i, p in enumerate(ps):
+            assert torch.equal(st.mirror.tensors[n][i], p), f"mirror of {n!r} expert {i} is stale"
+    assert not st.refresh_copies() and not st.mirror_stale()
+
+
+@pytest.mark.parametrize("how", ["in_place", "through_buffer"])
+def test_balanced_moe_reads_refreshed_copy_bound_rows(how):
+    """balanced_moe after an optimizer step on copy-bound parameters (an in-place step moves their versions; a
+    write through the buffer is marked by mark_copies_stale) computes with the stepped weights."""
+    st, params, plan, step, rows_equal = _one_rank_copy_bound(mirror=False)
+    if how == "in_place":
+        with torch.no_grad():
+            params["w1"][0].mul_(3.0)
+    else:
+        step()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[0], [1]] * 3)
+    rw = torch.rand(6, 1, generator=g, dtype=torch.float64)
+
+    def fn(x, w1, w2):
+        return (x @ w1) @ w2
+
+    y = ft.balanced_moe(x, ids, rw, plan, st, fn)
+    weights = {n: torch.stack([p.detach() for p in ps]) for n, ps in params.items()}
+    assert torch.equal(y, ft.reference_moe(x, ids, rw, weights, fn)), "computed with stale copy-bound owner rows"
+    assert rows_equal()
+
+
+def test_refresh_refuses_a_replaced_copy_bound_parameter():
+    """A copy-bound parameter whose .data was replaced again (another shape): the refresh that balanced_moe and
+    prefetch run first raises check_aliasing's ValueError instead of copying the new tensor (or failing in copy_)."""
+    st, params, plan, step, _ = _one_rank_copy_bound(mirror=False)
+    params["w1"][1].data = torch.zeros(2, 6, dtype=torch.float64)
+    step()
+    with pytest.raises(ValueError, match="copy-bound trainer parameter's .data was replaced since it was bound"):
+        st.refresh_copies()
+    with pytest.raises(ValueError, match="copy-bound trainer parameter's .data was replaced since it was bound"):
+        ft.balanced_moe(torch.zeros(2, 4, dtype=torch.float64), torch.tensor([[0], [1]]),
+                        torch.ones(2, 1, dtype=torch.float64), plan, st, lambda x, w1, w2: (x @ w1) @ w2)

@@ -487,9 +487,11 @@ class ExpertStorage:
         """Copies every copy-bound parameter into its rows when :meth:`mark_copies_stale` or :meth:`invalidate`
         was called or a parameter's version moved since the last copy; returns whether it copied. A copy makes
         the owner weights changed (replicas re-sent at the next sync) and the host mirror stale (refresh it on
-        every rank). Local: no collective."""
+        every rank). Local: no collective. :func:`balanced_moe`, :meth:`prefetch` and :meth:`refresh_mirror` call it
+        first (they read the rows), as does :mod:`foremoe.megatron`'s layer call."""
         if not self.copy_bound:
             return False
+        self.check_aliasing()  # a copy-bound parameter's .data replaced again: ValueError, not a copy of another tensor
         versions = self._copied_versions()
         if not self._copies_stale and versions == self._copy_versions:
             return False
@@ -530,10 +532,12 @@ class ExpertStorage:
         """Refreshes the host mirror from every owner's current weights (every rank of ``group`` calls it, after
         each optimizer step): :meth:`moves.HostMirror.refresh`, about the layer's whole weights received per rank;
         with ``mirror="node"`` each local rank receives and writes only its share of the node's mirror, then a
-        barrier over ``group`` and the segment's generation moves on (:meth:`moves.NodeMirror.refresh`)."""
+        barrier over ``group`` and the segment's generation moves on (:meth:`moves.NodeMirror.refresh`).
+        Copy-bound owner rows are refreshed first (:meth:`refresh_copies`)."""
         if self.mirror is None:
             raise ValueError("refresh_mirror: this ExpertStorage has no host mirror (construct it with mirror=True or "
                              "mirror='node')")
+        self.refresh_copies()  # copy-bound owner rows first: the mirror is taken from the rows
         self.mirror.refresh(self, group, timeout)
 
     def check_mirrors(self, stale: Sequence[int]) -> None:
@@ -708,6 +712,7 @@ class ExpertStorage:
         layer = integer(layer, "ExpertStorage.prefetch: layer")
         check_plan(plan, layer, self.world, "ExpertStorage.prefetch")
         self.check_plan(plan, layer)
+        self.refresh_copies()  # copy-bound owner rows after an optimizer step: the moves read the rows
         _, flags = gather_source_loads(None, 0, group=group, flags=(int(self.owners_changed()),
                                                                     int(self.mirror_stale())),
                                        timeout=timeout, what=f"ExpertStorage.prefetch (layer {layer})")
@@ -764,12 +769,9 @@ class ExpertStorage:
         if self._pending is not None:
             raise ValueError(f"ExpertStorage.close: layer {self._pending['layer']} has prefetched moves in flight; call "
                              f"the layer or drop_prefetch() on every rank first")
-        mover, self._mover = self._mover, None
+        mover, self._mover, self._reducer = self._mover, None, None  # the reducer runs on the mover's engine
         if mover is not None:
             mover.close()
-        reducer, self._reducer = self._reducer, None
-        if reducer is not None:
-            reducer.close()
 
     def drop_prefetch(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Waits for prefetched moves (within ``timeout``) and discards them; every replica is re-sent at the next
@@ -1355,6 +1357,8 @@ def balanced_moe(
     """
     if gradients not in ("reduce", "hold", "flush"):
         raise ValueError(f"balanced_moe: gradients must be 'reduce', 'hold' or 'flush', got {gradients!r}")
+    if isinstance(storage, ExpertStorage):  # copy-bound owner rows after an optimizer step (local, cheap otherwise)
+        storage.refresh_copies()
     run = _prepare(x, expert_ids, routing_weights, plan, storage, expert_fn, layer, group, hidden, timeout)
     _schedule_gradients(run, gradients)
     layout = run.layout

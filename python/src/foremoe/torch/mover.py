@@ -186,9 +186,6 @@ class GradReducer:
         self.rank = st.rank
         self.reductions = 0  # reductions run (the same count on every rank, submitted or skipped)
 
-    def close(self) -> None:
-        """Nothing of its own to end: the engine is the storage's mover's."""
-
     def batches(self, pairs: Sequence[Tuple[int, int]]) -> List[List[Tuple[int, int]]]:
         """``pairs`` (expert, holder rank), ascending, in reductions that fit every rank's rows, each expert's
         replicas in one reduction, experts ascending over the reductions."""
