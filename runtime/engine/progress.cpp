@@ -152,9 +152,13 @@ Status EngineImpl::expert_sum(const LayerState &ls, const Site &where, std::uint
 void EngineImpl::step(TicketImpl &t) {
   if (t.finished()) {
     // An ended batch still posts its paired transfers in turn (on scratch memory) and collects them.
-    if (t.has_peer && !t.peer_posted)
-      post_peer(t, true);
-    else if (t.peer_outstanding.load(std::memory_order_relaxed))
+    if (t.has_peer && !t.peer_posted) {
+      // A reduction's transfers stay spared by the fault injector (`FaultSchedule::spare_reductions`) here too.
+      if (t.kind == TicketImpl::Kind::reduce)
+        spared([&] { post_peer(t, true); });
+      else
+        post_peer(t, true);
+    } else if (t.peer_outstanding.load(std::memory_order_relaxed))
       poll_peer(t);
     return;
   }
