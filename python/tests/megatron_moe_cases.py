@@ -55,6 +55,11 @@ class MCase:
     # float32 main parameters (OptimizerConfig(bf16=True)). `drop_replica_grad`: test-only breakage, every replica
     # gradient of layer 0 returned as zeros (the comparison must then fail).
     drop_replica_grad: bool = False
+    # Adam's epsilon with distopt (Megatron's distributed optimizer supports Adam only). Adam divides each element's
+    # update by its own gradient's magnitude: with the default 1e-8 an element whose gradient is within rounding of
+    # zero moves by up to 2 lr whichever way it rounds; an epsilon near the gradients' size keeps the update
+    # Lipschitz in the gradient (constant lr / eps), so gradient rounding stays proportional in the weights.
+    adam_eps: float = 1e-8
 
     @property
     def slots(self) -> int:
@@ -158,7 +163,8 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
         if case.distopt:  # Megatron's DistributedOptimizer (Adam) over the DDP-wrapped model
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-            return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, clip_grad=0.0,
+            return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, adam_eps=case.adam_eps,
+                                                          clip_grad=0.0,
                                                           use_distributed_optimizer=case.distributed,
                                                           params_dtype=dt, bf16=bf16), [model])
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
