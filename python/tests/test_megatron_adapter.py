@@ -148,6 +148,7 @@ def test_bf16_first_step_bitwise(tmp_path_factory, name):
     wherever no replica sum intervenes: outputs, input gradients and the routers' main_grad are bitwise equal, and
     DDP's main_grad is float32 (grad_reduce_in_fp32) while parameters are bf16."""
     case, ranks = _trained(name, tmp_path_factory)
+    differs = []
     for r, rec in enumerate(ranks):
         first = [c for c in rec["cmp"] if c[0].startswith("step 0 ")]
         exact = [c for c in first if " output" in c[0] or "input grad" in c[0] or ".router." in c[0]
@@ -159,8 +160,9 @@ def test_bf16_first_step_bitwise(tmp_path_factory, name):
         weights = [c for c in first if "after the optimizer step" in c[0]]
         assert grads and all(got.dtype == torch.float32 for _, got, _ in grads)
         assert weights and all(got.dtype == torch.bfloat16 for _, got, _ in weights)
-        # the replica sums do change the experts' gradients in their last bits (else this test checks nothing)
-        assert any(not torch.equal(got, want) for what, got, want in grads if ".router." not in what)
+        differs.append(any(not torch.equal(got, want) for what, got, want in grads if ".router." not in what))
+    # the replica sums do change some rank's expert gradients in their last bits (else this test checks nothing)
+    assert any(differs)
 
 
 def test_bf16_tolerance_catches_a_dropped_replica_gradient(tmp_path):
