@@ -12,6 +12,10 @@ Held replica gradients (issue 30, ``hold_replica_gradients``, on by default): a 
 micro-step's plan holds its gradient, one the plan drops returns it, the last micro-step returns the rest; the
 accumulated gradients still equal the reference (float64 within 1e-12), with the rule off too, and without the flush
 (``last=False`` on the last micro-step) the gradients differ and the optimizer step is refused.
+
+bf16 parameters (issue 28, how verl/slime train): Megatron's optimizers with fp32 main parameters and DDP's fp32
+``main_grad``, with and without the distributed optimizer; bitwise equal where the adapter runs Megatron's bf16
+operations in Megatron's order, within ``BF16_TOL`` (derived below) where the replica gradient sums reorder them.
 """
 
 from __future__ import annotations
