@@ -53,7 +53,7 @@ class MCase:
     # bfloat16 parameters train as Megatron-LM trains them (arguments.py: --bf16 sets
     # accumulate_allreduce_grads_in_fp32): DDP's main_grad in float32 (grad_reduce_in_fp32=True), the optimizer's
     # float32 main parameters (OptimizerConfig(bf16=True)). `drop_replica_grad`: test-only breakage, every replica
-    # gradient of layer 0 returned as zeros (the comparison must then fail).
+    # gradient of layer 0 returned as zeros in held mode (the comparison must then fail).
     drop_replica_grad: bool = False
     # Adam's epsilon with distopt (Megatron's distributed optimizer supports Adam only). Adam divides each element's
     # update by its own gradient's magnitude: with the default 1e-8 an element whose gradient is within rounding of
