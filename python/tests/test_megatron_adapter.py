@@ -219,13 +219,15 @@ def test_held_gradients(trained):
         assert any(set(a) - set(b) for h in steps for a, b in zip(h[:-2], h[1:-1]))
 
 
-@pytest.mark.parametrize("grouped,distopt", [(False, ""), (True, ""), (False, "after")],
-                         ids=["sequential", "grouped", "distopt"])
-def test_optimizer_step_without_flush_is_refused(tmp_path, grouped, distopt):
+@pytest.mark.parametrize("grouped,distopt,dtype", [(False, "", "float64"), (True, "", "float64"),
+                                                   (False, "after", "float32"), (False, "after", "bfloat16")],
+                         ids=["sequential", "grouped", "distopt", "distopt_bf16"])
+def test_optimizer_step_without_flush_is_refused(tmp_path, grouped, distopt, dtype):
     """The last micro-step run with last=False: gradients stay held, the accumulated gradients differ from the
     reference, and the optimizer step raises naming them, with every parameter unchanged (also Megatron's
-    distributed optimizer, fp32: its inner step over shards of DDP's parameter buffer)."""
-    case = replace(NO_FLUSH, grouped=grouped, distopt=distopt, dtype="float32" if distopt else NO_FLUSH.dtype)
+    distributed optimizer, fp32: its inner step over shards of DDP's parameter buffer; bf16: over the fp32
+    main_param shards)."""
+    case = replace(NO_FLUSH, grouped=grouped, distopt=distopt, dtype=dtype)
     ranks = _run(case, tmp_path)
     for r, rec in enumerate(ranks):
         assert rec["held"][-1], "nothing held after the last micro-step"
