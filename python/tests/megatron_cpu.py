@@ -186,7 +186,7 @@ def make_config(*, layers: int, hidden: int, ffn: int, experts: int, topk: int, 
         num_layers=layers, hidden_size=hidden, num_attention_heads=1, ffn_hidden_size=ffn, moe_ffn_hidden_size=ffn,
         num_moe_experts=experts, moe_router_topk=topk, expert_model_parallel_size=ep,
         moe_token_dispatcher_type=dispatcher, moe_enable_routing_replay=True, moe_grouped_gemm=grouped,
-        bf16=grouped,  # GroupedMLP.forward asserts it; the weights stay params_dtype
+        bf16=grouped or dtype == torch.bfloat16,  # GroupedMLP.forward asserts it; the weights stay params_dtype
         moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, use_cpu_initialization=True,
         gradient_accumulation_fusion=False, moe_permute_fusion=False, bias_activation_fusion=False,
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, params_dtype=dtype,

@@ -46,6 +46,20 @@ class MCase:
     distopt: str = ""
     refresh: str = "all"
     mirror: bool = False  # install(..., mirror=True): a host mirror per rank (refreshed by the adapter with distopt)
+    # With distopt: False wraps with DistributedDataParallel(use_distributed_optimizer=False) and steps
+    # get_megatron_optimizer's non-distributed optimizer (bf16: Float16OptimizerWithFloat16Params, fp32 main
+    # parameters), the expert parameters then keep their own memory (aliased owner rows, not copy-bound).
+    distributed: bool = True
+    # bfloat16 parameters train as Megatron-LM trains them (arguments.py: --bf16 sets
+    # accumulate_allreduce_grads_in_fp32): DDP's main_grad in float32 (grad_reduce_in_fp32=True), the optimizer's
+    # float32 main parameters (OptimizerConfig(bf16=True)). `drop_replica_grad`: test-only breakage, every replica
+    # gradient of layer 0 returned as zeros in held mode (the comparison must then fail).
+    drop_replica_grad: bool = False
+    # Adam's epsilon with distopt (Megatron's distributed optimizer supports Adam only). Adam divides each element's
+    # update by its own gradient's magnitude: with the default 1e-8 an element whose gradient is within rounding of
+    # zero moves by up to 2 lr whichever way it rounds; an epsilon near the gradients' size keeps the update
+    # Lipschitz in the gradient (constant lr / eps), so gradient rounding stays proportional in the weights.
+    adam_eps: float = 1e-8
 
     @property
     def slots(self) -> int:
@@ -79,6 +93,7 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
     cfg = mc.make_config(layers=case.layers, hidden=case.hidden, ffn=case.ffn, experts=case.experts,
                          topk=case.topk, ep=case.world, dtype=dt, grouped=case.grouped,
                          dispatcher=case.dispatcher)
+    bf16 = dt == torch.bfloat16
     ref = mc.TinyMoE(cfg)
     bal_cfg = copy.deepcopy(cfg)
     if case.recompute:
@@ -92,8 +107,8 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
 
     if case.distopt:
         def wrap(c: Any, model: torch.nn.Module) -> torch.nn.Module:
-            return DistributedDataParallel(c, DistributedDataParallelConfig(use_distributed_optimizer=True),
-                                           module=model)
+            return DistributedDataParallel(c, DistributedDataParallelConfig(
+                use_distributed_optimizer=case.distributed, grad_reduce_in_fp32=bf16), module=model)
 
         run_ref = wrap(cfg, ref)
         if case.distopt == "after":
@@ -107,6 +122,20 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
             st.storage._copied_versions = lambda: []
         elif case.refresh == "none":
             st.storage.refresh_copies = lambda: False
+    if case.drop_replica_grad:
+        from foremoe.torch import layer as fl
+
+        st0 = fm._states[0].storage
+        plain_hold = fl._return_held_grads
+
+        def drop(run: Any, go: Any, rep_grad: Any) -> Any:
+            if run.storage is st0:
+                rep_grad = {j: [torch.zeros_like(t) for t in g] for j, g in rep_grad.items()}
+            return plain_hold(run, go, rep_grad)
+
+        import foremoe.megatron as fmeg_mod
+
+        fl._return_held_grads = fmeg_mod._return_held_grads = drop
     plain = [st.plain is not None for st in fm._states]  # the local spec's MLP: the plain arithmetic
     if case.module_mlp:
         for st in fm._states:
@@ -134,9 +163,10 @@ def train_rank(rank: int, case: MCase, tmp: str) -> None:
         if case.distopt:  # Megatron's DistributedOptimizer (Adam) over the DDP-wrapped model
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-            return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, clip_grad=0.0,
-                                                          use_distributed_optimizer=True, params_dtype=dt),
-                                          [model])
+            return get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=0.01, adam_eps=case.adam_eps,
+                                                          clip_grad=0.0,
+                                                          use_distributed_optimizer=case.distributed,
+                                                          params_dtype=dt, bf16=bf16), [model])
         return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
     opt_ref, opt_bal = opt(run_ref), opt(run_bal)

@@ -12,6 +12,10 @@ Held replica gradients (issue 30, ``hold_replica_gradients``, on by default): a 
 micro-step's plan holds its gradient, one the plan drops returns it, the last micro-step returns the rest; the
 accumulated gradients still equal the reference (float64 within 1e-12), with the rule off too, and without the flush
 (``last=False`` on the last micro-step) the gradients differ and the optimizer step is refused.
+
+bf16 parameters (issue 28, how verl/slime train): Megatron's optimizers with fp32 main parameters and DDP's fp32
+``main_grad``, with and without the distributed optimizer; bitwise equal where the adapter runs Megatron's bf16
+operations in Megatron's order, within ``BF16_TOL`` (derived below) where the replica gradient sums reorder them.
 """
 
 from __future__ import annotations
@@ -70,7 +74,47 @@ CASES["distopt_after_ep4_top4_fp32_recompute"] = MCase(world=4, experts=32, topk
                                                        dtype="float32", distopt="after", recompute=True)
 CASES["grouped_distopt_before_ep4_top4_fp32"] = MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24,
                                                       dtype="float32", distopt="before", grouped=True)
+# bfloat16 parameters as verl/slime train them: Megatron's distributed optimizer (fp32 main parameters, Adam), DDP's
+# main_grad in float32 (grad_reduce_in_fp32, what Megatron-LM's --bf16 sets), compared within BF16_TOL (below).
+# Adam's epsilon 0.1 (the gradients' elements are O(0.1-10) here) keeps each update Lipschitz in its gradient: with
+# 1e-8 an element whose gradient is within rounding of zero moves by +-lr either way (measured: 1-2 of 12288 weights
+# per layer off by up to 4e-2 of the largest after the first step).
+BF16 = dict(dtype="bfloat16", adam_eps=0.1)
+CASES["bf16_distopt_after_ep2_top2"] = MCase(world=2, experts=16, topk=2, layers=2, micro=4, distopt="after",
+                                             **BF16)
+CASES["bf16_grouped_distopt_before_ep4_top4"] = MCase(world=4, experts=32, topk=4, layers=3, spare=3, tokens=24,
+                                                      distopt="before", grouped=True, **BF16)
+# Megatron's non-distributed bf16 optimizer (Float16OptimizerWithFloat16Params: fp32 main parameters) under DDP
+# without the distributed optimizer: the expert parameters keep their memory, so the owner rows alias them.
+CASES["bf16_megopt_after_ep2_top2"] = MCase(world=2, experts=16, topk=2, layers=2, micro=4, steps=2,
+                                            distopt="after", distributed=False, **BF16)
 NO_FLUSH = MCase(world=2, experts=16, topk=2, layers=2, dtype="float64", steps=1, micro=4, no_flush=True)
+
+
+#: bf16's unit roundoff (8 significand bits): rounding to nearest changes a value by at most U_BF16 of it.
+U_BF16 = 2.0 ** -8
+#: Tolerance of the bf16 cases, relative to the largest magnitude of the reference tensor. Where the adapter does
+#: Megatron's bf16 operations in Megatron's order the results are bitwise equal (every first-step output and input
+#: gradient, and the router's gradients: asserted by test_bf16_first_step_bitwise). Where the order must differ,
+#: an expert's gradient of one micro-step is Megatron's one float32-accumulated GEMM rounded to bf16 once, here
+#: the owner's part and each replica's part rounded once each, the replica parts summed over the held micro-steps
+#: and then into the owner's .grad in bf16, one rounding per addition (before DDP adds .grad into the float32
+#: main_grad): each part is at most the largest gradient element, so the two sides differ by a few U_BF16 of it.
+#: From the first optimizer step on the weights may differ by one bf16 rounding of an element (one ulp: up to
+#: 2 U_BF16 of the largest weight), which the next steps' outputs and gradients inherit. Largest measured ratio
+#: (error / largest |reference| / U_BF16): 1.94 (EP 2, SequentialMLP), 2.56 (EP 4 top-4, GroupedMLP); 4 U_BF16.
+BF16_TOL = 4 * U_BF16
+
+
+def _close(got, want, dtype: str, what: str) -> None:
+    if dtype != "bfloat16":
+        close(got, want, dtype, what)
+        return
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{what}: {got.dtype} {tuple(got.shape)}"
+    scale = float(want.float().abs().max()) if want.numel() else 0.0
+    err = float((got.float() - want.float()).abs().max()) if want.numel() else 0.0
+    assert err <= BF16_TOL * max(scale, 1e-30), \
+        f"{what}: max abs error {err:.3e} vs max |ref| {scale:.3e} ({err / max(scale, 1e-30) / U_BF16:.2f} U_BF16)"
 
 
 def _run(case: MCase, tmp_path) -> list:
@@ -99,7 +143,45 @@ def test_equals_megatron_unbalanced(trained):
         n_out = case.steps * case.micro * 3  # recompute output, update output, input grad
         assert len(rec["cmp"]) == n_out + 2 * case.steps * len(rec["param_names"])
         for what, got, want in rec["cmp"]:
-            close(got, want, case.dtype, f"rank {r}: {what}")
+            _close(got, want, case.dtype, f"rank {r}: {what}")
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.dtype == "bfloat16"))
+def test_bf16_first_step_bitwise(tmp_path_factory, name):
+    """bf16: before the first optimizer step the adapter computes Megatron's bf16 operations in Megatron's order
+    wherever no replica sum intervenes: outputs, input gradients and the routers' main_grad are bitwise equal, and
+    DDP's main_grad is float32 (grad_reduce_in_fp32) while parameters are bf16."""
+    case, ranks = _trained(name, tmp_path_factory)
+    differs = []
+    for r, rec in enumerate(ranks):
+        first = [c for c in rec["cmp"] if c[0].startswith("step 0 ")]
+        exact = [c for c in first if " output" in c[0] or "input grad" in c[0] or ".router." in c[0]
+                 and "main_grad" in c[0]]
+        assert exact
+        for what, got, want in exact:
+            assert torch.equal(got, want), f"rank {r}: {what} not bitwise equal"
+        grads = [c for c in first if "main_grad" in c[0]]
+        weights = [c for c in first if "after the optimizer step" in c[0]]
+        assert grads and all(got.dtype == torch.float32 for _, got, _ in grads)
+        assert weights and all(got.dtype == torch.bfloat16 for _, got, _ in weights)
+        differs.append(any(not torch.equal(got, want) for what, got, want in grads if ".router." not in what))
+    # the replica sums do change some rank's expert gradients in their last bits (else this test checks nothing)
+    assert any(differs)
+
+
+def test_bf16_tolerance_catches_a_dropped_replica_gradient(tmp_path):
+    """The bf16 tolerance can fail: the same EP 2 case with every replica gradient of layer 0 returned as zeros."""
+    case = replace(CASES["bf16_distopt_after_ep2_top2"], steps=1, drop_replica_grad=True)
+    ranks = _run(case, tmp_path)
+    failed = []
+    for r, rec in enumerate(ranks):
+        for what, got, want in rec["cmp"]:
+            try:
+                _close(got, want, case.dtype, f"rank {r}: {what}")
+            except AssertionError:
+                failed.append(what)
+    assert any("layers.0.experts" in w and "main_grad" in w for w in failed), failed
+    assert not any("layers.1." in w for w in failed if "main_grad" in w), failed  # layer 1 was left alone
 
 
 def test_plain_mlp_path(trained):
@@ -137,13 +219,15 @@ def test_held_gradients(trained):
         assert any(set(a) - set(b) for h in steps for a, b in zip(h[:-2], h[1:-1]))
 
 
-@pytest.mark.parametrize("grouped,distopt", [(False, ""), (True, ""), (False, "after")],
-                         ids=["sequential", "grouped", "distopt"])
-def test_optimizer_step_without_flush_is_refused(tmp_path, grouped, distopt):
+@pytest.mark.parametrize("grouped,distopt,dtype", [(False, "", "float64"), (True, "", "float64"),
+                                                   (False, "after", "float32"), (False, "after", "bfloat16")],
+                         ids=["sequential", "grouped", "distopt", "distopt_bf16"])
+def test_optimizer_step_without_flush_is_refused(tmp_path, grouped, distopt, dtype):
     """The last micro-step run with last=False: gradients stay held, the accumulated gradients differ from the
     reference, and the optimizer step raises naming them, with every parameter unchanged (also Megatron's
-    distributed optimizer, fp32: its inner step over shards of DDP's parameter buffer)."""
-    case = replace(NO_FLUSH, grouped=grouped, distopt=distopt, dtype="float32" if distopt else NO_FLUSH.dtype)
+    distributed optimizer, fp32: its inner step over shards of DDP's parameter buffer; bf16: over the fp32
+    main_param shards)."""
+    case = replace(NO_FLUSH, grouped=grouped, distopt=distopt, dtype=dtype)
     ranks = _run(case, tmp_path)
     for r, rec in enumerate(ranks):
         assert rec["held"][-1], "nothing held after the last micro-step"
@@ -169,7 +253,7 @@ def test_distributed_optimizer_copies(trained):
     case, ranks = trained
     for rec in ranks:
         if case.distopt:
-            assert rec["copy_bound"] == [True] * case.layers
+            assert rec["copy_bound"] == [case.distributed] * case.layers
             assert rec["rows_fresh"] == [True] * case.steps  # the copied owner rows equal the parameters
         else:
             assert "copy_bound" not in rec

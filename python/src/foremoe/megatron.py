@@ -527,11 +527,16 @@ _STEP_HOOK: Optional[Any] = None
 
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     """torch's global optimizer step post-hook (it also fires for the inner ``torch.optim`` step of Megatron's
-    optimizers, before they write the parameter buffer): copy-bound owner rows are stale from now on; the next
-    balanced call of each layer copies the parameters again (:meth:`ExpertStorage.refresh_copies`)."""
+    optimizers, before they write the parameters): copy-bound owner rows are stale from now on; the next balanced
+    call of each layer copies the parameters again (:meth:`ExpertStorage.refresh_copies`). Aliased owner rows may
+    change without their parameters' version moving: Megatron's mixed-precision optimizer without the distributed
+    one (``Float16OptimizerWithFloat16Params``, bf16/fp16 parameters) copies its fp32 main parameters into each
+    ``model_param.data`` (optimizer.py:745-779 of 0.16.1), which autograd's version counter does not see; so every
+    storage's owner weights count as changed (:meth:`ExpertStorage.invalidate`: replicas re-sent at the next
+    sync, once per optimizer step)."""
     for balancer in list(_BALANCERS):
         for storage in balancer.storages:
-            storage.mark_copies_stale()
+            storage.invalidate()
 
 
 def _watch_optimizer_steps(balancer: Any) -> None:
