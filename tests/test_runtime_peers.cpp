@@ -630,7 +630,8 @@ TEST_CASE("multi-process replica gradients under a schedule that spares reductio
 TEST_CASE("multi-process: under spare_reductions a reduction between move batches leaves the moves' faults alone") {
   int differ_unspared = 0;
   for (std::uint64_t seed = 1; seed <= 30 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
-    for (const auto &[spare, gated] : {std::pair{true, false}, std::pair{false, false}, std::pair{true, true}}) {
+    for (const auto &mode : {std::pair{true, false}, std::pair{false, false}, std::pair{true, true}}) {
+      const bool spare = mode.first, gated = mode.second; // plain locals: the lambda below captures them
       // Two runs of the same batches (same seed everywhere), one with a reduction between the halves.
       std::vector<std::vector<rt::Status>> st[2];
       std::vector<std::int32_t> valid[2];
