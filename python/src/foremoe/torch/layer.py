@@ -1145,10 +1145,7 @@ def _reduce_replica_grads(run: _Run, go: List[torch.Tensor], rep_grad: Dict[int,
     r = st.rank
     what = f"replica gradient reduction of layer {run.layer}"
     if reduces_on_engine(st):  # every replica given tokens by the plan returns: (expert, holder), ascending
-        place = np.asarray(run.plan.gpu_slots[run.plan_layer])
-        taken = np.asarray(run.plan.slot_tokens[run.plan_layer])
-        g, j = np.nonzero((st._owner_of[place] != st._ranks) & (place >= 0) & (taken > 0))
-        pairs = sorted(zip(place[g, j].tolist(), g.tolist()))
+        pairs = sorted((e, g) for g, e in _plan_replicas(st, run.plan, run.plan_layer)[1])
         mine = {e: rep_grad[row_slot[row]] for e, h, row, _ in run.grad_transfers if h == r}
         return _to_owners_engine(run, go, pairs, mine, what)
     items = [(e, g, i, rep_grad[row_slot[row]] if g == r else None) for e, g, row, i in run.grad_transfers]
@@ -1357,8 +1354,6 @@ def balanced_moe(
     """
     if gradients not in ("reduce", "hold", "flush"):
         raise ValueError(f"balanced_moe: gradients must be 'reduce', 'hold' or 'flush', got {gradients!r}")
-    if isinstance(storage, ExpertStorage):  # copy-bound owner rows after an optimizer step (local, cheap otherwise)
-        storage.refresh_copies()
     run = _prepare(x, expert_ids, routing_weights, plan, storage, expert_fn, layer, group, hidden, timeout)
     _schedule_gradients(run, gradients)
     layout = run.layout
@@ -1398,6 +1393,7 @@ def _prepare(x: Any, expert_ids: Any, routing_weights: Any, plan: Optional["fore
         raise ValueError(f"balanced_moe: this process is rank {group_rank(group)} of the group, the storage "
                          f"belongs to rank {storage.rank}")
     storage.check_aliasing()
+    storage.refresh_copies()  # copy-bound owner rows after an optimizer step (local; a flag test otherwise)
     error = _input_error(x, expert_ids, routing_weights, storage, hidden)
     flags = storage.call_flags(plan, layer)
     if plan is None:  # plain expert parallelism: every expert on its owner, no replica
