@@ -176,9 +176,6 @@ class GradReducer:
         rows = st._engine_rows
         self.grads = [torch.zeros_like(st._alloc[n]) for n in st.names]
         self.engine.register_grads(1, st.rank, self.grads)
-        self.owner_table = np.full((st.world, rows), -1, dtype=np.int32)
-        for g in range(st.world):
-            self.owner_table[g, :st.owned[g].size] = st.owned[g]
         self.first_free = st.num_owned_by.astype(np.int64)  # a rank's first row after its owner rows
         self.room = rows - self.first_free  # rows a reduction may use per rank for returning replicas
         self.owner_gpu = st.owners.astype(np.int32)
@@ -231,7 +228,7 @@ class GradReducer:
             self.reductions += 1
             if not any(g == rank or owner_gpu[e] == rank for e, g in batch):
                 continue  # nothing to send or receive here
-            table = self.owner_table.copy()
+            table = self.mover.owner_table.copy()  # the owner rows hold the owned experts
             free = self.first_free.copy()
             for e, g in batch:
                 row = int(free[g])
