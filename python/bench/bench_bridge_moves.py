@@ -1,5 +1,6 @@
 """Replica moves between 2 processes over gloo: the transfer engine over the process-group bridge
-(``foremoe.torch.TransferEngine(group=...)``) against foremoe.torch's current Python path for the same moves.
+(``foremoe.torch.TransferEngine(group=...)``) alone and under ExpertStorage (the one mover since issue 29; the Python
+moves it replaced were removed, their last figures are in CHANGELOG.md).
 
 Each rank owns E/2 experts of ``size`` bytes; every round moves ``moves`` of rank 0's experts into rank 1's spare
 slots and as many of rank 1's into rank 0's (``2 * moves * size`` bytes cross the group per round).
@@ -7,10 +8,7 @@ slots and as many of rank 1's into rank 0's (``2 * moves * size`` bytes cross th
            bridge (one gloo send/recv per chunk, each with a 16-byte header; max_chunk_bytes per the options)
   storage  ExpertStorage._post + _finish on CPU storage (foremoe/torch/layer.py, what ExpertStorage.sync runs after
            its bookkeeping): the same batch on the storage's own engine (foremoe.torch.mover), the status all_gather
-  python   the same with ExpertStorage(_mover="python"), the Python moves CUDA storage still takes:
-           batch_isend_irecv of every weight row into staging rows, the waits, the status all_gather, the install
-           copy into the storage rows
-Both with and without verification (engine: its C++ checksum in the header; python: row_checksum per row).
+Both with and without verification (the engine's C++ checksum in the header).
 Reported per rank 0, median of the rounds: wall seconds, GB/s (bytes crossing the group / wall) and CPU
 nanoseconds per byte (process CPU time of all its threads -- gloo's, the engine's, the bridge's -- / bytes).
 
@@ -19,8 +17,6 @@ replica of every expert the other owns, ``moves`` per rank, float32, ``size`` by
   engine   foremoe.torch.layer._to_owners_engine on CPU storage: the gradients written into the rows of the
            storage's engine (its layer 1), its reductions (submit_reduce over the bridge, added at the owner in the
            fixed order), the owner rows read back, the status all_gather
-  python   foremoe.torch.layer._to_owners with ExpertStorage(_mover="python"): batch_isend_irecv of every replica
-           gradient, the waits, the additions at the owner
 Reported as above (bytes: the gradients crossing the group).
 
 Run: python python/bench/bench_bridge_moves.py [--quick] [--grads]
@@ -85,7 +81,7 @@ def rank_main(rank, tmp, sizes, moves, reps, out_path):
 
             ew, ec = rounds_of(engine_round, reps)
             eng.close()
-            # -- ExpertStorage's moves (float32 rows of the same bytes): on its engine, and on the Python path
+            # -- ExpertStorage's moves (float32 rows of the same bytes) on its engine
             full = {"w": torch.randn(E, size // 4)}
             my = []
             for i, (e, src, dst, slot) in enumerate(mv.tolist()):
@@ -95,8 +91,8 @@ def rank_main(rank, tmp, sizes, moves, reps, out_path):
             row = {"size": size, "verify": verify, "bytes": 2 * moves * size}
             nbytes = row["bytes"]
             row["engine"] = {"s": ew, "gbps": nbytes / ew / 1e9, "cpu_ns_per_byte": ec / nbytes * 1e9}
-            for kind, mover in (("storage", "engine"), ("python", "python")):
-                st = ft.ExpertStorage.from_full(full, owners, S, rank=rank, world=2, verify=verify, _mover=mover)
+            for kind in ("storage",):
+                st = ft.ExpertStorage.from_full(full, owners, S, rank=rank, world=2, verify=verify)
 
                 def storage_round():
                     pending = st._post(out, None, 0, timeout=60.0)
@@ -115,10 +111,10 @@ def rank_main(rank, tmp, sizes, moves, reps, out_path):
 
 
 def grads_main(rank, tmp, sizes, moves, reps, out_path):
-    """``--grads``: one backward's replica gradient returns, on the engine and on the Python path."""
+    """``--grads``: one backward's replica gradient returns on the engine, checked against the sums made here."""
     from types import SimpleNamespace
 
-    from foremoe.torch.layer import _to_owners, _to_owners_engine
+    from foremoe.torch.layer import _to_owners_engine
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2,
@@ -131,23 +127,27 @@ def grads_main(rank, tmp, sizes, moves, reps, out_path):
         g = torch.Generator().manual_seed(rank)
         go = [torch.randn(moves, size // 4, generator=g)]
         mine = {e: [torch.randn(size // 4, generator=g)] for e, h in pairs if h == rank}
-        items = [(e, h, i, mine[e] if h == rank else None) for i, (e, h) in enumerate(pairs)]
         row = {"size": size, "bytes": E * size}
         got = {}
-        for kind in ("engine", "python"):
-            st = ft.ExpertStorage.from_full({"w": torch.zeros(E, size // 4)}, owners, S, rank=rank, world=2,
-                                            _mover=kind)
+        for kind in ("engine",):
+            st = ft.ExpertStorage.from_full({"w": torch.zeros(E, size // 4)}, owners, S, rank=rank, world=2)
             run = SimpleNamespace(storage=st, group=None, timeout=60.0, layer=0)
-            if kind == "engine":
-                def fn():
-                    got[kind] = _to_owners_engine(run, go, pairs, mine, "bench")
-            else:
-                def fn():
-                    got[kind] = _to_owners(run, go, items, "bench")
+
+            def fn():
+                got[kind] = _to_owners_engine(run, go, pairs, mine, "bench")
+
             w, c = rounds_of(fn, reps)
             row[kind] = {"s": w, "gbps": row["bytes"] / w / 1e9, "cpu_ns_per_byte": c / row["bytes"] * 1e9}
             st.close()
-        assert all(torch.equal(a, b) for a, b in zip(got["engine"], got["python"])), "engine != python"
+        # Each owner row plus the other rank's replica gradient of it (every replica returns: one addition each),
+        # the other rank's gradients drawn again from its seed.
+        g_other = torch.Generator().manual_seed(1 - rank)
+        torch.randn(moves, size // 4, generator=g_other)
+        theirs = {e: torch.randn(size // 4, generator=g_other) for e, h in pairs if h == 1 - rank}
+        want = go[0].clone()
+        for e, t in theirs.items():
+            want[e % moves] += t
+        assert torch.equal(got["engine"][0], want), "the engine's sums differ from the owner's own plus the replica's"
         results.append(row)
     if rank == 0:
         with open(out_path, "w") as f:
@@ -168,7 +168,7 @@ def main():
             out = os.path.join(tmp, "out.json")
             mp.start_processes(grads_main, args=(tmp, sizes, args.moves, reps, out), nprocs=2, start_method="spawn")
             results = json.load(open(out))
-        kinds = ("engine", "python")
+        kinds = ("engine",)
         print(f"{'bytes/expert':>12} | " + " | ".join(f"{k + ' s':>10} {'GB/s':>6} {'CPU ns/B':>8}" for k in kinds))
         for r in results:
             print(f"{r['size']:>12} | " + " | ".join(
@@ -180,7 +180,7 @@ def main():
         out = os.path.join(tmp, "out.json")
         mp.start_processes(rank_main, args=(tmp, sizes, args.moves, reps, out), nprocs=2, start_method="spawn")
         results = json.load(open(out))
-    kinds = ("engine", "storage", "python")
+    kinds = ("engine", "storage")
     print(f"{'bytes/expert':>12} {'verify':>6} | " + " | ".join(f"{k + ' s':>10} {'GB/s':>6} {'CPU ns/B':>8}"
                                                               for k in kinds))
     for r in results:

@@ -31,8 +31,7 @@ def case(E: int, K: int, T: int, spare: int = 2, G: int = 2) -> None:
         ids = np.stack([rng.choice(E, size=K, replace=False, p=pop / pop.sum()) for _ in range(T * G)])
         loads.append(np.bincount(ids.reshape(-1), minlength=E)[None].astype(np.int64))
     planner = foremoe.Planner(foremoe.Topology(1, G, S))
-    st = ExpertStorage({"w1": torch.zeros(E // G, 8, 8), "w2": torch.zeros(E // G, 8, 8)}, own, S, rank=0, world=G,
-                       _mover="python")
+    st = ExpertStorage({"w1": torch.zeros(E // G, 8, 8), "w2": torch.zeros(E // G, 8, 8)}, own, S, rank=0, world=G)
     for mode, seq in (("resident", [0] * 200), ("changing", [m % 2 for m in range(200)])):
         times = {"check_plan": [], "bookkeep": [], "hold_schedule": []}
         for _ in range(7):

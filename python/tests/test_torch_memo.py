@@ -75,8 +75,8 @@ def test_remembered_bookkeeping_equals_fresh(seed, double_buffer):
     own, plans = _plans(rng, E, G, S, 40)
     for rank in range(G):
         w = {"w": torch.zeros(E // G, 2)}
-        cached = ExpertStorage(w, own, S, rank=rank, world=G, double_buffer=double_buffer, _mover="python")
-        fresh = ExpertStorage(w, own, S, rank=rank, world=G, double_buffer=double_buffer, _mover="python")
+        cached = ExpertStorage(w, own, S, rank=rank, world=G, double_buffer=double_buffer)
+        fresh = ExpertStorage(w, own, S, rank=rank, world=G, double_buffer=double_buffer)
         hits = 0
         for plan in _sequence(rng, plans, 120, 0.6):
             changed = [] if rng.random() < 0.85 else sorted(rng.choice(G, size=rng.integers(1, G + 1), replace=False))
@@ -101,8 +101,8 @@ def test_remembered_hold_schedule_equals_fresh(seed):
     S = E // G + 2
     own, plans = _plans(rng, E, G, S, 30)
     w = {"w": torch.zeros(E // G, 2)}
-    cached = ExpertStorage(w, own, S, rank=0, world=G, _mover="python")
-    fresh = ExpertStorage(w, own, S, rank=0, world=G, _mover="python")
+    cached = ExpertStorage(w, own, S, rank=0, world=G)
+    fresh = ExpertStorage(w, own, S, rank=0, world=G)
     sent = 0
     for plan in _sequence(rng, plans, 150, 0.5):
         mode = "flush" if rng.random() < 0.1 else "hold"

@@ -182,8 +182,6 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
     layer = ft.BalancedMoE(make_experts(case), case.slots, timeout=opts.get("timeout", 60.0), mirror=mirror,
                            verify=opts.get("verify", True), faults=faults,
                            double_buffer=bool(opts.get("double_buffer")), local_world=opts.get("local_world"))
-    if opts.get("mover"):  # "python": the Python moves CUDA storage takes, for comparison with the engine's
-        layer.storage.mover_kind = opts["mover"]
     if opts.get("room"):  # the gradient engine may use only this many rows per rank: returns split into reductions
         layer.storage._reducer = ft.mover.GradReducer(layer.storage, None, 60.0)
         layer.storage._reducer.room[:] = opts["room"]

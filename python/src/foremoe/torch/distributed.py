@@ -85,6 +85,8 @@ def gather_rows(row: torch.Tensor, group: Any, timeout: float, what: str) -> tor
     G = group_size(group)
     if G == 1:
         return row[None]
+    if row.device.type == "cpu" and _cuda_only(group):  # e.g. Megatron's NCCL expert group: gathered on the GPU
+        return gather_rows(row.to(torch.device("cuda", torch.cuda.current_device())), group, timeout, what).cpu()
     if _GATHER_INTO_TENSOR:  # one output tensor, no per-rank buffers and no stack (the same values)
         out = row.new_empty(G * row.numel())
         wait(dist.all_gather_into_tensor(out, row, group=group, async_op=True), timeout, what)
@@ -92,6 +94,16 @@ def gather_rows(row: torch.Tensor, group: Any, timeout: float, what: str) -> tor
     parts = [torch.empty_like(row) for _ in range(G)]
     wait(dist.all_gather(parts, row, group=group, async_op=True), timeout, what)
     return torch.stack(parts)
+
+
+def _cuda_only(group: Any) -> bool:
+    """Whether ``group``'s backend takes CUDA tensors only (``nccl``; a ``"cpu:gloo,cuda:nccl"`` group takes both):
+    the layer's small CPU collectives then travel as CUDA tensors on the current device."""
+    try:
+        backend = str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return False
+    return "nccl" in backend and "gloo" not in backend
 
 
 # ``all_gather_into_tensor`` with gloo needs torch >= 2 (torch 1.13's gloo raises "no support for _allgather_base").

@@ -11,19 +11,18 @@ never seen by an optimizer or DDP).
 1. the per-rank expert counts are gathered (one small ``all_gather`` that also carries every rank's input
    check and whether its owner weights changed since the last sync);
 2. replicas the plan wants and the rank does not hold (or holds stale) are copied from their owners, resident
-   replicas are reused without a move. CPU storage moves on the runtime's transfer engine
-   (:mod:`foremoe.torch.mover`: every rank submits the same batch, the engine's paired transfers run over the
-   trainer's gloo group, and verification, retries, the fallback to the host mirror, the seeded fault injector,
-   deadlines and telemetry are the engine's); CUDA storage still moves with ``batch_isend_irecv`` on the group and
-   the checks of :mod:`foremoe.torch.moves` until the engine's CUDA backend runs under the layer;
+   replicas are reused without a move. The moves run on the runtime's transfer engine (:mod:`foremoe.torch.mover`:
+   every rank submits the same batch; CPU storage on its host backend, its paired transfers over the trainer's gloo
+   group; CUDA storage on its CUDA backend, its paired transfers on an NCCL communicator of its own made from a
+   unique id sent over the trainer's group), and verification, retries, the fallback to the host mirror, the
+   seeded fault injector, deadlines and telemetry are the engine's;
 3. tokens go to physical slots with the plan's exact split (:mod:`foremoe.torch.distributed`), are exchanged
    with ``all_to_all_single`` and computed slot by slot on the local slots, then sent back and combined with the
    routing weights.
 
 Moves are verified and can fall back to a host mirror: every received replica row comes with the sender's exact
-checksum of its bytes (the engine's checksum in its transfer header; on CUDA storage
-:func:`foremoe.torch.moves.row_checksum`); a row that is dropped, late, or fails its checksum is copied from the host
-mirror (``mirror=True``: this rank's own copy;
+checksum of its bytes (the engine's checksum in its transfer header); a row that is dropped, late, or fails its
+checksum is copied from the host mirror (``mirror=True``: this rank's own copy;
 ``mirror="node"``: one copy per node in shared memory that the node's ranks map; refreshed by the trainer after
 each optimizer step with :meth:`ExpertStorage.refresh_mirror`), and without a fresh mirror every rank
 raises (a gathered flag): a wrong replica is never used. ``faults`` (a :class:`foremoe.FaultSchedule`) injects
@@ -37,9 +36,9 @@ intact through micro-step ``m + 1``'s forward.
 The backward sends the gradients back the same way, and every replica's weight gradient is sent to the owner
 and added to the owner's gradient (its ``.grad``, or whatever the trainer's gradient hooks accumulate into)
 in a fixed order (owner's own first, then the replicas in ascending rank order) before autograd hands it on,
-all or nothing: a failed or late transfer raises and no gradient of that layer reaches the parameters. On CPU
-storage the transfer engine's reductions carry and add them (:class:`foremoe.torch.mover.GradReducer`, every rank
-agreeing over the group whether they all landed); on CUDA storage ``batch_isend_irecv`` and additions here.
+all or nothing: a failed or late transfer raises and no gradient of that layer reaches the parameters. The
+transfer engine's reductions carry and add them (:class:`foremoe.torch.mover.GradReducer`, every rank agreeing over
+the group whether they all landed).
 With ``gradients="hold"`` (issue 30) a replica that later plans keep on its rank accumulates its gradient beside
 its row and sends it once, in the backward of the first call whose plan drops it, or with ``gradients="flush"``
 (the last micro-step before the optimizer step), in the same fixed order at the owner.
@@ -47,13 +46,11 @@ its row and sends it once, in the backward of the first call whose plan drops it
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -62,9 +59,9 @@ from foremoe import _core
 from foremoe._args import int_array, integer
 
 from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
-from .distributed import gather_rows, gather_source_loads, global_rank, group_rank, group_size, local_layout, wait
-from .moves import HostMirror, NodeMirror, corrupt_, injected_fault, resolve_local_world, row_checksum
-from .mover import EngineMover, GradReducer, engine_rows, reduces_on_engine
+from .distributed import gather_rows, gather_source_loads, group_rank, group_size, local_layout
+from .moves import HostMirror, NodeMirror, resolve_local_world
+from .mover import GRAD_DTYPES, EngineMover, GradReducer, check_cuda_engine, engine_rows
 
 __all__ = [
     "BalancedMoE",
@@ -97,8 +94,8 @@ class SyncStats:
     bytes_moved: int  # their bytes, all ranks
     reused: int  # replicas the plan wants that were already resident and current
     refreshed_owners: Tuple[int, ...]  # ranks whose owner weights changed since the last sync
-    # All ranks. faults: received moves that needed another copy (on the engine: a copy failed or did not verify
-    # and was retried; on the Python moves: dropped, corrupted or made late by the injector); verify_failures:
+    # All ranks. faults: received moves that needed another copy (a copy failed or did not verify and was
+    # retried); verify_failures:
     # received copies whose checksum did not match; fallbacks: moves that landed from the receiver's host mirror
     # after a failed copy.
     faults: int = 0
@@ -147,10 +144,9 @@ class ExpertStorage:
             variable ``LOCAL_WORLD_SIZE`` (set by ``torchrun``) when there is a mirror, else 1. It must divide
             ``world``; node ``n`` holds the group's ranks ``[n * local_world, (n + 1) * local_world)``.
         verify: send an exact checksum with every replica move and check it on arrival (default on).
-        faults: a :class:`foremoe.FaultSchedule`, the runtime's seeded fault injector: on CPU storage the transfer
-            engine's (``fail_probability``, ``corrupt_probability``, ``delay_probability``/``delay_us`` act on its
-            copies and paired transfers, keyed by the batch's transfers); on CUDA storage the received moves'
-            (:func:`moves.injected_fault`). Assigning ``storage.faults`` or ``storage.verify`` later takes effect at
+        faults: a :class:`foremoe.FaultSchedule`, the runtime's seeded fault injector, the transfer engine's
+            (``fail_probability``, ``corrupt_probability``, ``delay_probability``/``delay_us`` act on its copies and
+            paired transfers, keyed by the batch's transfers; never on the replica gradients). Assigning ``storage.faults`` or ``storage.verify`` later takes effect at
             the next sync on every rank.
         double_buffer: two storage rows per spare row (``slots + spare`` rows per weight kind): a move always
             writes the copy the last sync did not use, so micro-step ``m``'s replica rows stay intact while
@@ -163,7 +159,7 @@ class ExpertStorage:
     def __init__(self, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int, world: int,
                  mirror: Any = False, group: Any = None, verify: bool = True, faults: Any = None,
                  double_buffer: bool = False, timeout: float = DEFAULT_TIMEOUT, local_world: Optional[int] = None,
-                 _full: Optional[Mapping[str, torch.Tensor]] = None, _mover: str = "auto"):
+                 _full: Optional[Mapping[str, torch.Tensor]] = None):
         own = int_array(owners, "ExpertStorage: owners", dtype=np.int32)  # an owner past int32 never wraps
         slots, rank, world = (integer(v, f"ExpertStorage: {k}") for k, v in
                               (("slots", slots), ("rank", rank), ("world", world)))
@@ -206,18 +202,20 @@ class ExpertStorage:
         rows_total = self.slots + (self.spare if self.double_buffer else 0)
         if not weights:
             raise ValueError("ExpertStorage: no weights")
-        if _mover not in ("auto", "engine", "python"):
-            raise ValueError(f"ExpertStorage: _mover must be 'auto', 'engine' or 'python', got {_mover!r}")
-        on_cpu = all(isinstance(w, torch.Tensor) and w.device.type == "cpu" for w in weights.values())
-        if _mover == "engine" and not on_cpu:
-            raise ValueError("ExpertStorage: _mover='engine' runs the engine's host backend, which needs CPU weights")
-        # CPU storage moves on the transfer engine (foremoe.torch.mover); CUDA storage keeps the Python moves over
-        # torch.distributed until the engine's CUDA backend runs under the layer (issue 29, D2).
-        self.mover_kind = "engine" if on_cpu and _mover != "python" else "python"
-        alloc_rows = rows_total
-        if self.mover_kind == "engine":
-            self._engine_rows, self._stage0 = engine_rows(self.slots, self.num_owned_by, self.double_buffer)
-            alloc_rows = self._engine_rows
+        devices = {str(w.device) for w in weights.values() if isinstance(w, torch.Tensor)}
+        if len(devices) > 1:
+            raise ValueError(f"ExpertStorage: the weight kinds lie on different devices ({sorted(devices)}); the transfer "
+                             f"engine moves rows of one device")
+        dtypes = {w.dtype for w in weights.values() if isinstance(w, torch.Tensor) and w.is_floating_point()}
+        if len(dtypes) > 1 or not dtypes <= set(GRAD_DTYPES):
+            raise ValueError(f"ExpertStorage: the weight kinds must share one dtype among float32, float64, bfloat16 "
+                             f"and float16 (the transfer engine adds the replica gradients in it), got "
+                             f"{sorted(str(d) for d in dtypes)}")
+        self.mover_kind = "engine"  # the one mover (issue 29): the engine's host backend or its CUDA backend
+        if devices and next(iter(devices)).startswith("cuda"):
+            check_cuda_engine(self.world)
+        self._engine_rows, self._stage0 = engine_rows(self.slots, self.num_owned_by, self.double_buffer)
+        alloc_rows = self._engine_rows
         self._mover: Optional[EngineMover] = None
         self._reducer: Optional[GradReducer] = None  # replica gradient reductions on the engine (made at first use)
         self.engine_reductions = 0  # reductions this storage ran on the engine so far (the same on every rank)
@@ -663,9 +661,9 @@ class ExpertStorage:
     def sync(self, plan: "foremoe.Plan", layer: int, changed: Sequence[int], *, group: Any = None,
              timeout: float = DEFAULT_TIMEOUT, stale_mirrors: Sequence[int] = (),
              prefetch_state: Optional[np.ndarray] = None) -> Dict[str, Any]:
-        """Brings this rank's replica rows to ``plan``'s layer ``layer`` (:meth:`bookkeep`, then the moves over
-        ``batch_isend_irecv`` from the owners, every wait within ``timeout``, each received row verified and, when
-        it failed, replaced from the host mirror; see the module docstring). Every rank calls it with the same
+        """Brings this rank's replica rows to ``plan``'s layer ``layer`` (:meth:`bookkeep`, then the moves on the
+        transfer engine from the owners, every wait within ``timeout``, each received row verified and, when it
+        failed, replaced from the host mirror; see the module docstring). Every rank calls it with the same
         arguments; ``stale_mirrors``: ranks whose mirror is stale (gathered; :meth:`check_mirrors`). When a failed
         move cannot be replaced, every rank raises ``RuntimeError`` and every replica is re-sent at the next sync.
 
@@ -696,7 +694,7 @@ class ExpertStorage:
                  timeout: float = DEFAULT_TIMEOUT) -> None:
         """Starts the replica moves of ``plan``'s layer ``layer`` now, ahead of the layer's call: one small
         ``all_gather`` (whose owner weights changed, whose mirror is stale), the bookkeeping, then the sends and
-        receives posted with ``batch_isend_irecv`` without waiting. The received rows land in staging buffers, never
+        receives submitted to the transfer engine without waiting. The received rows land in staging buffers, never
         in the slot storage: the next call of the layer (:meth:`sync` inside :func:`balanced_moe`) waits for them
         within its deadline, verifies them and installs them, so a replica row the current micro-step's backward
         still reads is never overwritten and the result is bitwise that of the synchronous path.
@@ -790,36 +788,12 @@ class ExpertStorage:
 
     def _post(self, out: Dict[str, Any], group: Any, layer: int, snapshot: bool = False,
               timeout: float = DEFAULT_TIMEOUT) -> Dict[str, Any]:
-        """Posts the moves naming this rank (``out``: :meth:`bookkeep`'s) without waiting; received rows go to
-        staging buffers. ``snapshot``: send copies of the owner rows (they may change before the sends finish)."""
-        pending: Dict[str, Any] = {"out": out, "works": [], "recvs": [], "prefetched": 0}
+        """Submits the sync's moves (``out``: :meth:`bookkeep`'s) without waiting; ``snapshot`` (a prefetch): the
+        received rows land in staging rows, installed at the call."""
+        pending: Dict[str, Any] = {"out": out, "prefetched": 0}
         if int(out["moves"]) == 0:
             return pending
-        if self.mover_kind == "engine":
-            return self._post_engine(pending, group, snapshot, timeout)
-        ops = []
-        nk, tags = len(self.names), len(self.names) + 1
-        for i, e, src, dst, row in out["my_moves"].tolist():
-            if src == self.rank:
-                peer = global_rank(group, dst)
-                rows = [self.storage[n][int(self.own_row[e])].detach() for n in self.names]
-                if snapshot:
-                    rows = [t.clone() for t in rows]
-                if self.verify:
-                    rows.append(torch.stack([row_checksum(t) for t in rows]))
-            elif dst == self.rank:
-                peer = global_rank(group, src)
-                rows = [torch.empty_like(self.storage[n][row]) for n in self.names]
-                if self.verify:
-                    rows.append(torch.empty(nk, dtype=torch.int64, device=rows[0].device))
-                pending["recvs"].append((i, e, src, row, rows))
-            else:
-                continue
-            op = dist.isend if src == self.rank else dist.irecv
-            ops.extend(dist.P2POp(op, t, peer, group, i * tags + k) for k, t in enumerate(rows))
-        if ops:
-            pending["works"] = dist.batch_isend_irecv(ops)
-        return pending
+        return self._post_engine(pending, group, snapshot, timeout)
 
     def _engine_mover(self, group: Any, timeout: float) -> EngineMover:
         """This storage's transfer engine (moves and replica-gradient reductions), made at first use (a collective:
@@ -854,54 +828,16 @@ class ExpertStorage:
 
     def _land(self, pending: Dict[str, Any], timeout: float, layer: int) -> Optional[str]:
         """Waits for the posted moves within ``timeout``; the first failure's message, or None."""
-        if pending.get("ticket") is not None:
-            return self._mover.finish(pending["ticket"], timeout)[0]
-        lost = None
-        deadline = time.monotonic() + timeout
-        for w in pending["works"]:
-            try:
-                wait(w, max(deadline - time.monotonic(), 1e-3), f"replica weight moves of layer {layer}")
-            except RuntimeError as exc:
-                lost = lost or str(exc)
-        return lost
+        if pending.get("ticket") is None:
+            return None
+        return self._mover.finish(pending["ticket"], timeout)[0]
 
     def _finish(self, pending: Dict[str, Any], group: Any, timeout: float, layer: int) -> Tuple[int, ...]:
         """Waits for, verifies and installs the posted moves; returns (faults, verify_failures, fallbacks) over all
         ranks."""
         if int(pending["out"]["moves"]) == 0:
             return (0, 0, 0)
-        if pending.get("ticket") is not None:
-            return self._finish_engine(pending, group, timeout, layer)
-        nk = len(self.names)
-        lost = self._land(pending, timeout, layer)  # a failed or late wait: this rank's received rows are not trusted
-        faults = bad = fallbacks = 0
-        error = None
-        for i, e, src, row, rows in pending["recvs"]:
-            self.row_generation[row] += 1
-            why = None if lost is None else f"did not land ({lost})"
-            if why is None:
-                fault = injected_fault(self.faults, self.num_syncs, layer, i, timeout)
-                faults += fault is not None
-                if fault == "corrupted":
-                    corrupt_(rows[:nk])
-                elif fault is not None:
-                    why = f"was {fault} (fault injector)"
-            if why is None and self.verify and not torch.equal(torch.stack([row_checksum(t) for t in rows[:nk]]),
-                                                               rows[nk]):
-                bad += 1
-                why = "failed its checksum"
-            if why is None:
-                for name, t in zip(self.names, rows):
-                    self.storage[name].data[row].copy_(t)
-            elif self.mirror is not None and not self.mirror_stale():
-                self.mirror.copy_into(self, e, row)
-                fallbacks += 1
-            elif error is None:
-                fix = ("fresh host mirror to fall back to (call refresh_mirror() after each optimizer step)"
-                       if self.mirror is not None else "host mirror to fall back to (ExpertStorage(..., mirror=True))")
-                error = (f"foremoe.torch: layer {layer}: the replica move of expert {e} from rank {src} to rank "
-                         f"{self.rank} {why}, and rank {self.rank} has no {fix}; no replica of this sync is used")
-        return self._agree(error, (faults, bad, fallbacks), group, timeout, layer)
+        return self._finish_engine(pending, group, timeout, layer)
 
     def _agree(self, error: Optional[str], counts: Tuple[int, int, int], group: Any, timeout: float,
                layer: int) -> Tuple[int, ...]:
@@ -1144,45 +1080,10 @@ def _reduce_replica_grads(run: _Run, go: List[torch.Tensor], rep_grad: Dict[int,
     st = run.storage
     r = st.rank
     what = f"replica gradient reduction of layer {run.layer}"
-    if reduces_on_engine(st):  # every replica given tokens by the plan returns: (expert, holder), ascending
-        pairs = sorted((e, g) for g, e in _plan_replicas(st, run.plan, run.plan_layer)[1])
-        mine = {e: rep_grad[row_slot[row]] for e, h, row, _ in run.grad_transfers if h == r}
-        return _to_owners_engine(run, go, pairs, mine, what)
-    items = [(e, g, i, rep_grad[row_slot[row]] if g == r else None) for e, g, row, i in run.grad_transfers]
-    return _to_owners(run, go, items, what)
-
-
-def _to_owners(run: _Run, go: List[torch.Tensor], items: Sequence[Tuple[int, int, int, Optional[List[torch.Tensor]]]],
-               what: str) -> List[torch.Tensor]:
-    """Sends replica gradients to their owners and adds them to the owners' ``go``: ``items`` (expert, holder rank,
-    tag, the tensors when this rank is the holder), ascending (expert, holder), added in that order after the
-    owner's own (a fixed order)."""
-    st = run.storage
-    r, nk = st.rank, len(st.names)
-    ops = []
-    received: List[Tuple[int, List[torch.Tensor]]] = []  # (expert, grads)
-    for e, g, i, send in items:
-        owner = int(st.owners[e])
-        if g == r:
-            for k in range(nk):
-                ops.append(dist.P2POp(dist.isend, send[k].contiguous(), global_rank(run.group, owner), run.group,
-                                      i * nk + k))
-        elif owner == r:
-            bufs = [torch.empty_like(go[k][0]) for k in range(nk)]
-            for k in range(nk):
-                ops.append(dist.P2POp(dist.irecv, bufs[k], global_rank(run.group, g), run.group, i * nk + k))
-            received.append((e, bufs))
-    if ops:
-        for w in dist.batch_isend_irecv(ops):
-            wait(w, run.timeout, what)
-    if not received:
-        return go
-    go = [t.clone() for t in go]
-    for e, bufs in received:
-        row = int(st.own_row[e])
-        for k in range(nk):
-            go[k][row] += bufs[k]
-    return go
+    # Every replica given tokens by the plan returns: (expert, holder), ascending.
+    pairs = sorted((e, g) for g, e in _plan_replicas(st, run.plan, run.plan_layer)[1])
+    mine = {e: rep_grad[row_slot[row]] for e, h, row, _ in run.grad_transfers if h == r}
+    return _to_owners_engine(run, go, pairs, mine, what)
 
 
 def _to_owners_engine(run: _Run, go: List[torch.Tensor], pairs: Sequence[Tuple[int, int]],
@@ -1277,18 +1178,9 @@ def _return_held_grads(run: _Run, go: List[torch.Tensor],
             for k in range(nk):
                 held[k].add_(grads[k])
     what = f"held replica gradient return of layer {run.layer}"
-    if reduces_on_engine(st):  # a held gradient with nothing accumulated returns zeros (the reducer writes them)
-        mine = {e: st._held_grads.pop(e, None) for e, g in run.hold if g == r}
-        return _to_owners_engine(run, go, run.hold, mine, what)
-    items = []
-    for i, (e, g) in enumerate(run.hold):
-        send = None
-        if g == r:
-            send = st._held_grads.pop(e, None)
-            if send is None:  # a replica given tokens by the plan that received none here: nothing accumulated
-                send = [torch.zeros_like(go[k][0]) for k in range(nk)]
-        items.append((e, g, i, send))
-    return _to_owners(run, go, items, what)
+    # A held gradient with nothing accumulated returns zeros (the reducer writes them).
+    mine = {e: st._held_grads.pop(e, None) for e, g in run.hold if g == r}
+    return _to_owners_engine(run, go, run.hold, mine, what)
 
 
 #: ``routing_weights`` of :func:`_prepare` for a caller that applies the routing weights itself (the Megatron

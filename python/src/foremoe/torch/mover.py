@@ -1,8 +1,13 @@
 """The moves of :class:`foremoe.torch.ExpertStorage` on the runtime's transfer engine (issue 29: one mover).
 
-For CPU slot storage every replica move of a sync runs on :class:`foremoe.torch.engine.TransferEngine` (the C++
-``foremoe::runtime::TransferEngine``, host backend), one engine per storage and rank, its paired transfers over the
-trainer's gloo group through the engine's bridge. Python keeps only the tensor handles and the process group, and
+Every replica move of a sync runs on :class:`foremoe.torch.engine.TransferEngine` (the C++
+``foremoe::runtime::TransferEngine``), one engine per storage and rank. CPU slot storage takes its host backend, its
+paired transfers over the trainer's gloo group through the engine's bridge. CUDA slot storage takes its CUDA backend:
+copies on its own copy streams (from the pinned host mirror, or within the GPU), paired transfers with other ranks on
+an NCCL communicator of the engine's own, made from a unique id sent over the trainer's group; each batch starts
+after the work queued so far on the current stream (a recorded ``torch.cuda.Event``: the owner rows' writes and the
+replica rows' readers), and the host waits for it before the rows are used. Python keeps only the tensor handles and
+the process group, and
 says which bytes travel: the batch every rank submits is ``replica_sync``'s ``all_moves``, each move from its owner's
 row (the storage's bookkeeping reuses resident replicas and copies the others from their owners; the engine sees only
 the owner rows as readable, so it keeps that source or, recording why, takes the node's host mirror). The transfer
@@ -36,11 +41,12 @@ import torch
 import torch.distributed as dist
 
 import foremoe
+from foremoe import _core
 
 from .distributed import gather_rows
 from .engine import TransferEngine, TransferError
 
-__all__ = ["EngineMover", "GradReducer", "engine_rows", "reduces_on_engine"]
+__all__ = ["EngineMover", "GradReducer", "backend_fields", "check_cuda_engine", "engine_rows"]
 
 # The next tag space this process may give an engine: each storage's engine takes its own on the group (the largest
 # of every rank's, agreed at creation, after which every rank moves past it), so that the batches of several layers
@@ -71,12 +77,18 @@ class EngineMover:
         rows = st._engine_rows
         tensors = [int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names]  # bytes per kind
         topo = foremoe.Topology(st.world // st.local_world, st.local_world, rows)
+        first = st._alloc[st.names[0]]
+        cuda = backend_fields(st)
+        if cuda and st.world == 1:
+            pg = None  # nothing to pair: the engine drives the one GPU
         # Engine layer 0: the weights (moves); layer 1: the gradients (GradReducer's reductions), whose resident
         # table changes per reduction while a prefetch's moves may still run on layer 0.
         self.engine = TransferEngine(topology=topo, num_layers=2, num_experts=st.num_experts, tensors=tensors,
                                      verify=st.verify, faults=_sparing(st.faults), host_mirror=st.mirror is not None,
-                                     host_threads_per_path=1, group=pg, bridge_timeout=timeout, tag_space=space)
+                                     host_threads_per_path=1, group=pg, bridge_timeout=timeout, tag_space=space,
+                                     **cuda)
         self.engine.register_slots(0, st.rank, [st._alloc[n] for n in st.names])
+        self.storage_rows = first
         if st.mirror is not None:
             views = [st.mirror.tensors[n] for n in st.names]
             node = st.rank // st.local_world
@@ -98,7 +110,9 @@ class EngineMover:
         """Starts the batch ``moves`` ``[n, 4]`` (expert, source rank, destination rank, destination engine slot),
         the same on every rank, reading only owner rows; returns the ticket."""
         self.engine.set_resident(0, self.owner_table)
-        return self.engine.submit(np.ascontiguousarray(moves, dtype=np.int32), 0, timeout=timeout)
+        ready = _ready_event(self.storage_rows)  # CUDA: the owner rows' writes and the rows' readers queued so far
+        return self.engine.submit(np.ascontiguousarray(moves, dtype=np.int32), 0, sources_ready=ready,
+                                  slots_free=ready, timeout=timeout)
 
     def finish(self, ticket: Any, timeout: float) -> Tuple[Optional[str], List[Dict[str, Any]]]:
         """Waits for ``ticket`` (at most ``timeout`` seconds past its own deadline, then aborts it); returns the
@@ -138,16 +152,45 @@ def _finish(ticket: Any, timeout: float) -> Tuple[Optional[str], List[Dict[str, 
     return error, tel
 
 
-#: Gradient dtypes the engine's reductions add (``GradType``): the layer's replica gradients return on the engine
-#: only when every weight kind has one of them, the same one.
+#: Gradient dtypes the engine's reductions add (``GradType``): the weight kinds of a storage share one of them.
 GRAD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def reduces_on_engine(storage: Any) -> bool:
-    """Whether ``storage``'s replica gradients return on the engine (:class:`GradReducer`): CPU storage on the engine
-    mover whose weight kinds share one dtype the engine adds."""
-    dtypes = {storage._alloc[n].dtype for n in storage.names}
-    return storage.mover_kind == "engine" and len(dtypes) == 1 and next(iter(dtypes)) in GRAD_DTYPES
+def check_cuda_engine(world: int) -> None:
+    """Raises ``ValueError`` unless this ``foremoe._core`` can move CUDA slot storage: the runtime's CUDA backend
+    compiled in, and NCCL too when ``world`` ranks (processes) exchange rows."""
+    info = _core.runtime_build_info()
+    fix = ("rebuild it with the CUDA backend: pip install ./python "
+           "--config-settings=cmake.define.FOREMOE_PYTHON_CUDA=ON")
+    if not info.get("cuda_compiled"):
+        raise ValueError(f"ExpertStorage: the weights are CUDA tensors, and CUDA slot storage moves on the transfer "
+                         f"engine's CUDA backend, which this foremoe._core was built without; {fix}")
+    if world > 1 and not info.get("nccl_compiled"):
+        raise ValueError(f"ExpertStorage: {world} ranks exchange CUDA rows over the transfer engine's NCCL "
+                         f"communicator, and this foremoe._core was built without NCCL; {fix} on a machine with "
+                         f"NCCL (cmake/FindNCCL.cmake)")
+
+
+def backend_fields(storage: Any) -> Dict[str, Any]:
+    """The ``EngineOptions`` fields that pick the backend of ``storage``'s engine: none for CPU rows (the host
+    backend); for CUDA rows the CUDA backend, this rank driving its one GPU (its rows' device) and the other ranks'
+    GPUs belonging to other processes (``-1``)."""
+    device = storage._alloc[storage.names[0]].device
+    if device.type != "cuda":
+        return {}
+    device_of = [-1] * storage.world
+    device_of[storage.rank] = device.index if device.index is not None else torch.cuda.current_device()
+    return dict(backend="cuda", cuda_device_of_gpu=device_of)
+
+
+def _ready_event(t: torch.Tensor) -> Any:
+    """A ``torch.cuda.Event`` recorded now on the current stream of ``t``'s device (the work queued so far that
+    writes or reads the rows a batch touches), None for CPU tensors (the host backend's batches start at once)."""
+    if t.device.type != "cuda":
+        return None
+    ev = torch.cuda.Event()
+    ev.record(torch.cuda.current_stream(t.device))
+    return ev
 
 
 class GradReducer:
@@ -243,7 +286,7 @@ class GradReducer:
                             grads[k][row].copy_(src[k])
             try:
                 self.engine.set_resident(1, table)
-                ticket = self.engine.submit_reduce(1, owner_gpu, timeout=timeout)
+                ticket = self.engine.submit_reduce(1, owner_gpu, grads_ready=_ready_event(grads[0]), timeout=timeout)
             except (ValueError, RuntimeError) as e:
                 error = error or str(e)
                 continue

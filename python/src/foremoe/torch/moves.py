@@ -1,5 +1,6 @@
-"""What makes the balanced layer's replica moves safe: the host mirror, exact row checksums and the seeded fault
-injector (used by :class:`foremoe.torch.ExpertStorage`).
+"""The host mirrors of :class:`foremoe.torch.ExpertStorage`: the copies of a layer's weights that the transfer engine
+falls back to when a replica move fails (verification, retries, the fallback itself and the seeded fault injector are
+the engine's: :mod:`foremoe.torch.mover`).
 
 - :class:`HostMirror`: per rank, every expert's weights of one layer (``{kind: [E, ...]}``), in pinned memory when
   the slots are CUDA tensors (plain CPU memory otherwise). Never a parameter, never in a ``state_dict``. It is
@@ -7,9 +8,6 @@ injector (used by :class:`foremoe.torch.ExpertStorage`).
   weights is refused, never used.
 - :class:`NodeMirror`: the same mirror once per node, in shared memory that every local rank maps, refreshed
   collectively (each local rank writes a share); the node pays the layer's weights once instead of once per rank.
-- :func:`row_checksum`: an exact hash of a row's raw bytes, computed identically by sender and receiver.
-- :func:`injected_fault`: the decision of a :class:`foremoe.FaultSchedule` (the runtime's seeded fault injector)
-  for one received replica move, replayable from its seed.
 """
 
 from __future__ import annotations
@@ -27,54 +25,7 @@ from foremoe._args import integer
 
 from .distributed import DEFAULT_TIMEOUT, _a2a, gather_checked, gather_rows, group_size, wait
 
-__all__ = ["HostMirror", "NodeMirror", "injected_fault", "resolve_local_world", "row_checksum"]
-
-_weights: Dict[Any, torch.Tensor] = {}
-
-
-def row_checksum(t: torch.Tensor) -> torch.Tensor:
-    """An exact hash of ``t``'s raw bytes as a 0-dim int64 tensor on ``t``'s device: the bytes read as int32 words
-    (single bytes when the size is not a multiple of 4), each times its own odd weight, summed with int64
-    wraparound. Any change of one word changes it (an odd weight is invertible modulo 2**64). Costs a temporary of
-    twice the row's bytes."""
-    b = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    words = b.view(torch.int32) if b.numel() % 4 == 0 else b
-    n = int(words.numel())
-    key = (n, str(t.device))
-    w = _weights.get(key)
-    if w is None:
-        w = ((torch.arange(n, dtype=torch.int64) * 0x9E3779B1) % (1 << 31)) | 1
-        w = _weights.setdefault(key, w.to(t.device))
-    return (words.to(torch.int64) * w).sum()
-
-
-def injected_fault(faults: Any, sync_index: int, layer: int, tag: int, timeout: float) -> Optional[str]:
-    """What a :class:`foremoe.FaultSchedule` does to the received replica move ``tag`` of ``layer`` in the storage's
-    ``sync_index``-th sync: ``"dropped"`` (``fail_probability``), ``"corrupted"`` (``corrupt_probability``: one byte
-    flipped after it landed, which only verification sees), ``"late"`` (``delay_probability`` with a ``delay_us``
-    at least the move's deadline; a shorter delay is harmless here) or ``None``. The draws are the runtime's own
-    (``FaultSchedule.draw``: a hash of ``seed`` and the move's identity), so a schedule replays exactly on every
-    rank. ``fail_paths`` does not apply (the moves take one path, torch.distributed)."""
-    if faults is None:
-        return None
-    identity = [int(sync_index), int(layer), int(tag)]
-
-    def draw(decision: str) -> float:
-        return float(faults.draw(identity, decision))
-
-    if draw("fail") < faults.fail_probability:
-        return "dropped"
-    if draw("corrupt") < faults.corrupt_probability:
-        return "corrupted"
-    if draw("delay") < faults.delay_probability and faults.delay_us * 1e-6 >= timeout:
-        return "late"
-    return None
-
-
-def corrupt_(rows: Any) -> None:
-    """Flips one byte of the last received row (what the runtime's injector does to received host bytes)."""
-    last = rows[-1].view(-1).view(torch.uint8)
-    last[-1] ^= 0x5A
+__all__ = ["HostMirror", "NodeMirror", "resolve_local_world"]
 
 
 def resolve_local_world(local_world: Optional[int], world: int, mirror: Any) -> int:
@@ -188,12 +139,6 @@ class HostMirror:
     def generation(self) -> Optional[int]:
         """The shared refresh generation (node mirrors only)."""
         return None
-
-    def copy_into(self, storage: Any, expert: int, row: int) -> None:
-        """Writes ``expert``'s mirrored weights into storage row ``row`` (without bumping the owner parameters'
-        version counter, which the row's storage shares)."""
-        for name, m in self.tensors.items():
-            storage.storage[name].data[row].copy_(m[expert], non_blocking=True)
 
 
 class NodeMirror(HostMirror):
