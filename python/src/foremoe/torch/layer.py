@@ -146,8 +146,8 @@ class ExpertStorage:
         verify: send an exact checksum with every replica move and check it on arrival (default on).
         faults: a :class:`foremoe.FaultSchedule`, the runtime's seeded fault injector, the transfer engine's
             (``fail_probability``, ``corrupt_probability``, ``delay_probability``/``delay_us`` act on its copies and
-            paired transfers, keyed by the batch's transfers; never on the replica gradients). Assigning ``storage.faults`` or ``storage.verify`` later takes effect at
-            the next sync on every rank.
+            paired transfers, keyed by the batch's transfers; never on the replica gradients). Assigning
+            ``storage.faults`` or ``storage.verify`` later takes effect at the next sync on every rank.
         double_buffer: two storage rows per spare row (``slots + spare`` rows per weight kind): a move always
             writes the copy the last sync did not use, so micro-step ``m``'s replica rows stay intact while
             micro-step ``m + 1``'s land and run (its forward may come before ``m``'s backward, as in pipeline
@@ -204,8 +204,8 @@ class ExpertStorage:
             raise ValueError("ExpertStorage: no weights")
         devices = {str(w.device) for w in weights.values() if isinstance(w, torch.Tensor)}
         if len(devices) > 1:
-            raise ValueError(f"ExpertStorage: the weight kinds lie on different devices ({sorted(devices)}); the transfer "
-                             f"engine moves rows of one device")
+            raise ValueError(f"ExpertStorage: the weight kinds lie on different devices ({sorted(devices)}); the "
+                             f"transfer engine moves rows of one device")
         dtypes = {w.dtype for w in weights.values() if isinstance(w, torch.Tensor) and w.is_floating_point()}
         if len(dtypes) > 1 or not dtypes <= set(GRAD_DTYPES):
             raise ValueError(f"ExpertStorage: the weight kinds must share one dtype among float32, float64, bfloat16 "
