@@ -89,6 +89,7 @@ def errors_rank(rank, tmp):
         "devices_own": _catch(lambda: engine(cuda_device_of_gpu=[-1, -1])),
         "timeout": _catch(lambda: engine(bridge_timeout=0.0)),
         "tag_space": _catch(lambda: engine(tag_space=7)),
+        "devices_none": _catch(lambda: engine(cuda_device_of_gpu=None)),
         "build": _catch(lambda: engine()),
     }
     real = dist.get_backend
@@ -132,6 +133,7 @@ def test_cuda_backend_over_a_group_refuses_what_it_cannot_run(tmp_path):
         if want is not None:
             assert r["build"].startswith("RuntimeError") and want in r["build"], r["build"]
             assert r["tag_space"] == r["build"], "tag_space must be accepted and ignored with backend='cuda'"
+            assert r["devices_none"] == r["build"], "cuda_device_of_gpu=None must be taken as not given"
 
 
 def swap_rank(rank, tmp, group_backend):

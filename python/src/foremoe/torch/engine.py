@@ -343,8 +343,8 @@ def _nccl_comms_of(group: Any, options: EngineOptions, timeout: float, tag_space
         raise ValueError("TransferEngine: group= needs an initialised torch.distributed (init_process_group)")
     if not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"TransferEngine: group must be a torch.distributed ProcessGroup, got {describe(group)}")
-    backend = dist.get_backend(group)
-    if backend not in ("gloo", "nccl"):
+    backend = str(dist.get_backend(group))
+    if "gloo" not in backend and "nccl" not in backend:
         raise ValueError(f"TransferEngine: backend='cuda' with group= broadcasts the NCCL unique id over a gloo or "
                          f"nccl group; this group's backend is {backend!r}")
     if not (timeout > 0 and timeout < 1e7):
@@ -375,7 +375,7 @@ def _nccl_comms_of(group: Any, options: EngineOptions, timeout: float, tag_space
     device = devices[rank] if devices else torch.cuda.current_device()
     # Rank 0's unique id to every rank, over the trainer's group (on nccl groups a CUDA tensor).
     uid = _core.nccl_unique_id() if rank == 0 else bytes(_NCCL_UNIQUE_ID_BYTES)
-    on = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    on = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
     buf = torch.tensor(list(uid), dtype=torch.uint8, device=on)
     try:
         group.broadcast(buf, 0).wait(datetime.timedelta(seconds=timeout))
@@ -420,12 +420,15 @@ class TransferEngine:
             every rank. Accepted and ignored with ``backend="cuda"``, where each engine has its own communicator.
         **fields: ``EngineOptions`` fields (``EngineOptions.fields()``): ``topology``, ``num_layers``,
             ``num_experts``, ``expert_bytes`` or ``tensors``, ``backend`` (``host``/``cuda``), ``verify``,
-            ``max_attempts``, ``faults`` (a :class:`FaultSchedule`: the seeded fault injector), ...
+            ``max_attempts``, ``faults`` (a :class:`FaultSchedule`: the seeded fault injector),
+            ``cuda_device_of_gpu`` (None: not given), ...
     """
 
     def __init__(self, options: Optional[EngineOptions] = None, *, group: Any = None,
                  bridge_timeout: float = DEFAULT_BRIDGE_TIMEOUT, tag_space: int = 0, **fields: Any) -> None:
         if options is None:
+            if "cuda_device_of_gpu" in fields and fields["cuda_device_of_gpu"] is None:
+                del fields["cuda_device_of_gpu"]  # None: not given, so that callers pass an optional map through
             options = EngineOptions(**fields)
         elif fields:
             raise ValueError(f"TransferEngine: give options or fields, not both (got {sorted(fields)})")
