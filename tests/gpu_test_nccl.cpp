@@ -9,7 +9,6 @@
 
 #include <array>
 #include <chrono>
-#include <cstdio>
 #include <memory>
 #include <string>
 #include <thread>
@@ -18,6 +17,7 @@
 #include "foremoe/runtime/nccl.hpp"
 #include "foremoe/runtime/runtime.hpp"
 #include "foremoe/runtime/transfer_engine.hpp"
+#include "gpu_main.hpp"
 
 #if defined(FOREMOE_TEST_HAVE_CUDART) && defined(FOREMOE_TEST_HAVE_NCCL)
 #include <cuda_runtime_api.h>
@@ -178,14 +178,9 @@ TEST_CASE("two ranks from one unique id carry an engine's verified moves between
 
 int main(int argc, char **argv) {
 #if defined(FOREMOE_NCCL_TEST)
-  if (rt::build_info().num_devices >= 1) {
-    doctest::Context ctx(argc, argv);
-    return ctx.run();
-  }
+  constexpr bool built = true;
 #else
-  (void)argc;
-  (void)argv;
+  constexpr bool built = false;
 #endif
-  std::puts("gpu_test_nccl: needs a CUDA device and NCCL, skipped");
-  return 77;
+  return foremoe_test::gpu_test_main(argc, argv, "gpu_test_nccl", "a CUDA device and NCCL", built, 1);
 }

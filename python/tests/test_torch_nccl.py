@@ -51,6 +51,16 @@ def test_without_nccl_the_communicator_says_so():
         _core.NcclCommunicator(b"\0" * 128, 1, 0, 0, 1.0)
 
 
+@pytest.mark.skipif(not BUILD["nccl_compiled"], reason="built without NCCL: the test above covers it")
+def test_with_nccl_a_fresh_unique_id_and_no_device_said():
+    uid = _core.nccl_unique_id()
+    assert isinstance(uid, bytes) and len(uid) == 128 and uid != bytes(128)
+    assert _core.nccl_unique_id() != uid
+    if BUILD["num_devices"] == 0:
+        with pytest.raises(RuntimeError, match="rank 0 of 1 on CUDA device 0: no CUDA device"):
+            _core.NcclCommunicator(uid, 1, 0, 0, 1.0)
+
+
 def test_engine_takes_one_communicator_or_none_per_gpu():
     o = fe.EngineOptions(topology=foremoe.Topology(1, 2, 2), num_experts=2, expert_bytes=64, nccl_rank_of_gpu=[1, 0])
     assert o.nccl_rank_of_gpu == [1, 0]
