@@ -21,6 +21,8 @@
 
 #if defined(FOREMOE_TEST_HAVE_CUDART) && defined(FOREMOE_TEST_HAVE_NCCL)
 #include <cuda_runtime_api.h>
+
+#include "gpu_ranks.hpp"
 #define FOREMOE_NCCL_TEST 1
 #endif
 
@@ -119,42 +121,7 @@ TEST_CASE("two ranks from one unique id carry an engine's verified moves between
     REQUIRE(cudaMemcpy(mem[g], host.data(), bytes, cudaMemcpyHostToDevice) == cudaSuccess);
     REQUIRE(engines[g]->register_slots(0, g, {mem[g], bytes, slots, 1, 0}).ok());
   }
-  LayerPlacement p(2, slots, 2);
-  p.slot(0, 0) = 0;
-  p.slot(1, 0) = 1;
-  for (auto &e : engines)
-    REQUIRE(e->set_resident(0, p).ok());
-  const std::vector<Move> moves{{0, host_mirror, 1, 1}, {1, host_mirror, 0, 1}}; // each expert to the other GPU
-  std::array<rt::Status, 2> st;
-  {
-    std::vector<std::thread> ranks;
-    for (int g = 0; g < 2; ++g)
-      ranks.emplace_back([&, g] {
-        if (cudaSetDevice(g) != cudaSuccess) {
-          st[g] = {rt::StatusCode::device_error, "cudaSetDevice failed"};
-          return;
-        }
-        rt::MoveBatch b;
-        b.moves = moves;
-        b.timeout = 30s;
-        rt::Ticket t;
-        st[g] = engines[g]->submit(b, t);
-        if (st[g].ok()) st[g] = t.wait_for(60s);
-      });
-    for (auto &t : ranks)
-      t.join();
-  }
-  for (int g = 0; g < 2; ++g) {
-    CHECK_MESSAGE(st[g].ok(), st[g].to_string());
-    CHECK(engines[g]->valid_expert(0, g, 1) == 1 - g);
-    std::vector<std::byte> host(bytes);
-    REQUIRE(cudaMemcpy(host.data(), static_cast<std::byte *>(mem[g]) + bytes, bytes, cudaMemcpyDeviceToHost) ==
-            cudaSuccess);
-    bool same = true;
-    for (std::int64_t i = 0; i < bytes; ++i)
-      same = same && host[i] == pattern(1 - g, i);
-    CHECK(same);
-  }
+  foremoe_test::swap_experts_and_check(engines, mem, slots, 2, bytes, bytes, pattern);
   for (auto &e : engines) // the engines first: their progress threads use the communicators
     e.reset();
   for (int g = 0; g < 2; ++g) {
