@@ -20,4 +20,15 @@ inline int gpu_test_main(int argc, char **argv) {
   return ctx.run();
 }
 
+/// The same for a test program that needs more: its cases were compiled (`built`, e.g. NCCL was found) and at
+/// least `min_devices` devices are present; else it says what `name` needs and exits 77.
+inline int gpu_test_main(int argc, char **argv, const char *name, const char *needs, bool built, int min_devices) {
+  if (!built || foremoe::runtime::build_info().num_devices < min_devices) {
+    std::printf("%s: needs %s, skipped\n", name, needs);
+    return 77;
+  }
+  doctest::Context ctx(argc, argv);
+  return ctx.run();
+}
+
 } // namespace foremoe_test

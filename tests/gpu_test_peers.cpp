@@ -16,6 +16,8 @@
 #if defined(FOREMOE_TEST_HAVE_CUDART) && defined(FOREMOE_TEST_HAVE_NCCL)
 #include <cuda_runtime_api.h>
 #include <nccl.h>
+
+#include "gpu_ranks.hpp"
 #define FOREMOE_PEERS_TEST 1
 #endif
 
@@ -28,25 +30,7 @@ namespace {
 
 std::byte pattern(int e, std::int64_t i) { return static_cast<std::byte>((e * 53 + i * 13 + (i >> 11)) & 0xff); }
 
-// Runs `submit(rank, ticket)` for both ranks at once, each from its own thread on its own device (as two processes
-// would), and waits for the tickets; doctest assertions stay on the main thread.
-template <class Submit> std::array<rt::Status, 2> on_both_ranks(Submit &&submit) {
-  std::array<rt::Status, 2> st;
-  std::vector<std::thread> ranks;
-  for (int g = 0; g < 2; ++g)
-    ranks.emplace_back([&, g] {
-      if (cudaSetDevice(g) != cudaSuccess) {
-        st[g] = {rt::StatusCode::device_error, "cudaSetDevice failed"};
-        return;
-      }
-      rt::Ticket t;
-      st[g] = submit(g, t);
-      if (st[g].ok()) st[g] = t.wait_for(30s);
-    });
-  for (auto &t : ranks)
-    t.join();
-  return st;
-}
+using foremoe_test::on_both_ranks;
 
 TEST_CASE("two engines, two devices, NCCL: moves and replica gradients cross between them") {
   ncclComm_t comms[2];
@@ -82,32 +66,10 @@ TEST_CASE("two engines, two devices, NCCL: moves and replica gradients cross bet
     REQUIRE(engines[g]->register_slots(0, g, {mem[g], stride, slots, 1, 0}).ok());
     REQUIRE(engines[g]->register_grads(0, g, {grads[g], grad_bytes, slots, 1, 0}, grad_bytes).ok());
   }
-  LayerPlacement p(2, slots, experts);
-  p.slot(0, 0) = 0;
-  p.slot(1, 0) = 1;
-  for (auto &e : engines)
-    REQUIRE(e->set_resident(0, p).ok());
-  const std::vector<Move> moves{{0, host_mirror, 1, 1}, {1, host_mirror, 0, 1}};
-  auto st = on_both_ranks([&](int g, rt::Ticket &t) {
-    rt::MoveBatch b;
-    b.moves = moves;
-    b.timeout = 20s;
-    return engines[g]->submit(b, t);
-  });
-  for (int g = 0; g < 2; ++g) {
-    CHECK_MESSAGE(st[g].ok(), st[g].to_string());
-    CHECK(engines[g]->valid_expert(0, g, 1) == 1 - g);
-    std::vector<std::byte> host(stride);
-    REQUIRE(cudaMemcpy(host.data(), static_cast<std::byte *>(mem[g]) + stride, stride, cudaMemcpyDeviceToHost) ==
-            cudaSuccess);
-    bool same = true;
-    for (std::int64_t i = 0; i < bytes / 3; ++i)
-      same = same && host[i] == pattern(1 - g, i);
-    CHECK(same);
-  }
+  foremoe_test::swap_experts_and_check(engines, mem, slots, experts, stride, bytes / 3, pattern);
   // Replica gradients: expert 0 is owned by GPU 0 and replicated on GPU 1 (and expert 1 the other way round).
   const std::vector<std::int32_t> owner{0, 1};
-  st = on_both_ranks([&](int g, rt::Ticket &t) {
+  const auto st = on_both_ranks([&](int g, rt::Ticket &t) {
     rt::ReduceBatch b;
     b.owner_gpu = owner;
     b.timeout = 20s;

@@ -33,6 +33,7 @@
 #include <variant>
 #include <vector>
 
+#include "foremoe/runtime/nccl.hpp"
 #include "foremoe/runtime/node_mirror.hpp"
 #include "foremoe/runtime/testing.hpp"
 #include "foremoe/runtime/token_map.hpp"
@@ -303,6 +304,20 @@ std::chrono::milliseconds millis(double seconds, const char *what) {
 
 struct PyNodeMirror;
 
+/// One rank's NCCL communicator (`rt::NcclCommunicator`), handed to one engine, which closes it after itself.
+struct PyNccl {
+  rt::NcclCommunicator comm;
+  std::chrono::milliseconds close_timeout{0}; ///< the timeout it was created with bounds its close too
+  bool taken = false;                         ///< an engine owns it
+  /// Finalizes and destroys it, bounded by `close_timeout`. Its status is dropped: one that did not finalize in
+  /// time (a rank that died) was aborted, and either way nothing of it is left.
+  void close() {
+    const auto deadline = std::chrono::steady_clock::now() + close_timeout;
+    nb::gil_scoped_release nogil;
+    (void)comm.close(deadline);
+  }
+};
+
 /// The engine's paired transfers run by a Python callable (foremoe.torch.engine's `_GroupBridge`: point-to-point
 /// over a `torch.distributed` group). GIL rules:
 /// - the engine's progress thread only queues a group here (`post`) and never touches Python;
@@ -429,12 +444,15 @@ private:
 
 class PyEngine {
 public:
-  /// `runner`: not None, the engine's paired transfers run through it (`PyBridge`).
-  PyEngine(rt::EngineOptions o, nb::object runner) : opts_(std::move(o)) {
+  /// `runner`: not None, the engine's paired transfers run through it (`PyBridge`). `nccl_comms`: not None, one
+  /// `NcclCommunicator` or None per GPU (`peers.nccl_comm_of_gpu`); the engine owns them and closes them after
+  /// itself.
+  PyEngine(rt::EngineOptions o, nb::object runner, nb::object nccl_comms) : opts_(std::move(o)) {
     if (!runner.is_none()) {
       bridge_ = std::make_shared<PyBridge>(std::move(runner));
       opts_.peers.bridge = bridge_;
     }
+    if (!nccl_comms.is_none()) take_comms(nccl_comms);
     rt::Status st;
     {
       nb::gil_scoped_release nogil;
@@ -455,6 +473,11 @@ public:
     if (bridge_) bridge_->drop_runner();
     opts_.peers.bridge = nullptr;
     bridge_.reset();
+    // The communicators after the engine: its progress thread called them until it was destroyed.
+    for (nb::handle c : comms_)
+      nb::cast<PyNccl &>(c).close();
+    comms_.clear();
+    opts_.peers.nccl_comm_of_gpu.clear();
   }
   bool closed() const { return engine_ == nullptr; }
   PyEngine(const PyEngine &) = delete;
@@ -738,7 +761,37 @@ private:
                                nb::type_name(h.type()).c_str()));
   }
 
+  void take_comms(nb::handle list) {
+    const int G = opts_.topology.num_gpus();
+    if (!nb::isinstance<nb::list>(list) || static_cast<int>(nb::len(list)) != G)
+      raise(PyExc_ValueError, str("TransferEngine: nccl_comms must be a list of ", G,
+                                  " entries (an NcclCommunicator or None per GPU), got ", nb::repr(list).c_str()));
+    std::vector<void *> handles(static_cast<std::size_t>(G), nullptr);
+    for (int g = 0; g < G; ++g) {
+      nb::handle c = nb::borrow<nb::list>(list)[static_cast<std::size_t>(g)];
+      if (c.is_none()) continue;
+      if (!nb::isinstance<PyNccl>(c))
+        raise(PyExc_ValueError, str("TransferEngine: nccl_comms[", g,
+                                    "] must be a foremoe._core.NcclCommunicator or "
+                                    "None, got ",
+                                    nb::type_name(c.type()).c_str()));
+      PyNccl &p = nb::cast<PyNccl &>(c);
+      if (!p.comm.valid() || p.taken)
+        raise(PyExc_ValueError,
+              str("TransferEngine: nccl_comms[", g, "] is ", p.taken ? "owned by another engine" : "closed",
+                  " (each engine needs a communicator of its own)"));
+      handles[static_cast<std::size_t>(g)] = p.comm.handle();
+    }
+    for (nb::handle c : nb::borrow<nb::list>(list))
+      if (!c.is_none()) {
+        nb::cast<PyNccl &>(c).taken = true;
+        comms_.push_back(nb::borrow(c));
+      }
+    opts_.peers.nccl_comm_of_gpu = std::move(handles);
+  }
+
   rt::EngineOptions opts_;
+  std::vector<nb::object> comms_;        // NCCL communicators: closed after the engine is destroyed
   std::vector<Array> keep_;              // declared before the engine: released after it is destroyed
   std::vector<nb::object> keep_mirrors_; // node mirror segments, released after the engine too
   std::shared_ptr<PyBridge> bridge_;
@@ -942,10 +995,48 @@ void bind_node_mirror(nb::module_ &m) {
         "Host bytes one node mirror of `payload_bytes` takes on its node (-1 for a size out of range).");
 }
 
+void bind_nccl(nb::module_ &m) {
+  m.def(
+      "nccl_unique_id",
+      [] {
+        rt::NcclUniqueId id{};
+        check(rt::nccl_unique_id(id));
+        return nb::bytes(id.data(), id.size());
+      },
+      "A new NCCL unique id (bytes), made by one rank for every rank's NcclCommunicator.");
+  nb::class_<PyNccl>(m, "NcclCommunicator",
+                     "One rank's NCCL communicator (foremoe::runtime::NcclCommunicator; internal: "
+                     "foremoe.torch.TransferEngine(backend='cuda', group=...) makes one per rank).")
+      .def(
+          "__init__",
+          [](PyNccl *self, const nb::bytes &unique_id, int num_ranks, int rank, int cuda_device, double timeout) {
+            const auto ms = millis(timeout, "NcclCommunicator: timeout");
+            const std::span<const char> id(unique_id.c_str(), unique_id.size());
+            rt::NcclCommunicator comm;
+            rt::Status st;
+            {
+              nb::gil_scoped_release nogil; // waits for every rank to join
+              st = rt::NcclCommunicator::create(id, num_ranks, rank, cuda_device, std::chrono::steady_clock::now() + ms,
+                                                comm);
+            }
+            check(st);
+            new (self) PyNccl{std::move(comm), ms, false};
+          },
+          "unique_id"_a, "num_ranks"_a, "rank"_a, "cuda_device"_a, "timeout"_a)
+      .def_prop_ro("valid", [](const PyNccl &p) { return p.comm.valid(); })
+      .def_prop_ro("handle", [](const PyNccl &p) { return reinterpret_cast<std::uintptr_t>(p.comm.handle()); })
+      .def_prop_ro("num_ranks", [](const PyNccl &p) { return p.comm.num_ranks(); })
+      .def_prop_ro("rank", [](const PyNccl &p) { return p.comm.rank(); })
+      .def_prop_ro("cuda_device", [](const PyNccl &p) { return p.comm.cuda_device(); })
+      .def("close", &PyNccl::close, "Finalizes and destroys it (aborted past its timeout); idempotent.")
+      .def("abort", [](PyNccl &p) { p.comm.abort(); });
+}
+
 } // namespace
 
 void bind_runtime(nb::module_ &m) {
   bind_node_mirror(m);
+  bind_nccl(m);
   options_class<rt::FaultSchedule>(m, "FaultSchedule",
                                    "The seeded fault injector's schedule (a test double): each chunk copy fails, is "
                                    "truncated (caught only with `verify`) or delayed with these probabilities, decided "
@@ -1073,6 +1164,10 @@ void bind_runtime(nb::module_ &m) {
       .def_rw("cuda_device_of_gpu", &rt::EngineOptions::cuda_device_of_gpu,
               "CUDA: the device ordinal of each GPU; empty: the identity")
       .def_prop_rw(
+          "nccl_rank_of_gpu", [](const rt::EngineOptions &o) { return o.peers.nccl_rank_of_gpu; },
+          [](rt::EngineOptions &o, const std::vector<int> &v) { o.peers.nccl_rank_of_gpu = v; },
+          "CUDA multi-process use: each GPU's rank in the NCCL communicators; empty: the identity")
+      .def_prop_rw(
           "faults",
           [](const rt::EngineOptions &o) -> std::optional<rt::FaultSchedule> {
             if (!o.faults) return std::nullopt;
@@ -1114,7 +1209,8 @@ void bind_runtime(nb::module_ &m) {
       .def_prop_ro("backend", [](const PyTicket &t) { return backend_name(t.backend); });
 
   nb::class_<PyEngine>(m, "TransferEngine", "The runtime's transfer engine (internal: see foremoe.torch.engine).")
-      .def(nb::init<rt::EngineOptions, nb::object>(), "options"_a, "runner"_a.none() = nb::none())
+      .def(nb::init<rt::EngineOptions, nb::object, nb::object>(), "options"_a, "runner"_a.none() = nb::none(),
+           "nccl_comms"_a.none() = nb::none())
       .def("close", &PyEngine::close)
       .def_prop_ro("closed", &PyEngine::closed)
       .def_prop_ro("options", &PyEngine::options)

@@ -29,6 +29,17 @@ connection whose wait timed out, so the group is unusable afterwards, as an abor
 batch (or whose batch timed out) still sends, marking its copies not valid, so the other ranks fail at once naming
 its GPU. Close the engine (``close()``) before destroying the group.
 
+With ``backend="cuda"`` and ``group=`` (gloo or nccl), each rank drives exactly one GPU (rank ``r``: GPU ``r``; the
+topology's GPUs must equal the group's size) and the engine's paired transfers are ``ncclSend``/``ncclRecv`` on an
+NCCL communicator of the engine's own: construction is a collective, in which rank 0 makes an NCCL unique id,
+broadcasts it over ``group`` (a CPU tensor on gloo, a CUDA tensor on the current device on nccl) and every rank
+creates its rank of a non-blocking communicator on its device (``cuda_device_of_gpu[r]`` if given, else
+``torch.cuda.current_device()``), all within ``bridge_timeout`` seconds (past it the communicator is aborted and the
+constructor raises :class:`TimeoutError` naming the rank). The trainer's own NCCL communicators are never used: an
+NCCL communicator must not be used from two threads at once, and the engine's progress thread drives its own, so
+every engine gets one of its own, and ``tag_space`` (which keeps engines sharing a gloo group apart) is accepted and
+ignored. The engine owns the communicator and destroys it in ``close()``, after the engine itself.
+
 A batch that ends without every move landing raises :class:`TransferError` (``code``: ``device_error``,
 ``timed_out`` or ``aborted``); a slot the engine calls valid (:meth:`TransferEngine.resident`) always holds its
 expert's exact bytes.
@@ -199,6 +210,9 @@ def _int_array(x: Any, what: str) -> np.ndarray:
 #: Seconds one exchange of the process-group bridge may wait for its peer (``TransferEngine(bridge_timeout=)``).
 DEFAULT_BRIDGE_TIMEOUT = 60.0
 
+#: Bytes of an NCCL unique id (``NCCL_UNIQUE_ID_BYTES``; the runtime refuses any other size).
+_NCCL_UNIQUE_ID_BYTES = 128
+
 # Point-to-point tags of the bridge on the group: TAG_BASE + source GPU * GPUs + destination GPU, so that messages
 # between two GPUs pair up in posting order (the engine's rule) and stay apart from the trainer's own traffic.
 _TAG_BASE = 1 << 24
@@ -292,6 +306,9 @@ def _bridge_of(group: Any, options: EngineOptions, timeout: float, tag_space: in
     if not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"TransferEngine: group must be a torch.distributed ProcessGroup, got {describe(group)}")
     backend = dist.get_backend(group)
+    if backend == "nccl":
+        raise ValueError("TransferEngine: an nccl group carries CUDA tensors: give backend='cuda' (the engine then "
+                         "makes an NCCL communicator of its own), or a gloo group for the host backend")
     if backend != "gloo":
         raise ValueError(f"TransferEngine: group= runs CPU tensors over gloo; this group's backend is {backend!r}")
     if options.backend != "host":
@@ -316,8 +333,68 @@ def _bridge_of(group: Any, options: EngineOptions, timeout: float, tag_space: in
     return _GroupBridge(group, gpus, float(timeout), tag_space)
 
 
-# Engines with a group bridge still open: closed at interpreter exit, while the bridge's worker thread can still
-# take the GIL (after finalization began it could not, and the engine's destruction would wait for it).
+def _nccl_comms_of(group: Any, options: EngineOptions, timeout: float, tag_space: int = 0) -> List[Any]:
+    """The CUDA backend over ``group``: checks the group against the options, makes this rank's NCCL communicator
+    from a unique id rank 0 broadcasts over ``group``, and sets ``local_gpus``, ``cuda_device_of_gpu`` and
+    ``nccl_rank_of_gpu``; returns the communicators per GPU (this rank's, None for the others) for the engine."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("TransferEngine: group= needs an initialised torch.distributed (init_process_group)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(f"TransferEngine: group must be a torch.distributed ProcessGroup, got {describe(group)}")
+    backend = str(dist.get_backend(group))
+    if "gloo" not in backend and "nccl" not in backend:
+        raise ValueError(f"TransferEngine: backend='cuda' with group= broadcasts the NCCL unique id over a gloo or "
+                         f"nccl group; this group's backend is {backend!r}")
+    if not (timeout > 0 and timeout < 1e7):
+        raise ValueError(f"TransferEngine: bridge_timeout must be positive seconds, got {timeout!r}")
+    integer(tag_space, "TransferEngine: tag_space", 0)  # accepted and unused: the communicator is the engine's own
+    gpus, size, rank = options.topology.num_gpus, group.size(), group.rank()
+    if gpus != size:
+        raise ValueError(f"TransferEngine: backend='cuda' with group= drives one GPU per rank, so the topology's GPUs "
+                         f"must equal the group's ranks; the topology has {gpus} GPUs and the group {size} ranks")
+    if options.local_gpus and list(options.local_gpus) != [rank]:
+        raise ValueError(f"TransferEngine: local_gpus {list(options.local_gpus)} disagrees with rank {rank} of the "
+                         f"group, which drives GPU {rank} (backend='cuda': one GPU per rank)")
+    devices = list(options.cuda_device_of_gpu)
+    if devices and len(devices) != gpus:
+        raise ValueError(f"TransferEngine: cuda_device_of_gpu has {len(devices)} entries for {gpus} GPUs")
+    if devices and devices[rank] < 0:
+        raise ValueError(f"TransferEngine: cuda_device_of_gpu[{rank}] is {devices[rank]}, but rank {rank} drives GPU "
+                         f"{rank}: give its device ordinal")
+    info = runtime_build_info()
+    if not info["cuda_compiled"]:
+        raise RuntimeError("TransferEngine: backend='cuda' needs foremoe._core built with the runtime's CUDA backend "
+                           "(FOREMOE_PYTHON_CUDA=ON); this one was built without it (runtime_build_info())")
+    if not info["nccl_compiled"]:
+        raise RuntimeError("TransferEngine: backend='cuda' with group= needs NCCL, and foremoe._core's runtime was "
+                           "built without it (runtime_build_info(); rebuild where CMake finds NCCL)")
+    if info["num_devices"] == 0 or not torch.cuda.is_available():
+        raise RuntimeError(f"TransferEngine: backend='cuda' with group=: rank {rank} sees no CUDA device")
+    device = devices[rank] if devices else torch.cuda.current_device()
+    # Rank 0's unique id to every rank, over the trainer's group (on nccl groups a CUDA tensor).
+    uid = _core.nccl_unique_id() if rank == 0 else bytes(_NCCL_UNIQUE_ID_BYTES)
+    on = torch.device("cpu") if "gloo" in backend else torch.device("cuda", torch.cuda.current_device())
+    buf = torch.tensor(list(uid), dtype=torch.uint8, device=on)
+    try:
+        group.broadcast(buf, 0).wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        kind = TimeoutError if "timed out" in text.lower() or "timeout" in text.lower() else RuntimeError
+        raise kind(f"TransferEngine: rank {rank}: broadcasting the NCCL unique id over the group failed: "
+                   f"{text}") from None
+    uid = _numpy(buf).tobytes()
+    comm = _core.NcclCommunicator(uid, size, rank, device, float(timeout))
+    options.local_gpus = [rank]
+    options.cuda_device_of_gpu = [device if g == rank else -1 for g in range(gpus)]
+    options.nccl_rank_of_gpu = list(range(gpus))
+    return [comm if g == rank else None for g in range(gpus)]
+
+
+# Engines with a group bridge or an NCCL communicator still open: closed at interpreter exit, while the bridge's
+# worker thread can still take the GIL (after finalization began it could not, and the engine's destruction would
+# wait for it) and while CUDA and NCCL can still destroy the communicator.
 _BRIDGED: "weakref.WeakSet[TransferEngine]" = weakref.WeakSet()
 
 
@@ -332,25 +409,36 @@ class TransferEngine:
 
     Args:
         options: an :class:`EngineOptions`, or None to build one from ``fields``.
-        group: a ``torch.distributed`` process group (gloo): one engine per rank, its paired transfers over the
-            group (see the module's documentation); None: one engine drives every GPU.
-        bridge_timeout: seconds one exchange over ``group`` waits for its peer before it fails ``timed_out``.
-        tag_space: with ``group``, the block of point-to-point tags this engine's exchanges use (0, 1, ...): engines
-            on one group with batches in flight at once need different ones, the same on every rank.
+        group: a ``torch.distributed`` process group: one engine per rank (see the module's documentation). Host
+            backend: a gloo group, the paired transfers over it; ``backend="cuda"``: a gloo or nccl group, one GPU
+            per rank, the paired transfers over an NCCL communicator of the engine's own made over the group (a
+            collective). None: one engine drives every GPU.
+        bridge_timeout: seconds one exchange over ``group`` waits for its peer before it fails ``timed_out``
+            (``backend="cuda"``: the bound of the communicator's creation and of its destruction).
+        tag_space: with ``group`` and the host backend, the block of point-to-point tags this engine's exchanges
+            use (0, 1, ...): engines on one group with batches in flight at once need different ones, the same on
+            every rank. Accepted and ignored with ``backend="cuda"``, where each engine has its own communicator.
         **fields: ``EngineOptions`` fields (``EngineOptions.fields()``): ``topology``, ``num_layers``,
             ``num_experts``, ``expert_bytes`` or ``tensors``, ``backend`` (``host``/``cuda``), ``verify``,
-            ``max_attempts``, ``faults`` (a :class:`FaultSchedule`: the seeded fault injector), ...
+            ``max_attempts``, ``faults`` (a :class:`FaultSchedule`: the seeded fault injector),
+            ``cuda_device_of_gpu`` (None: not given), ...
     """
 
     def __init__(self, options: Optional[EngineOptions] = None, *, group: Any = None,
                  bridge_timeout: float = DEFAULT_BRIDGE_TIMEOUT, tag_space: int = 0, **fields: Any) -> None:
         if options is None:
+            if "cuda_device_of_gpu" in fields and fields["cuda_device_of_gpu"] is None:
+                del fields["cuda_device_of_gpu"]  # None: not given, so that callers pass an optional map through
             options = EngineOptions(**fields)
         elif fields:
             raise ValueError(f"TransferEngine: give options or fields, not both (got {sorted(fields)})")
-        runner = _bridge_of(group, options, bridge_timeout, tag_space) if group is not None else None
-        self._e = _core.TransferEngine(options, runner)
-        if runner is not None:
+        runner, comms = None, None
+        if group is not None and options.backend == "cuda":
+            comms = _nccl_comms_of(group, options, bridge_timeout, tag_space)
+        elif group is not None:
+            runner = _bridge_of(group, options, bridge_timeout, tag_space)
+        self._e = _core.TransferEngine(options, runner, comms)  # owns the communicator, closed after the engine
+        if runner is not None or comms is not None:
             _BRIDGED.add(self)
         self._device = "cuda" if options.backend == "cuda" else "cpu"
         # Gate objects of running batches: the engine reads a torch.cuda.Event's handle until the batch starts,
@@ -363,7 +451,9 @@ class TransferEngine:
 
     def close(self) -> None:
         """Ends the engine: running batches end (bounded by their deadlines) and, with ``group=``, every exchange
-        it handed the group ends (bounded by ``bridge_timeout``). Later calls raise; closing twice is allowed."""
+        it handed the group ends (bounded by ``bridge_timeout``); with ``backend="cuda"`` its NCCL communicator is
+        then destroyed (aborted if that takes longer than ``bridge_timeout``). Later calls raise; closing twice is
+        allowed."""
         self._e.close()
 
     @property
