@@ -417,30 +417,39 @@ def _prepare_call(st: "_LayerState", x: torch.Tensor, ids: torch.Tensor, counts:
         storage.refresh_mirror(group, timeout)
         got = got.copy()
         got[:, 1] = 0
-    # The layout is a function of the plan's layer, the gathered loads and the routed ids alone (content, compared):
-    # a layer called again with them (activation recompute, a resident replay, the same micro-step's other pass)
-    # reuses the last one's index arrays instead of making them again, and its call tensors while the storage rows
-    # of its slots are the same too.
-    key = _plan_layer_key(st, plan, layer) + (loads.tobytes(), short)
-    memo = st.memo
-    if memo is not None and memo[0] == key and torch.equal(memo[1], ids):
-        layout, extra = copy.copy(memo[2]), memo[3]
-        layout.flags = got  # this call's gathered flags (the sync reads them)
-    else:
-        try:
-            layout, extra = _adapter_layout(plan, layer, ids, loads, st.rank, got, storage.slots)
-        except ValueError:
-            local_layout(plan, layer, ids, loads, st.rank, flags=got)  # the checked path names what does not fit
-            raise
-        memo = st.memo = [key, ids, layout, extra, None]
+    layout, extra, memo = _remembered_layout(st, plan, layer, ids, loads, short, got)
     run = _synced_run(storage, st.expert_fn, plan, layer, layout, x, group, timeout)
+    # The call tensors (on the tokens' device) follow from the layout, the storage rows of the slots and the shape.
     rows_key = (run.rows.tobytes(), shape, x.device)
     if memo[4] is None or memo[4][0] != rows_key:
         memo[4] = (rows_key, _make_call(run, extra, shape, short, st.rows_total, x.device))
     return run, memo[4][1]
 
 
-def _plan_layer_key(st: "_LayerState", plan: Any, layer: int) -> Tuple[Any, ...]:
+def _remembered_layout(st: Any, plan: Any, layer: int, ids: torch.Tensor, loads: np.ndarray, short: int,
+                       flags: np.ndarray) -> Tuple[DispatchLayout, Tuple[Any, ...], List[Any]]:
+    """:func:`_adapter_layout` of a layer call (``st``: its :class:`_LayerState`), and the layer's memo entry. The
+    layout is a function of the plan's layer, the gathered loads and the routed ids alone: a layer called again with
+    equal ones (compared by content: activation recompute, a replay of the same routing, another pass of the same
+    micro-step) reuses the last call's index arrays, in a copy of its layout carrying this call's gathered
+    ``flags``, instead of making them again. The entry is ``[key, ids, layout, extra, call]`` (``call``: the last
+    :class:`_Call` made from it and what it was made for, or ``None``)."""
+    key = _plan_layer_key(st, plan, layer) + (loads.tobytes(), int(short))
+    memo = st.memo
+    if memo is not None and memo[0] == key and torch.equal(memo[1], ids):
+        layout = copy.copy(memo[2])
+        layout.flags = flags  # this call's gathered flags (the sync reads them)
+        return layout, memo[3], memo
+    try:
+        layout, extra = _adapter_layout(plan, layer, ids, loads, st.rank, flags, st.storage.slots)
+    except ValueError:
+        local_layout(plan, layer, ids, loads, st.rank, flags=flags)  # the checked path names what does not fit
+        raise
+    st.memo = [key, ids, layout, extra, None]
+    return layout, extra, st.memo
+
+
+def _plan_layer_key(st: Any, plan: Any, layer: int) -> Tuple[Any, ...]:
     """What :func:`_adapter_layout` reads of ``plan``'s layer ``layer`` (placement, tokens per slot, GPUs per node),
     as bytes; made once per plan object (kept with it, so its id is not reused while remembered; a plan is
     immutable)."""
