@@ -43,7 +43,7 @@ def rank(r, world, shapes, repeats, tmp, grouped):
     import foremoe.torch.layer as L
 
     for n in ("_routes", "_prepare_call", "_schedule_gradients", "_return_held_grads", "gather_source_loads",
-              "_adapter_layout", "_make_call"):
+              "_adapter_layout", "_remembered_layout", "_make_call"):
         wrap(M, n, n)
     for n in ("_hold_schedule", "_to_owners_engine", "_check_rows"):
         wrap(L, n, n)
