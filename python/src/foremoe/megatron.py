@@ -588,7 +588,7 @@ class _LayerState:
         self.rows_total: Optional[int] = None
         self.run: Optional[_Run] = None  # the balanced call in flight (None: Megatron's own path)
         self.call: Optional[_Call] = None
-        # The last layout and call tensors (:func:`_prepare_call`) and the last plan's layer key (:func:`_plan_layer_key`).
+        # The last layout and call tensors (:func:`_prepare_call`), the last plan's layer key (:func:`_plan_layer_key`).
         self.memo: Optional[List[Any]] = None
         self.plan_key: Optional[Tuple[Any, int, Tuple[Any, ...]]] = None
         if self.grouped:
