@@ -14,7 +14,8 @@ rank in a collective, which on a shared two-core machine swamps it) and as wall 
 
   megatron   Megatron's layer, forward + backward
   foremoe    the adapter's layer, forward + backward
-  added      foremoe - megatron   (target <= 50 us)
+  added      foremoe - megatron   (target <= 50 us; ``*_added_paired_us`` in the JSON: the median of the
+             per-micro-step differences, steadier on a loaded machine)
 
 With ``--grouped`` both layers compute their experts with the stand-in ``gmm`` (Megatron's layer over its ``n``
 local experts, the adapter's over all ``S`` storage rows, rows without tokens included), and the adapter's
@@ -121,6 +122,10 @@ def rank_main(rank: int, world: int, shapes: list, repeats: int, tmp: str, modul
                 row[f"{mode}_{name}_us"] = float(np.median(cpu[name][1:]) * 1e6)
                 row[f"{mode}_{name}_wall_us"] = float(np.median(times[name][1:]) * 1e6)
             row[f"{mode}_added_us"] = row[f"{mode}_foremoe_us"] - row[f"{mode}_megatron_us"]
+            # Paired: the median over micro-steps of each micro-step's difference (the two layers run back to back,
+            # so a slow stretch of a loaded machine hits both): steadier than the difference of the medians.
+            paired = np.subtract(cpu["foremoe"][1:], cpu["megatron"][1:])
+            row[f"{mode}_added_paired_us"] = float(np.median(paired) * 1e6)
             row[f"{mode}_added_wall_us"] = row[f"{mode}_foremoe_wall_us"] - row[f"{mode}_megatron_wall_us"]
         row["replica_tokens"] = int(sum(s["replica_tokens"] for s in fm.stats))
         results.append(row)

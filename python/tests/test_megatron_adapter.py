@@ -452,6 +452,29 @@ def test_spread_and_collect_with_unrouted_routes():
     got_gx = torch.autograd.grad(sent, x, gs)[0]
     want_gx = torch.autograd.grad(x.index_select(0, send_tokens), x, gs)[0]
     torch.testing.assert_close(got_gx, want_gx, rtol=1e-12, atol=1e-12)
+    # With Megatron's [T, E] routing weights: each sent row's weight in the same node, equal to the flat gather
+    # forward and backward (its gradient added into zeros at the index, as index_select's backward does).
+    E = 4
+    probs = torch.rand(T, E, dtype=torch.float64, generator=g).requires_grad_(True)
+    prob_index = send_tokens * E + torch.randint(0, E, (order.numel(),), generator=g)
+    prob_index = prob_index.unique()[torch.randperm(prob_index.unique().numel(), generator=g)]
+    rows = send_tokens[: prob_index.numel()]
+    sent, sent_probs = fmeg._Spread.apply(x, rows, gather.clamp(max=rows.numel()), True, K, probs, prob_index)
+    want_probs = probs.reshape(-1).index_select(0, prob_index)
+    assert torch.equal(sent, x.index_select(0, rows)) and torch.equal(sent_probs, want_probs)
+    gp = torch.randn(prob_index.numel(), dtype=torch.float64, generator=g)
+    got_gp = torch.autograd.grad((sent_probs * gp).sum() + sent.sum(), probs)[0]
+    assert torch.equal(got_gp, torch.autograd.grad((want_probs * gp).sum(), probs)[0])
+    # _Rows moves the tokens and their weights in one node; backward gathers with the inverse permutation.
+    perm = torch.randperm(T, generator=g)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(T)
+    a, b = fmeg._Rows.apply(perm, inverse, x, probs)
+    assert torch.equal(a, x[perm]) and torch.equal(b, probs[perm])
+    ga, gb = torch.randn_like(a), torch.randn_like(b)
+    got = torch.autograd.grad((a * ga).sum() + (b * gb).sum(), [x, probs])
+    want = torch.autograd.grad((x[perm] * ga).sum() + (probs[perm] * gb).sum(), [x, probs])
+    assert all(torch.equal(u, v) for u, v in zip(got, want))
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -555,3 +578,61 @@ def _core_group(layout, rows, S):
 
     return _core.group_by_storage_row(np.asarray(layout.slot_counts, dtype=np.int64), rows, S,
                                       layout.recv_perm.numpy())
+
+
+def test_layout_remembered_by_content():
+    """``_remembered_layout`` (what a layer call reuses from the last one) on random sequences of calls that repeat
+    routing as new objects (the plan too), permute the tokens under the same loads, change the plan's tokens per
+    slot under the same placement, or change the loads: every layout equals one made afresh (``_adapter_layout``),
+    with this call's flags, and the remembered arrays are reused exactly when the plan's layer, the loads and the
+    ids are equal."""
+    from types import SimpleNamespace
+
+    import foremoe
+
+    rng = np.random.default_rng(5)
+    G, E, K, T = 2, 8, 2, 30
+    S = E // G + 2
+    owners = np.repeat(np.arange(G), E // G).astype(np.int32)
+    planners = [foremoe.Planner(foremoe.Topology(1, G, S)), foremoe.Planner(foremoe.Topology(1, G, S), move_budget=0)]
+    pop = np.exp(1.5 * rng.standard_normal(E))
+
+    def routing():
+        ids = [np.stack([rng.choice(E, K, replace=False, p=pop / pop.sum()) for _ in range(T)]).astype(np.int32)
+               for _ in range(G)]
+        loads = np.stack([np.bincount(a.reshape(-1), minlength=E) for a in ids], axis=1).astype(np.int64)
+        return ids, loads
+
+    def content(plan):
+        return np.asarray(plan.gpu_slots[0]).tobytes() + np.asarray(plan.slot_tokens[0]).tobytes()
+
+    st = SimpleNamespace(memo=None, plan_key=None, rank=0, storage=SimpleNamespace(slots=S))
+    ids, loads = routing()
+    which, last, reused, kinds = 0, None, 0, set()
+    for step in range(80):
+        kind = str(rng.choice(["same", "permuted", "plan", "new"]))
+        if kind == "permuted":  # the same counts, the tokens in another order
+            ids = [a[rng.permutation(T)] for a in ids]
+        elif kind == "plan":  # the same routing under another plan (another planner: owners only)
+            which = 1 - which
+        elif kind == "new":
+            ids, loads = routing()
+        plan = planners[which].plan(loads.sum(1)[None], owners=owners)  # a new plan object every call
+        t = torch.from_numpy(ids[0].copy())  # a new tensor every call, as _routes makes
+        flags = rng.integers(0, 2, (G, 4))
+        got, extra, memo = fmeg._remembered_layout(st, plan, 0, t, loads, 0, flags)
+        want, want_extra = fmeg._adapter_layout(plan, 0, t, loads, 0, flags, S)
+        for name in ("slots", "order", "send_tokens", "recv_perm", "recv_inverse", "send_experts", "route_pos"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (step, kind, name)
+        for name in ("input_splits", "output_splits", "slot_counts"):
+            assert getattr(got, name) == getattr(want, name), (step, kind, name)
+        assert np.array_equal(got.source_split, want.source_split) and got.flags is flags
+        assert all(torch.equal(a, b) for a, b in zip(extra[:2], want_extra[:2])) and extra[2] == want_extra[2]
+        assert extra[3].tolist() == want_extra[3].tolist()
+        same = (last is not None and np.array_equal(last[0], loads) and np.array_equal(last[1], ids[0])
+                and last[2] == content(plan))
+        assert (extra is last[3]) == same if last else not same, (step, kind)
+        reused += same
+        kinds.add((kind, same))
+        last = (loads.copy(), ids[0].copy(), content(plan), extra)
+    assert reused >= 5 and ("permuted", False) in kinds and ("plan", False) in kinds

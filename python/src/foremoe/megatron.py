@@ -83,7 +83,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import weakref
+import copy
 from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 SUPPORTED_MEGATRON = ("0.16.1",)
@@ -302,17 +302,18 @@ def _routes(routing_map: torch.Tensor, topk: int, layer: int) -> Tuple[torch.Ten
 
 
 class _Rows(torch.autograd.Function):
-    """``x[index]`` (rows) for a permutation ``index`` with its ``inverse``: the backward is the gather
+    """``x[index]`` (rows) of each tensor ``x`` of ``xs`` for a permutation ``index`` with its ``inverse`` (the
+    tokens and their routing weights move together: one autograd node); the backward is the gather
     ``grad[inverse]`` (the same numbers as ``index_select``'s scatter, at a gather's cost)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, index: torch.Tensor, inverse: torch.Tensor, *xs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         ctx.inverse = inverse
-        return x.index_select(0, index)
+        return tuple(x.index_select(0, index) for x in xs)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        return grad.index_select(0, ctx.inverse), None, None
+    def backward(ctx: Any, *grads: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
+        return (None, None, *(g.index_select(0, ctx.inverse) for g in grads))
 
 
 def _sum_routes(rows: torch.Tensor, gather: torch.Tensor, pad: bool, T: int, K: int) -> torch.Tensor:
@@ -325,17 +326,28 @@ def _sum_routes(rows: torch.Tensor, gather: torch.Tensor, pad: bool, T: int, K: 
 
 class _Spread(torch.autograd.Function):
     """The rows to send: token ``send_tokens[i]`` for sent row ``i``. Backward: each token's gradient is the sum of
-    its routes' (``k`` ascending), a gather; the adjoint of :class:`_Collect`."""
+    its routes' (``k`` ascending), a gather; the adjoint of :class:`_Collect`. With ``probs`` (Megatron's ``[T, E]``
+    routing weights) also each sent row's weight ``probs.flatten()[prob_index[i]]``, in the same autograd node; its
+    backward is ``index_select``'s (the gradient added into zeros at ``prob_index``: the same numbers)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, send_tokens: torch.Tensor, gather: torch.Tensor, pad: bool,
-                K: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, send_tokens: torch.Tensor, gather: torch.Tensor, pad: bool, K: int,
+                probs: Optional[torch.Tensor] = None, prob_index: Optional[torch.Tensor] = None) -> Any:
         ctx.args = (gather, pad, x.shape[0], K)
-        return x.index_select(0, send_tokens)
+        if probs is None:
+            return x.index_select(0, send_tokens)
+        ctx.probs = (probs.shape, prob_index)
+        return x.index_select(0, send_tokens), probs.reshape(-1).index_select(0, prob_index)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
-        return _sum_routes(grad, *ctx.args), None, None, None, None
+    def backward(ctx: Any, grad: torch.Tensor, grad_probs: Optional[torch.Tensor] = None
+                 ) -> Tuple[Optional[torch.Tensor], ...]:
+        gx = _sum_routes(grad, *ctx.args)
+        if grad_probs is None:
+            return gx, None, None, None, None, None, None
+        shape, prob_index = ctx.probs
+        gp = grad_probs.new_zeros(shape.numel()).index_add_(0, prob_index, grad_probs).view(shape)
+        return gx, None, None, None, None, gp, None
 
 
 class _Collect(torch.autograd.Function):
@@ -405,13 +417,49 @@ def _prepare_call(st: "_LayerState", x: torch.Tensor, ids: torch.Tensor, counts:
         storage.refresh_mirror(group, timeout)
         got = got.copy()
         got[:, 1] = 0
-    try:
-        layout, extra = _adapter_layout(plan, layer, ids, loads, st.rank, got, storage.slots)
-    except ValueError:
-        local_layout(plan, layer, ids, loads, st.rank, flags=got)  # the checked path names what does not fit
-        raise
+    layout, extra, memo = _remembered_layout(st, plan, layer, ids, loads, short, got)
     run = _synced_run(storage, st.expert_fn, plan, layer, layout, x, group, timeout)
-    return run, _make_call(run, extra, shape, short, st.rows_total, x.device)
+    # The call tensors (on the tokens' device) follow from the layout, the storage rows of the slots and the shape.
+    rows_key = (run.rows.tobytes(), shape, x.device)
+    if memo[4] is None or memo[4][0] != rows_key:
+        memo[4] = (rows_key, _make_call(run, extra, shape, short, st.rows_total, x.device))
+    return run, memo[4][1]
+
+
+def _remembered_layout(st: Any, plan: Any, layer: int, ids: torch.Tensor, loads: np.ndarray, short: int,
+                       flags: np.ndarray) -> Tuple[DispatchLayout, Tuple[Any, ...], List[Any]]:
+    """:func:`_adapter_layout` of a layer call (``st``: its :class:`_LayerState`), and the layer's memo entry. The
+    layout is a function of the plan's layer, the gathered loads and the routed ids alone: a layer called again with
+    equal ones (compared by content: activation recompute, a replay of the same routing, another pass of the same
+    micro-step) reuses the last call's index arrays, in a copy of its layout carrying this call's gathered
+    ``flags``, instead of making them again. The entry is ``[key, ids, layout, extra, call]`` (``call``: the last
+    :class:`_Call` made from it and what it was made for, or ``None``)."""
+    key = _plan_layer_key(st, plan, layer) + (loads.tobytes(), int(short))
+    memo = st.memo
+    if memo is not None and memo[0] == key and torch.equal(memo[1], ids):
+        layout = copy.copy(memo[2])
+        layout.flags = flags  # this call's gathered flags (the sync reads them)
+        return layout, memo[3], memo
+    try:
+        layout, extra = _adapter_layout(plan, layer, ids, loads, st.rank, flags, st.storage.slots)
+    except ValueError:
+        local_layout(plan, layer, ids, loads, st.rank, flags=flags)  # the checked path names what does not fit
+        raise
+    st.memo = [key, ids, layout, extra, None]
+    return layout, extra, st.memo
+
+
+def _plan_layer_key(st: Any, plan: Any, layer: int) -> Tuple[Any, ...]:
+    """What :func:`_adapter_layout` reads of ``plan``'s layer ``layer`` (placement, tokens per slot, GPUs per node),
+    as bytes; made once per plan object (kept with it, so its id is not reused while remembered; a plan is
+    immutable)."""
+    m = st.plan_key
+    if m is not None and m[0] is plan and m[1] == layer:
+        return m[2]
+    key = (layer, plan.gpu_slots[layer].tobytes(), plan.slot_tokens[layer].tobytes(),
+           int(plan.topology.gpus_per_node))
+    st.plan_key = (plan, layer, key)
+    return key
 
 
 def _adapter_layout(plan: Any, layer: int, ids: torch.Tensor, loads: np.ndarray, rank: int, flags: np.ndarray,
@@ -521,33 +569,6 @@ def _in_flat_buffer(p: torch.Tensor) -> bool:
     return int(p.untyped_storage().nbytes()) > int(p.numel()) * p.element_size()
 
 
-_BALANCERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_STEP_HOOK: Optional[Any] = None
-
-
-def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """torch's global optimizer step post-hook (it also fires for the inner ``torch.optim`` step of Megatron's
-    optimizers, before they write the parameters): copy-bound owner rows are stale from now on; the next balanced
-    call of each layer copies the parameters again (:meth:`ExpertStorage.refresh_copies`). Aliased owner rows may
-    change without their parameters' version moving: Megatron's mixed-precision optimizer without the distributed
-    one (``Float16OptimizerWithFloat16Params``, bf16/fp16 parameters) copies its fp32 main parameters into each
-    ``model_param.data`` (optimizer.py:745-779 of 0.16.1), which autograd's version counter does not see; so every
-    storage's owner weights count as changed (:meth:`ExpertStorage.invalidate`: replicas re-sent at the next
-    sync, once per optimizer step)."""
-    for balancer in list(_BALANCERS):
-        for storage in balancer.storages:
-            storage.invalidate()
-
-
-def _watch_optimizer_steps(balancer: Any) -> None:
-    global _STEP_HOOK
-    _BALANCERS.add(balancer)
-    if _STEP_HOOK is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
-
-
 class _LayerState:
     """What one balanced MoE layer keeps: its index, storage, expert function and the call in flight."""
 
@@ -567,6 +588,9 @@ class _LayerState:
         self.rows_total: Optional[int] = None
         self.run: Optional[_Run] = None  # the balanced call in flight (None: Megatron's own path)
         self.call: Optional[_Call] = None
+        # The last layout and call tensors (:func:`_prepare_call`), the last plan's layer key (:func:`_plan_layer_key`).
+        self.memo: Optional[List[Any]] = None
+        self.plan_key: Optional[Tuple[Any, int, Tuple[Any, ...]]] = None
         if self.grouped:
             fused = {"weight1": experts.weight1, "weight2": experts.weight2}
             rows = _grouped_rows(experts, layer.config, index)
@@ -686,10 +710,8 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if probs.shape[-1] != st.num_experts:
             raise ValueError(f"foremoe.megatron: MoE layer {st.index}: probs have {probs.shape[-1]} columns, the "
                              f"layer {st.num_experts} experts")
-        send = _Spread.apply(x, call.send_tokens, call.gather, call.pad, st.topk)
         # probs [T, E]: sent row i takes probs[send_tokens[i], send_experts[i]] (one gather, index made in C++)
-        send_probs = probs.reshape(-1).index_select(0, call.prob_index)
-        return send, send_probs
+        return _Spread.apply(x, call.send_tokens, call.gather, call.pad, st.topk, probs, call.prob_index)
 
     def token_dispatch(self, permutated_local_input_tokens: torch.Tensor, permuted_probs: torch.Tensor):
         st = self._foremoe
@@ -706,14 +728,14 @@ class ForeMoEAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if st.run is None:
             return super().dispatch_postprocess(global_input_tokens, global_probs)
         c = st.call
-        return (_Rows.apply(global_input_tokens, c.recv_perm, c.recv_inverse), c.counts,
-                _Rows.apply(global_probs, c.recv_perm, c.recv_inverse))
+        tokens, probs = _Rows.apply(c.recv_perm, c.recv_inverse, global_input_tokens, global_probs)
+        return tokens, c.counts, probs
 
     def combine_preprocess(self, hidden_states: torch.Tensor):
         st = self._foremoe
         if st.run is None:
             return super().combine_preprocess(hidden_states)
-        return _Rows.apply(hidden_states, st.call.recv_inverse, st.call.recv_perm)
+        return _Rows.apply(st.call.recv_inverse, st.call.recv_perm, hidden_states)[0]
 
     def token_combine(self, hidden_states: torch.Tensor, async_finish: bool = True,
                       allocate_on_comm_stream: bool = True):
@@ -925,8 +947,7 @@ class MegatronBalancer:
         self._plan: Any = None
         self._last: Optional[bool] = None  # set_micro_step's `last` (None: the update driver's last micro-step)
         self._calls: Deque[Tuple[Any, ...]] = collections.deque(maxlen=stats_limit)
-        guard_optimizer_steps(self)
-        _watch_optimizer_steps(self)
+        guard_optimizer_steps(self)  # refuses steps while gradients are held; calls optimizer_stepped after each
 
     # -- drivers and micro-steps ------------------------------------------------------------------------------
 
@@ -1025,6 +1046,19 @@ class MegatronBalancer:
         """``(layer, holder rank, expert)`` of the replica gradients held now (empty after the last micro-step's
         backward, and always with ``hold_replica_gradients=False``)."""
         return held_gradients(self.storages)
+
+    def optimizer_stepped(self) -> None:
+        """Called after every ``torch.optim`` step (torch's global optimizer step post-hook, through
+        :func:`foremoe.torch.held.guard_optimizer_steps`; it also fires for the inner ``torch.optim`` step of
+        Megatron's optimizers, before they write the parameters): copy-bound owner rows are stale from now on; the
+        next balanced call of each layer copies the parameters again (:meth:`ExpertStorage.refresh_copies`). Aliased
+        owner rows may change without their parameters' version moving: Megatron's mixed-precision optimizer without
+        the distributed one (``Float16OptimizerWithFloat16Params``, bf16/fp16 parameters) copies its fp32 main
+        parameters into each ``model_param.data`` (optimizer.py:745-779 of 0.16.1), which autograd's version counter
+        does not see; so every storage's owner weights count as changed (:meth:`ExpertStorage.invalidate`: replicas
+        re-sent at the next sync, once per optimizer step)."""
+        for storage in self.storages:
+            storage.invalidate()
 
     def guarded_parameters(self) -> List[torch.Tensor]:
         """The expert parameters an optimizer step must not touch while replica gradients are held."""

@@ -6,7 +6,9 @@ the first call whose plan drops it, or in the backward of the stage's last micro
 optimizer step. The adapters (:mod:`foremoe.megatron`, :mod:`foremoe.transformers`) pick the mode of each call with
 :func:`gradients_mode` and register themselves with :func:`guard_optimizer_steps`: a ``torch.optim`` step (any
 optimizer, through torch's global step pre-hook) over parameters of an adapter that still holds replica gradients
-raises ``RuntimeError`` naming them, before a parameter changes, instead of stepping with incomplete gradients.
+raises ``RuntimeError`` naming them, before a parameter changes, instead of stepping with incomplete gradients. The
+same registry calls each adapter's ``optimizer_stepped()`` (where it has one) after every such step (torch's global
+step post-hook): one weak set and one pair of hooks for every adapter.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 __all__ = ["driver_position", "gradients_mode", "guard_optimizer_steps", "held_gradients"]
 
 _HOLDERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
-_HOOK: Optional[Any] = None
+_HOOKS: Optional[Tuple[Any, Any]] = None  # torch's handles of the step pre-hook and post-hook, registered once
 
 
 def gradients_mode(hold: bool, last: bool) -> str:
@@ -48,15 +50,23 @@ def describe(held: Sequence[Tuple[int, int, int]], limit: int = 6) -> str:
 
 
 def guard_optimizer_steps(holder: Any) -> None:
-    """Refuses optimizer steps while ``holder`` holds replica gradients. ``holder`` (kept by a weak reference) has
-    ``storages`` (its :class:`~foremoe.torch.ExpertStorage` per layer), ``guarded_parameters()`` (the trainer
-    parameters whose gradients the held ones belong to) and ``held_error(held)`` (the message)."""
-    global _HOOK
+    """Refuses optimizer steps while ``holder`` holds replica gradients, and calls ``holder.optimizer_stepped()``
+    (when it has one) after every optimizer step. ``holder`` (kept by a weak reference) has ``storages`` (its
+    :class:`~foremoe.torch.ExpertStorage` per layer), ``guarded_parameters()`` (the trainer parameters whose
+    gradients the held ones belong to) and ``held_error(held)`` (the message)."""
+    global _HOOKS
     _HOLDERS.add(holder)
-    if _HOOK is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+    if _HOOKS is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        _HOOK = register_optimizer_step_pre_hook(_refuse_held)
+        _HOOKS = (register_optimizer_step_pre_hook(_refuse_held), register_optimizer_step_post_hook(_after_step))
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for holder in list(_HOLDERS):
+        stepped = getattr(holder, "optimizer_stepped", None)
+        if stepped is not None:
+            stepped()
 
 
 def _stepped(optimizer: Any) -> set:
