@@ -1,6 +1,7 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -203,6 +204,15 @@ TEST_CASE("count_loads rejects bad ids, offsets and maps with clear messages") {
   std::vector<std::int64_t> so{0, 4};
   o.source_offsets = so;
   CHECK_THROWS_WITH_AS((void)count_loads(s, 10, 2, 2, o), doctest::Contains("2 source_offsets"), Error);
+  // A source count whose split would not fit is refused before anything is sized from it (the even source offsets
+  // of a billion sources took 8 GB and seconds before the output's own check refused it).
+  o.source_offsets = {};
+  o.num_sources = 1000000000;
+  CHECK_THROWS_WITH_AS((void)count_loads(s, 10, 2, 2, o),
+                       doctest::Contains("1000000001 (sources + 1) = 8000000008 load cells is beyond"), Error);
+  o.num_sources = std::numeric_limits<int>::max(); // sources + 1 in int64, not an int overflow
+  CHECK_THROWS_WITH_AS((void)count_loads(s, 10, 2, 2, o), doctest::Contains("2147483648 (sources + 1)"), Error);
+  o.num_sources = 0;
   CHECK_THROWS_WITH_AS((void)count_loads(std::span<const std::int32_t>(ids.data(), 7), 10, 2, 2, CountOptions{4}),
                        doctest::Contains("7 ids for shape [10, 2, 2]"), Error);
   CHECK_THROWS_WITH_AS(LayerMap({0, 2}), doctest::Contains("maps to MoE layer 2"), Error);

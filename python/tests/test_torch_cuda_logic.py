@@ -12,11 +12,12 @@ torch = pytest.importorskip("torch", reason="skipped: PyTorch (torch) is not ins
 
 import foremoe.torch as ft  # noqa: E402
 from foremoe.torch import distributed as fd  # noqa: E402
+from foremoe.torch import engine as fe  # noqa: E402
 from foremoe.torch import mover  # noqa: E402
 
 
 def fake_build(monkeypatch, **info):
-    monkeypatch.setattr(mover, "_core", types.SimpleNamespace(runtime_build_info=lambda: info))
+    monkeypatch.setattr(fe, "runtime_build_info", lambda: info)
 
 
 def test_cuda_storage_needs_the_cuda_backend_and_nccl_for_several_ranks(monkeypatch):

@@ -132,9 +132,10 @@ def test_cuda_backend_over_a_group_refuses_what_it_cannot_run(tmp_path):
         assert "an nccl group carries CUDA tensors: give backend='cuda'" in r["host_nccl"], r["host_nccl"]
         assert "over a gloo or nccl group; this group's backend is 'mpi'" in r["cuda_mpi"], r["cuda_mpi"]
         if not BUILD["cuda_compiled"]:
-            want = "built with the runtime's CUDA backend (FOREMOE_PYTHON_CUDA=ON)"
+            want = "built without the runtime's CUDA backend (FOREMOE_PYTHON_CUDA=ON)"
         elif not BUILD["nccl_compiled"]:
-            want = "needs NCCL, and foremoe._core's runtime was built without it"
+            want = ("2 ranks exchange CUDA rows over the transfer engine's NCCL communicator, and this foremoe._core "
+                    "was built without NCCL")
         elif BUILD["num_devices"] == 0 or not torch.cuda.is_available():
             want = f"rank {rank} sees no CUDA device"
         else:

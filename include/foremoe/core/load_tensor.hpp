@@ -26,6 +26,15 @@ public:
   LoadTensor(int num_micro_steps, int num_layers, int num_experts, int num_sources = 0)
       : num_micro_steps_(num_micro_steps), num_layers_(num_layers), num_experts_(num_experts),
         num_sources_(num_sources) {
+    require_shape(num_micro_steps, num_layers, num_experts, num_sources);
+    totals_.assign(static_cast<std::size_t>(num_micro_steps) * num_layers * num_experts, 0);
+    if (num_sources > 0) by_source_.assign(totals_.size() * static_cast<std::size_t>(num_sources), 0);
+  }
+
+  /// Throws `Error` naming the value unless a tensor of this shape may be made: every size in range and the cells
+  /// within `limits::max_load_cells`. The constructor's check, for callers that size other buffers from the same
+  /// shape before making the tensor.
+  static void require_shape(int num_micro_steps, int num_layers, int num_experts, int num_sources) {
     detail::require(num_micro_steps >= 0, "LoadTensor: num_micro_steps must be >= 0, got ", num_micro_steps);
     detail::require(num_layers > 0, "LoadTensor: num_layers must be positive, got ", num_layers);
     detail::require(num_experts > 0, "LoadTensor: num_experts must be positive, got ", num_experts);
@@ -35,14 +44,12 @@ public:
                               {{"micro-steps", num_micro_steps},
                                {"layers", num_layers},
                                {"experts", num_experts},
-                               {"(sources + 1)", num_sources + 1}},
+                               {"(sources + 1)", std::int64_t{num_sources} + 1}},
                               limits::max_load_cells, "load cells");
     else
       limits::require_product("LoadTensor",
                               {{"micro-steps", num_micro_steps}, {"layers", num_layers}, {"experts", num_experts}},
                               limits::max_load_cells, "load cells");
-    totals_.assign(static_cast<std::size_t>(num_micro_steps) * num_layers * num_experts, 0);
-    if (num_sources > 0) by_source_.assign(totals_.size() * static_cast<std::size_t>(num_sources), 0);
   }
 
   [[nodiscard]] int num_micro_steps() const noexcept { return num_micro_steps_; }

@@ -139,6 +139,8 @@ void count_range(const RoutedView &v, std::int64_t t0, std::int64_t t1, const in
 
   const int num_sources = opts.num_sources;
   require(num_sources >= 0, "count_loads: num_sources must be >= 0, got ", num_sources);
+  // The output's shape first: the even source offsets below take micro-steps x sources entries.
+  LoadTensor::require_shape(num_micro_steps, lmap.num_moe_layers(), opts.num_experts, num_sources);
   std::vector<std::int64_t> even;
   std::span<const std::int64_t> so = opts.source_offsets;
   if (num_sources > 0) {

@@ -333,6 +333,25 @@ def _bridge_of(group: Any, options: EngineOptions, timeout: float, tag_space: in
     return _GroupBridge(group, gpus, float(timeout), tag_space)
 
 
+_CUDA_REBUILD = ("rebuild it with the CUDA backend: "
+                 "pip install ./python --config-settings=cmake.define.FOREMOE_PYTHON_CUDA=ON")
+
+
+def cuda_build_gap(ranks: int) -> Optional[str]:
+    """Why this ``foremoe._core`` cannot run the transfer engine's CUDA backend for ``ranks`` processes that exchange
+    rows (NCCL is needed when there is more than one), or None when it can: the one build check behind
+    ``ExpertStorage``'s refusal of CUDA weights and ``TransferEngine(backend="cuda", group=...)``'s."""
+    info = runtime_build_info()
+    if not info.get("cuda_compiled"):
+        return (f"this foremoe._core was built without the runtime's CUDA backend (FOREMOE_PYTHON_CUDA=ON); "
+                f"{_CUDA_REBUILD}")
+    if ranks > 1 and not info.get("nccl_compiled"):
+        return (f"{ranks} ranks exchange CUDA rows over the transfer engine's NCCL communicator, and this "
+                f"foremoe._core was built without NCCL; {_CUDA_REBUILD} on a machine where CMake finds NCCL "
+                f"(cmake/FindNCCL.cmake)")
+    return None
+
+
 def _nccl_comms_of(group: Any, options: EngineOptions, timeout: float, tag_space: int = 0) -> List[Any]:
     """The CUDA backend over ``group``: checks the group against the options, makes this rank's NCCL communicator
     from a unique id rank 0 broadcasts over ``group``, and sets ``local_gpus``, ``cuda_device_of_gpu`` and
@@ -363,14 +382,10 @@ def _nccl_comms_of(group: Any, options: EngineOptions, timeout: float, tag_space
     if devices and devices[rank] < 0:
         raise ValueError(f"TransferEngine: cuda_device_of_gpu[{rank}] is {devices[rank]}, but rank {rank} drives GPU "
                          f"{rank}: give its device ordinal")
-    info = runtime_build_info()
-    if not info["cuda_compiled"]:
-        raise RuntimeError("TransferEngine: backend='cuda' needs foremoe._core built with the runtime's CUDA backend "
-                           "(FOREMOE_PYTHON_CUDA=ON); this one was built without it (runtime_build_info())")
-    if not info["nccl_compiled"]:
-        raise RuntimeError("TransferEngine: backend='cuda' with group= needs NCCL, and foremoe._core's runtime was "
-                           "built without it (runtime_build_info(); rebuild where CMake finds NCCL)")
-    if info["num_devices"] == 0 or not torch.cuda.is_available():
+    gap = cuda_build_gap(gpus)
+    if gap is not None:
+        raise RuntimeError(f"TransferEngine: backend='cuda' with group=: {gap}")
+    if runtime_build_info()["num_devices"] == 0 or not torch.cuda.is_available():
         raise RuntimeError(f"TransferEngine: backend='cuda' with group=: rank {rank} sees no CUDA device")
     device = devices[rank] if devices else torch.cuda.current_device()
     # Rank 0's unique id to every rank, over the trainer's group (on nccl groups a CUDA tensor).

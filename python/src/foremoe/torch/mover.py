@@ -41,10 +41,9 @@ import torch
 import torch.distributed as dist
 
 import foremoe
-from foremoe import _core
 
 from .distributed import gather_rows
-from .engine import TransferEngine, TransferError
+from .engine import TransferEngine, TransferError, cuda_build_gap
 
 __all__ = ["EngineMover", "GradReducer", "backend_fields", "check_cuda_engine", "engine_rows"]
 
@@ -157,18 +156,11 @@ GRAD_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def check_cuda_engine(world: int) -> None:
-    """Raises ``ValueError`` unless this ``foremoe._core`` can move CUDA slot storage: the runtime's CUDA backend
-    compiled in, and NCCL too when ``world`` ranks (processes) exchange rows."""
-    info = _core.runtime_build_info()
-    fix = ("rebuild it with the CUDA backend: pip install ./python "
-           "--config-settings=cmake.define.FOREMOE_PYTHON_CUDA=ON")
-    if not info.get("cuda_compiled"):
-        raise ValueError(f"ExpertStorage: the weights are CUDA tensors, and CUDA slot storage moves on the transfer "
-                         f"engine's CUDA backend, which this foremoe._core was built without; {fix}")
-    if world > 1 and not info.get("nccl_compiled"):
-        raise ValueError(f"ExpertStorage: {world} ranks exchange CUDA rows over the transfer engine's NCCL "
-                         f"communicator, and this foremoe._core was built without NCCL; {fix} on a machine with "
-                         f"NCCL (cmake/FindNCCL.cmake)")
+    """Raises ``ValueError`` unless this ``foremoe._core`` can move CUDA slot storage (``engine.cuda_build_gap``)."""
+    gap = cuda_build_gap(world)
+    if gap is not None:
+        raise ValueError(f"ExpertStorage: the weights are CUDA tensors, which move on the transfer engine's CUDA "
+                         f"backend; {gap}")
 
 
 def backend_fields(storage: Any) -> Dict[str, Any]:
