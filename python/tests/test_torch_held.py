@@ -56,3 +56,35 @@ def test_optimizer_step_with_held_gradients_fails(tmp_path):
     with pytest.raises(RuntimeError, match="replica gradients are still held but the owner weights"):
         tc.run_ranks(tc.runs_rank, case.world, (case, [{"hold": "no_flush"}], str(tmp_path)), str(tmp_path),
                      timeout=180.0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_held_16_bit_gradients_sum_in_float32(dtype, monkeypatch):
+    """A replica's held gradient sums in float32 when the gradients are 16-bit and is rounded once when it returns:
+    512 micro-steps of 2^-9 return 1.0 (summed in bfloat16 the sum stops at 0.5, where 2^-9 is half its spacing).
+    Other dtypes sum in their own."""
+    import types
+
+    from foremoe.torch import layer as fl
+
+    dt = getattr(torch, dtype)
+    st = types.SimpleNamespace(rank=0, names=("w1", "w2"), _held_grads={})
+    returned = {}
+
+    def to_owners(run, go, pairs, mine, what):
+        returned.update(mine)
+        return go
+
+    monkeypatch.setattr(fl, "_to_owners_engine", to_owners)
+    go = [torch.zeros(2, 3, dtype=dt), torch.zeros(3, dtype=dt)]
+    step = [torch.full((2, 3), 2.0**-9, dtype=dt), torch.full((3,), -(2.0**-9), dtype=dt)]
+    for i in range(512):
+        run = types.SimpleNamespace(storage=st, slot_expert=[7, 5], layer=0, hold=[(5, 0)] if i == 511 else [])
+        assert fl._return_held_grads(run, go, {1: step}) is go
+        if i < 511:
+            want = torch.float32 if dtype != "float32" else dt
+            assert [t.dtype for t in st._held_grads[5]] == [want, want]
+    assert 5 not in st._held_grads and list(returned) == [5]
+    w1, w2 = returned[5]
+    assert w1.dtype == dt and w2.dtype == dt, "a held gradient returns in the gradients' own dtype"
+    assert torch.equal(w1, torch.ones(2, 3, dtype=dt)) and torch.equal(w2, -torch.ones(3, dtype=dt)), (w1, w2)

@@ -1173,14 +1173,24 @@ def _return_held_grads(run: _Run, go: List[torch.Tensor],
         e = int(run.slot_expert[j])
         held = st._held_grads.get(e)
         if held is None:
-            st._held_grads[e] = [t.detach().clone() for t in grads]
+            # bfloat16 and float16 gradients are summed in float32 while held, and rounded once when they return:
+            # the unheld run adds each micro-step's gradient to a float32 gradient buffer (Megatron's main_grad),
+            # and a 16-bit sum over many micro-steps would drop the small ones (bfloat16 keeps 8 significant bits).
+            acc = torch.float32 if grads[0].dtype in _SUM_IN_FLOAT32 else grads[0].dtype
+            st._held_grads[e] = [t.detach().to(dtype=acc, copy=True) for t in grads]
         else:
             for k in range(nk):
                 held[k].add_(grads[k])
     what = f"held replica gradient return of layer {run.layer}"
     # A held gradient with nothing accumulated returns zeros (the reducer writes them).
     mine = {e: st._held_grads.pop(e, None) for e, g in run.hold if g == r}
+    dtype = go[0].dtype
+    mine = {e: (None if v is None else [t.to(dtype) for t in v]) for e, v in mine.items()}
     return _to_owners_engine(run, go, run.hold, mine, what)
+
+
+#: Gradient dtypes that a held gradient sums in float32 (:func:`_return_held_grads`).
+_SUM_IN_FLOAT32 = (torch.bfloat16, torch.float16)
 
 
 #: ``routing_weights`` of :func:`_prepare` for a caller that applies the routing weights itself (the Megatron
@@ -1242,7 +1252,8 @@ def balanced_moe(
     ``"flush"``: as ``"hold"``, and this call's backward returns every held gradient: pass it on the last
     micro-step before the optimizer step (before anything reads the owners' gradients, e.g. DDP's last backward).
     Held gradients left at an optimizer step raise at the next call. Backwards must run in call order. Owner
-    gradients then equal the unheld run's at each flush, summed in another order (float64: within 1e-12).
+    gradients then equal the unheld run's at each flush, summed in another order (float64: within 1e-12); bfloat16
+    and float16 gradients are summed in float32 while held and rounded once when they return.
     """
     if gradients not in ("reduce", "hold", "flush"):
         raise ValueError(f"balanced_moe: gradients must be 'reduce', 'hold' or 'flush', got {gradients!r}")
