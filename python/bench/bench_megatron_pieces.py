@@ -2,7 +2,8 @@
 
 Each listed function is wrapped with a ``time.thread_time`` accumulator (no profiler: cProfile's per-call cost
 would swamp functions of a few µs); rank 0's totals over both modes (resident, changing) are divided by the calls of
-the adapter's layer. Nested pieces are included in their callers. Megatron's own layer runs beside it as in the
+the adapter's layer. Nested pieces are included in their callers. Megatron's own dispatcher steps and expert
+forward (labelled ``megatron``) are timed the same way in its layer's calls, for a side-by-side reading. Megatron's own layer runs beside it as in the
 benchmark, whose ``added`` figures are printed first.
 
 Run: python python/bench/bench_megatron_pieces.py E [--grouped]     (E: 16, 32 or 64, the benchmark's shapes)
@@ -57,6 +58,16 @@ def rank(r, world, shapes, repeats, tmp, grouped):
                       (disp, "dispatch_postprocess"), (disp, "combine_preprocess"), (disp, "token_combine"),
                       (disp, "combine_postprocess")):
         wrap(cls, meth, f"{cls.__name__}.{meth}")
+    # Megatron's own pieces (its layer's calls; the adapter's dispatcher and experts override these while balanced,
+    # which every adapter call of the benchmark is), for a side-by-side reading.
+    from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    for cls, meth in [(MoEAlltoAllTokenDispatcher, m) for m in ("dispatch_preprocess", "token_dispatch",
+                                                                 "dispatch_postprocess", "combine_preprocess",
+                                                                 "token_combine", "combine_postprocess")] + [
+            (GroupedMLP, "forward"), (SequentialMLP, "forward")]:
+        wrap(cls, meth, f"megatron {cls.__name__}.{meth}")
     bench.rank_main(r, world, shapes, repeats, tmp, False, grouped)
     if r == 0:
         Path(tmp, "acc.json").write_text(json.dumps(ACC))
