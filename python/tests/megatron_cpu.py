@@ -163,10 +163,7 @@ def cpu_gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_a
     sizes = batch_sizes.tolist()
     if sum(sizes) != a.shape[0]:
         raise ValueError(f"cpu_gmm: batch_sizes sum to {sum(sizes)}, a has {a.shape[0]} rows")
-    # Groups without rows are skipped: the kernel computes every group in one launch, so an empty group costs the
-    # host nothing there, and a matmul of zero rows here would (a torch call forward, two backward) and charge the
-    # side with more groups for it. Their weights' gradient is still zeros (unbind's backward fills them).
-    outs = [x @ (w.t() if trans_b else w) for x, w, n in zip(a.split(sizes), b.unbind(0), sizes) if n]
+    outs = [x @ (w.t() if trans_b else w) for x, w in zip(a.split(sizes), b.unbind(0))]
     return torch.cat(outs) if outs else a.new_zeros((0, b.shape[1] if trans_b else b.shape[2]))
 
 
