@@ -98,11 +98,13 @@ U_BF16 = 2.0 ** -8
 #: gradient, and the router's gradients: asserted by test_bf16_first_step_bitwise). Where the order must differ,
 #: an expert's gradient of one micro-step is Megatron's one float32-accumulated GEMM rounded to bf16 once, here
 #: the owner's part and each replica's part rounded once each, the replica parts summed over the held micro-steps
-#: and then into the owner's .grad in bf16, one rounding per addition (before DDP adds .grad into the float32
-#: main_grad): each part is at most the largest gradient element, so the two sides differ by a few U_BF16 of it.
+#: (in float32, rounded to bf16 once when they return) and then into the owner's .grad in bf16, one rounding per
+#: addition (before DDP adds .grad into the float32 main_grad): each part is at most the largest gradient element,
+#: so the two sides differ by a few U_BF16 of it.
 #: From the first optimizer step on the weights may differ by one bf16 rounding of an element (one ulp: up to
 #: 2 U_BF16 of the largest weight), which the next steps' outputs and gradients inherit. Largest measured ratio
-#: (error / largest |reference| / U_BF16): 1.94 (EP 2, SequentialMLP), 2.56 (EP 4 top-4, GroupedMLP); 4 U_BF16.
+#: (error / largest |reference| / U_BF16): 1.94 (EP 2, SequentialMLP), 2.56 (EP 4 top-4, GroupedMLP), the same
+#: with the held parts summed in bf16 (before) and in float32 (now); 4 U_BF16.
 BF16_TOL = 4 * U_BF16
 
 
