@@ -32,6 +32,20 @@ def test_cuda_storage_needs_the_cuda_backend_and_nccl_for_several_ranks(monkeypa
     mover.check_cuda_engine(4)
 
 
+def test_one_build_check_names_what_is_missing(monkeypatch):
+    """``engine.cuda_build_gap``: the one check behind both refusals. A group of one rank needs no NCCL to move rows,
+    but ``TransferEngine(backend="cuda", group=...)`` makes its communicator anyway, so it does then."""
+    fake_build(monkeypatch, cuda_compiled=False, nccl_compiled=True)
+    assert "without the runtime's CUDA backend (FOREMOE_PYTHON_CUDA=ON)" in fe.cuda_build_gap(1)
+    fake_build(monkeypatch, cuda_compiled=True, nccl_compiled=False)
+    assert fe.cuda_build_gap(1) is None
+    assert "a group of one rank still exchanges CUDA rows" in fe.cuda_build_gap(1, communicator=True)
+    gap = fe.cuda_build_gap(3)
+    assert gap.startswith("3 ranks exchange CUDA rows") and "built without NCCL" in gap
+    fake_build(monkeypatch, cuda_compiled=True, nccl_compiled=True)
+    assert fe.cuda_build_gap(3, communicator=True) is None
+
+
 def storage_on(device, world=4, rank=2):
     t = types.SimpleNamespace(device=torch.device(device))
     return types.SimpleNamespace(_alloc={"w1": t, "w2": t}, names=("w1", "w2"), world=world, rank=rank)

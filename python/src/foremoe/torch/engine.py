@@ -337,18 +337,19 @@ _CUDA_REBUILD = ("rebuild it with the CUDA backend: "
                  "pip install ./python --config-settings=cmake.define.FOREMOE_PYTHON_CUDA=ON")
 
 
-def cuda_build_gap(ranks: int) -> Optional[str]:
+def cuda_build_gap(ranks: int, *, communicator: bool = False) -> Optional[str]:
     """Why this ``foremoe._core`` cannot run the transfer engine's CUDA backend for ``ranks`` processes that exchange
-    rows (NCCL is needed when there is more than one), or None when it can: the one build check behind
-    ``ExpertStorage``'s refusal of CUDA weights and ``TransferEngine(backend="cuda", group=...)``'s."""
+    rows, or None when it can: NCCL is needed when there is more than one, or when the engine makes its NCCL
+    communicator anyway (``communicator``: ``TransferEngine(backend="cuda", group=...)`` does, also for a group of
+    one). The one build check behind ``ExpertStorage``'s refusal of CUDA weights and that ``TransferEngine``'s."""
     info = runtime_build_info()
     if not info.get("cuda_compiled"):
         return (f"this foremoe._core was built without the runtime's CUDA backend (FOREMOE_PYTHON_CUDA=ON); "
                 f"{_CUDA_REBUILD}")
-    if ranks > 1 and not info.get("nccl_compiled"):
-        return (f"{ranks} ranks exchange CUDA rows over the transfer engine's NCCL communicator, and this "
-                f"foremoe._core was built without NCCL; {_CUDA_REBUILD} on a machine where CMake finds NCCL "
-                f"(cmake/FindNCCL.cmake)")
+    if (ranks > 1 or communicator) and not info.get("nccl_compiled"):
+        who = f"{ranks} ranks exchange CUDA rows" if ranks > 1 else "a group of one rank still exchanges CUDA rows"
+        return (f"{who} over the transfer engine's NCCL communicator, and this foremoe._core was built without "
+                f"NCCL; {_CUDA_REBUILD} on a machine where CMake finds NCCL (cmake/FindNCCL.cmake)")
     return None
 
 
@@ -382,7 +383,7 @@ def _nccl_comms_of(group: Any, options: EngineOptions, timeout: float, tag_space
     if devices and devices[rank] < 0:
         raise ValueError(f"TransferEngine: cuda_device_of_gpu[{rank}] is {devices[rank]}, but rank {rank} drives GPU "
                          f"{rank}: give its device ordinal")
-    gap = cuda_build_gap(gpus)
+    gap = cuda_build_gap(gpus, communicator=True)
     if gap is not None:
         raise RuntimeError(f"TransferEngine: backend='cuda' with group=: {gap}")
     if runtime_build_info()["num_devices"] == 0 or not torch.cuda.is_available():
