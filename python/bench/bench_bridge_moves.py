@@ -91,17 +91,16 @@ def rank_main(rank, tmp, sizes, moves, reps, out_path):
             row = {"size": size, "verify": verify, "bytes": 2 * moves * size}
             nbytes = row["bytes"]
             row["engine"] = {"s": ew, "gbps": nbytes / ew / 1e9, "cpu_ns_per_byte": ec / nbytes * 1e9}
-            for kind in ("storage",):
-                st = ft.ExpertStorage.from_full(full, owners, S, rank=rank, world=2, verify=verify)
+            st = ft.ExpertStorage.from_full(full, owners, S, rank=rank, world=2, verify=verify)
 
-                def storage_round():
-                    pending = st._post(out, None, 0, timeout=60.0)
-                    st._finish(pending, None, 60.0, 0)
+            def storage_round():
+                pending = st._post(out, None, 0, timeout=60.0)
+                st._finish(pending, None, 60.0, 0)
 
-                w, c = rounds_of(storage_round, reps)
-                row[kind] = {"s": w, "gbps": nbytes / w / 1e9, "cpu_ns_per_byte": c / nbytes * 1e9}
-                if st._mover is not None:
-                    st._mover.close()
+            w, c = rounds_of(storage_round, reps)
+            row["storage"] = {"s": w, "gbps": nbytes / w / 1e9, "cpu_ns_per_byte": c / nbytes * 1e9}
+            if st._mover is not None:
+                st._mover.close()
             results.append(row)
     if rank == 0:
         with open(out_path, "w") as f:
@@ -129,16 +128,15 @@ def grads_main(rank, tmp, sizes, moves, reps, out_path):
         mine = {e: [torch.randn(size // 4, generator=g)] for e, h in pairs if h == rank}
         row = {"size": size, "bytes": E * size}
         got = {}
-        for kind in ("engine",):
-            st = ft.ExpertStorage.from_full({"w": torch.zeros(E, size // 4)}, owners, S, rank=rank, world=2)
-            run = SimpleNamespace(storage=st, group=None, timeout=60.0, layer=0)
+        st = ft.ExpertStorage.from_full({"w": torch.zeros(E, size // 4)}, owners, S, rank=rank, world=2)
+        run = SimpleNamespace(storage=st, group=None, timeout=60.0, layer=0)
 
-            def fn():
-                got[kind] = _to_owners_engine(run, go, pairs, mine, "bench")
+        def fn():
+            got["engine"] = _to_owners_engine(run, go, pairs, mine, "bench")
 
-            w, c = rounds_of(fn, reps)
-            row[kind] = {"s": w, "gbps": row["bytes"] / w / 1e9, "cpu_ns_per_byte": c / row["bytes"] * 1e9}
-            st.close()
+        w, c = rounds_of(fn, reps)
+        row["engine"] = {"s": w, "gbps": row["bytes"] / w / 1e9, "cpu_ns_per_byte": c / row["bytes"] * 1e9}
+        st.close()
         # Each owner row plus the other rank's replica gradient of it (every replica returns: one addition each),
         # the other rank's gradients drawn again from its seed.
         g_other = torch.Generator().manual_seed(1 - rank)

@@ -3,8 +3,8 @@
 Each listed function is wrapped with a ``time.thread_time`` accumulator (no profiler: cProfile's per-call cost
 would swamp functions of a few µs); rank 0's totals over both modes (resident, changing) are divided by the calls of
 the adapter's layer. Nested pieces are included in their callers. Megatron's own dispatcher steps and expert
-forward (labelled ``megatron``) are timed the same way in its layer's calls, for a side-by-side reading. Megatron's own layer runs beside it as in the
-benchmark, whose ``added`` figures are printed first.
+forward (labelled ``megatron``) are timed the same way in its layer's calls, for a side-by-side reading. Megatron's
+own layer runs beside it as in the benchmark, whose ``added`` figures are printed first.
 
 Run: python python/bench/bench_megatron_pieces.py E [--grouped]     (E: 16, 32 or 64, the benchmark's shapes)
 """

@@ -115,7 +115,8 @@ def test_planner_keeps_given_owners():
 
 def test_storage_owner_rows_are_the_parameters():
     E, G, S, H = 8, 2, 6, 4
-    full = {"w": torch.arange(E * H * 3, dtype=torch.float64).reshape(E, H, 3), "b": torch.ones(E, 3, dtype=torch.float64)}
+    full = {"w": torch.arange(E * H * 3, dtype=torch.float64).reshape(E, H, 3),
+            "b": torch.ones(E, 3, dtype=torch.float64)}
     st = ft.ExpertStorage.from_full(full, ft.contiguous_owners(E, G), S, rank=1, world=G)
     assert st.owned_experts == [4, 5, 6, 7]
     for name, p in st.params.items():

@@ -780,7 +780,7 @@ class ExpertStorage:
         self.resident_rows.fill(-1)
         self._invalid = True
         try:
-            self._land(pending, timeout, int(pending.get("layer", -1)))
+            self._land(pending, timeout)
         except RuntimeError:
             pass
 
@@ -826,7 +826,7 @@ class ExpertStorage:
         pending["ticket"] = mover.submit(batch, timeout)
         return pending
 
-    def _land(self, pending: Dict[str, Any], timeout: float, layer: int) -> Optional[str]:
+    def _land(self, pending: Dict[str, Any], timeout: float) -> Optional[str]:
         """Waits for the posted moves within ``timeout``; the first failure's message, or None."""
         if pending.get("ticket") is None:
             return None

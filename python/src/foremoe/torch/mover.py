@@ -7,10 +7,10 @@ copies on its own copy streams (from the pinned host mirror, or within the GPU),
 an NCCL communicator of the engine's own, made from a unique id sent over the trainer's group; each batch starts
 after the work queued so far on the current stream (a recorded ``torch.cuda.Event``: the owner rows' writes and the
 replica rows' readers), and the host waits for it before the rows are used. Python keeps only the tensor handles and
-the process group, and
-says which bytes travel: the batch every rank submits is ``replica_sync``'s ``all_moves``, each move from its owner's
-row (the storage's bookkeeping reuses resident replicas and copies the others from their owners; the engine sees only
-the owner rows as readable, so it keeps that source or, recording why, takes the node's host mirror). The transfer
+the process group, and says which bytes travel: the batch every rank submits is ``replica_sync``'s ``all_moves``,
+each move from its owner's row (the storage's bookkeeping reuses resident replicas and copies the others from their
+owners; the engine sees only the owner rows as readable, so it keeps that source or, recording why, takes the node's
+host mirror). The transfer
 plan (chunks, rounds, a split of a move between the owner and the host mirror when both end sooner), verification
 (the engine's checksum in every paired transfer's header), retries and the fallback to the host mirror, the seeded
 fault injector (``EngineOptions.faults``: a :class:`foremoe.FaultSchedule`), deadlines and telemetry are the
