@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,9 +35,11 @@ def wrap(owner, name, label):
         try:
             return f(*a, **k)
         finally:
-            t = ACC.setdefault(label, [0.0, 0])
-            t[0] += time.thread_time() - c
+            t = ACC.setdefault(label, [0.0, 0, []])
+            d = time.thread_time() - c
+            t[0] += d
             t[1] += 1
+            t[2].append(d)
 
     setattr(owner, name, timed)
 
@@ -83,8 +86,9 @@ def main():
         res = json.loads(Path(tmp, "out.json").read_text())[0]
     print({k: round(v) for k, v in res.items() if k.endswith("_us") and "wall" not in k})
     calls = 2 * REPEATS  # both modes, every micro-step (the first ones included here)
-    for k, (t, n) in sorted(acc.items(), key=lambda kv: -kv[1][0]):
-        print(f"{t / calls * 1e6:8.1f} us per call ({n / calls:.1f} calls)  {k}")
+    print("  mean per layer call   median per piece call  (calls per layer call)  piece")
+    for k, (t, n, each) in sorted(acc.items(), key=lambda kv: -kv[1][0]):
+        print(f"{t / calls * 1e6:8.1f} us {float(np.median(each)) * 1e6:8.1f} us ({n / calls:.1f})  {k}")
 
 
 if __name__ == "__main__":

@@ -188,3 +188,26 @@ def test_a_failed_reduction_fails_every_rank_naming_the_layer(tmp_path):
         assert "no gradient of this layer reaches the parameters" in g[last], g[last]
     assert "rank 1" in got[1][last] and "submit_reduce: expert " in got[1][last], got[1][last]
     assert "holds no valid copy" in got[1][last], got[1][last]
+
+
+def test_storages_share_one_engine(tmp_path):
+    """foremoe.torch.mover's "One engine for the layers" on 2 gloo ranks (torch_moe_cases.shared_engine_rank)."""
+    tmp = str(tmp_path)
+    tc.run_ranks(tc.shared_engine_rank, 2, (tmp,), tmp, timeout=120.0)
+    recs = [torch.load(f"{tmp}/rank{r}.pt") for r in range(2)]
+    # Replicas moved into every storage (on rank 1: the plan replicates rank 0's hot expert there), each row
+    # holding its expert's weights (checked on the rank).
+    assert all(n > 0 for n in recs[1]["replicas"]), recs[1]["replicas"]
+    assert recs[1]["late"][2] > 0 and recs[1]["reopened"][1] > 0
+    for rec in recs:
+        assert rec["shared"] == [True, True, True, False], rec["shared"]
+        assert rec["layers"] == [0, 2, 4, 0], rec["layers"]  # own engine layers on the shared one
+        assert rec["same_engine"] and rec["own_engine"]
+        # One engine for serials 0..3 (the faulted storage counts as a user until it closes or is collected).
+        assert rec["engines"] == [{"lo": 0, "hi": 3, "users": 4}], rec["engines"]
+        assert rec["late"][:2] == (True, True), rec["late"]
+        assert rec["engines_late"] == [{"lo": 0, "hi": 3, "users": 4}, {"lo": 4, "hi": 4, "users": 1}]
+        assert rec["reopened"][0] is False, rec["reopened"]
+        assert rec["after_close"] == [{"lo": 0, "hi": 3, "users": 1}, {"lo": 4, "hi": 4, "users": 1}]
+        assert rec["after_collect"] == [{"lo": 4, "hi": 4, "users": 1}], rec["after_collect"]
+        assert rec["after_all"] == [], rec["after_all"]

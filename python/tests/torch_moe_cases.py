@@ -502,3 +502,65 @@ def prefetch_misuse_rank(rank: int, tmp: str) -> None:
     out["prefetched"] = str(layer.last_sync.prefetched if call(0) is not None else -1)
     out["stats"] = str(asdict(layer.last_sync))
     save_and_leave(out, tmp, rank)
+
+
+def shared_engine_rank(rank: int, tmp: str) -> None:
+    """The storages of a model share one transfer engine per rank (foremoe.torch.mover, "One engine for the
+    layers"): three storages of one kind sync moves on one engine, each on its own engine layers, every replica row
+    holding its expert's weights; a storage with a fault injector, one constructed after the engine was made and
+    one that closed and syncs again get engines of their own; the shared engine closes with its last storage.
+    Records what it saw for the test to check."""
+    import gc
+
+    from foremoe.torch import mover as M
+
+    init_group(rank, 2, tmp)
+    E, G, S = 8, 2, 6
+    own = np.repeat(np.arange(G), E // G).astype(np.int32)
+    gen = torch.Generator().manual_seed(5)
+    full = [{"w1": torch.randn(E, 4, 3, generator=gen, dtype=torch.float64),
+             "w2": torch.randn(E, 3, 4, generator=gen, dtype=torch.float64)} for _ in range(5)]
+    planner = foremoe.Planner(foremoe.Topology(1, G, S))
+    loads = np.array([[400, 300, 10, 10, 200, 10, 10, 10]], dtype=np.int64)  # rank 0's experts hot: replicas move
+    plan = planner.plan(loads, owners=own)
+
+    def make(i, **opts):
+        return ft.ExpertStorage.from_full(full[i], own, S, rank=rank, world=G, **opts)
+
+    def check_rows(st, i):
+        for e, row in st.replica_experts().items():
+            for n in ("w1", "w2"):
+                assert torch.equal(st.storage[n][row], full[i][n][e]), (i, e, n)
+        return len(st.replica_experts())
+
+    rec: Dict[str, Any] = {}
+    stores = [make(0), make(1), make(2), make(3, verify=True)]
+    stores[3].faults = ft.FaultSchedule(seed=3)  # a fault injector: an engine of its own
+    for i, st in enumerate(stores):
+        st.sync(plan, 0, [], timeout=30.0)
+    rec["replicas"] = [check_rows(st, i) for i, st in enumerate(stores)]
+    movers = [st._mover for st in stores]
+    rec["shared"] = [m.shared for m in movers]
+    rec["layers"] = [m.layer for m in movers]
+    rec["same_engine"] = movers[0].engine is movers[1].engine is movers[2].engine
+    rec["own_engine"] = movers[3].engine is not movers[0].engine
+    rec["engines"] = M.shared_engines()
+    late = make(4)  # constructed after the engine of its range was made
+    late.sync(plan, 0, [], timeout=30.0)
+    rec["late"] = (late._mover.shared, late._mover.engine is not movers[0].engine, check_rows(late, 4))
+    rec["engines_late"] = M.shared_engines()
+    stores[1].close()
+    stores[1].resident_rows.fill(-1)  # forget the replicas: the next sync moves them again
+    stores[1].sync(plan, 0, [], timeout=30.0)  # after its close: an engine of its own
+    rec["reopened"] = (stores[1]._mover.shared, check_rows(stores[1], 1))
+    for st in stores[:3]:
+        st.close()
+    rec["after_close"] = M.shared_engines()
+    del stores, movers, st
+    gc.collect()
+    rec["after_collect"] = M.shared_engines()
+    late.close()
+    rec["after_all"] = M.shared_engines()
+    torch.save(rec, f"{tmp}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()

@@ -13,8 +13,8 @@ never seen by an optimizer or DDP).
 2. replicas the plan wants and the rank does not hold (or holds stale) are copied from their owners, resident
    replicas are reused without a move. The moves run on the runtime's transfer engine (:mod:`foremoe.torch.mover`:
    every rank submits the same batch; CPU storage on its host backend, its paired transfers over the trainer's gloo
-   group; CUDA storage on its CUDA backend, its paired transfers on an NCCL communicator of its own made from a
-   unique id sent over the trainer's group), and verification, retries, the fallback to the host mirror, the
+   group; CUDA storage on its CUDA backend, its paired transfers on an NCCL communicator of the engine's own made
+   from a unique id sent over the trainer's group; the storages of a model share one engine per rank), and verification, retries, the fallback to the host mirror, the
    seeded fault injector, deadlines and telemetry are the engine's;
 3. tokens go to physical slots with the plan's exact split (:mod:`foremoe.torch.distributed`), are exchanged
    with ``all_to_all_single`` and computed slot by slot on the local slots, then sent back and combined with the
@@ -61,7 +61,7 @@ from foremoe._args import int_array, integer
 from .distributed import DEFAULT_TIMEOUT, DispatchLayout, all_to_all, check_plan, dispatch_layout
 from .distributed import gather_rows, gather_source_loads, group_rank, group_size, local_layout
 from .moves import HostMirror, NodeMirror, resolve_local_world
-from .mover import GRAD_DTYPES, EngineMover, GradReducer, check_cuda_engine, engine_rows
+from .mover import GRAD_DTYPES, EngineMover, GradReducer, check_cuda_engine, engine_rows, enroll
 
 __all__ = [
     "BalancedMoE",
@@ -279,6 +279,7 @@ class ExpertStorage:
             self.mirror.fill(_full, self, group, timeout)
         elif self.mirror is not None:
             self.mirror.refresh(self, group, timeout)
+        self._share = enroll(self)  # its serial among storages like it: which engine it shares (foremoe.torch.mover)
 
     @classmethod
     def from_full(cls, weights: Mapping[str, torch.Tensor], owners: Any, slots: int, *, rank: int,
@@ -769,7 +770,7 @@ class ExpertStorage:
                              f"the layer or drop_prefetch() on every rank first")
         mover, self._mover, self._reducer = self._mover, None, None  # the reducer runs on the mover's engine
         if mover is not None:
-            mover.close()
+            mover.close(self)
 
     def drop_prefetch(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Waits for prefetched moves (within ``timeout``) and discards them; every replica is re-sent at the next
@@ -800,7 +801,7 @@ class ExpertStorage:
         every rank gets there at the same sync or backward) and remade when ``faults`` or ``verify`` changed since,
         which also drops the gradient reducer registered with the old one."""
         if self._mover is not None and not self._mover.fits(self):
-            self._mover.close()
+            self._mover.close(self)
             self._mover, self._reducer = None, None
         if self._mover is None:
             self._mover = EngineMover(self, group, timeout)

@@ -1,7 +1,8 @@
 """The moves of :class:`foremoe.torch.ExpertStorage` on the runtime's transfer engine (issue 29: one mover).
 
 Every replica move of a sync runs on :class:`foremoe.torch.engine.TransferEngine` (the C++
-``foremoe::runtime::TransferEngine``), one engine per storage and rank. CPU slot storage takes its host backend, its
+``foremoe::runtime::TransferEngine``), one engine per rank shared by the storages of a model (see "One engine for
+the layers" below). CPU slot storage takes its host backend, its
 paired transfers over the trainer's gloo group through the engine's bridge. CUDA slot storage takes its CUDA backend:
 copies on its own copy streams (from the pinned host mirror, or within the GPU), paired transfers with other ranks on
 an NCCL communicator of the engine's own, made from a unique id sent over the trainer's group; each batch starts
@@ -22,19 +23,33 @@ count on every rank: the rows of the storage (owned experts first, then the spar
 their second copies) padded to the busiest rank's, then one staging row per spare row of the rank with the most
 spare rows, into which :meth:`ExpertStorage.prefetch` lands its moves until the call installs them.
 
-Replica gradients go back on the same engine (:class:`GradReducer`, the engine's layer 1, its fault injector sparing
-reductions): the backward writes the owner gradients and the returning replica gradients into per-kind gradient
+Replica gradients go back on the same engine (:class:`GradReducer`, the storage's second engine layer, its fault
+injector sparing reductions): the backward writes the owner gradients and the returning replica gradients into per-kind gradient
 tensors registered with it, every rank that sends or receives one submits the same ``submit_reduce`` and the
 engine adds each expert's replicas into its owner's in the fixed order (the owner's own first, then by rank,
 experts ascending). Which gradients return when is the layer's (``gradients="hold"``:
 :func:`foremoe.torch.layer._hold_schedule`); held gradients wait in Python tensors, since the layer returns one in
 the backward of the call whose plan drops it, after that call's moves may have reused its row, which the engine's
 own held-slot records refuse.
+
+One engine for the layers: the storages of a model share one engine per rank (each its own pair of engine layers:
+moves, gradients), so a model of ``L`` MoE layers runs one progress thread, one set of copy workers, one bridge
+and, on GPUs, one NCCL communicator per rank instead of ``L`` of each. Which storages share is decided without a
+collective and the same on every rank: each storage gets a serial at construction among the storages of its kind
+(the same rows, bytes per row, experts, ranks, mirror and device; every rank constructs the same storages in the
+same order), and the first of them to sync makes an engine covering every serial constructed so far that no earlier
+engine covers. A storage joins its range's engine when that engine was made on the same group with the same
+``verify``; a storage with a fault injector (``faults``, which keys its decisions on the engine's batch serials),
+one constructed after the engine of its range was made, or one that closed its engine and syncs again gets an
+engine of its own, as every storage did before. The shared engine closes when every storage of its range has closed
+or been collected.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import atexit
+import weakref
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -45,7 +60,8 @@ import foremoe
 from .distributed import gather_rows
 from .engine import TransferEngine, TransferError, cuda_build_gap
 
-__all__ = ["EngineMover", "GradReducer", "backend_fields", "check_cuda_engine", "engine_rows"]
+__all__ = ["EngineMover", "GradReducer", "backend_fields", "check_cuda_engine", "engine_rows", "enroll",
+           "shared_engines"]
 
 # The next tag space this process may give an engine: each storage's engine takes its own on the group (the largest
 # of every rank's, agreed at creation, after which every rank moves past it), so that the batches of several layers
@@ -61,37 +77,157 @@ def engine_rows(slots: int, num_owned_by: np.ndarray, double_buffer: bool) -> Tu
     return stage0 + spare, stage0
 
 
+def _kind(storage: Any) -> Tuple[Any, ...]:
+    """What storages sharing an engine must have in common (the engine's options but the group, ``verify`` and
+    ``faults``): ranks, ranks per node, engine rows, bytes per row of each weight kind, experts, mirror, device."""
+    st = storage
+    first = st._alloc[st.names[0]]
+    return (st.world, st.local_world, st.rank, int(st._engine_rows), st.num_experts,
+            tuple(int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names),
+            st.mirror is not None, str(first.device))
+
+
+class _Range:
+    """One shared engine: the storage serials ``[lo, hi]`` of one kind it serves (engine layers ``2 (s - lo)`` and
+    ``2 (s - lo) + 1`` for serial ``s``), the group and ``verify`` it was made with, and the serials still using it
+    (constructed, neither closed nor collected)."""
+
+    __slots__ = ("engine", "lo", "hi", "group", "verify", "users", "__weakref__")
+
+    def __init__(self, engine: Any, lo: int, hi: int, group: Any, verify: bool, users: Set[int]) -> None:
+        self.engine, self.lo, self.hi, self.group, self.verify, self.users = engine, lo, hi, group, verify, users
+
+
+# Per storage kind (``_kind``): storages constructed so far, the serials not yet closed or collected, and the
+# shared engines made, in serial order.
+_SERIALS: Dict[Tuple[Any, ...], int] = {}
+_LIVE: Dict[Tuple[Any, ...], Set[int]] = {}
+_RANGES: Dict[Tuple[Any, ...], List[_Range]] = {}
+_COVERED: Dict[Tuple[Any, ...], int] = {}  # the last serial any shared engine covered (closed ones included)
+
+
+def enroll(storage: Any) -> Tuple[Tuple[Any, ...], int]:
+    """Gives a newly constructed storage its serial among the storages of its kind (the module documentation's
+    "One engine for the layers"); returns ``(kind, serial)``. Local: no collective."""
+    _close_idle()
+    kind = _kind(storage)
+    serial = _SERIALS.get(kind, 0)
+    _SERIALS[kind] = serial + 1
+    _LIVE.setdefault(kind, set()).add(serial)
+    weakref.finalize(storage, _release, kind, serial, False)
+    return kind, serial
+
+
+# Shared engines whose last storage was collected: closed at the next enroll, sync or close on a trainer thread
+# (a collection may run on the engine's own bridge thread, which closing the engine joins), or at exit.
+_IDLE: List[Any] = []
+
+
+def _close_idle() -> None:
+    while _IDLE:
+        _IDLE.pop().close()
+
+
+def _release(kind: Tuple[Any, ...], serial: int, now: bool = True) -> None:
+    """Serial ``serial`` of ``kind`` no longer uses a shared engine (its storage closed its engine, ``now``, or was
+    collected); the engine of its range closes when it was the last (``now``: at once, else at the next
+    :func:`_close_idle`). Idempotent."""
+    live = _LIVE.get(kind)
+    if live is not None:
+        live.discard(serial)
+    for r in _RANGES.get(kind, ()):
+        if r.lo <= serial <= r.hi and serial in r.users:
+            r.users.discard(serial)
+            if not r.users:
+                _RANGES[kind].remove(r)
+                _IDLE.append(r.engine)
+                if now:
+                    _close_idle()
+            return
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    _close_idle()
+
+
+def shared_engines() -> List[Dict[str, Any]]:
+    """The shared engines open in this process: per engine the storage serials it serves (``lo``, ``hi``) and how
+    many storages still use it (``users``). For tests and telemetry."""
+    return [{"lo": r.lo, "hi": r.hi, "users": len(r.users)} for rs in _RANGES.values() for r in rs]
+
+
+def _new_engine(st: Any, group: Any, timeout: float, num_layers: int, faults: Any) -> Any:
+    """A transfer engine for storages like ``st`` with ``num_layers`` engine layers (a collective over ``group``:
+    the tag space)."""
+    pg = group if group is not None else dist.group.WORLD
+    mine = torch.tensor([_next_space[0]], dtype=torch.int64)
+    space = int(gather_rows(mine, pg, timeout, "ExpertStorage: the transfer engine's tag space").max())
+    _next_space[0] = space + 1
+    tensors = [int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names]  # bytes per kind
+    topo = foremoe.Topology(st.world // st.local_world, st.local_world, st._engine_rows)
+    cuda = backend_fields(st)
+    if cuda and st.world == 1:
+        pg = None  # nothing to pair: the engine drives the one GPU
+    return TransferEngine(topology=topo, num_layers=num_layers, num_experts=st.num_experts, tensors=tensors,
+                          verify=st.verify, faults=faults, host_mirror=st.mirror is not None,
+                          host_threads_per_path=1, group=pg, bridge_timeout=timeout, tag_space=space, **cuda)
+
+
+def _shared(st: Any, group: Any, timeout: float) -> Optional[Tuple[_Range, int]]:
+    """The shared engine of ``st``'s range and ``st``'s first engine layer on it, making the engine when ``st`` is
+    the first of its range to sync; None when ``st`` gets an engine of its own (the module documentation). The
+    decision reads only what every rank has alike (serials, group, ``verify``, ``faults``)."""
+    _close_idle()
+    share = getattr(st, "_share", None)
+    if share is None or st.faults is not None:
+        return None
+    kind, serial = share
+    ranges = _RANGES.setdefault(kind, [])
+    for r in ranges:
+        if r.lo <= serial <= r.hi:
+            if r.group is not group or r.verify != st.verify or serial not in r.users:
+                return None
+            return r, 2 * (serial - r.lo)
+    covered = _COVERED.get(kind, -1)
+    if serial <= covered:  # its range's engine has closed since (every storage of it closed or was collected)
+        return None
+    lo, hi = covered + 1, _SERIALS[kind] - 1
+    engine = _new_engine(st, group, timeout, 2 * (hi - lo + 1), None)
+    users = {s for s in _LIVE.get(kind, ()) if lo <= s <= hi}
+    r = _Range(engine, lo, hi, group, st.verify, users)
+    ranges.append(r)
+    _COVERED[kind] = hi
+    return r, 2 * (serial - lo)
+
+
 class EngineMover:
-    """One storage's transfer engine on this rank (see the module documentation). Made at the first sync with
-    moves (a collective over ``group``: every rank gets there at the same sync, since the bookkeeping is the same
-    everywhere)."""
+    """One storage's engine layers on this rank's transfer engine (see the module documentation): a shared engine's
+    pair, or an engine of its own. Made at the first sync with moves (a collective over ``group`` when it makes an
+    engine: every rank gets there at the same sync, since the bookkeeping is the same everywhere)."""
 
     def __init__(self, storage: Any, group: Any, timeout: float) -> None:
-        pg = group if group is not None else dist.group.WORLD
-        mine = torch.tensor([_next_space[0]], dtype=torch.int64)
-        space = int(gather_rows(mine, pg, timeout, "ExpertStorage: the transfer engine's tag space").max())
-        _next_space[0] = space + 1
         st = storage
         self.faults, self.verify = st.faults, st.verify
         rows = st._engine_rows
-        tensors = [int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names]  # bytes per kind
-        topo = foremoe.Topology(st.world // st.local_world, st.local_world, rows)
         first = st._alloc[st.names[0]]
-        cuda = backend_fields(st)
-        if cuda and st.world == 1:
-            pg = None  # nothing to pair: the engine drives the one GPU
-        # Engine layer 0: the weights (moves); layer 1: the gradients (GradReducer's reductions), whose resident
-        # table changes per reduction while a prefetch's moves may still run on layer 0.
-        self.engine = TransferEngine(topology=topo, num_layers=2, num_experts=st.num_experts, tensors=tensors,
-                                     verify=st.verify, faults=_sparing(st.faults), host_mirror=st.mirror is not None,
-                                     host_threads_per_path=1, group=pg, bridge_timeout=timeout, tag_space=space,
-                                     **cuda)
-        self.engine.register_slots(0, st.rank, [st._alloc[n] for n in st.names])
+        shared = _shared(st, group, timeout)
+        self._range: Optional[_Range] = None
+        if shared is not None:
+            self._range, self.layer = shared
+            self.engine = self._range.engine
+        else:
+            # Engine layer 0: the weights (moves); layer 1: the gradients (GradReducer's reductions), whose resident
+            # table changes per reduction while a prefetch's moves may still run on layer 0.
+            self.layer = 0
+            self.engine = _new_engine(st, group, timeout, 2, _sparing(st.faults))
+        self.grad_layer = self.layer + 1
+        self.engine.register_slots(self.layer, st.rank, [st._alloc[n] for n in st.names])
         self.storage_rows = first
         if st.mirror is not None:
             views = [st.mirror.tensors[n] for n in st.names]
             node = st.rank // st.local_world
-            self.engine.register_mirror(0, node, views, node_mirror=getattr(st.mirror, "_m", None))
+            self.engine.register_mirror(self.layer, node, views, node_mirror=getattr(st.mirror, "_m", None))
         # The owner rows of every rank: the only copies the engine may read at the start of a batch.
         self.owner_table = np.full((st.world, rows), -1, dtype=np.int32)
         for g in range(st.world):
@@ -102,15 +238,24 @@ class EngineMover:
         rank: the storage remakes it otherwise)."""
         return self.faults is storage.faults and self.verify == storage.verify
 
-    def close(self) -> None:
-        self.engine.close()
+    @property
+    def shared(self) -> bool:
+        """Whether this storage's engine layers lie on an engine shared with other storages."""
+        return self._range is not None
+
+    def close(self, storage: Any) -> None:
+        """Leaves the engine: an own engine closes; a shared one when ``storage`` was the last of its range."""
+        if self._range is None:
+            self.engine.close()
+        else:
+            _release(*storage._share)
 
     def submit(self, moves: np.ndarray, timeout: float) -> Any:
         """Starts the batch ``moves`` ``[n, 4]`` (expert, source rank, destination rank, destination engine slot),
         the same on every rank, reading only owner rows; returns the ticket."""
-        self.engine.set_resident(0, self.owner_table)
+        self.engine.set_resident(self.layer, self.owner_table)
         ready = _ready_event(self.storage_rows)  # CUDA: the owner rows' writes and the rows' readers queued so far
-        return self.engine.submit(np.ascontiguousarray(moves, dtype=np.int32), 0, sources_ready=ready,
+        return self.engine.submit(np.ascontiguousarray(moves, dtype=np.int32), self.layer, sources_ready=ready,
                                   slots_free=ready, timeout=timeout)
 
     def finish(self, ticket: Any, timeout: float) -> Tuple[Optional[str], List[Dict[str, Any]]]:
@@ -187,7 +332,7 @@ def _ready_event(t: torch.Tensor) -> Any:
 
 class GradReducer:
     """One storage's replica-gradient reductions on this rank, on the storage's transfer engine (:class:`EngineMover`'s,
-    made if there is none yet: a collective over ``group``), its layer 1. The engine's fault injector spares
+    made if there is none yet: a collective over ``group``), its second engine layer. The engine's fault injector spares
     reductions (``FaultSchedule.spare_reductions``, set by :class:`EngineMover`): a reduction's bytes carry no
     checksum, so an injected corruption would be added into an owner's gradient unseen (the Python path never
     injected faults into gradients either), and the moves keep the decisions of an engine without reductions.
@@ -210,7 +355,8 @@ class GradReducer:
         self.engine = self.mover.engine
         rows = st._engine_rows
         self.grads = [torch.zeros_like(st._alloc[n]) for n in st.names]
-        self.engine.register_grads(1, st.rank, self.grads)
+        self.layer = self.mover.grad_layer
+        self.engine.register_grads(self.layer, st.rank, self.grads)
         self.first_free = st.num_owned_by.astype(np.int64)  # a rank's first row after its owner rows
         self.room = rows - self.first_free  # rows a reduction may use per rank for returning replicas
         self.owner_gpu = st.owners.astype(np.int32)
@@ -277,8 +423,9 @@ class GradReducer:
                         else:
                             grads[k][row].copy_(src[k])
             try:
-                self.engine.set_resident(1, table)
-                ticket = self.engine.submit_reduce(1, owner_gpu, grads_ready=_ready_event(grads[0]), timeout=timeout)
+                self.engine.set_resident(self.layer, table)
+                ticket = self.engine.submit_reduce(self.layer, owner_gpu, grads_ready=_ready_event(grads[0]),
+                                                   timeout=timeout)
             except (ValueError, RuntimeError) as e:
                 error = error or str(e)
                 continue
