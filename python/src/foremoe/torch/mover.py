@@ -24,10 +24,10 @@ their second copies) padded to the busiest rank's, then one staging row per spar
 spare rows, into which :meth:`ExpertStorage.prefetch` lands its moves until the call installs them.
 
 Replica gradients go back on the same engine (:class:`GradReducer`, the storage's second engine layer, its fault
-injector sparing reductions): the backward writes the owner gradients and the returning replica gradients into per-kind gradient
-tensors registered with it, every rank that sends or receives one submits the same ``submit_reduce`` and the
-engine adds each expert's replicas into its owner's in the fixed order (the owner's own first, then by rank,
-experts ascending). Which gradients return when is the layer's (``gradients="hold"``:
+injector sparing reductions): the backward writes the owner gradients and the returning replica gradients into
+per-kind gradient tensors registered with it, every rank that sends or receives one submits the same
+``submit_reduce`` and the engine adds each expert's replicas into its owner's in the fixed order (the owner's own
+first, then by rank, experts ascending). Which gradients return when is the layer's (``gradients="hold"``:
 :func:`foremoe.torch.layer._hold_schedule`); held gradients wait in Python tensors, since the layer returns one in
 the backward of the call whose plan drops it, after that call's moves may have reused its row, which the engine's
 own held-slot records refuse.
@@ -42,7 +42,9 @@ engine covers. A storage joins its range's engine when that engine was made on t
 ``verify``; a storage with a fault injector (``faults``, which keys its decisions on the engine's batch serials),
 one constructed after the engine of its range was made, or one that closed its engine and syncs again gets an
 engine of its own, as every storage did before. The shared engine closes when every storage of its range has closed
-or been collected.
+or been collected. The batches of every storage then post in one order on an engine, so every rank must run its
+layers' syncs, prefetches and backward reductions in the same order (program order does; a batch that differs
+between ranks fails on its tags, never lands the wrong expert).
 """
 
 from __future__ import annotations
