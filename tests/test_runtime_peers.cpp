@@ -548,7 +548,7 @@ TEST_CASE("multi-process replica gradients: owners receive every replica's gradi
 }
 
 // FaultSchedule::spare_reductions: a schedule that fails and corrupts paired transfers and copies leaves the
-// reductions alone, so every one adds the exact replica gradients (a reduction's bytes carry no checksum); the same
+// reductions alone, so every one adds the exact replica gradients (nothing verifies them here); the same
 // schedule without it makes some reductions fail or add corrupt bytes (the check can fail).
 TEST_CASE("multi-process replica gradients under a schedule that spares reductions: exact sums every time") {
   int bad_unspared = 0;
@@ -620,6 +620,96 @@ TEST_CASE("multi-process replica gradients under a schedule that spares reductio
   }
   MESSAGE(bad_unspared, " seeds went wrong without spare_reductions");
   CHECK(bad_unspared > 0);
+}
+
+// Verified reductions (`EngineOptions::verify`) under a schedule that fails and corrupts them too (no
+// spare_reductions): each replica gradient's checksum travels with it (or, local, is taken at its source) and is
+// checked on the owner before anything is added, local copies that do not verify are copied again, so every expert's
+// owner ends with the exact sum or, all or nothing, its own gradient untouched, and then its process's batch failed.
+// Without verify the same schedules add corrupt bytes for some seeds (the check can fail).
+TEST_CASE("multi-process replica gradients verified under faults: the exact sum or the owner's own, never corrupt") {
+  int corrupt_unverified = 0, failed_verified = 0, retried_verified = 0;
+  for (std::uint64_t seed = 1; seed <= 24 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
+    for (const bool verify : {true, false}) {
+      std::mt19937_64 rng(seed * 13 + 1);
+      Group grp;
+      rt::EngineOptions o = random_options(rng);
+      o.num_layers = 1;
+      o.verify = verify;
+      auto f = std::make_shared<rt::FaultSchedule>();
+      f->fail_probability = 0.2;
+      f->corrupt_probability = 0.5;
+      f->seed = seed;
+      o.faults = f;
+      grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
+      grp.build(rng, o);
+      const LayerPlacement p = grp.random_resident(rng, 0);
+      std::vector<std::int32_t> owner(static_cast<std::size_t>(grp.num_experts), 0);
+      for (int e = 0; e < grp.num_experts; ++e) {
+        owner[e] = -1;
+        for (int g = 0; g < grp.topo.num_gpus() && owner[e] < 0; ++g)
+          if (p.holds(g, e)) owner[e] = g;
+        if (owner[e] < 0) owner[e] = 0;
+      }
+      const std::int64_t n = grp.grad_bytes / 4;
+      std::uniform_real_distribution<float> val(-4.f, 4.f);
+      for (int g = 0; g < grp.topo.num_gpus(); ++g)
+        for (float &x : grp.grad_mem[g])
+          x = val(rng);
+      const auto before = grp.grad_mem;
+      std::vector<rt::Status> st(static_cast<std::size_t>(grp.num_procs));
+      std::vector<std::vector<rt::MoveTelemetry>> tel(static_cast<std::size_t>(grp.num_procs));
+      std::vector<std::thread> procs;
+      for (int q = 0; q < grp.num_procs; ++q)
+        procs.emplace_back([&, q] {
+          rt::ReduceBatch b;
+          b.owner_gpu = owner;
+          b.timeout = 5s;
+          rt::Ticket t;
+          st[q] = grp.engines[q]->submit_reduce(b, t);
+          if (st[q].ok()) st[q] = t.wait_for(8s), tel[q] = t.telemetry();
+        });
+      for (auto &t : procs)
+        t.join();
+      for (const auto &ts : tel)
+        for (const rt::MoveTelemetry &m : ts)
+          if (verify && m.ok && m.verify_failures > 0) ++retried_verified;
+      for (int e = 0; e < grp.num_experts; ++e) {
+        const int o_gpu = owner[e];
+        int o_slot = -1;
+        for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+          if (p.slot(o_gpu, s) == e) o_slot = s;
+        if (o_slot < 0) continue;
+        bool is_all = true, is_own = true;
+        for (std::int64_t i = 0; i < n; ++i) {
+          const float own = before[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
+          float all = own;
+          for (int g = 0; g < grp.topo.num_gpus(); ++g)
+            for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+              if (g != o_gpu && p.slot(g, s) == e) all += before[g][static_cast<std::size_t>(s * n + i)];
+          const float got = grp.grad_mem[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
+          is_all = is_all && got == all;
+          is_own = is_own && got == own;
+        }
+        if (!verify) {
+          corrupt_unverified += !is_all && !is_own;
+          continue;
+        }
+        CHECK_MESSAGE((is_all || is_own), "seed ", seed, " expert ", e, ": the owner's gradient is neither the sum ",
+                      "nor its own");
+        if (!is_all) { // nothing added: the owner's process must not report success
+          ++failed_verified;
+          CHECK_MESSAGE(!st[static_cast<std::size_t>(grp.proc_of_gpu[o_gpu])].ok(), "seed ", seed, " expert ", e,
+                        ": not added, yet its owner's batch succeeded");
+        }
+      }
+    }
+  }
+  MESSAGE(corrupt_unverified, " experts got corrupt sums without verify; verified: ", failed_verified,
+          " left at the owner's own, ", retried_verified, " local copies verified after a retry");
+  CHECK(corrupt_unverified > 0);
+  CHECK(failed_verified > 0);
+  CHECK(retried_verified > 0);
 }
 
 // FaultSchedule::spare_reductions: reductions do not advance the serial that fault decisions hash, so moves after a

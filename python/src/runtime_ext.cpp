@@ -1064,9 +1064,10 @@ void bind_runtime(nb::module_ &m) {
               "the probabilities act only on paired transfers with other processes, never on a process's own "
               "copies (host mirror, its own GPUs)")
       .def_rw("spare_reductions", &rt::FaultSchedule::spare_reductions,
-              "the injector leaves replica-gradient reductions alone (their bytes carry no checksum) and they do "
-              "not advance the serial that decisions hash: the decisions on moves are an engine's without "
-              "reductions")
+              "the injector leaves replica-gradient reductions alone and they do not advance the serial that "
+              "decisions hash: the decisions on moves are an engine's without reductions (with verify a "
+              "reduction's corrupted bytes are caught, but one from another process fails the batch rather than "
+              "being retried)")
       .def_rw("seed", &rt::FaultSchedule::seed)
       .def(
           "draw",

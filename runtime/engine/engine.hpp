@@ -106,9 +106,9 @@ enum class ChunkState : std::uint8_t {
   case S::copying_bad: return to == S::failed;
   case S::paired: return to == S::paired_bad || to == S::arrived || to == S::lost;
   case S::paired_bad: return to == S::arrived_bad || to == S::lost;
-  case S::arrived: return to == S::landed;
+  case S::arrived: return to == S::landed || to == S::failed; // failed: a reduction's arrival did not verify
   case S::arrived_bad: return to == S::failed;
-  case S::landed: return to == S::idle; // verification found wrong bytes
+  case S::landed: return to == S::idle || to == S::failed; // verification found wrong bytes
   case S::failed: return to == S::idle || to == S::lost;
   case S::skipped:
   case S::lost: return false;
@@ -179,6 +179,11 @@ struct ReduceRun {
   ChunkRun copy;
   bool ok = false;   // its expert's replicas were all added into the owner (or, remote owner: its copy landed)
   bool zero = false; // held-gradient rule: clear the replica's gradient once it was added
+  // Verification (`EngineOptions::verify`): the checksum of the replica's gradient, from a local source or the
+  // sender's header, checked against the staged copy before anything is added.
+  bool have_sum = false;
+  std::uint64_t src_sum = 0;
+  int verify_rounds = 0; // staged copies that did not verify
   double start = -1.0, end = 0.0;
 };
 
@@ -321,6 +326,9 @@ private:
   bool switch_path(const TicketImpl &t, ChunkRun &cr, const MoveRun &mr) const;
   // Checksum of an expert's bytes in a slot or mirror entry (tensor by tensor, combined; the same in both layouts).
   Status expert_sum(const LayerState &ls, const Site &where, std::uint64_t &out);
+  // Checksum of reduction `r`'s replica gradient: at its source (`staged` false) or its staged copy on the owner.
+  Status grad_sum(const LayerState &ls, const ReduceRun &r, bool staged, std::uint64_t &out);
+  bool staged_verifies(const LayerState &ls, ReduceRun &r);
 
   // peers.cpp
   std::byte *scratch(TicketImpl &t, int gpu, std::int64_t need);

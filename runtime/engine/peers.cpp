@@ -93,6 +93,9 @@ bool EngineImpl::post_peer(TicketImpl &t, bool discard) {
         std::lock_guard lock(mu_);
         valid = ls.resident.slot(r.gpu, r.slot) == r.expert;
       }
+      // Verification: every operation of the gradient carries its checksum (all tensors), checked on the owner.
+      std::uint64_t sum = 0;
+      if (send && valid && opts_.verify && !discard) valid = grad_sum(ls, r, false, sum).ok();
       // One paired transfer per gradient tensor; the packed float32 layout keeps its tag of before, other layouts
       // name the tensor and the type too (processes registering different layouts fail rather than mix bytes).
       const GradLayout &gl = ls.grad_layout;
@@ -102,7 +105,7 @@ bool EngineImpl::post_peer(TicketImpl &t, bool discard) {
         const std::int64_t n = gl.tensor_bytes[ti];
         std::byte *buf = send ? ls.grad_at(r.gpu, r.slot, ti) : r.staging + ls.grad_offset[ti];
         biggest = std::max(biggest, n);
-        add(send, send ? r.gpu : r.owner, send ? r.owner : r.gpu, buf, n, valid && !discard, 0, static_cast<int>(i), 0,
+        add(send, send ? r.gpu : r.owner, send ? r.owner : r.gpu, buf, n, valid && !discard, sum, static_cast<int>(i), 0,
             plain ? tag_of({-1, r.expert, r.gpu, r.slot, r.owner, n})
                   : tag_of({-2, r.expert, r.gpu, r.slot, r.owner, n, static_cast<std::int64_t>(ti),
                             static_cast<std::int64_t>(gl.type), static_cast<std::int64_t>(gl.tensor_bytes.size())}));
@@ -189,6 +192,7 @@ void EngineImpl::poll_peer(TicketImpl &t) {
         ReduceRun &r = t.reduces[t.peer_item[k]];
         const bool waiting = r.copy.waiting_for_peer(); // not when given up (drained) meanwhile
         if (!ok && waiting) r.copy.piece_failed();
+        if (!op.send && ok && opts_.verify && !r.have_sum) r.src_sum = op.header[1], r.have_sum = true;
         if (r.copy.pending > 0 && --r.copy.pending == 0 && waiting) r.copy.pairs_ended();
       }
     }

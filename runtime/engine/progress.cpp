@@ -149,6 +149,18 @@ Status EngineImpl::expert_sum(const LayerState &ls, const Site &where, std::uint
   return Status::success();
 }
 
+Status EngineImpl::grad_sum(const LayerState &ls, const ReduceRun &r, bool staged, std::uint64_t &out) {
+  out = 0;
+  const GradLayout &gl = ls.grad_layout;
+  for (std::size_t ti = 0; ti < gl.tensor_bytes.size(); ++ti) {
+    std::uint64_t s = 0;
+    const std::byte *p = staged ? r.staging + ls.grad_offset[ti] : ls.grad_at(r.gpu, r.slot, ti);
+    if (Status st = transport_->checksum(staged ? r.owner : r.gpu, p, gl.tensor_bytes[ti], s); !st.ok()) return st;
+    out += s * (2 * ti + 1);
+  }
+  return Status::success();
+}
+
 void EngineImpl::step(TicketImpl &t) {
   if (t.finished()) {
     // An ended batch still posts its paired transfers in turn (on scratch memory) and collects them.

@@ -25,6 +25,7 @@ void EngineImpl::issue_reduce(TicketImpl &t, ReduceRun &r, double now_s) {
   LayerState &ls = layers_[t.layer];
   ++r.copy.attempts;
   if (r.start < 0) r.start = now_s;
+  if (opts_.verify && !r.have_sum) r.have_sum = grad_sum(ls, r, false, r.src_sum).ok();
   r.copy.handles.clear();
   r.copy.to(ChunkState::copying);
   for (std::size_t ti = 0; ti < ls.grad_layout.tensor_bytes.size(); ++ti) {
@@ -51,8 +52,19 @@ void EngineImpl::issue_reduce(TicketImpl &t, ReduceRun &r, double now_s) {
   r.copy.pending = r.copy.handles.size();
 }
 
+// Whether reduction `r`'s staged copy holds the bytes its source checksummed (always true without `verify`); a
+// copy that does not is counted in `verify_rounds`.
+bool EngineImpl::staged_verifies(const LayerState &ls, ReduceRun &r) {
+  if (!opts_.verify) return true;
+  std::uint64_t got = 0;
+  const bool ok = r.have_sum && grad_sum(ls, r, true, got).ok() && got == r.src_sum;
+  if (!ok) ++r.verify_rounds;
+  return ok;
+}
+
 void EngineImpl::step_reduce(TicketImpl &t, double now_s) {
   if (t.has_peer && !t.peer_posted) spared([&] { post_peer(t, t.draining); });
+  LayerState &ls = layers_[t.layer];
   bool in_flight = false;
   for (ReduceRun &r : t.reduces) {
     if (!r.copy.in_flight()) continue;
@@ -61,10 +73,17 @@ void EngineImpl::step_reduce(TicketImpl &t, double now_s) {
         in_flight = true;
         continue;
       }
-      if (r.copy.waiting_for_peer())
+      if (r.copy.waiting_for_peer()) {
         r.copy.to(ChunkState::lost);
-      else
+      } else if (r.copy.state == ChunkState::arrived && r.role == Role::recv && !staged_verifies(ls, r)) {
+        // Wrong bytes from another process: nothing of its expert is added (no second exchange to retry on).
+        r.copy.to(ChunkState::failed);
+        if (t.peer_error.empty())
+          t.peer_error = foremoe::detail::concat("the replica gradient of expert ", r.expert, " from GPU ", r.gpu,
+                                                 " did not verify (checksum mismatch); nothing of it was added");
+      } else {
         r.copy.take_arrival();
+      }
       r.end = now_s;
       continue;
     }
@@ -75,9 +94,12 @@ void EngineImpl::step_reduce(TicketImpl &t, double now_s) {
       in_flight = true;
       continue;
     }
-    if (r.copy.state == ChunkState::landed) {
+    if (r.copy.state == ChunkState::landed && staged_verifies(ls, r)) {
       r.end = now_s;
-    } else if (!t.draining && r.copy.attempts < opts_.max_attempts) {
+      continue;
+    }
+    if (r.copy.state == ChunkState::landed) r.copy.to(ChunkState::failed); // wrong bytes: copy it again
+    if (!t.draining && r.copy.attempts < opts_.max_attempts) {
       r.copy.to(ChunkState::idle);
       issue_reduce(t, r, now_s);
       in_flight = true;
@@ -88,7 +110,6 @@ void EngineImpl::step_reduce(TicketImpl &t, double now_s) {
   }
   if (in_flight) return;
   // Every staging copy ended: add each expert's replicas into a local owner, in replica order, all or nothing.
-  LayerState &ls = layers_[t.layer];
   const GradLayout &gl = ls.grad_layout;
   const std::int64_t esize = grad_type_bytes(gl.type);
   for (std::size_t i = 0; i < t.reduces.size();) {

@@ -59,6 +59,8 @@ void EngineImpl::end(TicketImpl &t) {
       m.num_chunks = 1;
       m.ok = r.ok;
       m.remote = !local_[r.owner];
+      m.verified = opts_.verify && r.ok && !m.remote;
+      m.verify_failures = r.verify_rounds;
       tel.push_back(m);
       if (!m.remote) note(static_cast<int>(i), m.ok, "reduction", r.expert, r.gpu);
     }

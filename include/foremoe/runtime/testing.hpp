@@ -32,9 +32,10 @@ struct FaultSchedule {
   bool paired_only = false;
   /// The injector leaves replica-gradient reductions alone (their copies and paired transfers; `fail_path` too),
   /// acting on moves only, and reductions do not advance the batch serial that fault decisions hash, so the
-  /// decisions on moves are those of an engine that runs no reductions. A reduction's bytes carry no checksum
-  /// (only moves are verified), so an injected corruption would be added into an owner's gradient unseen: a trainer
-  /// that injects faults into its moves and reduces gradients on the same engine sets this (foremoe.torch does).
+  /// decisions on moves are those of an engine that runs no reductions. With `EngineOptions::verify` a reduction's
+  /// corrupted bytes are caught (never added), but one from another process can only fail the batch, not be retried:
+  /// a trainer that injects faults into its moves and reduces gradients on the same engine sets this (foremoe.torch
+  /// does), so that its steps do not fail on faults meant for the moves.
   /// Last, so that aggregate initialisers written before it keep their meaning.
   bool spare_reductions = false;
 };

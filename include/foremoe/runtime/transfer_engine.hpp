@@ -189,7 +189,10 @@ struct EngineOptions {
   std::vector<TensorSpan> tensors; ///< an expert's tensors inside a slot; their sum is the move size
   transfer::Options planning{};    ///< `expert_bytes` is filled from `tensors`
   int max_attempts = 3;            ///< per chunk, alternating paths where another one exists
-  bool verify = false;             ///< checksum every moved expert against its source
+  /// Checksum every moved expert against its source, and every replica gradient a reduction adds: a staged
+  /// gradient whose checksum does not match its source's is copied again (a local copy, while attempts remain) or,
+  /// from another process, not added (its expert's whole reduction is skipped and the batch fails).
+  bool verify = false;
   int host_threads_per_path = 2;   ///< host backend copy workers per path
   std::vector<int>
       cuda_device_of_gpu; ///< CUDA: local device ordinal of each GPU (-1: another process); empty = identity
@@ -223,8 +226,9 @@ struct MoveTelemetry {
   bool verified = false;
   bool remote = false; ///< multi-process: the destination is another process's GPU (this one sent bytes)
   /// Moves: landed copies of this move whose checksum did not match its source's (each one copied the expert again,
-  /// over the other path while attempts remained); 0 without `EngineOptions::verify`. Counted by the process that
-  /// drives the destination (0 where `remote`).
+  /// over the other path while attempts remained); reductions: staged copies of the replica gradient that did not
+  /// match. 0 without `EngineOptions::verify`. Counted by the process that drives the destination (0 where
+  /// `remote`).
   int verify_failures = 0;
   /// Moves: the move landed with bytes read from the host mirror after an attempt of them on another path (a GPU
   /// copy, or a paired transfer from another process's GPU) failed or did not verify. False where `remote`.

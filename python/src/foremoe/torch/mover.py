@@ -269,7 +269,8 @@ class EngineMover:
 def _sparing(faults: Any) -> Any:
     """A copy of ``faults`` (a :class:`foremoe.FaultSchedule` or None) with ``spare_reductions`` set: the injector acts
     on the moves alone, with the decisions it takes on an engine without reductions, and never on the replica
-    gradients the same engine reduces (their bytes carry no checksum, so a corrupted one would be added unseen)."""
+    gradients the same engine reduces (a corrupted one is caught with ``verify`` but, from another rank, fails the
+    step instead of being retried)."""
     if faults is None:
         return None
     out = type(faults)(**{f: getattr(faults, f) for f in type(faults).fields()})
