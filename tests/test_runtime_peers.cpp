@@ -547,6 +547,81 @@ TEST_CASE("multi-process replica gradients: owners receive every replica's gradi
   }
 }
 
+// One reduction of every replica gradient into its owner, on every process of a random group (`seed`) whose
+// engines take `faults` and `verify`: random gradients, the owner of each expert its first holder. `sum` and `own`
+// per expert and element are what its owner should hold after and holds before; `got` what it holds after.
+struct ReductionRun {
+  Group grp;
+  LayerPlacement where;
+  std::vector<std::int32_t> owner;
+  std::vector<rt::Status> status;                      // per process
+  std::vector<std::vector<rt::MoveTelemetry>> tel;     // per process
+  std::vector<std::vector<float>> before;              // per GPU
+  std::int64_t n = 0;                                  // floats per gradient
+  // Whether expert `e`'s owner holds the exact sum (`all`) or its own gradient untouched (`own`); -1: no owner slot.
+  [[nodiscard]] std::pair<bool, bool> outcome(int e) const {
+    const int o_gpu = owner[e];
+    int o_slot = -1;
+    for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+      if (where.slot(o_gpu, s) == e) o_slot = s;
+    if (o_slot < 0) return {true, true};
+    bool is_all = true, is_own = true;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const float own = before[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
+      float all = own; // the owner's own first, then each replica's in GPU order (the engine's fixed order)
+      for (int g = 0; g < grp.topo.num_gpus(); ++g)
+        for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
+          if (g != o_gpu && where.slot(g, s) == e) all += before[g][static_cast<std::size_t>(s * n + i)];
+      const float got = grp.grad_mem[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
+      is_all = is_all && got == all;
+      is_own = is_own && got == own;
+    }
+    return {is_all, is_own};
+  }
+};
+
+std::unique_ptr<ReductionRun> run_reduction(std::uint64_t rng_seed, const std::shared_ptr<rt::FaultSchedule> &faults,
+                                            bool verify) {
+  auto run = std::make_unique<ReductionRun>();
+  std::mt19937_64 rng(rng_seed);
+  Group &grp = run->grp;
+  rt::EngineOptions o = random_options(rng);
+  o.num_layers = 1;
+  o.verify = verify;
+  o.faults = faults;
+  grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
+  grp.build(rng, o);
+  run->where = grp.random_resident(rng, 0);
+  run->owner.assign(static_cast<std::size_t>(grp.num_experts), 0);
+  for (int e = 0; e < grp.num_experts; ++e) {
+    run->owner[e] = -1;
+    for (int g = 0; g < grp.topo.num_gpus() && run->owner[e] < 0; ++g)
+      if (run->where.holds(g, e)) run->owner[e] = g;
+    if (run->owner[e] < 0) run->owner[e] = 0;
+  }
+  run->n = grp.grad_bytes / 4;
+  std::uniform_real_distribution<float> val(-4.f, 4.f);
+  for (int g = 0; g < grp.topo.num_gpus(); ++g)
+    for (float &x : grp.grad_mem[g])
+      x = val(rng);
+  run->before = grp.grad_mem;
+  run->status.resize(static_cast<std::size_t>(grp.num_procs));
+  run->tel.resize(static_cast<std::size_t>(grp.num_procs));
+  std::vector<std::thread> procs;
+  for (int q = 0; q < grp.num_procs; ++q)
+    procs.emplace_back([&run = *run, q] {
+      rt::ReduceBatch b;
+      b.owner_gpu = run.owner;
+      b.timeout = 5s;
+      rt::Ticket t;
+      run.status[q] = run.grp.engines[q]->submit_reduce(b, t);
+      if (run.status[q].ok()) run.status[q] = t.wait_for(8s), run.tel[q] = t.telemetry();
+    });
+  for (auto &t : procs)
+    t.join();
+  return run;
+}
+
 // FaultSchedule::spare_reductions: a schedule that fails and corrupts paired transfers and copies leaves the
 // reductions alone, so every one adds the exact replica gradients (nothing verifies them here); the same
 // schedule without it makes some reductions fail or add corrupt bytes (the check can fail).
@@ -554,66 +629,21 @@ TEST_CASE("multi-process replica gradients under a schedule that spares reductio
   int bad_unspared = 0;
   for (std::uint64_t seed = 1; seed <= 24 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
     for (const bool spare : {true, false}) {
-      std::mt19937_64 rng(seed * 7 + 3);
-      Group grp;
-      rt::EngineOptions o = random_options(rng);
-      o.num_layers = 1;
       auto f = std::make_shared<rt::FaultSchedule>();
       f->fail_probability = 0.3;
       f->corrupt_probability = 0.5;
       f->seed = seed;
       f->spare_reductions = spare;
-      o.faults = f;
-      grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
-      grp.build(rng, o);
-      const LayerPlacement p = grp.random_resident(rng, 0);
-      std::vector<std::int32_t> owner(static_cast<std::size_t>(grp.num_experts), 0);
-      for (int e = 0; e < grp.num_experts; ++e) {
-        owner[e] = -1;
-        for (int g = 0; g < grp.topo.num_gpus() && owner[e] < 0; ++g)
-          if (p.holds(g, e)) owner[e] = g;
-        if (owner[e] < 0) owner[e] = 0;
-      }
-      const std::int64_t n = grp.grad_bytes / 4;
-      std::uniform_real_distribution<float> val(-4.f, 4.f);
-      for (int g = 0; g < grp.topo.num_gpus(); ++g)
-        for (float &x : grp.grad_mem[g])
-          x = val(rng);
-      const auto before = grp.grad_mem;
-      std::vector<rt::Status> st(static_cast<std::size_t>(grp.num_procs));
-      std::vector<std::thread> procs;
-      for (int q = 0; q < grp.num_procs; ++q)
-        procs.emplace_back([&, q] {
-          rt::ReduceBatch b;
-          b.owner_gpu = owner;
-          b.timeout = 5s;
-          rt::Ticket t;
-          st[q] = grp.engines[q]->submit_reduce(b, t);
-          if (st[q].ok()) st[q] = t.wait_for(8s);
-        });
-      for (auto &t : procs)
-        t.join();
+      const auto run = run_reduction(seed * 7 + 3, f, false);
       bool bad = false;
-      for (int q = 0; q < grp.num_procs; ++q) {
-        if (spare) CHECK_MESSAGE(st[q].ok(), "seed ", seed, ": ", st[q].to_string());
-        bad = bad || !st[q].ok();
+      for (const rt::Status &st : run->status) {
+        if (spare) CHECK_MESSAGE(st.ok(), "seed ", seed, ": ", st.to_string());
+        bad = bad || !st.ok();
       }
-      // Owner slots: their own gradient, then each replica's added in GPU order (the engine's fixed order).
-      for (int e = 0; e < grp.num_experts; ++e) {
-        const int o_gpu = owner[e];
-        int o_slot = -1;
-        for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
-          if (p.slot(o_gpu, s) == e) o_slot = s;
-        if (o_slot < 0) continue;
-        for (std::int64_t i = 0; i < n; ++i) {
-          float all = before[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
-          for (int g = 0; g < grp.topo.num_gpus(); ++g)
-            for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
-              if (g != o_gpu && p.slot(g, s) == e) all += before[g][static_cast<std::size_t>(s * n + i)];
-          const float got = grp.grad_mem[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
-          if (spare) CHECK_MESSAGE(got == all, "seed ", seed, " expert ", e, " element ", i);
-          bad = bad || got != all;
-        }
+      for (int e = 0; e < run->grp.num_experts; ++e) {
+        const bool exact = run->outcome(e).first;
+        if (spare) CHECK_MESSAGE(exact, "seed ", seed, " expert ", e);
+        bad = bad || !exact;
       }
       if (!spare && bad) ++bad_unspared;
     }
@@ -631,66 +661,16 @@ TEST_CASE("multi-process replica gradients verified under faults: the exact sum 
   int corrupt_unverified = 0, failed_verified = 0, retried_verified = 0;
   for (std::uint64_t seed = 1; seed <= 24 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
     for (const bool verify : {true, false}) {
-      std::mt19937_64 rng(seed * 13 + 1);
-      Group grp;
-      rt::EngineOptions o = random_options(rng);
-      o.num_layers = 1;
-      o.verify = verify;
       auto f = std::make_shared<rt::FaultSchedule>();
       f->fail_probability = 0.2;
       f->corrupt_probability = 0.5;
       f->seed = seed;
-      o.faults = f;
-      grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
-      grp.build(rng, o);
-      const LayerPlacement p = grp.random_resident(rng, 0);
-      std::vector<std::int32_t> owner(static_cast<std::size_t>(grp.num_experts), 0);
-      for (int e = 0; e < grp.num_experts; ++e) {
-        owner[e] = -1;
-        for (int g = 0; g < grp.topo.num_gpus() && owner[e] < 0; ++g)
-          if (p.holds(g, e)) owner[e] = g;
-        if (owner[e] < 0) owner[e] = 0;
-      }
-      const std::int64_t n = grp.grad_bytes / 4;
-      std::uniform_real_distribution<float> val(-4.f, 4.f);
-      for (int g = 0; g < grp.topo.num_gpus(); ++g)
-        for (float &x : grp.grad_mem[g])
-          x = val(rng);
-      const auto before = grp.grad_mem;
-      std::vector<rt::Status> st(static_cast<std::size_t>(grp.num_procs));
-      std::vector<std::vector<rt::MoveTelemetry>> tel(static_cast<std::size_t>(grp.num_procs));
-      std::vector<std::thread> procs;
-      for (int q = 0; q < grp.num_procs; ++q)
-        procs.emplace_back([&, q] {
-          rt::ReduceBatch b;
-          b.owner_gpu = owner;
-          b.timeout = 5s;
-          rt::Ticket t;
-          st[q] = grp.engines[q]->submit_reduce(b, t);
-          if (st[q].ok()) st[q] = t.wait_for(8s), tel[q] = t.telemetry();
-        });
-      for (auto &t : procs)
-        t.join();
-      for (const auto &ts : tel)
+      const auto run = run_reduction(seed * 13 + 1, f, verify);
+      for (const auto &ts : run->tel)
         for (const rt::MoveTelemetry &m : ts)
           if (verify && m.ok && m.verify_failures > 0) ++retried_verified;
-      for (int e = 0; e < grp.num_experts; ++e) {
-        const int o_gpu = owner[e];
-        int o_slot = -1;
-        for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
-          if (p.slot(o_gpu, s) == e) o_slot = s;
-        if (o_slot < 0) continue;
-        bool is_all = true, is_own = true;
-        for (std::int64_t i = 0; i < n; ++i) {
-          const float own = before[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
-          float all = own;
-          for (int g = 0; g < grp.topo.num_gpus(); ++g)
-            for (int s = 0; s < grp.topo.slots_per_gpu; ++s)
-              if (g != o_gpu && p.slot(g, s) == e) all += before[g][static_cast<std::size_t>(s * n + i)];
-          const float got = grp.grad_mem[o_gpu][static_cast<std::size_t>(o_slot * n + i)];
-          is_all = is_all && got == all;
-          is_own = is_own && got == own;
-        }
+      for (int e = 0; e < run->grp.num_experts; ++e) {
+        const auto [is_all, is_own] = run->outcome(e);
         if (!verify) {
           corrupt_unverified += !is_all && !is_own;
           continue;
@@ -699,7 +679,8 @@ TEST_CASE("multi-process replica gradients verified under faults: the exact sum 
                       "nor its own");
         if (!is_all) { // nothing added: the owner's process must not report success
           ++failed_verified;
-          CHECK_MESSAGE(!st[static_cast<std::size_t>(grp.proc_of_gpu[o_gpu])].ok(), "seed ", seed, " expert ", e,
+          const int proc = run->grp.proc_of_gpu[run->owner[e]];
+          CHECK_MESSAGE(!run->status[static_cast<std::size_t>(proc)].ok(), "seed ", seed, " expert ", e,
                         ": not added, yet its owner's batch succeeded");
         }
       }
