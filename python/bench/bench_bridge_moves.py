@@ -14,9 +14,10 @@ nanoseconds per byte (process CPU time of all its threads -- gloo's, the engine'
 
 With ``--grads``: the replica gradients of a backward returning to their owners instead (each rank holds a
 replica of every expert the other owns, ``moves`` per rank, float32, ``size`` bytes each; every one returns):
-  engine   foremoe.torch.layer._to_owners_engine on CPU storage: the gradients written into the rows of the
-           storage's engine (its layer 1), its reductions (submit_reduce over the bridge, added at the owner in the
-           fixed order), the owner rows read back, the status all_gather
+  engine   foremoe.torch.layer._to_owners_engine on CPU storage (verify=False): the gradients written into the
+           rows of the storage's engine (its gradient layer), its reductions (submit_reduce over the bridge, added at
+           the owner in the fixed order), the owner rows read back, the status all_gather
+  verified the same with verify=True (the default): each gradient checksummed at its source and on its owner
 Reported as above (bytes: the gradients crossing the group).
 
 Run: python python/bench/bench_bridge_moves.py [--quick] [--grads]
@@ -128,15 +129,17 @@ def grads_main(rank, tmp, sizes, moves, reps, out_path):
         mine = {e: [torch.randn(size // 4, generator=g)] for e, h in pairs if h == rank}
         row = {"size": size, "bytes": E * size}
         got = {}
-        st = ft.ExpertStorage.from_full({"w": torch.zeros(E, size // 4)}, owners, S, rank=rank, world=2)
-        run = SimpleNamespace(storage=st, group=None, timeout=60.0, layer=0)
+        for kind, verify in (("engine", False), ("verified", True)):
+            st = ft.ExpertStorage.from_full({"w": torch.zeros(E, size // 4)}, owners, S, rank=rank, world=2,
+                                            verify=verify)
+            run = SimpleNamespace(storage=st, group=None, timeout=60.0, layer=0)
 
-        def fn():
-            got["engine"] = _to_owners_engine(run, go, pairs, mine, "bench")
+            def fn():
+                got[kind] = _to_owners_engine(run, go, pairs, mine, "bench")
 
-        w, c = rounds_of(fn, reps)
-        row["engine"] = {"s": w, "gbps": row["bytes"] / w / 1e9, "cpu_ns_per_byte": c / row["bytes"] * 1e9}
-        st.close()
+            w, c = rounds_of(fn, reps)
+            row[kind] = {"s": w, "gbps": row["bytes"] / w / 1e9, "cpu_ns_per_byte": c / row["bytes"] * 1e9}
+            st.close()
         # Each owner row plus the other rank's replica gradient of it (every replica returns: one addition each),
         # the other rank's gradients drawn again from its seed.
         g_other = torch.Generator().manual_seed(1 - rank)
@@ -145,7 +148,7 @@ def grads_main(rank, tmp, sizes, moves, reps, out_path):
         want = go[0].clone()
         for e, t in theirs.items():
             want[e % moves] += t
-        assert torch.equal(got["engine"][0], want), "the engine's sums differ from the owner's own plus the replica's"
+        assert all(torch.equal(got[k][0], want) for k in got), "the sums differ from the owner's plus the replica's"
         results.append(row)
     if rank == 0:
         with open(out_path, "w") as f:
@@ -166,7 +169,7 @@ def main():
             out = os.path.join(tmp, "out.json")
             mp.start_processes(grads_main, args=(tmp, sizes, args.moves, reps, out), nprocs=2, start_method="spawn")
             results = json.load(open(out))
-        kinds = ("engine",)
+        kinds = ("engine", "verified")
         print(f"{'bytes/expert':>12} | " + " | ".join(f"{k + ' s':>10} {'GB/s':>6} {'CPU ns/B':>8}" for k in kinds))
         for r in results:
             print(f"{r['size']:>12} | " + " | ".join(

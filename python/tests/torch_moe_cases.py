@@ -250,9 +250,10 @@ def train(rank: int, case: Case, opts: Optional[Dict[str, Any]] = None) -> Dict[
             layer.storage.close()
             assert layer.storage._mover is None
     mover = layer.storage._mover
-    rec["mover"] = layer.storage.mover_kind
+    rec["mover"] = layer.storage.engine_backend
     rec["engine_batches"] = 0 if mover is None else int(mover.engine.stats()["batches"])
     rec["engine_reductions"] = layer.storage.engine_reductions  # replica gradient reductions run on the engine
+    rec["reduction_retries"] = layer.storage.reduction_retries
     return rec
 
 
@@ -272,6 +273,16 @@ def fault_rank(rank: int, case: Case, runs: List[Dict[str, Any]], tmp: str) -> N
     st = ft.ExpertStorage(mine, owners, case.slots, rank=rank, world=case.world, mirror=True)
     gathered = all(torch.equal(st.mirror.tensors[n], w) for n, w in full.items())
     save_and_leave({"runs": [train(rank, case, o) for o in runs], "gathered": gathered}, tmp, rank)
+
+
+def corrupt_reductions_rank(rank: int, case: Case, opts: Dict[str, Any], tmp: str) -> None:
+    """``train(rank, case, opts)`` with the engine's fault injector acting on the replica-gradient reductions too
+    (TEST ONLY: foremoe.torch keeps it off them, ``foremoe.torch.mover._sparing``)."""
+    from foremoe.torch import mover
+
+    mover._sparing = lambda faults: faults
+    init_group(rank, case.world, tmp)
+    save_and_leave(train(rank, case, opts), tmp, rank)
 
 
 def record_micro_step(rec: Dict[str, Any], layer: ft.BalancedMoE, out: torch.Tensor, x: torch.Tensor,

@@ -59,7 +59,9 @@ void EngineImpl::end(TicketImpl &t) {
       m.num_chunks = 1;
       m.ok = r.ok;
       m.remote = !local_[r.owner];
-      m.verified = opts_.verify && r.ok && !m.remote;
+      // Its own staged copy checked out (it may still be unadded: all or nothing, another replica of its expert
+      // failed).
+      m.verified = opts_.verify && !m.remote && r.copy.done();
       m.verify_failures = r.verify_rounds;
       tel.push_back(m);
       if (!m.remote) note(static_cast<int>(i), m.ok, "reduction", r.expert, r.gpu);

@@ -223,6 +223,8 @@ struct MoveTelemetry {
   int num_chunks = 0; ///< chunks the transfer plan cut it into
   int attempts = 0;   ///< chunk copies issued, retries included (> num_chunks: something was retried)
   bool ok = false;
+  /// Moves: the landed copy matched its source's checksum. Reductions: the staged copy of this replica gradient
+  /// matched (it is added only when every replica of its expert did: `ok`). False without `EngineOptions::verify`.
   bool verified = false;
   bool remote = false; ///< multi-process: the destination is another process's GPU (this one sent bytes)
   /// Moves: landed copies of this move whose checksum did not match its source's (each one copied the expert again,

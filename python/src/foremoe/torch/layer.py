@@ -211,7 +211,6 @@ class ExpertStorage:
             raise ValueError(f"ExpertStorage: the weight kinds must share one dtype among float32, float64, bfloat16 "
                              f"and float16 (the transfer engine adds the replica gradients in it), got "
                              f"{sorted(str(d) for d in dtypes)}")
-        self.mover_kind = "engine"  # the one mover (issue 29): the engine's host backend or its CUDA backend
         if devices and next(iter(devices)).startswith("cuda"):
             check_cuda_engine(self.world)
         self._engine_rows, self._stage0 = engine_rows(self.slots, self.num_owned_by, self.double_buffer)
@@ -219,6 +218,7 @@ class ExpertStorage:
         self._mover: Optional[EngineMover] = None
         self._reducer: Optional[GradReducer] = None  # replica gradient reductions on the engine (made at first use)
         self.engine_reductions = 0  # reductions this storage ran on the engine so far (the same on every rank)
+        self.reduction_retries = 0  # replica-gradient reductions run again after a checksum mismatch (every rank)
         self._alloc: Dict[str, torch.Tensor] = {}
         self.names: Tuple[str, ...] = tuple(weights)
         self.storage: Dict[str, torch.Tensor] = {}
@@ -308,6 +308,12 @@ class ExpertStorage:
     def owned_experts(self) -> List[int]:
         """The experts this rank owns, in row order."""
         return [int(e) for e in self.owned[self.rank]]
+
+    @property
+    def engine_backend(self) -> str:
+        """The transfer engine backend that moves this storage's rows and reduces its replica gradients (the one
+        mover): ``"host"`` for CPU rows, ``"cuda"`` for CUDA rows."""
+        return "cuda" if self._alloc[self.names[0]].device.type == "cuda" else "host"
 
     def replicas(self, name: str) -> torch.Tensor:
         """The spare replica rows of weight kind ``name`` (a view, not a parameter)."""
@@ -1087,30 +1093,45 @@ def _reduce_replica_grads(run: _Run, go: List[torch.Tensor], rep_grad: Dict[int,
     return _to_owners_engine(run, go, pairs, mine, what)
 
 
+# Attempts at a layer's replica-gradient reductions when the only failures were checksum mismatches (a corrupted
+# transfer, caught before anything was added): a design choice, as the engine's own max_attempts for copies; a
+# transport failure is not retried (its gloo pair is closed, a retry would wait out the deadline again).
+REDUCE_ATTEMPTS = 3
+
+
 def _to_owners_engine(run: _Run, go: List[torch.Tensor], pairs: Sequence[Tuple[int, int]],
                       mine: Dict[int, Optional[List[torch.Tensor]]], what: str) -> List[torch.Tensor]:
     """:func:`_to_owners` on the storage's transfer engine (:class:`foremoe.torch.mover.GradReducer`): ``pairs``
     (expert, holder rank) return, ascending, the same on every rank; ``mine`` the gradients of those this rank holds.
-    Every rank then agrees over the group whether every reduction succeeded: all raise ``RuntimeError`` naming the
-    layer otherwise (no gradient of the layer reaches the parameters)."""
+    Every rank then agrees over the group whether every reduction succeeded. When the only failures were gradients
+    whose checksum did not match on their owner (``verify``: nothing of their experts was added), every rank runs
+    the reductions again from the same gradients, up to :data:`REDUCE_ATTEMPTS` times in all (counted in
+    ``ExpertStorage.reduction_retries``); otherwise all raise ``RuntimeError`` naming the layer (no gradient of the
+    layer reaches the parameters)."""
     if not pairs:
         return go
     st = run.storage
     if st._reducer is None:
         st._reducer = GradReducer(st, run.group, run.timeout)
-    before = st._reducer.reductions
-    try:
-        error, out = st._reducer.reduce(go, pairs, mine, run.timeout)
-    except (ValueError, RuntimeError) as e:  # e.g. a gradient this rank holds of the wrong shape
-        error, out = str(e), go
-    st.engine_reductions += st._reducer.reductions - before
-    try:
-        status = gather_rows(torch.tensor([int(error is not None)], dtype=torch.int64), run.group, run.timeout,
-                             f"{what}: status")
-    except RuntimeError as exc:  # e.g. a peer's exchanges timed out and gloo closed the pair
-        own = f" on rank {st.rank} ({error})" if error is not None else ""
-        raise RuntimeError(f"foremoe.torch: the {what} failed{own}, and the ranks could not agree on it ({exc}); no "
-                           f"gradient of this layer reaches the parameters") from exc
+    for attempt in range(1, REDUCE_ATTEMPTS + 1):
+        before = st._reducer.reductions
+        try:
+            error, out = st._reducer.reduce(go, pairs, mine, run.timeout)
+            code = 0 if error is None else 2 if st._reducer.unverified else 1
+        except (ValueError, RuntimeError) as e:  # e.g. a gradient this rank holds of the wrong shape
+            error, out, code = str(e), go, 1
+        st.engine_reductions += st._reducer.reductions - before
+        try:
+            status = gather_rows(torch.tensor([code], dtype=torch.int64), run.group, run.timeout, f"{what}: status")
+        except RuntimeError as exc:  # e.g. a peer's exchanges timed out and gloo closed the pair
+            own = f" on rank {st.rank} ({error})" if error is not None else ""
+            raise RuntimeError(f"foremoe.torch: the {what} failed{own}, and the ranks could not agree on it ({exc}); "
+                               f"no gradient of this layer reaches the parameters") from exc
+        codes = status[:, 0]
+        if bool((codes == 2).any()) and bool(((codes == 0) | (codes == 2)).all()) and attempt < REDUCE_ATTEMPTS:
+            st.reduction_retries += 1  # only checksum mismatches: every rank runs the reductions again
+            continue
+        break
     failed = torch.nonzero(status[:, 0]).reshape(-1).tolist()
     if failed:
         if error is not None:

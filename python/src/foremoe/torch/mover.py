@@ -366,6 +366,7 @@ class GradReducer:
         self.own_row = st.own_row  # an owned expert's row on its owner
         self.rank = st.rank
         self.reductions = 0  # reductions run (the same count on every rank, submitted or skipped)
+        self.unverified = False  # the last reduce's failures were all checksum mismatches (see reduce)
 
     def batches(self, pairs: Sequence[Tuple[int, int]]) -> List[List[Tuple[int, int]]]:
         """``pairs`` (expert, holder rank), ascending, in reductions that fit every rank's rows, each expert's
@@ -393,7 +394,9 @@ class GradReducer:
         rank, into the owners': ``owner_grads`` this rank's ``[owned, ...]`` per kind, ``mine`` expert -> the
         gradients per kind of the pairs this rank holds (None: zeros). Every rank calls it with the same ``pairs``.
         Returns (this rank's first failure or None, this rank's owner gradients with the replicas added: new tensors
-        where some row received an addition, ``owner_grads``' own otherwise)."""
+        where some row received an addition, ``owner_grads``' own otherwise). :attr:`unverified` says whether the
+        failures were all gradients whose checksum did not match (nothing of their experts was added; calling again
+        with the same arguments, on every rank, starts over from ``owner_grads``)."""
         grads, nk = self.grads, len(self.grads)
         rank, owner_gpu = self.rank, self.owner_gpu
         # Only the owner rows that receive an addition travel through the engine's rows and back; when most do,
@@ -408,6 +411,7 @@ class GradReducer:
                 for r in rows:
                     grads[k][r].copy_(owner_grads[k][r])
         error = None
+        self.unverified = True
         for batch in self.batches(pairs):
             self.reductions += 1
             if not any(g == rank or owner_gpu[e] == rank for e, g in batch):
@@ -431,8 +435,14 @@ class GradReducer:
                                                    timeout=timeout)
             except (ValueError, RuntimeError) as e:
                 error = error or str(e)
+                self.unverified = False
                 continue
-            error = error or _finish(ticket, timeout)[0]
+            err, tel = _finish(ticket, timeout)
+            if err is not None:  # retryable when every unadded gradient did not verify or waited on one that did not
+                bad = [m for m in tel if not m.get("ok", False) and not m.get("remote", False)]
+                self.unverified = (self.unverified and any(m.get("verify_failures", 0) > 0 for m in bad)
+                                   and all(m.get("verify_failures", 0) > 0 or m.get("verified", False) for m in bad))
+            error = error or err
         if not rows:
             return error, list(owner_grads)
         if bulk:
