@@ -554,10 +554,10 @@ struct ReductionRun {
   Group grp;
   LayerPlacement where;
   std::vector<std::int32_t> owner;
-  std::vector<rt::Status> status;                      // per process
-  std::vector<std::vector<rt::MoveTelemetry>> tel;     // per process
-  std::vector<std::vector<float>> before;              // per GPU
-  std::int64_t n = 0;                                  // floats per gradient
+  std::vector<rt::Status> status;                  // per process
+  std::vector<std::vector<rt::MoveTelemetry>> tel; // per process
+  std::vector<std::vector<float>> before;          // per GPU
+  std::int64_t n = 0;                              // floats per gradient
   // Whether expert `e`'s owner holds the exact sum (`all`) or its own gradient untouched (`own`); -1: no owner slot.
   [[nodiscard]] std::pair<bool, bool> outcome(int e) const {
     const int o_gpu = owner[e];

@@ -105,7 +105,8 @@ bool EngineImpl::post_peer(TicketImpl &t, bool discard) {
         const std::int64_t n = gl.tensor_bytes[ti];
         std::byte *buf = send ? ls.grad_at(r.gpu, r.slot, ti) : r.staging + ls.grad_offset[ti];
         biggest = std::max(biggest, n);
-        add(send, send ? r.gpu : r.owner, send ? r.owner : r.gpu, buf, n, valid && !discard, sum, static_cast<int>(i), 0,
+        add(send, send ? r.gpu : r.owner, send ? r.owner : r.gpu, buf, n, valid && !discard, sum, static_cast<int>(i),
+            0,
             plain ? tag_of({-1, r.expert, r.gpu, r.slot, r.owner, n})
                   : tag_of({-2, r.expert, r.gpu, r.slot, r.owner, n, static_cast<std::int64_t>(ti),
                             static_cast<std::int64_t>(gl.type), static_cast<std::int64_t>(gl.tensor_bytes.size())}));

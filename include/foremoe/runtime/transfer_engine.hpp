@@ -193,7 +193,7 @@ struct EngineOptions {
   /// gradient whose checksum does not match its source's is copied again (a local copy, while attempts remain) or,
   /// from another process, not added (its expert's whole reduction is skipped and the batch fails).
   bool verify = false;
-  int host_threads_per_path = 2;   ///< host backend copy workers per path
+  int host_threads_per_path = 2; ///< host backend copy workers per path
   std::vector<int>
       cuda_device_of_gpu; ///< CUDA: local device ordinal of each GPU (-1: another process); empty = identity
   std::shared_ptr<const FaultSchedule> faults; ///< non-null: wrap the transport in the fault injector (testing.hpp)
