@@ -768,9 +768,11 @@ class ExpertStorage:
                          f"call that comes next on this layer)")
 
     def close(self) -> None:
-        """Ends this storage's transfer engine (CPU storage), e.g. before ``destroy_process_group``: its threads and
-        its exchanges over the group end; a later sync with moves makes a new one (every rank again). Refused while
-        prefetched moves wait for their call (call the layer, or :meth:`drop_prefetch` on every rank, first)."""
+        """Leaves this storage's transfer engine, e.g. before ``destroy_process_group``: an engine of its own ends
+        (its threads and its exchanges over the group), an engine shared with the model's other storages
+        (:mod:`foremoe.torch.mover`) ends when the last of them closes; a later sync with moves makes an engine of
+        its own (every rank again). Refused while prefetched moves wait for their call (call the layer, or
+        :meth:`drop_prefetch` on every rank, first)."""
         if self._pending is not None:
             raise ValueError(f"ExpertStorage.close: layer {self._pending['layer']} has prefetched moves in flight; call "
                              f"the layer or drop_prefetch() on every rank first")
