@@ -581,7 +581,7 @@ struct ReductionRun {
 };
 
 std::unique_ptr<ReductionRun> run_reduction(std::uint64_t rng_seed, const std::shared_ptr<rt::FaultSchedule> &faults,
-                                            bool verify) {
+                                            bool verify, int max_attempts = 0, bool one_process = false) {
   auto run = std::make_unique<ReductionRun>();
   std::mt19937_64 rng(rng_seed);
   Group &grp = run->grp;
@@ -589,7 +589,10 @@ std::unique_ptr<ReductionRun> run_reduction(std::uint64_t rng_seed, const std::s
   o.num_layers = 1;
   o.verify = verify;
   o.faults = faults;
+  if (max_attempts > 0) o.max_attempts = max_attempts;
   grp.proc_of_gpu = random_partition(rng, o.topology, grp.num_procs);
+  if (one_process) // every reduction a local copy
+    std::fill(grp.proc_of_gpu.begin(), grp.proc_of_gpu.end(), 0), grp.num_procs = 1;
   grp.build(rng, o);
   run->where = grp.random_resident(rng, 0);
   run->owner.assign(static_cast<std::size_t>(grp.num_experts), 0);
@@ -656,19 +659,21 @@ TEST_CASE("multi-process replica gradients under a schedule that spares reductio
 // spare_reductions): each replica gradient's checksum travels with it (or, local, is taken at its source) and is
 // checked on the owner before anything is added, local copies that do not verify are copied again, so every expert's
 // owner ends with the exact sum or, all or nothing, its own gradient untouched, and then its process's batch failed.
-// Without verify the same schedules add corrupt bytes for some seeds (the check can fail).
+// Without verify the same schedules add corrupt bytes for some seeds (the check can fail). Each seed runs on a random
+// split into processes and on one process (every copy local, so that the local retries are exercised).
 TEST_CASE("multi-process replica gradients verified under faults: the exact sum or the owner's own, never corrupt") {
   int corrupt_unverified = 0, failed_verified = 0, retried_verified = 0;
   for (std::uint64_t seed = 1; seed <= 24 * static_cast<std::uint64_t>(foremoe_test::seed_multiplier()); ++seed) {
-    for (const bool verify : {true, false}) {
+    for (const auto &[verify, one_process] :
+         {std::pair{true, false}, std::pair{false, false}, std::pair{true, true}, std::pair{false, true}}) {
       auto f = std::make_shared<rt::FaultSchedule>();
       f->fail_probability = 0.2;
       f->corrupt_probability = 0.5;
       f->seed = seed;
-      const auto run = run_reduction(seed * 13 + 1, f, verify);
+      const auto run = run_reduction(seed * 13 + 1, f, verify, 3, one_process);
       for (const auto &ts : run->tel)
-        for (const rt::MoveTelemetry &m : ts)
-          if (verify && m.ok && m.verify_failures > 0) ++retried_verified;
+        for (const rt::MoveTelemetry &m : ts) // a local copy that verified after one that did not
+          if (verify && m.verified && m.verify_failures > 0) ++retried_verified;
       for (int e = 0; e < run->grp.num_experts; ++e) {
         const auto [is_all, is_own] = run->outcome(e);
         if (!verify) {
