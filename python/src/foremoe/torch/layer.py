@@ -14,8 +14,9 @@ never seen by an optimizer or DDP).
    replicas are reused without a move. The moves run on the runtime's transfer engine (:mod:`foremoe.torch.mover`:
    every rank submits the same batch; CPU storage on its host backend, its paired transfers over the trainer's gloo
    group; CUDA storage on its CUDA backend, its paired transfers on an NCCL communicator of the engine's own made
-   from a unique id sent over the trainer's group; the storages of a model share one engine per rank), and verification, retries, the fallback to the host mirror, the
-   seeded fault injector, deadlines and telemetry are the engine's;
+   from a unique id sent over the trainer's group; the storages of a model share one engine per rank), and
+   verification, retries, the fallback to the host mirror, the seeded fault injector, deadlines and telemetry are
+   the engine's;
 3. tokens go to physical slots with the plan's exact split (:mod:`foremoe.torch.distributed`), are exchanged
    with ``all_to_all_single`` and computed slot by slot on the local slots, then sent back and combined with the
    routing weights.
@@ -778,7 +779,7 @@ class ExpertStorage:
                              f"the layer or drop_prefetch() on every rank first")
         mover, self._mover, self._reducer = self._mover, None, None  # the reducer runs on the mover's engine
         if mover is not None:
-            mover.close(self)
+            mover.close()
 
     def drop_prefetch(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         """Waits for prefetched moves (within ``timeout``) and discards them; every replica is re-sent at the next
@@ -809,7 +810,7 @@ class ExpertStorage:
         every rank gets there at the same sync or backward) and remade when ``faults`` or ``verify`` changed since,
         which also drops the gradient reducer registered with the old one."""
         if self._mover is not None and not self._mover.fits(self):
-            self._mover.close(self)
+            self._mover.close()
             self._mover, self._reducer = None, None
         if self._mover is None:
             self._mover = EngineMover(self, group, timeout)

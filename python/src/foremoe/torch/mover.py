@@ -65,7 +65,7 @@ from .engine import TransferEngine, TransferError, cuda_build_gap
 __all__ = ["EngineMover", "GradReducer", "backend_fields", "check_cuda_engine", "engine_rows", "enroll",
            "shared_engines"]
 
-# The next tag space this process may give an engine: each storage's engine takes its own on the group (the largest
+# The next tag space this process may give an engine: each engine takes its own on the group (the largest
 # of every rank's, agreed at creation, after which every rank moves past it), so that the batches of several layers
 # in flight at once never pair across engines.
 _next_space = [0]
@@ -79,14 +79,18 @@ def engine_rows(slots: int, num_owned_by: np.ndarray, double_buffer: bool) -> Tu
     return stage0 + spare, stage0
 
 
+def _row_bytes(st: Any) -> List[int]:
+    """Bytes of one storage row of each weight kind (the engine's ``tensors``)."""
+    return [int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names]
+
+
 def _kind(storage: Any) -> Tuple[Any, ...]:
     """What storages sharing an engine must have in common (the engine's options but the group, ``verify`` and
     ``faults``): ranks, ranks per node, engine rows, bytes per row of each weight kind, experts, mirror, device."""
     st = storage
     first = st._alloc[st.names[0]]
     return (st.world, st.local_world, st.rank, int(st._engine_rows), st.num_experts,
-            tuple(int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names),
-            st.mirror is not None, str(first.device))
+            tuple(_row_bytes(st)), st.mirror is not None, str(first.device))
 
 
 class _Range:
@@ -94,7 +98,7 @@ class _Range:
     ``2 (s - lo) + 1`` for serial ``s``), the group and ``verify`` it was made with, and the serials still using it
     (constructed, neither closed nor collected)."""
 
-    __slots__ = ("engine", "lo", "hi", "group", "verify", "users", "__weakref__")
+    __slots__ = ("engine", "lo", "hi", "group", "verify", "users")
 
     def __init__(self, engine: Any, lo: int, hi: int, group: Any, verify: bool, users: Set[int]) -> None:
         self.engine, self.lo, self.hi, self.group, self.verify, self.users = engine, lo, hi, group, verify, users
@@ -166,12 +170,11 @@ def _new_engine(st: Any, group: Any, timeout: float, num_layers: int, faults: An
     mine = torch.tensor([_next_space[0]], dtype=torch.int64)
     space = int(gather_rows(mine, pg, timeout, "ExpertStorage: the transfer engine's tag space").max())
     _next_space[0] = space + 1
-    tensors = [int(st._alloc[n][0].numel()) * st._alloc[n].element_size() for n in st.names]  # bytes per kind
     topo = foremoe.Topology(st.world // st.local_world, st.local_world, st._engine_rows)
     cuda = backend_fields(st)
     if cuda and st.world == 1:
         pg = None  # nothing to pair: the engine drives the one GPU
-    return TransferEngine(topology=topo, num_layers=num_layers, num_experts=st.num_experts, tensors=tensors,
+    return TransferEngine(topology=topo, num_layers=num_layers, num_experts=st.num_experts, tensors=_row_bytes(st),
                           verify=st.verify, faults=faults, host_mirror=st.mirror is not None,
                           host_threads_per_path=1, group=pg, bridge_timeout=timeout, tag_space=space, **cuda)
 
@@ -213,6 +216,7 @@ class EngineMover:
         self.faults, self.verify = st.faults, st.verify
         rows = st._engine_rows
         first = st._alloc[st.names[0]]
+        self._share = st._share
         shared = _shared(st, group, timeout)
         self._range: Optional[_Range] = None
         if shared is not None:
@@ -245,12 +249,12 @@ class EngineMover:
         """Whether this storage's engine layers lie on an engine shared with other storages."""
         return self._range is not None
 
-    def close(self, storage: Any) -> None:
-        """Leaves the engine: an own engine closes; a shared one when ``storage`` was the last of its range."""
+    def close(self) -> None:
+        """Leaves the engine: an own engine closes; a shared one when this storage was the last of its range."""
         if self._range is None:
             self.engine.close()
         else:
-            _release(*storage._share)
+            _release(*self._share)
 
     def submit(self, moves: np.ndarray, timeout: float) -> Any:
         """Starts the batch ``moves`` ``[n, 4]`` (expert, source rank, destination rank, destination engine slot),
@@ -336,9 +340,10 @@ def _ready_event(t: torch.Tensor) -> Any:
 class GradReducer:
     """One storage's replica-gradient reductions on this rank, on the storage's transfer engine (:class:`EngineMover`'s,
     made if there is none yet: a collective over ``group``), its second engine layer. The engine's fault injector spares
-    reductions (``FaultSchedule.spare_reductions``, set by :class:`EngineMover`): a reduction's bytes carry no
-    checksum, so an injected corruption would be added into an owner's gradient unseen (the Python path never
-    injected faults into gradients either), and the moves keep the decisions of an engine without reductions.
+    reductions (``FaultSchedule.spare_reductions``, set by :class:`EngineMover`), so faults meant for the moves never
+    fail a step (with ``verify`` a corrupted gradient is caught, never added, but one from another rank can only be
+    sent again by running the reductions again) and the moves keep the decisions of an engine without
+    reductions.
 
     Each gradient kind has a ``[engine rows, ...]`` tensor registered with the engine (split layout, the storage's
     dtype). A reduction writes this rank's owner gradients that receive additions into their owner rows (all owner
